@@ -1,0 +1,555 @@
+//! `DataParallel`: one master model, one replica per device, every step
+//! scatter -> replicate -> parallel_apply -> gather, and gradients reduced
+//! back onto the master. `torch.nn.DataParallel`'s semantics.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, TensorId, Var};
+use candle_nn::{Module, ModuleT, VarBuilder, VarMap};
+
+use crate::error::{Error, Result};
+use crate::parallel_apply::{parallel_apply, Cancel, Replica, Worker};
+use crate::replicate::{
+    build_master, build_replica, device_label, is_batch_norm_buffer, sorted_vars, BufferPredicate,
+    ReplicaVars,
+};
+use crate::scatter_gather::{Gather, Scatter, ScatterPlan, Split};
+
+/// How a loss computed on each replica combines into the global loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LossReduction {
+    /// The replica's loss is a mean over its rows: it is weighted by its
+    /// share of the batch (`rows_i / rows`), so the sum over replicas is the
+    /// mean over the whole batch and the gradients equal single-device
+    /// training on the full batch.
+    #[default]
+    Mean,
+    /// The replica's loss is a sum over its rows: replica losses add up.
+    Sum,
+}
+
+/// Gradients of the master variables and the loss they came from.
+#[derive(Debug)]
+pub struct Step {
+    /// The global loss (detached), on the output device.
+    pub loss: Tensor,
+    /// Gradients keyed by the master variables: pass to any candle
+    /// `Optimizer::step`.
+    pub grads: GradStore,
+}
+
+/// PyTorch-style data parallelism over several devices in one process.
+///
+/// The master model's variables live in the caller's [`VarMap`] on
+/// `devices[0]`; one replica per device is built once from the same model
+/// code and kept in step with the master. Each forward splits the batch
+/// along `dim` (torch.chunk sizes), runs the replicas in parallel on their
+/// own persistent threads and concatenates the outputs on the output device.
+///
+/// Gradients reach the master in either of two ways, with equal results:
+/// - **drop-in**: the gathered output is connected to the master variables,
+///   so `loss.backward()` / `optimizer.backward_step(&loss)` just work;
+/// - **parallel**: [`backward`](Self::backward),
+///   [`backward_from_loss`](Self::backward_from_loss) or
+///   [`forward_backward`](Self::forward_backward) run each replica's backward
+///   on its own thread and reduce-add into a [`GradStore`] keyed by the
+///   master variables, for any candle `Optimizer::step`.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_nn::{linear, loss, Linear, Module, Optimizer, VarMap, SGD};
+/// use candle_dp::{cpu_devices, DataParallel};
+///
+/// # fn main() -> anyhow::Result<()> {
+/// let varmap = VarMap::new();
+/// let dp = DataParallel::new(&varmap, DType::F32, &cpu_devices(2), |vb| linear(4, 3, vb))?;
+/// let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
+///
+/// let x = Tensor::randn(0f32, 1., (8, 4), &Device::Cpu)?;
+/// let y = Tensor::new(&[0u32, 1, 2, 0, 1, 2, 0, 1], &Device::Cpu)?;
+/// let logits = dp.forward(&x)?; // rows 0..4 on replica 0, 4..8 on replica 1
+/// let loss = loss::cross_entropy(&logits, &y)?;
+/// sgd.backward_step(&loss)?; // the master vars get the full-batch gradient
+/// # Ok(())
+/// # }
+/// ```
+pub struct DataParallel<M: 'static> {
+    workers: Vec<Worker<M>>,
+    replica_vars: Vec<Arc<ReplicaVars>>,
+    devices: Vec<Device>,
+    output_device: Device,
+    dim: usize,
+    timeout: Option<Duration>,
+    master_vars: Arc<Vec<(String, Var)>>,
+    last_forward: Mutex<Option<SavedForward>>,
+}
+
+/// What [`DataParallel::backward`] needs from the forward it differentiates.
+struct SavedForward {
+    gathered: TensorId,
+    outputs: Vec<Tensor>,
+}
+
+/// Configures a [`DataParallel`]; made by [`DataParallel::builder`].
+pub struct DataParallelBuilder {
+    varmap: VarMap,
+    dtype: DType,
+    devices: Vec<Device>,
+    output_device: Option<Device>,
+    dim: usize,
+    threads_per_replica: Option<usize>,
+    timeout: Option<Duration>,
+    is_buffer: BufferPredicate,
+}
+
+impl DataParallelBuilder {
+    /// The dimension batches are split and outputs concatenated along (default 0).
+    pub fn dim(mut self, dim: usize) -> Self {
+        self.dim = dim;
+        self
+    }
+
+    /// Where outputs are gathered (default `devices[0]`).
+    pub fn output_device(mut self, device: Device) -> Self {
+        self.output_device = Some(device);
+        self
+    }
+
+    /// Threads in each replica's rayon pool. Default: on CPU, the available
+    /// cores divided by the number of replicas (at least 1), so replicas do
+    /// not fight over cores; on GPUs, 1.
+    pub fn threads_per_replica(mut self, threads: usize) -> Self {
+        self.threads_per_replica = Some(threads.max(1));
+        self
+    }
+
+    /// Longest time a step waits for its replicas before failing with
+    /// [`Error::ReplicaTimeout`] (default: no limit).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// Which variables are buffers, updated by the forward pass itself
+    /// (default: [`is_batch_norm_buffer`], candle-nn's BatchNorm statistics).
+    /// Replicas work on private copies of buffers; replica 0's are written
+    /// back to the master after each successful step.
+    pub fn buffers(mut self, is_buffer: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
+        self.is_buffer = Arc::new(is_buffer);
+        self
+    }
+
+    /// Builds the master model (creating its variables in the `VarMap` on
+    /// `devices[0]` unless they exist) and one replica per device.
+    pub fn build<M, F>(self, factory: F) -> Result<DataParallel<M>>
+    where
+        M: 'static,
+        F: Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
+    {
+        let first = self.devices.first().ok_or(Error::NoDevices)?.clone();
+        build_master(&self.varmap, self.dtype, &first, &factory)?;
+        let threads = self.threads_per_replica.unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            if self.devices.iter().all(Device::is_cpu) {
+                (cores / self.devices.len()).max(1)
+            } else {
+                1
+            }
+        });
+        let factory = Arc::new(factory);
+        let mut workers = Vec::with_capacity(self.devices.len());
+        let mut replica_vars = Vec::with_capacity(self.devices.len());
+        for (index, device) in self.devices.iter().enumerate() {
+            let (varmap, dtype, dev) = (self.varmap.clone(), self.dtype, device.clone());
+            let (factory, is_buffer) = (factory.clone(), self.is_buffer.clone());
+            let (worker, vars) = Worker::start(index, device, threads, move || {
+                let (model, vars) =
+                    build_replica(index, &varmap, dtype, &dev, is_buffer, &*factory)?;
+                Ok(Replica {
+                    model,
+                    vars: Arc::new(vars),
+                })
+            })?;
+            workers.push(worker);
+            replica_vars.push(vars);
+        }
+        Ok(DataParallel {
+            workers,
+            replica_vars,
+            output_device: self.output_device.unwrap_or(first),
+            devices: self.devices,
+            dim: self.dim,
+            timeout: self.timeout,
+            master_vars: Arc::new(sorted_vars(&self.varmap)),
+            last_forward: Mutex::new(None),
+        })
+    }
+}
+
+impl<M: 'static> DataParallel<M> {
+    /// A [`DataParallel`] with default settings: split along dim 0, gather on
+    /// `devices[0]`. `factory` is the user's model code; it is called once
+    /// for the master and once per replica.
+    pub fn new<F>(varmap: &VarMap, dtype: DType, devices: &[Device], factory: F) -> Result<Self>
+    where
+        F: Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
+    {
+        Self::builder(varmap, dtype, devices).build(factory)
+    }
+
+    /// Starts configuring a [`DataParallel`] (dim, output device, threads,
+    /// timeout, buffers).
+    pub fn builder(varmap: &VarMap, dtype: DType, devices: &[Device]) -> DataParallelBuilder {
+        DataParallelBuilder {
+            varmap: varmap.clone(),
+            dtype,
+            devices: devices.to_vec(),
+            output_device: None,
+            dim: 0,
+            threads_per_replica: None,
+            timeout: None,
+            is_buffer: Arc::new(is_batch_norm_buffer),
+        }
+    }
+
+    /// The devices, one replica each; `devices()[0]` holds the master.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+
+    /// Where outputs are gathered.
+    pub fn output_device(&self) -> &Device {
+        &self.output_device
+    }
+
+    /// The scatter / gather dimension.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// The master variables, sorted by name.
+    pub fn vars(&self) -> &[(String, Var)] {
+        &self.master_vars
+    }
+
+    /// Runs a [`Module`] on the batch: scatter, replicas in parallel, gather.
+    /// The result is connected to the master variables (drop-in backward) and
+    /// remembered for [`backward`](Self::backward).
+    pub fn forward(&self, input: &Tensor) -> Result<Tensor>
+    where
+        M: Module,
+    {
+        self.forward_saved(input.clone(), |model: &M, x: Tensor| model.forward(&x))
+    }
+
+    /// Like [`forward`](Self::forward) for a [`ModuleT`] (train / eval flag,
+    /// e.g. BatchNorm, Dropout).
+    pub fn forward_t(&self, input: &Tensor, train: bool) -> Result<Tensor>
+    where
+        M: ModuleT,
+    {
+        self.forward_saved(input.clone(), move |model: &M, x: Tensor| {
+            model.forward_t(&x, train)
+        })
+    }
+
+    fn forward_saved<F>(&self, input: Tensor, f: F) -> Result<Tensor>
+    where
+        F: Fn(&M, Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
+    {
+        // Drop the previous step's graph before building the next one.
+        *self.last_forward.lock().expect("lock poisoned") = None;
+        let outputs = self.scatter_apply(input, &Split::Even, move |model, x, _| f(model, x))?;
+        let gathered = self.gather(outputs.clone())?;
+        *self.last_forward.lock().expect("lock poisoned") = Some(SavedForward {
+            gathered: gathered.id(),
+            outputs,
+        });
+        Ok(gathered)
+    }
+
+    /// Runs any function of the model on a nested input: every tensor in
+    /// `input` is split along the dim (see [`Scatter`]), `f` runs on each
+    /// replica with its part, and the outputs are gathered (see [`Gather`]).
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_nn::{linear, Module, VarMap};
+    /// use candle_dp::{cpu_devices, DataParallel, Split};
+    ///
+    /// # fn main() -> anyhow::Result<()> {
+    /// let varmap = VarMap::new();
+    /// let dp = DataParallel::new(&varmap, DType::F32, &cpu_devices(3), |vb| linear(2, 2, vb))?;
+    /// let x = Tensor::zeros((7, 2), DType::F32, &Device::Cpu)?;
+    /// let scale = 0.5f64; // not a tensor: every replica gets it
+    /// let (y, rows) = dp.apply_split((x, scale), &Split::Sizes(vec![4, 3]), |m, (x, s)| {
+    ///     let rows = Tensor::new(&[x.dim(0)? as u32], x.device())?;
+    ///     Ok((m.forward(&x)?.affine(s, 0.)?, rows))
+    /// })?;
+    /// assert_eq!(y.dims(), &[7, 2]);
+    /// assert_eq!(rows.to_vec1::<u32>()?, vec![4, 3]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn apply<I, O, F>(&self, input: I, f: F) -> Result<O>
+    where
+        I: Scatter + Send + 'static,
+        O: Gather + Send + 'static,
+        F: Fn(&M, I) -> candle_core::Result<O> + Send + Sync + 'static,
+    {
+        self.apply_split(input, &Split::Even, f)
+    }
+
+    /// [`apply`](Self::apply) with an explicit [`Split`].
+    pub fn apply_split<I, O, F>(&self, input: I, split: &Split, f: F) -> Result<O>
+    where
+        I: Scatter + Send + 'static,
+        O: Gather + Send + 'static,
+        F: Fn(&M, I) -> candle_core::Result<O> + Send + Sync + 'static,
+    {
+        let outputs = self.scatter_apply(input, split, move |model, x, _| f(model, x))?;
+        O::gather(outputs, self.dim, &self.output_device)
+    }
+
+    /// The pipeline shared by every forward: scatter, refresh the replicas
+    /// from the master, run them in parallel, then keep replica 0's buffers.
+    fn scatter_apply<I, R, F>(&self, input: I, split: &Split, f: F) -> Result<Vec<R>>
+    where
+        I: Scatter + Send + 'static,
+        R: Send + 'static,
+        F: Fn(&M, I, &Cancel) -> candle_core::Result<R> + Send + Sync + 'static,
+    {
+        let inputs = match ScatterPlan::for_input(&input, self.dim, split, &self.devices)? {
+            Some(plan) => input.scatter(&plan)?,
+            // Nothing to split: the model runs once, on the first device.
+            None => vec![input],
+        };
+        let outputs = parallel_apply(
+            &self.workers,
+            inputs,
+            self.timeout,
+            move |replica, x, cancel| {
+                replica.vars.refresh()?;
+                f(&replica.model, x, cancel)
+            },
+        )?;
+        self.replica_vars[0].commit_buffers()?;
+        Ok(outputs)
+    }
+
+    fn gather(&self, outputs: Vec<Tensor>) -> Result<Tensor> {
+        <Tensor as Gather>::gather(outputs, self.dim, &self.output_device)
+    }
+
+    /// Parallel backward from the gradient of the gathered output: each
+    /// replica back-propagates its slice of `grad_output` on its own thread,
+    /// and the gradients are summed into a store keyed by the master vars.
+    ///
+    /// `output` must be the result of this `DataParallel`'s most recent
+    /// [`forward`](Self::forward) / [`forward_t`](Self::forward_t).
+    pub fn backward(&self, output: &Tensor, grad_output: &Tensor) -> Result<GradStore> {
+        let saved = self.take_saved(output)?;
+        if grad_output.dims() != output.dims() {
+            return Err(Error::NoMatchingForward(format!(
+                "grad_output has shape {:?} but the output has shape {:?}",
+                grad_output.dims(),
+                output.dims()
+            )));
+        }
+        let plan = self.output_plan(&saved.outputs)?;
+        let grads = Scatter::scatter(grad_output, &plan)?;
+        let parts: Vec<(Tensor, Tensor)> = saved.outputs.into_iter().zip(grads).collect();
+        let master = self.master_vars.clone();
+        let per_replica = parallel_apply(
+            &self.workers,
+            parts,
+            self.timeout,
+            move |_, (out, grad), _| {
+                // d/d(out) of sum(out * grad) is exactly `grad`.
+                let seeded = (&out * grad.reshape(out.shape())?.detach())?.sum_all()?;
+                master_grads(&seeded.backward()?, &master)
+            },
+        )?;
+        self.reduce_add(per_replica)
+    }
+
+    /// Computes `loss_fn` on the gathered output (on the output device) and
+    /// runs the backward in parallel on the replicas: any loss, including
+    /// ones that do not split over rows, with a parallel backward.
+    /// Returns the loss and the master gradients.
+    pub fn backward_from_loss<F>(&self, output: &Tensor, loss_fn: F) -> Result<Step>
+    where
+        F: FnOnce(&Tensor) -> candle_core::Result<Tensor>,
+    {
+        // A detached copy as a variable: the loss's backward stops there and
+        // yields exactly the gradient of the gathered output.
+        let leaf = Var::from_tensor(&output.detach())?;
+        let loss = loss_fn(leaf.as_tensor())?;
+        let grad_output = match loss.backward()?.remove(leaf.as_tensor()) {
+            Some(grad) => grad,
+            None => output.zeros_like()?,
+        };
+        let grads = self.backward(output, &grad_output)?;
+        Ok(Step {
+            loss: loss.detach(),
+            grads,
+        })
+    }
+
+    /// The fast path: each replica computes its output and its own loss on
+    /// its part of `input` (e.g. `(x, y)`: targets are scattered with the
+    /// inputs) and back-propagates on its own thread; nothing is gathered
+    /// but the loss. With [`LossReduction::Mean`] each replica's loss is
+    /// weighted by its share of the rows, so the result equals single-device
+    /// training on the whole batch.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_nn::{linear, loss, Module, Optimizer, VarMap, SGD};
+    /// use candle_dp::{cpu_devices, DataParallel, LossReduction};
+    ///
+    /// # fn main() -> anyhow::Result<()> {
+    /// let varmap = VarMap::new();
+    /// let dp = DataParallel::new(&varmap, DType::F32, &cpu_devices(2), |vb| linear(4, 3, vb))?;
+    /// let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
+    /// let x = Tensor::randn(0f32, 1., (6, 4), &Device::Cpu)?;
+    /// let y = Tensor::new(&[0u32, 1, 2, 0, 1, 2], &Device::Cpu)?;
+    /// let step = dp.forward_backward((x, y), LossReduction::Mean, |m, (x, y)| {
+    ///     loss::cross_entropy(&m.forward(&x)?, &y)
+    /// })?;
+    /// sgd.step(&step.grads)?;
+    /// println!("loss {}", step.loss.to_scalar::<f32>()?);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn forward_backward<I, F>(
+        &self,
+        input: I,
+        reduction: LossReduction,
+        loss_fn: F,
+    ) -> Result<Step>
+    where
+        I: Scatter + Send + 'static,
+        F: Fn(&M, I) -> candle_core::Result<Tensor> + Send + Sync + 'static,
+    {
+        let (dim, rows) = (self.dim, batch_rows(&input, self.dim));
+        let master = self.master_vars.clone();
+        let results = self.scatter_apply(input, &Split::Even, move |model, part, cancel| {
+            let share = match (reduction, rows) {
+                (LossReduction::Mean, Some(rows)) if rows > 0 => {
+                    batch_rows(&part, dim).unwrap_or(rows) as f64 / rows as f64
+                }
+                _ => 1.0,
+            };
+            let loss = loss_fn(model, part)?;
+            if loss.elem_count() != 1 {
+                candle_core::bail!("the loss must be a scalar, got shape {:?}", loss.dims());
+            }
+            let weighted = loss.reshape(())?.affine(share, 0.)?;
+            if cancel.is_cancelled() {
+                candle_core::bail!("step abandoned: another replica failed");
+            }
+            Ok((
+                weighted.detach(),
+                master_grads(&weighted.backward()?, &master)?,
+            ))
+        })?;
+        let (losses, grads): (Vec<Tensor>, Vec<_>) = results.into_iter().unzip();
+        let mut loss = losses[0].to_device(&self.output_device)?;
+        for l in &losses[1..] {
+            loss = (loss + l.to_device(&self.output_device)?)?;
+        }
+        Ok(Step {
+            loss,
+            grads: self.reduce_add(grads)?,
+        })
+    }
+
+    fn take_saved(&self, output: &Tensor) -> Result<SavedForward> {
+        let mut last = self.last_forward.lock().expect("lock poisoned");
+        match last.take() {
+            Some(saved) if saved.gathered == output.id() => Ok(saved),
+            Some(saved) => {
+                *last = Some(saved);
+                Err(Error::NoMatchingForward(
+                    "this tensor is not the latest output (was it transformed, or from an older step?)".into(),
+                ))
+            }
+            None => Err(Error::NoMatchingForward(
+                "there is none (no forward yet, or its backward already ran)".into(),
+            )),
+        }
+    }
+
+    /// Rows of the gathered output that came from each replica.
+    fn output_plan(&self, outputs: &[Tensor]) -> Result<ScatterPlan> {
+        let sizes = outputs
+            .iter()
+            .map(|out| {
+                if out.rank() == 0 {
+                    Ok(1)
+                } else {
+                    out.dim(self.dim)
+                }
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(ScatterPlan {
+            dim: self.dim,
+            devices: self.devices[..sizes.len()].to_vec(),
+            sizes,
+        })
+    }
+
+    /// Sums the replicas' gradients per master variable, in replica order
+    /// (a fixed order: results are deterministic), into one store.
+    fn reduce_add(&self, per_replica: Vec<Vec<Option<Tensor>>>) -> Result<GradStore> {
+        let mut store = GradStore::default();
+        for (index, (name, var)) in self.master_vars.iter().enumerate() {
+            let mut sum: Option<Tensor> = None;
+            for (replica, grads) in per_replica.iter().enumerate() {
+                let Some(grad) = &grads[index] else { continue };
+                let grad = grad
+                    .to_device(var.device())
+                    .map_err(|source| Error::Replica {
+                        replica,
+                        device: device_label(&self.devices[replica]),
+                        source: source
+                            .context(format!("moving the gradient of `{name}` to the master")),
+                    })?;
+                sum = Some(match sum {
+                    None => grad,
+                    Some(acc) => (acc + grad)?,
+                });
+            }
+            if let Some(sum) = sum {
+                store.insert(var.as_tensor(), sum);
+            }
+        }
+        Ok(store)
+    }
+}
+
+/// The gradients of the master variables in one replica's store, in the
+/// master's (sorted) order.
+fn master_grads(
+    store: &GradStore,
+    master: &[(String, Var)],
+) -> candle_core::Result<Vec<Option<Tensor>>> {
+    Ok(master
+        .iter()
+        .map(|(_, var)| store.get(var.as_tensor()).cloned())
+        .collect())
+}
+
+/// Rows along `dim` of the first tensor leaf, if any.
+fn batch_rows<I: Scatter>(input: &I, dim: usize) -> Option<usize> {
+    let mut rows = None;
+    input.for_each_tensor(&mut |t| {
+        if rows.is_none() {
+            rows = t.dim(dim).ok();
+        }
+    });
+    rows
+}

@@ -1,0 +1,163 @@
+//! The crate's error type.
+//!
+//! Every variant names what went wrong and where: which replica, which
+//! device, which parameter, which dimension. The data-parallel engine never
+//! panics on bad input; it returns one of these.
+
+use std::time::Duration;
+
+/// Errors returned by `candle-dp`.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// `DataParallel::new` was given an empty device list.
+    #[error("no devices given: DataParallel needs at least one device (use candle_dp::cpu_devices(n) for CPU replicas)")]
+    NoDevices,
+
+    /// A master variable does not live on `devices[0]` (PyTorch: "module must
+    /// have its parameters and buffers on device X").
+    #[error("module must have its parameters and buffers on device {expected} (devices[0]), but `{name}` is on {found}")]
+    MasterVarOnWrongDevice {
+        /// The variable's name in the `VarMap`.
+        name: String,
+        /// Where it is.
+        found: String,
+        /// Where it must be.
+        expected: String,
+    },
+
+    /// The user's model factory failed while building one replica.
+    #[error("building replica {replica} on device {device} failed: {source}")]
+    ReplicaBuild {
+        /// Replica index (0 is the master's device).
+        replica: usize,
+        /// Device label, e.g. `cpu` or `cuda:1`.
+        device: String,
+        /// What the factory returned.
+        source: candle_core::Error,
+    },
+
+    /// A replica asked for a variable the master model does not have, or
+    /// with another shape: the factory is not deterministic.
+    #[error("replica {replica} on device {device} asked for `{name}` with shape {shape:?}, which the master model {reason}: the model factory must build the same variables every time")]
+    ReplicaVarMismatch {
+        /// Replica index.
+        replica: usize,
+        /// Device label.
+        device: String,
+        /// Variable name.
+        name: String,
+        /// Shape the replica asked for.
+        shape: Vec<usize>,
+        /// What differs.
+        reason: String,
+    },
+
+    /// The scatter dimension does not exist in one input tensor.
+    #[error("scatter dim {dim} is out of range for input tensor #{leaf} of shape {shape:?} (rank {rank})")]
+    ScatterDimOutOfRange {
+        /// Requested dimension.
+        dim: usize,
+        /// Index of the tensor among the input's tensor leaves (depth-first order).
+        leaf: usize,
+        /// That tensor's rank.
+        rank: usize,
+        /// That tensor's shape.
+        shape: Vec<usize>,
+    },
+
+    /// Tensors in one input have different sizes along the scatter dim.
+    #[error("input tensors disagree on the scatter dim {dim}: tensor #0 has size {expected}, tensor #{leaf} has size {found} (shape {shape:?})")]
+    ScatterSizeMismatch {
+        /// The scatter dimension.
+        dim: usize,
+        /// Size of the first tensor leaf along `dim`.
+        expected: usize,
+        /// Index of the offending leaf (depth-first order).
+        leaf: usize,
+        /// Its size along `dim`.
+        found: usize,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
+
+    /// Explicit chunk sizes that do not fit the batch or the devices.
+    #[error("invalid chunk sizes {sizes:?} for {len} rows on {devices} device(s): {reason}")]
+    InvalidChunkSizes {
+        /// The sizes given.
+        sizes: Vec<usize>,
+        /// Batch size along the scatter dim.
+        len: usize,
+        /// Number of devices.
+        devices: usize,
+        /// What is wrong with them.
+        reason: &'static str,
+    },
+
+    /// A replica's work returned an error.
+    #[error("in replica {replica} on device {device}: {source}")]
+    Replica {
+        /// Replica index.
+        replica: usize,
+        /// Device label.
+        device: String,
+        /// The original error.
+        source: candle_core::Error,
+    },
+
+    /// A replica's work panicked. The panic was caught; the worker lives on.
+    #[error("replica {replica} on device {device} panicked: {message}")]
+    ReplicaPanic {
+        /// Replica index.
+        replica: usize,
+        /// Device label.
+        device: String,
+        /// The panic payload, when it was a string.
+        message: String,
+    },
+
+    /// A replica did not answer within the configured timeout.
+    #[error("replica {replica} on device {device} did not finish within {timeout:?}")]
+    ReplicaTimeout {
+        /// Replica index.
+        replica: usize,
+        /// Device label.
+        device: String,
+        /// The timeout that expired.
+        timeout: Duration,
+    },
+
+    /// A replica's worker thread is gone (it can only end when the
+    /// `DataParallel` is dropped, so this is a bug or an abort).
+    #[error("the worker thread of replica {replica} on device {device} is gone")]
+    WorkerGone {
+        /// Replica index.
+        replica: usize,
+        /// Device label.
+        device: String,
+    },
+
+    /// Replica outputs that cannot be gathered.
+    #[error("cannot gather the output of replica {replica}: {reason}")]
+    Gather {
+        /// The replica whose output does not fit replica 0's.
+        replica: usize,
+        /// What differs.
+        reason: String,
+    },
+
+    /// `backward` was called with a tensor that is not the latest gathered
+    /// output of this `DataParallel`.
+    #[error("backward needs the gathered output of this DataParallel's most recent forward; {0}")]
+    NoMatchingForward(String),
+
+    /// A checkpoint that does not match the model.
+    #[error("checkpoint does not match the model: {0}")]
+    Checkpoint(String),
+
+    /// An error from candle outside any replica (gather, reduce, checkpoint I/O).
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,74 @@
+//! # candle-dp
+//!
+//! PyTorch-style data parallelism for [candle](https://github.com/huggingface/candle).
+//!
+//! [`DataParallel`] keeps the master model on `devices[0]`, splits every
+//! mini-batch along a dimension across one replica per device, runs the
+//! replicas on their own persistent threads, gathers the outputs and
+//! reduces the gradients back onto the master: `torch.nn.DataParallel`'s
+//! semantics, for any candle model built from a `VarBuilder`.
+//!
+//! Several `Device::Cpu` entries are several replicas, so everything runs
+//! (and is tested) without a GPU.
+//!
+//! ```
+//! use candle_core::{DType, Device, Module, Tensor};
+//! use candle_nn::{linear, loss, Linear, Optimizer, VarBuilder, VarMap, SGD};
+//! use candle_dp::{cpu_devices, DataParallel};
+//!
+//! // The user's own model code, unchanged.
+//! struct Mlp { l1: Linear, l2: Linear }
+//! impl Mlp {
+//!     fn new(vb: VarBuilder) -> candle_core::Result<Self> {
+//!         Ok(Self { l1: linear(8, 16, vb.pp("l1"))?, l2: linear(16, 4, vb.pp("l2"))? })
+//!     }
+//! }
+//! impl Module for Mlp {
+//!     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+//!         self.l2.forward(&self.l1.forward(x)?.relu()?)
+//!     }
+//! }
+//!
+//! # fn main() -> anyhow::Result<()> {
+//! let varmap = VarMap::new();
+//! let dp = DataParallel::new(&varmap, DType::F32, &cpu_devices(2), Mlp::new)?;
+//! let mut opt = SGD::new(varmap.all_vars(), 0.05)?; // any candle optimizer
+//!
+//! let x = Tensor::randn(0f32, 1., (32, 8), &Device::Cpu)?;
+//! let y = Tensor::from_vec((0..32u32).map(|i| i % 4).collect(), 32, &Device::Cpu)?;
+//! for _ in 0..5 {
+//!     let logits = dp.forward(&x)?;                 // scatter -> replicas -> gather
+//!     let loss = loss::cross_entropy(&logits, &y)?;
+//!     opt.backward_step(&loss)?;                    // full-batch gradient on the master
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! See [`DataParallel`] for the parallel backward paths
+//! ([`DataParallel::forward_backward`], [`DataParallel::backward_from_loss`])
+//! and [`checkpoint`] for saving and loading with or without the `module.`
+//! prefix.
+
+pub mod checkpoint;
+mod data_parallel;
+mod error;
+mod parallel_apply;
+mod replicate;
+mod scatter_gather;
+
+pub use data_parallel::{DataParallel, DataParallelBuilder, LossReduction, Step};
+pub use error::{Error, Result};
+pub use replicate::{device_label, is_batch_norm_buffer, BufferPredicate};
+pub use scatter_gather::{chunk_sizes, Gather, Replicated, Scatter, ScatterPlan, Split};
+
+use candle_core::Device;
+
+/// `n` CPU devices: `n` replicas on the CPU, with the cores split between them.
+///
+/// ```
+/// assert_eq!(candle_dp::cpu_devices(3).len(), 3);
+/// ```
+pub fn cpu_devices(n: usize) -> Vec<Device> {
+    vec![Device::Cpu; n]
+}

@@ -1,0 +1,264 @@
+//! Replicas of the master model, built once per device from the user's own
+//! model code, kept in step with the master every step.
+//!
+//! PyTorch re-creates its replicas every forward (`replicate.py`). Here each
+//! replica is built once, by calling the user's factory with a [`VarBuilder`]
+//! whose backend hands out tensors tied to the master's variables:
+//!
+//! - a **parameter** is `master.to_device(replica_device)`. On the master's
+//!   own device (every CPU replica) that is the master tensor itself: no copy
+//!   at all, and replicas always see the latest values. On another device it
+//!   is a copy whose autograd op leads back to the master variable, so
+//!   gradients flow home (the backward of a broadcast is a sum); its values
+//!   are refreshed from the master at the start of every step.
+//! - a **buffer** (a variable the forward pass itself updates, such as
+//!   BatchNorm's `running_mean` / `running_var`) is a private copy per
+//!   replica, refreshed from the master every step. After a successful step
+//!   replica 0's copy is written back to the master, the others' updates are
+//!   discarded: PyTorch's semantics, and a failed step leaves the master
+//!   untouched.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_nn::{Init, VarBuilder, VarMap};
+
+use crate::error::{Error, Result};
+
+/// Decides which variables are buffers (updated by the forward pass, never
+/// by the optimizer) from their `VarMap` name.
+pub type BufferPredicate = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
+/// The default [`BufferPredicate`]: candle-nn's BatchNorm statistics,
+/// `*running_mean` and `*running_var`.
+pub fn is_batch_norm_buffer(name: &str) -> bool {
+    name.ends_with("running_mean") || name.ends_with("running_var")
+}
+
+/// Label used in error messages: `cpu`, `cuda:1`, `metal:0`.
+pub fn device_label(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".to_string(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
+/// The master's variables, sorted by name so that every ordering derived
+/// from them (gradient reduction, checkpoints) is deterministic.
+pub(crate) fn sorted_vars(varmap: &VarMap) -> Vec<(String, Var)> {
+    let data = varmap.data().lock().expect("VarMap lock poisoned");
+    let mut vars: Vec<(String, Var)> = data.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    vars
+}
+
+/// Builds the master model on `device`, creating (or reusing) the variables
+/// in `varmap`, and checks that every variable lives on that device.
+pub(crate) fn build_master<M>(
+    varmap: &VarMap,
+    dtype: DType,
+    device: &Device,
+    factory: &dyn Fn(VarBuilder) -> candle_core::Result<M>,
+) -> Result<()> {
+    let vb = VarBuilder::from_varmap(varmap, dtype, device);
+    factory(vb).map_err(|source| Error::ReplicaBuild {
+        replica: 0,
+        device: device_label(device),
+        source,
+    })?;
+    for (name, var) in sorted_vars(varmap) {
+        if !var.device().same_device(device) {
+            return Err(Error::MasterVarOnWrongDevice {
+                name,
+                found: device_label(var.device()),
+                expected: device_label(device),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The tensors of one replica that must follow the master.
+#[derive(Default)]
+pub(crate) struct ReplicaVars {
+    /// Parameters copied to another device: (master, replica copy).
+    copied_params: Vec<(Var, Tensor)>,
+    /// Buffers: (master, private copy).
+    buffers: Vec<(Var, Var)>,
+}
+
+impl ReplicaVars {
+    /// Copies the master's current values into this replica. Parameters on
+    /// the master's device are shared and need nothing.
+    pub(crate) fn refresh(&self) -> candle_core::Result<()> {
+        for (master, copy) in &self.copied_params {
+            let value = master
+                .as_detached_tensor()
+                .to_dtype(copy.dtype())?
+                .to_device(copy.device())?;
+            // `slice_set` writes in place and keeps the copy's autograd op
+            // (ToDevice of the master), so gradients keep flowing home.
+            copy.slice_set(&value, 0, 0)?;
+        }
+        for (master, copy) in &self.buffers {
+            copy.set(&master.as_detached_tensor().to_device(copy.device())?)?;
+        }
+        Ok(())
+    }
+
+    /// Writes this replica's buffers back into the master (replica 0 only).
+    pub(crate) fn commit_buffers(&self) -> candle_core::Result<()> {
+        for (master, copy) in &self.buffers {
+            master.set(&copy.as_detached_tensor().to_device(master.device())?)?;
+        }
+        Ok(())
+    }
+}
+
+/// A `VarBuilder` backend that hands a replica the master's variables.
+struct ReplicaBackend {
+    replica: usize,
+    varmap: VarMap,
+    is_buffer: BufferPredicate,
+    vars: Mutex<ReplicaVars>,
+}
+
+impl ReplicaBackend {
+    fn master_var(
+        &self,
+        name: &str,
+        shape: Option<&Shape>,
+        dev: &Device,
+    ) -> candle_core::Result<Var> {
+        let data = self.varmap.data().lock().expect("VarMap lock poisoned");
+        let mismatch = |reason: String| {
+            candle_core::Error::Msg(
+                Error::ReplicaVarMismatch {
+                    replica: self.replica,
+                    device: device_label(dev),
+                    name: name.to_string(),
+                    shape: shape.map(|s| s.dims().to_vec()).unwrap_or_default(),
+                    reason,
+                }
+                .to_string(),
+            )
+        };
+        let var = data
+            .get(name)
+            .ok_or_else(|| mismatch("does not have".into()))?;
+        if let Some(shape) = shape {
+            if var.shape() != shape {
+                return Err(mismatch(format!("has with shape {:?}", var.dims())));
+            }
+        }
+        Ok(var.clone())
+    }
+
+    fn tensor_for(
+        &self,
+        master: Var,
+        name: &str,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let mut vars = self.vars.lock().expect("replica vars lock poisoned");
+        if (self.is_buffer)(name) {
+            // A detached source makes `Var::from_tensor` copy the storage.
+            let value = master
+                .as_detached_tensor()
+                .to_dtype(dtype)?
+                .to_device(dev)?;
+            let copy = Var::from_tensor(&value)?;
+            let tensor = copy.as_tensor().clone();
+            vars.buffers.push((master, copy));
+            return Ok(tensor);
+        }
+        let tensor = master.as_tensor().to_dtype(dtype)?.to_device(dev)?;
+        if tensor.id() != master.as_tensor().id() {
+            vars.copied_params.push((master, tensor.clone()));
+        }
+        Ok(tensor)
+    }
+}
+
+impl candle_nn::var_builder::SimpleBackend for ReplicaBackend {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _h: Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let master = self.master_var(name, Some(&s), dev)?;
+        self.tensor_for(master, name, dtype, dev)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        let master = self.master_var(name, None, dev)?;
+        self.tensor_for(master, name, dtype, dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.varmap
+            .data()
+            .lock()
+            .expect("VarMap lock poisoned")
+            .contains_key(name)
+    }
+}
+
+/// Builds replica `replica` of the model on `device` from the master vars.
+pub(crate) fn build_replica<M>(
+    replica: usize,
+    varmap: &VarMap,
+    dtype: DType,
+    device: &Device,
+    is_buffer: BufferPredicate,
+    factory: &dyn Fn(VarBuilder) -> candle_core::Result<M>,
+) -> Result<(M, ReplicaVars)> {
+    let backend = Arc::new(ReplicaBackend {
+        replica,
+        varmap: varmap.clone(),
+        is_buffer,
+        vars: Mutex::new(ReplicaVars::default()),
+    });
+    let vb = VarBuilder::from_backend(
+        Box::new(SharedBackend(backend.clone())),
+        dtype,
+        device.clone(),
+    );
+    let model = factory(vb).map_err(|source| Error::ReplicaBuild {
+        replica,
+        device: device_label(device),
+        source,
+    })?;
+    let vars = std::mem::take(&mut *backend.vars.lock().expect("replica vars lock poisoned"));
+    Ok((model, vars))
+}
+
+/// Lets the builder keep a handle on the backend after handing it to the
+/// `VarBuilder` (which takes ownership of a boxed backend).
+struct SharedBackend(Arc<ReplicaBackend>);
+
+impl candle_nn::var_builder::SimpleBackend for SharedBackend {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        self.0.get(s, name, h, dtype, dev)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.0.get_unchecked(name, dtype, dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.contains_tensor(name)
+    }
+}

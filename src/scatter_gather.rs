@@ -1,0 +1,557 @@
+//! Scatter a mini-batch across replicas and gather their outputs back.
+//!
+//! Mirrors `torch/nn/parallel/scatter_gather.py` and `comm.py`:
+//! - [`chunk_sizes`] is `torch.chunk`'s size rule;
+//! - [`Scatter`] splits every tensor leaf of a nested input along one dim and
+//!   replicates everything else;
+//! - [`Gather`] concatenates replica outputs along the dim onto one device.
+//!
+//! Both directions stay on candle's autograd graph (`narrow`, `to_device` and
+//! `cat` are differentiable), so the backward of gather is the scatter of the
+//! output gradient, exactly as in PyTorch.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::BuildHasher;
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+
+use crate::error::{Error, Result};
+
+/// How a batch is split across replicas.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Split {
+    /// `torch.chunk` semantics: chunks of `ceil(N / devices)` rows, the last
+    /// one shorter, and fewer chunks than devices when `N` is small.
+    #[default]
+    Even,
+    /// Explicit chunk sizes (`torch.split_with_sizes`): one entry per replica,
+    /// at most one per device, summing to the batch size, none zero.
+    Sizes(Vec<usize>),
+}
+
+/// `torch.chunk`'s chunk sizes for `len` rows split into at most `chunks` parts.
+///
+/// Every chunk has `ceil(len / chunks)` rows except the last, and there are
+/// fewer chunks than asked for when `len` is small (9 rows on 4 devices give
+/// `[3, 3, 3]`: only three replicas run). `len == 0` gives `chunks` empty
+/// chunks, as `torch.chunk` does; [`DataParallel`](crate::DataParallel) then
+/// runs the model once, on the first device only.
+///
+/// Note that candle's own `Tensor::chunk` splits differently (10 rows in 4
+/// chunks: candle `[3, 3, 2, 2]`, torch `[3, 3, 3, 1]`); this function is the
+/// PyTorch rule.
+///
+/// ```
+/// use candle_dp::chunk_sizes;
+/// assert_eq!(chunk_sizes(10, 4), vec![3, 3, 3, 1]);
+/// assert_eq!(chunk_sizes(9, 4), vec![3, 3, 3]);
+/// assert_eq!(chunk_sizes(2, 8), vec![1, 1]);
+/// assert_eq!(chunk_sizes(0, 3), vec![0, 0, 0]);
+/// ```
+pub fn chunk_sizes(len: usize, chunks: usize) -> Vec<usize> {
+    if chunks == 0 {
+        return Vec::new();
+    }
+    if len == 0 {
+        return vec![0; chunks];
+    }
+    let size = len.div_ceil(chunks);
+    let count = len.div_ceil(size);
+    let mut sizes = vec![size; count];
+    sizes[count - 1] = len - size * (count - 1);
+    sizes
+}
+
+/// A value that can be split across replicas.
+///
+/// Tensors are split along the scatter dim; containers (tuples, `Vec`,
+/// string-keyed maps, `Option`) recurse; everything else (numbers, strings,
+/// [`Replicated`], `Arc<T>`) is handed unchanged to every replica.
+pub trait Scatter: Sized {
+    /// Calls `f` on every tensor leaf, depth-first, in a fixed order.
+    fn for_each_tensor<'a>(&'a self, f: &mut dyn FnMut(&'a Tensor));
+
+    /// Splits the value into `sizes.len()` parts: part `i` takes rows
+    /// `offsets[i] .. offsets[i] + sizes[i]` along `dim` of every tensor leaf
+    /// and is moved to `devices[i]`.
+    fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>>;
+}
+
+/// Where each chunk of a scattered batch goes.
+#[derive(Debug, Clone)]
+pub struct ScatterPlan {
+    /// The scatter dimension.
+    pub dim: usize,
+    /// Rows per replica along `dim`; its length is the number of replicas used.
+    pub sizes: Vec<usize>,
+    /// Target device of each chunk.
+    pub devices: Vec<Device>,
+}
+
+impl ScatterPlan {
+    /// Works out the plan for `input`: validates every tensor leaf against
+    /// `dim` and returns `None` when the input holds no tensor at all (the
+    /// model then runs once, on the first device, as in PyTorch).
+    pub fn for_input<I: Scatter>(
+        input: &I,
+        dim: usize,
+        split: &Split,
+        devices: &[Device],
+    ) -> Result<Option<Self>> {
+        let mut leaves = Vec::new();
+        input.for_each_tensor(&mut |t| leaves.push(t));
+        let Some(first) = leaves.first() else {
+            return Ok(None);
+        };
+        let mut len = 0;
+        for (leaf, t) in leaves.iter().enumerate() {
+            if dim >= t.rank() {
+                return Err(Error::ScatterDimOutOfRange {
+                    dim,
+                    leaf,
+                    rank: t.rank(),
+                    shape: t.dims().to_vec(),
+                });
+            }
+            len = first.dim(dim)?;
+            let found = t.dim(dim)?;
+            if found != len {
+                return Err(Error::ScatterSizeMismatch {
+                    dim,
+                    expected: len,
+                    leaf,
+                    found,
+                    shape: t.dims().to_vec(),
+                });
+            }
+        }
+        let sizes = match split {
+            // An empty batch runs once, on the first device: k replicas of
+            // nothing would only cost time (and give NaN mean losses).
+            Split::Even if len == 0 => vec![0],
+            Split::Even => chunk_sizes(len, devices.len()),
+            Split::Sizes(sizes) => {
+                validate_sizes(sizes, len, devices.len())?;
+                sizes.clone()
+            }
+        };
+        Ok(Some(Self {
+            dim,
+            devices: devices[..sizes.len()].to_vec(),
+            sizes,
+        }))
+    }
+
+    /// Start row of each chunk along `dim`.
+    pub fn offsets(&self) -> Vec<usize> {
+        self.sizes
+            .iter()
+            .scan(0, |start, size| {
+                let offset = *start;
+                *start += size;
+                Some(offset)
+            })
+            .collect()
+    }
+
+    /// Number of replicas this plan uses.
+    pub fn replicas(&self) -> usize {
+        self.sizes.len()
+    }
+
+    /// Total rows along `dim`.
+    pub fn len(&self) -> usize {
+        self.sizes.iter().sum()
+    }
+
+    /// Whether the batch is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn validate_sizes(sizes: &[usize], len: usize, devices: usize) -> Result<()> {
+    let invalid = |reason| Error::InvalidChunkSizes {
+        sizes: sizes.to_vec(),
+        len,
+        devices,
+        reason,
+    };
+    if sizes.is_empty() {
+        return Err(invalid("no chunk given"));
+    }
+    if sizes.len() > devices {
+        return Err(invalid("more chunks than devices"));
+    }
+    if sizes.iter().sum::<usize>() != len {
+        return Err(invalid("the sizes do not add up to the batch size"));
+    }
+    if len > 0 && sizes.contains(&0) {
+        return Err(invalid(
+            "an empty chunk would run a replica on no input; leave it out",
+        ));
+    }
+    Ok(())
+}
+
+impl Scatter for Tensor {
+    fn for_each_tensor<'a>(&'a self, f: &mut dyn FnMut(&'a Tensor)) {
+        f(self)
+    }
+
+    fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+        plan.offsets()
+            .into_iter()
+            .zip(&plan.sizes)
+            .zip(&plan.devices)
+            .map(|((start, &len), device)| self.narrow(plan.dim, start, len)?.to_device(device))
+            .collect()
+    }
+}
+
+impl<T: Scatter> Scatter for Vec<T> {
+    fn for_each_tensor<'a>(&'a self, f: &mut dyn FnMut(&'a Tensor)) {
+        self.iter().for_each(|item| item.for_each_tensor(f))
+    }
+
+    fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+        let per_item = self
+            .iter()
+            .map(|item| item.scatter(plan))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(transpose(per_item, plan.replicas()))
+    }
+}
+
+impl<T: Scatter> Scatter for Option<T> {
+    fn for_each_tensor<'a>(&'a self, f: &mut dyn FnMut(&'a Tensor)) {
+        if let Some(item) = self {
+            item.for_each_tensor(f)
+        }
+    }
+
+    fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+        Ok(match self {
+            Some(item) => item.scatter(plan)?.into_iter().map(Some).collect(),
+            None => (0..plan.replicas()).map(|_| None).collect(),
+        })
+    }
+}
+
+impl<T: Scatter, S: BuildHasher + Default> Scatter for HashMap<String, T, S> {
+    fn for_each_tensor<'a>(&'a self, f: &mut dyn FnMut(&'a Tensor)) {
+        // Sorted keys: the leaf order (and so error messages) is deterministic.
+        let mut keys: Vec<_> = self.keys().collect();
+        keys.sort();
+        keys.into_iter().for_each(|k| self[k].for_each_tensor(f))
+    }
+
+    fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+        let mut parts: Vec<Self> = (0..plan.replicas()).map(|_| Self::default()).collect();
+        for (key, value) in self {
+            for (part, chunk) in parts.iter_mut().zip(value.scatter(plan)?) {
+                part.insert(key.clone(), chunk);
+            }
+        }
+        Ok(parts)
+    }
+}
+
+impl<T: Scatter> Scatter for BTreeMap<String, T> {
+    fn for_each_tensor<'a>(&'a self, f: &mut dyn FnMut(&'a Tensor)) {
+        self.values().for_each(|v| v.for_each_tensor(f))
+    }
+
+    fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+        let mut parts: Vec<Self> = (0..plan.replicas()).map(|_| Self::new()).collect();
+        for (key, value) in self {
+            for (part, chunk) in parts.iter_mut().zip(value.scatter(plan)?) {
+                part.insert(key.clone(), chunk);
+            }
+        }
+        Ok(parts)
+    }
+}
+
+/// Turns `items[i][r]` (item, replica) into `parts[r][i]` (replica, item).
+fn transpose<T>(items: Vec<Vec<T>>, replicas: usize) -> Vec<Vec<T>> {
+    let mut parts: Vec<Vec<T>> = (0..replicas)
+        .map(|_| Vec::with_capacity(items.len()))
+        .collect();
+    for chunks in items {
+        for (part, chunk) in parts.iter_mut().zip(chunks) {
+            part.push(chunk);
+        }
+    }
+    parts
+}
+
+/// A value handed unchanged (cloned) to every replica, whatever it holds,
+/// tensors included: use it for per-step constants such as a class-weight
+/// tensor that must not be split.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Replicated<T>(pub T);
+
+impl<T: Clone> Scatter for Replicated<T> {
+    fn for_each_tensor<'a>(&'a self, _f: &mut dyn FnMut(&'a Tensor)) {}
+
+    fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+        Ok(vec![self.clone(); plan.replicas()])
+    }
+}
+
+impl<T: ?Sized> Scatter for Arc<T> {
+    fn for_each_tensor<'a>(&'a self, _f: &mut dyn FnMut(&'a Tensor)) {}
+
+    fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+        Ok(vec![self.clone(); plan.replicas()])
+    }
+}
+
+macro_rules! replicated_values {
+    ($($t:ty),*) => {$(
+        impl Scatter for $t {
+            fn for_each_tensor<'a>(&'a self, _f: &mut dyn FnMut(&'a Tensor)) {}
+
+            fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+                Ok(vec![self.clone(); plan.replicas()])
+            }
+        }
+    )*};
+}
+replicated_values!(
+    (),
+    bool,
+    char,
+    i8,
+    i16,
+    i32,
+    i64,
+    u8,
+    u16,
+    u32,
+    u64,
+    usize,
+    isize,
+    f32,
+    f64,
+    String,
+    &'static str
+);
+
+macro_rules! tuple_scatter {
+    ($($name:ident . $idx:tt),+) => {
+        impl<$($name: Scatter),+> Scatter for ($($name,)+) {
+            fn for_each_tensor<'a>(&'a self, f: &mut dyn FnMut(&'a Tensor)) {
+                $(self.$idx.for_each_tensor(f);)+
+            }
+
+            #[allow(non_snake_case)]
+            fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+                $(let mut $name = self.$idx.scatter(plan)?.into_iter();)+
+                let mut parts = Vec::with_capacity(plan.replicas());
+                for _ in 0..plan.replicas() {
+                    parts.push(($($name.next().expect("one chunk per replica"),)+));
+                }
+                Ok(parts)
+            }
+        }
+    };
+}
+tuple_scatter!(A.0);
+tuple_scatter!(A.0, B.1);
+tuple_scatter!(A.0, B.1, C.2);
+tuple_scatter!(A.0, B.1, C.2, D.3);
+tuple_scatter!(A.0, B.1, C.2, D.3, E.4);
+
+/// Replica outputs that can be combined into one value.
+pub trait Gather: Sized {
+    /// Combines `parts` (one per replica, in replica order) along `dim` onto
+    /// `device`. An output that does not fit replica 0's is an error naming
+    /// the replica.
+    fn gather(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self>;
+}
+
+impl Gather for Tensor {
+    /// Concatenates along `dim` (differentiably). When every part is 0-dim
+    /// and `dim == 0`, the result is a vector with one entry per replica
+    /// (PyTorch does the same, with a warning; here it is documented instead).
+    fn gather(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
+        let first = parts.first().ok_or_else(|| Error::Gather {
+            replica: 0,
+            reason: "no replica output".into(),
+        })?;
+        let all_scalars = parts.iter().all(|t| t.rank() == 0);
+        let reshaped: Vec<Tensor> = if all_scalars && dim == 0 {
+            parts
+                .iter()
+                .map(|t| t.reshape(1))
+                .collect::<candle_core::Result<_>>()?
+        } else {
+            check_same_shape_outside(&parts, first, dim)?;
+            parts
+        };
+        let moved = reshaped
+            .iter()
+            .map(|t| t.to_device(device))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        if moved.len() == 1 {
+            return Ok(moved.into_iter().next().expect("one part"));
+        }
+        Ok(Tensor::cat(&moved, dim)?)
+    }
+}
+
+fn check_same_shape_outside(parts: &[Tensor], first: &Tensor, dim: usize) -> Result<()> {
+    if dim >= first.rank() {
+        return Err(Error::Gather {
+            replica: 0,
+            reason: format!(
+                "gather dim {dim} is out of range for its output of shape {:?}",
+                first.dims()
+            ),
+        });
+    }
+    for (replica, part) in parts.iter().enumerate().skip(1) {
+        let fits = part.rank() == first.rank()
+            && part
+                .dims()
+                .iter()
+                .zip(first.dims())
+                .enumerate()
+                .all(|(d, (a, b))| d == dim || a == b);
+        if !fits {
+            return Err(Error::Gather {
+                replica,
+                reason: format!(
+                    "its shape {:?} differs from replica 0's {:?} outside the gather dim {dim}",
+                    part.dims(),
+                    first.dims()
+                ),
+            });
+        }
+        if part.dtype() != first.dtype() {
+            return Err(Error::Gather {
+                replica,
+                reason: format!(
+                    "its dtype {:?} differs from replica 0's {:?}",
+                    part.dtype(),
+                    first.dtype()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+impl<T: Gather> Gather for Vec<T> {
+    fn gather(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
+        let len = parts.first().map_or(0, Vec::len);
+        if let Some((replica, part)) = parts.iter().enumerate().find(|(_, p)| p.len() != len) {
+            return Err(Error::Gather {
+                replica,
+                reason: format!("it returned {} items, replica 0 returned {len}", part.len()),
+            });
+        }
+        transpose(parts, len)
+            .into_iter()
+            .map(|item| T::gather(item, dim, device))
+            .collect()
+    }
+}
+
+impl<T: Gather> Gather for Option<T> {
+    /// All `None` gathers to `None`; a mix of `None` and `Some` is an error.
+    fn gather(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
+        if parts.iter().all(Option::is_none) {
+            return Ok(None);
+        }
+        let mut somes = Vec::with_capacity(parts.len());
+        for (replica, part) in parts.into_iter().enumerate() {
+            match part {
+                Some(value) => somes.push(value),
+                None => {
+                    return Err(Error::Gather {
+                        replica,
+                        reason: "it returned None where other replicas returned a value".into(),
+                    })
+                }
+            }
+        }
+        T::gather(somes, dim, device).map(Some)
+    }
+}
+
+fn gather_map<T: Gather, M>(
+    parts: Vec<M>,
+    dim: usize,
+    device: &Device,
+    keys_of: impl Fn(&M) -> Vec<String>,
+    mut take: impl FnMut(&mut M, &str) -> Option<T>,
+) -> Result<Vec<(String, T)>> {
+    let keys = parts.first().map(&keys_of).unwrap_or_default();
+    for (replica, part) in parts.iter().enumerate() {
+        let got = keys_of(part);
+        if got != keys {
+            return Err(Error::Gather {
+                replica,
+                reason: format!("its keys {got:?} differ from replica 0's {keys:?}"),
+            });
+        }
+    }
+    let mut parts = parts;
+    keys.into_iter()
+        .map(|key| {
+            let values = parts
+                .iter_mut()
+                .map(|p| take(p, &key).expect("keys checked above"))
+                .collect();
+            T::gather(values, dim, device).map(|v| (key, v))
+        })
+        .collect()
+}
+
+impl<T: Gather, S: BuildHasher + Default> Gather for HashMap<String, T, S> {
+    fn gather(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
+        let sorted_keys = |m: &Self| {
+            let mut keys: Vec<String> = m.keys().cloned().collect();
+            keys.sort();
+            keys
+        };
+        Ok(
+            gather_map(parts, dim, device, sorted_keys, |m, k| m.remove(k))?
+                .into_iter()
+                .collect(),
+        )
+    }
+}
+
+impl<T: Gather> Gather for BTreeMap<String, T> {
+    fn gather(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
+        let keys = |m: &Self| m.keys().cloned().collect();
+        Ok(gather_map(parts, dim, device, keys, |m, k| m.remove(k))?
+            .into_iter()
+            .collect())
+    }
+}
+
+macro_rules! tuple_gather {
+    ($($name:ident . $idx:tt),+) => {
+        impl<$($name: Gather),+> Gather for ($($name,)+) {
+            #[allow(non_snake_case)]
+            fn gather(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
+                $(let mut $name = Vec::with_capacity(parts.len());)+
+                for part in parts {
+                    $($name.push(part.$idx);)+
+                }
+                Ok(($($name::gather($name, dim, device)?,)+))
+            }
+        }
+    };
+}
+tuple_gather!(A.0);
+tuple_gather!(A.0, B.1);
+tuple_gather!(A.0, B.1, C.2);
+tuple_gather!(A.0, B.1, C.2, D.3);
+tuple_gather!(A.0, B.1, C.2, D.3, E.4);

@@ -1,0 +1,179 @@
+//! Models and helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Module, ModuleT, Result, Tensor};
+use candle_nn::{
+    batch_norm, conv2d, linear, BatchNorm, Conv2d, Conv2dConfig, Linear, VarBuilder, VarMap,
+};
+
+/// `l2(relu(bn(l1(x))))`, the model of `dp_reference.safetensors`.
+pub struct BnNet {
+    l1: Linear,
+    bn: BatchNorm,
+    l2: Linear,
+}
+
+impl BnNet {
+    pub fn new(vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            l1: linear(12, 16, vb.pp("l1"))?,
+            bn: batch_norm(16, 1e-5, vb.pp("bn"))?,
+            l2: linear(16, 4, vb.pp("l2"))?,
+        })
+    }
+}
+
+impl ModuleT for BnNet {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let h = self.bn.forward_t(&self.l1.forward(x)?, train)?.relu()?;
+        self.l2.forward(&h)
+    }
+}
+
+/// A small MLP `in -> hidden -> out`.
+pub struct Mlp {
+    l1: Linear,
+    l2: Linear,
+}
+
+impl Mlp {
+    pub fn new(vb: VarBuilder, sizes: (usize, usize, usize)) -> Result<Self> {
+        Ok(Self {
+            l1: linear(sizes.0, sizes.1, vb.pp("l1"))?,
+            l2: linear(sizes.1, sizes.2, vb.pp("l2"))?,
+        })
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.l2.forward(&self.l1.forward(x)?.relu()?)
+    }
+}
+
+/// A small conv net on 1x8x8 images: conv(1->4, 3x3) -> relu -> maxpool 2 -> linear(36 -> 5).
+pub struct ConvNet {
+    conv: Conv2d,
+    fc: Linear,
+}
+
+impl ConvNet {
+    pub fn new(vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            conv: conv2d(1, 4, 3, Conv2dConfig::default(), vb.pp("conv"))?,
+            fc: linear(36, 5, vb.pp("fc"))?,
+        })
+    }
+}
+
+impl Module for ConvNet {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.conv.forward(x)?.relu()?.max_pool2d(2)?;
+        self.fc.forward(&h.flatten_from(1)?)
+    }
+}
+
+/// Reads `prefix.*` entries of a safetensors file as a name -> tensor map.
+pub fn fixture_tensors(file: &HashMap<String, Tensor>, prefix: &str) -> HashMap<String, Tensor> {
+    file.iter()
+        .filter_map(|(k, v)| k.strip_prefix(prefix).map(|n| (n.to_string(), v.clone())))
+        .collect()
+}
+
+pub fn load_fixture(name: &str) -> HashMap<String, Tensor> {
+    let path = format!("{}/tests/data/{name}", env!("CARGO_MANIFEST_DIR"));
+    candle_core::safetensors::load(path, &Device::Cpu).expect("fixture loads")
+}
+
+/// A VarMap holding copies of `values` (so runs do not share storage).
+pub fn varmap_from(values: &HashMap<String, Tensor>) -> VarMap {
+    let varmap = VarMap::new();
+    {
+        let mut data = varmap.data().lock().unwrap();
+        for (name, t) in values {
+            let t = t.to_dtype(DType::F32).unwrap().copy().unwrap();
+            data.insert(name.clone(), candle_core::Var::from_tensor(&t).unwrap());
+        }
+    }
+    varmap
+}
+
+/// A snapshot of every var (name -> values) for comparisons.
+pub fn snapshot(varmap: &VarMap) -> HashMap<String, Tensor> {
+    varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().copy().unwrap()))
+        .collect()
+}
+
+/// Largest relative difference over all tensors, each measured against its
+/// own scale: `max|a - b| / max|b|` (elementwise ratios blow up on entries
+/// near zero, where f32 rounding alone exceeds any relative bound).
+pub fn max_rel_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f32 {
+    let mut worst = 0f32;
+    for (name, tb) in b {
+        let ta = a.get(name).unwrap_or_else(|| panic!("missing {name}"));
+        let va = ta
+            .flatten_all()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let vb = tb
+            .flatten_all()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert_eq!(va.len(), vb.len(), "{name} sizes");
+        let scale = vb.iter().fold(1e-6f32, |m, y| m.max(y.abs()));
+        let diff = va
+            .iter()
+            .zip(&vb)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        worst = worst.max(diff / scale);
+    }
+    worst
+}
+
+/// Whether two snapshots are bit-identical.
+pub fn identical(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> bool {
+    a.len() == b.len()
+        && b.iter().all(|(n, tb)| {
+            let va = a[n].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            va == tb.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        })
+}
+
+/// Per tensor: (name, max abs diff, max abs value), for failure messages.
+pub fn diff_report(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> String {
+    let mut names: Vec<_> = b.keys().collect();
+    names.sort();
+    names
+        .into_iter()
+        .map(|n| {
+            let d = (&a[n] - &b[n])
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap();
+            let m = b[n].abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+            format!(
+                "{n}: diff {:.3e} of max {:.3e}",
+                d.to_scalar::<f32>().unwrap(),
+                m.to_scalar::<f32>().unwrap()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
