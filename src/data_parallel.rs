@@ -2,6 +2,7 @@
 //! scatter -> replicate -> parallel_apply -> gather, and gradients reduced
 //! back onto the master. `torch.nn.DataParallel`'s semantics.
 
+use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -15,7 +16,7 @@ use crate::replicate::{
     build_master, build_replica, device_label, is_batch_norm_buffer, sorted_vars, BufferPredicate,
     ReplicaVars,
 };
-use crate::scatter_gather::{Gather, Scatter, ScatterPlan, Split};
+use crate::scatter_gather::{gather, scatter, Gather, Scatter, ScatterPlan, Split};
 
 /// How a loss computed on each replica combines into the global loss.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -93,7 +94,8 @@ struct SavedForward {
 }
 
 /// Configures a [`DataParallel`]; made by [`DataParallel::builder`].
-pub struct DataParallelBuilder {
+pub struct DataParallelBuilder<M> {
+    model: PhantomData<fn() -> M>,
     varmap: VarMap,
     dtype: DType,
     devices: Vec<Device>,
@@ -104,7 +106,7 @@ pub struct DataParallelBuilder {
     is_buffer: BufferPredicate,
 }
 
-impl DataParallelBuilder {
+impl<M: 'static> DataParallelBuilder<M> {
     /// The dimension batches are split and outputs concatenated along (default 0).
     pub fn dim(mut self, dim: usize) -> Self {
         self.dim = dim;
@@ -143,9 +145,8 @@ impl DataParallelBuilder {
 
     /// Builds the master model (creating its variables in the `VarMap` on
     /// `devices[0]` unless they exist) and one replica per device.
-    pub fn build<M, F>(self, factory: F) -> Result<DataParallel<M>>
+    pub fn build<F>(self, factory: F) -> Result<DataParallel<M>>
     where
-        M: 'static,
         F: Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
     {
         let first = self.devices.first().ok_or(Error::NoDevices)?.clone();
@@ -201,8 +202,9 @@ impl<M: 'static> DataParallel<M> {
 
     /// Starts configuring a [`DataParallel`] (dim, output device, threads,
     /// timeout, buffers).
-    pub fn builder(varmap: &VarMap, dtype: DType, devices: &[Device]) -> DataParallelBuilder {
+    pub fn builder(varmap: &VarMap, dtype: DType, devices: &[Device]) -> DataParallelBuilder<M> {
         DataParallelBuilder {
+            model: PhantomData,
             varmap: varmap.clone(),
             dtype,
             devices: devices.to_vec(),
@@ -310,7 +312,7 @@ impl<M: 'static> DataParallel<M> {
         F: Fn(&M, I) -> candle_core::Result<O> + Send + Sync + 'static,
     {
         let outputs = self.scatter_apply(input, split, move |model, x, _| f(model, x))?;
-        O::gather(outputs, self.dim, &self.output_device)
+        gather(outputs, self.dim, &self.output_device)
     }
 
     /// The pipeline shared by every forward: scatter, refresh the replicas
@@ -322,7 +324,7 @@ impl<M: 'static> DataParallel<M> {
         F: Fn(&M, I, &Cancel) -> candle_core::Result<R> + Send + Sync + 'static,
     {
         let inputs = match ScatterPlan::for_input(&input, self.dim, split, &self.devices)? {
-            Some(plan) => input.scatter(&plan)?,
+            Some(plan) => scatter(&input, &plan)?,
             // Nothing to split: the model runs once, on the first device.
             None => vec![input],
         };
@@ -340,7 +342,7 @@ impl<M: 'static> DataParallel<M> {
     }
 
     fn gather(&self, outputs: Vec<Tensor>) -> Result<Tensor> {
-        <Tensor as Gather>::gather(outputs, self.dim, &self.output_device)
+        gather(outputs, self.dim, &self.output_device)
     }
 
     /// Parallel backward from the gradient of the gathered output: each
@@ -359,7 +361,7 @@ impl<M: 'static> DataParallel<M> {
             )));
         }
         let plan = self.output_plan(&saved.outputs)?;
-        let grads = Scatter::scatter(grad_output, &plan)?;
+        let grads = scatter(grad_output, &plan)?;
         let parts: Vec<(Tensor, Tensor)> = saved.outputs.into_iter().zip(grads).collect();
         let master = self.master_vars.clone();
         let per_replica = parallel_apply(

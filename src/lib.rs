@@ -60,7 +60,9 @@ mod scatter_gather;
 pub use data_parallel::{DataParallel, DataParallelBuilder, LossReduction, Step};
 pub use error::{Error, Result};
 pub use replicate::{device_label, is_batch_norm_buffer, BufferPredicate};
-pub use scatter_gather::{chunk_sizes, Gather, Replicated, Scatter, ScatterPlan, Split};
+pub use scatter_gather::{
+    chunk_sizes, gather, scatter, Gather, Replicated, Scatter, ScatterPlan, Split,
+};
 
 use candle_core::Device;
 

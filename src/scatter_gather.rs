@@ -75,7 +75,7 @@ pub trait Scatter: Sized {
     /// Splits the value into `sizes.len()` parts: part `i` takes rows
     /// `offsets[i] .. offsets[i] + sizes[i]` along `dim` of every tensor leaf
     /// and is moved to `devices[i]`.
-    fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>>;
+    fn scatter_parts(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>>;
 }
 
 /// Where each chunk of a scattered batch goes.
@@ -200,7 +200,7 @@ impl Scatter for Tensor {
         f(self)
     }
 
-    fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+    fn scatter_parts(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
         plan.offsets()
             .into_iter()
             .zip(&plan.sizes)
@@ -215,10 +215,10 @@ impl<T: Scatter> Scatter for Vec<T> {
         self.iter().for_each(|item| item.for_each_tensor(f))
     }
 
-    fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+    fn scatter_parts(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
         let per_item = self
             .iter()
-            .map(|item| item.scatter(plan))
+            .map(|item| item.scatter_parts(plan))
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(transpose(per_item, plan.replicas()))
     }
@@ -231,9 +231,9 @@ impl<T: Scatter> Scatter for Option<T> {
         }
     }
 
-    fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+    fn scatter_parts(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
         Ok(match self {
-            Some(item) => item.scatter(plan)?.into_iter().map(Some).collect(),
+            Some(item) => item.scatter_parts(plan)?.into_iter().map(Some).collect(),
             None => (0..plan.replicas()).map(|_| None).collect(),
         })
     }
@@ -247,10 +247,10 @@ impl<T: Scatter, S: BuildHasher + Default> Scatter for HashMap<String, T, S> {
         keys.into_iter().for_each(|k| self[k].for_each_tensor(f))
     }
 
-    fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+    fn scatter_parts(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
         let mut parts: Vec<Self> = (0..plan.replicas()).map(|_| Self::default()).collect();
         for (key, value) in self {
-            for (part, chunk) in parts.iter_mut().zip(value.scatter(plan)?) {
+            for (part, chunk) in parts.iter_mut().zip(value.scatter_parts(plan)?) {
                 part.insert(key.clone(), chunk);
             }
         }
@@ -263,10 +263,10 @@ impl<T: Scatter> Scatter for BTreeMap<String, T> {
         self.values().for_each(|v| v.for_each_tensor(f))
     }
 
-    fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+    fn scatter_parts(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
         let mut parts: Vec<Self> = (0..plan.replicas()).map(|_| Self::new()).collect();
         for (key, value) in self {
-            for (part, chunk) in parts.iter_mut().zip(value.scatter(plan)?) {
+            for (part, chunk) in parts.iter_mut().zip(value.scatter_parts(plan)?) {
                 part.insert(key.clone(), chunk);
             }
         }
@@ -296,7 +296,7 @@ pub struct Replicated<T>(pub T);
 impl<T: Clone> Scatter for Replicated<T> {
     fn for_each_tensor<'a>(&'a self, _f: &mut dyn FnMut(&'a Tensor)) {}
 
-    fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+    fn scatter_parts(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
         Ok(vec![self.clone(); plan.replicas()])
     }
 }
@@ -304,7 +304,7 @@ impl<T: Clone> Scatter for Replicated<T> {
 impl<T: ?Sized> Scatter for Arc<T> {
     fn for_each_tensor<'a>(&'a self, _f: &mut dyn FnMut(&'a Tensor)) {}
 
-    fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+    fn scatter_parts(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
         Ok(vec![self.clone(); plan.replicas()])
     }
 }
@@ -314,7 +314,7 @@ macro_rules! replicated_values {
         impl Scatter for $t {
             fn for_each_tensor<'a>(&'a self, _f: &mut dyn FnMut(&'a Tensor)) {}
 
-            fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+            fn scatter_parts(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
                 Ok(vec![self.clone(); plan.replicas()])
             }
         }
@@ -348,8 +348,8 @@ macro_rules! tuple_scatter {
             }
 
             #[allow(non_snake_case)]
-            fn scatter(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
-                $(let mut $name = self.$idx.scatter(plan)?.into_iter();)+
+            fn scatter_parts(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+                $(let mut $name = self.$idx.scatter_parts(plan)?.into_iter();)+
                 let mut parts = Vec::with_capacity(plan.replicas());
                 for _ in 0..plan.replicas() {
                     parts.push(($($name.next().expect("one chunk per replica"),)+));
@@ -364,20 +364,40 @@ tuple_scatter!(A.0, B.1);
 tuple_scatter!(A.0, B.1, C.2);
 tuple_scatter!(A.0, B.1, C.2, D.3);
 tuple_scatter!(A.0, B.1, C.2, D.3, E.4);
+tuple_scatter!(A.0, B.1, C.2, D.3, E.4, F.5);
+
+/// Splits `input` according to `plan` (PyTorch's `scatter`): one part per
+/// replica, each on its device.
+pub fn scatter<I: Scatter>(input: &I, plan: &ScatterPlan) -> Result<Vec<I>> {
+    Ok(input.scatter_parts(plan)?)
+}
+
+/// Combines replica outputs along `dim` onto `device` (PyTorch's `gather`).
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let parts = vec![Tensor::new(&[1f32, 2.], &Device::Cpu)?, Tensor::new(&[3f32], &Device::Cpu)?];
+/// let all = candle_dp::gather(parts, 0, &Device::Cpu)?;
+/// assert_eq!(all.to_vec1::<f32>()?, vec![1., 2., 3.]);
+/// # Ok::<(), candle_dp::Error>(())
+/// ```
+pub fn gather<O: Gather>(parts: Vec<O>, dim: usize, device: &Device) -> Result<O> {
+    O::gather_parts(parts, dim, device)
+}
 
 /// Replica outputs that can be combined into one value.
 pub trait Gather: Sized {
     /// Combines `parts` (one per replica, in replica order) along `dim` onto
     /// `device`. An output that does not fit replica 0's is an error naming
     /// the replica.
-    fn gather(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self>;
+    fn gather_parts(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self>;
 }
 
 impl Gather for Tensor {
     /// Concatenates along `dim` (differentiably). When every part is 0-dim
     /// and `dim == 0`, the result is a vector with one entry per replica
     /// (PyTorch does the same, with a warning; here it is documented instead).
-    fn gather(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
+    fn gather_parts(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
         let first = parts.first().ok_or_else(|| Error::Gather {
             replica: 0,
             reason: "no replica output".into(),
@@ -446,7 +466,7 @@ fn check_same_shape_outside(parts: &[Tensor], first: &Tensor, dim: usize) -> Res
 }
 
 impl<T: Gather> Gather for Vec<T> {
-    fn gather(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
+    fn gather_parts(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
         let len = parts.first().map_or(0, Vec::len);
         if let Some((replica, part)) = parts.iter().enumerate().find(|(_, p)| p.len() != len) {
             return Err(Error::Gather {
@@ -456,14 +476,14 @@ impl<T: Gather> Gather for Vec<T> {
         }
         transpose(parts, len)
             .into_iter()
-            .map(|item| T::gather(item, dim, device))
+            .map(|item| T::gather_parts(item, dim, device))
             .collect()
     }
 }
 
 impl<T: Gather> Gather for Option<T> {
     /// All `None` gathers to `None`; a mix of `None` and `Some` is an error.
-    fn gather(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
+    fn gather_parts(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
         if parts.iter().all(Option::is_none) {
             return Ok(None);
         }
@@ -479,7 +499,7 @@ impl<T: Gather> Gather for Option<T> {
                 }
             }
         }
-        T::gather(somes, dim, device).map(Some)
+        T::gather_parts(somes, dim, device).map(Some)
     }
 }
 
@@ -507,13 +527,13 @@ fn gather_map<T: Gather, M>(
                 .iter_mut()
                 .map(|p| take(p, &key).expect("keys checked above"))
                 .collect();
-            T::gather(values, dim, device).map(|v| (key, v))
+            T::gather_parts(values, dim, device).map(|v| (key, v))
         })
         .collect()
 }
 
 impl<T: Gather, S: BuildHasher + Default> Gather for HashMap<String, T, S> {
-    fn gather(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
+    fn gather_parts(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
         let sorted_keys = |m: &Self| {
             let mut keys: Vec<String> = m.keys().cloned().collect();
             keys.sort();
@@ -528,7 +548,7 @@ impl<T: Gather, S: BuildHasher + Default> Gather for HashMap<String, T, S> {
 }
 
 impl<T: Gather> Gather for BTreeMap<String, T> {
-    fn gather(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
+    fn gather_parts(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
         let keys = |m: &Self| m.keys().cloned().collect();
         Ok(gather_map(parts, dim, device, keys, |m, k| m.remove(k))?
             .into_iter()
@@ -540,12 +560,12 @@ macro_rules! tuple_gather {
     ($($name:ident . $idx:tt),+) => {
         impl<$($name: Gather),+> Gather for ($($name,)+) {
             #[allow(non_snake_case)]
-            fn gather(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
+            fn gather_parts(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
                 $(let mut $name = Vec::with_capacity(parts.len());)+
                 for part in parts {
                     $($name.push(part.$idx);)+
                 }
-                Ok(($($name::gather($name, dim, device)?,)+))
+                Ok(($($name::gather_parts($name, dim, device)?,)+))
             }
         }
     };
@@ -555,3 +575,4 @@ tuple_gather!(A.0, B.1);
 tuple_gather!(A.0, B.1, C.2);
 tuple_gather!(A.0, B.1, C.2, D.3);
 tuple_gather!(A.0, B.1, C.2, D.3, E.4);
+tuple_gather!(A.0, B.1, C.2, D.3, E.4, F.5);

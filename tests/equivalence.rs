@@ -1,0 +1,276 @@
+//! The core guarantee: training through DataParallel on R replicas equals
+//! single-device training on the same global batch, for every backward path.
+
+mod common;
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_dp::{cpu_devices, DataParallel, LossReduction};
+use candle_nn::{loss, AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
+use common::*;
+
+#[derive(Clone, Copy, Debug)]
+enum Path {
+    DropIn,
+    ParallelFromLoss,
+    ParallelFromGradOutput,
+    ReplicaLoss,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Opt {
+    Sgd,
+    AdamW,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Model {
+    Mlp,
+    Conv,
+}
+
+const STEPS: usize = 10;
+const BATCH: usize = 13; // uneven on 2, 3 and 4 replicas
+
+enum Net {
+    Mlp(Mlp),
+    Conv(ConvNet),
+}
+
+impl Module for Net {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Net::Mlp(m) => m.forward(x),
+            Net::Conv(m) => m.forward(x),
+        }
+    }
+}
+
+fn build(model: Model, vb: VarBuilder) -> candle_core::Result<Net> {
+    Ok(match model {
+        Model::Mlp => Net::Mlp(Mlp::new(vb, (6, 16, 5))?),
+        Model::Conv => Net::Conv(ConvNet::new(vb)?),
+    })
+}
+
+fn optimizer(
+    opt: Opt,
+    varmap: &VarMap,
+) -> Box<dyn FnMut(Option<&Tensor>, Option<&candle_core::backprop::GradStore>)> {
+    fn wrap<O: Optimizer + 'static>(
+        mut o: O,
+    ) -> Box<dyn FnMut(Option<&Tensor>, Option<&candle_core::backprop::GradStore>)> {
+        Box::new(move |loss, grads| match (loss, grads) {
+            (Some(loss), _) => o.backward_step(loss).unwrap(),
+            (_, Some(grads)) => o.step(grads).unwrap(),
+            _ => unreachable!(),
+        })
+    }
+    match opt {
+        Opt::Sgd => wrap(SGD::new(varmap.all_vars(), 0.1).unwrap()),
+        Opt::AdamW => wrap(
+            AdamW::new(
+                varmap.all_vars(),
+                ParamsAdamW {
+                    lr: 0.01,
+                    ..Default::default()
+                },
+            )
+            .unwrap(),
+        ),
+    }
+}
+
+struct Data {
+    init: HashMap<String, Tensor>,
+    xs: Vec<Tensor>,
+    ys: Vec<Tensor>,
+}
+
+fn data(model: Model) -> Data {
+    let varmap = VarMap::new();
+    build(
+        model,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )
+    .unwrap();
+    let shape: &[usize] = match model {
+        Model::Mlp => &[BATCH, 6],
+        Model::Conv => &[BATCH, 1, 8, 8],
+    };
+    let xs = (0..STEPS)
+        .map(|_| Tensor::randn(0f32, 1., shape, &Device::Cpu).unwrap())
+        .collect();
+    let ys = (0..STEPS)
+        .map(|s| {
+            Tensor::from_vec(
+                (0..BATCH as u32).map(|i| (i * 7 + s as u32) % 5).collect(),
+                BATCH,
+                &Device::Cpu,
+            )
+            .unwrap()
+        })
+        .collect();
+    Data {
+        init: snapshot(&varmap),
+        xs,
+        ys,
+    }
+}
+
+fn single_device(model: Model, opt: Opt, d: &Data) -> HashMap<String, Tensor> {
+    let varmap = varmap_from(&d.init);
+    let net = build(
+        model,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )
+    .unwrap();
+    let mut step = optimizer(opt, &varmap);
+    for (x, y) in d.xs.iter().zip(&d.ys) {
+        let loss = loss::cross_entropy(&net.forward(x).unwrap(), y).unwrap();
+        step(Some(&loss), None);
+    }
+    snapshot(&varmap)
+}
+
+fn data_parallel(
+    model: Model,
+    opt: Opt,
+    replicas: usize,
+    path: Path,
+    d: &Data,
+) -> HashMap<String, Tensor> {
+    let varmap = varmap_from(&d.init);
+    let dp = DataParallel::new(&varmap, DType::F32, &cpu_devices(replicas), move |vb| {
+        build(model, vb)
+    })
+    .unwrap();
+    let mut step = optimizer(opt, &varmap);
+    for (x, y) in d.xs.iter().zip(&d.ys) {
+        match path {
+            Path::DropIn => {
+                let loss = loss::cross_entropy(&dp.forward(x).unwrap(), y).unwrap();
+                step(Some(&loss), None);
+            }
+            Path::ParallelFromLoss => {
+                let out = dp.forward(x).unwrap();
+                let s = dp
+                    .backward_from_loss(&out, |o| loss::cross_entropy(o, y))
+                    .unwrap();
+                step(None, Some(&s.grads));
+            }
+            Path::ParallelFromGradOutput => {
+                let out = dp.forward(x).unwrap();
+                // d(mean cross-entropy)/d(logits) = (softmax - onehot) / N
+                let n = out.dim(0).unwrap() as f64;
+                let onehot = candle_nn::encoding::one_hot(y.clone(), 5, 1f32, 0f32).unwrap();
+                let sm = candle_nn::ops::softmax_last_dim(&out.detach()).unwrap();
+                let grad = ((sm - onehot).unwrap() / n).unwrap();
+                let grads = dp.backward(&out, &grad).unwrap();
+                step(None, Some(&grads));
+            }
+            Path::ReplicaLoss => {
+                let s = dp
+                    .forward_backward((x.clone(), y.clone()), LossReduction::Mean, |m, (x, y)| {
+                        loss::cross_entropy(&m.forward(&x)?, &y)
+                    })
+                    .unwrap();
+                step(None, Some(&s.grads));
+            }
+        }
+    }
+    snapshot(&varmap)
+}
+
+fn check(model: Model, opt: Opt) {
+    let d = data(model);
+    let reference = single_device(model, opt, &d);
+    assert!(
+        max_rel_diff(&reference, &d.init) > 1e-3,
+        "training moved the weights"
+    );
+    for replicas in 1..=4 {
+        for path in [
+            Path::DropIn,
+            Path::ParallelFromLoss,
+            Path::ParallelFromGradOutput,
+            Path::ReplicaLoss,
+        ] {
+            let got = data_parallel(model, opt, replicas, path, &d);
+            let diff = max_rel_diff(&got, &reference);
+            assert!(
+                diff < 1e-5,
+                "{model:?} {opt:?} {replicas} replicas via {path:?}: relative difference {diff}\n{}",
+                diff_report(&got, &reference)
+            );
+        }
+    }
+}
+
+#[test]
+fn mlp_with_sgd_on_1_to_4_replicas_matches_single_device() {
+    check(Model::Mlp, Opt::Sgd);
+}
+
+#[test]
+fn mlp_with_adamw_on_1_to_4_replicas_matches_single_device() {
+    check(Model::Mlp, Opt::AdamW);
+}
+
+#[test]
+fn conv_net_with_sgd_on_1_to_4_replicas_matches_single_device() {
+    check(Model::Conv, Opt::Sgd);
+}
+
+#[test]
+fn conv_net_with_adamw_on_1_to_4_replicas_matches_single_device() {
+    check(Model::Conv, Opt::AdamW);
+}
+
+#[test]
+fn all_backward_paths_give_the_same_gradients() {
+    let d = data(Model::Mlp);
+    let varmap = varmap_from(&d.init);
+    let dp = DataParallel::new(&varmap, DType::F32, &cpu_devices(3), |vb| {
+        Mlp::new(vb, (6, 16, 5))
+    })
+    .unwrap();
+    let (x, y) = (&d.xs[0], &d.ys[0]);
+    let out = dp.forward(x).unwrap();
+    let loss = loss::cross_entropy(&out, y).unwrap();
+    let drop_in = loss.backward().unwrap();
+    let parallel = dp
+        .backward_from_loss(&out, |o| loss::cross_entropy(o, y))
+        .unwrap();
+    let replica = dp
+        .forward_backward((x.clone(), y.clone()), LossReduction::Mean, |m, (x, y)| {
+            loss::cross_entropy(&m.forward(&x)?, &y)
+        })
+        .unwrap();
+    let l = |t: &Tensor| t.to_scalar::<f32>().unwrap();
+    assert!((l(&loss) - l(&parallel.loss)).abs() < 1e-6);
+    assert!((l(&loss) - l(&replica.loss)).abs() < 1e-6);
+    for (name, var) in dp.vars() {
+        let a = drop_in.get(var.as_tensor()).unwrap();
+        for (path, store) in [
+            ("from loss", &parallel.grads),
+            ("replica loss", &replica.grads),
+        ] {
+            let b = store
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("{path}: no gradient for {name}"));
+            let d = (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(d < 1e-6, "{path}: {name} differs by {d}");
+        }
+    }
+}
