@@ -154,6 +154,15 @@ pub enum Error {
     #[error("checkpoint does not match the model: {0}")]
     Checkpoint(String),
 
+    /// A data file that cannot be read or parsed.
+    #[error("{path}: {reason}")]
+    Data {
+        /// The file.
+        path: String,
+        /// What is wrong with it (with the line or offset where it applies).
+        reason: String,
+    },
+
     /// An error from candle outside any replica (gather, reduce, checkpoint I/O).
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -52,6 +52,7 @@
 
 pub mod checkpoint;
 mod data_parallel;
+pub mod datasets;
 mod error;
 mod parallel_apply;
 mod replicate;

@@ -5,6 +5,7 @@ mod common;
 
 use std::collections::HashMap;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::{cpu_devices, DataParallel, LossReduction};
 use candle_nn::{loss, AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
@@ -54,31 +55,41 @@ fn build(model: Model, vb: VarBuilder) -> candle_core::Result<Net> {
     })
 }
 
-fn optimizer(
-    opt: Opt,
-    varmap: &VarMap,
-) -> Box<dyn FnMut(Option<&Tensor>, Option<&candle_core::backprop::GradStore>)> {
-    fn wrap<O: Optimizer + 'static>(
-        mut o: O,
-    ) -> Box<dyn FnMut(Option<&Tensor>, Option<&candle_core::backprop::GradStore>)> {
-        Box::new(move |loss, grads| match (loss, grads) {
-            (Some(loss), _) => o.backward_step(loss).unwrap(),
-            (_, Some(grads)) => o.step(grads).unwrap(),
-            _ => unreachable!(),
-        })
+/// Either optimizer, behind one interface.
+enum AnyOpt {
+    Sgd(SGD),
+    AdamW(AdamW),
+}
+
+impl AnyOpt {
+    fn new(opt: Opt, varmap: &VarMap) -> Self {
+        match opt {
+            Opt::Sgd => AnyOpt::Sgd(SGD::new(varmap.all_vars(), 0.1).unwrap()),
+            Opt::AdamW => AnyOpt::AdamW(
+                AdamW::new(
+                    varmap.all_vars(),
+                    ParamsAdamW {
+                        lr: 0.01,
+                        ..Default::default()
+                    },
+                )
+                .unwrap(),
+            ),
+        }
     }
-    match opt {
-        Opt::Sgd => wrap(SGD::new(varmap.all_vars(), 0.1).unwrap()),
-        Opt::AdamW => wrap(
-            AdamW::new(
-                varmap.all_vars(),
-                ParamsAdamW {
-                    lr: 0.01,
-                    ..Default::default()
-                },
-            )
-            .unwrap(),
-        ),
+
+    fn backward_step(&mut self, loss: &Tensor) {
+        match self {
+            AnyOpt::Sgd(o) => o.backward_step(loss).unwrap(),
+            AnyOpt::AdamW(o) => o.backward_step(loss).unwrap(),
+        }
+    }
+
+    fn step(&mut self, grads: &GradStore) {
+        match self {
+            AnyOpt::Sgd(o) => o.step(grads).unwrap(),
+            AnyOpt::AdamW(o) => o.step(grads).unwrap(),
+        }
     }
 }
 
@@ -126,10 +137,10 @@ fn single_device(model: Model, opt: Opt, d: &Data) -> HashMap<String, Tensor> {
         VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
     )
     .unwrap();
-    let mut step = optimizer(opt, &varmap);
+    let mut opt = AnyOpt::new(opt, &varmap);
     for (x, y) in d.xs.iter().zip(&d.ys) {
         let loss = loss::cross_entropy(&net.forward(x).unwrap(), y).unwrap();
-        step(Some(&loss), None);
+        opt.backward_step(&loss);
     }
     snapshot(&varmap)
 }
@@ -146,19 +157,19 @@ fn data_parallel(
         build(model, vb)
     })
     .unwrap();
-    let mut step = optimizer(opt, &varmap);
+    let mut opt = AnyOpt::new(opt, &varmap);
     for (x, y) in d.xs.iter().zip(&d.ys) {
         match path {
             Path::DropIn => {
                 let loss = loss::cross_entropy(&dp.forward(x).unwrap(), y).unwrap();
-                step(Some(&loss), None);
+                opt.backward_step(&loss);
             }
             Path::ParallelFromLoss => {
                 let out = dp.forward(x).unwrap();
                 let s = dp
                     .backward_from_loss(&out, |o| loss::cross_entropy(o, y))
                     .unwrap();
-                step(None, Some(&s.grads));
+                opt.step(&s.grads);
             }
             Path::ParallelFromGradOutput => {
                 let out = dp.forward(x).unwrap();
@@ -168,7 +179,7 @@ fn data_parallel(
                 let sm = candle_nn::ops::softmax_last_dim(&out.detach()).unwrap();
                 let grad = ((sm - onehot).unwrap() / n).unwrap();
                 let grads = dp.backward(&out, &grad).unwrap();
-                step(None, Some(&grads));
+                opt.step(&grads);
             }
             Path::ReplicaLoss => {
                 let s = dp
@@ -176,7 +187,7 @@ fn data_parallel(
                         loss::cross_entropy(&m.forward(&x)?, &y)
                     })
                     .unwrap();
-                step(None, Some(&s.grads));
+                opt.step(&s.grads);
             }
         }
     }

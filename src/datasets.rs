@@ -1,0 +1,191 @@
+//! Small real data sets for examples and tests: the 8x8 handwritten digits
+//! bundled in `data/digits/` and MNIST from local IDX files.
+
+use std::io::Read;
+use std::path::Path;
+
+use candle_core::{Device, Tensor};
+
+use crate::error::{Error, Result};
+
+/// Labelled images: `images` is `[n, height * width]` f32 in `[0, 1]`,
+/// `labels` is `[n]` u32.
+#[derive(Debug, Clone)]
+pub struct LabelledImages {
+    /// One flattened image per row, pixel values scaled to `[0, 1]`.
+    pub images: Tensor,
+    /// Class ids.
+    pub labels: Tensor,
+    /// Image height in pixels.
+    pub height: usize,
+    /// Image width in pixels.
+    pub width: usize,
+}
+
+impl LabelledImages {
+    /// Number of samples.
+    pub fn len(&self) -> usize {
+        self.labels.dims1().unwrap_or(0)
+    }
+
+    /// Whether there is no sample.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The samples at `indices`, in that order.
+    pub fn select(&self, indices: &[usize]) -> Result<Self> {
+        let idx: Vec<u32> = indices.iter().map(|&i| i as u32).collect();
+        let idx = Tensor::from_vec(idx, indices.len(), self.images.device())?;
+        Ok(Self {
+            images: self.images.index_select(&idx, 0)?,
+            labels: self.labels.index_select(&idx, 0)?,
+            ..*self
+        })
+    }
+}
+
+fn data_error(path: &Path, reason: impl Into<String>) -> Error {
+    Error::Data {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
+    let raw = std::fs::read(path).map_err(|e| data_error(path, e.to_string()))?;
+    if raw.starts_with(&[0x1f, 0x8b]) {
+        let mut out = Vec::new();
+        flate2::read::GzDecoder::new(&raw[..])
+            .read_to_end(&mut out)
+            .map_err(|e| data_error(path, format!("gzip: {e}")))?;
+        Ok(out)
+    } else {
+        Ok(raw)
+    }
+}
+
+/// Loads scikit-learn's `digits.csv.gz` (1797 rows of 64 pixels 0..16 and a
+/// label), e.g. the copy bundled at `data/digits/digits.csv.gz`.
+pub fn load_digits(path: impl AsRef<Path>) -> Result<LabelledImages> {
+    let path = path.as_ref();
+    let text =
+        String::from_utf8(read_maybe_gz(path)?).map_err(|e| data_error(path, e.to_string()))?;
+    let (mut pixels, mut labels) = (Vec::new(), Vec::new());
+    for (line_no, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let values = line
+            .split(',')
+            .map(|v| v.trim().parse::<f32>())
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| data_error(path, format!("line {}: {e}", line_no + 1)))?;
+        if values.len() != 65 {
+            return Err(data_error(
+                path,
+                format!(
+                    "line {}: {} values, expected 64 pixels and a label",
+                    line_no + 1,
+                    values.len()
+                ),
+            ));
+        }
+        pixels.extend(values[..64].iter().map(|p| p / 16.0));
+        labels.push(values[64] as u32);
+    }
+    let n = labels.len();
+    Ok(LabelledImages {
+        images: Tensor::from_vec(pixels, (n, 64), &Device::Cpu)?,
+        labels: Tensor::from_vec(labels, n, &Device::Cpu)?,
+        height: 8,
+        width: 8,
+    })
+}
+
+/// Loads MNIST from a directory of IDX files (`train-images-idx3-ubyte`,
+/// `train-labels-idx1-ubyte`, `t10k-...`), plain or with a `.gz` suffix.
+/// `train` picks the training or the test files.
+pub fn load_mnist(dir: impl AsRef<Path>, train: bool) -> Result<LabelledImages> {
+    let prefix = if train { "train" } else { "t10k" };
+    let find = |name: String| {
+        let plain = dir.as_ref().join(&name);
+        let gz = dir.as_ref().join(format!("{name}.gz"));
+        if plain.exists() {
+            plain
+        } else {
+            gz
+        }
+    };
+    let images_path = find(format!("{prefix}-images-idx3-ubyte"));
+    let labels_path = find(format!("{prefix}-labels-idx1-ubyte"));
+    let images = read_maybe_gz(&images_path)?;
+    let labels = read_maybe_gz(&labels_path)?;
+    let header = |bytes: &[u8], path: &Path, magic: u32, dims: usize| -> Result<Vec<usize>> {
+        let word = |i: usize| -> Result<u32> {
+            bytes
+                .get(4 * i..4 * i + 4)
+                .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+                .ok_or_else(|| data_error(path, "file too short for an IDX header"))
+        };
+        if word(0)? != magic {
+            return Err(data_error(
+                path,
+                format!("bad IDX magic {:#x}, expected {magic:#x}", word(0)?),
+            ));
+        }
+        (1..=dims).map(|i| word(i).map(|w| w as usize)).collect()
+    };
+    let img_dims = header(&images, &images_path, 0x0803, 3)?;
+    let lbl_dims = header(&labels, &labels_path, 0x0801, 1)?;
+    let (n, h, w) = (img_dims[0], img_dims[1], img_dims[2]);
+    if lbl_dims[0] != n {
+        return Err(data_error(
+            &labels_path,
+            format!("{} labels for {n} images", lbl_dims[0]),
+        ));
+    }
+    let pixels = images.get(16..16 + n * h * w).ok_or_else(|| {
+        data_error(
+            &images_path,
+            format!("truncated: expected {n}x{h}x{w} pixels"),
+        )
+    })?;
+    let label_bytes = labels
+        .get(8..8 + n)
+        .ok_or_else(|| data_error(&labels_path, format!("truncated: expected {n} labels")))?;
+    Ok(LabelledImages {
+        images: Tensor::from_vec(
+            pixels.iter().map(|&p| p as f32 / 255.0).collect::<Vec<_>>(),
+            (n, h * w),
+            &Device::Cpu,
+        )?,
+        labels: Tensor::from_vec(
+            label_bytes.iter().map(|&l| l as u32).collect::<Vec<_>>(),
+            n,
+            &Device::Cpu,
+        )?,
+        height: h,
+        width: w,
+    })
+}
+
+/// A deterministic permutation of `0..n` from `seed` (splitmix64 keys,
+/// Fisher-Yates), for reproducible train / test splits.
+pub fn shuffled_indices(n: usize, seed: u64) -> Vec<usize> {
+    let mut state = seed;
+    let mut next = move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut idx: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        let j = (next() % (i as u64 + 1)) as usize;
+        idx.swap(i, j);
+    }
+    idx
+}
