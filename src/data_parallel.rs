@@ -4,7 +4,7 @@
 
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, TensorId, Var};
@@ -29,6 +29,26 @@ pub enum LossReduction {
     Mean,
     /// The replica's loss is a sum over its rows: replica losses add up.
     Sum,
+}
+
+/// Where the time of the latest step went: the parallel phases count the
+/// slowest replica (the critical path). For benchmarks and profiling.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimings {
+    /// Planning, splitting and moving the inputs.
+    pub scatter: Duration,
+    /// Refreshing replicas from the master (copies to other devices, buffers).
+    pub replicate: Duration,
+    /// Forward (and replica loss) on the slowest replica.
+    pub forward: Duration,
+    /// Backward on the slowest replica (parallel paths only).
+    pub backward: Duration,
+    /// Summing replica gradients onto the master.
+    pub reduce: Duration,
+    /// Concatenating outputs or summing losses on the output device.
+    pub gather: Duration,
+    /// Wall time of the calls that made up the step.
+    pub total: Duration,
 }
 
 /// Gradients of the master variables and the loss they came from.
@@ -85,6 +105,7 @@ pub struct DataParallel<M: 'static> {
     timeout: Option<Duration>,
     master_vars: Arc<Vec<(String, Var)>>,
     last_forward: Mutex<Option<SavedForward>>,
+    timings: Mutex<StepTimings>,
 }
 
 /// What [`DataParallel::backward`] needs from the forward it differentiates.
@@ -185,6 +206,7 @@ impl<M: 'static> DataParallelBuilder<M> {
             timeout: self.timeout,
             master_vars: Arc::new(sorted_vars(&self.varmap)),
             last_forward: Mutex::new(None),
+            timings: Mutex::new(StepTimings::default()),
         })
     }
 }
@@ -264,7 +286,12 @@ impl<M: 'static> DataParallel<M> {
         // Drop the previous step's graph before building the next one.
         *self.last_forward.lock().expect("lock poisoned") = None;
         let outputs = self.scatter_apply(input, &Split::Even, move |model, x, _| f(model, x))?;
+        let start = Instant::now();
         let gathered = self.gather(outputs.clone())?;
+        self.record(|t| {
+            t.gather = start.elapsed();
+            t.total += t.gather;
+        });
         *self.last_forward.lock().expect("lock poisoned") = Some(SavedForward {
             gathered: gathered.id(),
             outputs,
@@ -323,22 +350,47 @@ impl<M: 'static> DataParallel<M> {
         R: Send + 'static,
         F: Fn(&M, I, &Cancel) -> candle_core::Result<R> + Send + Sync + 'static,
     {
+        let start = Instant::now();
         let inputs = match ScatterPlan::for_input(&input, self.dim, split, &self.devices)? {
             Some(plan) => scatter(&input, &plan)?,
             // Nothing to split: the model runs once, on the first device.
             None => vec![input],
         };
-        let outputs = parallel_apply(
+        let scattered = Instant::now();
+        let results = parallel_apply(
             &self.workers,
             inputs,
             self.timeout,
             move |replica, x, cancel| {
+                let t0 = Instant::now();
                 replica.vars.refresh()?;
-                f(&replica.model, x, cancel)
+                let t1 = Instant::now();
+                let out = f(&replica.model, x, cancel)?;
+                Ok((out, t1 - t0, t1.elapsed()))
             },
         )?;
         self.replica_vars[0].commit_buffers()?;
-        Ok(outputs)
+        let slowest = |pick: fn(&(R, Duration, Duration)) -> Duration| {
+            results.iter().map(pick).max().unwrap_or_default()
+        };
+        *self.timings.lock().expect("lock poisoned") = StepTimings {
+            scatter: scattered - start,
+            replicate: slowest(|r| r.1),
+            forward: slowest(|r| r.2),
+            total: start.elapsed(),
+            ..StepTimings::default()
+        };
+        Ok(results.into_iter().map(|r| r.0).collect())
+    }
+
+    /// Where the time of the latest step went (forward plus, for the
+    /// parallel paths, backward and reduce).
+    pub fn last_timings(&self) -> StepTimings {
+        *self.timings.lock().expect("lock poisoned")
+    }
+
+    fn record(&self, update: impl FnOnce(&mut StepTimings)) {
+        update(&mut self.timings.lock().expect("lock poisoned"))
     }
 
     fn gather(&self, outputs: Vec<Tensor>) -> Result<Tensor> {
@@ -352,6 +404,7 @@ impl<M: 'static> DataParallel<M> {
     /// `output` must be the result of this `DataParallel`'s most recent
     /// [`forward`](Self::forward) / [`forward_t`](Self::forward_t).
     pub fn backward(&self, output: &Tensor, grad_output: &Tensor) -> Result<GradStore> {
+        let start = Instant::now();
         let saved = self.take_saved(output)?;
         if grad_output.dims() != output.dims() {
             return Err(Error::NoMatchingForward(format!(
@@ -364,17 +417,26 @@ impl<M: 'static> DataParallel<M> {
         let grads = scatter(grad_output, &plan)?;
         let parts: Vec<(Tensor, Tensor)> = saved.outputs.into_iter().zip(grads).collect();
         let master = self.master_vars.clone();
-        let per_replica = parallel_apply(
+        let results = parallel_apply(
             &self.workers,
             parts,
             self.timeout,
             move |_, (out, grad), _| {
+                let t0 = Instant::now();
                 // d/d(out) of sum(out * grad) is exactly `grad`.
                 let seeded = (&out * grad.reshape(out.shape())?.detach())?.sum_all()?;
-                master_grads(&seeded.backward()?, &master)
+                Ok((master_grads(&seeded.backward()?, &master)?, t0.elapsed()))
             },
         )?;
-        self.reduce_add(per_replica)
+        let backward = results.iter().map(|r| r.1).max().unwrap_or_default();
+        let reduce_start = Instant::now();
+        let grads = self.reduce_add(results.into_iter().map(|r| r.0).collect())?;
+        self.record(|t| {
+            t.backward = backward;
+            t.reduce = reduce_start.elapsed();
+            t.total += start.elapsed();
+        });
+        Ok(grads)
     }
 
     /// Computes `loss_fn` on the gathered output (on the output device) and
@@ -453,20 +515,27 @@ impl<M: 'static> DataParallel<M> {
             if cancel.is_cancelled() {
                 candle_core::bail!("step abandoned: another replica failed");
             }
-            Ok((
-                weighted.detach(),
-                master_grads(&weighted.backward()?, &master)?,
-            ))
+            let t0 = Instant::now();
+            let grads = master_grads(&weighted.backward()?, &master)?;
+            Ok((weighted.detach(), grads, t0.elapsed()))
         })?;
-        let (losses, grads): (Vec<Tensor>, Vec<_>) = results.into_iter().unzip();
-        let mut loss = losses[0].to_device(&self.output_device)?;
-        for l in &losses[1..] {
-            loss = (loss + l.to_device(&self.output_device)?)?;
+        let backward = results.iter().map(|r| r.2).max().unwrap_or_default();
+        let gather_start = Instant::now();
+        let mut loss = results[0].0.to_device(&self.output_device)?;
+        for r in &results[1..] {
+            loss = (loss + r.0.to_device(&self.output_device)?)?;
         }
-        Ok(Step {
-            loss,
-            grads: self.reduce_add(grads)?,
-        })
+        let reduce_start = Instant::now();
+        let grads = self.reduce_add(results.into_iter().map(|r| r.1).collect())?;
+        self.record(|t| {
+            // The replicas' work time included their backward.
+            t.forward = t.forward.saturating_sub(backward);
+            t.backward = backward;
+            t.gather = reduce_start - gather_start;
+            t.reduce = reduce_start.elapsed();
+            t.total += gather_start.elapsed();
+        });
+        Ok(Step { loss, grads })
     }
 
     fn take_saved(&self, output: &Tensor) -> Result<SavedForward> {

@@ -154,6 +154,36 @@ pub enum Error {
     #[error("checkpoint does not match the model: {0}")]
     Checkpoint(String),
 
+    /// A collective between ranks failed (see [`CommError`](crate::comm::CommError)).
+    #[error(transparent)]
+    Comm(#[from] crate::comm::CommError),
+
+    /// Invalid sampler settings (see [`SamplerError`](crate::sampler::SamplerError)).
+    #[error(transparent)]
+    Sampler(#[from] crate::sampler::SamplerError),
+
+    /// A loader failure (see [`LoaderError`](crate::loader::LoaderError)).
+    #[error(transparent)]
+    Loader(#[from] crate::loader::LoaderError),
+
+    /// The ranks of a `DistributedDataParallel` built different models.
+    #[error("the model on rank {rank} differs from rank 0's: it {detail}")]
+    ModelMismatch {
+        /// The first rank whose variables differ.
+        rank: usize,
+        /// Which variable, and how.
+        detail: String,
+    },
+
+    /// An error on one rank, outside any collective.
+    #[error("on rank {rank}: {source}")]
+    Rank {
+        /// The rank.
+        rank: usize,
+        /// What went wrong.
+        source: Box<Error>,
+    },
+
     /// A data file that cannot be read or parsed.
     #[error("{path}: {reason}")]
     Data {

@@ -51,14 +51,20 @@
 //! prefix.
 
 pub mod checkpoint;
+pub mod comm;
 mod data_parallel;
 pub mod datasets;
+mod ddp;
 mod error;
+pub mod launch;
+pub mod loader;
 mod parallel_apply;
 mod replicate;
+pub mod sampler;
 mod scatter_gather;
 
-pub use data_parallel::{DataParallel, DataParallelBuilder, LossReduction, Step};
+pub use data_parallel::{DataParallel, DataParallelBuilder, LossReduction, Step, StepTimings};
+pub use ddp::{CommHook, DdpConfig, DdpTimings, DistributedDataParallel, JoinDivisor};
 pub use error::{Error, Result};
 pub use replicate::{device_label, is_batch_norm_buffer, BufferPredicate};
 pub use scatter_gather::{

@@ -1,0 +1,378 @@
+//! Collective communication between the ranks of a data-parallel group.
+//!
+//! The model is PyTorch's `torch.distributed`: every rank runs the same
+//! program and calls the same collectives in the same order, each with its own
+//! tensor; a collective returns once every rank has contributed. A
+//! [`ProcessGroup`] is one rank's view of such a group. [`ThreadGroup`] is the
+//! in-process implementation, one rank per thread; [`crate::launch::spawn`]
+//! runs a closure on every rank of a fresh `ThreadGroup` and tears the group
+//! down when one rank fails.
+//!
+//! Three promises hold for every implementation:
+//!
+//! - **Determinism.** A reduction combines the ranks' values in an order that
+//!   depends only on the world size and the buffer size (see
+//!   [`ThreadGroup`] for the exact order), never on thread timing, so every
+//!   rank gets bitwise the same result, run after run.
+//! - **Agreement on errors.** Ranks that call different collectives, or pass
+//!   tensors of different dtypes or shapes, all get the same error naming the
+//!   ranks that differ; the group stays usable afterwards.
+//! - **Nothing hangs.** Once a rank fails ([`ProcessGroup::abort`], a panic
+//!   that drops its handle, a timed-out wait) or leaves while others still
+//!   need it, every pending and every later collective of the group returns a
+//!   [`CommError::GroupFailed`] naming that rank. A timeout set with
+//!   [`ProcessGroup::set_timeout`] bounds every wait.
+
+mod buffer;
+mod protocol;
+mod ring;
+mod thread_group;
+
+use std::fmt;
+use std::time::Duration;
+
+use candle_core::Tensor;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+pub use thread_group::{GroupOptions, ThreadGroup, ThreadRank, DEFAULT_RING_THRESHOLD_BYTES};
+
+/// How [`ProcessGroup::all_reduce`] and [`ProcessGroup::reduce`] combine the
+/// ranks' values, element by element.
+///
+/// Floating-point `Max` and `Min` propagate NaN. On integer dtypes `Sum`
+/// wraps on overflow and `Avg` is that sum divided by the world size,
+/// truncated toward zero.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// The sum over the ranks.
+    Sum,
+    /// The sum over the ranks, then divided by the world size (in the
+    /// tensor's dtype), as PyTorch's `ReduceOp.AVG`.
+    Avg,
+    /// The largest value.
+    Max,
+    /// The smallest value.
+    Min,
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Avg => "avg",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+        })
+    }
+}
+
+/// Why a group can no longer communicate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FailureCause {
+    /// The rank called [`ProcessGroup::abort`] (under
+    /// [`spawn`](crate::launch::spawn): its closure returned an error or
+    /// panicked).
+    Aborted(String),
+    /// The rank's handle was dropped while its thread was panicking.
+    Panicked,
+    /// The rank's handle was dropped while another rank still waited for it.
+    Left,
+    /// The rank gave up waiting in a collective after its timeout.
+    TimedOut {
+        /// The collective it was in.
+        op: &'static str,
+        /// The ranks it was waiting for.
+        missing: Vec<usize>,
+    },
+}
+
+impl fmt::Display for FailureCause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FailureCause::Aborted(reason) => write!(f, "failed: {reason}"),
+            FailureCause::Panicked => f.write_str("panicked"),
+            FailureCause::Left => f.write_str("left the group (its handle was dropped)"),
+            FailureCause::TimedOut { op, missing } => {
+                write!(f, "timed out in {op} waiting for rank(s) {missing:?}")
+            }
+        }
+    }
+}
+
+/// The first failure of a group: which rank, and why. Later failures are
+/// consequences and are not recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    /// The rank that failed.
+    pub rank: usize,
+    /// What happened to it.
+    pub cause: FailureCause,
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rank {} {}", self.rank, self.cause)
+    }
+}
+
+/// Errors of collective operations. Every message starts with the rank that
+/// reports it and names the rank(s) at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    /// The group has failed (see [`Failure`]); no collective can complete.
+    #[error("rank {rank}: {op} failed because rank {} {}", failure.rank, failure.cause)]
+    GroupFailed {
+        /// The rank reporting the error.
+        rank: usize,
+        /// The collective that was called.
+        op: &'static str,
+        /// The group's first failure.
+        failure: Failure,
+    },
+
+    /// This rank waited longer than its timeout. The group is failed from
+    /// then on, since the other ranks can no longer complete the collective.
+    #[error("rank {rank}: {op} timed out after {timeout:?}; rank(s) {missing:?} did not arrive")]
+    Timeout {
+        /// The rank reporting the error.
+        rank: usize,
+        /// The collective that timed out.
+        op: &'static str,
+        /// The timeout that expired.
+        timeout: Duration,
+        /// The ranks that had not entered this collective (or, when all had,
+        /// the rank whose message was awaited).
+        missing: Vec<usize>,
+    },
+
+    /// The ranks called different collectives (or the same one with
+    /// different roots or reduce ops).
+    #[error("rank {rank}: {op}: the ranks called different collectives: {detail}")]
+    OpMismatch {
+        /// The rank reporting the error.
+        rank: usize,
+        /// The collective this rank called.
+        op: &'static str,
+        /// The ranks whose call differs from rank 0's.
+        ranks: Vec<usize>,
+        /// Who called what.
+        detail: String,
+    },
+
+    /// The ranks passed tensors of different dtypes or shapes.
+    #[error("rank {rank}: {op}: the ranks' tensors differ: {detail}")]
+    TensorMismatch {
+        /// The rank reporting the error.
+        rank: usize,
+        /// The collective.
+        op: &'static str,
+        /// The ranks whose tensor differs from rank 0's.
+        ranks: Vec<usize>,
+        /// Which rank passed which dtype and shape.
+        detail: String,
+    },
+
+    /// A rank passed input the collective cannot use (a root out of range, a
+    /// dtype collectives do not support, a wrong number of scatter tensors).
+    /// Every rank reports it.
+    #[error("rank {rank}: {op}: invalid input on rank {culprit}: {reason}")]
+    InvalidInput {
+        /// The rank reporting the error.
+        rank: usize,
+        /// The collective.
+        op: &'static str,
+        /// The rank whose input is invalid.
+        culprit: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A message did not fit the collective in progress: the ranks' calls
+    /// are out of step. The group is failed from then on.
+    #[error("rank {rank}: {op}: unexpected message from rank {peer}: {detail}")]
+    Protocol {
+        /// The rank reporting the error.
+        rank: usize,
+        /// The collective.
+        op: &'static str,
+        /// The rank that sent the message.
+        peer: usize,
+        /// What was wrong with it.
+        detail: String,
+    },
+
+    /// Building the result tensor failed on this rank (after the
+    /// communication completed, so the group is unaffected).
+    #[error("rank {rank}: {op}: {source}")]
+    Tensor {
+        /// The rank reporting the error.
+        rank: usize,
+        /// The collective.
+        op: &'static str,
+        /// candle's error.
+        source: candle_core::Error,
+    },
+
+    /// [`all_gather_object`] received bytes it cannot decode as the
+    /// requested type.
+    #[error(
+        "rank {rank}: all_gather_object: cannot decode the object of rank {culprit}: {source}"
+    )]
+    Decode {
+        /// The rank reporting the error.
+        rank: usize,
+        /// The rank whose object does not decode.
+        culprit: usize,
+        /// serde_json's error.
+        source: serde_json::Error,
+    },
+}
+
+/// `Result` with [`CommError`].
+pub type Result<T> = std::result::Result<T, CommError>;
+
+/// One rank's view of a group of ranks that run collectives together.
+///
+/// Every rank must call the same collectives in the same order. Results
+/// have the input's shape, dtype and device, and never share storage with
+/// the inputs. Calls on one handle are serialized. The trait is
+/// object-safe: `Arc<dyn ProcessGroup>` works.
+///
+/// # Errors
+///
+/// Every collective returns [`CommError::GroupFailed`] once the group has
+/// failed and [`CommError::Timeout`] when this rank's timeout expires. Calls
+/// that do not fit together ([`CommError::OpMismatch`],
+/// [`CommError::TensorMismatch`]) or input a collective cannot use
+/// ([`CommError::InvalidInput`]) give every rank the same error, and the
+/// group stays usable.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_dp::comm::{ProcessGroup, ReduceOp};
+/// use candle_dp::launch::spawn;
+///
+/// let sums = spawn(3, |ctx| {
+///     let x = Tensor::new(&[ctx.rank as f32, 1.0], &Device::Cpu)?;
+///     let sum = ctx.pg.all_reduce(&x, ReduceOp::Sum)?;
+///     Ok(sum.to_vec1::<f32>()?)
+/// })?;
+/// assert_eq!(sums, vec![vec![3.0, 3.0]; 3]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub trait ProcessGroup: Send + Sync {
+    /// This rank's index, in `0..world_size()`.
+    fn rank(&self) -> usize;
+
+    /// The number of ranks in the group.
+    fn world_size(&self) -> usize;
+
+    /// Bounds every later wait of this rank: a collective that has not
+    /// completed `timeout` after it was called returns
+    /// [`CommError::Timeout`] and fails the group. `None` waits forever (a
+    /// failed or departed rank still ends the wait).
+    fn set_timeout(&self, timeout: Option<Duration>);
+
+    /// The timeout set by [`set_timeout`](ProcessGroup::set_timeout) or the
+    /// group's options.
+    fn timeout(&self) -> Option<Duration>;
+
+    /// Combines `tensor` across all ranks with `op`; every rank gets the
+    /// (bitwise identical) result.
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor>;
+
+    /// Returns a copy of `root`'s tensor on every rank. Every rank passes a
+    /// tensor of the same dtype and shape (only `root`'s values are used).
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor>;
+
+    /// Returns every rank's tensor, in rank order, on every rank.
+    fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>>;
+
+    /// Returns every rank's tensor, in rank order, on `root` (`Some`); the
+    /// other ranks get `None`.
+    fn gather(&self, tensor: &Tensor, root: usize) -> Result<Option<Vec<Tensor>>>;
+
+    /// `root` passes one tensor per rank; rank `i` gets a copy of the `i`-th,
+    /// on that tensor's device. The other ranks' `tensors` are ignored.
+    fn scatter(&self, tensors: Option<&[Tensor]>, root: usize) -> Result<Tensor>;
+
+    /// Like [`all_reduce`](ProcessGroup::all_reduce) (bitwise the same
+    /// result), but only `root` gets it (`Some`).
+    fn reduce(&self, tensor: &Tensor, root: usize, op: ReduceOp) -> Result<Option<Tensor>>;
+
+    /// Returns once every rank has called `barrier`.
+    fn barrier(&self) -> Result<()>;
+
+    /// Returns every rank's bytes, in rank order, on every rank. Lengths may
+    /// differ between ranks.
+    fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>>;
+
+    /// Marks this rank failed with `reason`: every pending and later
+    /// collective of the group, on every rank, returns
+    /// [`CommError::GroupFailed`]. Only the group's first failure is kept.
+    fn abort(&self, reason: &str);
+
+    /// The group's first failure, if any.
+    fn failure(&self) -> Option<Failure>;
+}
+
+/// Gathers a serde-serializable value from every rank, in rank order, on
+/// every rank (PyTorch's `all_gather_object`), through
+/// [`ProcessGroup::all_gather_bytes`] and JSON.
+///
+/// A value that fails to serialize on one rank makes every rank return
+/// [`CommError::InvalidInput`] naming it.
+///
+/// ```
+/// use candle_dp::comm::all_gather_object;
+/// use candle_dp::launch::spawn;
+///
+/// let names = spawn(2, |ctx| {
+///     Ok(all_gather_object(ctx.pg.as_ref(), &format!("worker-{}", ctx.rank))?)
+/// })?;
+/// assert_eq!(names[1], vec!["worker-0".to_string(), "worker-1".to_string()]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn all_gather_object<T: Serialize + DeserializeOwned>(
+    pg: &dyn ProcessGroup,
+    value: &T,
+) -> Result<Vec<T>> {
+    // Each rank's bytes start with a tag, so that a rank whose value does
+    // not serialize still takes part and every rank can report it, instead
+    // of that rank returning early and the others waiting for it.
+    const OK: u8 = 0;
+    const FAILED: u8 = 1;
+    let bytes = match serde_json::to_vec(value) {
+        Ok(json) => [vec![OK], json].concat(),
+        Err(e) => [vec![FAILED], e.to_string().into_bytes()].concat(),
+    };
+    let gathered = pg.all_gather_bytes(bytes)?;
+    let rank = pg.rank();
+    gathered
+        .iter()
+        .enumerate()
+        .map(|(culprit, bytes)| match bytes.split_first() {
+            Some((&OK, json)) => serde_json::from_slice(json).map_err(|source| CommError::Decode {
+                rank,
+                culprit,
+                source,
+            }),
+            Some((_, message)) => Err(CommError::InvalidInput {
+                rank,
+                op: "all_gather_object",
+                culprit,
+                reason: format!(
+                    "cannot serialize its object: {}",
+                    String::from_utf8_lossy(message)
+                ),
+            }),
+            None => Err(CommError::InvalidInput {
+                rank,
+                op: "all_gather_object",
+                culprit,
+                reason: "sent no bytes".to_string(),
+            }),
+        })
+        .collect()
+}

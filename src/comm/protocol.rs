@@ -1,0 +1,260 @@
+//! The messages ranks exchange, and the check that makes every rank agree on
+//! whether a collective can go ahead.
+//!
+//! Every collective starts with a header exchange: each rank sends every
+//! other rank a [`Header`] saying which collective it called, with what
+//! dtype and shape, and whether its input is usable. Every rank then holds
+//! the same set of signatures and [`check`] computes the same verdict from
+//! them, so a mismatch gives the same error on every rank instead of a hang
+//! or a garbled result. Small payloads ride along with the header, so a
+//! small collective costs one message per pair of ranks.
+
+use std::fmt;
+use std::sync::Arc;
+
+use candle_core::{DType, Device};
+
+use super::buffer::Buffer;
+use super::{CommError, ReduceOp, Result};
+
+/// Which collective a rank called, with the arguments all ranks must agree on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OpSig {
+    AllReduce(ReduceOp),
+    Broadcast { root: usize },
+    AllGather,
+    Gather { root: usize },
+    Scatter { root: usize },
+    Reduce { root: usize, op: ReduceOp },
+    Barrier,
+    AllGatherBytes,
+}
+
+impl OpSig {
+    /// The collective's name, as in error messages.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            OpSig::AllReduce(_) => "all_reduce",
+            OpSig::Broadcast { .. } => "broadcast",
+            OpSig::AllGather => "all_gather",
+            OpSig::Gather { .. } => "gather",
+            OpSig::Scatter { .. } => "scatter",
+            OpSig::Reduce { .. } => "reduce",
+            OpSig::Barrier => "barrier",
+            OpSig::AllGatherBytes => "all_gather_bytes",
+        }
+    }
+
+    fn root(self) -> Option<usize> {
+        match self {
+            OpSig::Broadcast { root }
+            | OpSig::Gather { root }
+            | OpSig::Scatter { root }
+            | OpSig::Reduce { root, .. } => Some(root),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for OpSig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            OpSig::AllReduce(op) => write!(f, "all_reduce({op})"),
+            OpSig::Reduce { root, op } => write!(f, "reduce({op}, root={root})"),
+            other => match other.root() {
+                Some(root) => write!(f, "{}(root={root})", other.name()),
+                None => write!(f, "{}", other.name()),
+            },
+        }
+    }
+}
+
+/// The dtype and shape of a rank's input tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TensorMeta {
+    pub(crate) dtype: DType,
+    pub(crate) dims: Vec<usize>,
+}
+
+impl fmt::Display for TensorMeta {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {:?}", self.dtype.as_str(), self.dims)
+    }
+}
+
+/// What a rank tells every other rank about its call; identical for every
+/// destination.
+#[derive(Debug, Clone)]
+pub(crate) struct Signature {
+    pub(crate) op: OpSig,
+    /// The input tensor's dtype and shape, for collectives whose tensors
+    /// must match across ranks; `None` otherwise.
+    pub(crate) meta: Option<TensorMeta>,
+    /// Why this rank's input cannot be used, if it cannot.
+    pub(crate) invalid: Option<String>,
+}
+
+/// Tensor data sent along with a header.
+#[derive(Debug, Clone)]
+pub(crate) struct Piece {
+    /// Shared, not copied, when the same data goes to several ranks.
+    pub(crate) data: Arc<Buffer>,
+    pub(crate) dims: Vec<usize>,
+    /// Where the receiver should put it, for scatter.
+    pub(crate) device: Device,
+}
+
+/// The first message of every collective.
+#[derive(Debug)]
+pub(crate) struct Header {
+    pub(crate) sig: Signature,
+    /// The data this destination needs from the sender, if the collective
+    /// sends it in one step.
+    pub(crate) payload: Option<Piece>,
+}
+
+/// A message, tagged with the sender's collective count so that a message
+/// from another collective is detected, never misused.
+#[derive(Debug)]
+pub(crate) struct Envelope {
+    pub(crate) seq: u64,
+    pub(crate) body: Body,
+}
+
+#[derive(Debug)]
+pub(crate) enum Body {
+    Header(Box<Header>),
+    /// Data of the ring algorithm's later steps.
+    Data(Arc<Buffer>),
+}
+
+/// The verdict on a collective, computed identically on every rank from
+/// every rank's signature (`sigs[r]` is rank `r`'s), so that all ranks
+/// return the same error or all go ahead. `rank` is the rank computing it,
+/// for the error message.
+pub(crate) fn check(sigs: &[&Signature], rank: usize, op: &'static str) -> Result<()> {
+    let (ranks, detail) = differing(sigs.iter().map(|s| s.op));
+    if !ranks.is_empty() {
+        return Err(CommError::OpMismatch {
+            rank,
+            op,
+            ranks,
+            detail,
+        });
+    }
+    if let Some((culprit, reason)) = sigs
+        .iter()
+        .enumerate()
+        .find_map(|(r, s)| s.invalid.as_ref().map(|reason| (r, reason.clone())))
+    {
+        return Err(CommError::InvalidInput {
+            rank,
+            op,
+            culprit,
+            reason,
+        });
+    }
+    let (ranks, detail) = differing(sigs.iter().map(|s| MetaLabel(s.meta.as_ref())));
+    if !ranks.is_empty() {
+        return Err(CommError::TensorMismatch {
+            rank,
+            op,
+            ranks,
+            detail,
+        });
+    }
+    Ok(())
+}
+
+/// The ranks whose value differs from rank 0's, and a description of who has
+/// what: `rank(s) [0, 1]: f32 [3]; rank(s) [2]: f32 [4]`.
+fn differing<T: PartialEq + fmt::Display>(values: impl Iterator<Item = T>) -> (Vec<usize>, String) {
+    let mut groups: Vec<(T, Vec<usize>)> = Vec::new();
+    for (rank, value) in values.enumerate() {
+        match groups.iter_mut().find(|(v, _)| *v == value) {
+            Some((_, ranks)) => ranks.push(rank),
+            None => groups.push((value, vec![rank])),
+        }
+    }
+    if groups.len() <= 1 {
+        return (Vec::new(), String::new());
+    }
+    let ranks = groups[1..]
+        .iter()
+        .flat_map(|(_, r)| r.iter().copied())
+        .collect();
+    let detail = groups
+        .iter()
+        .map(|(value, ranks)| format!("rank(s) {ranks:?}: {value}"))
+        .collect::<Vec<_>>()
+        .join("; ");
+    (ranks, detail)
+}
+
+#[derive(PartialEq)]
+struct MetaLabel<'a>(Option<&'a TensorMeta>);
+
+impl fmt::Display for MetaLabel<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(meta) => meta.fmt(f),
+            None => f.write_str("no tensor"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sig(op: OpSig, dims: &[usize], invalid: Option<&str>) -> Signature {
+        Signature {
+            op,
+            meta: Some(TensorMeta {
+                dtype: DType::F32,
+                dims: dims.to_vec(),
+            }),
+            invalid: invalid.map(str::to_string),
+        }
+    }
+
+    #[test]
+    fn check_names_the_ranks_whose_shape_differs_from_rank_0() {
+        let a = sig(OpSig::AllGather, &[3], None);
+        let b = sig(OpSig::AllGather, &[4], None);
+        let err = check(&[&a, &a, &b], 1, "all_gather").unwrap_err();
+        match err {
+            CommError::TensorMismatch {
+                rank,
+                ranks,
+                detail,
+                ..
+            } => {
+                assert_eq!(rank, 1);
+                assert_eq!(ranks, vec![2]);
+                assert_eq!(detail, "rank(s) [0, 1]: f32 [3]; rank(s) [2]: f32 [4]");
+            }
+            other => panic!("unexpected {other}"),
+        }
+    }
+
+    #[test]
+    fn check_reports_a_different_collective_before_invalid_input() {
+        let a = sig(OpSig::Broadcast { root: 0 }, &[1], Some("bad"));
+        let b = sig(OpSig::Broadcast { root: 1 }, &[1], None);
+        let err = check(&[&a, &b], 0, "broadcast").unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "rank 0: broadcast: the ranks called different collectives: \
+             rank(s) [0]: broadcast(root=0); rank(s) [1]: broadcast(root=1)"
+        );
+    }
+
+    #[test]
+    fn check_reports_the_lowest_rank_with_invalid_input() {
+        let ok = sig(OpSig::Barrier, &[1], None);
+        let bad = sig(OpSig::Barrier, &[1], Some("root 9 is out of range"));
+        let err = check(&[&ok, &bad, &bad], 0, "barrier").unwrap_err();
+        assert!(matches!(err, CommError::InvalidInput { culprit: 1, .. }));
+    }
+}

@@ -1,0 +1,555 @@
+//! `DistributedDataParallel`: one persistent model per rank, gradients
+//! averaged across ranks so every rank applies the identical update.
+//!
+//! Mirrors `torch.nn.parallel.DistributedDataParallel` over any
+//! [`ProcessGroup`] (today the in-process [`ThreadGroup`](crate::comm::ThreadGroup),
+//! one rank per thread):
+//!
+//! - at construction every rank's variable names and shapes are compared
+//!   (an error names the rank and the variable that differ), then all values
+//!   are broadcast from rank 0;
+//! - each synchronised backward packs the gradients into buckets (cap
+//!   configurable, default 25 MiB, first bucket 1 MiB), in a fixed order
+//!   identical on every rank, and all-reduces them through a [`CommHook`]
+//!   (plain average, or fp16 / bf16 compression);
+//! - [`no_sync`](DistributedDataParallel::no_sync) accumulates gradients
+//!   locally; the next synchronised backward reduces the accumulated sum;
+//! - buffers (BatchNorm statistics) are broadcast from rank 0 before every
+//!   forward unless [`DdpConfig::broadcast_buffers`] is off;
+//! - variables that got no gradient on some rank this step are reduced as
+//!   zeros there (no hang, no corrupted average); variables that got no
+//!   gradient on any rank get none, so optimizers skip them, as in PyTorch;
+//! - [`join`](DistributedDataParallel::join) handles uneven inputs: a rank
+//!   out of data keeps answering the others' collectives with zeros.
+//!
+//! Unlike PyTorch, the reduction does not overlap the backward pass: candle
+//! computes all gradients in one call, with no per-gradient hook.
+//!
+//! With a *summed* (not averaged) loss, DDP gradients are `world_size` times
+//! smaller than single-device training on the combined batch, exactly as in
+//! PyTorch; use a mean loss (or scale) for equivalence.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{Module, ModuleT, Optimizer, VarBuilder, VarMap};
+use serde::{Deserialize, Serialize};
+
+use crate::comm::{all_gather_object, ProcessGroup, ReduceOp};
+use crate::error::{Error, Result};
+use crate::replicate::{is_batch_norm_buffer, sorted_vars, BufferPredicate};
+
+/// How a bucket of gradients travels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CommHook {
+    /// Divide by the world size, all-reduce (sum) in the gradients' dtype:
+    /// PyTorch's default `allreduce_hook`.
+    #[default]
+    Average,
+    /// Cast to f16, divide, all-reduce, cast back (`fp16_compress_hook`).
+    Fp16Compress,
+    /// Cast to bf16, divide, all-reduce, cast back (`bf16_compress_hook`).
+    Bf16Compress,
+}
+
+/// What to divide the gradient sum by while some ranks have joined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum JoinDivisor {
+    /// The world size at construction: joined ranks count as zero
+    /// gradients (PyTorch's `divide_by_initial_world_size=True`).
+    #[default]
+    InitialWorldSize,
+    /// The number of ranks still training this step.
+    ActiveRanks,
+}
+
+/// Settings of a [`DistributedDataParallel`].
+#[derive(Clone)]
+pub struct DdpConfig {
+    /// Largest bucket, in bytes (default 25 MiB).
+    pub bucket_cap_bytes: usize,
+    /// Largest first bucket, in bytes (default 1 MiB), so the first
+    /// reduction can start early once reduction overlaps backward.
+    pub first_bucket_cap_bytes: usize,
+    /// Broadcast buffers from rank 0 before every forward (default on).
+    pub broadcast_buffers: bool,
+    /// How buckets are reduced (default [`CommHook::Average`]).
+    pub comm_hook: CommHook,
+    /// Divisor while ranks have joined (default the initial world size).
+    pub join_divisor: JoinDivisor,
+    /// Which variables are buffers (default BatchNorm statistics).
+    pub is_buffer: BufferPredicate,
+}
+
+impl Default for DdpConfig {
+    fn default() -> Self {
+        Self {
+            bucket_cap_bytes: 25 * 1024 * 1024,
+            first_bucket_cap_bytes: 1024 * 1024,
+            broadcast_buffers: true,
+            comm_hook: CommHook::Average,
+            join_divisor: JoinDivisor::InitialWorldSize,
+            is_buffer: Arc::new(is_batch_norm_buffer),
+        }
+    }
+}
+
+impl std::fmt::Debug for DdpConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DdpConfig")
+            .field("bucket_cap_bytes", &self.bucket_cap_bytes)
+            .field("first_bucket_cap_bytes", &self.first_bucket_cap_bytes)
+            .field("broadcast_buffers", &self.broadcast_buffers)
+            .field("comm_hook", &self.comm_hook)
+            .field("join_divisor", &self.join_divisor)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where the time of the latest synchronised backward went.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DdpTimings {
+    /// The local backward pass.
+    pub backward: Duration,
+    /// Packing, all-reducing and unpacking the gradient buckets.
+    pub all_reduce: Duration,
+}
+
+/// Consecutive parameters (of one dtype) reduced in one collective.
+#[derive(Debug, Clone)]
+struct Bucket {
+    params: Vec<usize>,
+    dtype: DType,
+}
+
+/// A variable as the construction-time check compares it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct VarSignature {
+    name: String,
+    shape: Vec<usize>,
+    dtype: String,
+}
+
+/// Data parallelism across the ranks of a [`ProcessGroup`]: each rank holds
+/// its own model and optimizer, and gradients are averaged across ranks.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_nn::{linear, loss, Module, Optimizer, VarMap, SGD};
+/// use candle_dp::{launch::spawn, DdpConfig, DistributedDataParallel};
+///
+/// let weights = spawn(2, |ctx| {
+///     let varmap = VarMap::new();
+///     let mut ddp = DistributedDataParallel::new(ctx.process_group(), &varmap, DType::F32, &Device::Cpu,
+///         |vb| linear(4, 2, vb), DdpConfig::default())?;
+///     let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
+///     // each rank its own shard of the data
+///     let x = Tensor::full(ctx.rank as f32, (3, 4), &Device::Cpu)?;
+///     let y = Tensor::new(&[0u32, 1, 0], &Device::Cpu)?;
+///     let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+///     let grads = ddp.backward(&loss)?; // averaged across ranks
+///     sgd.step(&grads)?;
+///     Ok(varmap.data().lock().unwrap()["weight"].to_vec2::<f32>()?)
+/// })?;
+/// assert_eq!(weights[0], weights[1]); // every rank applied the same update
+/// # Ok::<(), anyhow::Error>(())
+/// ```
+pub struct DistributedDataParallel<M> {
+    module: M,
+    pg: Arc<dyn ProcessGroup>,
+    config: DdpConfig,
+    params: Vec<(String, Var)>,
+    buffers: Vec<(String, Var)>,
+    buckets: Vec<Bucket>,
+    /// Gradients accumulated under `no_sync`, one slot per parameter.
+    accumulated: Option<Vec<Option<Tensor>>>,
+    syncing: bool,
+    /// Inside `join`: every forward first counts the ranks still training.
+    joining: bool,
+    /// Ranks that took part in the current step (set by a joining forward).
+    active_ranks: usize,
+    /// Steps this rank trained inside the current `join`.
+    join_steps: usize,
+    timings: DdpTimings,
+}
+
+impl<M> DistributedDataParallel<M> {
+    /// Builds this rank's model from `factory` on `device` (variables in
+    /// `varmap`), checks that every rank built the same variables, and
+    /// copies rank 0's values to every rank. Every rank must call it.
+    pub fn new<F>(
+        pg: Arc<dyn ProcessGroup>,
+        varmap: &VarMap,
+        dtype: DType,
+        device: &Device,
+        factory: F,
+        config: DdpConfig,
+    ) -> Result<Self>
+    where
+        F: FnOnce(VarBuilder) -> candle_core::Result<M>,
+    {
+        let rank = pg.rank();
+        let module =
+            factory(VarBuilder::from_varmap(varmap, dtype, device)).map_err(|e| Error::Rank {
+                rank,
+                source: Box::new(Error::Candle(e)),
+            })?;
+        let vars = sorted_vars(varmap);
+        verify_same_vars(pg.as_ref(), &vars)?;
+        let (buffers, params): (Vec<_>, Vec<_>) = vars
+            .into_iter()
+            .partition(|(name, _)| (config.is_buffer)(name));
+        let ddp = Self {
+            buckets: make_buckets(
+                &params,
+                config.first_bucket_cap_bytes,
+                config.bucket_cap_bytes,
+            ),
+            module,
+            active_ranks: pg.world_size(),
+            pg,
+            config,
+            params,
+            buffers,
+            accumulated: None,
+            syncing: true,
+            joining: false,
+            join_steps: 0,
+            timings: DdpTimings::default(),
+        };
+        ddp.broadcast_from_rank0(&ddp.params)?;
+        ddp.broadcast_from_rank0(&ddp.buffers)?;
+        Ok(ddp)
+    }
+
+    /// This rank's model.
+    pub fn module(&self) -> &M {
+        &self.module
+    }
+
+    /// This rank's process group.
+    pub fn process_group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.pg
+    }
+
+    /// The parameters (variables that get gradients), sorted by name.
+    pub fn params(&self) -> &[(String, Var)] {
+        &self.params
+    }
+
+    /// Runs the model on this rank's batch (after the per-step collectives:
+    /// the join count and the buffer broadcast).
+    pub fn forward(&mut self, x: &Tensor) -> Result<Tensor>
+    where
+        M: Module,
+    {
+        self.pre_forward()?;
+        Ok(self.module.forward(x)?)
+    }
+
+    /// [`forward`](Self::forward) for a [`ModuleT`] (train / eval flag).
+    pub fn forward_t(&mut self, x: &Tensor, train: bool) -> Result<Tensor>
+    where
+        M: ModuleT,
+    {
+        self.pre_forward()?;
+        Ok(self.module.forward_t(x, train)?)
+    }
+
+    fn pre_forward(&mut self) -> Result<()> {
+        if self.joining {
+            self.active_ranks = self.count_active(1.0)?;
+            self.join_steps += 1;
+        }
+        if self.config.broadcast_buffers && !self.buffers.is_empty() {
+            self.broadcast_from_rank0(&self.buffers)?;
+        }
+        Ok(())
+    }
+
+    /// Back-propagates `loss` on this rank and returns the gradients
+    /// averaged over all ranks (plus anything accumulated under
+    /// [`no_sync`](Self::no_sync)), keyed by this rank's variables, for any
+    /// candle `Optimizer::step`. Inside `no_sync` it only accumulates and
+    /// returns an empty store.
+    pub fn backward(&mut self, loss: &Tensor) -> Result<GradStore> {
+        let start = Instant::now();
+        let grads = loss.backward()?;
+        self.timings.backward = start.elapsed();
+        let local: Vec<Option<Tensor>> = self
+            .params
+            .iter()
+            .map(|(_, v)| grads.get(v.as_tensor()).cloned())
+            .collect();
+        let local = match self.accumulated.take() {
+            None => local,
+            Some(acc) => acc
+                .into_iter()
+                .zip(local)
+                .map(|(a, b)| match (a, b) {
+                    (Some(a), Some(b)) => Ok(Some((a + b)?)),
+                    (a, b) => Ok(a.or(b)),
+                })
+                .collect::<candle_core::Result<_>>()?,
+        };
+        if !self.syncing {
+            self.accumulated = Some(local);
+            return Ok(GradStore::default());
+        }
+        let reduce_start = Instant::now();
+        let store = self.all_reduce_grads(local)?;
+        self.timings.all_reduce = reduce_start.elapsed();
+        Ok(store)
+    }
+
+    /// Where the time of the latest backward went.
+    pub fn last_timings(&self) -> DdpTimings {
+        self.timings
+    }
+
+    /// [`backward`](Self::backward) then `optimizer.step` (skipped inside
+    /// `no_sync`).
+    pub fn backward_step<O: Optimizer>(&mut self, loss: &Tensor, optimizer: &mut O) -> Result<()> {
+        let syncing = self.syncing;
+        let grads = self.backward(loss)?;
+        if syncing {
+            optimizer.step(&grads)?;
+        }
+        Ok(())
+    }
+
+    /// Runs `f` with gradient synchronisation off (PyTorch's `no_sync`):
+    /// backward passes inside accumulate locally; the first synchronised
+    /// backward after it reduces the accumulated sum. For gradient
+    /// accumulation over k micro-batches, divide each loss by k.
+    pub fn no_sync<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        let before = std::mem::replace(&mut self.syncing, false);
+        let result = f(self);
+        self.syncing = before;
+        result
+    }
+
+    /// Runs a training loop that may run out of data before the other
+    /// ranks' (PyTorch's `Join`): every rank must call `join`; inside, each
+    /// step is one forward and one synchronised backward. When this rank's
+    /// `f` returns, it keeps answering the others' collectives with zero
+    /// gradients (divided per [`DdpConfig::join_divisor`]) until every rank
+    /// is done. Then, as in PyTorch, every rank takes the variables of the
+    /// last rank to finish (the others stopped applying updates when they
+    /// ran out of data; optimizer states are not synchronised). If `f`
+    /// fails, its error is returned at once.
+    pub fn join<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
+        self.joining = true;
+        self.join_steps = 0;
+        let result = f(self);
+        let shadowed = match &result {
+            Ok(_) => self
+                .shadow_until_all_joined()
+                .and_then(|()| self.sync_from_last_joiner()),
+            Err(_) => Ok(()),
+        };
+        self.joining = false;
+        self.active_ranks = self.pg.world_size();
+        let value = result?;
+        shadowed?;
+        Ok(value)
+    }
+
+    /// How many ranks are still training: each contributes `mine` (1 or 0).
+    fn count_active(&self, mine: f32) -> Result<usize> {
+        let flag = Tensor::new(&[mine], &Device::Cpu)?;
+        let total = self.comm(self.pg.all_reduce(&flag, ReduceOp::Sum))?;
+        Ok(total.to_vec1::<f32>()?[0].round() as usize)
+    }
+
+    /// Broadcasts the variables of the rank that trained the most steps.
+    fn sync_from_last_joiner(&self) -> Result<()> {
+        let steps = all_gather_object(self.pg.as_ref(), &self.join_steps)?;
+        let most = steps.iter().copied().max().unwrap_or(0);
+        let last = steps.iter().position(|&s| s == most).unwrap_or(0);
+        self.broadcast_vars(&self.params, last)?;
+        self.broadcast_vars(&self.buffers, last)
+    }
+
+    fn shadow_until_all_joined(&mut self) -> Result<()> {
+        loop {
+            self.active_ranks = self.count_active(0.0)?;
+            if self.active_ranks == 0 {
+                return Ok(());
+            }
+            if self.config.broadcast_buffers && !self.buffers.is_empty() {
+                self.broadcast_from_rank0(&self.buffers)?;
+            }
+            let zeros = self.params.iter().map(|_| None).collect();
+            self.all_reduce_grads(zeros)?;
+        }
+    }
+
+    /// Averages `local` (one optional gradient per parameter) across ranks,
+    /// bucket by bucket. Each bucket carries one presence flag per
+    /// parameter, so a parameter without a gradient on some rank counts as
+    /// zero there, and one without a gradient anywhere gets none.
+    fn all_reduce_grads(&self, local: Vec<Option<Tensor>>) -> Result<GradStore> {
+        let divisor = match self.config.join_divisor {
+            JoinDivisor::InitialWorldSize => self.pg.world_size(),
+            JoinDivisor::ActiveRanks => self.active_ranks.max(1),
+        } as f64;
+        let mut store = GradStore::default();
+        for bucket in &self.buckets {
+            let mut pieces = Vec::with_capacity(bucket.params.len() + 1);
+            let mut present = Vec::with_capacity(bucket.params.len());
+            for &i in &bucket.params {
+                let var = &self.params[i].1;
+                let flat = match &local[i] {
+                    Some(g) => g.to_dtype(bucket.dtype)?.flatten_all()?,
+                    None => Tensor::zeros(var.elem_count(), bucket.dtype, var.device())?,
+                };
+                pieces.push(flat);
+                present.push(if local[i].is_some() { 1f64 } else { 0. });
+            }
+            let device = self.params[bucket.params[0]].1.device();
+            pieces.push(Tensor::new(present, device)?.to_dtype(bucket.dtype)?);
+            let flat = Tensor::cat(&pieces, 0)?;
+            let reduced = self.reduce_bucket(&flat, divisor)?;
+            let mut offset = 0;
+            let flags_at = flat.elem_count() - bucket.params.len();
+            let flags = reduced
+                .narrow(0, flags_at, bucket.params.len())?
+                .to_dtype(DType::F64)?
+                .to_vec1::<f64>()?;
+            for (k, &i) in bucket.params.iter().enumerate() {
+                let var = &self.params[i].1;
+                let n = var.elem_count();
+                if flags[k] > 0.0 {
+                    let grad = reduced
+                        .narrow(0, offset, n)?
+                        .reshape(var.shape())?
+                        .to_dtype(var.dtype())?;
+                    store.insert(var.as_tensor(), grad);
+                }
+                offset += n;
+            }
+        }
+        Ok(store)
+    }
+
+    /// One bucket through the communication hook.
+    fn reduce_bucket(&self, flat: &Tensor, divisor: f64) -> Result<Tensor> {
+        let wire = match self.config.comm_hook {
+            CommHook::Average => flat.dtype(),
+            CommHook::Fp16Compress => DType::F16,
+            CommHook::Bf16Compress => DType::BF16,
+        };
+        let scaled = (flat.to_dtype(wire)? / divisor)?;
+        let summed = self.comm(self.pg.all_reduce(&scaled, ReduceOp::Sum))?;
+        Ok(summed.to_dtype(flat.dtype())?)
+    }
+
+    fn broadcast_from_rank0(&self, vars: &[(String, Var)]) -> Result<()> {
+        self.broadcast_vars(vars, 0)
+    }
+
+    /// Copies `root`'s values of `vars` into this rank's, one collective
+    /// per dtype.
+    fn broadcast_vars(&self, vars: &[(String, Var)], root: usize) -> Result<()> {
+        let mut dtypes: Vec<DType> = vars.iter().map(|(_, v)| v.dtype()).collect();
+        dtypes.sort_by_key(|d| d.as_str());
+        dtypes.dedup();
+        for dtype in dtypes {
+            let group: Vec<&Var> = vars
+                .iter()
+                .map(|(_, v)| v)
+                .filter(|v| v.dtype() == dtype)
+                .collect();
+            let flats = group
+                .iter()
+                .map(|v| v.as_tensor().flatten_all())
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let flat = Tensor::cat(&flats, 0)?;
+            let value = self.comm(self.pg.broadcast(&flat, root))?;
+            let mut offset = 0;
+            for var in group {
+                let n = var.elem_count();
+                var.set(&value.narrow(0, offset, n)?.reshape(var.shape())?)?;
+                offset += n;
+            }
+        }
+        Ok(())
+    }
+
+    fn comm<T>(&self, r: std::result::Result<T, crate::comm::CommError>) -> Result<T> {
+        r.map_err(Error::from)
+    }
+}
+
+/// Checks that every rank has the same variables (names, shapes, dtypes)
+/// as rank 0; the error names the first rank and variable that differ. All
+/// ranks see all signatures, so all return the same verdict.
+fn verify_same_vars(pg: &dyn ProcessGroup, vars: &[(String, Var)]) -> Result<()> {
+    let mine: Vec<VarSignature> = vars
+        .iter()
+        .map(|(name, v)| VarSignature {
+            name: name.clone(),
+            shape: v.dims().to_vec(),
+            dtype: v.dtype().as_str().to_string(),
+        })
+        .collect();
+    let all = all_gather_object(pg, &mine)?;
+    let reference = &all[0];
+    for (rank, theirs) in all.iter().enumerate().skip(1) {
+        for (a, b) in reference.iter().zip(theirs) {
+            if a != b {
+                return Err(Error::ModelMismatch {
+                    rank,
+                    detail: if a.name != b.name {
+                        format!("has variable `{}` where rank 0 has `{}`", b.name, a.name)
+                    } else {
+                        format!(
+                            "has `{}` with shape {:?} ({}) where rank 0 has {:?} ({})",
+                            b.name, b.shape, b.dtype, a.shape, a.dtype
+                        )
+                    },
+                });
+            }
+        }
+        if theirs.len() != reference.len() {
+            let extra = if theirs.len() > reference.len() {
+                format!("has `{}`, which rank 0 lacks", theirs[reference.len()].name)
+            } else {
+                format!("lacks `{}`, which rank 0 has", reference[theirs.len()].name)
+            };
+            return Err(Error::ModelMismatch {
+                rank,
+                detail: extra,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Groups consecutive same-dtype parameters into buckets of at most the cap
+/// (a parameter larger than the cap gets a bucket of its own).
+fn make_buckets(params: &[(String, Var)], first_cap: usize, cap: usize) -> Vec<Bucket> {
+    let mut buckets: Vec<Bucket> = Vec::new();
+    let mut bytes = 0;
+    for (i, (_, var)) in params.iter().enumerate() {
+        let size = var.elem_count() * var.dtype().size_in_bytes();
+        let limit = if buckets.len() <= 1 { first_cap } else { cap };
+        match buckets.last_mut() {
+            Some(b) if b.dtype == var.dtype() && bytes + size <= limit => {
+                b.params.push(i);
+                bytes += size;
+            }
+            _ => {
+                buckets.push(Bucket {
+                    params: vec![i],
+                    dtype: var.dtype(),
+                });
+                bytes = size;
+            }
+        }
+    }
+    buckets
+}
