@@ -2,21 +2,30 @@
 //! then the same run on one device, and compare.
 //!
 //! ```text
-//! cargo run --release --example train_digits -- [--replicas 2] [--epochs 20]
-//!     [--batch 64] [--lr 0.002] [--hidden 256] [--backward fast|dropin]
-//!     [--mnist DIR] [--seed 0]
+//! cargo run --example train_digits -- [--strategy dp|ddp|single] [--replicas 2]
+//!     [--epochs 20] [--batch 64] [--lr 0.002] [--hidden 256]
+//!     [--backward fast|dropin] [--mnist DIR] [--seed 0]
 //! ```
+//!
+//! `dp` (default): DataParallel over `--replicas` CPU replicas; `ddp`:
+//! DistributedDataParallel over `--replicas` thread ranks, each with a
+//! `DistributedSampler` shard and a prefetching `Loader`; `single`: plain
+//! candle. `dp` and `ddp` are followed by the same run on one device.
 //!
 //! Data: the 8x8 handwritten digits bundled in `data/digits/` (1797
 //! samples, 80/20 train / held-out split), or MNIST from a local directory
 //! of IDX files with `--mnist DIR` (its own train / test files).
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::datasets::{load_digits, load_mnist, shuffled_indices, LabelledImages};
-use candle_dp::{cpu_devices, DataParallel, LossReduction};
+use candle_dp::launch::spawn;
+use candle_dp::loader::{Loader, TensorDataset};
+use candle_dp::sampler::DistributedSampler;
+use candle_dp::{cpu_devices, DataParallel, DdpConfig, DistributedDataParallel, LossReduction};
 use candle_nn::{linear, loss, AdamW, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -41,7 +50,15 @@ impl Module for Mlp {
     }
 }
 
+#[derive(Clone, Copy, PartialEq)]
+enum Strategy {
+    Dp,
+    Ddp,
+    Single,
+}
+
 struct Args {
+    strategy: Strategy,
     replicas: usize,
     epochs: usize,
     batch: usize,
@@ -54,6 +71,7 @@ struct Args {
 
 fn parse_args() -> Result<Args> {
     let mut args = Args {
+        strategy: Strategy::Dp,
         replicas: 2,
         epochs: 20,
         batch: 64,
@@ -74,6 +92,14 @@ fn parse_args() -> Result<Args> {
             "--hidden" => args.hidden = value()?.parse()?,
             "--seed" => args.seed = value()?.parse()?,
             "--mnist" => args.mnist = Some(value()?),
+            "--strategy" => {
+                args.strategy = match value()?.as_str() {
+                    "dp" => Strategy::Dp,
+                    "ddp" => Strategy::Ddp,
+                    "single" => Strategy::Single,
+                    other => bail!("--strategy takes dp, ddp or single, not {other}"),
+                }
+            }
             "--backward" => {
                 args.fast_backward = match value()?.as_str() {
                     "fast" => true,
@@ -233,6 +259,114 @@ fn train(
     })
 }
 
+/// DistributedDataParallel over `args.replicas` thread ranks: each rank
+/// reads its `DistributedSampler` shard through a prefetching `Loader`.
+fn train_ddp(
+    args: &Args,
+    init: &VarMap,
+    train: &LabelledImages,
+    test: &LabelledImages,
+) -> Result<Outcome> {
+    let world = args.replicas;
+    let per_rank = (args.batch / world).max(1);
+    let dataset = Arc::new(TensorDataset::new(vec![
+        train.images.clone(),
+        train.labels.clone(),
+    ])?);
+    let (inputs, hidden) = (train.height * train.width, args.hidden);
+    let steps_per_epoch = DistributedSampler::new(train.len(), world, 0)?
+        .len()
+        .div_ceil(per_rank);
+    let bar = ProgressBar::new((args.epochs * steps_per_epoch) as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{prefix:>12} [{bar:30}] {pos}/{len} steps  {msg}")?
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(format!("DDP x{world}"));
+    let start = Instant::now();
+    let mut results = spawn(world, |ctx| {
+        let varmap = copy_varmap(init)?;
+        let mut ddp = DistributedDataParallel::new(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            |vb| Mlp::new(vb, inputs, hidden),
+            DdpConfig::default(),
+        )?;
+        let mut opt = AdamW::new(
+            varmap.all_vars(),
+            ParamsAdamW {
+                lr: args.lr,
+                ..Default::default()
+            },
+        )?;
+        let mut sampler = DistributedSampler::new(train.len(), world, ctx.rank)?.seed(args.seed);
+        let (mut samples, mut last_loss) = (0, f32::NAN);
+        for epoch in 0..args.epochs {
+            sampler.set_epoch(epoch as u64);
+            let loader = Loader::new(dataset.clone(), per_rank)?
+                .indices(sampler.indices())
+                .prefetch(2);
+            for batch in &loader {
+                let batch = batch?;
+                let loss = loss::cross_entropy(&ddp.forward(&batch[0])?, &batch[1])?;
+                ddp.backward_step(&loss, &mut opt)?;
+                samples += batch[0].dim(0)?;
+                last_loss = loss.to_scalar::<f32>()?;
+                if ctx.rank == 0 {
+                    bar.inc(1);
+                }
+            }
+            if ctx.rank == 0 {
+                bar.set_message(format!("epoch {} loss {last_loss:.4}", epoch + 1));
+            }
+        }
+        let model = Mlp::new(
+            VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+            inputs,
+            hidden,
+        )?;
+        Ok((
+            samples,
+            last_loss,
+            accuracy(&model, test)?,
+            sorted_weights(&varmap),
+        ))
+    })?;
+    let seconds = start.elapsed().as_secs_f64();
+    bar.finish();
+    let samples: usize = results.iter().map(|r| r.0).sum();
+    let (_, last_loss, accuracy, weights) = results.swap_remove(0);
+    Ok(Outcome {
+        seconds,
+        samples,
+        last_loss,
+        accuracy,
+        weights,
+    })
+}
+
+fn accuracy(model: &Mlp, test: &LabelledImages) -> Result<f64> {
+    let predictions = model.forward(&test.images)?.argmax(1)?;
+    let correct = predictions
+        .eq(&test.labels)?
+        .to_dtype(DType::F32)?
+        .sum_all()?
+        .to_scalar::<f32>()?;
+    Ok(correct as f64 / test.len() as f64)
+}
+
+fn sorted_weights(varmap: &VarMap) -> Vec<Tensor> {
+    let data = varmap.data().lock().expect("lock");
+    let mut named: Vec<_> = data
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named.into_iter().map(|(_, t)| t).collect()
+}
+
 fn copy_varmap(from: &VarMap) -> Result<VarMap> {
     let to = VarMap::new();
     {
@@ -280,25 +414,27 @@ fn main() -> Result<()> {
         args.hidden,
     )?;
 
-    let dp = train(&args, args.replicas, &init, &train_set, &test_set)?;
     let one = train(&args, 0, &init, &train_set, &test_set)?;
-
-    let max_diff = dp
-        .weights
-        .iter()
-        .zip(&one.weights)
-        .map(|(a, b)| Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?))
-        .collect::<Result<Vec<f32>>>()?
-        .into_iter()
-        .fold(0f32, f32::max);
+    let parallel = match args.strategy {
+        Strategy::Dp => Some((
+            format!("DataParallel, {} CPU replicas", args.replicas),
+            train(&args, args.replicas, &init, &train_set, &test_set)?,
+        )),
+        Strategy::Ddp => Some((
+            format!("DDP, {} thread ranks", args.replicas),
+            train_ddp(&args, &init, &train_set, &test_set)?,
+        )),
+        Strategy::Single => None,
+    };
 
     println!();
     println!("| run | final loss | held-out accuracy | train time (s) | samples/s |");
     println!("|---|---|---|---|---|");
-    for (label, o) in [
-        (format!("DataParallel, {} CPU replicas", args.replicas), &dp),
-        ("one device".to_string(), &one),
-    ] {
+    let mut runs = vec![("one device".to_string(), &one)];
+    if let Some((label, outcome)) = &parallel {
+        runs.insert(0, (label.clone(), outcome));
+    }
+    for (label, o) in runs {
         println!(
             "| {label} | {:.4} | {:.2}% | {:.2} | {:.0} |",
             o.last_loss,
@@ -307,13 +443,20 @@ fn main() -> Result<()> {
             o.samples as f64 / o.seconds
         );
     }
-    println!();
-    println!(
-        "speed-up DataParallel / one device: {:.2}x",
-        one.seconds / dp.seconds
-    );
-    println!(
-        "largest weight difference between the two runs: {max_diff:.3e} (same init, same batches)"
-    );
+    if let Some((_, p)) = &parallel {
+        println!();
+        println!("speed-up over one device: {:.2}x", one.seconds / p.seconds);
+        if args.strategy == Strategy::Dp {
+            let max_diff = p
+                .weights
+                .iter()
+                .zip(&one.weights)
+                .map(|(a, b)| Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?))
+                .collect::<Result<Vec<f32>>>()?
+                .into_iter()
+                .fold(0f32, f32::max);
+            println!("largest weight difference from the one-device run: {max_diff:.3e} (same init, same batches)");
+        }
+    }
     Ok(())
 }
