@@ -1,0 +1,641 @@
+//! Training benchmark: one device, DataParallel (three backward paths) and
+//! DistributedDataParallel on thread ranks, side by side in one run.
+//!
+//! ```text
+//! cargo run --release --example bench -- --out bench-out [--quick] [--steps 20] [--rounds 2]
+//!     [--device cpu|cuda]
+//! ```
+//!
+//! `--device cuda` (a build with `--features cuda`) puts every replica or
+//! rank on its own CUDA stream of GPU 0; steps end with a device
+//! synchronisation, phase times are then only indicative (kernels run
+//! asynchronously), and scaling efficiency is left out.
+//!
+//! Every configuration runs in its own child process (this binary again,
+//! with `--child`), so each gets the thread settings it needs (candle reads
+//! `RAYON_NUM_THREADS` / `CANDLE_NUM_THREADS` from the environment), and
+//! configurations are interleaved over `--rounds` to spread machine noise.
+//! Writes `bench.md` (markdown table), `bench.csv` and `bench.svg` (chart)
+//! into `--out`.
+//!
+//! Scaling efficiency, as defined in the design notes: throughput with R
+//! replicas / (R x throughput of one replica on 1/R of the cores at the same
+//! per-replica batch). "Engine overhead" is the share of the step not spent
+//! in forward, backward or optimizer compute.
+
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_dp::comm::GroupOptions;
+use candle_dp::launch::spawn_with;
+use candle_dp::{DataParallel, DdpConfig, DistributedDataParallel, LossReduction};
+use candle_nn::{
+    conv2d, linear, loss, Conv2d, Conv2dConfig, Linear, Optimizer, VarBuilder, VarMap, SGD,
+};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::{Deserialize, Serialize};
+
+/// The reference MLP 784-1024-1024-10.
+struct Mlp(Linear, Linear, Linear);
+
+/// A small conv net on 1x28x28: conv 16 -> pool -> conv 32 -> pool -> fc 10.
+struct Conv(Conv2d, Conv2d, Linear);
+
+enum Net {
+    Mlp(Mlp),
+    Conv(Conv),
+}
+
+impl Net {
+    fn new(model: &str, vb: VarBuilder) -> candle_core::Result<Self> {
+        Ok(match model {
+            "mlp" => Net::Mlp(Mlp(
+                linear(784, 1024, vb.pp("l1"))?,
+                linear(1024, 1024, vb.pp("l2"))?,
+                linear(1024, 10, vb.pp("l3"))?,
+            )),
+            _ => Net::Conv(Conv(
+                conv2d(1, 16, 3, Conv2dConfig::default(), vb.pp("c1"))?,
+                conv2d(16, 32, 3, Conv2dConfig::default(), vb.pp("c2"))?,
+                linear(32 * 5 * 5, 10, vb.pp("fc"))?,
+            )),
+        })
+    }
+
+    fn input_shape(model: &str, batch: usize) -> Vec<usize> {
+        match model {
+            "mlp" => vec![batch, 784],
+            _ => vec![batch, 1, 28, 28],
+        }
+    }
+}
+
+impl Module for Net {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Net::Mlp(m) => m.2.forward(&m.1.forward(&m.0.forward(x)?.relu()?)?.relu()?),
+            Net::Conv(c) => {
+                let h = c.0.forward(x)?.relu()?.max_pool2d(2)?;
+                let h = c.1.forward(&h)?.relu()?.max_pool2d(2)?;
+                c.2.forward(&h.flatten_from(1)?)
+            }
+        }
+    }
+}
+
+/// One configuration, as passed to a child process.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Spec {
+    /// single | dp-fast | dp-dropin | dp-fromloss | ddp
+    kind: String,
+    model: String,
+    /// Global batch (per step, all replicas together).
+    batch: usize,
+    replicas: usize,
+    /// Threads for a single-device run (1 = one core).
+    threads: usize,
+    warmup: usize,
+    steps: usize,
+    /// cpu, or cuda: replicas as separate CUDA streams on GPU 0.
+    device: String,
+}
+
+impl Spec {
+    /// The device of replica (or rank) `i`.
+    fn device(&self, i: usize) -> candle_core::Result<Device> {
+        match (self.device.as_str(), i) {
+            ("cuda", 0) if self.kind == "single" => Device::new_cuda(0),
+            ("cuda", _) => Device::new_cuda_with_stream(0),
+            _ => Ok(Device::Cpu),
+        }
+    }
+
+    fn sync(&self, devices: &[Device]) -> candle_core::Result<()> {
+        devices.iter().try_for_each(|d| d.synchronize())
+    }
+
+    fn label(&self) -> String {
+        match self.kind.as_str() {
+            "single" => format!("single, {} thread(s)", self.threads),
+            kind => format!("{kind} x{}", self.replicas),
+        }
+    }
+}
+
+/// What a child reports: per-step wall times and per-phase times (ms).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct Measured {
+    step_ms: Vec<f64>,
+    phases: BTreeMap<String, Vec<f64>>,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v[v.len() / 2]
+}
+
+fn data(spec: &Spec, device: &Device) -> Result<(Tensor, Tensor)> {
+    let x = Tensor::randn(
+        0f32,
+        1.,
+        Net::input_shape(&spec.model, spec.batch),
+        &Device::Cpu,
+    )?;
+    let y = Tensor::from_vec(
+        (0..spec.batch as u32).map(|i| i % 10).collect(),
+        spec.batch,
+        &Device::Cpu,
+    )?;
+    Ok((x.to_device(device)?, y.to_device(device)?))
+}
+
+/// Runs one configuration in this process (the child side).
+fn run_child(spec: &Spec) -> Result<Measured> {
+    let first = spec.device(0)?;
+    let (x, y) = data(spec, &first)?;
+    let mut m = Measured::default();
+    let phase = |m: &mut Measured, name: &str, d: Duration| {
+        m.phases.entry(name.into()).or_default().push(ms(d))
+    };
+    match spec.kind.as_str() {
+        "single" => {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(spec.threads)
+                .build()?;
+            pool.install(|| -> Result<()> {
+                let varmap = VarMap::new();
+                let net = Net::new(
+                    &spec.model,
+                    VarBuilder::from_varmap(&varmap, DType::F32, &first),
+                )?;
+                let mut sgd = SGD::new(varmap.all_vars(), 0.01)?;
+                let devices = [first.clone()];
+                for step in 0..spec.warmup + spec.steps {
+                    let t0 = Instant::now();
+                    let loss = loss::cross_entropy(&net.forward(&x)?, &y)?;
+                    let t1 = Instant::now();
+                    let grads = loss.backward()?;
+                    let t2 = Instant::now();
+                    sgd.step(&grads)?;
+                    spec.sync(&devices)?;
+                    if step >= spec.warmup {
+                        phase(&mut m, "forward", t1 - t0);
+                        phase(&mut m, "backward", t2 - t1);
+                        phase(&mut m, "optimizer", t2.elapsed());
+                        m.step_ms.push(ms(t0.elapsed()));
+                    }
+                }
+                Ok(())
+            })?;
+        }
+        "ddp" => {
+            let world = spec.replicas;
+            let threads = (cores() / world).max(1);
+            let per_rank = spec.batch / world;
+            let options = GroupOptions {
+                timeout: Some(Duration::from_secs(120)),
+                ..Default::default()
+            };
+            let mut results = spawn_with(world, options, |ctx| {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()?;
+                pool.install(|| -> Result<Measured> {
+                    let mut m = Measured::default();
+                    let varmap = VarMap::new();
+                    let model = spec.model.clone();
+                    let device = spec.device(ctx.rank)?;
+                    let mut ddp = DistributedDataParallel::new(
+                        ctx.process_group(),
+                        &varmap,
+                        DType::F32,
+                        &device,
+                        |vb| Net::new(&model, vb),
+                        DdpConfig::default(),
+                    )?;
+                    let mut sgd = SGD::new(varmap.all_vars(), 0.01)?;
+                    let (x, y) = (
+                        x.narrow(0, ctx.rank * per_rank, per_rank)?
+                            .to_device(&device)?,
+                        y.narrow(0, ctx.rank * per_rank, per_rank)?
+                            .to_device(&device)?,
+                    );
+                    let devices = [device.clone()];
+                    for step in 0..spec.warmup + spec.steps {
+                        let t0 = Instant::now();
+                        let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+                        let t1 = Instant::now();
+                        let grads = ddp.backward(&loss)?;
+                        let t2 = Instant::now();
+                        sgd.step(&grads)?;
+                        spec.sync(&devices)?;
+                        if step >= spec.warmup {
+                            let t = ddp.last_timings();
+                            m.phases
+                                .entry("forward".into())
+                                .or_default()
+                                .push(ms(t1 - t0));
+                            m.phases
+                                .entry("backward".into())
+                                .or_default()
+                                .push(ms(t.backward));
+                            m.phases
+                                .entry("reduce".into())
+                                .or_default()
+                                .push(ms(t.all_reduce));
+                            m.phases
+                                .entry("optimizer".into())
+                                .or_default()
+                                .push(ms(t2.elapsed()));
+                            m.step_ms.push(ms(t0.elapsed()));
+                        }
+                    }
+                    Ok(m)
+                })
+            })?;
+            m = results.swap_remove(0);
+        }
+        kind => {
+            let varmap = VarMap::new();
+            let model = spec.model.clone();
+            let devices = (0..spec.replicas)
+                .map(|i| spec.device(i))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let (x, y) = (x.to_device(&devices[0])?, y.to_device(&devices[0])?);
+            let dp = DataParallel::new(&varmap, DType::F32, &devices, move |vb| {
+                Net::new(&model, vb)
+            })?;
+            let mut sgd = SGD::new(varmap.all_vars(), 0.01)?;
+            for step in 0..spec.warmup + spec.steps {
+                let t0 = Instant::now();
+                let grads = match kind {
+                    "dp-fast" => {
+                        dp.forward_backward(
+                            (x.clone(), y.clone()),
+                            LossReduction::Mean,
+                            |m: &Net, (x, y)| loss::cross_entropy(&m.forward(&x)?, &y),
+                        )?
+                        .grads
+                    }
+                    "dp-fromloss" => {
+                        let out = dp.forward(&x)?;
+                        dp.backward_from_loss(&out, |o| loss::cross_entropy(o, &y))?
+                            .grads
+                    }
+                    "dp-dropin" => {
+                        let out = dp.forward(&x)?;
+                        let loss = loss::cross_entropy(&out, &y)?;
+                        let t = Instant::now();
+                        let grads = loss.backward()?;
+                        phase(&mut m, "backward-serial", t.elapsed());
+                        grads
+                    }
+                    other => bail!("unknown configuration kind {other}"),
+                };
+                let t1 = Instant::now();
+                sgd.step(&grads)?;
+                spec.sync(&devices)?;
+                if step >= spec.warmup {
+                    let t = dp.last_timings();
+                    phase(&mut m, "scatter", t.scatter);
+                    phase(&mut m, "replicate", t.replicate);
+                    phase(&mut m, "forward", t.forward);
+                    phase(&mut m, "backward", t.backward);
+                    phase(&mut m, "reduce", t.reduce);
+                    phase(&mut m, "gather", t.gather);
+                    phase(&mut m, "optimizer", t1.elapsed());
+                    m.step_ms.push(ms(t0.elapsed()));
+                }
+            }
+        }
+    }
+    Ok(m)
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Runs one configuration in a child process with its thread settings.
+fn run_in_child(spec: &Spec) -> Result<Measured> {
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.arg("--child").arg(serde_json::to_string(spec)?);
+    let per_replica_threads = match spec.kind.as_str() {
+        "single" => spec.threads,
+        _ => (cores() / spec.replicas).max(1),
+    };
+    // gemm splits each matmul into RAYON_NUM_THREADS parts; candle's
+    // elementwise barrier pool has CANDLE_NUM_THREADS - 1 workers shared by
+    // the whole process, so with several replicas it is turned off and each
+    // replica keeps to its own cores.
+    cmd.env("RAYON_NUM_THREADS", per_replica_threads.to_string());
+    let several = spec.kind != "single" && spec.replicas > 1;
+    cmd.env(
+        "CANDLE_NUM_THREADS",
+        if several {
+            "1".to_string()
+        } else {
+            per_replica_threads.to_string()
+        },
+    );
+    let out = cmd.output()?;
+    if !out.status.success() {
+        bail!(
+            "{} failed: {}",
+            spec.label(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let line = String::from_utf8(out.stdout)?;
+    serde_json::from_str(line.lines().last().context("child printed nothing")?)
+        .context("child output")
+}
+
+struct Row {
+    spec: Spec,
+    median_ms: f64,
+    samples_per_s: f64,
+    efficiency: Option<f64>,
+    phases: BTreeMap<String, f64>,
+}
+
+fn specs(quick: bool, steps: usize, device: &str) -> Vec<Spec> {
+    let (models, batches, replicas): (&[&str], &[usize], &[usize]) = if quick {
+        (&["mlp"], &[256], &[2])
+    } else {
+        (&["mlp", "conv"], &[64, 256, 1024], &[1, 2, 4])
+    };
+    let warmup = if quick { 3 } else { 5 };
+    let mut out = Vec::new();
+    for &model in models {
+        for &batch in batches {
+            let spec = |kind: &str, batch: usize, replicas: usize, threads: usize| Spec {
+                kind: kind.into(),
+                model: model.into(),
+                batch,
+                replicas,
+                threads,
+                warmup,
+                steps,
+                device: device.into(),
+            };
+            out.push(spec("single", batch, 1, cores()));
+            if device == "cpu" {
+                out.push(spec("single", batch, 1, 1));
+                out.push(spec("single", batch / 2, 1, 1)); // per-replica baseline for 2 replicas
+            }
+            for &r in replicas {
+                for kind in ["dp-fast", "dp-fromloss", "dp-dropin", "ddp"] {
+                    if r == 4 && kind != "dp-fast" && kind != "ddp" {
+                        continue;
+                    }
+                    out.push(spec(kind, batch, r, 0));
+                }
+            }
+        }
+    }
+    out
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--child") {
+        let spec: Spec = serde_json::from_str(args.get(i + 1).context("--child needs a spec")?)?;
+        println!("{}", serde_json::to_string(&run_child(&spec)?)?);
+        return Ok(());
+    }
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let quick = args.iter().any(|a| a == "--quick");
+    let out_dir = flag("--out").unwrap_or_else(|| "bench-out".into());
+    let steps: usize = flag("--steps")
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(if quick { 10 } else { 20 });
+    let rounds: usize = flag("--rounds")
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(if quick { 1 } else { 2 });
+    std::fs::create_dir_all(&out_dir)?;
+
+    let device = flag("--device").unwrap_or_else(|| "cpu".into());
+    let specs = specs(quick, steps, &device);
+    let bar = ProgressBar::new((specs.len() * rounds) as u64);
+    bar.set_style(
+        ProgressStyle::with_template("[{bar:30}] {pos}/{len} {msg}")?.progress_chars("=> "),
+    );
+    let mut measured: Vec<Measured> = vec![Measured::default(); specs.len()];
+    for _ in 0..rounds {
+        for (spec, m) in specs.iter().zip(measured.iter_mut()) {
+            bar.set_message(format!(
+                "{} {} batch {}",
+                spec.label(),
+                spec.model,
+                spec.batch
+            ));
+            let got = run_in_child(spec)?;
+            m.step_ms.extend(got.step_ms);
+            for (k, v) in got.phases {
+                m.phases.entry(k).or_default().extend(v);
+            }
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+
+    let rows = summarize(&specs, &measured);
+    let table = markdown(&rows);
+    println!("{table}");
+    std::fs::write(format!("{out_dir}/bench.md"), &table)?;
+    std::fs::write(format!("{out_dir}/bench.csv"), csv(&rows))?;
+    chart(&rows, &format!("{out_dir}/bench.svg"))?;
+    println!("wrote {out_dir}/bench.md, bench.csv, bench.svg");
+    Ok(())
+}
+
+fn summarize(specs: &[Spec], measured: &[Measured]) -> Vec<Row> {
+    let throughput = |s: &Spec, m: &Measured| s.batch as f64 / (median(&m.step_ms) / 1e3);
+    let baseline = |model: &str, batch: usize, threads: usize| {
+        specs
+            .iter()
+            .zip(measured)
+            .find(|(s, _)| {
+                s.kind == "single" && s.model == model && s.batch == batch && s.threads == threads
+            })
+            .map(|(s, m)| throughput(s, m))
+    };
+    specs
+        .iter()
+        .zip(measured)
+        .map(|(s, m)| {
+            let efficiency = (s.kind != "single").then(|| {
+                // One replica on 1/R of the cores at the per-replica batch.
+                let per_replica = s.batch / s.replicas;
+                let base = match s.replicas {
+                    _ if s.device != "cpu" => None,
+                    1 => baseline(&s.model, s.batch, cores()),
+                    r if cores() / r == 1 => baseline(&s.model, per_replica, 1),
+                    _ => None,
+                };
+                base.map(|b| throughput(s, m) / (s.replicas as f64 * b))
+            });
+            Row {
+                spec: s.clone(),
+                median_ms: median(&m.step_ms),
+                samples_per_s: throughput(s, m),
+                efficiency: efficiency.flatten(),
+                phases: m
+                    .phases
+                    .iter()
+                    .map(|(k, v)| (k.clone(), median(v)))
+                    .collect(),
+            }
+        })
+        .collect()
+}
+
+const PHASES: [&str; 7] = [
+    "scatter",
+    "replicate",
+    "forward",
+    "backward",
+    "reduce",
+    "gather",
+    "optimizer",
+];
+
+fn markdown(rows: &[Row]) -> String {
+    let mut s = String::from(
+        "| config | model | global batch | replicas | median ms/step | samples/s | scaling eff. | scatter | replicate | forward | backward | reduce | gather | optimizer | overhead |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let p = |k: &str| r.phases.get(k).map_or(String::new(), |v| format!("{v:.2}"));
+        let compute: f64 = ["forward", "backward", "optimizer", "backward-serial"]
+            .iter()
+            .filter_map(|k| r.phases.get(*k))
+            .sum();
+        let overhead = 100.0 * (r.median_ms - compute).max(0.0) / r.median_ms;
+        s += &format!(
+            "| {} | {} | {} | {} | {:.2} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1}% |\n",
+            r.spec.label(),
+            r.spec.model,
+            r.spec.batch,
+            r.spec.replicas,
+            r.median_ms,
+            r.samples_per_s,
+            r.efficiency.map_or(String::new(), |e| format!("{:.0}%", 100.0 * e)),
+            p("scatter"),
+            p("replicate"),
+            p("forward"),
+            if r.phases.contains_key("backward-serial") { p("backward-serial") } else { p("backward") },
+            p("reduce"),
+            p("gather"),
+            p("optimizer"),
+            overhead
+        );
+    }
+    s
+}
+
+fn csv(rows: &[Row]) -> String {
+    let mut s = format!(
+        "config,model,global_batch,replicas,median_ms,samples_per_s,scaling_efficiency,{}\n",
+        PHASES.join(",")
+    );
+    for r in rows {
+        let phases: Vec<String> = PHASES
+            .iter()
+            .map(|k| {
+                r.phases
+                    .get(*k)
+                    .map_or(String::new(), |v| format!("{v:.3}"))
+            })
+            .collect();
+        s += &format!(
+            "{},{},{},{},{:.3},{:.1},{},{}\n",
+            r.spec.label(),
+            r.spec.model,
+            r.spec.batch,
+            r.spec.replicas,
+            r.median_ms,
+            r.samples_per_s,
+            r.efficiency.map_or(String::new(), |e| format!("{e:.3}")),
+            phases.join(",")
+        );
+    }
+    s
+}
+
+/// Samples/s per configuration, one panel row per (model, batch).
+fn chart(rows: &[Row], path: &str) -> Result<()> {
+    use plotters::prelude::*;
+    let mut groups: Vec<(String, usize)> = Vec::new();
+    for r in rows {
+        let key = (r.spec.model.clone(), r.spec.batch);
+        if !groups.contains(&key) && r.spec.kind != "single" {
+            groups.push(key);
+        }
+    }
+    let height = 260 * groups.len() as u32;
+    let root = SVGBackend::new(path, (1000, height.max(260))).into_drawing_area();
+    root.fill(&WHITE)?;
+    for (area, (model, batch)) in root.split_evenly((groups.len(), 1)).iter().zip(&groups) {
+        let group: Vec<&Row> = rows
+            .iter()
+            .filter(|r| &r.spec.model == model && r.spec.batch == *batch)
+            .collect();
+        let max = group.iter().map(|r| r.samples_per_s).fold(0.0, f64::max) * 1.15;
+        let mut chart = ChartBuilder::on(area)
+            .caption(
+                format!("{model}, global batch {batch}: samples/s"),
+                ("sans-serif", 16),
+            )
+            .margin(8)
+            .x_label_area_size(20)
+            .y_label_area_size(200)
+            .build_cartesian_2d(0.0..max.max(1.0), (0..group.len()).into_segmented())?;
+        chart
+            .configure_mesh()
+            .y_labels(group.len())
+            .y_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) => {
+                    group.get(*i).map_or(String::new(), |r| r.spec.label())
+                }
+                _ => String::new(),
+            })
+            .draw()?;
+        chart.draw_series(group.iter().enumerate().map(|(i, r)| {
+            let color = if r.spec.kind == "single" {
+                BLUE.mix(0.6)
+            } else if r.spec.kind == "ddp" {
+                RED.mix(0.6)
+            } else {
+                GREEN.mix(0.6)
+            };
+            Rectangle::new(
+                [
+                    (0.0, SegmentValue::Exact(i)),
+                    (r.samples_per_s, SegmentValue::Exact(i + 1)),
+                ],
+                color.filled(),
+            )
+        }))?;
+    }
+    root.present()?;
+    Ok(())
+}
