@@ -12,9 +12,9 @@ use candle_nn::{Module, ModuleT, VarBuilder, VarMap};
 
 use crate::error::{Error, Result};
 use crate::parallel_apply::{parallel_apply, Cancel, Replica, Worker};
+use crate::reduce::{balanced_partition, sum_gradients};
 use crate::replicate::{
-    build_master, build_replica, device_label, is_batch_norm_buffer, sorted_vars, BufferPredicate,
-    ReplicaVars,
+    build_master, build_replica, is_batch_norm_buffer, sorted_vars, BufferPredicate, ReplicaVars,
 };
 use crate::scatter_gather::{gather, scatter, Gather, Scatter, ScatterPlan, Split};
 
@@ -574,28 +574,43 @@ impl<M: 'static> DataParallel<M> {
     }
 
     /// Sums the replicas' gradients per master variable, in replica order
-    /// (a fixed order: results are deterministic), into one store.
+    /// (deterministic, see [`crate::reduce`]), into one store. The variables
+    /// are split between the (now idle) replica workers, which reduce their
+    /// share in parallel.
     fn reduce_add(&self, per_replica: Vec<Vec<Option<Tensor>>>) -> Result<GradStore> {
+        let master = self.master_vars.clone();
+        let sums: Vec<(usize, Option<Tensor>)> = if per_replica.len() == 1 {
+            let only = per_replica.into_iter().next().expect("one replica");
+            only.into_iter().enumerate().collect()
+        } else {
+            let sizes: Vec<usize> = master.iter().map(|(_, v)| v.elem_count()).collect();
+            let groups = balanced_partition(&sizes, per_replica.len());
+            let per_replica = Arc::new(per_replica);
+            let work_master = master.clone();
+            parallel_apply(&self.workers, groups, self.timeout, move |_, vars, _| {
+                vars.into_iter()
+                    .map(|i| {
+                        let parts: Vec<Option<Tensor>> =
+                            per_replica.iter().map(|g| g[i].clone()).collect();
+                        let sum =
+                            sum_gradients(&parts, work_master[i].1.device()).map_err(|e| {
+                                e.context(format!(
+                                    "summing the gradients of `{}`",
+                                    work_master[i].0
+                                ))
+                            })?;
+                        Ok((i, sum))
+                    })
+                    .collect::<candle_core::Result<Vec<_>>>()
+            })?
+            .into_iter()
+            .flatten()
+            .collect()
+        };
         let mut store = GradStore::default();
-        for (index, (name, var)) in self.master_vars.iter().enumerate() {
-            let mut sum: Option<Tensor> = None;
-            for (replica, grads) in per_replica.iter().enumerate() {
-                let Some(grad) = &grads[index] else { continue };
-                let grad = grad
-                    .to_device(var.device())
-                    .map_err(|source| Error::Replica {
-                        replica,
-                        device: device_label(&self.devices[replica]),
-                        source: source
-                            .context(format!("moving the gradient of `{name}` to the master")),
-                    })?;
-                sum = Some(match sum {
-                    None => grad,
-                    Some(acc) => (acc + grad)?,
-                });
-            }
+        for (i, sum) in sums {
             if let Some(sum) = sum {
-                store.insert(var.as_tensor(), sum);
+                store.insert(master[i].1.as_tensor(), sum);
             }
         }
         Ok(store)

@@ -59,6 +59,7 @@ mod error;
 pub mod launch;
 pub mod loader;
 mod parallel_apply;
+pub mod reduce;
 mod replicate;
 pub mod sampler;
 mod scatter_gather;

@@ -1,0 +1,107 @@
+//! Micro-benchmarks: scatter / gather, gradient reduce-add, and all-reduce
+//! bandwidth across 2 threads next to a plain memcpy of the same size.
+//!
+//! ```text
+//! cargo bench --bench micro            # everything
+//! cargo bench --bench micro -- all_reduce
+//! ```
+
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use candle_dp::comm::{ProcessGroup, ReduceOp, ThreadGroup};
+use candle_dp::reduce::sum_gradients;
+use candle_dp::{gather, scatter, ScatterPlan, Split};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+
+fn scatter_gather(c: &mut Criterion) {
+    let mut group = c.benchmark_group("scatter_gather");
+    let devices = vec![Device::Cpu; 2];
+    for batch in [64usize, 1024] {
+        let x = Tensor::randn(0f32, 1., (batch, 784), &Device::Cpu).unwrap();
+        let plan = ScatterPlan::for_input(&x, 0, &Split::Even, &devices)
+            .unwrap()
+            .unwrap();
+        group.bench_with_input(BenchmarkId::new("scatter_784", batch), &x, |b, x| {
+            b.iter(|| scatter(x, &plan).unwrap())
+        });
+        let outs: Vec<Tensor> = plan
+            .sizes
+            .iter()
+            .map(|&n| Tensor::randn(0f32, 1., (n, 10), &Device::Cpu).unwrap())
+            .collect();
+        group.bench_with_input(BenchmarkId::new("gather_10", batch), &outs, |b, outs| {
+            b.iter(|| gather(outs.clone(), 0, &Device::Cpu).unwrap())
+        });
+    }
+    group.finish();
+}
+
+fn reduce_add(c: &mut Criterion) {
+    let mut group = c.benchmark_group("reduce_add");
+    // The reference MLP's largest gradient (1024 x 1024) from 2 replicas.
+    let parts: Vec<Option<Tensor>> = (0..2)
+        .map(|_| Some(Tensor::randn(0f32, 1., (1024, 1024), &Device::Cpu).unwrap()))
+        .collect();
+    group.throughput(Throughput::Bytes(2 * 1024 * 1024 * 4));
+    group.bench_function("2_replicas_1024x1024_f32", |b| {
+        b.iter(|| sum_gradients(&parts, &Device::Cpu).unwrap())
+    });
+    group.finish();
+}
+
+/// Times `iters` all-reduces on rank 0 while rank 1 runs the same calls on
+/// its own thread.
+fn all_reduce(c: &mut Criterion) {
+    let mut group = c.benchmark_group("all_reduce_2_threads");
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(3));
+    let mut ranks = ThreadGroup::new(2);
+    let rank1 = ranks.pop().unwrap();
+    let rank0 = ranks.pop().unwrap();
+    let (work_tx, work_rx) = mpsc::channel::<(Tensor, u64)>();
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let partner = thread::spawn(move || {
+        for (t, iters) in work_rx {
+            for _ in 0..iters {
+                rank1.all_reduce(&t, ReduceOp::Sum).unwrap();
+            }
+            done_tx.send(()).unwrap();
+        }
+    });
+    for kib in [1usize, 64, 1024, 16 * 1024, 64 * 1024] {
+        let elems = kib * 1024 / 4;
+        let t = Tensor::ones(elems, DType::F32, &Device::Cpu).unwrap();
+        group.throughput(Throughput::Bytes((kib * 1024) as u64));
+        group.bench_with_input(
+            BenchmarkId::new("ring_sum_f32", format!("{kib}KiB")),
+            &t,
+            |b, t| {
+                b.iter_custom(|iters| {
+                    work_tx.send((t.clone(), iters)).unwrap();
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        rank0.all_reduce(t, ReduceOp::Sum).unwrap();
+                    }
+                    let elapsed = start.elapsed();
+                    done_rx.recv().unwrap();
+                    elapsed
+                })
+            },
+        );
+        let src = vec![1u8; kib * 1024];
+        let mut dst = vec![0u8; kib * 1024];
+        group.bench_function(BenchmarkId::new("memcpy", format!("{kib}KiB")), |b| {
+            b.iter(|| dst.copy_from_slice(std::hint::black_box(&src)))
+        });
+    }
+    group.finish();
+    drop(work_tx);
+    partner.join().unwrap();
+}
+
+criterion_group!(benches, scatter_gather, reduce_add, all_reduce);
+criterion_main!(benches);
