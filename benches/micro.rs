@@ -6,6 +6,10 @@
 //! cargo bench --bench micro -- all_reduce
 //! ```
 
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};

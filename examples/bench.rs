@@ -23,6 +23,10 @@
 //! per-replica batch). "Engine overhead" is the share of the step not spent
 //! in forward, backward or optimizer compute.
 
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::collections::BTreeMap;
 use std::process::Command;
 use std::time::{Duration, Instant};

@@ -16,6 +16,10 @@
 //! samples, 80/20 train / held-out split), or MNIST from a local directory
 //! of IDX files with `--mnist DIR` (its own train / test files).
 
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -44,8 +44,8 @@ use crate::replicate::{is_batch_norm_buffer, sorted_vars, BufferPredicate};
 /// How a bucket of gradients travels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CommHook {
-    /// Divide by the world size, all-reduce (sum) in the gradients' dtype:
-    /// PyTorch's default `allreduce_hook`.
+    /// The average in the gradients' dtype (PyTorch's default
+    /// `allreduce_hook`; here the division happens once, after the sum).
     #[default]
     Average,
     /// Cast to f16, divide, all-reduce, cast back (`fp16_compress_hook`).
@@ -442,9 +442,17 @@ impl<M> DistributedDataParallel<M> {
             CommHook::Fp16Compress => DType::F16,
             CommHook::Bf16Compress => DType::BF16,
         };
-        let scaled = (flat.to_dtype(wire)? / divisor)?;
-        let summed = self.comm(self.pg.all_reduce(&scaled, ReduceOp::Sum))?;
-        Ok(summed.to_dtype(flat.dtype())?)
+        let world = self.pg.world_size() as f64;
+        let reduced = if wire == flat.dtype() && divisor == world {
+            // Divide once, at the end of the reduction, instead of a pass
+            // over the whole bucket before it.
+            self.comm(self.pg.all_reduce(flat, ReduceOp::Avg))?
+        } else {
+            // Compressed: divide first so the sum cannot overflow f16.
+            let scaled = (flat.to_dtype(wire)? / divisor)?;
+            self.comm(self.pg.all_reduce(&scaled, ReduceOp::Sum))?
+        };
+        Ok(reduced.to_dtype(flat.dtype())?)
     }
 
     fn broadcast_from_rank0(&self, vars: &[(String, Var)]) -> Result<()> {
