@@ -3,8 +3,12 @@
 //!
 //! ```text
 //! cargo run --release --example bench -- --out bench-out [--quick] [--steps 20] [--rounds 2]
-//!     [--device cpu|cuda]
+//!     [--device cpu|cuda] [--torch-csv scripts-output.csv]
 //! ```
+//!
+//! `--torch-csv` reads the CSV written by `scripts/bench_torch.py --csv` (run
+//! just before or after, on the same machine) and adds the ratios to
+//! PyTorch.
 //!
 //! `--device cuda` (a build with `--features cuda`) puts every replica or
 //! rank on its own CUDA stream of GPU 0; steps end with a device
@@ -463,7 +467,11 @@ fn main() -> Result<()> {
     bar.finish_and_clear();
 
     let rows = summarize(&specs, &measured);
-    let table = markdown(&rows);
+    let torch = flag("--torch-csv")
+        .map(std::fs::read_to_string)
+        .transpose()?;
+    let mut table = markdown(&rows);
+    table += &targets(&rows, torch.as_deref());
     println!("{table}");
     std::fs::write(format!("{out_dir}/bench.md"), &table)?;
     std::fs::write(format!("{out_dir}/bench.csv"), csv(&rows))?;
@@ -513,6 +521,74 @@ fn summarize(specs: &[Spec], measured: &[Measured]) -> Vec<Row> {
         .collect()
 }
 
+/// The issue's target figures for the MLP at global batch 256 on 2 replicas.
+fn targets(rows: &[Row], torch: Option<&str>) -> String {
+    let find = |kind: &str, replicas: usize, threads: usize| {
+        rows.iter().find(|r| {
+            r.spec.model == "mlp"
+                && r.spec.batch == 256
+                && r.spec.kind == kind
+                && r.spec.replicas == replicas
+                && (kind != "single" || r.spec.threads == threads)
+        })
+    };
+    let (Some(dp), Some(ddp)) = (find("dp-fast", 2, 0), find("ddp", 2, 0)) else {
+        return String::new();
+    };
+    let best_single = rows
+        .iter()
+        .filter(|r| r.spec.model == "mlp" && r.spec.batch == 256 && r.spec.kind == "single")
+        .map(|r| r.samples_per_s)
+        .fold(0.0, f64::max);
+    let pct = |e: Option<f64>| e.map_or("n/a".to_string(), |e| format!("{:.0}%", 100.0 * e));
+    let mut s =
+        String::from("\n## Targets (MLP 784-1024-1024-10, global batch 256, 2 replicas)\n\n");
+    s += &format!(
+        "- scaling efficiency: DataParallel (fast path) {}, DDP {} (target >= 90%)\n",
+        pct(dp.efficiency),
+        pct(ddp.efficiency)
+    );
+    s += &format!(
+        "- DataParallel / DDP throughput: {:.2} (target >= 0.95)\n",
+        dp.samples_per_s / ddp.samples_per_s
+    );
+    s += &format!(
+        "- DataParallel / best single-device configuration: {:.2} (target >= 1.0)\n",
+        dp.samples_per_s / best_single
+    );
+    s += &format!("- engine overhead (all but forward, backward, optimizer): DataParallel {:.1}%, DDP {:.1}% (target <= 5%)\n", overhead_pct(dp), overhead_pct(ddp));
+    if let Some(torch) = torch {
+        let torch_rate = |config: &str| {
+            torch.lines().find_map(|l| {
+                let f: Vec<&str> = l.split(',').collect();
+                (f.first() == Some(&config) && f.get(2) == Some(&"256"))
+                    .then(|| f.get(5).and_then(|v| v.parse::<f64>().ok()))
+                    .flatten()
+            })
+        };
+        for config in ["torch-ddp-gloo-2x1", "torch-1proc-2thr"] {
+            if let Some(rate) = torch_rate(config) {
+                s += &format!(
+                    "- vs PyTorch {config} ({rate:.0} samples/s): DataParallel {:.2}x, DDP {:.2}x\n",
+                    dp.samples_per_s / rate,
+                    ddp.samples_per_s / rate
+                );
+            }
+        }
+    }
+    s
+}
+
+/// Share of the step (percent) not spent in forward, backward (the
+/// drop-in path's serial one included) or optimizer compute.
+fn overhead_pct(r: &Row) -> f64 {
+    let compute: f64 = ["forward", "backward", "optimizer", "backward-serial"]
+        .iter()
+        .filter_map(|k| r.phases.get(*k))
+        .sum();
+    100.0 * (r.median_ms - compute).max(0.0) / r.median_ms
+}
+
 const PHASES: [&str; 7] = [
     "scatter",
     "replicate",
@@ -529,11 +605,7 @@ fn markdown(rows: &[Row]) -> String {
     );
     for r in rows {
         let p = |k: &str| r.phases.get(k).map_or(String::new(), |v| format!("{v:.2}"));
-        let compute: f64 = ["forward", "backward", "optimizer", "backward-serial"]
-            .iter()
-            .filter_map(|k| r.phases.get(*k))
-            .sum();
-        let overhead = 100.0 * (r.median_ms - compute).max(0.0) / r.median_ms;
+        let overhead = overhead_pct(r);
         s += &format!(
             "| {} | {} | {} | {} | {:.2} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1}% |\n",
             r.spec.label(),

@@ -182,20 +182,10 @@ fn train(
         None
     };
     let single = factory(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
-    let mut opt = AdamW::new(
-        varmap.all_vars(),
-        ParamsAdamW {
-            lr: args.lr,
-            ..Default::default()
-        },
-    )?;
+    let mut opt = adamw(&varmap, args.lr)?;
 
     let steps_per_epoch = train.len().div_ceil(args.batch);
-    let bar = ProgressBar::new((args.epochs * steps_per_epoch) as u64);
-    bar.set_style(
-        ProgressStyle::with_template("{prefix:>12} [{bar:30}] {pos}/{len} steps  {msg}")?
-            .progress_chars("=> "),
-    );
+    let bar = progress_bar((args.epochs * steps_per_epoch) as u64)?;
     bar.set_prefix(if replicas > 0 {
         format!("DP x{replicas}")
     } else {
@@ -281,11 +271,7 @@ fn train_ddp(
     let steps_per_epoch = DistributedSampler::new(train.len(), world, 0)?
         .len()
         .div_ceil(per_rank);
-    let bar = ProgressBar::new((args.epochs * steps_per_epoch) as u64);
-    bar.set_style(
-        ProgressStyle::with_template("{prefix:>12} [{bar:30}] {pos}/{len} steps  {msg}")?
-            .progress_chars("=> "),
-    );
+    let bar = progress_bar((args.epochs * steps_per_epoch) as u64)?;
     bar.set_prefix(format!("DDP x{world}"));
     let start = Instant::now();
     let mut results = spawn(world, |ctx| {
@@ -298,13 +284,7 @@ fn train_ddp(
             |vb| Mlp::new(vb, inputs, hidden),
             DdpConfig::default(),
         )?;
-        let mut opt = AdamW::new(
-            varmap.all_vars(),
-            ParamsAdamW {
-                lr: args.lr,
-                ..Default::default()
-            },
-        )?;
+        let mut opt = adamw(&varmap, args.lr)?;
         let mut sampler = DistributedSampler::new(train.len(), world, ctx.rank)?.seed(args.seed);
         let (mut samples, mut last_loss) = (0, f32::NAN);
         for epoch in 0..args.epochs {
@@ -349,6 +329,25 @@ fn train_ddp(
         accuracy,
         weights,
     })
+}
+
+fn adamw(varmap: &VarMap, lr: f64) -> Result<AdamW> {
+    Ok(AdamW::new(
+        varmap.all_vars(),
+        ParamsAdamW {
+            lr,
+            ..Default::default()
+        },
+    )?)
+}
+
+fn progress_bar(steps: u64) -> Result<ProgressBar> {
+    let bar = ProgressBar::new(steps);
+    bar.set_style(
+        ProgressStyle::with_template("{prefix:>12} [{bar:30}] {pos}/{len} steps  {msg}")?
+            .progress_chars("=> "),
+    );
+    Ok(bar)
 }
 
 fn accuracy(model: &Mlp, test: &LabelledImages) -> Result<f64> {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::comm::GroupOptions;
-use candle_dp::launch::{spawn_with, LaunchError};
+use candle_dp::launch::{spawn_with, LaunchError, RankContext};
 use candle_dp::{CommHook, DdpConfig, DistributedDataParallel, JoinDivisor};
 use candle_nn::{linear, loss, AdamW, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
 use common::*;
@@ -22,6 +22,22 @@ fn bounded() -> GroupOptions {
 }
 
 const SIZES: (usize, usize, usize) = (6, 16, 5);
+
+/// This rank's DDP around the test MLP.
+fn mlp_ddp(
+    ctx: &RankContext,
+    varmap: &VarMap,
+    config: DdpConfig,
+) -> anyhow::Result<DistributedDataParallel<Mlp>> {
+    Ok(DistributedDataParallel::new(
+        ctx.process_group(),
+        varmap,
+        DType::F32,
+        &Device::Cpu,
+        |vb| Mlp::new(vb, SIZES),
+        config,
+    )?)
+}
 
 fn batches(steps: usize, rows: usize) -> Vec<(Tensor, Tensor)> {
     (0..steps)
@@ -93,14 +109,7 @@ fn ddp_train(
         } else {
             VarMap::new()
         };
-        let mut ddp = DistributedDataParallel::new(
-            ctx.process_group(),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-            |vb| Mlp::new(vb, SIZES),
-            DdpConfig::default(),
-        )?;
+        let mut ddp = mlp_ddp(&ctx, &varmap, DdpConfig::default())?;
         let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
         let mut adam = AdamW::new(
             varmap.all_vars(),
@@ -156,14 +165,7 @@ fn no_sync_over_k_steps_matches_one_step_on_k_times_the_batch() {
     let reference = single_device(&init, &data, false);
     let ranks = spawn_with(world, bounded(), |ctx| {
         let varmap = varmap_from(&init);
-        let mut ddp = DistributedDataParallel::new(
-            ctx.process_group(),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-            |vb| Mlp::new(vb, SIZES),
-            DdpConfig::default(),
-        )?;
+        let mut ddp = mlp_ddp(&ctx, &varmap, DdpConfig::default())?;
         let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
         for (x, y) in &data {
             let part = |m: usize| -> candle_core::Result<(Tensor, Tensor)> {
@@ -321,14 +323,7 @@ fn compression_hooks_stay_close_to_the_plain_average_and_identical_across_ranks(
                 comm_hook: hook,
                 ..Default::default()
             };
-            let mut ddp = DistributedDataParallel::new(
-                ctx.process_group(),
-                &varmap,
-                DType::F32,
-                &Device::Cpu,
-                |vb| Mlp::new(vb, SIZES),
-                config,
-            )?;
+            let mut ddp = mlp_ddp(&ctx, &varmap, config)?;
             let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
             for (x, y) in &data {
                 let (x, y) = (x.narrow(0, ctx.rank * 4, 4)?, y.narrow(0, ctx.rank * 4, 4)?);
@@ -363,14 +358,7 @@ fn join_lets_a_rank_run_out_of_data_and_divides_by_the_initial_world_size() {
                 join_divisor: divisor,
                 ..Default::default()
             };
-            let mut ddp = DistributedDataParallel::new(
-                ctx.process_group(),
-                &varmap,
-                DType::F32,
-                &Device::Cpu,
-                |vb| Mlp::new(vb, SIZES),
-                config,
-            )?;
+            let mut ddp = mlp_ddp(&ctx, &varmap, config)?;
             let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
             let mine = if ctx.rank == 0 { &data[..2] } else { &data[..] };
             ddp.join(|ddp| {
@@ -421,14 +409,7 @@ fn uneven_inputs_without_join_end_with_an_error_naming_the_rank_that_left() {
     let data = batches(4, 4);
     let err = spawn_with(2, bounded(), |ctx| {
         let varmap = VarMap::new();
-        let mut ddp = DistributedDataParallel::new(
-            ctx.process_group(),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-            |vb| Mlp::new(vb, SIZES),
-            DdpConfig::default(),
-        )?;
+        let mut ddp = mlp_ddp(&ctx, &varmap, DdpConfig::default())?;
         let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
         let mine = if ctx.rank == 0 { &data[..2] } else { &data[..] };
         for (x, y) in mine {
@@ -448,14 +429,7 @@ fn a_rank_failing_mid_training_is_reported_and_nobody_hangs() {
     let data = batches(5, 4);
     let err = spawn_with(3, bounded(), |ctx| {
         let varmap = VarMap::new();
-        let mut ddp = DistributedDataParallel::new(
-            ctx.process_group(),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-            |vb| Mlp::new(vb, SIZES),
-            DdpConfig::default(),
-        )?;
+        let mut ddp = mlp_ddp(&ctx, &varmap, DdpConfig::default())?;
         let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
         for (step, (x, y)) in data.iter().enumerate() {
             if ctx.rank == 2 && step == 3 {

@@ -271,16 +271,7 @@ fn all_backward_paths_give_the_same_gradients() {
             let b = store
                 .get(var.as_tensor())
                 .unwrap_or_else(|| panic!("{path}: no gradient for {name}"));
-            let d = (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let d = max_abs_diff(a, b);
             assert!(d < 1e-6, "{path}: {name} differs by {d}");
         }
     }

@@ -152,6 +152,20 @@ pub fn identical(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> bo
         })
 }
 
+/// Largest absolute elementwise difference of two tensors.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
 /// Per tensor: (name, max abs diff, max abs value), for failure messages.
 pub fn diff_report(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> String {
     let mut names: Vec<_> = b.keys().collect();
@@ -159,18 +173,11 @@ pub fn diff_report(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> 
     names
         .into_iter()
         .map(|n| {
-            let d = (&a[n] - &b[n])
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap();
+            let d = max_abs_diff(&a[n], &b[n]);
             let m = b[n].abs().unwrap().flatten_all().unwrap().max(0).unwrap();
             format!(
                 "{n}: diff {:.3e} of max {:.3e}",
-                d.to_scalar::<f32>().unwrap(),
+                d,
                 m.to_scalar::<f32>().unwrap()
             )
         })
