@@ -68,8 +68,11 @@ fn all_reduce(c: &mut Criterion) {
     let rank0 = ranks.pop().unwrap();
     let (work_tx, work_rx) = mpsc::channel::<(Tensor, u64)>();
     let (done_tx, done_rx) = mpsc::channel::<()>();
+    // Rank 1 reduces its own tensor (other values, other storage), as real
+    // ranks do.
     let partner = thread::spawn(move || {
         for (t, iters) in work_rx {
+            let t = (t * 2.0).unwrap();
             for _ in 0..iters {
                 rank1.all_reduce(&t, ReduceOp::Sum).unwrap();
             }

@@ -151,7 +151,8 @@ struct VarSignature {
 ///     let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
 ///     let grads = ddp.backward(&loss)?; // averaged across ranks
 ///     sgd.step(&grads)?;
-///     Ok(varmap.data().lock().unwrap()["weight"].to_vec2::<f32>()?)
+///     let weight = varmap.data().lock().unwrap()["weight"].to_vec2::<f32>()?;
+///     Ok(weight)
 /// })?;
 /// assert_eq!(weights[0], weights[1]); // every rank applied the same update
 /// # Ok::<(), anyhow::Error>(())

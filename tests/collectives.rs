@@ -448,6 +448,94 @@ fn results_do_not_share_storage_with_inputs() {
 }
 
 #[test]
+fn large_reductions_of_views_and_of_tensors_sharing_storage_match_the_sequential_result() {
+    // Contiguous CPU tensors are read in place, from their start offset and
+    // under one lock per storage when ranks share one; others are copied.
+    const LEN: usize = 1000;
+    for world in [2, 3] {
+        // Every rank's values side by side in one storage.
+        let all: Vec<f64> = (0..world).flat_map(|r| int_values(r, LEN, 6)).collect();
+        let shared = Tensor::new(all.clone(), &Device::Cpu).unwrap();
+        let root = world - 1;
+        let results = run(world, RING_PATH, |ctx| {
+            let x = input(ctx.rank, LEN, DType::F64, 6)?;
+            let padded = Tensor::cat(&[&x.narrow(0, 0, 3)?, &x, &x.narrow(0, 0, 5)?], 0)?;
+            let strided = Tensor::stack(&[&x, &x], 1)?.narrow(1, 0, 1)?.squeeze(1)?;
+            anyhow::ensure!(!strided.is_contiguous());
+            let views = [
+                padded.narrow(0, 3, LEN)?,
+                strided,
+                shared.narrow(0, ctx.rank * LEN, LEN)?,
+            ];
+            let mut all_reduced = Vec::new();
+            let mut reduced = Vec::new();
+            for view in &views {
+                for op in OPS {
+                    all_reduced.push(ctx.pg.all_reduce(view, op)?);
+                    reduced.push(ctx.pg.reduce(view, root, op)?);
+                }
+            }
+            // The very same tensor on every rank.
+            let doubled = ctx.pg.all_reduce(&shared, ReduceOp::Sum)?;
+            Ok((all_reduced, reduced, doubled))
+        });
+        for (rank, (all_reduced, reduced, doubled)) in results.iter().enumerate() {
+            let expected = OPS.map(|op| expected_reduction(world, LEN, DType::F64, op, 6));
+            for (case, (sum, reduced)) in all_reduced.iter().zip(reduced).enumerate() {
+                let at = format!("world {world}, rank {rank}, view {}", case / OPS.len());
+                assert_eq!(as_f64(sum), expected[case % OPS.len()], "{at}");
+                assert_eq!(bits(sum), bits(&results[0].0[case]), "{at}");
+                match reduced {
+                    Some(t) if rank == root => assert_eq!(bits(t), bits(sum), "{at}"),
+                    None if rank != root => {}
+                    other => panic!("reduce gave {other:?} at {at}"),
+                }
+            }
+            let times_world: Vec<f64> = all.iter().map(|v| v * world as f64).collect();
+            assert_eq!(as_f64(doubled), times_world, "world {world}, rank {rank}");
+        }
+    }
+}
+
+#[test]
+fn a_rank_may_overwrite_its_input_as_soon_as_a_large_reduction_returns() {
+    // The ranks read each other's inputs in place: none returns before the
+    // others are done with its input (with two ranks, the root of `reduce`
+    // reads both inputs while the other rank has nothing to compute).
+    const LEN: usize = 1_000_000;
+    const ROUNDS: usize = 3;
+    for world in [2, 3] {
+        let results = run(world, RING_PATH, |ctx| {
+            let var = candle_core::Var::from_tensor(&input(ctx.rank, LEN, DType::F32, 0)?)?;
+            let mut sums = Vec::new();
+            for round in 0..ROUNDS {
+                let salt = 2 * round;
+                let next = input(ctx.rank, LEN, DType::F32, salt + 1)?;
+                sums.push(Some(ctx.pg.all_reduce(var.as_tensor(), ReduceOp::Sum)?));
+                var.set(&next)?;
+                let next = input(ctx.rank, LEN, DType::F32, salt + 2)?;
+                sums.push(ctx.pg.reduce(var.as_tensor(), 0, ReduceOp::Sum)?);
+                var.set(&next)?;
+            }
+            Ok(sums)
+        });
+        for (rank, sums) in results.iter().enumerate() {
+            for (salt, sum) in sums.iter().enumerate() {
+                let at = format!("world {world}, rank {rank}, salt {salt}");
+                match sum {
+                    Some(sum) => {
+                        let expected =
+                            expected_reduction(world, LEN, DType::F32, ReduceOp::Sum, salt);
+                        assert!(as_f64(sum) == expected, "{at}");
+                    }
+                    None => assert!(rank != 0 && salt % 2 == 1, "{at}"),
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn barrier_and_all_gather_bytes_of_different_lengths_complete_on_every_rank() {
     let results = run(5, SMALL_PATH, |ctx| {
         ctx.pg.barrier()?;

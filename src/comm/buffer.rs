@@ -3,11 +3,14 @@
 //!
 //! A tensor is flattened into a typed `Vec` once on the sending side and
 //! rebuilt once on the receiving side; in between, buffers move (or are
-//! shared through an `Arc`) without copies.
+//! shared through an `Arc`) without copies. The inputs of large reductions
+//! are not even copied once when they are contiguous CPU tensors: the ranks
+//! read them in place ([`Input`]).
 
 use std::ops::Range;
+use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor, WithDType};
+use candle_core::{DType, Device, Storage, StorageRef, Tensor, WithDType};
 use half::{bf16, f16};
 
 use super::ReduceOp;
@@ -45,12 +48,62 @@ macro_rules! match_buffer {
     };
 }
 
-pub(crate) use match_buffer;
-
 impl<T: Element> From<Vec<T>> for Buffer {
     fn from(values: Vec<T>) -> Buffer {
         T::into_buffer(values)
     }
+}
+
+/// Runs `$body` with `$t` the element type of `$dtype`, or `$other` for a
+/// dtype that collectives do not support.
+macro_rules! match_dtype {
+    ($dtype:expr, $t:ident => $body:expr, _ => $other:expr) => {
+        match $dtype {
+            ::candle_core::DType::U8 => {
+                type $t = u8;
+                $body
+            }
+            ::candle_core::DType::U32 => {
+                type $t = u32;
+                $body
+            }
+            ::candle_core::DType::I16 => {
+                type $t = i16;
+                $body
+            }
+            ::candle_core::DType::I32 => {
+                type $t = i32;
+                $body
+            }
+            ::candle_core::DType::I64 => {
+                type $t = i64;
+                $body
+            }
+            ::candle_core::DType::BF16 => {
+                type $t = ::half::bf16;
+                $body
+            }
+            ::candle_core::DType::F16 => {
+                type $t = ::half::f16;
+                $body
+            }
+            ::candle_core::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            ::candle_core::DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            _ => $other,
+        }
+    };
+}
+
+pub(crate) use match_dtype;
+
+fn unsupported(dtype: DType) -> String {
+    format!("dtype {} is not supported by collectives", dtype.as_str())
 }
 
 impl Buffer {
@@ -60,23 +113,9 @@ impl Buffer {
     /// which every rank reports.
     pub(crate) fn from_tensor(tensor: &Tensor) -> Result<Buffer, String> {
         let flat = tensor.flatten_all().map_err(|e| e.to_string())?;
-        let buffer = match tensor.dtype() {
-            DType::U8 => flat.to_vec1().map(Buffer::U8),
-            DType::U32 => flat.to_vec1().map(Buffer::U32),
-            DType::I16 => flat.to_vec1().map(Buffer::I16),
-            DType::I32 => flat.to_vec1().map(Buffer::I32),
-            DType::I64 => flat.to_vec1().map(Buffer::I64),
-            DType::BF16 => flat.to_vec1().map(Buffer::BF16),
-            DType::F16 => flat.to_vec1().map(Buffer::F16),
-            DType::F32 => flat.to_vec1().map(Buffer::F32),
-            DType::F64 => flat.to_vec1().map(Buffer::F64),
-            other => {
-                return Err(format!(
-                    "dtype {} is not supported by collectives",
-                    other.as_str()
-                ))
-            }
-        };
+        let buffer = match_dtype!(tensor.dtype(), T => flat.to_vec1::<T>().map(T::into_buffer), _ => {
+            return Err(unsupported(tensor.dtype()))
+        });
         buffer.map_err(|e| e.to_string())
     }
 
@@ -103,12 +142,107 @@ impl Buffer {
     }
 }
 
+/// Whether collectives support `dtype`.
+fn is_supported(dtype: DType) -> bool {
+    match_dtype!(dtype, _T => true, _ => false)
+}
+
+/// A rank's input to a large reduction, shared with the other ranks, which
+/// read it directly (see [`ring`](super::ring)).
+///
+/// A contiguous CPU tensor is shared as it is and read in place; any other
+/// tensor (on a GPU, or a strided view) is copied to the host once.
+#[derive(Debug, Clone)]
+pub(crate) enum Input {
+    InPlace {
+        tensor: Tensor,
+        /// Identifies the tensor's storage, and so its lock: the address of
+        /// the storage inside its lock, which the tensor keeps alive.
+        key: usize,
+    },
+    Copied(Arc<Buffer>),
+}
+
+impl Input {
+    /// The error is a message for [`CommError::InvalidInput`](super::CommError),
+    /// as for [`Buffer::from_tensor`].
+    pub(crate) fn new(tensor: &Tensor) -> Result<Input, String> {
+        if tensor.device().is_cpu() && tensor.is_contiguous() && is_supported(tensor.dtype()) {
+            let (storage, _) = tensor.storage_and_layout();
+            let key = std::ptr::from_ref::<Storage>(&storage) as usize;
+            Ok(Input::InPlace {
+                tensor: tensor.clone(),
+                key,
+            })
+        } else {
+            Buffer::from_tensor(tensor).map(|b| Input::Copied(Arc::new(b)))
+        }
+    }
+
+    /// The number of elements.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Input::InPlace { tensor, .. } => tensor.elem_count(),
+            Input::Copied(buffer) => match_buffer!(buffer.as_ref(), v => v.len()),
+        }
+    }
+}
+
+/// `f` of the elements `range` of every input.
+///
+/// Tensors are read in place, under their storage's read lock, taken once
+/// per storage (candle's lock is fair: a second read lock on the same
+/// storage behind a waiting writer would deadlock), in a fixed order, and
+/// released when `f` returns. Callers do not wait for other ranks while
+/// holding them.
+///
+/// `Err(i)` when input `i` holds no such elements, which cannot happen for
+/// inputs of `T`'s dtype and a range within their length.
+pub(crate) fn read_inputs<T: Element, R>(
+    inputs: &[&Input],
+    range: Range<usize>,
+    f: impl FnOnce(&[&[T]]) -> R,
+) -> Result<R, usize> {
+    let mut locked: Vec<(usize, &Tensor)> = inputs
+        .iter()
+        .filter_map(|input| match input {
+            Input::InPlace { tensor, key } => Some((*key, tensor)),
+            Input::Copied(_) => None,
+        })
+        .collect();
+    locked.sort_by_key(|&(key, _)| key);
+    locked.dedup_by_key(|&mut (key, _)| key);
+    let guards: Vec<(usize, StorageRef)> = locked
+        .into_iter()
+        .map(|(key, tensor)| (key, tensor.storage_and_layout().0))
+        .collect();
+    let mut slices: Vec<&[T]> = Vec::with_capacity(inputs.len());
+    for (i, &input) in inputs.iter().enumerate() {
+        let slice = match input {
+            Input::InPlace { tensor, key } => {
+                let at = guards.binary_search_by_key(key, |&(key, _)| key);
+                match (
+                    at.map(|at| &*guards[at].1),
+                    tensor.layout().contiguous_offsets(),
+                ) {
+                    (Ok(Storage::Cpu(cpu)), Some((start, _))) => cpu
+                        .as_slice::<T>()
+                        .ok()
+                        .and_then(|all| all.get(start + range.start..start + range.end)),
+                    _ => None,
+                }
+            }
+            Input::Copied(buffer) => T::slice_of(buffer).and_then(|all| all.get(range.clone())),
+        };
+        slices.push(slice.ok_or(i)?);
+    }
+    Ok(f(&slices))
+}
+
 /// An element type that buffers hold and reductions combine.
 pub(crate) trait Element: WithDType {
     /// Wraps a vector in its [`Buffer`] variant.
     fn into_buffer(values: Vec<Self>) -> Buffer;
-    /// The vector of a buffer of this type, `None` for another type.
-    fn from_buffer(buffer: Buffer) -> Option<Vec<Self>>;
     /// The elements of a buffer of this type, `None` for another type.
     fn slice_of(buffer: &Buffer) -> Option<&[Self]>;
     /// `acc ⊕ x` for `Sum` and `Avg` (the division comes last).
@@ -125,12 +259,6 @@ macro_rules! buffer_variant {
     ($t:ty, $variant:ident) => {
         fn into_buffer(values: Vec<Self>) -> Buffer {
             Buffer::$variant(values)
-        }
-        fn from_buffer(buffer: Buffer) -> Option<Vec<Self>> {
-            match buffer {
-                Buffer::$variant(values) => Some(values),
-                _ => None,
-            }
         }
         fn slice_of(buffer: &Buffer) -> Option<&[Self]> {
             match buffer {
@@ -226,6 +354,19 @@ pub(crate) fn combine_into<T: Element>(op: ReduceOp, acc: &mut [T], x: &[T]) {
         ReduceOp::Sum | ReduceOp::Avg => pairs.for_each(|(a, &b)| *a = T::reduce_sum(*a, b)),
         ReduceOp::Max => pairs.for_each(|(a, &b)| *a = T::reduce_max(*a, b)),
         ReduceOp::Min => pairs.for_each(|(a, &b)| *a = T::reduce_min(*a, b)),
+    }
+}
+
+/// Appends `a[i] ⊕ b[i]` to `out`, with `a` holding the values of the
+/// earlier rank in the reduction order. One loop per op, as
+/// [`combine_into`].
+pub(crate) fn extend_combined<T: Element>(op: ReduceOp, out: &mut Vec<T>, a: &[T], b: &[T]) {
+    debug_assert_eq!(a.len(), b.len());
+    let pairs = a.iter().zip(b);
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => out.extend(pairs.map(|(&a, &b)| T::reduce_sum(a, b))),
+        ReduceOp::Max => out.extend(pairs.map(|(&a, &b)| T::reduce_max(a, b))),
+        ReduceOp::Min => out.extend(pairs.map(|(&a, &b)| T::reduce_min(a, b))),
     }
 }
 

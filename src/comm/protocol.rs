@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 
-use super::buffer::Buffer;
+use super::buffer::{Buffer, Input};
 use super::{CommError, ReduceOp, Result};
 
 /// Which collective a rank called, with the arguments all ranks must agree on.
@@ -111,6 +111,8 @@ pub(crate) struct Header {
     /// The data this destination needs from the sender, if the collective
     /// sends it in one step.
     pub(crate) payload: Option<Piece>,
+    /// The sender's input to a large reduction, which every rank reads.
+    pub(crate) input: Option<Input>,
 }
 
 /// A message, tagged with the sender's collective count so that a message
@@ -124,8 +126,9 @@ pub(crate) struct Envelope {
 #[derive(Debug)]
 pub(crate) enum Body {
     Header(Box<Header>),
-    /// Data of the ring algorithm's later steps.
-    Data(Arc<Buffer>),
+    /// A large reduction's second message (see [`ring`](super::ring)):
+    /// the sender's reduced chunk, or `None` when the receiver gets none.
+    Data(Option<Arc<Buffer>>),
 }
 
 /// The verdict on a collective, computed identically on every rank from

@@ -11,7 +11,7 @@ use candle_core::Tensor;
 use crossbeam::channel::{self, Receiver, Sender, TryRecvError};
 use crossbeam::select;
 
-use super::buffer::{match_buffer, reduce_in_rank_order, Buffer};
+use super::buffer::{reduce_in_rank_order, Buffer, Input};
 use super::protocol::{self, Body, Envelope, Header, OpSig, Piece, Signature, TensorMeta};
 use super::ring::{self, Link};
 use super::{CommError, Failure, FailureCause, ProcessGroup, ReduceOp, Result};
@@ -52,6 +52,10 @@ impl Default for GroupOptions {
     }
 }
 
+/// How long a rank polls for a message before it blocks (see
+/// [`Call::poll`]).
+const SPIN: Duration = Duration::from_micros(50);
+
 /// The in-process [`ProcessGroup`]: one [`ThreadRank`] handle per rank, each
 /// meant to be moved to its own thread.
 ///
@@ -64,10 +68,17 @@ impl Default for GroupOptions {
 /// - buffers smaller than [`GroupOptions::ring_threshold_bytes`] (and all
 ///   buffers when `W == 1`) are reduced in rank order,
 ///   `((x_0 ⊕ x_1) ⊕ x_2) ⊕ … ⊕ x_{W-1}`;
-/// - larger ones use the ring: the buffer is split into `W` contiguous
-///   chunks of near-equal size (the first `n % W` one element longer) and an
-///   element of chunk `c` is reduced as `((x_{c+1} ⊕ x_{c+2}) ⊕ …) ⊕ x_c`,
-///   indices mod `W`.
+/// - larger ones use the ring algorithm's order: the buffer is split into
+///   `W` contiguous chunks of near-equal size (the first `n % W` one element
+///   longer) and an element of chunk `c` is reduced as
+///   `((x_{c+1} ⊕ x_{c+2}) ⊕ …) ⊕ x_c`, indices mod `W`.
+///
+/// Large reductions move no partial results between ranks: the ranks read
+/// each other's inputs where they are (a contiguous CPU tensor in place,
+/// any other tensor from one host copy) and write straight into their
+/// results. With two ranks each rank reduces the whole buffer, which costs
+/// about one memcpy of it; with more, each reduces one chunk and copies the
+/// others' chunks.
 ///
 /// Each step rounds to the tensor's dtype (f16 and bf16 sums are not
 /// accumulated in f32). `Avg` divides that sum by `W`, in the dtype, as the
@@ -338,10 +349,28 @@ impl Call<'_> {
             .map_err(|_| self.peer_left(dst))
     }
 
+    /// The next message on `from` if it comes within [`SPIN`]: the ranks
+    /// of a collective usually arrive within microseconds of each other,
+    /// and waking a blocked thread costs tens of them. The spin yields the
+    /// CPU to other threads, and stops at once when the group fails.
+    fn poll(&self, from: &Receiver<Envelope>) -> std::result::Result<Envelope, TryRecvError> {
+        let start = Instant::now();
+        loop {
+            match from.try_recv() {
+                Err(TryRecvError::Empty)
+                    if start.elapsed() < SPIN && self.pg.shared.failure.get().is_none() =>
+                {
+                    std::thread::yield_now()
+                }
+                other => return other,
+            }
+        }
+    }
+
     /// The next message from `src`, or an error once it cannot come.
     fn recv_body(&self, src: usize) -> Result<Body> {
         let from = &self.links.from[src];
-        let envelope = match from.try_recv() {
+        let envelope = match self.poll(from) {
             Ok(envelope) => envelope,
             Err(TryRecvError::Disconnected) => return Err(self.peer_left(src)),
             Err(TryRecvError::Empty) => select! {
@@ -370,7 +399,34 @@ impl Call<'_> {
     fn exchange(
         &self,
         sig: Signature,
+        payload_for: impl FnMut(usize) -> Option<Piece>,
+    ) -> Result<Vec<Header>> {
+        self.exchange_with_input(sig, payload_for, None)
+    }
+
+    /// The [`exchange`](Call::exchange) of a large reduction of `tensor`:
+    /// every header carries the sender's [`Input`], which every rank reads
+    /// (see [`ring`]). `invalid` says why the call's other arguments are.
+    fn exchange_inputs(
+        &self,
+        tensor: &Tensor,
+        op: OpSig,
+        invalid: Option<String>,
+    ) -> Result<Vec<Header>> {
+        let input = Input::new(tensor);
+        let sig = Signature {
+            op,
+            meta: meta(tensor),
+            invalid: invalid.or_else(|| input.as_ref().err().cloned()),
+        };
+        self.exchange_with_input(sig, |_| None, input.as_ref().ok())
+    }
+
+    fn exchange_with_input(
+        &self,
+        sig: Signature,
         mut payload_for: impl FnMut(usize) -> Option<Piece>,
+        input: Option<&Input>,
     ) -> Result<Vec<Header>> {
         let me = self.pg.rank;
         let world = self.pg.world_size;
@@ -378,6 +434,7 @@ impl Call<'_> {
             let header = Header {
                 sig: sig.clone(),
                 payload: payload_for(dst),
+                input: input.cloned(),
             };
             self.send_body(dst, Body::Header(Box::new(header)))?;
         }
@@ -387,6 +444,7 @@ impl Call<'_> {
                 headers.push(Header {
                     sig: sig.clone(),
                     payload: payload_for(me),
+                    input: input.cloned(),
                 });
                 continue;
             }
@@ -417,15 +475,16 @@ impl Call<'_> {
             .collect()
     }
 
-    /// This rank's own input, once [`exchange`](Call::exchange) has passed
-    /// (which it cannot if the input was invalid).
-    fn own(&self, local: Local) -> Result<Arc<Buffer>> {
-        local.map_err(|reason| CommError::InvalidInput {
-            rank: self.pg.rank,
-            op: self.op,
-            culprit: self.pg.rank,
-            reason,
-        })
+    /// Every rank's input to a large reduction, in rank order.
+    fn inputs<'h>(&self, headers: &'h [Header]) -> Result<Vec<&'h Input>> {
+        (0..headers.len())
+            .map(|src| {
+                headers[src]
+                    .input
+                    .as_ref()
+                    .ok_or_else(|| self.unexpected(src, "its header carries no input".into()))
+            })
+            .collect()
     }
 
     fn tensor_error(&self, source: candle_core::Error) -> CommError {
@@ -499,11 +558,11 @@ impl Link for Call<'_> {
         self.pg.world_size
     }
 
-    fn send(&self, dst: usize, data: Arc<Buffer>) -> Result<()> {
+    fn send(&self, dst: usize, data: Option<Arc<Buffer>>) -> Result<()> {
         self.send_body(dst, Body::Data(data))
     }
 
-    fn recv(&self, src: usize) -> Result<Arc<Buffer>> {
+    fn recv(&self, src: usize) -> Result<Option<Arc<Buffer>>> {
         match self.recv_body(src)? {
             Body::Data(data) => Ok(data),
             Body::Header(_) => Err(self.unexpected(src, "a header instead of data".into())),
@@ -547,26 +606,23 @@ impl ProcessGroup for ThreadRank {
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
         let call = self.begin("all_reduce")?;
+        if self.uses_ring(tensor) {
+            let headers = call.exchange_inputs(tensor, OpSig::AllReduce(op), None)?;
+            let inputs = call.inputs(&headers)?;
+            return ring::all_reduce(&inputs, tensor.dtype(), op, &call)?
+                .into_tensor(tensor.dims(), tensor.device())
+                .map_err(|e| call.tensor_error(e));
+        }
+        // Small buffers go to every rank with the header.
         let local = local_copy(tensor);
-        let ring = self.uses_ring(tensor);
         let sig = Signature {
             op: OpSig::AllReduce(op),
             meta: meta(tensor),
             invalid: local.as_ref().err().cloned(),
         };
-        // Small buffers go to every rank with the header.
-        let headers = call.exchange(sig, |_| match (&local, ring) {
-            (Ok(data), false) => Some(piece(data, tensor)),
-            _ => None,
-        })?;
-        let reduced = if ring {
-            let own = call.own(local)?;
-            match_buffer!(own.as_ref(), v => ring::all_reduce(v, op, &call).map(Buffer::from))?
-        } else {
-            reduce_in_rank_order(&call.payloads(&headers)?, op)
-                .ok_or_else(|| call.unexpected(0, "buffers of different types".into()))?
-        };
-        reduced
+        let headers = call.exchange(sig, |_| local.as_ref().ok().map(|d| piece(d, tensor)))?;
+        reduce_in_rank_order(&call.payloads(&headers)?, op)
+            .ok_or_else(|| call.unexpected(0, "buffers of different types".into()))?
             .into_tensor(tensor.dims(), tensor.device())
             .map_err(|e| call.tensor_error(e))
     }
@@ -666,30 +722,32 @@ impl ProcessGroup for ThreadRank {
 
     fn reduce(&self, tensor: &Tensor, root: usize, op: ReduceOp) -> Result<Option<Tensor>> {
         let call = self.begin("reduce")?;
+        if self.uses_ring(tensor) {
+            let sig = OpSig::Reduce { root, op };
+            let headers = call.exchange_inputs(tensor, sig, self.root_error(root))?;
+            let inputs = call.inputs(&headers)?;
+            return ring::reduce(&inputs, tensor.dtype(), op, root, &call)?
+                .map(|r| r.into_tensor(tensor.dims(), tensor.device()))
+                .transpose()
+                .map_err(|e| call.tensor_error(e));
+        }
         let local = local_copy(tensor);
-        let ring = self.uses_ring(tensor);
         let sig = Signature {
             op: OpSig::Reduce { root, op },
             meta: meta(tensor),
             invalid: self.root_error(root).or(local.as_ref().err().cloned()),
         };
-        let headers = call.exchange(sig, |dst| match (&local, ring) {
-            (Ok(data), false) if dst == root => Some(piece(data, tensor)),
+        let headers = call.exchange(sig, |dst| match &local {
+            Ok(data) if dst == root => Some(piece(data, tensor)),
             _ => None,
         })?;
-        let reduced = if ring {
-            let own = call.own(local)?;
-            match_buffer!(own.as_ref(), v => ring::reduce(v, op, root, &call).map(|r| r.map(Buffer::from)))?
-        } else if self.rank == root {
-            let reduced = reduce_in_rank_order(&call.payloads(&headers)?, op)
-                .ok_or_else(|| call.unexpected(0, "buffers of different types".into()))?;
-            Some(reduced)
-        } else {
-            None
-        };
-        reduced
-            .map(|r| r.into_tensor(tensor.dims(), tensor.device()))
-            .transpose()
+        if self.rank != root {
+            return Ok(None);
+        }
+        reduce_in_rank_order(&call.payloads(&headers)?, op)
+            .ok_or_else(|| call.unexpected(0, "buffers of different types".into()))?
+            .into_tensor(tensor.dims(), tensor.device())
+            .map(Some)
             .map_err(|e| call.tensor_error(e))
     }
 
