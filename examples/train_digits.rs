@@ -229,27 +229,12 @@ fn train(
     let seconds = start.elapsed().as_secs_f64();
     bar.finish();
 
-    let predictions = single.forward(&test.images)?.argmax(1)?;
-    let correct = predictions
-        .eq(&test.labels)?
-        .to_dtype(DType::F32)?
-        .sum_all()?
-        .to_scalar::<f32>()?;
-    let weights = {
-        let data = varmap.data().lock().expect("lock");
-        let mut named: Vec<_> = data
-            .iter()
-            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-            .collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        named.into_iter().map(|(_, t)| t).collect()
-    };
     Ok(Outcome {
         seconds,
         samples,
         last_loss,
-        accuracy: correct as f64 / test.len() as f64,
-        weights,
+        accuracy: accuracy(&single, test)?,
+        weights: sorted_weights(&varmap),
     })
 }
 
