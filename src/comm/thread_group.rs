@@ -302,6 +302,29 @@ impl ThreadRank {
             )
         })
     }
+
+    /// The first half of `gather` and `reduce`: every rank sends its copy of
+    /// `tensor` to `root` with the call's header. The root gets every
+    /// rank's header back, the other ranks `None` (they are done).
+    fn send_to_root(
+        &self,
+        call: &Call<'_>,
+        op: OpSig,
+        tensor: &Tensor,
+        root: usize,
+    ) -> Result<Option<Vec<Header>>> {
+        let local = local_copy(tensor);
+        let sig = Signature {
+            op,
+            meta: meta(tensor),
+            invalid: self.root_error(root).or(local.as_ref().err().cloned()),
+        };
+        let headers = call.exchange(sig, |dst| match &local {
+            Ok(data) if dst == root => Some(piece(data, tensor)),
+            _ => None,
+        })?;
+        Ok((self.rank == root).then_some(headers))
+    }
 }
 
 /// A tensor's host copy, shared between the messages that carry it; the
@@ -665,19 +688,9 @@ impl ProcessGroup for ThreadRank {
 
     fn gather(&self, tensor: &Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
         let call = self.begin("gather")?;
-        let local = local_copy(tensor);
-        let sig = Signature {
-            op: OpSig::Gather { root },
-            meta: meta(tensor),
-            invalid: self.root_error(root).or(local.as_ref().err().cloned()),
-        };
-        let headers = call.exchange(sig, |dst| match &local {
-            Ok(data) if dst == root => Some(piece(data, tensor)),
-            _ => None,
-        })?;
-        if self.rank != root {
+        let Some(headers) = self.send_to_root(&call, OpSig::Gather { root }, tensor, root)? else {
             return Ok(None);
-        }
+        };
         call.payloads(&headers)?
             .into_iter()
             .map(|data| data.to_tensor(tensor.dims(), tensor.device()))
@@ -731,19 +744,10 @@ impl ProcessGroup for ThreadRank {
                 .transpose()
                 .map_err(|e| call.tensor_error(e));
         }
-        let local = local_copy(tensor);
-        let sig = Signature {
-            op: OpSig::Reduce { root, op },
-            meta: meta(tensor),
-            invalid: self.root_error(root).or(local.as_ref().err().cloned()),
-        };
-        let headers = call.exchange(sig, |dst| match &local {
-            Ok(data) if dst == root => Some(piece(data, tensor)),
-            _ => None,
-        })?;
-        if self.rank != root {
+        let Some(headers) = self.send_to_root(&call, OpSig::Reduce { root, op }, tensor, root)?
+        else {
             return Ok(None);
-        }
+        };
         reduce_in_rank_order(&call.payloads(&headers)?, op)
             .ok_or_else(|| call.unexpected(0, "buffers of different types".into()))?
             .into_tensor(tensor.dims(), tensor.device())
