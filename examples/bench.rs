@@ -599,30 +599,43 @@ const PHASES: [&str; 7] = [
     "optimizer",
 ];
 
+/// The phase times of a row in `PHASES` order (ms, `decimals` places); the
+/// drop-in path's backward is the serial one on the caller's thread.
+fn phase_cells(r: &Row, decimals: usize) -> Vec<String> {
+    PHASES
+        .iter()
+        .map(|&k| {
+            let key = if k == "backward" && r.phases.contains_key("backward-serial") {
+                "backward-serial"
+            } else {
+                k
+            };
+            r.phases
+                .get(key)
+                .map_or(String::new(), |v| format!("{v:.decimals$}"))
+        })
+        .collect()
+}
+
 fn markdown(rows: &[Row]) -> String {
-    let mut s = String::from(
-        "| config | model | global batch | replicas | median ms/step | samples/s | scaling eff. | scatter | replicate | forward | backward | reduce | gather | optimizer | overhead |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    let mut s = format!(
+        "| config | model | global batch | replicas | median ms/step | samples/s | scaling eff. | {} | overhead |\n|{}\n",
+        PHASES.join(" | "),
+        "---|".repeat(8 + PHASES.len())
     );
     for r in rows {
-        let p = |k: &str| r.phases.get(k).map_or(String::new(), |v| format!("{v:.2}"));
-        let overhead = overhead_pct(r);
         s += &format!(
-            "| {} | {} | {} | {} | {:.2} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1}% |\n",
+            "| {} | {} | {} | {} | {:.2} | {:.0} | {} | {} | {:.1}% |\n",
             r.spec.label(),
             r.spec.model,
             r.spec.batch,
             r.spec.replicas,
             r.median_ms,
             r.samples_per_s,
-            r.efficiency.map_or(String::new(), |e| format!("{:.0}%", 100.0 * e)),
-            p("scatter"),
-            p("replicate"),
-            p("forward"),
-            if r.phases.contains_key("backward-serial") { p("backward-serial") } else { p("backward") },
-            p("reduce"),
-            p("gather"),
-            p("optimizer"),
-            overhead
+            r.efficiency
+                .map_or(String::new(), |e| format!("{:.0}%", 100.0 * e)),
+            phase_cells(r, 2).join(" | "),
+            overhead_pct(r)
         );
     }
     s
@@ -634,16 +647,9 @@ fn csv(rows: &[Row]) -> String {
         PHASES.join(",")
     );
     for r in rows {
-        let phases: Vec<String> = PHASES
-            .iter()
-            .map(|k| {
-                r.phases
-                    .get(*k)
-                    .map_or(String::new(), |v| format!("{v:.3}"))
-            })
-            .collect();
+        // The label holds a comma ("single, 2 thread(s)"): quote it.
         s += &format!(
-            "{},{},{},{},{:.3},{:.1},{},{}\n",
+            "\"{}\",{},{},{},{:.3},{:.1},{},{}\n",
             r.spec.label(),
             r.spec.model,
             r.spec.batch,
@@ -651,7 +657,7 @@ fn csv(rows: &[Row]) -> String {
             r.median_ms,
             r.samples_per_s,
             r.efficiency.map_or(String::new(), |e| format!("{e:.3}")),
-            phases.join(",")
+            phase_cells(r, 3).join(",")
         );
     }
     s
