@@ -107,6 +107,21 @@ fn unsupported(dtype: DType) -> String {
 }
 
 impl Buffer {
+    /// The dtype of the elements.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn dtype(&self) -> DType {
+        fn of<T: Element>(_: &[T]) -> DType {
+            T::DTYPE
+        }
+        match_buffer!(self, v => of(v))
+    }
+
+    /// The number of elements.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn len(&self) -> usize {
+        match_buffer!(self, v => v.len())
+    }
+
     /// Copies a tensor's elements (in row-major order) to the host.
     ///
     /// The error is a message for [`CommError::InvalidInput`](super::CommError),

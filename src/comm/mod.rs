@@ -24,6 +24,8 @@
 //!   [`ProcessGroup::set_timeout`] bounds every wait.
 
 mod buffer;
+#[cfg(feature = "mpi")]
+mod mpi_group;
 mod protocol;
 mod ring;
 mod thread_group;
@@ -35,6 +37,8 @@ use candle_core::Tensor;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+#[cfg(feature = "mpi")]
+pub use mpi_group::{MpiGroup, MpiInitError};
 pub use thread_group::{GroupOptions, ThreadGroup, ThreadRank, DEFAULT_RING_THRESHOLD_BYTES};
 
 /// How [`ProcessGroup::all_reduce`] and [`ProcessGroup::reduce`] combine the
@@ -43,7 +47,7 @@ pub use thread_group::{GroupOptions, ThreadGroup, ThreadRank, DEFAULT_RING_THRES
 /// Floating-point `Max` and `Min` propagate NaN. On integer dtypes `Sum`
 /// wraps on overflow and `Avg` is that sum divided by the world size,
 /// truncated toward zero.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum ReduceOp {
     /// The sum over the ranks.
     Sum,
@@ -261,7 +265,7 @@ pub type Result<T> = std::result::Result<T, CommError>;
 /// assert_eq!(sums, vec![vec![3.0, 3.0]; 3]);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub trait ProcessGroup: Send + Sync {
+pub trait ProcessGroup: Send + Sync + fmt::Debug {
     /// This rank's index, in `0..world_size()`.
     fn rank(&self) -> usize;
 

@@ -18,7 +18,7 @@ use super::buffer::{Buffer, Input};
 use super::{CommError, ReduceOp, Result};
 
 /// Which collective a rank called, with the arguments all ranks must agree on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) enum OpSig {
     AllReduce(ReduceOp),
     Broadcast { root: usize },
@@ -43,6 +43,27 @@ impl OpSig {
             OpSig::Barrier => "barrier",
             OpSig::AllGatherBytes => "all_gather_bytes",
         }
+    }
+
+    /// The name of the collective called `name` as a `&'static str` (for
+    /// failures received from another process); an unknown name gives
+    /// "a collective".
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn static_name(name: &str) -> &'static str {
+        const NAMES: [&str; 8] = [
+            "all_reduce",
+            "broadcast",
+            "all_gather",
+            "gather",
+            "scatter",
+            "reduce",
+            "barrier",
+            "all_gather_bytes",
+        ];
+        NAMES
+            .into_iter()
+            .find(|known| *known == name)
+            .unwrap_or("a collective")
     }
 
     fn root(self) -> Option<usize> {

@@ -6,77 +6,12 @@
 //! instead of waiting for it, and [`spawn`] reports that first failure, not
 //! the errors it caused on the other ranks.
 
-use std::any::Any;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 use std::thread;
 
+use super::{panic_message, LaunchError, RankContext};
 use crate::comm::{Failure, FailureCause, GroupOptions, ProcessGroup, ThreadGroup, ThreadRank};
-
-/// What the closure given to [`spawn`] gets on each rank.
-#[derive(Debug, Clone)]
-pub struct RankContext {
-    /// This rank, in `0..world_size`.
-    pub rank: usize,
-    /// The number of ranks.
-    pub world_size: usize,
-    /// This rank's handle on the group.
-    pub pg: Arc<ThreadRank>,
-}
-
-impl RankContext {
-    /// The group handle as a trait object, for code written against
-    /// [`ProcessGroup`].
-    pub fn process_group(&self) -> Arc<dyn ProcessGroup> {
-        self.pg.clone()
-    }
-}
-
-/// Why [`spawn`] failed; every variant names the rank at the root of it.
-#[derive(Debug, thiserror::Error)]
-pub enum LaunchError {
-    /// `world_size` was 0.
-    #[error("world_size must be at least 1, got 0")]
-    EmptyWorld,
-
-    /// The closure returned an error on `rank`.
-    #[error("rank {rank} failed: {source:#}")]
-    Failed {
-        /// The failing rank.
-        rank: usize,
-        /// What its closure returned (downcast it to, e.g.,
-        /// [`CommError`](crate::comm::CommError)).
-        source: anyhow::Error,
-    },
-
-    /// The closure panicked on `rank`.
-    #[error("rank {rank} panicked: {message}")]
-    Panicked {
-        /// The panicking rank.
-        rank: usize,
-        /// The panic message, when the payload was a string.
-        message: String,
-    },
-
-    /// `rank` failed the group (called
-    /// [`ProcessGroup::abort`], or timed out) but its closure returned `Ok`.
-    #[error("rank {rank} aborted the group: {reason}")]
-    Aborted {
-        /// The rank that failed the group.
-        rank: usize,
-        /// Its reason.
-        reason: String,
-    },
-
-    /// The thread of `rank` could not be started.
-    #[error("could not start the thread of rank {rank}: {source}")]
-    Spawn {
-        /// The rank whose thread did not start.
-        rank: usize,
-        /// The operating system's error.
-        source: std::io::Error,
-    },
-}
 
 /// Runs `f` on `world_size` ranks of a new [`ThreadGroup`] (default
 /// [`GroupOptions`]), each on its own thread, and returns their results in
@@ -200,7 +135,7 @@ where
     let ctx = RankContext {
         rank: pg.rank(),
         world_size: pg.world_size(),
-        pg: Arc::clone(&pg),
+        pg: Arc::clone(&pg) as Arc<dyn ProcessGroup>,
     };
     // Unwind safety: after a panic only the group's failure state is used,
     // and it is built to be read after any failure.
@@ -249,14 +184,4 @@ fn first_failure<T>(
             Outcome::Panicked(message) => Err(LaunchError::Panicked { rank, message }),
         })
         .collect()
-}
-
-fn panic_message(payload: &(dyn Any + Send)) -> String {
-    if let Some(message) = payload.downcast_ref::<&str>() {
-        (*message).to_string()
-    } else if let Some(message) = payload.downcast_ref::<String>() {
-        message.clone()
-    } else {
-        "a panic payload that is not a string".to_string()
-    }
 }

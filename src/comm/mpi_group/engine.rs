@@ -1,0 +1,919 @@
+//! The MPI engine: the one thread of a process that makes MPI calls.
+//!
+//! Every [`MpiGroup`](super::MpiGroup) call is sent here as a [`Job`] and
+//! answered on its own channel. Keeping MPI on one thread gives three
+//! things: MPI needs only `MPI_THREAD_FUNNELED`; the handle is `Send +
+//! Sync` although rsmpi's communicators are not; and a collective that can
+//! never complete (a peer failed, or the timeout expired) can be given up
+//! by the caller while its buffers stay alive here, because MPI may still
+//! write into them (there is no way to cancel a started collective).
+//!
+//! Every wait polls its requests (`MPI_Test`) and, between polls, the three
+//! ways it can end early: a notice from another rank (it failed, or it
+//! left), a failure of this rank (`abort`, a panic), and the deadline. A
+//! rank that fails or times out tells every other rank with a small notice
+//! on a communicator of its own, so their waits end with an error naming
+//! it instead of hanging.
+//!
+//! **The collectives**, on a duplicate of `MPI_COMM_WORLD`:
+//! - every collective starts with a header exchange: each rank sends every
+//!   other rank its [`Signature`] (point to point, so that a timeout can
+//!   name the ranks whose header never came), and the ranks agree with
+//!   [`protocol::check`] before any data moves, as the thread group does;
+//! - small payloads travel with the header (all_reduce below the ring
+//!   threshold, broadcast, all_gather, gather, scatter, all_gather_bytes)
+//!   and are reduced in rank order;
+//! - large reductions run the ring algorithm (reduce-scatter, then
+//!   all-gather or gather to the root), in the thread group's exact
+//!   reduction order, so every result is bitwise the thread group's.
+
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crossbeam::channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use mpi::point_to_point::MatchedReceiveVec;
+use mpi::request::{Request, Scope};
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+use mpi::Threading;
+
+use super::wire::{self, Notice, Wire};
+use super::Shared;
+use crate::comm::buffer::{
+    chunk_range, combine_into, finish, match_dtype, reduce_in_rank_order, Buffer,
+};
+use crate::comm::protocol::{self, Signature};
+use crate::comm::{CommError, Failure, FailureCause, ReduceOp};
+
+const TAG_HEADER: i32 = 1;
+const TAG_DATA: i32 = 2;
+const TAG_NOTICE: i32 = 3;
+
+/// How often an idle engine looks for notices, so that
+/// [`ProcessGroup::failure`](crate::comm::ProcessGroup::failure) sees a
+/// peer's failure between collectives too.
+const IDLE_POLL: Duration = Duration::from_millis(10);
+
+/// How long a wait polls without pause before it sleeps between polls.
+/// The ranks of a collective usually arrive close together and large
+/// transfers progress only inside MPI calls; a peer that is still
+/// computing should not have to share its core with a spinning poller.
+const SPIN: Duration = Duration::from_millis(2);
+
+/// The pause between polls after [`SPIN`].
+const NAP: Duration = Duration::from_micros(50);
+
+/// What a handle asks of the engine.
+pub(super) enum Control {
+    /// Run a collective.
+    Call(Job),
+    /// This rank has failed (recorded in [`Shared`]): tell the others.
+    Abort,
+    /// The last handle is gone: leave the group and finalize MPI, then
+    /// answer on the channel.
+    Shutdown(Sender<()>),
+}
+
+/// One collective call of this rank.
+pub(super) struct Job {
+    pub(super) seq: u64,
+    pub(super) op: &'static str,
+    pub(super) sig: Signature,
+    pub(super) kind: Kind,
+    pub(super) deadline: Option<Instant>,
+    pub(super) timeout: Option<Duration>,
+    pub(super) reply: Sender<Result<Reply, CommError>>,
+}
+
+/// The collective and this rank's data (`None` where the data is invalid,
+/// which the signature says).
+pub(super) enum Kind {
+    /// all_reduce (`root: None`) or reduce.
+    Reduce {
+        op: ReduceOp,
+        root: Option<usize>,
+        data: Option<Buffer>,
+    },
+    Broadcast {
+        root: usize,
+        data: Option<Buffer>,
+    },
+    /// all_gather and all_gather_bytes.
+    AllGather {
+        data: Option<Buffer>,
+    },
+    Gather {
+        root: usize,
+        data: Option<Buffer>,
+    },
+    Scatter {
+        root: usize,
+        parts: Vec<(Buffer, Vec<usize>)>,
+    },
+    Barrier,
+}
+
+/// A collective's result on this rank.
+pub(super) enum Reply {
+    Nothing,
+    One(Buffer, Vec<usize>),
+    Many(Vec<Buffer>),
+}
+
+/// Why a collective stopped without a result.
+enum Stop {
+    /// With this error, not yet reported; no request is pending.
+    Error(CommError),
+    /// The error was reported while requests were still pending, and the
+    /// engine stayed with them until they completed.
+    Reported,
+}
+
+impl From<CommError> for Stop {
+    fn from(error: CommError) -> Stop {
+        Stop::Error(error)
+    }
+}
+
+/// The collective in progress.
+struct Current {
+    seq: u64,
+    op: &'static str,
+    deadline: Option<Instant>,
+    timeout: Option<Duration>,
+    reply: Option<Sender<Result<Reply, CommError>>>,
+    /// The ranks the current wait depends on, for a timeout's message.
+    waiting_for: Vec<usize>,
+}
+
+/// Starts MPI on this thread, reports `(rank, world_size)` (or why MPI
+/// did not start) on `started`, then serves `control` until shutdown.
+pub(super) fn run(
+    shared: Arc<Shared>,
+    control: Receiver<Control>,
+    started: Sender<Result<(usize, usize), String>>,
+) {
+    let Some((universe, _)) = mpi::initialize_with_threading(Threading::Funneled) else {
+        let _ = started.send(Err(
+            "MPI is already initialized (or finalized) in this process".into(),
+        ));
+        return;
+    };
+    let world = universe.world();
+    let (rank, world_size) = (world.rank() as usize, world.size() as usize);
+    let mut engine = Engine {
+        rank,
+        world_size,
+        data: world.duplicate(),
+        notices: world.duplicate(),
+        shared,
+        control,
+        left: vec![None; world_size],
+        announced: false,
+        completed: 0,
+        current: None,
+        shutdown: None,
+    };
+    let _ = started.send(Ok((rank, world_size)));
+    engine.serve();
+    let ack = engine.shutdown.take();
+    if engine.shared.failure().is_none() {
+        engine.announce(&Notice::Left {
+            seq: engine.completed,
+        });
+        drop(engine);
+        drop(world);
+        // `MPI_Finalize`, which waits for the other ranks to finalize.
+        drop(universe);
+    } else {
+        // After a failure some ranks never finalize, and finalizing here
+        // could wait for them forever: the process ends without it, and
+        // mpirun reports the job as failed, as it must be.
+        std::mem::forget(engine);
+        std::mem::forget(world);
+        std::mem::forget(universe);
+    }
+    if let Some(ack) = ack {
+        let _ = ack.send(());
+    }
+}
+
+struct Engine {
+    rank: usize,
+    world_size: usize,
+    /// Headers and data.
+    data: SimpleCommunicator,
+    /// Failure and departure notices, apart so they never match data.
+    notices: SimpleCommunicator,
+    shared: Arc<Shared>,
+    control: Receiver<Control>,
+    /// For each rank that left the group: how many collectives it completed.
+    left: Vec<Option<u64>>,
+    /// Whether this rank's own failure has been sent to the others.
+    announced: bool,
+    /// The last collective this rank completed.
+    completed: u64,
+    current: Option<Current>,
+    shutdown: Option<Sender<()>>,
+}
+
+impl Engine {
+    fn serve(&mut self) {
+        while self.shutdown.is_none() {
+            match self.control.recv_timeout(IDLE_POLL) {
+                Ok(Control::Call(job)) => self.run_job(job),
+                Ok(Control::Abort) => self.announce_own_failure(),
+                Ok(Control::Shutdown(ack)) => self.shutdown = Some(ack),
+                Err(RecvTimeoutError::Timeout) => self.receive_notices(),
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+    }
+
+    fn run_job(&mut self, job: Job) {
+        let Job {
+            seq,
+            op,
+            sig,
+            kind,
+            deadline,
+            timeout,
+            reply,
+        } = job;
+        self.current = Some(Current {
+            seq,
+            op,
+            deadline,
+            timeout,
+            reply: Some(reply),
+            waiting_for: Vec::new(),
+        });
+        match self.collective(sig, kind) {
+            Ok(result) => {
+                self.completed = seq;
+                self.report(Ok(result));
+            }
+            Err(Stop::Error(error)) => {
+                if self.shared.failure().is_none() {
+                    // An error every rank agreed on: the collective is
+                    // complete and the group still usable.
+                    self.completed = seq;
+                }
+                self.report(Err(error));
+            }
+            Err(Stop::Reported) => {}
+        }
+        self.current = None;
+    }
+
+    /// Answers the current call, once.
+    fn report(&mut self, result: Result<Reply, CommError>) {
+        if let Some(reply) = self.current.as_mut().and_then(|c| c.reply.take()) {
+            let _ = reply.send(result);
+        }
+    }
+
+    fn op(&self) -> &'static str {
+        self.current.as_ref().map_or("a collective", |c| c.op)
+    }
+
+    fn seq(&self) -> u64 {
+        self.current.as_ref().map_or(0, |c| c.seq)
+    }
+
+    fn others(&self) -> impl Iterator<Item = usize> {
+        let me = self.rank;
+        (0..self.world_size).filter(move |&r| r != me)
+    }
+
+    fn collective(&mut self, sig: Signature, kind: Kind) -> Result<Reply, Stop> {
+        if let Some(error) = self.interruption() {
+            return Err(error.into());
+        }
+        let ring = self.uses_ring(&kind);
+        let headers = self.exchange_headers(&sig, &kind, ring)?;
+        let sigs: Vec<&Signature> = (0..self.world_size)
+            .map(|r| headers[r].as_ref().map_or(&sig, |h| &h.sig))
+            .collect();
+        protocol::check(&sigs, self.rank, self.op())?;
+        let mut payloads: Vec<Option<(Buffer, Vec<usize>)>> = headers
+            .into_iter()
+            .map(|h| h.and_then(|h| h.payload))
+            .collect();
+        let me = self.rank;
+        match kind {
+            Kind::Reduce { op, root, data } => {
+                let data = self.own(data)?;
+                let wants = root.is_none_or(|root| root == me);
+                if ring {
+                    return Ok(match self.ring_reduce(&data, op, root)? {
+                        Some(result) => Reply::One(result, Vec::new()),
+                        None => Reply::Nothing,
+                    });
+                }
+                if !wants {
+                    return Ok(Reply::Nothing);
+                }
+                payloads[me] = Some((data, Vec::new()));
+                let parts = self.all_payloads(&payloads)?;
+                let reduced = reduce_in_rank_order(&parts, op)
+                    .ok_or_else(|| self.unexpected(0, "buffers of different types".into()))?;
+                Ok(Reply::One(reduced, Vec::new()))
+            }
+            Kind::Broadcast { root, data } => {
+                let result = if root == me {
+                    self.own(data)?
+                } else {
+                    self.payload(&mut payloads, root)?.0
+                };
+                Ok(Reply::One(result, Vec::new()))
+            }
+            Kind::AllGather { data } => {
+                payloads[me] = Some((self.own(data)?, Vec::new()));
+                let all = (0..self.world_size)
+                    .map(|src| self.payload(&mut payloads, src).map(|p| p.0))
+                    .collect::<Result<_, _>>()?;
+                Ok(Reply::Many(all))
+            }
+            Kind::Gather { root, data } => {
+                if root != me {
+                    return Ok(Reply::Nothing);
+                }
+                payloads[me] = Some((self.own(data)?, Vec::new()));
+                let all = (0..self.world_size)
+                    .map(|src| self.payload(&mut payloads, src).map(|p| p.0))
+                    .collect::<Result<_, _>>()?;
+                Ok(Reply::Many(all))
+            }
+            Kind::Scatter { root, mut parts } => {
+                let (buffer, dims) = if root == me {
+                    if parts.len() <= me {
+                        return Err(self.unexpected(me, "no part for this rank".into()).into());
+                    }
+                    parts.swap_remove(me)
+                } else {
+                    self.payload(&mut payloads, root)?
+                };
+                Ok(Reply::One(buffer, dims))
+            }
+            Kind::Barrier => Ok(Reply::Nothing),
+        }
+    }
+
+    /// This rank's data, which exists once the ranks agreed (its signature
+    /// said it was valid).
+    fn own(&self, data: Option<Buffer>) -> Result<Buffer, CommError> {
+        data.ok_or_else(|| self.unexpected(self.rank, "no data of its own".into()))
+    }
+
+    fn payload(
+        &self,
+        payloads: &mut [Option<(Buffer, Vec<usize>)>],
+        src: usize,
+    ) -> Result<(Buffer, Vec<usize>), CommError> {
+        payloads
+            .get_mut(src)
+            .and_then(Option::take)
+            .ok_or_else(|| self.unexpected(src, "its header carries no data".into()))
+    }
+
+    fn all_payloads<'p>(
+        &self,
+        payloads: &'p [Option<(Buffer, Vec<usize>)>],
+    ) -> Result<Vec<&'p Buffer>, CommError> {
+        payloads
+            .iter()
+            .enumerate()
+            .map(|(src, p)| {
+                p.as_ref()
+                    .map(|p| &p.0)
+                    .ok_or_else(|| self.unexpected(src, "its header carries no data".into()))
+            })
+            .collect()
+    }
+
+    /// Whether a reduction takes the ring path: as in the thread group, by
+    /// the buffer's size and the group-wide threshold only.
+    fn uses_ring(&self, kind: &Kind) -> bool {
+        let Kind::Reduce {
+            data: Some(data), ..
+        } = kind
+        else {
+            return false;
+        };
+        let bytes = data.len().saturating_mul(data.dtype().size_in_bytes());
+        self.world_size > 1 && bytes >= self.shared.ring_threshold_bytes
+    }
+
+    /// Sends this rank's header (with what payload each destination needs)
+    /// to every other rank and receives theirs: `headers[src]`, `None` for
+    /// this rank.
+    fn exchange_headers(
+        &mut self,
+        sig: &Signature,
+        kind: &Kind,
+        ring: bool,
+    ) -> Result<Vec<Option<wire::Header>>, Stop> {
+        let me = self.rank;
+        let seq = self.seq();
+        // What `dst` gets with the header.
+        let payload_for = |dst: usize| -> Option<(&Buffer, Option<&[usize]>)> {
+            match kind {
+                Kind::Reduce { data, root, .. } if !ring && root.is_none_or(|r| r == dst) => {
+                    data.as_ref().map(|d| (d, None))
+                }
+                Kind::Broadcast { root, data } if *root == me => data.as_ref().map(|d| (d, None)),
+                Kind::AllGather { data } => data.as_ref().map(|d| (d, None)),
+                Kind::Gather { root, data } if *root == dst => data.as_ref().map(|d| (d, None)),
+                Kind::Scatter { root, parts } if *root == me => {
+                    parts.get(dst).map(|(b, dims)| (b, Some(dims.as_slice())))
+                }
+                _ => None,
+            }
+        };
+        // Destinations that get the same payload share one message.
+        let same_for_all = !matches!(kind, Kind::Scatter { .. } | Kind::Gather { .. })
+            && !matches!(kind, Kind::Reduce { root: Some(_), .. });
+        let messages: Vec<(usize, Vec<u8>)> = if same_for_all {
+            let message = self
+                .others()
+                .next()
+                .map(|dst| wire::encode_header(seq, sig, payload_for(dst)))
+                .unwrap_or_default();
+            vec![(usize::MAX, message)]
+        } else {
+            self.others()
+                .map(|dst| (dst, wire::encode_header(seq, sig, payload_for(dst))))
+                .collect()
+        };
+        let message_for = |dst: usize| -> &[u8] {
+            messages
+                .iter()
+                .find(|(d, _)| *d == dst || *d == usize::MAX)
+                .map_or(&[][..], |(_, m)| m.as_slice())
+        };
+        let mut headers: Vec<Option<wire::Header>> = (0..self.world_size).map(|_| None).collect();
+        let mut missing: Vec<usize> = self.others().collect();
+        mpi::request::scope(|scope| {
+            let sends: Vec<_> = self
+                .others()
+                .map(|dst| {
+                    self.data
+                        .process_at_rank(dst as i32)
+                        .immediate_send_with_tag(scope, message_for(dst), TAG_HEADER)
+                })
+                .collect();
+            self.wait(sends, |engine| {
+                engine.receive_headers(&mut missing, &mut headers)?;
+                Ok(missing.is_empty())
+            })
+        })?;
+        Ok(headers)
+    }
+
+    /// Receives the headers that have arrived from the ranks in `missing`.
+    fn receive_headers(
+        &mut self,
+        missing: &mut Vec<usize>,
+        headers: &mut [Option<wire::Header>],
+    ) -> Result<(), CommError> {
+        let mut still = Vec::with_capacity(missing.len());
+        for &src in missing.iter() {
+            let probed = self
+                .data
+                .process_at_rank(src as i32)
+                .immediate_matched_probe_with_tag(TAG_HEADER);
+            let Some(matched) = probed else {
+                still.push(src);
+                continue;
+            };
+            let (message, _) = matched.matched_receive_vec::<u8>();
+            let header =
+                wire::decode_header(&message).map_err(|detail| self.unexpected(src, detail))?;
+            if header.seq != self.seq() {
+                return Err(self.unexpected(
+                    src,
+                    format!(
+                        "it belongs to its collective #{}, this rank is in #{}",
+                        header.seq,
+                        self.seq()
+                    ),
+                ));
+            }
+            headers[src] = Some(header);
+        }
+        *missing = still;
+        if let Some(current) = self.current.as_mut() {
+            current.waiting_for.clone_from(missing);
+        }
+        Ok(())
+    }
+
+    /// A reduction by the ring algorithm: `Some(result)` on every rank
+    /// (`root: None`) or on the root only.
+    fn ring_reduce(
+        &mut self,
+        data: &Buffer,
+        op: ReduceOp,
+        root: Option<usize>,
+    ) -> Result<Option<Buffer>, Stop> {
+        fn typed<T: Wire>(
+            engine: &mut Engine,
+            data: &Buffer,
+            op: ReduceOp,
+            root: Option<usize>,
+        ) -> Result<Option<Buffer>, Stop> {
+            let x = T::slice_of(data)
+                .ok_or_else(|| engine.unexpected(engine.rank, "a buffer of another type".into()))?;
+            let mine = engine.reduce_scatter(x, op)?;
+            let result = match root {
+                None => Some(engine.ring_all_gather(x.len(), mine)?),
+                Some(root) => engine.gather_chunks(x.len(), mine, root)?,
+            };
+            Ok(result.map(T::into_buffer))
+        }
+        match_dtype!(data.dtype(), T => typed::<T>(self, data, op, root), _ => {
+            Err(self.unexpected(self.rank, format!("unsupported dtype {}", data.dtype().as_str())).into())
+        })
+    }
+
+    /// The ring's reduce-scatter: returns chunk `rank` reduced over every
+    /// rank as `((x_{c+1} ⊕ x_{c+2}) ⊕ …) ⊕ x_c` (the thread group's
+    /// order), finished (`Avg` divided).
+    fn reduce_scatter<T: Wire>(&mut self, x: &[T], op: ReduceOp) -> Result<Vec<T>, Stop> {
+        let (r, w) = (self.rank, self.world_size);
+        let (next, prev) = ((r + 1) % w, (r + w - 1) % w);
+        let chunk = |c: usize| chunk_range(x.len(), w, c);
+        let mut partial: Vec<T> = if w == 1 { x.to_vec() } else { Vec::new() };
+        for step in 0..w - 1 {
+            // Chunk c starts at rank c+1 and ends, fully reduced, at rank c.
+            let send_chunk = (r + 2 * w - 1 - step) % w;
+            let recv_chunk = (r + 2 * w - 2 - step) % w;
+            let mut received = vec![T::zeroed(); chunk(recv_chunk).len()];
+            let send: &[T] = if step == 0 {
+                &x[chunk(send_chunk)]
+            } else {
+                &partial
+            };
+            self.step(
+                bytemuck::cast_slice(send),
+                next,
+                bytemuck::cast_slice_mut(&mut received),
+                prev,
+            )?;
+            combine_into(op, &mut received, &x[chunk(recv_chunk)]);
+            partial = received;
+        }
+        finish(op, &mut partial, w);
+        Ok(partial)
+    }
+
+    /// The ring's all-gather: every rank's chunk, in order, on every rank.
+    fn ring_all_gather<T: Wire>(&mut self, len: usize, mine: Vec<T>) -> Result<Vec<T>, Stop> {
+        let (r, w) = (self.rank, self.world_size);
+        let (next, prev) = ((r + 1) % w, (r + w - 1) % w);
+        let mut result = vec![T::zeroed(); len];
+        let mut chunks = split_chunks(&mut result, w);
+        chunks[r].copy_from_slice(&mine);
+        for step in 0..w - 1 {
+            let send_chunk = (r + w - step) % w;
+            let recv_chunk = (r + 2 * w - 1 - step) % w;
+            let (send, recv) = pair(&mut chunks, send_chunk, recv_chunk);
+            self.step(
+                bytemuck::cast_slice(send),
+                next,
+                bytemuck::cast_slice_mut(recv),
+                prev,
+            )?;
+        }
+        Ok(result)
+    }
+
+    /// Every rank's chunk to `root`, which gets the whole result.
+    fn gather_chunks<T: Wire>(
+        &mut self,
+        len: usize,
+        mine: Vec<T>,
+        root: usize,
+    ) -> Result<Option<Vec<T>>, Stop> {
+        if self.rank != root {
+            mpi::request::scope(|scope| {
+                let send = self
+                    .data
+                    .process_at_rank(root as i32)
+                    .immediate_send_with_tag(scope, bytemuck::cast_slice::<T, u8>(&mine), TAG_DATA);
+                self.set_waiting_for(vec![root]);
+                self.wait(vec![send], |_| Ok(true))
+            })?;
+            return Ok(None);
+        }
+        let mut result = vec![T::zeroed(); len];
+        let mut chunks = split_chunks(&mut result, self.world_size);
+        chunks[root].copy_from_slice(&mine);
+        let others: Vec<usize> = self.others().collect();
+        mpi::request::scope(|scope| {
+            let receives: Vec<_> = chunks
+                .iter_mut()
+                .enumerate()
+                .filter(|(src, _)| *src != root)
+                .map(|(src, chunk)| {
+                    self.data
+                        .process_at_rank(src as i32)
+                        .immediate_receive_into_with_tag(
+                            scope,
+                            bytemuck::cast_slice_mut::<T, u8>(chunk),
+                            TAG_DATA,
+                        )
+                })
+                .collect();
+            self.set_waiting_for(others);
+            self.wait(receives, |_| Ok(true))
+        })?;
+        Ok(Some(result))
+    }
+
+    /// One ring step: sends `send` to `to` while receiving `recv` from
+    /// `from`.
+    fn step(&mut self, send: &[u8], to: usize, recv: &mut [u8], from: usize) -> Result<(), Stop> {
+        self.set_waiting_for(vec![from]);
+        mpi::request::scope(|scope| {
+            let requests = vec![
+                self.data
+                    .process_at_rank(to as i32)
+                    .immediate_send_with_tag(scope, send, TAG_DATA),
+                self.data
+                    .process_at_rank(from as i32)
+                    .immediate_receive_into_with_tag(scope, recv, TAG_DATA),
+            ];
+            self.wait(requests, |_| Ok(true))
+        })
+    }
+
+    fn set_waiting_for(&mut self, ranks: Vec<usize>) {
+        if let Some(current) = self.current.as_mut() {
+            current.waiting_for = ranks;
+        }
+    }
+
+    /// Waits until every request in `pending` has completed and `progress`
+    /// (called between polls) returns `Ok(true)`.
+    ///
+    /// If the wait must end early (a failure, a notice, the deadline, or an
+    /// error from `progress`), the error is reported to the caller at once,
+    /// but this returns only once the requests have completed, since MPI
+    /// owns their buffers until then: possibly never, when a peer is gone.
+    /// The group is failed by then, so nothing waits for the engine.
+    fn wait<'a, D: ?Sized, S: Scope<'a>>(
+        &mut self,
+        mut pending: Vec<Request<'a, D, S>>,
+        mut progress: impl FnMut(&mut Self) -> Result<bool, CommError>,
+    ) -> Result<(), Stop> {
+        let start = Instant::now();
+        let mut done = false;
+        loop {
+            pending = test_all(pending);
+            if !done {
+                match progress(self) {
+                    Ok(finished) => done = finished,
+                    Err(error) => return Err(self.abandon(error, pending)),
+                }
+            }
+            if done && pending.is_empty() {
+                return Ok(());
+            }
+            if let Some(error) = self.interruption() {
+                return Err(self.abandon(error, pending));
+            }
+            if start.elapsed() < SPIN {
+                thread::yield_now();
+            } else {
+                thread::sleep(NAP);
+            }
+        }
+    }
+
+    /// Reports `error`, then stays with `pending` until it completes (see
+    /// [`wait`](Engine::wait)), still answering the handles.
+    fn abandon<'a, D: ?Sized, S: Scope<'a>>(
+        &mut self,
+        error: CommError,
+        mut pending: Vec<Request<'a, D, S>>,
+    ) -> Stop {
+        if self.shared.failure().is_none() {
+            // Only a failed group may leave a collective half done.
+            self.fail(Failure {
+                rank: self.rank,
+                cause: FailureCause::Aborted(format!("gave up {}: {error}", self.op())),
+            });
+        }
+        self.report(Err(error));
+        loop {
+            pending = test_all(pending);
+            if pending.is_empty() {
+                return Stop::Reported;
+            }
+            self.receive_notices();
+            match self.control.try_recv() {
+                Ok(Control::Call(job)) => {
+                    let error = self.group_failed_for(job.op);
+                    let _ = job.reply.send(Err(error));
+                }
+                Ok(Control::Abort) => self.announce_own_failure(),
+                Ok(Control::Shutdown(ack)) => self.shutdown = Some(ack),
+                Err(TryRecvError::Empty | TryRecvError::Disconnected) => {}
+            }
+            thread::sleep(IDLE_POLL);
+        }
+    }
+
+    /// Why the current wait must end now, if it must.
+    fn interruption(&mut self) -> Option<CommError> {
+        self.receive_notices();
+        if let Some(failure) = self.shared.failure() {
+            if failure.rank == self.rank {
+                self.announce_own_failure();
+            }
+            return Some(self.group_failed_for(self.op()));
+        }
+        let seq = self.seq();
+        if let Some(gone) = (0..self.world_size).find(|&r| self.left[r].is_some_and(|s| s < seq)) {
+            // It finished before entering this collective: it never will.
+            self.shared.fail(Failure {
+                rank: gone,
+                cause: FailureCause::Left,
+            });
+            return Some(self.group_failed_for(self.op()));
+        }
+        let current = self.current.as_ref()?;
+        if current.deadline.is_some_and(|d| Instant::now() >= d) {
+            let missing = if current.waiting_for.is_empty() {
+                self.others().collect()
+            } else {
+                current.waiting_for.clone()
+            };
+            let (op, timeout) = (current.op, current.timeout.unwrap_or_default());
+            self.fail(Failure {
+                rank: self.rank,
+                cause: FailureCause::TimedOut {
+                    op,
+                    missing: missing.clone(),
+                },
+            });
+            return Some(CommError::Timeout {
+                rank: self.rank,
+                op,
+                timeout,
+                missing,
+            });
+        }
+        None
+    }
+
+    /// Records `failure` (unless the group already failed) and, if it is
+    /// this rank's, tells the others.
+    fn fail(&mut self, failure: Failure) {
+        self.shared.fail(failure);
+        self.announce_own_failure();
+    }
+
+    fn group_failed_for(&self, op: &'static str) -> CommError {
+        let failure = self.shared.failure().unwrap_or(Failure {
+            rank: self.rank,
+            cause: FailureCause::Aborted("stopped without a recorded failure".into()),
+        });
+        CommError::GroupFailed {
+            rank: self.rank,
+            op,
+            failure,
+        }
+    }
+
+    /// The error for a message from `src` that does not fit the collective
+    /// in progress: the ranks are out of step, so the group fails.
+    fn unexpected(&self, src: usize, detail: String) -> CommError {
+        let op = self.op();
+        self.shared.fail(Failure {
+            rank: self.rank,
+            cause: FailureCause::Aborted(format!(
+                "received an unexpected message from rank {src} in {op}"
+            )),
+        });
+        CommError::Protocol {
+            rank: self.rank,
+            op,
+            peer: src,
+            detail,
+        }
+    }
+
+    /// Tells every other rank about this rank's failure, once.
+    fn announce_own_failure(&mut self) {
+        let Some(failure) = self.shared.failure() else {
+            return;
+        };
+        if self.announced || failure.rank != self.rank {
+            return;
+        }
+        self.announced = true;
+        self.announce(&Notice::failed(&failure));
+    }
+
+    fn announce(&self, notice: &Notice) {
+        let bytes = notice.encode();
+        for dst in self.others() {
+            // A notice is far below MPI's eager limit (see `wire`): the
+            // send returns without waiting for the receiver.
+            self.notices
+                .process_at_rank(dst as i32)
+                .send_with_tag(&bytes[..], TAG_NOTICE);
+        }
+    }
+
+    /// Takes in every notice that has arrived.
+    fn receive_notices(&mut self) {
+        while let Some(matched) = self
+            .notices
+            .any_process()
+            .immediate_matched_probe_with_tag(TAG_NOTICE)
+        {
+            let (bytes, status) = matched.matched_receive_vec::<u8>();
+            let src = status.source_rank() as usize;
+            match Notice::decode(&bytes) {
+                Ok(Notice::Failed { rank, cause }) => self.shared.fail(Failure {
+                    rank,
+                    cause: cause.into_cause(),
+                }),
+                Ok(Notice::Left { seq }) => {
+                    if let Some(slot) = self.left.get_mut(src) {
+                        *slot = Some(seq);
+                    }
+                }
+                Err(detail) => self.shared.fail(Failure {
+                    rank: src,
+                    cause: FailureCause::Aborted(format!("sent {detail}")),
+                }),
+            }
+        }
+    }
+}
+
+/// The requests of `pending` that have not completed.
+fn test_all<'a, D: ?Sized, S: Scope<'a>>(
+    pending: Vec<Request<'a, D, S>>,
+) -> Vec<Request<'a, D, S>> {
+    pending
+        .into_iter()
+        .filter_map(|request| request.test().err())
+        .collect()
+}
+
+/// `values` cut into the ring's `chunks` contiguous chunks.
+fn split_chunks<T>(values: &mut [T], chunks: usize) -> Vec<&mut [T]> {
+    let len = values.len();
+    let mut rest = values;
+    let mut out = Vec::with_capacity(chunks);
+    for c in 0..chunks {
+        let (head, tail) =
+            std::mem::take(&mut rest).split_at_mut(chunk_range(len, chunks, c).len());
+        out.push(head);
+        rest = tail;
+    }
+    out
+}
+
+/// Chunk `a` to read and chunk `b` to write, `a != b`.
+fn pair<'s, T>(chunks: &'s mut [&mut [T]], a: usize, b: usize) -> (&'s [T], &'s mut [T]) {
+    if a < b {
+        let (low, high) = chunks.split_at_mut(b);
+        (&*low[a], &mut *high[0])
+    } else {
+        let (low, high) = chunks.split_at_mut(a);
+        (&*high[0], &mut *low[b])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_tile_the_buffer_in_ring_order() {
+        let mut values: Vec<u32> = (0..7).collect();
+        let chunks = split_chunks(&mut values, 3);
+        let lens: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
+        assert_eq!(lens, vec![3, 2, 2]);
+        assert_eq!(chunks[2], &[5, 6]);
+    }
+
+    #[test]
+    fn pair_gives_the_two_chunks_asked_for_in_either_order() {
+        let mut values: Vec<u32> = (0..6).collect();
+        let mut chunks = split_chunks(&mut values, 3);
+        let (read, write) = pair(&mut chunks, 2, 0);
+        assert_eq!(read, &[4, 5]);
+        write.copy_from_slice(&[9, 9]);
+        let (read, _) = pair(&mut chunks, 0, 1);
+        assert_eq!(read, &[9, 9]);
+    }
+}

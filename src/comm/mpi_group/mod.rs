@@ -1,0 +1,532 @@
+//! [`MpiGroup`]: a process group whose ranks are MPI processes, on one
+//! machine or many (feature `mpi`).
+//!
+//! MPI (Open MPI or any other implementation of the standard, through the
+//! `mpi` crate) starts the processes and moves the bytes; this module adds
+//! what [`ProcessGroup`] promises on top: the thread group's exact
+//! reduction order (so results are bitwise those of [`ThreadGroup`] for the
+//! same inputs), agreement on errors, every dtype collectives support
+//! (f16 and bf16 included, which MPI has no type for), timeouts, and no
+//! hang when a rank fails.
+//!
+//! [`ThreadGroup`]: crate::comm::ThreadGroup
+
+mod engine;
+mod wire;
+
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use crossbeam::channel::{self, Receiver, Sender};
+
+use self::engine::{Control, Job, Kind, Reply};
+use super::buffer::Buffer;
+use super::protocol::{OpSig, Signature, TensorMeta};
+use super::{CommError, Failure, FailureCause, GroupOptions, ProcessGroup, ReduceOp, Result};
+
+/// The largest tensor (in bytes) one collective moves: MPI counts are
+/// `int`s, and a header travels with the data.
+const MAX_TENSOR_BYTES: usize = i32::MAX as usize - 64 * 1024;
+
+/// How long a call waits for the engine past its own timeout before it
+/// concludes the engine is stuck inside MPI.
+const ENGINE_GRACE: Duration = Duration::from_secs(5);
+
+/// Why [`MpiGroup::init`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MpiInitError {
+    /// MPI can be initialized once per process, and this process already
+    /// did (through an earlier [`MpiGroup::init`] or other code).
+    #[error("MPI is already initialized in this process: one MpiGroup per process")]
+    AlreadyInitialized,
+    /// MPI did not start.
+    #[error("MPI did not start: {0}")]
+    Failed(String),
+}
+
+/// State shared by a process's handle and its MPI engine thread.
+pub(crate) struct Shared {
+    /// The first failure this process knows of (its own, or one that
+    /// another rank announced).
+    failure: OnceLock<Failure>,
+    timeout: Mutex<Option<Duration>>,
+    ring_threshold_bytes: usize,
+}
+
+impl Shared {
+    fn fail(&self, failure: Failure) {
+        let _first = self.failure.set(failure);
+    }
+
+    fn failure(&self) -> Option<Failure> {
+        self.failure.get().cloned()
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Nothing panics while holding these locks (a counter, a duration, a
+    // thread handle).
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// This process's rank of the MPI job (`MPI_COMM_WORLD`); implements
+/// [`ProcessGroup`], so [`DistributedDataParallel`](crate::DistributedDataParallel)
+/// and every collective work across processes and machines unchanged.
+///
+/// Start the processes with `mpirun` (or `srun`); [`crate::launch::run`]
+/// creates the group when the program runs under it, so one program works
+/// with thread ranks and with processes. Create at most one per process:
+/// MPI is initialized by the first [`MpiGroup::init`] and finalized when
+/// the last clone of the `Arc` is dropped (which waits for the other ranks
+/// to finish too, as `MPI_Finalize` does).
+///
+/// **What matches [`ThreadGroup`](crate::comm::ThreadGroup)**: the
+/// reduction order (rank order below
+/// [`GroupOptions::ring_threshold_bytes`], the ring's order above it), so
+/// the results are bitwise identical for the same inputs; the errors for
+/// calls that do not fit together; the timeout.
+///
+/// **What differs**:
+/// - Tensors travel through host memory (a CUDA tensor is copied to the
+///   host and back); results of `scatter` on ranks other than the root are
+///   on the CPU, since the root's device does not exist in other processes.
+/// - Small payloads travel with the header that opens each collective, so
+///   `broadcast`, `all_gather` and `gather` send the data directly to each
+///   rank (fine for a few ranks; large reductions use the ring).
+/// - **Failures**: when a rank fails (its code calls
+///   [`abort`](ProcessGroup::abort), panics with a handle alive, or times
+///   out), it sends every other rank a notice, and their pending and later
+///   collectives return [`CommError::GroupFailed`] naming it. A rank that
+///   dropped its group after `n` collectives makes a later collective of
+///   the others fail naming it. A process that dies (killed, crashed
+///   outside Rust) is MPI's to handle: `mpirun` ends the whole job and
+///   names the rank. After a failure the group is unusable and MPI is not
+///   finalized, so `mpirun` reports the job as failed.
+///
+/// ```no_run
+/// use candle_core::{Device, Tensor};
+/// use candle_dp::comm::{GroupOptions, MpiGroup, ProcessGroup, ReduceOp};
+///
+/// // mpirun -np 2 target/release/examples/...
+/// let pg = MpiGroup::init(GroupOptions::default())?;
+/// let x = Tensor::new(&[pg.rank() as f32], &Device::Cpu)?;
+/// let sum = pg.all_reduce(&x, ReduceOp::Sum)?;
+/// assert_eq!(sum.to_vec1::<f32>()?, vec![(0..pg.world_size()).sum::<usize>() as f32]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct MpiGroup {
+    rank: usize,
+    world_size: usize,
+    shared: Arc<Shared>,
+    /// The number of collectives this rank has entered; its lock
+    /// serializes the calls of this handle.
+    calls: Mutex<u64>,
+    control: Sender<Control>,
+    engine: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl fmt::Debug for MpiGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MpiGroup")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("failure", &self.shared.failure())
+            .finish_non_exhaustive()
+    }
+}
+
+impl MpiGroup {
+    /// Initializes MPI (on a thread of its own, which makes every MPI call
+    /// of the process) and returns this process's handle on
+    /// `MPI_COMM_WORLD`. `options` must be the same on every rank.
+    ///
+    /// # Errors
+    ///
+    /// [`MpiInitError::AlreadyInitialized`] on a second call in one
+    /// process; [`MpiInitError::Failed`] when MPI does not start.
+    pub fn init(options: GroupOptions) -> std::result::Result<Arc<MpiGroup>, MpiInitError> {
+        static STARTED: OnceLock<()> = OnceLock::new();
+        if STARTED.set(()).is_err() {
+            return Err(MpiInitError::AlreadyInitialized);
+        }
+        let shared = Arc::new(Shared {
+            failure: OnceLock::new(),
+            timeout: Mutex::new(options.timeout),
+            ring_threshold_bytes: options.ring_threshold_bytes,
+        });
+        let (control, requests): (Sender<Control>, Receiver<Control>) = channel::unbounded();
+        let (started_tx, started_rx) = channel::bounded(1);
+        let engine_shared = Arc::clone(&shared);
+        let engine = thread::Builder::new()
+            .name("candle-dp-mpi".into())
+            .spawn(move || engine::run(engine_shared, requests, started_tx))
+            .map_err(|e| MpiInitError::Failed(format!("could not start its thread: {e}")))?;
+        let (rank, world_size) = match started_rx.recv() {
+            Ok(Ok(started)) => started,
+            Ok(Err(reason)) if reason.contains("already") => {
+                return Err(MpiInitError::AlreadyInitialized)
+            }
+            Ok(Err(reason)) => return Err(MpiInitError::Failed(reason)),
+            Err(_) => {
+                return Err(MpiInitError::Failed(
+                    "its thread stopped while initializing".into(),
+                ))
+            }
+        };
+        Ok(Arc::new(MpiGroup {
+            rank,
+            world_size,
+            shared,
+            calls: Mutex::new(0),
+            control,
+            engine: Mutex::new(Some(engine)),
+        }))
+    }
+
+    /// Runs one collective on the engine and waits for its result.
+    fn call(&self, sig: Signature, kind: Kind) -> Result<Reply> {
+        let op = sig.op.name();
+        let mut calls = lock(&self.calls);
+        if let Some(failure) = self.shared.failure() {
+            return Err(self.group_failed(op, failure));
+        }
+        *calls += 1;
+        let timeout = *lock(&self.shared.timeout);
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let (reply, result) = channel::bounded(1);
+        let job = Job {
+            seq: *calls,
+            op,
+            sig,
+            kind,
+            deadline,
+            timeout,
+            reply,
+        };
+        if self.control.send(Control::Call(job)).is_err() {
+            return Err(self.engine_gone(op));
+        }
+        let answer = match deadline.and_then(|d| d.checked_add(ENGINE_GRACE)) {
+            Some(limit) => result.recv_deadline(limit).map_err(|e| e.is_timeout()),
+            None => result.recv().map_err(|_| false),
+        };
+        match answer {
+            Ok(answer) => answer,
+            Err(true) => {
+                let missing: Vec<usize> =
+                    (0..self.world_size).filter(|&r| r != self.rank).collect();
+                self.fail(FailureCause::TimedOut {
+                    op,
+                    missing: missing.clone(),
+                });
+                Err(CommError::Timeout {
+                    rank: self.rank,
+                    op,
+                    timeout: timeout.unwrap_or_default(),
+                    missing,
+                })
+            }
+            Err(false) => Err(self.engine_gone(op)),
+        }
+    }
+
+    fn fail(&self, cause: FailureCause) {
+        self.shared.fail(Failure {
+            rank: self.rank,
+            cause,
+        });
+        let _ = self.control.send(Control::Abort);
+    }
+
+    fn group_failed(&self, op: &'static str, failure: Failure) -> CommError {
+        CommError::GroupFailed {
+            rank: self.rank,
+            op,
+            failure,
+        }
+    }
+
+    fn engine_gone(&self, op: &'static str) -> CommError {
+        self.fail(FailureCause::Aborted(
+            "its MPI engine thread stopped".into(),
+        ));
+        let failure = self.shared.failure().unwrap_or(Failure {
+            rank: self.rank,
+            cause: FailureCause::Aborted("its MPI engine thread stopped".into()),
+        });
+        self.group_failed(op, failure)
+    }
+
+    fn root_error(&self, root: usize) -> Option<String> {
+        (root >= self.world_size).then(|| {
+            format!(
+                "root {root} is out of range for world size {}",
+                self.world_size
+            )
+        })
+    }
+
+    fn tensor_error(&self, op: &'static str, source: candle_core::Error) -> CommError {
+        CommError::Tensor {
+            rank: self.rank,
+            op,
+            source,
+        }
+    }
+
+    /// The collective's result as a tensor shaped like `like`.
+    fn one(&self, op: &'static str, reply: Reply, like: &Tensor) -> Result<Tensor> {
+        match reply {
+            Reply::One(buffer, _) => buffer
+                .into_tensor(like.dims(), like.device())
+                .map_err(|e| self.tensor_error(op, e)),
+            _ => Err(self.wrong_reply(op)),
+        }
+    }
+
+    fn many(&self, op: &'static str, reply: Reply, like: &Tensor) -> Result<Vec<Tensor>> {
+        match reply {
+            Reply::Many(buffers) => buffers
+                .into_iter()
+                .map(|b| b.into_tensor(like.dims(), like.device()))
+                .collect::<candle_core::Result<_>>()
+                .map_err(|e| self.tensor_error(op, e)),
+            _ => Err(self.wrong_reply(op)),
+        }
+    }
+
+    fn wrong_reply(&self, op: &'static str) -> CommError {
+        CommError::Protocol {
+            rank: self.rank,
+            op,
+            peer: self.rank,
+            detail: "the engine answered with the wrong kind of result".into(),
+        }
+    }
+}
+
+/// A tensor's host copy and its signature, or why it cannot be sent.
+fn host_copy(tensor: &Tensor) -> (Option<TensorMeta>, std::result::Result<Buffer, String>) {
+    let meta = TensorMeta {
+        dtype: tensor.dtype(),
+        dims: tensor.dims().to_vec(),
+    };
+    let bytes = tensor
+        .elem_count()
+        .saturating_mul(tensor.dtype().size_in_bytes());
+    let data = if bytes > MAX_TENSOR_BYTES {
+        Err(format!(
+            "{bytes} bytes is more than MPI moves in one message ({MAX_TENSOR_BYTES}); split the tensor"
+        ))
+    } else {
+        Buffer::from_tensor(tensor)
+    };
+    (Some(meta), data)
+}
+
+fn signature(op: OpSig, meta: Option<TensorMeta>, invalid: Option<String>) -> Signature {
+    Signature { op, meta, invalid }
+}
+
+impl ProcessGroup for MpiGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn set_timeout(&self, timeout: Option<Duration>) {
+        *lock(&self.shared.timeout) = timeout;
+    }
+
+    fn timeout(&self) -> Option<Duration> {
+        *lock(&self.shared.timeout)
+    }
+
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let (meta, data) = host_copy(tensor);
+        let sig = signature(OpSig::AllReduce(op), meta, data.as_ref().err().cloned());
+        let kind = Kind::Reduce {
+            op,
+            root: None,
+            data: data.ok(),
+        };
+        let reply = self.call(sig, kind)?;
+        self.one("all_reduce", reply, tensor)
+    }
+
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
+        let (meta, data) = if self.rank == root {
+            host_copy(tensor)
+        } else {
+            (host_copy_meta(tensor), Err(String::new()))
+        };
+        let invalid = self.root_error(root).or_else(|| {
+            (self.rank == root)
+                .then(|| data.as_ref().err().cloned())
+                .flatten()
+        });
+        let sig = signature(OpSig::Broadcast { root }, meta, invalid);
+        let reply = self.call(
+            sig,
+            Kind::Broadcast {
+                root,
+                data: data.ok(),
+            },
+        )?;
+        self.one("broadcast", reply, tensor)
+    }
+
+    fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
+        let (meta, data) = host_copy(tensor);
+        let sig = signature(OpSig::AllGather, meta, data.as_ref().err().cloned());
+        let reply = self.call(sig, Kind::AllGather { data: data.ok() })?;
+        self.many("all_gather", reply, tensor)
+    }
+
+    fn gather(&self, tensor: &Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
+        let (meta, data) = host_copy(tensor);
+        let invalid = self.root_error(root).or(data.as_ref().err().cloned());
+        let sig = signature(OpSig::Gather { root }, meta, invalid);
+        match self.call(
+            sig,
+            Kind::Gather {
+                root,
+                data: data.ok(),
+            },
+        )? {
+            Reply::Nothing => Ok(None),
+            reply => self.many("gather", reply, tensor).map(Some),
+        }
+    }
+
+    fn scatter(&self, tensors: Option<&[Tensor]>, root: usize) -> Result<Tensor> {
+        let parts: std::result::Result<Vec<(Buffer, Vec<usize>)>, String> = match tensors {
+            _ if self.rank != root => Ok(Vec::new()),
+            None => Err("the root passed no tensors".into()),
+            Some(tensors) if tensors.len() != self.world_size => Err(format!(
+                "the root passed {} tensors for {} ranks",
+                tensors.len(),
+                self.world_size
+            )),
+            Some(tensors) => tensors
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    let (_, data) = host_copy(t);
+                    data.map(|d| (d, t.dims().to_vec()))
+                        .map_err(|e| format!("tensor {i}: {e}"))
+                })
+                .collect(),
+        };
+        let invalid = self.root_error(root).or(parts.as_ref().err().cloned());
+        let sig = signature(OpSig::Scatter { root }, None, invalid);
+        let reply = self.call(
+            sig,
+            Kind::Scatter {
+                root,
+                parts: parts.unwrap_or_default(),
+            },
+        )?;
+        let Reply::One(buffer, dims) = reply else {
+            return Err(self.wrong_reply("scatter"));
+        };
+        // The root's own part stays on its tensor's device; the others' on
+        // the CPU, as other processes cannot name the root's device.
+        let device = match tensors {
+            Some(tensors) if self.rank == root => tensors
+                .get(root)
+                .map_or(Device::Cpu, |t| t.device().clone()),
+            _ => Device::Cpu,
+        };
+        buffer
+            .into_tensor(&dims, &device)
+            .map_err(|e| self.tensor_error("scatter", e))
+    }
+
+    fn reduce(&self, tensor: &Tensor, root: usize, op: ReduceOp) -> Result<Option<Tensor>> {
+        let (meta, data) = host_copy(tensor);
+        let invalid = self.root_error(root).or(data.as_ref().err().cloned());
+        let sig = signature(OpSig::Reduce { root, op }, meta, invalid);
+        let kind = Kind::Reduce {
+            op,
+            root: Some(root),
+            data: data.ok(),
+        };
+        match self.call(sig, kind)? {
+            Reply::Nothing => Ok(None),
+            reply => self.one("reduce", reply, tensor).map(Some),
+        }
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.call(signature(OpSig::Barrier, None, None), Kind::Barrier)
+            .map(drop)
+    }
+
+    fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        let sig = signature(OpSig::AllGatherBytes, None, None);
+        let reply = self.call(
+            sig,
+            Kind::AllGather {
+                data: Some(Buffer::U8(bytes)),
+            },
+        )?;
+        let Reply::Many(buffers) = reply else {
+            return Err(self.wrong_reply("all_gather_bytes"));
+        };
+        buffers
+            .into_iter()
+            .enumerate()
+            .map(|(src, buffer)| match buffer {
+                Buffer::U8(bytes) => Ok(bytes),
+                _ => Err(CommError::Protocol {
+                    rank: self.rank,
+                    op: "all_gather_bytes",
+                    peer: src,
+                    detail: "its data are not bytes".into(),
+                }),
+            })
+            .collect()
+    }
+
+    fn abort(&self, reason: &str) {
+        self.fail(FailureCause::Aborted(reason.to_string()));
+    }
+
+    fn failure(&self) -> Option<Failure> {
+        self.shared.failure()
+    }
+}
+
+/// The signature part of [`host_copy`], for ranks whose data is not sent.
+fn host_copy_meta(tensor: &Tensor) -> Option<TensorMeta> {
+    Some(TensorMeta {
+        dtype: tensor.dtype(),
+        dims: tensor.dims().to_vec(),
+    })
+}
+
+impl Drop for MpiGroup {
+    fn drop(&mut self) {
+        if thread::panicking() {
+            self.fail(FailureCause::Panicked);
+        }
+        let (ack, done) = channel::bounded(1);
+        let _ = self.control.send(Control::Shutdown(ack));
+        // A healthy group finalizes MPI, which waits for every rank; a
+        // failed one may have left its engine waiting on a dead peer, so
+        // it is not waited for.
+        if self.shared.failure().is_none() {
+            let _ = done.recv();
+            if let Some(engine) = lock(&self.engine).take() {
+                let _ = engine.join();
+            }
+        }
+    }
+}

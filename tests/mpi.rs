@@ -1,0 +1,936 @@
+//! The process group on MPI: real processes started with `mpirun`.
+//!
+//! Each test starts `mpirun` on this very test binary, which runs the
+//! ignored `mpi_worker` test with a scenario named in the environment. A
+//! scenario is one function of a rank context, run through
+//! [`candle_dp::launch::run`], so the same code runs on thread ranks (in
+//! the test, for the expected results) and as MPI processes (which write
+//! their results to files). Every `mpirun` is bounded by a deadline.
+//!
+//! Needs the `mpi` feature and Open MPI (`mpirun`); `.ci/run` installs it.
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_dp::comm::{all_gather_object, GroupOptions, ReduceOp};
+use candle_dp::launch::{run, spawn_with, RankContext};
+use candle_dp::loader::{Loader, TensorDataset};
+use candle_dp::sampler::DistributedSampler;
+use candle_dp::{CommHook, DdpConfig, DistributedDataParallel, JoinDivisor};
+use candle_nn::{loss, AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
+use common::*;
+
+const SCENARIO: &str = "CANDLE_DP_TEST_SCENARIO";
+const OUT_DIR: &str = "CANDLE_DP_TEST_OUT";
+
+/// The longest any `mpirun` of these tests may take.
+const DEADLINE: Duration = Duration::from_secs(180);
+
+/// Every group gives up after 30 s instead of hanging.
+fn bounded() -> GroupOptions {
+    GroupOptions {
+        timeout: Some(Duration::from_secs(30)),
+        ..Default::default()
+    }
+}
+
+// ---------------------------------------------------------------------
+// The worker side: what each MPI process runs.
+// ---------------------------------------------------------------------
+
+#[test]
+#[ignore = "the entry point of the processes that the tests below start with mpirun"]
+fn mpi_worker() -> anyhow::Result<()> {
+    let scenario = std::env::var(SCENARIO).context("no scenario named")?;
+    let out = PathBuf::from(std::env::var(OUT_DIR).context("no output directory")?);
+    let results = run(0, bounded(), |ctx| {
+        let rank = ctx.rank;
+        let outcome = scenario_by_name(&scenario, ctx, &out)?;
+        Ok((rank, outcome))
+    })?;
+    for (rank, outcome) in results {
+        if let Some(tensors) = outcome {
+            candle_core::safetensors::save(&tensors, out.join(format!("rank{rank}.safetensors")))?;
+        }
+    }
+    Ok(())
+}
+
+type Tensors = HashMap<String, Tensor>;
+
+/// Runs scenario `name` on this rank; `Some` results are saved for the test.
+fn scenario_by_name(name: &str, ctx: RankContext, out: &Path) -> anyhow::Result<Option<Tensors>> {
+    let input = || load(&out.join("input.safetensors"));
+    Ok(Some(match name {
+        "collectives" => collectives(&ctx)?,
+        "reference_A" => reference_run(&ctx, "A")?,
+        "reference_B" => reference_run(&ctx, "B")?,
+        "ddp_sgd" => ddp_train(&ctx, &input()?, false)?,
+        "ddp_adamw" => ddp_train(&ctx, &input()?, true)?,
+        "no_sync" => no_sync(&ctx, &input()?)?,
+        "join_initial" => join(&ctx, &input()?, JoinDivisor::InitialWorldSize)?,
+        "join_active" => join(&ctx, &input()?, JoinDivisor::ActiveRanks)?,
+        "hook_fp16" => hooked(&ctx, &input()?, CommHook::Fp16Compress)?,
+        "hook_bf16" => hooked(&ctx, &input()?, CommHook::Bf16Compress)?,
+        "buffers" => buffers(&ctx, &input()?)?,
+        fault => {
+            run_fault(fault, &ctx)?;
+            return Ok(None);
+        }
+    }))
+}
+
+fn load(path: &Path) -> anyhow::Result<Tensors> {
+    Ok(candle_core::safetensors::load(path, &Device::Cpu)?)
+}
+
+/// Deterministic, rank-dependent values in about [-100, 100].
+fn values(rank: usize, n: usize, salt: usize) -> Vec<f64> {
+    (0..n)
+        .map(|i| (((rank * 7919 + i * 31 + salt) as f64) * 0.618).sin() * 100.0)
+        .collect()
+}
+
+/// A tensor of `dtype` (non-negative for unsigned types) from [`values`].
+fn input(rank: usize, n: usize, salt: usize, dtype: DType) -> anyhow::Result<Tensor> {
+    let mut v = values(rank, n, salt);
+    if !dtype.is_float() {
+        v.iter_mut().for_each(|x| *x = x.abs().floor());
+    }
+    Ok(Tensor::from_vec(v, n, &Device::Cpu)?.to_dtype(dtype)?)
+}
+
+/// Records a result (as f64, which holds every value of every dtype used
+/// here exactly) or the error's message, under `label`.
+fn record(
+    results: &mut Tensors,
+    errors: &mut Vec<String>,
+    label: String,
+    result: Result<Tensor, String>,
+) -> anyhow::Result<()> {
+    match result {
+        Ok(t) => {
+            results.insert(label, t.to_dtype(DType::F64)?);
+        }
+        Err(message) => errors.push(format!("{label}: {message}")),
+    }
+    Ok(())
+}
+
+/// Every collective, every supported dtype, sizes 0, 1, small and above the
+/// ring threshold, and calls that do not fit together.
+fn collectives(ctx: &RankContext) -> anyhow::Result<Tensors> {
+    let pg = ctx.pg.as_ref();
+    let (rank, world) = (ctx.rank, ctx.world_size);
+    let mut results = Tensors::new();
+    let mut errors = Vec::new();
+    let dtypes = [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::U8,
+        DType::U32,
+        DType::I64,
+    ];
+    let sizes = [0, 1, 7, 5_003, 70_001];
+    for dtype in dtypes {
+        for (s, n) in sizes.into_iter().enumerate() {
+            let x = input(rank, n, s, dtype)?;
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+                let label = format!("all_reduce {op} {dtype:?} {n}");
+                let r = pg.all_reduce(&x, op).map_err(|e| e.to_string());
+                record(&mut results, &mut errors, label, r)?;
+            }
+            let root = world - 1;
+            let r = pg
+                .reduce(&x, root, ReduceOp::Sum)
+                .map_err(|e| e.to_string());
+            if let Some(r) = r.transpose() {
+                record(
+                    &mut results,
+                    &mut errors,
+                    format!("reduce {dtype:?} {n}"),
+                    r,
+                )?;
+            }
+            let r = pg.broadcast(&x, root).map_err(|e| e.to_string());
+            record(
+                &mut results,
+                &mut errors,
+                format!("broadcast {dtype:?} {n}"),
+                r,
+            )?;
+            let gathered = pg.all_gather(&x).map_err(|e| e.to_string());
+            let r = gathered.and_then(|g| Tensor::cat(&g, 0).map_err(|e| e.to_string()));
+            record(
+                &mut results,
+                &mut errors,
+                format!("all_gather {dtype:?} {n}"),
+                r,
+            )?;
+        }
+    }
+    // NaN wins in max and min, on both paths.
+    for n in [3, 70_001] {
+        let mut v = values(rank, n, 9);
+        if rank == 1 {
+            v[n / 2] = f64::NAN;
+        }
+        let x = Tensor::from_vec(v, n, &Device::Cpu)?.to_dtype(DType::F32)?;
+        let r = pg.all_reduce(&x, ReduceOp::Max).map_err(|e| e.to_string());
+        record(&mut results, &mut errors, format!("max with nan {n}"), r)?;
+    }
+    // A 3-d tensor, gather, scatter of different shapes, reduce with max.
+    let x = input(rank, 24, 3, DType::F32)?.reshape((2, 3, 4))?;
+    let r = pg.all_reduce(&x, ReduceOp::Sum).map_err(|e| e.to_string());
+    record(&mut results, &mut errors, "all_reduce 3-d".into(), r)?;
+    if let Some(parts) = pg.gather(&x, 1 % world)? {
+        results.insert(
+            "gather".into(),
+            Tensor::cat(&parts, 0)?.to_dtype(DType::F64)?,
+        );
+    }
+    let parts: Vec<Tensor> = (0..world)
+        .map(|r| {
+            input(r, (r + 1) * 2, 4, DType::F32)?
+                .reshape((r + 1, 2))
+                .map_err(Into::into)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let r = pg
+        .scatter((rank == 0).then_some(&parts[..]), 0)
+        .map_err(|e| e.to_string());
+    record(&mut results, &mut errors, "scatter".into(), r)?;
+    let big = input(rank, 70_001, 5, DType::F32)?;
+    if let Some(r) = pg.reduce(&big, 0, ReduceOp::Max)? {
+        results.insert("reduce max large".into(), r.to_dtype(DType::F64)?);
+    }
+    pg.barrier()?;
+    let names = all_gather_object(pg, &format!("rank-{rank}"))?;
+    errors.push(format!("objects: {names:?}"));
+    // Calls that do not fit together: every rank gets the same error, and
+    // the group stays usable.
+    let shape = Tensor::zeros(rank + 1, DType::F32, &Device::Cpu)?;
+    let r = pg
+        .all_reduce(&shape, ReduceOp::Sum)
+        .map_err(|e| e.to_string());
+    record(&mut results, &mut errors, "shapes differ".into(), r)?;
+    let r = pg.broadcast(&x, world + 5).map_err(|e| e.to_string());
+    record(&mut results, &mut errors, "root out of range".into(), r)?;
+    let r = if rank == 0 {
+        pg.all_reduce(&x, ReduceOp::Sum).map_err(|e| e.to_string())
+    } else {
+        pg.barrier().map(|_| x.clone()).map_err(|e| e.to_string())
+    };
+    record(&mut results, &mut errors, "different collectives".into(), r)?;
+    let r = pg.all_reduce(&x, ReduceOp::Min).map_err(|e| e.to_string());
+    record(&mut results, &mut errors, "usable after errors".into(), r)?;
+    // The messages, as bytes.
+    let messages = errors.join("\n").into_bytes();
+    let len = messages.len();
+    results.insert(
+        "messages".into(),
+        Tensor::from_vec(messages, len, &Device::Cpu)?,
+    );
+    Ok(results)
+}
+
+/// The PyTorch fixture's runs (see tests/ddp_reference.rs).
+fn reference_run(ctx: &RankContext, name: &str) -> anyhow::Result<Tensors> {
+    let (samples, seed, batch) = match name {
+        "A" => (96, 3, 6),
+        _ => (90, 1, 5),
+    };
+    let file = load_fixture("ddp_reference.safetensors");
+    let init = fixture_tensors(&file, "init.");
+    let x = file["x"].narrow(0, 0, samples)?;
+    let y = file["y"].narrow(0, 0, samples)?;
+    let dataset = Arc::new(TensorDataset::new(vec![x, y])?);
+    let varmap = varmap_from(&init);
+    let mut ddp = DistributedDataParallel::new(
+        ctx.process_group(),
+        &varmap,
+        DType::F32,
+        &Device::Cpu,
+        |vb| Mlp::new(vb, (20, 32, 10)),
+        DdpConfig::default(),
+    )?;
+    let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
+    let mut sampler = DistributedSampler::new(samples, ctx.world_size, ctx.rank)?
+        .shuffle(true)
+        .seed(seed);
+    for epoch in 0..2 {
+        sampler.set_epoch(epoch);
+        let loader = Loader::new(dataset.clone(), batch)?
+            .indices(sampler.indices())
+            .prefetch(2);
+        for b in &loader {
+            let b = b?;
+            let loss = loss::cross_entropy(&ddp.forward(&b[0])?, &b[1])?;
+            ddp.backward_step(&loss, &mut sgd)?;
+        }
+    }
+    Ok(snapshot(&varmap))
+}
+
+const SIZES: (usize, usize, usize) = (6, 16, 5);
+
+fn mlp_ddp(
+    ctx: &RankContext,
+    varmap: &VarMap,
+    config: DdpConfig,
+) -> anyhow::Result<DistributedDataParallel<Mlp>> {
+    Ok(DistributedDataParallel::new(
+        ctx.process_group(),
+        varmap,
+        DType::F32,
+        &Device::Cpu,
+        |vb| Mlp::new(vb, SIZES),
+        config,
+    )?)
+}
+
+/// The global batches of `input` (`x0`, `y0`, `x1`, …).
+fn batches(input: &Tensors) -> Vec<(Tensor, Tensor)> {
+    (0..)
+        .map_while(|s| {
+            Some((
+                input.get(&format!("x{s}"))?.clone(),
+                input.get(&format!("y{s}"))?.clone(),
+            ))
+        })
+        .collect()
+}
+
+fn init_of(input: &Tensors) -> Tensors {
+    fixture_tensors(input, "init.")
+}
+
+/// DDP training, rank r taking its contiguous share of every global batch;
+/// ranks other than 0 start from their own random init.
+fn ddp_train(ctx: &RankContext, input: &Tensors, adamw: bool) -> anyhow::Result<Tensors> {
+    let varmap = if ctx.rank == 0 {
+        varmap_from(&init_of(input))
+    } else {
+        VarMap::new()
+    };
+    let mut ddp = mlp_ddp(ctx, &varmap, DdpConfig::default())?;
+    let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
+    let mut adam = AdamW::new(
+        varmap.all_vars(),
+        ParamsAdamW {
+            lr: 0.01,
+            ..Default::default()
+        },
+    )?;
+    for (x, y) in batches(input) {
+        let b = x.dim(0)? / ctx.world_size;
+        let (x, y) = (x.narrow(0, ctx.rank * b, b)?, y.narrow(0, ctx.rank * b, b)?);
+        let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+        if adamw {
+            ddp.backward_step(&loss, &mut adam)?;
+        } else {
+            ddp.backward_step(&loss, &mut sgd)?;
+        }
+    }
+    Ok(snapshot(&varmap))
+}
+
+/// Gradient accumulation over 3 micro-batches of 2 rows per rank.
+fn no_sync(ctx: &RankContext, input: &Tensors) -> anyhow::Result<Tensors> {
+    let (k, micro, world) = (3, 2, ctx.world_size);
+    let varmap = varmap_from(&init_of(input));
+    let mut ddp = mlp_ddp(ctx, &varmap, DdpConfig::default())?;
+    let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
+    for (x, y) in batches(input) {
+        let part = |m: usize| -> candle_core::Result<(Tensor, Tensor)> {
+            let start = (m * world + ctx.rank) * micro;
+            Ok((x.narrow(0, start, micro)?, y.narrow(0, start, micro)?))
+        };
+        ddp.no_sync(|ddp| -> anyhow::Result<()> {
+            for m in 0..k - 1 {
+                let (x, y) = part(m)?;
+                let loss = (loss::cross_entropy(&ddp.forward(&x)?, &y)? / k as f64)?;
+                let grads = ddp.backward(&loss)?;
+                anyhow::ensure!(
+                    grads.get_ids().next().is_none(),
+                    "no_sync returned gradients"
+                );
+            }
+            Ok(())
+        })?;
+        let (x, y) = part(k - 1)?;
+        let loss = (loss::cross_entropy(&ddp.forward(&x)?, &y)? / k as f64)?;
+        ddp.backward_step(&loss, &mut sgd)?;
+    }
+    Ok(snapshot(&varmap))
+}
+
+/// Rank r has 2 + 2r batches of 2 rows: uneven inputs inside `join`.
+#[allow(clippy::result_large_err)] // the closure returns candle_dp::Result, as join requires
+fn join(ctx: &RankContext, input: &Tensors, divisor: JoinDivisor) -> anyhow::Result<Tensors> {
+    let varmap = varmap_from(&init_of(input));
+    let config = DdpConfig {
+        join_divisor: divisor,
+        ..Default::default()
+    };
+    let mut ddp = mlp_ddp(ctx, &varmap, config)?;
+    let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
+    let data = batches(input);
+    let mine = &data[..(2 + 2 * ctx.rank).min(data.len())];
+    ddp.join(|ddp| {
+        for (x, y) in mine {
+            let (x, y) = (x.narrow(0, ctx.rank * 2, 2)?, y.narrow(0, ctx.rank * 2, 2)?);
+            let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+            ddp.backward_step(&loss, &mut sgd)?;
+        }
+        Ok(())
+    })?;
+    Ok(snapshot(&varmap))
+}
+
+fn hooked(ctx: &RankContext, input: &Tensors, hook: CommHook) -> anyhow::Result<Tensors> {
+    let varmap = varmap_from(&init_of(input));
+    let config = DdpConfig {
+        comm_hook: hook,
+        ..Default::default()
+    };
+    let mut ddp = mlp_ddp(ctx, &varmap, config)?;
+    let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
+    for (x, y) in batches(input) {
+        let b = x.dim(0)? / ctx.world_size;
+        let (x, y) = (x.narrow(0, ctx.rank * b, b)?, y.narrow(0, ctx.rank * b, b)?);
+        let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+        ddp.backward_step(&loss, &mut sgd)?;
+    }
+    Ok(snapshot(&varmap))
+}
+
+/// BatchNorm statistics after training on different data per rank, with
+/// and without `broadcast_buffers`.
+fn buffers(ctx: &RankContext, input: &Tensors) -> anyhow::Result<Tensors> {
+    let mut out = Tensors::new();
+    for broadcast in [true, false] {
+        let varmap = VarMap::new();
+        let config = DdpConfig {
+            broadcast_buffers: broadcast,
+            ..Default::default()
+        };
+        let mut ddp = DistributedDataParallel::new(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            BnNet::new,
+            config,
+        )?;
+        let x = input["bn_x"].narrow(0, ctx.rank * 4, 4)?;
+        ddp.forward_t(&x, true)?;
+        ddp.forward_t(&x, false)?; // the broadcast happens before each forward
+        let mean = varmap.data().lock().unwrap()["bn.running_mean"]
+            .as_tensor()
+            .copy()?;
+        out.insert(format!("running_mean broadcast={broadcast}"), mean);
+    }
+    Ok(out)
+}
+
+/// The ways a rank can fail; rank 1 is the one that fails.
+fn run_fault(fault: &str, ctx: &RankContext) -> anyhow::Result<()> {
+    let pg = ctx.pg.as_ref();
+    let x = Tensor::ones(4, DType::F32, &Device::Cpu)?;
+    let culprit = ctx.rank == 1;
+    match fault {
+        "fail_before" => {
+            if culprit {
+                bail!("out of data before the first all_reduce");
+            }
+            pg.all_reduce(&x, ReduceOp::Sum)?;
+        }
+        "fail_during" => {
+            if culprit {
+                // Another thread of this rank fails it while it waits in
+                // the collective that the others never join.
+                std::thread::scope(|s| {
+                    s.spawn(|| {
+                        std::thread::sleep(Duration::from_millis(300));
+                        pg.abort("a data loader thread failed");
+                    });
+                    pg.all_reduce(&x, ReduceOp::Sum)
+                })?;
+            } else {
+                // Late: rank 1 fails while it waits for them.
+                std::thread::sleep(Duration::from_secs(2));
+                pg.all_reduce(&x, ReduceOp::Sum)?;
+            }
+        }
+        "fail_after" => {
+            pg.all_reduce(&x, ReduceOp::Sum)?;
+            if culprit {
+                bail!("failed after the first all_reduce");
+            }
+            pg.all_reduce(&x, ReduceOp::Sum)?;
+        }
+        "panic" => {
+            if culprit {
+                panic!("rank 1 panics in its training loop");
+            }
+            pg.all_reduce(&x, ReduceOp::Sum)?;
+        }
+        "sigkill" => {
+            if culprit {
+                let pid = std::process::id().to_string();
+                Command::new("kill").args(["-9", &pid]).status()?;
+                std::thread::sleep(Duration::from_secs(30));
+            }
+            pg.all_reduce(&x, ReduceOp::Sum)?;
+        }
+        "mismatched_model" => {
+            let varmap = VarMap::new();
+            let sizes = if culprit { (6, 17, 5) } else { SIZES };
+            DistributedDataParallel::new(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                |vb| Mlp::new(vb, sizes),
+                DdpConfig::default(),
+            )?;
+        }
+        "timeout" => {
+            pg.set_timeout(Some(Duration::from_secs(2)));
+            if culprit {
+                // Stuck outside any collective for longer than the timeout.
+                std::thread::sleep(Duration::from_secs(20));
+            }
+            pg.all_reduce(&x, ReduceOp::Sum)?;
+        }
+        "early_exit" => {
+            // Rank 1 finishes after one collective; the others call a second.
+            pg.all_reduce(&x, ReduceOp::Sum)?;
+            if !culprit {
+                pg.all_reduce(&x, ReduceOp::Sum)?;
+            }
+        }
+        other => bail!("unknown scenario {other}"),
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------
+// The test side: start mpirun, check what the processes wrote.
+// ---------------------------------------------------------------------
+
+/// What one bounded `mpirun` left behind.
+struct Job {
+    output: Output,
+    dir: tempdir::Dir,
+}
+
+impl Job {
+    fn text(&self) -> String {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&self.output.stdout),
+            String::from_utf8_lossy(&self.output.stderr)
+        )
+    }
+
+    fn rank(&self, rank: usize) -> Tensors {
+        load(&self.dir.path().join(format!("rank{rank}.safetensors"))).unwrap_or_else(|e| {
+            panic!(
+                "rank {rank} wrote no results ({e}); output:\n{}",
+                self.text()
+            )
+        })
+    }
+}
+
+/// Runs `scenario` on `np` MPI processes with `input`, within [`DEADLINE`],
+/// one job at a time (the tests of this file run in parallel otherwise).
+fn mpirun(np: usize, scenario: &str, input: Option<&Tensors>) -> Job {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempdir::Dir::new(scenario);
+    if let Some(input) = input {
+        candle_core::safetensors::save(input, dir.path().join("input.safetensors")).unwrap();
+    }
+    let exe = std::env::current_exe().unwrap();
+    let mut child = Command::new("mpirun")
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            &np.to_string(),
+        ])
+        .arg(&exe)
+        .args([
+            "--ignored",
+            "--exact",
+            "mpi_worker",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(SCENARIO, scenario)
+        .env(OUT_DIR, dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mpirun starts (is Open MPI installed?)");
+    let start = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            break;
+        }
+        if start.elapsed() > DEADLINE {
+            // SIGTERM first: mpirun then ends its processes too.
+            let _ = Command::new("kill").arg(child.id().to_string()).status();
+            std::thread::sleep(Duration::from_secs(5));
+            let _ = child.kill();
+            let output = child.wait_with_output().unwrap();
+            panic!(
+                "mpirun {scenario} ran past {DEADLINE:?}:\n{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let output = child.wait_with_output().unwrap();
+    Job { output, dir }
+}
+
+/// Runs a scenario that must succeed on every rank.
+fn mpirun_ok(np: usize, scenario: &str, input: Option<&Tensors>) -> Job {
+    let job = mpirun(np, scenario, input);
+    assert!(
+        job.output.status.success(),
+        "mpirun -np {np} {scenario} failed:\n{}",
+        job.text()
+    );
+    job
+}
+
+/// The scenario's results on `world` thread ranks.
+fn on_threads(
+    world: usize,
+    f: impl Fn(&RankContext) -> anyhow::Result<Tensors> + Sync,
+) -> Vec<Tensors> {
+    spawn_with(world, bounded(), |ctx| f(&ctx)).unwrap()
+}
+
+/// Bitwise equality of every tensor of two result sets.
+fn assert_bitwise_equal(got: &Tensors, expected: &Tensors, what: &str) {
+    let mut names: Vec<&String> = expected.keys().collect();
+    names.sort();
+    let got_names: Vec<&String> = {
+        let mut n: Vec<&String> = got.keys().collect();
+        n.sort();
+        n
+    };
+    assert_eq!(got_names, names, "{what}: different results");
+    for name in names {
+        let bits = |t: &Tensor| -> Vec<u64> {
+            t.flatten_all()
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_vec1::<f64>()
+                .unwrap()
+                .iter()
+                .map(|x| if x.is_nan() { u64::MAX } else { x.to_bits() })
+                .collect()
+        };
+        let (g, e) = (bits(&got[name]), bits(&expected[name]));
+        if g != e && name == "messages" {
+            let text = |t: &Tensor| String::from_utf8(t.to_vec1::<u8>().unwrap()).unwrap();
+            assert_eq!(text(&got[name]), text(&expected[name]), "{what}: messages");
+        }
+        assert_eq!(got[name].dims(), expected[name].dims(), "{what}: {name}");
+        assert!(g == e, "{what}: {name} differs from the thread group's");
+    }
+}
+
+#[test]
+fn every_collective_on_2_and_3_processes_equals_the_thread_group_bit_for_bit() {
+    for np in [2, 3] {
+        let job = mpirun_ok(np, "collectives", None);
+        let expected = on_threads(np, collectives);
+        for (rank, expected) in expected.iter().enumerate() {
+            let got = job.rank(rank);
+            assert_bitwise_equal(&got, expected, &format!("{np} processes, rank {rank}"));
+        }
+    }
+}
+
+#[test]
+fn pytorch_ddp_runs_a_and_b_are_reproduced_by_mpi_processes() {
+    let file = load_fixture("ddp_reference.safetensors");
+    for (name, np) in [("A", 2), ("B", 4)] {
+        let expected = fixture_tensors(&file, &format!("final_{name}."));
+        let job = mpirun_ok(np, &format!("reference_{name}"), None);
+        for rank in 0..np {
+            let got = job.rank(rank);
+            let diff = max_rel_diff(&got, &expected);
+            assert!(
+                diff < 1e-5,
+                "run {name}, rank {rank}: {diff}\n{}",
+                diff_report(&got, &expected)
+            );
+        }
+    }
+}
+
+/// An initial model, 4 global batches of `rows`, and BatchNorm inputs.
+fn training_input(rows: usize) -> Tensors {
+    let varmap = VarMap::new();
+    Mlp::new(
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+        SIZES,
+    )
+    .unwrap();
+    let mut input: Tensors = snapshot(&varmap)
+        .into_iter()
+        .map(|(k, v)| (format!("init.{k}"), v))
+        .collect();
+    for s in 0..4 {
+        let x = Tensor::randn(0f32, 1., (rows, SIZES.0), &Device::Cpu).unwrap();
+        let y: Vec<u32> = (0..rows as u32).map(|i| (i * 3 + s) % 5).collect();
+        input.insert(format!("x{s}"), x);
+        input.insert(
+            format!("y{s}"),
+            Tensor::from_vec(y, rows, &Device::Cpu).unwrap(),
+        );
+    }
+    let bn = Tensor::randn(0f32, 1., (12, 12), &Device::Cpu)
+        .unwrap()
+        .broadcast_add(
+            &Tensor::arange(0f32, 12., &Device::Cpu)
+                .unwrap()
+                .reshape((12, 1))
+                .unwrap(),
+        )
+        .unwrap();
+    input.insert("bn_x".into(), bn);
+    input
+}
+
+/// Plain candle on one device over the global batches.
+fn single_device(input: &Tensors, adamw: bool) -> Tensors {
+    let varmap = varmap_from(&init_of(input));
+    let net = Mlp::new(
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+        SIZES,
+    )
+    .unwrap();
+    let mut sgd = SGD::new(varmap.all_vars(), 0.1).unwrap();
+    let mut adam = AdamW::new(
+        varmap.all_vars(),
+        ParamsAdamW {
+            lr: 0.01,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    for (x, y) in batches(input) {
+        let loss = loss::cross_entropy(&net.forward(&x).unwrap(), &y).unwrap();
+        if adamw {
+            adam.backward_step(&loss).unwrap();
+        } else {
+            sgd.backward_step(&loss).unwrap();
+        }
+    }
+    snapshot(&varmap)
+}
+
+#[test]
+fn ddp_on_2_and_3_processes_matches_single_device_training_of_the_global_batch() {
+    let input = training_input(12);
+    for adamw in [false, true] {
+        let reference = single_device(&input, adamw);
+        let scenario = if adamw { "ddp_adamw" } else { "ddp_sgd" };
+        for np in [2, 3] {
+            let job = mpirun_ok(np, scenario, Some(&input));
+            for rank in 0..np {
+                let got = job.rank(rank);
+                let diff = max_rel_diff(&got, &reference);
+                assert!(
+                    diff < 1e-5,
+                    "{scenario} on {np} processes, rank {rank}: {diff}\n{}",
+                    diff_report(&got, &reference)
+                );
+            }
+            let threads = on_threads(np, |ctx| ddp_train(ctx, &input, adamw));
+            assert!(
+                identical(&job.rank(0), &threads[0]),
+                "{scenario}: processes and threads differ"
+            );
+        }
+    }
+}
+
+#[test]
+fn no_sync_join_hooks_and_buffer_broadcast_behave_as_on_threads() {
+    let input = training_input(12);
+    type Scenario = fn(&RankContext, &Tensors) -> anyhow::Result<Tensors>;
+    let scenarios: [(&str, Scenario); 6] = [
+        ("no_sync", no_sync),
+        ("join_initial", |c, i| {
+            join(c, i, JoinDivisor::InitialWorldSize)
+        }),
+        ("join_active", |c, i| join(c, i, JoinDivisor::ActiveRanks)),
+        ("hook_fp16", |c, i| hooked(c, i, CommHook::Fp16Compress)),
+        ("hook_bf16", |c, i| hooked(c, i, CommHook::Bf16Compress)),
+        ("buffers", buffers),
+    ];
+    for (name, scenario) in scenarios {
+        let np = if name.starts_with("join") { 3 } else { 2 };
+        let job = mpirun_ok(np, name, Some(&input));
+        // The BatchNorm net starts from each run's own random init, so only
+        // the other scenarios can be compared with threads.
+        let threads = on_threads(np, |ctx| scenario(ctx, &input));
+        for rank in (0..np).filter(|_| name != "buffers") {
+            let got = job.rank(rank);
+            let diff = max_rel_diff(&got, &threads[rank]);
+            assert!(
+                diff < 1e-6,
+                "{name}, rank {rank}: processes and threads differ by {diff}"
+            );
+        }
+        match name {
+            "buffers" => {
+                let mean = |rank: usize, b: bool| {
+                    job.rank(rank)[&format!("running_mean broadcast={b}")]
+                        .to_vec1::<f32>()
+                        .unwrap()
+                };
+                assert_eq!(
+                    mean(0, true),
+                    mean(1, true),
+                    "broadcast buffers follow rank 0"
+                );
+                assert_ne!(
+                    mean(0, false),
+                    mean(1, false),
+                    "without broadcast they diverge"
+                );
+            }
+            "no_sync" => {
+                let reference = single_device(&input, false);
+                // no_sync over 3 micro-batches of 2 rows on 2 ranks = one step on 12 rows.
+                let diff = max_rel_diff(&job.rank(0), &reference);
+                assert!(diff < 1e-5, "no_sync: {diff}");
+            }
+            _ => assert!(
+                identical(&job.rank(0), &job.rank(np - 1)),
+                "{name}: ranks differ"
+            ),
+        }
+    }
+}
+
+/// Runs a fault scenario on 3 processes and checks that it ends, non-zero,
+/// with `needles` in the output.
+fn assert_fault(scenario: &str, needles: &[&str]) {
+    let job = mpirun(3, scenario, None);
+    let text = job.text();
+    assert!(
+        !job.output.status.success(),
+        "{scenario}: mpirun exited 0:\n{text}"
+    );
+    for needle in needles {
+        assert!(
+            text.contains(needle),
+            "{scenario}: no {needle:?} in:\n{text}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_failing_before_during_or_after_a_collective_stops_every_rank_naming_it() {
+    // The other ranks' own messages ("rank 0 stopped because rank 1
+    // failed: …") are printed only if they get there before mpirun ends
+    // them, so only the failing rank's is required.
+    assert_fault("fail_before", &["rank 1 failed: out of data"]);
+    assert_fault(
+        "fail_during",
+        &["rank 1 failed: a data loader thread failed"],
+    );
+    assert_fault(
+        "fail_after",
+        &["rank 1 failed: failed after the first all_reduce"],
+    );
+}
+
+#[test]
+fn a_rank_that_panics_stops_every_rank_naming_it() {
+    assert_fault(
+        "panic",
+        &["rank 1 panicked: rank 1 panics in its training loop"],
+    );
+}
+
+#[test]
+fn a_rank_killed_with_sigkill_ends_the_job_naming_it() {
+    assert_fault("sigkill", &["rank 1", "signal 9"]);
+}
+
+#[test]
+fn a_model_that_differs_across_ranks_is_reported_naming_the_rank_and_variable() {
+    assert_fault(
+        "mismatched_model",
+        &["the model on rank 1 differs", "`l1.bias`"],
+    );
+}
+
+#[test]
+fn a_rank_stuck_outside_collectives_makes_the_others_time_out_naming_it() {
+    assert_fault(
+        "timeout",
+        &["timed out after 2s; rank(s) [1] did not arrive"],
+    );
+}
+
+#[test]
+fn a_rank_that_finished_early_makes_a_later_collective_fail_naming_it() {
+    assert_fault("early_exit", &["rank 1 left the group"]);
+}
+
+/// A directory removed when dropped.
+mod tempdir {
+    use std::path::{Path, PathBuf};
+
+    pub struct Dir(PathBuf);
+
+    impl Dir {
+        pub fn new(name: &str) -> Dir {
+            let path = std::env::temp_dir().join(format!(
+                "candle-dp-mpi-{name}-{}-{:?}",
+                std::process::id(),
+                std::thread::current().id()
+            ));
+            let _ = std::fs::remove_dir_all(&path);
+            std::fs::create_dir_all(&path).unwrap();
+            Dir(path)
+        }
+
+        pub fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
