@@ -1,16 +1,13 @@
 //! The main job: train a digit classifier with DataParallel on CPU replicas,
 //! then the same run on one device, and compare.
 //!
-//! ```text
-//! cargo run --example train_digits -- [--strategy dp|ddp|single] [--replicas 2]
-//!     [--epochs 20] [--batch 64] [--lr 0.002] [--hidden 256]
-//!     [--backward fast|dropin] [--mnist DIR] [--seed 0]
-//! ```
-//!
 //! `dp` (default): DataParallel over `--replicas` CPU replicas; `ddp`:
-//! DistributedDataParallel over `--replicas` thread ranks, each with a
-//! `DistributedSampler` shard and a prefetching `Loader`; `single`: plain
-//! candle. `dp` and `ddp` are followed by the same run on one device.
+//! DistributedDataParallel over `--replicas` thread ranks, or over the
+//! processes of an MPI job when started by `mpirun` (build with `--features
+//! mpi`), each rank with a `DistributedSampler` shard and a prefetching
+//! `Loader`; `single`: plain candle. `dp` and `ddp` are followed by the same
+//! run on one device. The initial weights come from `--seed`, so threads and
+//! processes train the same model to the same weights.
 //!
 //! Data: the 8x8 handwritten digits bundled in `data/digits/` (1797
 //! samples, 80/20 train / held-out split), or MNIST from a local directory
@@ -23,14 +20,21 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
 use candle_core::{DType, Device, Module, Tensor};
+use candle_dp::checkpoint::{self, Prefix};
+use candle_dp::comm::GroupOptions;
 use candle_dp::datasets::{load_digits, load_mnist, shuffled_indices, LabelledImages};
-use candle_dp::launch::spawn;
+use candle_dp::launch::{self, Backend};
 use candle_dp::loader::{Loader, TensorDataset};
 use candle_dp::sampler::DistributedSampler;
-use candle_dp::{cpu_devices, DataParallel, DdpConfig, DistributedDataParallel, LossReduction};
+use candle_dp::{
+    cpu_devices, seeded_varmap, DataParallel, DdpConfig, DistributedDataParallel, LossReduction,
+};
 use candle_nn::{linear, loss, AdamW, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// The user's model: plain candle code, unaware of data parallelism.
@@ -54,82 +58,76 @@ impl Module for Mlp {
     }
 }
 
-#[derive(Clone, Copy, PartialEq)]
+/// How the training is parallelised.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum Strategy {
+    /// DataParallel: one process, a replica per CPU device.
     Dp,
+    /// DistributedDataParallel: thread ranks, or MPI processes under mpirun.
     Ddp,
+    /// Plain candle on one device only.
     Single,
 }
 
-struct Args {
-    strategy: Strategy,
-    replicas: usize,
-    epochs: usize,
-    batch: usize,
-    lr: f64,
-    hidden: usize,
-    fast_backward: bool,
-    mnist: Option<String>,
-    seed: u64,
+/// How DataParallel computes gradients.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum Backward {
+    /// Loss and backward on every replica, in parallel.
+    Fast,
+    /// Loss on the gathered output, one backward through it.
+    Dropin,
 }
 
-fn parse_args() -> Result<Args> {
-    let mut args = Args {
-        strategy: Strategy::Dp,
-        replicas: 2,
-        epochs: 20,
-        batch: 64,
-        lr: 0.002,
-        hidden: 256,
-        fast_backward: true,
-        mnist: None,
-        seed: 0,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--replicas" => args.replicas = value()?.parse()?,
-            "--epochs" => args.epochs = value()?.parse()?,
-            "--batch" => args.batch = value()?.parse()?,
-            "--lr" => args.lr = value()?.parse()?,
-            "--hidden" => args.hidden = value()?.parse()?,
-            "--seed" => args.seed = value()?.parse()?,
-            "--mnist" => args.mnist = Some(value()?),
-            "--strategy" => {
-                args.strategy = match value()?.as_str() {
-                    "dp" => Strategy::Dp,
-                    "ddp" => Strategy::Ddp,
-                    "single" => Strategy::Single,
-                    other => bail!("--strategy takes dp, ddp or single, not {other}"),
-                }
-            }
-            "--backward" => {
-                args.fast_backward = match value()?.as_str() {
-                    "fast" => true,
-                    "dropin" => false,
-                    other => bail!("--backward takes fast or dropin, not {other}"),
-                }
-            }
-            "-h" | "--help" => {
-                println!(
-                    "{}",
-                    include_str!("train_digits.rs")
-                        .lines()
-                        .skip(3)
-                        .take(4)
-                        .collect::<Vec<_>>()
-                        .join("\n")
-                );
-                std::process::exit(0);
-            }
-            other => bail!("unknown flag {other} (try --help)"),
-        }
+/// Train a digit classifier with data parallelism and compare it with the
+/// same run on one device.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// dp: DataParallel; ddp: DistributedDataParallel (thread ranks, or the
+    /// processes of `mpirun`); single: one device only.
+    #[arg(long, value_enum, default_value_t = Strategy::Dp)]
+    strategy: Strategy,
+    /// Replicas (dp) or thread ranks (ddp); under mpirun, `-np` decides.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
+    replicas: u64,
+    /// Passes over the training set.
+    #[arg(long, default_value_t = 20)]
+    epochs: usize,
+    /// Global batch size (split across replicas or ranks).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    batch: u64,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 0.002)]
+    lr: f64,
+    /// Width of the hidden layer.
+    #[arg(long, default_value_t = 256)]
+    hidden: usize,
+    /// DataParallel's backward path.
+    #[arg(long, value_enum, default_value_t = Backward::Fast)]
+    backward: Backward,
+    /// A directory of MNIST IDX files instead of the bundled digits.
+    #[arg(long, value_name = "DIR")]
+    mnist: Option<String>,
+    /// Seeds the initial weights, the data split and the shuffling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Writes the trained weights (safetensors) here; under DDP, rank 0 writes.
+    #[arg(long, value_name = "FILE")]
+    save: Option<PathBuf>,
+}
+
+impl Args {
+    fn replicas(&self) -> usize {
+        self.replicas as usize
     }
-    if args.replicas == 0 || args.batch == 0 {
-        bail!("--replicas and --batch must be at least 1");
+
+    fn batch(&self) -> usize {
+        self.batch as usize
     }
-    Ok(args)
+
+    fn fast_backward(&self) -> bool {
+        self.backward == Backward::Fast
+    }
 }
 
 /// Train and held-out sets.
@@ -157,7 +155,8 @@ struct Outcome {
     samples: usize,
     last_loss: f32,
     accuracy: f64,
-    weights: Vec<Tensor>,
+    /// The trained weights.
+    varmap: VarMap,
 }
 
 /// One training run. `replicas == 0` means plain candle on one device.
@@ -184,7 +183,7 @@ fn train(
     let single = factory(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
     let mut opt = adamw(&varmap, args.lr)?;
 
-    let steps_per_epoch = train.len().div_ceil(args.batch);
+    let steps_per_epoch = train.len().div_ceil(args.batch());
     let bar = progress_bar((args.epochs * steps_per_epoch) as u64)?;
     bar.set_prefix(if replicas > 0 {
         format!("DP x{replicas}")
@@ -196,10 +195,10 @@ fn train(
     let start = Instant::now();
     for epoch in 0..args.epochs {
         let order = shuffled_indices(train.len(), args.seed + 1 + epoch as u64);
-        for batch in order.chunks(args.batch) {
+        for batch in order.chunks(args.batch()) {
             let b = train.select(batch)?;
             let loss = match &dp {
-                Some(dp) if args.fast_backward => {
+                Some(dp) if args.fast_backward() => {
                     // Each replica: forward, loss on its rows, backward; gradients summed.
                     let step = dp.forward_backward(
                         (b.images, b.labels),
@@ -234,32 +233,28 @@ fn train(
         samples,
         last_loss,
         accuracy: accuracy(&single, test)?,
-        weights: sorted_weights(&varmap),
+        varmap,
     })
 }
 
-/// DistributedDataParallel over `args.replicas` thread ranks: each rank
-/// reads its `DistributedSampler` shard through a prefetching `Loader`.
+/// DistributedDataParallel over `args.replicas` thread ranks, or over the
+/// processes of an MPI job: each rank reads its `DistributedSampler` shard
+/// through a prefetching `Loader`. Only rank 0 shows progress and saves.
+/// `None` on the processes other than rank 0's.
 fn train_ddp(
     args: &Args,
     init: &VarMap,
     train: &LabelledImages,
     test: &LabelledImages,
-) -> Result<Outcome> {
-    let world = args.replicas;
-    let per_rank = (args.batch / world).max(1);
+) -> Result<Option<Outcome>> {
     let dataset = Arc::new(TensorDataset::new(vec![
         train.images.clone(),
         train.labels.clone(),
     ])?);
     let (inputs, hidden) = (train.height * train.width, args.hidden);
-    let steps_per_epoch = DistributedSampler::new(train.len(), world, 0)?
-        .len()
-        .div_ceil(per_rank);
-    let bar = progress_bar((args.epochs * steps_per_epoch) as u64)?;
-    bar.set_prefix(format!("DDP x{world}"));
-    let start = Instant::now();
-    let mut results = spawn(world, |ctx| {
+    let ranks = launch::run(args.replicas(), GroupOptions::default(), |ctx| {
+        let (rank, world) = (ctx.rank, ctx.world_size);
+        let per_rank = (args.batch() / world).max(1);
         let varmap = copy_varmap(init)?;
         let mut ddp = DistributedDataParallel::new(
             ctx.process_group(),
@@ -270,7 +265,17 @@ fn train_ddp(
             DdpConfig::default(),
         )?;
         let mut opt = adamw(&varmap, args.lr)?;
-        let mut sampler = DistributedSampler::new(train.len(), world, ctx.rank)?.seed(args.seed);
+        let mut sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
+        // Timed from here, as the other runs: MPI's start-up is not training.
+        let start = Instant::now();
+        let bar = if rank == 0 {
+            let steps = sampler.len().div_ceil(per_rank) * args.epochs;
+            let bar = progress_bar(steps as u64)?;
+            bar.set_prefix(format!("DDP x{world}"));
+            bar
+        } else {
+            ProgressBar::hidden()
+        };
         let (mut samples, mut last_loss) = (0, f32::NAN);
         for epoch in 0..args.epochs {
             sampler.set_epoch(epoch as u64);
@@ -283,37 +288,32 @@ fn train_ddp(
                 ddp.backward_step(&loss, &mut opt)?;
                 samples += batch[0].dim(0)?;
                 last_loss = loss.to_scalar::<f32>()?;
-                if ctx.rank == 0 {
-                    bar.inc(1);
-                }
+                bar.inc(1);
             }
-            if ctx.rank == 0 {
-                bar.set_message(format!("epoch {} loss {last_loss:.4}", epoch + 1));
-            }
+            bar.set_message(format!("epoch {} loss {last_loss:.4}", epoch + 1));
+        }
+        bar.finish();
+        if rank != 0 {
+            return Ok(None);
+        }
+        if let Some(path) = &args.save {
+            checkpoint::save(&varmap, path, Prefix::None)?;
         }
         let model = Mlp::new(
             VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
             inputs,
             hidden,
         )?;
-        Ok((
-            samples,
+        // Every rank trains on as many samples (the sampler pads).
+        Ok(Some(Outcome {
+            seconds: start.elapsed().as_secs_f64(),
+            samples: samples * world,
             last_loss,
-            accuracy(&model, test)?,
-            sorted_weights(&varmap),
-        ))
+            accuracy: accuracy(&model, test)?,
+            varmap,
+        }))
     })?;
-    let seconds = start.elapsed().as_secs_f64();
-    bar.finish();
-    let samples: usize = results.iter().map(|r| r.0).sum();
-    let (_, last_loss, accuracy, weights) = results.swap_remove(0);
-    Ok(Outcome {
-        seconds,
-        samples,
-        last_loss,
-        accuracy,
-        weights,
-    })
+    Ok(ranks.into_iter().flatten().next())
 }
 
 fn adamw(varmap: &VarMap, lr: f64) -> Result<AdamW> {
@@ -371,49 +371,67 @@ fn copy_varmap(from: &VarMap) -> Result<VarMap> {
 }
 
 fn main() -> Result<()> {
-    let args = parse_args()?;
+    let args = Args::parse();
+    let mpi = Backend::from_env() != Backend::Threads;
+    if mpi && args.strategy != Strategy::Ddp {
+        bail!("under mpirun, use --strategy ddp (dp and single run in one process)");
+    }
+    // Under MPI every process runs this; only rank 0 speaks.
+    let speaks = Backend::process_rank() == 0;
     let (train_set, test_set, name) = load_data(&args)?;
-    println!(
-        "data: {name}: {} training and {} held-out samples of {}x{} pixels",
-        train_set.len(),
-        test_set.len(),
-        train_set.height,
-        train_set.width
-    );
-    println!(
-        "model: MLP {}-{}-10, AdamW lr {}, global batch {}, {} epochs, {} backward",
-        train_set.height * train_set.width,
-        args.hidden,
-        args.lr,
-        args.batch,
-        args.epochs,
-        if args.fast_backward {
-            "parallel (per-replica loss)"
-        } else {
-            "drop-in (loss on gathered output)"
-        }
-    );
+    if speaks {
+        println!(
+            "data: {name}: {} training and {} held-out samples of {}x{} pixels",
+            train_set.len(),
+            test_set.len(),
+            train_set.height,
+            train_set.width
+        );
+        println!(
+            "model: MLP {}-{}-10, AdamW lr {}, global batch {}, {} epochs, {} backward, seed {}",
+            train_set.height * train_set.width,
+            args.hidden,
+            args.lr,
+            args.batch,
+            args.epochs,
+            match args.backward {
+                Backward::Fast => "parallel (per-replica loss)",
+                Backward::Dropin => "drop-in (loss on gathered output)",
+            },
+            args.seed
+        );
+    }
 
-    // One initialisation shared by both runs, so they can be compared.
-    let init = VarMap::new();
-    Mlp::new(
-        VarBuilder::from_varmap(&init, DType::F32, &Device::Cpu),
-        train_set.height * train_set.width,
-        args.hidden,
-    )?;
+    // One initialisation, from the seed, shared by every run (and every
+    // process), so they can be compared.
+    let (inputs, hidden) = (train_set.height * train_set.width, args.hidden);
+    let init = seeded_varmap(args.seed, DType::F32, &Device::Cpu, |vb| {
+        Mlp::new(vb, inputs, hidden)
+    })?;
 
-    let one = train(&args, 0, &init, &train_set, &test_set)?;
     let parallel = match args.strategy {
         Strategy::Dp => Some((
             format!("DataParallel, {} CPU replicas", args.replicas),
-            train(&args, args.replicas, &init, &train_set, &test_set)?,
+            train(&args, args.replicas(), &init, &train_set, &test_set)?,
         )),
-        Strategy::Ddp => Some((
-            format!("DDP, {} thread ranks", args.replicas),
-            train_ddp(&args, &init, &train_set, &test_set)?,
-        )),
+        Strategy::Ddp => {
+            let label = match Backend::from_env() {
+                Backend::Threads => format!("DDP, {} thread ranks", args.replicas),
+                Backend::Mpi { .. } => format!("DDP, {} MPI processes", Backend::world_size()),
+            };
+            match train_ddp(&args, &init, &train_set, &test_set)? {
+                Some(outcome) => Some((label, outcome)),
+                None => return Ok(()), // not rank 0
+            }
+        }
         Strategy::Single => None,
     };
+    let one = train(&args, 0, &init, &train_set, &test_set)?;
+    // DDP's rank 0 saved its own.
+    if let (Some(path), false) = (&args.save, args.strategy == Strategy::Ddp) {
+        let saved = parallel.as_ref().map_or(&one, |(_, outcome)| outcome);
+        checkpoint::save(&saved.varmap, path, Prefix::None)?;
+    }
 
     println!();
     println!("| run | final loss | held-out accuracy | train time (s) | samples/s |");
@@ -434,17 +452,22 @@ fn main() -> Result<()> {
     if let Some((_, p)) = &parallel {
         println!();
         println!("speed-up over one device: {:.2}x", one.seconds / p.seconds);
-        if args.strategy == Strategy::Dp {
-            let max_diff = p
-                .weights
-                .iter()
-                .zip(&one.weights)
-                .map(|(a, b)| Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?))
-                .collect::<Result<Vec<f32>>>()?
-                .into_iter()
-                .fold(0f32, f32::max);
-            println!("largest weight difference from the one-device run: {max_diff:.3e} (same init, same batches)");
-        }
+        let max_diff = sorted_weights(&p.varmap)
+            .iter()
+            .zip(&sorted_weights(&one.varmap))
+            .map(|(a, b)| Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?))
+            .collect::<Result<Vec<f32>>>()?
+            .into_iter()
+            .fold(0f32, f32::max);
+        let note = if args.strategy == Strategy::Dp {
+            "same init, same batches"
+        } else {
+            "same init; DDP's sampler orders the data its own way"
+        };
+        println!("largest weight difference from the one-device run: {max_diff:.3e} ({note})");
+    }
+    if let Some(path) = &args.save {
+        println!("weights saved to {}", path.display());
     }
     Ok(())
 }

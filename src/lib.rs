@@ -63,6 +63,7 @@ pub mod reduce;
 mod replicate;
 pub mod sampler;
 mod scatter_gather;
+mod seeded_init;
 
 pub use data_parallel::{DataParallel, DataParallelBuilder, LossReduction, Step, StepTimings};
 pub use ddp::{CommHook, DdpConfig, DdpTimings, DistributedDataParallel, JoinDivisor};
@@ -71,6 +72,8 @@ pub use replicate::{device_label, is_batch_norm_buffer, BufferPredicate};
 pub use scatter_gather::{
     chunk_sizes, gather, scatter, Gather, Replicated, Scatter, ScatterPlan, Split,
 };
+
+pub use seeded_init::seeded_varmap;
 
 use candle_core::Device;
 

@@ -555,24 +555,14 @@ impl Job {
     }
 }
 
-/// Runs `scenario` on `np` MPI processes with `input`, within [`DEADLINE`],
-/// one job at a time (the tests of this file run in parallel otherwise).
+/// Runs `scenario` on `np` MPI processes with `input`, within [`DEADLINE`].
 fn mpirun(np: usize, scenario: &str, input: Option<&Tensors>) -> Job {
-    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempdir::Dir::new(scenario);
     if let Some(input) = input {
         candle_core::safetensors::save(input, dir.path().join("input.safetensors")).unwrap();
     }
-    let exe = std::env::current_exe().unwrap();
-    let mut child = Command::new("mpirun")
-        .args([
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "-np",
-            &np.to_string(),
-        ])
-        .arg(&exe)
+    let mut command = mpirun_command(np, &std::env::current_exe().unwrap());
+    command
         .args([
             "--ignored",
             "--exact",
@@ -581,32 +571,69 @@ fn mpirun(np: usize, scenario: &str, input: Option<&Tensors>) -> Job {
             "--test-threads=1",
         ])
         .env(SCENARIO, scenario)
-        .env(OUT_DIR, dir.path())
+        .env(OUT_DIR, dir.path());
+    let output = run_bounded(command, scenario);
+    Job { output, dir }
+}
+
+/// `mpirun` (as root too, more ranks than cores allowed) of `program`.
+fn mpirun_command(np: usize, program: &Path) -> Command {
+    let mut command = Command::new("mpirun");
+    command
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            &np.to_string(),
+        ])
+        .arg(program);
+    command
+}
+
+/// Runs `command` to the end, or fails the test after [`DEADLINE`]; one
+/// at a time (the tests of this file run in parallel otherwise).
+fn run_bounded(mut command: Command, what: &str) -> Output {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut child = command
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("mpirun starts (is Open MPI installed?)");
+        .expect("the command starts (is Open MPI installed?)");
+    // Read the pipes on threads, so that a chatty child never blocks.
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let out = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        std::io::Read::read_to_end(&mut stdout, &mut buf).map(|_| buf)
+    });
+    let err = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        std::io::Read::read_to_end(&mut stderr, &mut buf).map(|_| buf)
+    });
     let start = Instant::now();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            break;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
         }
         if start.elapsed() > DEADLINE {
             // SIGTERM first: mpirun then ends its processes too.
             let _ = Command::new("kill").arg(child.id().to_string()).status();
             std::thread::sleep(Duration::from_secs(5));
             let _ = child.kill();
-            let output = child.wait_with_output().unwrap();
-            panic!(
-                "mpirun {scenario} ran past {DEADLINE:?}:\n{}{}",
-                String::from_utf8_lossy(&output.stdout),
-                String::from_utf8_lossy(&output.stderr)
-            );
+            let _ = child.wait();
+            let text = String::from_utf8_lossy(&out.join().unwrap().unwrap_or_default())
+                .to_string()
+                + &String::from_utf8_lossy(&err.join().unwrap().unwrap_or_default());
+            panic!("{what} ran past {DEADLINE:?}:\n{text}");
         }
         std::thread::sleep(Duration::from_millis(50));
+    };
+    Output {
+        status,
+        stdout: out.join().unwrap().unwrap_or_default(),
+        stderr: err.join().unwrap().unwrap_or_default(),
     }
-    let output = child.wait_with_output().unwrap();
-    Job { output, dir }
 }
 
 /// Runs a scenario that must succeed on every rank.
@@ -903,6 +930,72 @@ fn a_rank_stuck_outside_collectives_makes_the_others_time_out_naming_it() {
 #[test]
 fn a_rank_that_finished_early_makes_a_later_collective_fail_naming_it() {
     assert_fault("early_exit", &["rank 1 left the group"]);
+}
+
+/// The main job, `train_digits --strategy ddp`, trains to the same bytes
+/// on 2 thread ranks and on 2 MPI processes, and only rank 0 prints.
+#[test]
+fn train_digits_on_threads_and_on_mpi_processes_saves_the_same_weights() {
+    // target/<profile>/deps/mpi-… -> target/<profile>/examples/train_digits
+    let exe = std::env::current_exe().unwrap();
+    let example = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/train_digits");
+    assert!(
+        example.exists(),
+        "{} is missing: run `cargo build --features mpi --example train_digits` first (.ci/run does)",
+        example.display()
+    );
+    let dir = tempdir::Dir::new("train_digits");
+    let args = |file: &str| {
+        let path = dir.path().join(file);
+        [
+            "--strategy",
+            "ddp",
+            "--epochs",
+            "3",
+            "--seed",
+            "5",
+            "--save",
+        ]
+        .map(Into::into)
+        .into_iter()
+        .chain([path.into_os_string()])
+        .collect::<Vec<std::ffi::OsString>>()
+    };
+    let mut threads = Command::new(&example);
+    threads.args(args("threads.safetensors"));
+    let threads = run_bounded(threads, "train_digits on threads");
+    let mut processes = mpirun_command(2, &example);
+    processes.args(args("mpi.safetensors"));
+    let processes = run_bounded(processes, "train_digits under mpirun");
+    for (what, output) in [("threads", &threads), ("mpirun", &processes)] {
+        assert!(
+            output.status.success(),
+            "{what}: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let printed = String::from_utf8_lossy(&processes.stdout);
+    assert_eq!(
+        printed.matches("| DDP, 2 MPI processes |").count(),
+        1,
+        "{printed}"
+    );
+    assert_eq!(
+        printed.matches("data: ").count(),
+        1,
+        "only rank 0 prints:\n{printed}"
+    );
+    let saved = |file: &str| std::fs::read(dir.path().join(file)).unwrap();
+    assert!(
+        saved("threads.safetensors") == saved("mpi.safetensors"),
+        "threads and processes saved different weights"
+    );
 }
 
 /// A directory removed when dropped.

@@ -146,6 +146,20 @@ impl Backend {
     /// Slurm's `srun`.
     pub const MPI_VARIABLES: [&'static str; 2] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"];
 
+    /// This process's rank in the MPI job that started it, read from the
+    /// launcher's environment (`OMPI_COMM_WORLD_RANK`, `PMI_RANK`) before
+    /// MPI is initialized; 0 outside MPI. For the usual "only rank 0
+    /// prints" in code that runs before [`run`].
+    pub fn process_rank() -> usize {
+        env_number(&["OMPI_COMM_WORLD_RANK", "PMI_RANK"]).unwrap_or(0)
+    }
+
+    /// The number of processes of the MPI job that started this one
+    /// (`OMPI_COMM_WORLD_SIZE`, `PMI_SIZE`); 1 outside MPI.
+    pub fn world_size() -> usize {
+        env_number(&Self::MPI_VARIABLES).unwrap_or(1)
+    }
+
     /// [`Backend::Mpi`] when the process was started by an MPI launcher,
     /// else [`Backend::Threads`].
     pub fn from_env() -> Backend {
@@ -156,6 +170,14 @@ impl Backend {
                 variable: variable.to_string(),
             })
     }
+}
+
+/// The first of `variables` that is set, as a number.
+fn env_number(variables: &[&str]) -> Option<usize> {
+    variables
+        .iter()
+        .find_map(|v| std::env::var(v).ok())
+        .and_then(|value| value.trim().parse().ok())
 }
 
 /// Runs `f` on every rank and returns the results of the ranks that ran
