@@ -1,5 +1,6 @@
 //! Training benchmark: one device, DataParallel (three backward paths) and
-//! DistributedDataParallel on thread ranks, side by side in one run.
+//! DistributedDataParallel on thread ranks and (built with `--features
+//! mpi`, Open MPI installed) on MPI processes, side by side in one run.
 //!
 //! ```text
 //! cargo run --release --example bench -- --out bench-out [--quick] [--steps 20] [--rounds 2]
@@ -16,8 +17,9 @@
 //! asynchronously), and scaling efficiency is left out.
 //!
 //! Every configuration runs in its own child process (this binary again,
-//! with `--child`), so each gets the thread settings it needs (candle reads
-//! `RAYON_NUM_THREADS` / `CANDLE_NUM_THREADS` from the environment), and
+//! with `--child`; for `ddp-mpi`, `mpirun -np R` of it), so each gets the
+//! thread settings it needs (candle reads `RAYON_NUM_THREADS` /
+//! `CANDLE_NUM_THREADS` from the environment), and
 //! configurations are interleaved over `--rounds` to spread machine noise.
 //! Writes `bench.md` (markdown table), `bench.csv` and `bench.svg` (chart)
 //! into `--out`.
@@ -38,7 +40,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::comm::GroupOptions;
-use candle_dp::launch::spawn_with;
+use candle_dp::launch::{self, Backend};
 use candle_dp::{DataParallel, DdpConfig, DistributedDataParallel, LossReduction};
 use candle_nn::{
     conv2d, linear, loss, Conv2d, Conv2dConfig, Linear, Optimizer, VarBuilder, VarMap, SGD,
@@ -97,7 +99,7 @@ impl Module for Net {
 /// One configuration, as passed to a child process.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Spec {
-    /// single | dp-fast | dp-dropin | dp-fromloss | ddp
+    /// single | dp-fast | dp-dropin | dp-fromloss | ddp | ddp-mpi
     kind: String,
     model: String,
     /// Global batch (per step, all replicas together).
@@ -138,6 +140,10 @@ impl Spec {
 struct Measured {
     step_ms: Vec<f64>,
     phases: BTreeMap<String, Vec<f64>>,
+    /// DDP: the gradient bytes all-reduced per step.
+    grad_bytes: Option<usize>,
+    /// DDP: one memcpy of `grad_bytes` (ms, median), for scale.
+    memcpy_ms: Option<f64>,
 }
 
 fn ms(d: Duration) -> f64 {
@@ -207,7 +213,8 @@ fn run_child(spec: &Spec) -> Result<Measured> {
                 Ok(())
             })?;
         }
-        "ddp" => {
+        // The same code on thread ranks and, under mpirun, on processes.
+        "ddp" | "ddp-mpi" => {
             let world = spec.replicas;
             let threads = (cores() / world).max(1);
             let per_rank = spec.batch / world;
@@ -215,7 +222,7 @@ fn run_child(spec: &Spec) -> Result<Measured> {
                 timeout: Some(Duration::from_secs(120)),
                 ..Default::default()
             };
-            let mut results = spawn_with(world, options, |ctx| {
+            let mut results = launch::run(world, options, |ctx| {
                 let pool = rayon::ThreadPoolBuilder::new()
                     .num_threads(threads)
                     .build()?;
@@ -233,6 +240,13 @@ fn run_child(spec: &Spec) -> Result<Measured> {
                         DdpConfig::default(),
                     )?;
                     let mut sgd = SGD::new(varmap.all_vars(), 0.01)?;
+                    let grad_bytes: usize = varmap
+                        .all_vars()
+                        .iter()
+                        .map(|v| v.elem_count() * v.dtype().size_in_bytes())
+                        .sum();
+                    m.grad_bytes = Some(grad_bytes);
+                    m.memcpy_ms = Some(memcpy_ms(grad_bytes));
                     let (x, y) = (
                         x.narrow(0, ctx.rank * per_rank, per_rank)?
                             .to_device(&device)?,
@@ -331,13 +345,42 @@ fn run_child(spec: &Spec) -> Result<Measured> {
     Ok(m)
 }
 
+/// The median time of copying `bytes` bytes once (ms).
+fn memcpy_ms(bytes: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let times: Vec<f64> = (0..7)
+        .map(|_| {
+            let t = Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&dst);
+            ms(t.elapsed())
+        })
+        .collect();
+    median(&times)
+}
+
 fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// Runs one configuration in a child process with its thread settings.
 fn run_in_child(spec: &Spec) -> Result<Measured> {
-    let mut cmd = Command::new(std::env::current_exe()?);
+    let mut cmd = if spec.kind == "ddp-mpi" {
+        let mut mpirun = Command::new("mpirun");
+        mpirun
+            .args([
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "--bind-to",
+                "none",
+            ])
+            .args(["-np", &spec.replicas.to_string()])
+            .arg(std::env::current_exe()?);
+        mpirun
+    } else {
+        Command::new(std::env::current_exe()?)
+    };
     cmd.arg("--child").arg(serde_json::to_string(spec)?);
     let per_replica_threads = match spec.kind.as_str() {
         "single" => spec.threads,
@@ -376,6 +419,8 @@ struct Row {
     samples_per_s: f64,
     efficiency: Option<f64>,
     phases: BTreeMap<String, f64>,
+    grad_bytes: Option<usize>,
+    memcpy_ms: Option<f64>,
 }
 
 fn specs(quick: bool, steps: usize, device: &str) -> Vec<Spec> {
@@ -404,8 +449,12 @@ fn specs(quick: bool, steps: usize, device: &str) -> Vec<Spec> {
                 out.push(spec("single", batch / 2, 1, 1)); // per-replica baseline for 2 replicas
             }
             for &r in replicas {
-                for kind in ["dp-fast", "dp-fromloss", "dp-dropin", "ddp"] {
+                for kind in ["dp-fast", "dp-fromloss", "dp-dropin", "ddp", "ddp-mpi"] {
                     if r == 4 && kind != "dp-fast" && kind != "ddp" {
+                        continue;
+                    }
+                    // Processes need the feature, and MPI on this machine.
+                    if kind == "ddp-mpi" && (!cfg!(feature = "mpi") || device != "cpu" || r == 1) {
                         continue;
                     }
                     out.push(spec(kind, batch, r, 0));
@@ -420,7 +469,11 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if let Some(i) = args.iter().position(|a| a == "--child") {
         let spec: Spec = serde_json::from_str(args.get(i + 1).context("--child needs a spec")?)?;
-        println!("{}", serde_json::to_string(&run_child(&spec)?)?);
+        let measured = run_child(&spec)?;
+        // Under mpirun every rank gets here; rank 0 reports.
+        if Backend::process_rank() == 0 {
+            println!("{}", serde_json::to_string(&measured)?);
+        }
         return Ok(());
     }
     let flag = |name: &str| {
@@ -458,6 +511,10 @@ fn main() -> Result<()> {
             ));
             let got = run_in_child(spec)?;
             m.step_ms.extend(got.step_ms);
+            m.grad_bytes = got.grad_bytes.or(m.grad_bytes);
+            if let Some(t) = got.memcpy_ms {
+                m.memcpy_ms = Some(m.memcpy_ms.map_or(t, |old| old.min(t)));
+            }
             for (k, v) in got.phases {
                 m.phases.entry(k).or_default().extend(v);
             }
@@ -472,6 +529,7 @@ fn main() -> Result<()> {
         .transpose()?;
     let mut table = markdown(&rows);
     table += &targets(&rows, torch.as_deref());
+    table += &ddp_comparison(&rows, torch.as_deref());
     println!("{table}");
     std::fs::write(format!("{out_dir}/bench.md"), &table)?;
     std::fs::write(format!("{out_dir}/bench.csv"), csv(&rows))?;
@@ -516,6 +574,8 @@ fn summarize(specs: &[Spec], measured: &[Measured]) -> Vec<Row> {
                     .iter()
                     .map(|(k, v)| (k.clone(), median(v)))
                     .collect(),
+                grad_bytes: m.grad_bytes,
+                memcpy_ms: m.memcpy_ms,
             }
         })
         .collect()
@@ -558,16 +618,8 @@ fn targets(rows: &[Row], torch: Option<&str>) -> String {
     );
     s += &format!("- engine overhead (all but forward, backward, optimizer): DataParallel {:.1}%, DDP {:.1}% (target <= 5%)\n", overhead_pct(dp), overhead_pct(ddp));
     if let Some(torch) = torch {
-        let torch_rate = |config: &str| {
-            torch.lines().find_map(|l| {
-                let f: Vec<&str> = l.split(',').collect();
-                (f.first() == Some(&config) && f.get(2) == Some(&"256"))
-                    .then(|| f.get(5).and_then(|v| v.parse::<f64>().ok()))
-                    .flatten()
-            })
-        };
         for config in ["torch-ddp-gloo-2x1", "torch-1proc-2thr"] {
-            if let Some(rate) = torch_rate(config) {
+            if let Some(rate) = torch_rate(torch, config, 256) {
                 s += &format!(
                     "- vs PyTorch {config} ({rate:.0} samples/s): DataParallel {:.2}x, DDP {:.2}x\n",
                     dp.samples_per_s / rate,
@@ -576,6 +628,63 @@ fn targets(rows: &[Row], torch: Option<&str>) -> String {
             }
         }
     }
+    s
+}
+
+/// PyTorch's samples/s for `config` at `batch`, from `bench_torch.py`'s CSV.
+fn torch_rate(torch: &str, config: &str, batch: usize) -> Option<f64> {
+    torch.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(',').collect();
+        (f.first() == Some(&config) && f.get(2) == Some(&batch.to_string().as_str()))
+            .then(|| f.get(5).and_then(|v| v.parse::<f64>().ok()))
+            .flatten()
+    })
+}
+
+/// DDP on 2 thread ranks against DDP on 2 MPI processes (and PyTorch DDP
+/// over gloo, 2 processes x 1 thread, when its CSV is given): throughput,
+/// scaling efficiency and the gradient all-reduce per step.
+fn ddp_comparison(rows: &[Row], torch: Option<&str>) -> String {
+    let ddp: Vec<&Row> = rows
+        .iter()
+        .filter(|r| r.spec.kind.starts_with("ddp") && r.spec.replicas == 2)
+        .collect();
+    if !ddp.iter().any(|r| r.spec.kind == "ddp-mpi") {
+        return String::new();
+    }
+    let mut s = String::from(
+        "\n## DDP on 2 processes (MPI) and on 2 thread ranks\n\n\
+         | config | model | global batch | samples/s | vs PyTorch DDP-gloo 2x1 | scaling eff. | all-reduce ms/step | gradient MB | all-reduce GB/s | memcpy ms |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in ddp {
+        let torch_cell = torch
+            .filter(|_| r.spec.model == "mlp")
+            .and_then(|t| torch_rate(t, "torch-ddp-gloo-2x1", r.spec.batch))
+            .map_or(String::new(), |rate| {
+                format!("{:.2}x ({rate:.0})", r.samples_per_s / rate)
+            });
+        let reduce = r.phases.get("reduce").copied();
+        let mb = r.grad_bytes.map(|b| b as f64 / 1e6);
+        let gbps = reduce
+            .zip(mb)
+            .map_or(String::new(), |(ms, mb)| format!("{:.2}", mb / ms));
+        s += &format!(
+            "| {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} |\n",
+            r.spec.label(),
+            r.spec.model,
+            r.spec.batch,
+            r.samples_per_s,
+            torch_cell,
+            r.efficiency
+                .map_or(String::new(), |e| format!("{:.0}%", 100.0 * e)),
+            reduce.map_or(String::new(), |v| format!("{v:.2}")),
+            mb.map_or(String::new(), |v| format!("{v:.2}")),
+            gbps,
+            r.memcpy_ms.map_or(String::new(), |v| format!("{v:.2}")),
+        );
+    }
+    s += "\nall-reduce GB/s: gradient bytes / all-reduce time (algorithm bandwidth); a ring moves 2(n-1)/n of them per rank.\n";
     s
 }
 

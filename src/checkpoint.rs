@@ -5,7 +5,8 @@
 //! Here saving takes a [`Prefix`] and loading accepts both forms, reporting
 //! what was missing, unexpected or of the wrong shape.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::File;
 use std::path::Path;
 
 use candle_core::{Device, Tensor};
@@ -49,6 +50,13 @@ impl LoadReport {
 
 /// Writes every variable of `varmap` to a safetensors file.
 ///
+/// **Crash safety**: the file is written under a temporary name in the same
+/// directory, flushed to disk, then renamed over `path` (and the directory
+/// flushed), so a crash at any point leaves either the previous file or the
+/// new one at `path`, never a partial file (a stray `*.tmp-*` file may be
+/// left behind). A `VarMap` whose lock was poisoned by a crashed thread is
+/// still saved: this is the emergency save after a crash.
+///
 /// ```
 /// use candle_core::{DType, Device};
 /// use candle_nn::{linear, VarBuilder, VarMap};
@@ -67,7 +75,12 @@ impl LoadReport {
 /// # Ok(())
 /// # }
 /// ```
+///
+/// # Errors
+///
+/// [`Error::Checkpoint`] naming the path when it cannot be written.
 pub fn save(varmap: &VarMap, path: impl AsRef<Path>, prefix: Prefix) -> Result<()> {
+    let path = path.as_ref();
     let prefix = match prefix {
         Prefix::None => "",
         Prefix::Module => MODULE_PREFIX,
@@ -76,23 +89,79 @@ pub fn save(varmap: &VarMap, path: impl AsRef<Path>, prefix: Prefix) -> Result<(
         .into_iter()
         .map(|(name, var)| (format!("{prefix}{name}"), var.as_detached_tensor()))
         .collect();
-    candle_core::safetensors::save(&tensors, path)?;
+    let failed = |what: &str, e: &dyn std::fmt::Display| {
+        Error::Checkpoint(format!("{}: {what}: {e}", path.display()))
+    };
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| failed("not a file path", &"it has no file name"))?;
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    let mut temporary_name = file_name.to_os_string();
+    temporary_name.push(format!(".tmp-{}", std::process::id()));
+    let temporary = dir.join(temporary_name);
+    let write = || -> Result<()> {
+        candle_core::safetensors::save(&tensors, &temporary)
+            .map_err(|e| failed("cannot write it", &e))?;
+        File::open(&temporary)
+            .and_then(|file| file.sync_all())
+            .map_err(|e| failed("cannot flush it to disk", &e))?;
+        std::fs::rename(&temporary, path).map_err(|e| failed("cannot move it into place", &e))
+    };
+    if let Err(error) = write() {
+        let _ = std::fs::remove_file(&temporary);
+        return Err(error);
+    }
+    // The rename itself is durable once the directory is flushed; not every
+    // platform can open a directory, and the file is complete either way.
+    if let Ok(dir) = File::open(dir) {
+        let _ = dir.sync_all();
+    }
     Ok(())
 }
 
 /// Loads a safetensors file into the variables of `varmap`, in place (the
 /// variables keep their identity, so optimizers and `DataParallel` replicas
-/// see the new values). Names may carry the `module.` prefix or not.
+/// see the new values). A key names the variable of the same name, or,
+/// when there is none, the variable it names without the `module.` prefix
+/// (so checkpoints of PyTorch's `DataParallel` load, and so do variables
+/// whose own names begin with `module.`).
 ///
 /// With `strict`, anything missing, unexpected or of the wrong shape is an
 /// [`Error::Checkpoint`] listing every such name, and nothing is changed.
 /// Without it, the matching variables are loaded and the rest reported.
+/// Either way the load is all or nothing: every tensor is converted to its
+/// variable's dtype and device before the first variable is changed.
+///
+/// # Errors
+///
+/// [`Error::Checkpoint`] naming the path when the file cannot be read or
+/// does not fit (strict), or a tensor cannot be converted.
 pub fn load(varmap: &VarMap, path: impl AsRef<Path>, strict: bool) -> Result<LoadReport> {
     let path = path.as_ref();
-    let file = candle_core::safetensors::load(path, &Device::Cpu)?;
+    let file = candle_core::safetensors::load(path, &Device::Cpu)
+        .map_err(|e| Error::Checkpoint(format!("{}: cannot read it: {e}", path.display())))?;
+    let vars = sorted_vars(varmap);
+    let names: BTreeSet<&str> = vars.iter().map(|(name, _)| name.as_str()).collect();
     let mut by_name: BTreeMap<String, (String, Tensor)> = BTreeMap::new();
-    for (key, tensor) in file {
-        let name = key.strip_prefix(MODULE_PREFIX).unwrap_or(&key).to_string();
+    let mut unexpected = Vec::new();
+    // Sorted keys, so that the outcome does not depend on the file's order.
+    let mut entries: Vec<(String, Tensor)> = file.into_iter().collect();
+    entries.sort_by(|a, b| a.0.cmp(&b.0));
+    for (key, tensor) in entries {
+        let name = if names.contains(key.as_str()) {
+            key.clone()
+        } else {
+            match key.strip_prefix(MODULE_PREFIX) {
+                Some(stripped) if names.contains(stripped) => stripped.to_string(),
+                _ => {
+                    unexpected.push(key);
+                    continue;
+                }
+            }
+        };
         if let Some((other, _)) = by_name.insert(name.clone(), (key.clone(), tensor)) {
             return Err(Error::Checkpoint(format!(
                 "{}: `{other}` and `{key}` both name the variable `{name}`",
@@ -100,9 +169,12 @@ pub fn load(varmap: &VarMap, path: impl AsRef<Path>, strict: bool) -> Result<Loa
             )));
         }
     }
-    let mut report = LoadReport::default();
+    let mut report = LoadReport {
+        unexpected,
+        ..LoadReport::default()
+    };
     let mut updates = Vec::new();
-    for (name, var) in sorted_vars(varmap) {
+    for (name, var) in vars {
         match by_name.remove(&name) {
             None => report.missing.push(name),
             Some((_, tensor)) if tensor.dims() != var.dims() => {
@@ -113,7 +185,6 @@ pub fn load(varmap: &VarMap, path: impl AsRef<Path>, strict: bool) -> Result<Loa
             Some((_, tensor)) => updates.push((name, var, tensor)),
         }
     }
-    report.unexpected = by_name.into_values().map(|(key, _)| key).collect();
     if strict && !report.is_exact() {
         return Err(Error::Checkpoint(format!(
             "{}: missing {:?}, unexpected {:?}, wrong shape (name, checkpoint, model) {:?}",
@@ -123,8 +194,25 @@ pub fn load(varmap: &VarMap, path: impl AsRef<Path>, strict: bool) -> Result<Loa
             report.mismatched
         )));
     }
-    for (name, var, tensor) in updates {
-        let value = tensor.to_dtype(var.dtype())?.to_device(var.device())?;
+    // Every conversion first, so that a failing one changes nothing.
+    let converted = updates
+        .into_iter()
+        .map(|(name, var, tensor)| {
+            let value = tensor
+                .to_dtype(var.dtype())
+                .and_then(|t| t.to_device(var.device()))
+                .map_err(|e| {
+                    Error::Checkpoint(format!(
+                        "{}: `{name}` cannot become {:?} on {:?}: {e}",
+                        path.display(),
+                        var.dtype(),
+                        var.device()
+                    ))
+                })?;
+            Ok((name, var, value))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    for (name, var, value) in converted {
         var.set(&value)?;
         report.loaded.push(name);
     }

@@ -11,10 +11,12 @@ use candle_core::{DType, Device, Tensor, TensorId, Var};
 use candle_nn::{Module, ModuleT, VarBuilder, VarMap};
 
 use crate::error::{Error, Result};
+use crate::lock::lock;
 use crate::parallel_apply::{parallel_apply, Cancel, Replica, Worker};
 use crate::reduce::{balanced_partition, sum_gradients};
 use crate::replicate::{
-    build_master, build_replica, is_batch_norm_buffer, sorted_vars, BufferPredicate, ReplicaVars,
+    build_master, build_replica, device_label, is_batch_norm_buffer, sorted_vars, BufferPredicate,
+    ReplicaVars,
 };
 use crate::scatter_gather::{gather, scatter, Gather, Scatter, ScatterPlan, Split};
 
@@ -106,6 +108,9 @@ pub struct DataParallel<M: 'static> {
     master_vars: Arc<Vec<(String, Var)>>,
     last_forward: Mutex<Option<SavedForward>>,
     timings: Mutex<StepTimings>,
+    /// Held for a whole step: concurrent callers take turns, so a step's
+    /// buffer refresh never meets another step's commit.
+    step: Mutex<()>,
 }
 
 /// What [`DataParallel::backward`] needs from the forward it differentiates.
@@ -148,7 +153,8 @@ impl<M: 'static> DataParallelBuilder<M> {
         self
     }
 
-    /// Longest time a step waits for its replicas before failing with
+    /// Longest time a step waits for its replicas, and [`build`](Self::build)
+    /// for each model factory call, before failing with
     /// [`Error::ReplicaTimeout`] (default: no limit).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
@@ -164,14 +170,54 @@ impl<M: 'static> DataParallelBuilder<M> {
         self
     }
 
+    /// Builds the master model on `first` through [`build_master`]; with a
+    /// [`timeout`](Self::timeout), on a thread of its own, so that a factory
+    /// that never returns ends in [`Error::ReplicaTimeout`] (replica 0)
+    /// instead of a hang (that thread is then left behind).
+    fn build_master_bounded<F>(&self, first: &Device, factory: &Arc<F>) -> Result<()>
+    where
+        F: Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
+    {
+        let Some(timeout) = self.timeout else {
+            return build_master(&self.varmap, self.dtype, first, &**factory);
+        };
+        let (done_tx, done) = crossbeam::channel::bounded(1);
+        let (varmap, dtype, device, factory) = (
+            self.varmap.clone(),
+            self.dtype,
+            first.clone(),
+            Arc::clone(factory),
+        );
+        std::thread::Builder::new()
+            .name("candle-dp-build-master".into())
+            .spawn(move || {
+                let _ = done_tx.send(build_master(&varmap, dtype, &device, &*factory));
+            })
+            .map_err(|e| {
+                Error::Candle(candle_core::Error::Msg(format!(
+                    "cannot start the thread that builds the master model: {e}"
+                )))
+            })?;
+        match done.recv_timeout(timeout) {
+            Ok(built) => built,
+            Err(_) => Err(Error::ReplicaTimeout {
+                replica: 0,
+                device: device_label(first),
+                timeout,
+            }),
+        }
+    }
+
     /// Builds the master model (creating its variables in the `VarMap` on
-    /// `devices[0]` unless they exist) and one replica per device.
+    /// `devices[0]` unless they exist) and one replica per device. With a
+    /// [`timeout`](Self::timeout), each build must finish within it.
     pub fn build<F>(self, factory: F) -> Result<DataParallel<M>>
     where
         F: Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
     {
         let first = self.devices.first().ok_or(Error::NoDevices)?.clone();
-        build_master(&self.varmap, self.dtype, &first, &factory)?;
+        let factory = Arc::new(factory);
+        self.build_master_bounded(&first, &factory)?;
         let threads = self.threads_per_replica.unwrap_or_else(|| {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             if self.devices.iter().all(Device::is_cpu) {
@@ -180,13 +226,12 @@ impl<M: 'static> DataParallelBuilder<M> {
                 1
             }
         });
-        let factory = Arc::new(factory);
         let mut workers = Vec::with_capacity(self.devices.len());
         let mut replica_vars = Vec::with_capacity(self.devices.len());
         for (index, device) in self.devices.iter().enumerate() {
             let (varmap, dtype, dev) = (self.varmap.clone(), self.dtype, device.clone());
             let (factory, is_buffer) = (factory.clone(), self.is_buffer.clone());
-            let (worker, vars) = Worker::start(index, device, threads, move || {
+            let (worker, vars) = Worker::start(index, device, threads, self.timeout, move || {
                 let (model, vars) =
                     build_replica(index, &varmap, dtype, &dev, is_buffer, &*factory)?;
                 Ok(Replica {
@@ -207,6 +252,7 @@ impl<M: 'static> DataParallelBuilder<M> {
             master_vars: Arc::new(sorted_vars(&self.varmap)),
             last_forward: Mutex::new(None),
             timings: Mutex::new(StepTimings::default()),
+            step: Mutex::new(()),
         })
     }
 }
@@ -283,8 +329,9 @@ impl<M: 'static> DataParallel<M> {
     where
         F: Fn(&M, Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
     {
+        let _step = lock(&self.step);
         // Drop the previous step's graph before building the next one.
-        *self.last_forward.lock().expect("lock poisoned") = None;
+        *lock(&self.last_forward) = None;
         let outputs = self.scatter_apply(input, &Split::Even, move |model, x, _| f(model, x))?;
         let start = Instant::now();
         let gathered = self.gather(outputs.clone())?;
@@ -292,7 +339,8 @@ impl<M: 'static> DataParallel<M> {
             t.gather = start.elapsed();
             t.total += t.gather;
         });
-        *self.last_forward.lock().expect("lock poisoned") = Some(SavedForward {
+        self.commit_buffers()?;
+        *lock(&self.last_forward) = Some(SavedForward {
             gathered: gathered.id(),
             outputs,
         });
@@ -338,12 +386,17 @@ impl<M: 'static> DataParallel<M> {
         O: Gather + Send + 'static,
         F: Fn(&M, I) -> candle_core::Result<O> + Send + Sync + 'static,
     {
+        let _step = lock(&self.step);
         let outputs = self.scatter_apply(input, split, move |model, x, _| f(model, x))?;
-        gather(outputs, self.dim, &self.output_device)
+        let gathered = gather(outputs, self.dim, &self.output_device)?;
+        self.commit_buffers()?;
+        Ok(gathered)
     }
 
     /// The pipeline shared by every forward: scatter, refresh the replicas
-    /// from the master, run them in parallel, then keep replica 0's buffers.
+    /// from the master, run them in parallel. The caller commits replica 0's
+    /// buffers ([`commit_buffers`](Self::commit_buffers)) once the whole step
+    /// has succeeded, so a failed step leaves the master untouched.
     fn scatter_apply<I, R, F>(&self, input: I, split: &Split, f: F) -> Result<Vec<R>>
     where
         I: Scatter + Send + 'static,
@@ -369,11 +422,10 @@ impl<M: 'static> DataParallel<M> {
                 Ok((out, t1 - t0, t1.elapsed()))
             },
         )?;
-        self.replica_vars[0].commit_buffers()?;
         let slowest = |pick: fn(&(R, Duration, Duration)) -> Duration| {
             results.iter().map(pick).max().unwrap_or_default()
         };
-        *self.timings.lock().expect("lock poisoned") = StepTimings {
+        *lock(&self.timings) = StepTimings {
             scatter: scattered - start,
             replicate: slowest(|r| r.1),
             forward: slowest(|r| r.2),
@@ -383,14 +435,20 @@ impl<M: 'static> DataParallel<M> {
         Ok(results.into_iter().map(|r| r.0).collect())
     }
 
+    /// Keeps replica 0's buffers (BatchNorm statistics), as PyTorch does:
+    /// the last part of a successful step.
+    fn commit_buffers(&self) -> Result<()> {
+        Ok(self.replica_vars[0].commit_buffers()?)
+    }
+
     /// Where the time of the latest step went (forward plus, for the
     /// parallel paths, backward and reduce).
     pub fn last_timings(&self) -> StepTimings {
-        *self.timings.lock().expect("lock poisoned")
+        *lock(&self.timings)
     }
 
     fn record(&self, update: impl FnOnce(&mut StepTimings)) {
-        update(&mut self.timings.lock().expect("lock poisoned"))
+        update(&mut lock(&self.timings))
     }
 
     fn gather(&self, outputs: Vec<Tensor>) -> Result<Tensor> {
@@ -404,8 +462,10 @@ impl<M: 'static> DataParallel<M> {
     /// `output` must be the result of this `DataParallel`'s most recent
     /// [`forward`](Self::forward) / [`forward_t`](Self::forward_t).
     pub fn backward(&self, output: &Tensor, grad_output: &Tensor) -> Result<GradStore> {
+        let _step = lock(&self.step);
         let start = Instant::now();
-        let saved = self.take_saved(output)?;
+        // Checked before the saved forward is taken, so that a corrected
+        // retry still finds it.
         if grad_output.dims() != output.dims() {
             return Err(Error::NoMatchingForward(format!(
                 "grad_output has shape {:?} but the output has shape {:?}",
@@ -413,6 +473,7 @@ impl<M: 'static> DataParallel<M> {
                 output.dims()
             )));
         }
+        let saved = self.take_saved(output)?;
         let plan = self.output_plan(&saved.outputs)?;
         let grads = scatter(grad_output, &plan)?;
         let parts: Vec<(Tensor, Tensor)> = saved.outputs.into_iter().zip(grads).collect();
@@ -498,6 +559,7 @@ impl<M: 'static> DataParallel<M> {
         I: Scatter + Send + 'static,
         F: Fn(&M, I) -> candle_core::Result<Tensor> + Send + Sync + 'static,
     {
+        let _step = lock(&self.step);
         let (dim, rows) = (self.dim, batch_rows(&input, self.dim));
         let master = self.master_vars.clone();
         let results = self.scatter_apply(input, &Split::Even, move |model, part, cancel| {
@@ -527,6 +589,7 @@ impl<M: 'static> DataParallel<M> {
         }
         let reduce_start = Instant::now();
         let grads = self.reduce_add(results.into_iter().map(|r| r.1).collect())?;
+        self.commit_buffers()?;
         self.record(|t| {
             // The replicas' work time included their backward.
             t.forward = t.forward.saturating_sub(backward);
@@ -539,7 +602,7 @@ impl<M: 'static> DataParallel<M> {
     }
 
     fn take_saved(&self, output: &Tensor) -> Result<SavedForward> {
-        let mut last = self.last_forward.lock().expect("lock poisoned");
+        let mut last = lock(&self.last_forward);
         match last.take() {
             Some(saved) if saved.gathered == output.id() => Ok(saved),
             Some(saved) => {
@@ -579,9 +642,8 @@ impl<M: 'static> DataParallel<M> {
     /// share in parallel.
     fn reduce_add(&self, per_replica: Vec<Vec<Option<Tensor>>>) -> Result<GradStore> {
         let master = self.master_vars.clone();
-        let sums: Vec<(usize, Option<Tensor>)> = if per_replica.len() == 1 {
-            let only = per_replica.into_iter().next().expect("one replica");
-            only.into_iter().enumerate().collect()
+        let sums: Vec<(usize, Option<Tensor>)> = if let [_] = per_replica.as_slice() {
+            per_replica.into_iter().flatten().enumerate().collect()
         } else {
             let sizes: Vec<usize> = master.iter().map(|(_, v)| v.elem_count()).collect();
             let groups = balanced_partition(&sizes, per_replica.len());

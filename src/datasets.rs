@@ -34,8 +34,25 @@ impl LabelledImages {
     }
 
     /// The samples at `indices`, in that order.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Data`] naming the first index that is out of range.
     pub fn select(&self, indices: &[usize]) -> Result<Self> {
-        let idx: Vec<u32> = indices.iter().map(|&i| i as u32).collect();
+        let len = self.len();
+        let idx: Vec<u32> = indices
+            .iter()
+            .enumerate()
+            .map(|(position, &i)| match u32::try_from(i) {
+                Ok(i32) if i < len => Ok(i32),
+                _ => Err(Error::Data {
+                    path: "LabelledImages::select".into(),
+                    reason: format!(
+                        "index {i} (position {position}) is out of range for {len} samples"
+                    ),
+                }),
+            })
+            .collect::<Result<_>>()?;
         let idx = Tensor::from_vec(idx, indices.len(), self.images.device())?;
         Ok(Self {
             images: self.images.index_select(&idx, 0)?,
@@ -93,7 +110,17 @@ pub fn load_digits(path: impl AsRef<Path>) -> Result<LabelledImages> {
             ));
         }
         pixels.extend(values[..64].iter().map(|p| p / 16.0));
-        labels.push(values[64] as u32);
+        let label = values[64];
+        if !(label.fract() == 0.0 && (0.0..=9.0).contains(&label)) {
+            return Err(data_error(
+                path,
+                format!(
+                    "line {}: label {label} is not a digit class (an integer from 0 to 9)",
+                    line_no + 1
+                ),
+            ));
+        }
+        labels.push(label as u32);
     }
     let n = labels.len();
     Ok(LabelledImages {
@@ -140,25 +167,38 @@ pub fn load_mnist(dir: impl AsRef<Path>, train: bool) -> Result<LabelledImages> 
     let img_dims = header(&images, &images_path, 0x0803, 3)?;
     let lbl_dims = header(&labels, &labels_path, 0x0801, 1)?;
     let (n, h, w) = (img_dims[0], img_dims[1], img_dims[2]);
+    let image_size = h.checked_mul(w);
+    let pixel_count = image_size
+        .and_then(|size| size.checked_mul(n))
+        .filter(|&count| count <= images.len())
+        .ok_or_else(|| {
+            data_error(
+                &images_path,
+                format!(
+                    "header says {n}x{h}x{w} pixels, more than the file's {} bytes",
+                    images.len()
+                ),
+            )
+        })?;
     if lbl_dims[0] != n {
         return Err(data_error(
             &labels_path,
             format!("{} labels for {n} images", lbl_dims[0]),
         ));
     }
-    let pixels = images.get(16..16 + n * h * w).ok_or_else(|| {
+    let pixels = images.get(16..16 + pixel_count).ok_or_else(|| {
         data_error(
             &images_path,
             format!("truncated: expected {n}x{h}x{w} pixels"),
         )
     })?;
     let label_bytes = labels
-        .get(8..8 + n)
+        .get(8..8usize.saturating_add(n))
         .ok_or_else(|| data_error(&labels_path, format!("truncated: expected {n} labels")))?;
     Ok(LabelledImages {
         images: Tensor::from_vec(
             pixels.iter().map(|&p| p as f32 / 255.0).collect::<Vec<_>>(),
-            (n, h * w),
+            (n, image_size.unwrap_or(0)),
             &Device::Cpu,
         )?,
         labels: Tensor::from_vec(

@@ -29,6 +29,7 @@
 //! smaller than single-device training on the combined batch, exactly as in
 //! PyTorch; use a mean loss (or scale) for equivalence.
 
+use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -327,9 +328,11 @@ impl<M> DistributedDataParallel<M> {
     /// accumulation over k micro-batches, divide each loss by k.
     pub fn no_sync<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
         let before = std::mem::replace(&mut self.syncing, false);
-        let result = f(self);
+        // Restored on unwind too: a caught panic must not leave every later
+        // backward silently unsynchronised.
+        let result = panic::catch_unwind(AssertUnwindSafe(|| f(self)));
         self.syncing = before;
-        result
+        result.unwrap_or_else(|payload| panic::resume_unwind(payload))
     }
 
     /// Runs a training loop that may run out of data before the other
@@ -344,7 +347,16 @@ impl<M> DistributedDataParallel<M> {
     pub fn join<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
         self.joining = true;
         self.join_steps = 0;
-        let result = f(self);
+        // A panic in `f` ends the join as an error does (state restored),
+        // then goes on unwinding.
+        let result = match panic::catch_unwind(AssertUnwindSafe(|| f(self))) {
+            Ok(result) => result,
+            Err(payload) => {
+                self.joining = false;
+                self.active_ranks = self.pg.world_size();
+                panic::resume_unwind(payload)
+            }
+        };
         let shadowed = match &result {
             Ok(_) => self
                 .shadow_until_all_joined()

@@ -150,9 +150,20 @@ pub enum Error {
     #[error("backward needs the gathered output of this DataParallel's most recent forward; {0}")]
     NoMatchingForward(String),
 
-    /// A checkpoint that does not match the model.
-    #[error("checkpoint does not match the model: {0}")]
+    /// A checkpoint that cannot be written or read, or does not match the
+    /// model; the message starts with the file's path.
+    #[error("checkpoint {0}")]
     Checkpoint(String),
+
+    /// A [`Scatter`](crate::Scatter) implementation returned a number of
+    /// parts other than the plan's number of replicas.
+    #[error("scattering the input gave {found} parts for {expected} replicas: a Scatter implementation must return one part per replica")]
+    ScatterParts {
+        /// The plan's number of replicas.
+        expected: usize,
+        /// The number of parts returned.
+        found: usize,
+    },
 
     /// A collective between ranks failed (see [`CommError`](crate::comm::CommError)).
     #[error(transparent)]

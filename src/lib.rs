@@ -58,6 +58,8 @@ mod ddp;
 mod error;
 pub mod launch;
 pub mod loader;
+mod lock;
+mod panic_message;
 mod parallel_apply;
 pub mod reduce;
 mod replicate;

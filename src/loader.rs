@@ -42,6 +42,8 @@ use std::time::Duration;
 use candle_core::{Device, Tensor};
 use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender};
 
+use crate::panic_message::panic_message;
+
 /// One sample: one tensor per field, e.g. `vec![x, y]`.
 pub type Sample = Vec<Tensor>;
 
@@ -123,6 +125,15 @@ pub enum LoaderError {
     /// [`collate`] was given no sample.
     #[error("cannot collate an empty batch")]
     EmptyBatch,
+
+    /// A full batch of `batch_size` cycled indices (with
+    /// [`Loader::even_batches`] or [`Loader::num_batches`]) cannot be held
+    /// in memory.
+    #[error("cannot build a full batch of {batch_size} indices (even_batches / num_batches): too large to allocate")]
+    BatchTooLarge {
+        /// The batch size.
+        batch_size: usize,
+    },
 
     /// [`Loader::num_batches`] or [`Loader::even_batches`] asked for batches
     /// but there is no index to cycle through.
@@ -551,9 +562,17 @@ impl Plan {
             }
             // u128 so that no batch number can overflow the position.
             let start = batch as u128 * self.batch_size as u128;
-            Ok((0..self.batch_size as u128)
-                .map(|i| self.indices[((start + i) % n as u128) as usize])
-                .collect())
+            let mut indices = Vec::new();
+            indices
+                .try_reserve_exact(self.batch_size)
+                .map_err(|_| LoaderError::BatchTooLarge {
+                    batch_size: self.batch_size,
+                })?;
+            indices.extend(
+                (0..self.batch_size as u128)
+                    .map(|i| self.indices[((start + i) % n as u128) as usize]),
+            );
+            Ok(indices)
         } else {
             // Here batch < ceil(n / batch_size), so start < n.
             let start = batch * self.batch_size;
@@ -659,6 +678,9 @@ struct Prefetcher {
 
 impl Prefetcher {
     fn spawn(plan: Plan, depth: usize) -> Result<Self, LoaderError> {
+        // A channel deeper than the pass is never used, and a huge depth
+        // (`prefetch(usize::MAX)`) could not be allocated.
+        let depth = depth.min(plan.num_batches).max(1);
         let (batch_tx, batch_rx) = channel::bounded(depth);
         let (exited_tx, exited_rx) = channel::bounded::<()>(0);
         let stop = Arc::new(AtomicBool::new(false));
@@ -735,16 +757,6 @@ fn prefetch_worker(
         if batches.send(item).is_err() || failed {
             return;
         }
-    }
-}
-
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "non-string panic payload".to_string()
     }
 }
 

@@ -11,7 +11,6 @@
 //! rayon pool, so giving each replica a pool of `cores / replicas` threads
 //! partitions the machine instead of oversubscribing it.
 
-use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -21,6 +20,7 @@ use candle_core::Device;
 use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender};
 
 use crate::error::{Error, Result};
+use crate::panic_message::panic_message;
 use crate::replicate::{device_label, ReplicaVars};
 
 /// What a worker owns: the user's model and the tensors that follow the master.
@@ -46,6 +46,7 @@ impl<M> Worker<M> {
         index: usize,
         device: &Device,
         threads: usize,
+        timeout: Option<Duration>,
         build: impl FnOnce() -> Result<Replica<M>> + Send + 'static,
     ) -> Result<(Self, Arc<ReplicaVars>)>
     where
@@ -91,10 +92,21 @@ impl<M> Worker<M> {
             device: device.clone(),
             _pool: pool,
         };
-        match built_rx.recv() {
+        // A factory that never returns is bounded by the step timeout (its
+        // thread is left behind, as a stuck replica's is).
+        let built = match timeout {
+            Some(timeout) => built_rx.recv_timeout(timeout),
+            None => built_rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+        };
+        match built {
             Ok(Ok(vars)) => Ok((worker, vars)),
             Ok(Err(e)) => Err(e),
-            Err(_) => Err(Error::WorkerGone {
+            Err(RecvTimeoutError::Timeout) => Err(Error::ReplicaTimeout {
+                replica: index,
+                device: device_label(device),
+                timeout: timeout.unwrap_or_default(),
+            }),
+            Err(RecvTimeoutError::Disconnected) => Err(Error::WorkerGone {
                 replica: index,
                 device: device_label(device),
             }),
@@ -119,17 +131,6 @@ impl<M> Drop for Worker<M> {
     fn drop(&mut self) {
         // Closing the queue ends the worker loop; the pool then shuts down.
         self.jobs.take();
-    }
-}
-
-/// Extracts a readable message from a panic payload.
-pub(crate) fn panic_message(panic: &(dyn Any + Send)) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        s.to_string()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "non-string panic payload".to_string()
     }
 }
 
@@ -249,8 +250,15 @@ where
             Outcome::Skipped => {}
         }
     }
-    Ok(done
-        .into_iter()
-        .map(|r| r.expect("every replica answered"))
-        .collect())
+    // Every replica answered `Done` above (a skipped one implies a cancel,
+    // which returned); a gap would be a worker that sent nothing.
+    done.into_iter()
+        .enumerate()
+        .map(|(replica, value)| {
+            value.ok_or_else(|| Error::WorkerGone {
+                replica,
+                device: label(replica),
+            })
+        })
+        .collect()
 }

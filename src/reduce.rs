@@ -44,12 +44,11 @@ pub(crate) fn balanced_partition(sizes: &[usize], parts: usize) -> Vec<Vec<usize
     order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
     let mut groups: Vec<(usize, Vec<usize>)> = vec![(0, Vec::new()); parts.max(1)];
     for i in order {
-        let lightest = groups
-            .iter_mut()
-            .min_by_key(|g| g.0)
-            .expect("at least one group");
-        lightest.0 += sizes[i];
-        lightest.1.push(i);
+        // `groups` has at least one entry (`parts.max(1)`).
+        if let Some(lightest) = groups.iter_mut().min_by_key(|g| g.0) {
+            lightest.0 += sizes[i];
+            lightest.1.push(i);
+        }
     }
     groups.into_iter().map(|g| g.1).collect()
 }

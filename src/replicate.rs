@@ -18,12 +18,15 @@
 //!   discarded: PyTorch's semantics, and a failed step leaves the master
 //!   untouched.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::{Init, VarBuilder, VarMap};
 
 use crate::error::{Error, Result};
+use crate::lock::lock;
+use crate::panic_message::panic_message;
 
 /// Decides which variables are buffers (updated by the forward pass, never
 /// by the optimizer) from their `VarMap` name.
@@ -47,7 +50,7 @@ pub fn device_label(device: &Device) -> String {
 /// The master's variables, sorted by name so that every ordering derived
 /// from them (gradient reduction, checkpoints) is deterministic.
 pub(crate) fn sorted_vars(varmap: &VarMap) -> Vec<(String, Var)> {
-    let data = varmap.data().lock().expect("VarMap lock poisoned");
+    let data = lock(varmap.data());
     let mut vars: Vec<(String, Var)> = data.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     vars
@@ -62,7 +65,14 @@ pub(crate) fn build_master<M>(
     factory: &dyn Fn(VarBuilder) -> candle_core::Result<M>,
 ) -> Result<()> {
     let vb = VarBuilder::from_varmap(varmap, dtype, device);
-    factory(vb).map_err(|source| Error::ReplicaBuild {
+    // A panic in the user's factory is an error here as on the replicas.
+    let built = catch_unwind(AssertUnwindSafe(|| factory(vb))).unwrap_or_else(|payload| {
+        Err(candle_core::Error::Msg(format!(
+            "the model factory panicked while building the master: {}",
+            panic_message(payload.as_ref())
+        )))
+    });
+    built.map_err(|source| Error::ReplicaBuild {
         replica: 0,
         device: device_label(device),
         source,
@@ -131,7 +141,7 @@ impl ReplicaBackend {
         shape: Option<&Shape>,
         dev: &Device,
     ) -> candle_core::Result<Var> {
-        let data = self.varmap.data().lock().expect("VarMap lock poisoned");
+        let data = lock(self.varmap.data());
         let mismatch = |reason: String| {
             candle_core::Error::Msg(
                 Error::ReplicaVarMismatch {
@@ -162,7 +172,7 @@ impl ReplicaBackend {
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
-        let mut vars = self.vars.lock().expect("replica vars lock poisoned");
+        let mut vars = lock(&self.vars);
         if (self.is_buffer)(name) {
             // A detached source makes `Var::from_tensor` copy the storage.
             let value = master
@@ -201,11 +211,7 @@ impl candle_nn::var_builder::SimpleBackend for ReplicaBackend {
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
-        self.varmap
-            .data()
-            .lock()
-            .expect("VarMap lock poisoned")
-            .contains_key(name)
+        lock(self.varmap.data()).contains_key(name)
     }
 }
 
@@ -234,7 +240,7 @@ pub(crate) fn build_replica<M>(
         device: device_label(device),
         source,
     })?;
-    let vars = std::mem::take(&mut *backend.vars.lock().expect("replica vars lock poisoned"));
+    let vars = std::mem::take(&mut *lock(&backend.vars));
     Ok((model, vars))
 }
 

@@ -36,6 +36,16 @@ pub enum SamplerError {
         /// The world size.
         num_replicas: usize,
     },
+
+    /// The padded index list (`ceil(len / num_replicas) * num_replicas`
+    /// entries) would not fit in `usize`.
+    #[error("a dataset of {len} samples cannot be padded to a multiple of {num_replicas} replicas: the padded length exceeds usize::MAX")]
+    TooLarge {
+        /// The dataset length.
+        len: usize,
+        /// The world size.
+        num_replicas: usize,
+    },
 }
 
 /// PyTorch's `DistributedSampler`: the indices one rank reads in one epoch.
@@ -99,6 +109,14 @@ impl DistributedSampler {
         }
         if rank >= num_replicas {
             return Err(SamplerError::InvalidRank { rank, num_replicas });
+        }
+        // `total_size` and every position of the padded list must fit.
+        if len
+            .div_ceil(num_replicas)
+            .checked_mul(num_replicas)
+            .is_none()
+        {
+            return Err(SamplerError::TooLarge { len, num_replicas });
         }
         Ok(Self {
             dataset_len: len,

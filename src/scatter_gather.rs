@@ -184,8 +184,15 @@ fn validate_sizes(sizes: &[usize], len: usize, devices: usize) -> Result<()> {
     if sizes.len() > devices {
         return Err(invalid("more chunks than devices"));
     }
-    if sizes.iter().sum::<usize>() != len {
-        return Err(invalid("the sizes do not add up to the batch size"));
+    match sizes
+        .iter()
+        .try_fold(0usize, |sum, &size| sum.checked_add(size))
+    {
+        None => return Err(invalid("the sizes add up to more than usize::MAX")),
+        Some(sum) if sum != len => {
+            return Err(invalid("the sizes do not add up to the batch size"))
+        }
+        Some(_) => {}
     }
     if len > 0 && sizes.contains(&0) {
         return Err(invalid(
@@ -218,7 +225,7 @@ impl<T: Scatter> Scatter for Vec<T> {
     fn scatter_parts(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
         let per_item = self
             .iter()
-            .map(|item| item.scatter_parts(plan))
+            .map(|item| one_per_replica(item.scatter_parts(plan)?, plan))
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(transpose(per_item, plan.replicas()))
     }
@@ -233,7 +240,10 @@ impl<T: Scatter> Scatter for Option<T> {
 
     fn scatter_parts(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
         Ok(match self {
-            Some(item) => item.scatter_parts(plan)?.into_iter().map(Some).collect(),
+            Some(item) => one_per_replica(item.scatter_parts(plan)?, plan)?
+                .into_iter()
+                .map(Some)
+                .collect(),
             None => (0..plan.replicas()).map(|_| None).collect(),
         })
     }
@@ -250,7 +260,10 @@ impl<T: Scatter, S: BuildHasher + Default> Scatter for HashMap<String, T, S> {
     fn scatter_parts(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
         let mut parts: Vec<Self> = (0..plan.replicas()).map(|_| Self::default()).collect();
         for (key, value) in self {
-            for (part, chunk) in parts.iter_mut().zip(value.scatter_parts(plan)?) {
+            for (part, chunk) in parts
+                .iter_mut()
+                .zip(one_per_replica(value.scatter_parts(plan)?, plan)?)
+            {
                 part.insert(key.clone(), chunk);
             }
         }
@@ -266,7 +279,10 @@ impl<T: Scatter> Scatter for BTreeMap<String, T> {
     fn scatter_parts(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
         let mut parts: Vec<Self> = (0..plan.replicas()).map(|_| Self::new()).collect();
         for (key, value) in self {
-            for (part, chunk) in parts.iter_mut().zip(value.scatter_parts(plan)?) {
+            for (part, chunk) in parts
+                .iter_mut()
+                .zip(one_per_replica(value.scatter_parts(plan)?, plan)?)
+            {
                 part.insert(key.clone(), chunk);
             }
         }
@@ -340,6 +356,35 @@ replicated_values!(
     &'static str
 );
 
+/// The parts of one element, if there is one per replica of `plan`; a
+/// user's [`Scatter`] implementation may return any number.
+fn one_per_replica<T>(parts: Vec<T>, plan: &ScatterPlan) -> candle_core::Result<Vec<T>> {
+    if parts.len() == plan.replicas() {
+        Ok(parts)
+    } else {
+        Err(candle_core::Error::Msg(
+            Error::ScatterParts {
+                expected: plan.replicas(),
+                found: parts.len(),
+            }
+            .to_string(),
+        ))
+    }
+}
+
+/// Zips equally long vectors of parts into a vector of tuples.
+macro_rules! zip_parts {
+    ($a:ident) => { $a.into_iter().map(|a| (a,)).collect() };
+    ($($name:ident),+) => {{
+        $(let mut $name = $name.into_iter();)+
+        let mut parts = Vec::new();
+        while let ($(Some($name),)+) = ($($name.next(),)+) {
+            parts.push(($($name,)+));
+        }
+        parts
+    }};
+}
+
 macro_rules! tuple_scatter {
     ($($name:ident . $idx:tt),+) => {
         impl<$($name: Scatter),+> Scatter for ($($name,)+) {
@@ -349,12 +394,9 @@ macro_rules! tuple_scatter {
 
             #[allow(non_snake_case)]
             fn scatter_parts(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
-                $(let mut $name = self.$idx.scatter_parts(plan)?.into_iter();)+
-                let mut parts = Vec::with_capacity(plan.replicas());
-                for _ in 0..plan.replicas() {
-                    parts.push(($($name.next().expect("one chunk per replica"),)+));
-                }
-                Ok(parts)
+                $(let $name = one_per_replica(self.$idx.scatter_parts(plan)?, plan)?;)+
+                // Every element has one part per replica (checked above).
+                Ok(zip_parts!($($name),+))
             }
         }
     };
@@ -369,7 +411,14 @@ tuple_scatter!(A.0, B.1, C.2, D.3, E.4, F.5);
 /// Splits `input` according to `plan` (PyTorch's `scatter`): one part per
 /// replica, each on its device.
 pub fn scatter<I: Scatter>(input: &I, plan: &ScatterPlan) -> Result<Vec<I>> {
-    Ok(input.scatter_parts(plan)?)
+    let parts = input.scatter_parts(plan)?;
+    if parts.len() != plan.replicas() {
+        return Err(Error::ScatterParts {
+            expected: plan.replicas(),
+            found: parts.len(),
+        });
+    }
+    Ok(parts)
 }
 
 /// Combines replica outputs along `dim` onto `device` (PyTorch's `gather`).

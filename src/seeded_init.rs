@@ -8,7 +8,7 @@
 //! build the same model on its own, and a run with threads and a run with
 //! MPI processes start, and so end, at the same weights.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::var_builder::SimpleBackend;
@@ -16,6 +16,8 @@ use candle_nn::{Init, VarBuilder, VarMap};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal, Uniform};
+
+use crate::lock::lock;
 
 /// A [`VarMap`] holding the variables that `build` creates, with initial
 /// values drawn from a generator seeded with `seed`: the same seed gives the
@@ -56,8 +58,8 @@ pub fn seeded_varmap<M>(
     build(VarBuilder::from_backend(backend, dtype, device.clone()))?;
     let varmap = VarMap::new();
     {
-        let values = drawn.values.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut vars = varmap.data().lock().unwrap_or_else(PoisonError::into_inner);
+        let values = lock(&drawn.values);
+        let mut vars = lock(varmap.data());
         for (name, value) in values.iter() {
             vars.insert(name.clone(), Var::from_tensor(value)?);
         }
@@ -84,7 +86,7 @@ impl Seeded {
         let invalid = |e: &dyn std::fmt::Display| {
             candle_core::Error::Msg(format!("cannot initialise `{name}`: {e}"))
         };
-        let mut rng = self.0.rng.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut rng = lock(&self.0.rng);
         let uniform = |rng: &mut StdRng, lo: f64, up: f64| -> candle_core::Result<Vec<f64>> {
             if lo == up {
                 return Ok(vec![lo; count]);
@@ -128,7 +130,7 @@ impl SimpleBackend for Seeded {
         dtype: DType,
         device: &Device,
     ) -> candle_core::Result<Tensor> {
-        let mut values = self.0.values.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut values = lock(&self.0.values);
         if let Some((_, value)) = values.iter().find(|(n, _)| n == name) {
             if value.shape() != &shape {
                 candle_core::bail!(
@@ -145,7 +147,7 @@ impl SimpleBackend for Seeded {
     }
 
     fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
-        let values = self.0.values.lock().unwrap_or_else(PoisonError::into_inner);
+        let values = lock(&self.0.values);
         values
             .iter()
             .find(|(n, _)| n == name)
@@ -156,7 +158,7 @@ impl SimpleBackend for Seeded {
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
-        let values = self.0.values.lock().unwrap_or_else(PoisonError::into_inner);
+        let values = lock(&self.0.values);
         values.iter().any(|(n, _)| n == name)
     }
 }

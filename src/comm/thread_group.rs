@@ -4,7 +4,7 @@
 use std::convert::Infallible;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
@@ -15,6 +15,7 @@ use super::buffer::{reduce_in_rank_order, Buffer, Input};
 use super::protocol::{self, Body, Envelope, Header, OpSig, Piece, Signature, TensorMeta};
 use super::ring::{self, Link};
 use super::{CommError, Failure, FailureCause, ProcessGroup, ReduceOp, Result};
+use crate::lock::lock;
 
 /// The default of [`GroupOptions::ring_threshold_bytes`]: 64 KiB.
 pub const DEFAULT_RING_THRESHOLD_BYTES: usize = 64 * 1024;
@@ -145,7 +146,12 @@ impl ThreadGroup {
                 shared: Arc::clone(&shared),
                 alarm: alarm_rx.clone(),
                 timeout: Mutex::new(options.timeout),
-                links: Mutex::new(Links { seq: 0, to, from }),
+                links: Mutex::new(Links {
+                    seq: 0,
+                    to,
+                    from,
+                    left: false,
+                }),
             })
             .collect()
     }
@@ -178,12 +184,6 @@ impl Shared {
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // No code panics while holding these locks; if a panic did, the data
-    // (channels, a counter, a duration) is still consistent.
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 /// A shared handle on a group's failure state, for
 /// [`spawn`](crate::launch::spawn), which must watch and fail the group
 /// without holding a rank's handle (holding one would stop that rank from
@@ -209,6 +209,8 @@ struct Links {
     to: Vec<Sender<Envelope>>,
     /// `from[src]`: the channel from `src` to this rank.
     from: Vec<Receiver<Envelope>>,
+    /// Whether this rank has left (see [`ThreadRank::leave`]).
+    left: bool,
 }
 
 /// One rank's handle on a [`ThreadGroup`]; implements [`ProcessGroup`].
@@ -255,6 +257,17 @@ impl ThreadRank {
         GroupWatch(Arc::clone(&self.shared))
     }
 
+    /// Leaves the group now, as dropping the handle would, although clones
+    /// of it may live on (in a value the rank's closure returned, say):
+    /// collectives that still need this rank fail naming it, and later
+    /// calls on this handle fail.
+    pub(crate) fn leave(&self) {
+        let mut links = lock(&self.links);
+        links.to.clear();
+        links.from.clear();
+        links.left = true;
+    }
+
     /// Starts a collective: fails at once if the group has failed, else
     /// takes this rank's channels for the duration of the call.
     fn begin(&self, op: &'static str) -> Result<Call<'_>> {
@@ -264,6 +277,16 @@ impl ThreadRank {
                 rank: self.rank,
                 op,
                 failure,
+            });
+        }
+        if links.left {
+            return Err(CommError::GroupFailed {
+                rank: self.rank,
+                op,
+                failure: Failure {
+                    rank: self.rank,
+                    cause: FailureCause::Left,
+                },
             });
         }
         links.seq += 1;

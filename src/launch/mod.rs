@@ -27,7 +27,6 @@
 mod mpi;
 mod threads;
 
-use std::any::Any;
 use std::sync::Arc;
 
 use crate::comm::{Failure, GroupOptions, ProcessGroup};
@@ -209,15 +208,5 @@ where
         Backend::Mpi { .. } => mpi::run(options, f).map(|result| vec![result]),
         #[cfg(not(feature = "mpi"))]
         Backend::Mpi { variable } => Err(LaunchError::MpiNotEnabled { variable }),
-    }
-}
-
-fn panic_message(payload: &(dyn Any + Send)) -> String {
-    if let Some(message) = payload.downcast_ref::<&str>() {
-        (*message).to_string()
-    } else if let Some(message) = payload.downcast_ref::<String>() {
-        message.clone()
-    } else {
-        "a panic payload that is not a string".to_string()
     }
 }

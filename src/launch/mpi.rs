@@ -4,8 +4,9 @@
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 
-use super::{panic_message, LaunchError, RankContext};
+use super::{LaunchError, RankContext};
 use crate::comm::{GroupOptions, MpiGroup, ProcessGroup};
+use crate::panic_message::panic_message;
 
 /// Runs `f` on this process's rank and returns its result, or the failure
 /// that stopped it (see [`run`](super::run)).

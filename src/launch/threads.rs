@@ -10,8 +10,9 @@ use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 use std::thread;
 
-use super::{panic_message, LaunchError, RankContext};
+use super::{LaunchError, RankContext};
 use crate::comm::{Failure, FailureCause, GroupOptions, ProcessGroup, ThreadGroup, ThreadRank};
+use crate::panic_message::panic_message;
 
 /// Runs `f` on `world_size` ranks of a new [`ThreadGroup`] (default
 /// [`GroupOptions`]), each on its own thread, and returns their results in
@@ -145,7 +146,9 @@ where
         Err(payload) => Outcome::Panicked(panic_message(payload.as_ref())),
     };
     match &outcome {
-        Outcome::Done(_) => {}
+        // Finished, whatever still holds the handle (a returned DDP, a
+        // clone of the group): the others must not wait for this rank.
+        Outcome::Done(_) => pg.leave(),
         Outcome::Failed(error) => pg.abort(&format!("{error:#}")),
         Outcome::Panicked(message) => pg.abort(&format!("panicked: {message}")),
     }

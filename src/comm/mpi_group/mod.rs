@@ -15,7 +15,7 @@ mod engine;
 mod wire;
 
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -26,6 +26,7 @@ use self::engine::{Control, Job, Kind, Reply};
 use super::buffer::Buffer;
 use super::protocol::{OpSig, Signature, TensorMeta};
 use super::{CommError, Failure, FailureCause, GroupOptions, ProcessGroup, ReduceOp, Result};
+use crate::lock::lock;
 
 /// The largest tensor (in bytes) one collective moves: MPI counts are
 /// `int`s, and a header travels with the data.
@@ -64,12 +65,6 @@ impl Shared {
     fn failure(&self) -> Option<Failure> {
         self.failure.get().cloned()
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Nothing panics while holding these locks (a counter, a duration, a
-    // thread handle).
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// This process's rank of the MPI job (`MPI_COMM_WORLD`); implements

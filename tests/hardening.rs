@@ -1,0 +1,508 @@
+//! What adversarial use found (issue 8): concurrent callers, handles that
+//! outlive their rank, failed steps, hostile sizes, poisoned locks, panics
+//! inside `no_sync` / `join`, factories that never return, bad files.
+//! Everything that could hang runs on a thread with a deadline.
+// Closures here return `candle_dp::Result` as the API requires.
+#![allow(clippy::result_large_err)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor};
+use candle_dp::checkpoint::{self, Prefix};
+use candle_dp::datasets::{load_digits, load_mnist};
+use candle_dp::launch::{spawn, LaunchError};
+use candle_dp::loader::{Loader, LoaderError, TensorDataset};
+use candle_dp::sampler::{DistributedSampler, SamplerError};
+use candle_dp::{
+    cpu_devices, DataParallel, DdpConfig, DistributedDataParallel, Error, Scatter, ScatterPlan,
+    Split,
+};
+use candle_nn::{linear, Linear, Module, VarBuilder, VarMap};
+use common::*;
+
+/// Runs `f` on a thread and returns its result, or fails the test if it
+/// has not finished within `seconds` (a hang).
+fn within<T: Send + 'static>(seconds: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
+    });
+    match rx.recv_timeout(Duration::from_secs(seconds)) {
+        Ok(Ok(value)) => value,
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        Err(_) => panic!("did not finish within {seconds} s: it hangs"),
+    }
+}
+
+fn running_stats(varmap: &VarMap) -> Vec<Vec<f32>> {
+    let data = varmap.data().lock().unwrap();
+    ["bn.running_mean", "bn.running_var"]
+        .iter()
+        .map(|n| data[*n].to_vec1::<f32>().unwrap())
+        .collect()
+}
+
+#[test]
+fn four_threads_calling_forward_t_on_a_batch_norm_model_do_not_deadlock() {
+    within(120, || {
+        let varmap = VarMap::new();
+        let dp =
+            Arc::new(DataParallel::new(&varmap, DType::F32, &cpu_devices(2), BnNet::new).unwrap());
+        std::thread::scope(|s| {
+            for t in 0..4 {
+                let dp = Arc::clone(&dp);
+                s.spawn(move || {
+                    for _ in 0..25 {
+                        let x = Tensor::full(t as f32, (6, 12), &Device::Cpu).unwrap();
+                        dp.forward_t(&x, true).unwrap();
+                    }
+                });
+            }
+        });
+    });
+}
+
+#[test]
+fn spawn_returns_when_a_rank_returns_a_live_handle_while_another_waits() {
+    // No timeout: only the returning rank counting as finished ends the wait.
+    let err = within(60, || {
+        spawn(2, |ctx| {
+            if ctx.rank == 0 {
+                return Ok(Some(ctx.process_group()));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+            ctx.pg.barrier()?;
+            Ok(None)
+        })
+        .map(|_| ())
+        .unwrap_err()
+    });
+    assert!(matches!(err, LaunchError::Failed { rank: 1, .. }), "{err}");
+    assert!(err.to_string().contains("rank 0 left the group"), "{err}");
+}
+
+#[test]
+fn spawn_returns_when_a_rank_returns_its_trained_ddp() {
+    let result = within(60, || {
+        spawn(2, |ctx| {
+            let varmap = VarMap::new();
+            let ddp = DistributedDataParallel::new(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                |vb| linear(3, 2, vb),
+                DdpConfig::default(),
+            )?;
+            if ctx.rank == 1 {
+                ctx.pg.all_reduce(
+                    &Tensor::ones(2, DType::F32, &Device::Cpu)?,
+                    candle_dp::comm::ReduceOp::Sum,
+                )?;
+            }
+            Ok(ddp)
+        })
+        .map(|ranks| ranks.len())
+    });
+    let err = result.unwrap_err();
+    assert!(err.to_string().contains("rank 0 left the group"), "{err}");
+}
+
+/// Rows of the output depend on the part: 3x3 and 2x2 cannot be concatenated.
+fn ungatherable(model: &BnNet, x: Tensor) -> candle_core::Result<Tensor> {
+    use candle_core::ModuleT;
+    model.forward_t(&x, true)?;
+    let rows = x.dim(0)?;
+    Tensor::zeros((rows, rows), DType::F32, x.device())
+}
+
+#[test]
+fn a_step_that_fails_to_gather_leaves_the_master_buffers_untouched() {
+    let varmap = VarMap::new();
+    let dp = DataParallel::new(&varmap, DType::F32, &cpu_devices(2), BnNet::new).unwrap();
+    let before = running_stats(&varmap);
+    let x = Tensor::full(3f32, (5, 12), &Device::Cpu).unwrap();
+    let err = dp.apply(x, ungatherable).unwrap_err();
+    assert!(matches!(err, Error::Gather { .. }), "{err}");
+    assert_eq!(
+        running_stats(&varmap),
+        before,
+        "the failed step changed the buffers"
+    );
+}
+
+/// A user's `Scatter` that returns one part whatever the plan says.
+struct OnePart(Tensor);
+
+impl Scatter for OnePart {
+    fn for_each_tensor<'a>(&'a self, f: &mut dyn FnMut(&'a Tensor)) {
+        f(&self.0)
+    }
+
+    fn scatter_parts(&self, _plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
+        Ok(vec![OnePart(self.0.clone())])
+    }
+}
+
+fn linear_dp(replicas: usize) -> DataParallel<Linear> {
+    let varmap = VarMap::new();
+    DataParallel::new(&varmap, DType::F32, &cpu_devices(replicas), |vb| {
+        linear(4, 2, vb)
+    })
+    .unwrap()
+}
+
+#[test]
+fn a_scatter_impl_returning_the_wrong_number_of_parts_is_an_error() {
+    let dp = linear_dp(2);
+    let x = Tensor::zeros((6, 4), DType::F32, &Device::Cpu).unwrap();
+    let err = dp
+        .apply(OnePart(x.clone()), |m, p: OnePart| m.forward(&p.0))
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::ScatterParts {
+                expected: 2,
+                found: 1
+            }
+        ),
+        "{err}"
+    );
+    // Nested in a tuple and a Vec, too.
+    let err = dp
+        .apply((OnePart(x.clone()), x.clone()), |m, (p, _)| m.forward(&p.0))
+        .unwrap_err();
+    assert!(err.to_string().contains("1 parts for 2 replicas"), "{err}");
+    let err = dp
+        .apply(vec![OnePart(x)], |m, p: Vec<OnePart>| m.forward(&p[0].0))
+        .unwrap_err();
+    assert!(err.to_string().contains("1 parts for 2 replicas"), "{err}");
+}
+
+#[test]
+fn chunk_sizes_whose_sum_overflows_are_rejected() {
+    let dp = linear_dp(2);
+    let x = Tensor::zeros((1, 4), DType::F32, &Device::Cpu).unwrap();
+    // usize::MAX + 2 wraps to 1 = the batch size.
+    let err = dp
+        .apply_split(x, &Split::Sizes(vec![usize::MAX, 2]), |m, x: Tensor| {
+            m.forward(&x)
+        })
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidChunkSizes { .. }), "{err}");
+    assert!(err.to_string().contains("more than usize::MAX"), "{err}");
+}
+
+fn tiny_dataset() -> Arc<TensorDataset> {
+    let x = Tensor::arange(0f32, 10., &Device::Cpu)
+        .unwrap()
+        .reshape((10, 1))
+        .unwrap();
+    Arc::new(TensorDataset::new(vec![x]).unwrap())
+}
+
+#[test]
+fn prefetch_of_usize_max_batches_works() {
+    let loader = Loader::new(tiny_dataset(), 3).unwrap().prefetch(usize::MAX);
+    let batches: Vec<_> = loader.iter().collect::<Result<_, _>>().unwrap();
+    assert_eq!(batches.len(), 4);
+}
+
+#[test]
+fn even_batches_of_usize_max_samples_is_an_error_not_a_crash() {
+    let loader = Loader::new(tiny_dataset(), usize::MAX)
+        .unwrap()
+        .even_batches(true);
+    let first = loader.iter().next().expect("one batch");
+    assert!(
+        matches!(first, Err(LoaderError::BatchTooLarge { .. })),
+        "{first:?}"
+    );
+}
+
+#[test]
+fn selecting_an_index_beyond_u32_is_an_error() {
+    let images = load_digits(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/data/digits/digits.csv.gz"
+    ))
+    .unwrap();
+    let wraps_to_zero = 1usize << 32;
+    let err = images.select(&[1, wraps_to_zero]).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains(&format!("index {wraps_to_zero} (position 1)")),
+        "{err}"
+    );
+    assert!(images.select(&[images.len()]).is_err());
+}
+
+#[test]
+fn a_sampler_whose_padded_length_overflows_is_an_error() {
+    let err = DistributedSampler::new(usize::MAX, 2, 0).unwrap_err();
+    assert!(matches!(err, SamplerError::TooLarge { .. }), "{err}");
+    assert!(DistributedSampler::new(usize::MAX - 1, 2, 1).is_ok());
+}
+
+/// An IDX pair whose image header claims `dims`.
+fn write_idx(dir: &std::path::Path, dims: [u32; 3]) {
+    let mut images = 0x0803u32.to_be_bytes().to_vec();
+    dims.iter().for_each(|d| images.extend(d.to_be_bytes()));
+    images.extend([0u8; 64]);
+    let mut labels = 0x0801u32.to_be_bytes().to_vec();
+    labels.extend(dims[0].to_be_bytes());
+    labels.extend([0u8; 4]);
+    std::fs::write(dir.join("train-images-idx3-ubyte"), images).unwrap();
+    std::fs::write(dir.join("train-labels-idx1-ubyte"), labels).unwrap();
+}
+
+#[test]
+fn idx_headers_whose_sizes_overflow_are_an_error() {
+    let dir = std::env::temp_dir().join(format!("candle-dp-idx-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // 2^31 * 2^31 * 4 wraps to 0 in 64 bits: it must not pass as 0 pixels.
+    for dims in [
+        [1 << 31, 1 << 31, 4],
+        [u32::MAX, u32::MAX, u32::MAX],
+        [2, 1 << 31, 1 << 31],
+    ] {
+        write_idx(&dir, dims);
+        let err = load_mnist(&dir, true).unwrap_err();
+        assert!(err.to_string().contains("train-images-idx3-ubyte"), "{err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn poisoned_varmap() -> VarMap {
+    let varmap = VarMap::new();
+    linear(
+        3,
+        2,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )
+    .unwrap();
+    let shared = varmap.clone();
+    let _ = std::thread::spawn(move || {
+        let _guard = shared.data().lock().unwrap();
+        panic!("a training thread crashes holding the VarMap");
+    })
+    .join();
+    assert!(varmap.data().is_poisoned());
+    varmap
+}
+
+fn temp_file(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("candle-dp-{}-{name}", std::process::id()))
+}
+
+#[test]
+fn a_poisoned_varmap_still_saves_and_loads() {
+    let varmap = poisoned_varmap();
+    let path = temp_file("poisoned.safetensors");
+    checkpoint::save(&varmap, &path, Prefix::None).unwrap();
+    let report = checkpoint::load(&varmap, &path, true).unwrap();
+    assert_eq!(
+        report.loaded,
+        vec!["bias".to_string(), "weight".to_string()]
+    );
+    let _ = std::fs::remove_file(path);
+}
+
+#[test]
+fn no_sync_and_join_are_restored_when_their_closure_panics() {
+    spawn(1, |ctx| {
+        let varmap = VarMap::new();
+        let mut ddp = DistributedDataParallel::new(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            |vb| linear(3, 2, vb),
+            DdpConfig::default(),
+        )?;
+        let x = Tensor::ones((4, 3), DType::F32, &Device::Cpu)?;
+        let grads_of_a_step = |ddp: &mut DistributedDataParallel<Linear>| -> anyhow::Result<usize> {
+            let loss = ddp.forward(&x)?.sqr()?.sum_all()?;
+            Ok(ddp.backward(&loss)?.get_ids().count())
+        };
+        assert_eq!(grads_of_a_step(&mut ddp)?, 2);
+        let caught = catch_unwind(AssertUnwindSafe(|| ddp.no_sync(|_| panic!("in no_sync"))));
+        assert!(caught.is_err());
+        assert_eq!(grads_of_a_step(&mut ddp)?, 2, "no_sync left behind");
+        let caught = catch_unwind(AssertUnwindSafe(|| {
+            ddp.join(|_| -> candle_dp::Result<()> { panic!("in join") })
+        }));
+        assert!(caught.is_err());
+        assert_eq!(grads_of_a_step(&mut ddp)?, 2, "join left behind");
+        Ok(())
+    })
+    .unwrap();
+}
+
+/// A factory that runs normally for its first `normal` calls, then `then`.
+fn counting_factory(
+    normal: usize,
+    then: fn(),
+) -> impl Fn(VarBuilder) -> candle_core::Result<Linear> + Send + Sync + 'static {
+    let calls = AtomicUsize::new(0);
+    move |vb| {
+        if calls.fetch_add(1, Ordering::SeqCst) >= normal {
+            then();
+        }
+        linear(4, 2, vb)
+    }
+}
+
+#[test]
+fn a_factory_that_never_returns_on_a_replica_is_bounded_by_the_timeout() {
+    let err = within(60, || {
+        let varmap = VarMap::new();
+        // Master and replica 0 build; replica 1's factory never returns.
+        DataParallel::builder(&varmap, DType::F32, &cpu_devices(2))
+            .timeout(Duration::from_secs(2))
+            .build(counting_factory(2, || {
+                std::thread::sleep(Duration::from_secs(3600))
+            }))
+            .map(|_| ())
+            .unwrap_err()
+    });
+    assert!(
+        matches!(err, Error::ReplicaTimeout { replica: 1, .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_factory_that_panics_on_the_master_is_an_error() {
+    let varmap = VarMap::new();
+    let built = catch_unwind(AssertUnwindSafe(|| {
+        DataParallel::new(
+            &varmap,
+            DType::F32,
+            &cpu_devices(2),
+            counting_factory(0, || panic!("bad config")),
+        )
+    }));
+    let err = built
+        .expect("no panic escapes build")
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("panicked while building the master: bad config"),
+        "{err}"
+    );
+}
+
+#[test]
+fn backward_with_a_wrong_grad_output_shape_can_be_retried() {
+    let dp = linear_dp(2);
+    let x = Tensor::ones((6, 4), DType::F32, &Device::Cpu).unwrap();
+    let out = dp.forward(&x).unwrap();
+    let wrong = Tensor::ones((6, 3), DType::F32, &Device::Cpu).unwrap();
+    assert!(dp.backward(&out, &wrong).is_err());
+    let right = Tensor::ones((6, 2), DType::F32, &Device::Cpu).unwrap();
+    let grads = dp
+        .backward(&out, &right)
+        .expect("the corrected retry works");
+    assert_eq!(grads.get_ids().count(), 2);
+}
+
+#[test]
+fn checkpoints_keep_names_that_begin_with_module_and_name_missing_files() {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    linear(3, 2, vb.pp("module").pp("head")).unwrap();
+    linear(3, 2, vb.pp("body")).unwrap();
+    let path = temp_file("module-names.safetensors");
+    checkpoint::save(&varmap, &path, Prefix::None).unwrap();
+    let fresh = VarMap::new();
+    let vb = VarBuilder::from_varmap(&fresh, DType::F32, &Device::Cpu);
+    linear(3, 2, vb.pp("module").pp("head")).unwrap();
+    linear(3, 2, vb.pp("body")).unwrap();
+    let report = checkpoint::load(&fresh, &path, true).unwrap();
+    assert!(report.is_exact(), "{report:?}");
+    assert_eq!(running_weights(&fresh), running_weights(&varmap));
+    let _ = std::fs::remove_file(&path);
+
+    let missing = temp_file("no-such-checkpoint.safetensors");
+    let err = checkpoint::load(&fresh, &missing, false).unwrap_err();
+    assert!(
+        err.to_string().contains(&missing.display().to_string()),
+        "{err}"
+    );
+}
+
+fn running_weights(varmap: &VarMap) -> HashMap<String, Vec<f32>> {
+    let data = varmap.data().lock().unwrap();
+    data.iter()
+        .map(|(n, v)| {
+            (
+                n.clone(),
+                v.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_save_replaces_the_file_whole_and_a_failed_one_names_the_path() {
+    let varmap = VarMap::new();
+    linear(
+        3,
+        2,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )
+    .unwrap();
+    let dir = temp_file("atomic");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.safetensors");
+    checkpoint::save(&varmap, &path, Prefix::None).unwrap();
+    checkpoint::save(&varmap, &path, Prefix::Module).unwrap();
+    let names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names,
+        vec!["model.safetensors".to_string()],
+        "no temporary file is left"
+    );
+    assert!(candle_core::safetensors::load(&path, &Device::Cpu)
+        .unwrap()
+        .contains_key("module.weight"));
+    // A directory in the way: the rename fails, the error names the path,
+    // and the temporary file is removed.
+    let blocked = dir.join("blocked");
+    std::fs::create_dir_all(blocked.join("inside")).unwrap();
+    let err = checkpoint::save(&varmap, &blocked, Prefix::None).unwrap_err();
+    assert!(
+        err.to_string().contains(&blocked.display().to_string()),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn digit_labels_that_are_not_classes_are_rejected_naming_the_row() {
+    let pixels = vec!["0"; 64].join(",");
+    for label in ["-1", "3.5", "nan", "10"] {
+        let path = temp_file(&format!("digits-{label}.csv"));
+        std::fs::write(&path, format!("{pixels},1\n{pixels},{label}\n")).unwrap();
+        let err = load_digits(&path).unwrap_err();
+        assert!(err.to_string().contains("line 2"), "{label}: {err}");
+        assert!(
+            err.to_string().contains("is not a digit class"),
+            "{label}: {err}"
+        );
+        let _ = std::fs::remove_file(path);
+    }
+}
