@@ -12,6 +12,7 @@ use candle_nn::{Module, ModuleT, VarBuilder, VarMap};
 
 use crate::error::{Error, Result};
 use crate::lock::lock;
+use crate::no_grad::NoGradCheck;
 use crate::parallel_apply::{parallel_apply, Cancel, Replica, Worker};
 use crate::reduce::{balanced_partition, sum_gradients};
 use crate::replicate::{
@@ -61,6 +62,19 @@ pub struct Step {
     /// Gradients keyed by the master variables: pass to any candle
     /// `Optimizer::step`.
     pub grads: GradStore,
+    without_grad: Vec<String>,
+}
+
+impl Step {
+    /// The master parameters (buffers excluded) that received no gradient
+    /// in this step, sorted: they are not trained. PyTorch's DDP names such
+    /// parameters; a common cause in candle is a layer whose kernel has no
+    /// backward, such as candle-nn 0.11's fused `LayerNorm` (use
+    /// `candle_nn::ops::layer_norm_slow` in training). The first step with
+    /// any also logs a `tracing` warning.
+    pub fn vars_without_grad(&self) -> &[String] {
+        &self.without_grad
+    }
 }
 
 /// PyTorch-style data parallelism over several devices in one process.
@@ -111,6 +125,11 @@ pub struct DataParallel<M: 'static> {
     /// Held for a whole step: concurrent callers take turns, so a step's
     /// buffer refresh never meets another step's commit.
     step: Mutex<()>,
+    /// The master variables that are trained (not buffers).
+    params: Vec<(String, Var)>,
+    no_grad: NoGradCheck,
+    /// The parameters without a gradient in the latest parallel backward.
+    without_grad: Mutex<Vec<String>>,
 }
 
 /// What [`DataParallel::backward`] needs from the forward it differentiates.
@@ -249,6 +268,12 @@ impl<M: 'static> DataParallelBuilder<M> {
             devices: self.devices,
             dim: self.dim,
             timeout: self.timeout,
+            params: sorted_vars(&self.varmap)
+                .into_iter()
+                .filter(|(name, _)| !(self.is_buffer)(name))
+                .collect(),
+            no_grad: NoGradCheck::default(),
+            without_grad: Mutex::new(Vec::new()),
             master_vars: Arc::new(sorted_vars(&self.varmap)),
             last_forward: Mutex::new(None),
             timings: Mutex::new(StepTimings::default()),
@@ -435,6 +460,21 @@ impl<M: 'static> DataParallel<M> {
         Ok(results.into_iter().map(|r| r.0).collect())
     }
 
+    /// The master parameters (buffers excluded) that received no gradient
+    /// in the latest parallel backward ([`backward`](Self::backward),
+    /// [`backward_from_loss`](Self::backward_from_loss),
+    /// [`forward_backward`](Self::forward_backward)); see
+    /// [`Step::vars_without_grad`].
+    pub fn vars_without_grad(&self) -> Vec<String> {
+        lock(&self.without_grad).clone()
+    }
+
+    fn record_without_grad(&self, grads: &GradStore) -> Vec<String> {
+        let missing = self.no_grad.check("DataParallel", &self.params, grads);
+        lock(&self.without_grad).clone_from(&missing);
+        missing
+    }
+
     /// Keeps replica 0's buffers (BatchNorm statistics), as PyTorch does:
     /// the last part of a successful step.
     fn commit_buffers(&self) -> Result<()> {
@@ -492,6 +532,7 @@ impl<M: 'static> DataParallel<M> {
         let backward = results.iter().map(|r| r.1).max().unwrap_or_default();
         let reduce_start = Instant::now();
         let grads = self.reduce_add(results.into_iter().map(|r| r.0).collect())?;
+        self.record_without_grad(&grads);
         self.record(|t| {
             t.backward = backward;
             t.reduce = reduce_start.elapsed();
@@ -520,6 +561,7 @@ impl<M: 'static> DataParallel<M> {
         Ok(Step {
             loss: loss.detach(),
             grads,
+            without_grad: self.vars_without_grad(),
         })
     }
 
@@ -598,7 +640,11 @@ impl<M: 'static> DataParallel<M> {
             t.reduce = reduce_start.elapsed();
             t.total += gather_start.elapsed();
         });
-        Ok(Step { loss, grads })
+        Ok(Step {
+            loss,
+            without_grad: self.record_without_grad(&grads),
+            grads,
+        })
     }
 
     fn take_saved(&self, output: &Tensor) -> Result<SavedForward> {

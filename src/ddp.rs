@@ -40,6 +40,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::comm::{all_gather_object, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
+use crate::no_grad::NoGradCheck;
 use crate::replicate::{is_batch_norm_buffer, sorted_vars, BufferPredicate};
 
 /// How a bucket of gradients travels.
@@ -175,6 +176,9 @@ pub struct DistributedDataParallel<M> {
     /// Steps this rank trained inside the current `join`.
     join_steps: usize,
     timings: DdpTimings,
+    no_grad: NoGradCheck,
+    /// Parameters without a gradient in the latest synchronised backward.
+    without_grad: Vec<String>,
 }
 
 impl<M> DistributedDataParallel<M> {
@@ -219,6 +223,8 @@ impl<M> DistributedDataParallel<M> {
             syncing: true,
             joining: false,
             join_steps: 0,
+            no_grad: NoGradCheck::default(),
+            without_grad: Vec::new(),
             timings: DdpTimings::default(),
         };
         ddp.broadcast_from_rank0(&ddp.params)?;
@@ -303,7 +309,20 @@ impl<M> DistributedDataParallel<M> {
         let reduce_start = Instant::now();
         let store = self.all_reduce_grads(local)?;
         self.timings.all_reduce = reduce_start.elapsed();
+        self.without_grad = self
+            .no_grad
+            .check("DistributedDataParallel", &self.params, &store);
         Ok(store)
+    }
+
+    /// The parameters that received no gradient, on any rank, in the latest
+    /// synchronised backward, sorted: they are not trained (PyTorch's DDP
+    /// names such parameters too). A common cause in candle is a layer
+    /// whose kernel has no backward, such as candle-nn 0.11's fused
+    /// `LayerNorm` (use `candle_nn::ops::layer_norm_slow` in training). The
+    /// first backward with any also logs a `tracing` warning.
+    pub fn vars_without_grad(&self) -> &[String] {
+        &self.without_grad
     }
 
     /// Where the time of the latest backward went.

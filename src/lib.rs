@@ -59,6 +59,7 @@ mod error;
 pub mod launch;
 pub mod loader;
 mod lock;
+mod no_grad;
 mod panic_message;
 mod parallel_apply;
 pub mod reduce;

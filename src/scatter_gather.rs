@@ -465,8 +465,11 @@ impl Gather for Tensor {
             .iter()
             .map(|t| t.to_device(device))
             .collect::<candle_core::Result<Vec<_>>>()?;
+        let mut moved = moved;
         if moved.len() == 1 {
-            return Ok(moved.into_iter().next().expect("one part"));
+            if let Some(only) = moved.pop() {
+                return Ok(only);
+            }
         }
         Ok(Tensor::cat(&moved, dim)?)
     }
@@ -572,10 +575,17 @@ fn gather_map<T: Gather, M>(
     let mut parts = parts;
     keys.into_iter()
         .map(|key| {
+            // Every part has every key (checked above).
             let values = parts
                 .iter_mut()
-                .map(|p| take(p, &key).expect("keys checked above"))
-                .collect();
+                .enumerate()
+                .map(|(replica, p)| {
+                    take(p, &key).ok_or_else(|| Error::Gather {
+                        replica,
+                        reason: format!("it has no `{key}`"),
+                    })
+                })
+                .collect::<Result<_>>()?;
             T::gather_parts(values, dim, device).map(|v| (key, v))
         })
         .collect()

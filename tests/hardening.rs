@@ -506,3 +506,88 @@ fn digit_labels_that_are_not_classes_are_rejected_naming_the_row() {
         let _ = std::fs::remove_file(path);
     }
 }
+
+/// `l2(layer_norm(l1(x)))`, with candle-nn's fused LayerNorm (no backward)
+/// or the differentiable `layer_norm_slow`.
+struct Normed {
+    l1: Linear,
+    ln: candle_nn::LayerNorm,
+    l2: Linear,
+    slow: bool,
+}
+
+impl Normed {
+    fn new(vb: VarBuilder, slow: bool) -> candle_core::Result<Self> {
+        Ok(Self {
+            l1: linear(4, 8, vb.pp("l1"))?,
+            ln: candle_nn::layer_norm(8, 1e-5, vb.pp("ln"))?,
+            l2: linear(8, 3, vb.pp("l2"))?,
+            slow,
+        })
+    }
+}
+
+impl Module for Normed {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let h = self.l1.forward(x)?;
+        let h = if self.slow {
+            let bias = self.ln.bias().expect("layer_norm has a bias");
+            candle_nn::ops::layer_norm_slow(&h, self.ln.weight(), bias, 1e-5)?
+        } else {
+            self.ln.forward(&h)?
+        };
+        self.l2.forward(&h)
+    }
+}
+
+#[test]
+fn variables_without_gradient_are_reported_by_both_engines() {
+    let x = Tensor::randn(0f32, 1., (6, 4), &Device::Cpu).unwrap();
+    let y = Tensor::new(&[0u32, 1, 2, 0, 1, 2], &Device::Cpu).unwrap();
+    let untrained: Vec<String> = ["l1.bias", "l1.weight", "ln.bias", "ln.weight"]
+        .map(String::from)
+        .to_vec();
+    for slow in [false, true] {
+        let varmap = VarMap::new();
+        let dp = DataParallel::new(&varmap, DType::F32, &cpu_devices(2), move |vb| {
+            Normed::new(vb, slow)
+        })
+        .unwrap();
+        let step = dp
+            .forward_backward(
+                (x.clone(), y.clone()),
+                candle_dp::LossReduction::Mean,
+                |m, (x, y)| candle_nn::loss::cross_entropy(&m.forward(&x)?, &y),
+            )
+            .unwrap();
+        let expected = if slow { Vec::new() } else { untrained.clone() };
+        assert_eq!(
+            step.vars_without_grad(),
+            expected.as_slice(),
+            "DataParallel, slow = {slow}"
+        );
+        assert_eq!(dp.vars_without_grad(), expected);
+
+        let (x, y, expected) = (x.clone(), y.clone(), expected.clone());
+        spawn(1, move |ctx| {
+            let varmap = VarMap::new();
+            let mut ddp = DistributedDataParallel::new(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                |vb| Normed::new(vb, slow),
+                DdpConfig::default(),
+            )?;
+            let loss = candle_nn::loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+            ddp.backward(&loss)?;
+            assert_eq!(
+                ddp.vars_without_grad(),
+                expected.as_slice(),
+                "DDP, slow = {slow}"
+            );
+            Ok(())
+        })
+        .unwrap();
+    }
+}
