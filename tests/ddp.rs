@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::comm::GroupOptions;
-use candle_dp::launch::{spawn_with, LaunchError, RankContext};
+use candle_dp::launch::{spawn_with, LaunchError};
 use candle_dp::{CommHook, DdpConfig, DistributedDataParallel, JoinDivisor};
 use candle_nn::{linear, loss, AdamW, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
 use common::*;
@@ -21,23 +21,7 @@ fn bounded() -> GroupOptions {
     }
 }
 
-const SIZES: (usize, usize, usize) = (6, 16, 5);
-
-/// This rank's DDP around the test MLP.
-fn mlp_ddp(
-    ctx: &RankContext,
-    varmap: &VarMap,
-    config: DdpConfig,
-) -> anyhow::Result<DistributedDataParallel<Mlp>> {
-    Ok(DistributedDataParallel::new(
-        ctx.process_group(),
-        varmap,
-        DType::F32,
-        &Device::Cpu,
-        |vb| Mlp::new(vb, SIZES),
-        config,
-    )?)
-}
+const SIZES: (usize, usize, usize) = DDP_SIZES;
 
 fn batches(steps: usize, rows: usize) -> Vec<(Tensor, Tensor)> {
     (0..steps)

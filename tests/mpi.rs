@@ -15,15 +15,12 @@ mod common;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::comm::{all_gather_object, GroupOptions, ReduceOp};
 use candle_dp::launch::{run, spawn_with, RankContext};
-use candle_dp::loader::{Loader, TensorDataset};
-use candle_dp::sampler::DistributedSampler;
 use candle_dp::{CommHook, DdpConfig, DistributedDataParallel, JoinDivisor};
 use candle_nn::{loss, AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
 use common::*;
@@ -246,58 +243,13 @@ fn collectives(ctx: &RankContext) -> anyhow::Result<Tensors> {
 
 /// The PyTorch fixture's runs (see tests/ddp_reference.rs).
 fn reference_run(ctx: &RankContext, name: &str) -> anyhow::Result<Tensors> {
-    let (samples, seed, batch) = match name {
-        "A" => (96, 3, 6),
-        _ => (90, 1, 5),
-    };
-    let file = load_fixture("ddp_reference.safetensors");
-    let init = fixture_tensors(&file, "init.");
-    let x = file["x"].narrow(0, 0, samples)?;
-    let y = file["y"].narrow(0, 0, samples)?;
-    let dataset = Arc::new(TensorDataset::new(vec![x, y])?);
-    let varmap = varmap_from(&init);
-    let mut ddp = DistributedDataParallel::new(
-        ctx.process_group(),
-        &varmap,
-        DType::F32,
-        &Device::Cpu,
-        |vb| Mlp::new(vb, (20, 32, 10)),
-        DdpConfig::default(),
-    )?;
-    let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
-    let mut sampler = DistributedSampler::new(samples, ctx.world_size, ctx.rank)?
-        .shuffle(true)
-        .seed(seed);
-    for epoch in 0..2 {
-        sampler.set_epoch(epoch);
-        let loader = Loader::new(dataset.clone(), batch)?
-            .indices(sampler.indices())
-            .prefetch(2);
-        for b in &loader {
-            let b = b?;
-            let loss = loss::cross_entropy(&ddp.forward(&b[0])?, &b[1])?;
-            ddp.backward_step(&loss, &mut sgd)?;
-        }
+    match name {
+        "A" => ddp_reference_run(ctx, 96, 3, 6),
+        _ => ddp_reference_run(ctx, 90, 1, 5),
     }
-    Ok(snapshot(&varmap))
 }
 
-const SIZES: (usize, usize, usize) = (6, 16, 5);
-
-fn mlp_ddp(
-    ctx: &RankContext,
-    varmap: &VarMap,
-    config: DdpConfig,
-) -> anyhow::Result<DistributedDataParallel<Mlp>> {
-    Ok(DistributedDataParallel::new(
-        ctx.process_group(),
-        varmap,
-        DType::F32,
-        &Device::Cpu,
-        |vb| Mlp::new(vb, SIZES),
-        config,
-    )?)
-}
+const SIZES: (usize, usize, usize) = DDP_SIZES;
 
 /// The global batches of `input` (`x0`, `y0`, `x1`, …).
 fn batches(input: &Tensors) -> Vec<(Tensor, Tensor)> {

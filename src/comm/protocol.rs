@@ -12,7 +12,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 
 use super::buffer::{Buffer, Input};
 use super::{CommError, ReduceOp, Result};
@@ -150,6 +150,25 @@ pub(crate) enum Body {
     /// A large reduction's second message (see [`ring`](super::ring)):
     /// the sender's reduced chunk, or `None` when the receiver gets none.
     Data(Option<Arc<Buffer>>),
+}
+
+/// The tensors `rank` scatters from `root` (none unless it is the root), or
+/// why the root's argument cannot be used.
+pub(crate) fn scatter_tensors(
+    tensors: Option<&[Tensor]>,
+    rank: usize,
+    root: usize,
+    world_size: usize,
+) -> std::result::Result<&[Tensor], String> {
+    match tensors {
+        _ if rank != root => Ok(&[]),
+        None => Err("the root passed no tensors".into()),
+        Some(tensors) if tensors.len() != world_size => Err(format!(
+            "the root passed {} tensors for {world_size} ranks",
+            tensors.len()
+        )),
+        Some(tensors) => Ok(tensors),
+    }
 }
 
 /// The verdict on a collective, computed identically on every rank from

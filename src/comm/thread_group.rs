@@ -724,23 +724,19 @@ impl ProcessGroup for ThreadRank {
 
     fn scatter(&self, tensors: Option<&[Tensor]>, root: usize) -> Result<Tensor> {
         let call = self.begin("scatter")?;
-        let pieces: std::result::Result<Vec<Piece>, String> = match tensors {
-            _ if self.rank != root => Ok(Vec::new()),
-            None => Err("the root passed no tensors".into()),
-            Some(tensors) if tensors.len() != self.world_size => Err(format!(
-                "the root passed {} tensors for {} ranks",
-                tensors.len(),
-                self.world_size
-            )),
-            Some(tensors) => tensors
-                .iter()
-                .enumerate()
-                .map(|(i, t)| {
-                    let data = local_copy(t).map_err(|e| format!("tensor {i}: {e}"))?;
-                    Ok(piece(&data, t))
-                })
-                .collect(),
-        };
+        let pieces: std::result::Result<Vec<Piece>, String> =
+            protocol::scatter_tensors(tensors, self.rank, root, self.world_size).and_then(
+                |tensors| {
+                    tensors
+                        .iter()
+                        .enumerate()
+                        .map(|(i, t)| {
+                            let data = local_copy(t).map_err(|e| format!("tensor {i}: {e}"))?;
+                            Ok(piece(&data, t))
+                        })
+                        .collect()
+                },
+            );
         let sig = Signature {
             op: OpSig::Scatter { root },
             meta: None,

@@ -184,3 +184,69 @@ pub fn diff_report(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> 
         .collect::<Vec<_>>()
         .join("\n")
 }
+
+/// The sizes of the MLP the DDP tests train.
+pub const DDP_SIZES: (usize, usize, usize) = (6, 16, 5);
+
+/// This rank's DDP around an MLP of [`DDP_SIZES`].
+pub fn mlp_ddp(
+    ctx: &candle_dp::launch::RankContext,
+    varmap: &VarMap,
+    config: candle_dp::DdpConfig,
+) -> anyhow::Result<candle_dp::DistributedDataParallel<Mlp>> {
+    Ok(candle_dp::DistributedDataParallel::new(
+        ctx.process_group(),
+        varmap,
+        candle_core::DType::F32,
+        &Device::Cpu,
+        |vb| Mlp::new(vb, DDP_SIZES),
+        config,
+    )?)
+}
+
+/// One rank of a PyTorch DDP run of `tests/data/ddp_reference.safetensors`
+/// (see `FIXTURES.md`): the fixture's MLP 20-32-10 from its initial
+/// values, SGD 0.1, a shuffled `DistributedSampler` (`seed`) over the first
+/// `samples` rows, batches of `batch` per rank, 2 epochs. Returns the
+/// trained variables.
+pub fn ddp_reference_run(
+    ctx: &candle_dp::launch::RankContext,
+    samples: usize,
+    seed: u64,
+    batch: usize,
+) -> anyhow::Result<HashMap<String, Tensor>> {
+    use candle_dp::loader::{Loader, TensorDataset};
+    use candle_dp::sampler::DistributedSampler;
+    use candle_nn::Optimizer;
+
+    let file = load_fixture("ddp_reference.safetensors");
+    let init = fixture_tensors(&file, "init.");
+    let x = file["x"].narrow(0, 0, samples)?;
+    let y = file["y"].narrow(0, 0, samples)?;
+    let dataset = std::sync::Arc::new(TensorDataset::new(vec![x, y])?);
+    let varmap = varmap_from(&init);
+    let mut ddp = candle_dp::DistributedDataParallel::new(
+        ctx.process_group(),
+        &varmap,
+        candle_core::DType::F32,
+        &Device::Cpu,
+        |vb| Mlp::new(vb, (20, 32, 10)),
+        candle_dp::DdpConfig::default(),
+    )?;
+    let mut sgd = candle_nn::SGD::new(varmap.all_vars(), 0.1)?;
+    let mut sampler = DistributedSampler::new(samples, ctx.world_size, ctx.rank)?
+        .shuffle(true)
+        .seed(seed);
+    for epoch in 0..2 {
+        sampler.set_epoch(epoch);
+        let loader = Loader::new(dataset.clone(), batch)?
+            .indices(sampler.indices())
+            .prefetch(2);
+        for b in &loader {
+            let b = b?;
+            let loss = candle_nn::loss::cross_entropy(&ddp.forward(&b[0])?, &b[1])?;
+            ddp.backward_step(&loss, &mut sgd)?;
+        }
+    }
+    Ok(snapshot(&varmap))
+}

@@ -24,7 +24,7 @@ use crossbeam::channel::{self, Receiver, Sender};
 
 use self::engine::{Control, Job, Kind, Reply};
 use super::buffer::Buffer;
-use super::protocol::{OpSig, Signature, TensorMeta};
+use super::protocol::{self, OpSig, Signature, TensorMeta};
 use super::{CommError, Failure, FailureCause, GroupOptions, ProcessGroup, ReduceOp, Result};
 use crate::lock::lock;
 
@@ -401,24 +401,20 @@ impl ProcessGroup for MpiGroup {
     }
 
     fn scatter(&self, tensors: Option<&[Tensor]>, root: usize) -> Result<Tensor> {
-        let parts: std::result::Result<Vec<(Buffer, Vec<usize>)>, String> = match tensors {
-            _ if self.rank != root => Ok(Vec::new()),
-            None => Err("the root passed no tensors".into()),
-            Some(tensors) if tensors.len() != self.world_size => Err(format!(
-                "the root passed {} tensors for {} ranks",
-                tensors.len(),
-                self.world_size
-            )),
-            Some(tensors) => tensors
-                .iter()
-                .enumerate()
-                .map(|(i, t)| {
-                    let (_, data) = host_copy(t);
-                    data.map(|d| (d, t.dims().to_vec()))
-                        .map_err(|e| format!("tensor {i}: {e}"))
-                })
-                .collect(),
-        };
+        let parts: std::result::Result<Vec<(Buffer, Vec<usize>)>, String> =
+            protocol::scatter_tensors(tensors, self.rank, root, self.world_size).and_then(
+                |tensors| {
+                    tensors
+                        .iter()
+                        .enumerate()
+                        .map(|(i, t)| {
+                            let (_, data) = host_copy(t);
+                            data.map(|d| (d, t.dims().to_vec()))
+                                .map_err(|e| format!("tensor {i}: {e}"))
+                        })
+                        .collect()
+                },
+            );
         let invalid = self.root_error(root).or(parts.as_ref().err().cloned());
         let sig = signature(OpSig::Scatter { root }, None, invalid);
         let reply = self.call(
