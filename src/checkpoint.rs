@@ -6,8 +6,9 @@
 //! what was missing, unexpected or of the wrong shape.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
@@ -99,13 +100,23 @@ pub fn save(varmap: &VarMap, path: impl AsRef<Path>, prefix: Prefix) -> Result<(
         Some(dir) if !dir.as_os_str().is_empty() => dir,
         _ => Path::new("."),
     };
+    // Unique per process and per call: thread ranks of one process may
+    // save to the same path at once.
+    static SAVES: AtomicU64 = AtomicU64::new(0);
     let mut temporary_name = file_name.to_os_string();
-    temporary_name.push(format!(".tmp-{}", std::process::id()));
+    temporary_name.push(format!(
+        ".tmp-{}-{}",
+        std::process::id(),
+        SAVES.fetch_add(1, Ordering::Relaxed)
+    ));
     let temporary = dir.join(temporary_name);
     let write = || -> Result<()> {
         candle_core::safetensors::save(&tensors, &temporary)
             .map_err(|e| failed("cannot write it", &e))?;
-        File::open(&temporary)
+        // Write access: some platforms refuse to flush a read-only handle.
+        OpenOptions::new()
+            .write(true)
+            .open(&temporary)
             .and_then(|file| file.sync_all())
             .map_err(|e| failed("cannot flush it to disk", &e))?;
         std::fs::rename(&temporary, path).map_err(|e| failed("cannot move it into place", &e))

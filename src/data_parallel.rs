@@ -192,7 +192,8 @@ impl<M: 'static> DataParallelBuilder<M> {
     /// Builds the master model on `first` through [`build_master`]; with a
     /// [`timeout`](Self::timeout), on a thread of its own, so that a factory
     /// that never returns ends in [`Error::ReplicaTimeout`] (replica 0)
-    /// instead of a hang (that thread is then left behind).
+    /// instead of a hang. That thread is left behind: should the factory
+    /// return later, it may still create variables in the `VarMap`.
     fn build_master_bounded<F>(&self, first: &Device, factory: &Arc<F>) -> Result<()>
     where
         F: Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
@@ -219,11 +220,16 @@ impl<M: 'static> DataParallelBuilder<M> {
             })?;
         match done.recv_timeout(timeout) {
             Ok(built) => built,
-            Err(_) => Err(Error::ReplicaTimeout {
+            Err(crossbeam::channel::RecvTimeoutError::Timeout) => Err(Error::ReplicaTimeout {
                 replica: 0,
                 device: device_label(first),
                 timeout,
             }),
+            Err(crossbeam::channel::RecvTimeoutError::Disconnected) => {
+                Err(Error::Candle(candle_core::Error::Msg(
+                    "the thread that builds the master model stopped without an answer".into(),
+                )))
+            }
         }
     }
 
@@ -502,14 +508,27 @@ impl<M: 'static> DataParallel<M> {
     /// `output` must be the result of this `DataParallel`'s most recent
     /// [`forward`](Self::forward) / [`forward_t`](Self::forward_t).
     pub fn backward(&self, output: &Tensor, grad_output: &Tensor) -> Result<GradStore> {
+        self.backward_reporting(output, grad_output)
+            .map(|(grads, _)| grads)
+    }
+
+    /// [`backward`](Self::backward), with the parameters that got no
+    /// gradient in this very step (another thread's step may follow at once).
+    fn backward_reporting(
+        &self,
+        output: &Tensor,
+        grad_output: &Tensor,
+    ) -> Result<(GradStore, Vec<String>)> {
         let _step = lock(&self.step);
         let start = Instant::now();
         // Checked before the saved forward is taken, so that a corrected
         // retry still finds it.
-        if grad_output.dims() != output.dims() {
+        if grad_output.dims() != output.dims() || grad_output.dtype() != output.dtype() {
             return Err(Error::NoMatchingForward(format!(
-                "grad_output has shape {:?} but the output has shape {:?}",
+                "grad_output is {:?} {:?} but the output is {:?} {:?}",
+                grad_output.dtype(),
                 grad_output.dims(),
+                output.dtype(),
                 output.dims()
             )));
         }
@@ -532,13 +551,13 @@ impl<M: 'static> DataParallel<M> {
         let backward = results.iter().map(|r| r.1).max().unwrap_or_default();
         let reduce_start = Instant::now();
         let grads = self.reduce_add(results.into_iter().map(|r| r.0).collect())?;
-        self.record_without_grad(&grads);
+        let without_grad = self.record_without_grad(&grads);
         self.record(|t| {
             t.backward = backward;
             t.reduce = reduce_start.elapsed();
             t.total += start.elapsed();
         });
-        Ok(grads)
+        Ok((grads, without_grad))
     }
 
     /// Computes `loss_fn` on the gathered output (on the output device) and
@@ -557,11 +576,11 @@ impl<M: 'static> DataParallel<M> {
             Some(grad) => grad,
             None => output.zeros_like()?,
         };
-        let grads = self.backward(output, &grad_output)?;
+        let (grads, without_grad) = self.backward_reporting(output, &grad_output)?;
         Ok(Step {
             loss: loss.detach(),
             grads,
-            without_grad: self.vars_without_grad(),
+            without_grad,
         })
     }
 

@@ -315,7 +315,7 @@ impl<M> DistributedDataParallel<M> {
         Ok(store)
     }
 
-    /// The parameters that received no gradient, on any rank, in the latest
+    /// The parameters that received a gradient on no rank in the latest
     /// synchronised backward, sorted: they are not trained (PyTorch's DDP
     /// names such parameters too). A common cause in candle is a layer
     /// whose kernel has no backward, such as candle-nn 0.11's fused
@@ -393,7 +393,12 @@ impl<M> DistributedDataParallel<M> {
     fn count_active(&self, mine: f32) -> Result<usize> {
         let flag = Tensor::new(&[mine], &Device::Cpu)?;
         let total = self.comm(self.pg.all_reduce(&flag, ReduceOp::Sum))?;
-        Ok(total.to_vec1::<f32>()?[0].round() as usize)
+        let total = total.to_vec1::<f32>()?;
+        // A `ProcessGroup` implementation may be the user's: check its answer.
+        let count = total.first().ok_or_else(|| {
+            candle_core::Error::Msg("all_reduce of the active-rank count returned nothing".into())
+        })?;
+        Ok(count.round() as usize)
     }
 
     /// Broadcasts the variables of the rank that trained the most steps.
@@ -537,7 +542,14 @@ fn verify_same_vars(pg: &dyn ProcessGroup, vars: &[(String, Var)]) -> Result<()>
         })
         .collect();
     let all = all_gather_object(pg, &mine)?;
-    let reference = &all[0];
+    let Some(reference) = all.first() else {
+        return Err(Error::Comm(crate::comm::CommError::Protocol {
+            rank: pg.rank(),
+            op: "all_gather_object",
+            peer: 0,
+            detail: "the process group returned no rank's variable list".into(),
+        }));
+    };
     for (rank, theirs) in all.iter().enumerate().skip(1) {
         for (a, b) in reference.iter().zip(theirs) {
             if a != b {

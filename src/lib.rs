@@ -49,6 +49,12 @@
 //! ([`DataParallel::forward_backward`], [`DataParallel::backward_from_loss`])
 //! and [`checkpoint`] for saving and loading with or without the `module.`
 //! prefix.
+//!
+//! [`DistributedDataParallel`] runs one model per rank on any
+//! [`comm::ProcessGroup`]: thread ranks of this process, or (feature `mpi`)
+//! the processes of an MPI job on one machine or many. [`launch::run`] picks
+//! between them from the environment, so one program runs both ways, and
+//! [`seeded_varmap`] gives every rank and every run the same initial weights.
 
 pub mod checkpoint;
 pub mod comm;

@@ -118,9 +118,16 @@ impl ReplicaVars {
     }
 
     /// Writes this replica's buffers back into the master (replica 0 only).
+    /// Every value is copied before the first is written, so a failing
+    /// copy leaves the master as it was.
     pub(crate) fn commit_buffers(&self) -> candle_core::Result<()> {
-        for (master, copy) in &self.buffers {
-            master.set(&copy.as_detached_tensor().to_device(master.device())?)?;
+        let values = self
+            .buffers
+            .iter()
+            .map(|(master, copy)| copy.as_detached_tensor().to_device(master.device()))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        for ((master, _), value) in self.buffers.iter().zip(values) {
+            master.set(&value)?;
         }
         Ok(())
     }

@@ -126,6 +126,9 @@ impl ScatterPlan {
                 });
             }
         }
+        if devices.is_empty() {
+            return Err(Error::NoDevices);
+        }
         let sizes = match split {
             // An empty batch runs once, on the first device: k replicas of
             // nothing would only cost time (and give NaN mean losses).

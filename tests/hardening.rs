@@ -15,13 +15,14 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
+use candle_dp::comm::{ProcessGroup, ReduceOp, Result as CommResult};
 use candle_dp::datasets::{load_digits, load_mnist};
 use candle_dp::launch::{spawn, LaunchError};
 use candle_dp::loader::{Loader, LoaderError, TensorDataset};
 use candle_dp::sampler::{DistributedSampler, SamplerError};
 use candle_dp::{
-    cpu_devices, DataParallel, DdpConfig, DistributedDataParallel, Error, Scatter, ScatterPlan,
-    Split,
+    cpu_devices, seeded_varmap, DataParallel, DdpConfig, DistributedDataParallel, Error, Scatter,
+    ScatterPlan, Split,
 };
 use candle_nn::{linear, Linear, Module, VarBuilder, VarMap};
 use common::*;
@@ -48,24 +49,39 @@ fn running_stats(varmap: &VarMap) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// A `DataParallel` around `BnNet` with initial values from `seed`.
+fn seeded_bn_dp(seed: u64) -> (VarMap, DataParallel<BnNet>) {
+    let varmap = seeded_varmap(seed, DType::F32, &Device::Cpu, BnNet::new).unwrap();
+    let dp = DataParallel::new(&varmap, DType::F32, &cpu_devices(2), BnNet::new).unwrap();
+    (varmap, dp)
+}
+
 #[test]
 fn four_threads_calling_forward_t_on_a_batch_norm_model_do_not_deadlock() {
-    within(120, || {
-        let varmap = VarMap::new();
-        let dp =
-            Arc::new(DataParallel::new(&varmap, DType::F32, &cpu_devices(2), BnNet::new).unwrap());
+    let (concurrent, sequential) = within(120, || {
+        let x = Tensor::randn(1f32, 2., (6, 12), &Device::Cpu).unwrap();
+        let (varmap, dp) = seeded_bn_dp(7);
+        let dp = Arc::new(dp);
         std::thread::scope(|s| {
-            for t in 0..4 {
-                let dp = Arc::clone(&dp);
+            for _ in 0..4 {
+                let (dp, x) = (Arc::clone(&dp), x.clone());
                 s.spawn(move || {
                     for _ in 0..25 {
-                        let x = Tensor::full(t as f32, (6, 12), &Device::Cpu).unwrap();
                         dp.forward_t(&x, true).unwrap();
                     }
                 });
             }
         });
+        // The same 100 steps one after another: with the same input in
+        // every step, the statistics do not depend on the order, only on
+        // every step being whole.
+        let (alone, dp) = seeded_bn_dp(7);
+        for _ in 0..100 {
+            dp.forward_t(&x, true).unwrap();
+        }
+        (running_stats(&varmap), running_stats(&alone))
     });
+    assert_eq!(concurrent, sequential);
 }
 
 #[test]
@@ -315,12 +331,82 @@ fn a_poisoned_varmap_still_saves_and_loads() {
     let _ = std::fs::remove_file(path);
 }
 
+/// A process group that counts the collectives it runs.
+#[derive(Debug)]
+struct Counting {
+    inner: Arc<dyn ProcessGroup>,
+    calls: AtomicUsize,
+}
+
+impl Counting {
+    fn count(&self) {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl ProcessGroup for Counting {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn set_timeout(&self, timeout: Option<Duration>) {
+        self.inner.set_timeout(timeout)
+    }
+    fn timeout(&self) -> Option<Duration> {
+        self.inner.timeout()
+    }
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> CommResult<Tensor> {
+        self.count();
+        self.inner.all_reduce(t, op)
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> CommResult<Tensor> {
+        self.count();
+        self.inner.broadcast(t, root)
+    }
+    fn all_gather(&self, t: &Tensor) -> CommResult<Vec<Tensor>> {
+        self.count();
+        self.inner.all_gather(t)
+    }
+    fn gather(&self, t: &Tensor, root: usize) -> CommResult<Option<Vec<Tensor>>> {
+        self.count();
+        self.inner.gather(t, root)
+    }
+    fn scatter(&self, t: Option<&[Tensor]>, root: usize) -> CommResult<Tensor> {
+        self.count();
+        self.inner.scatter(t, root)
+    }
+    fn reduce(&self, t: &Tensor, root: usize, op: ReduceOp) -> CommResult<Option<Tensor>> {
+        self.count();
+        self.inner.reduce(t, root, op)
+    }
+    fn barrier(&self) -> CommResult<()> {
+        self.count();
+        self.inner.barrier()
+    }
+    fn all_gather_bytes(&self, bytes: Vec<u8>) -> CommResult<Vec<Vec<u8>>> {
+        self.count();
+        self.inner.all_gather_bytes(bytes)
+    }
+    fn abort(&self, reason: &str) {
+        self.inner.abort(reason)
+    }
+    fn failure(&self) -> Option<candle_dp::comm::Failure> {
+        self.inner.failure()
+    }
+}
+
 #[test]
 fn no_sync_and_join_are_restored_when_their_closure_panics() {
     spawn(1, |ctx| {
+        let pg = Arc::new(Counting {
+            inner: ctx.process_group(),
+            calls: AtomicUsize::new(0),
+        });
         let varmap = VarMap::new();
         let mut ddp = DistributedDataParallel::new(
-            ctx.process_group(),
+            pg.clone(),
             &varmap,
             DType::F32,
             &Device::Cpu,
@@ -340,7 +426,11 @@ fn no_sync_and_join_are_restored_when_their_closure_panics() {
             ddp.join(|_| -> candle_dp::Result<()> { panic!("in join") })
         }));
         assert!(caught.is_err());
-        assert_eq!(grads_of_a_step(&mut ddp)?, 2, "join left behind");
+        // Outside `join` a forward runs no collective (this model has no
+        // buffers); one left joining counts the active ranks first.
+        let before = pg.calls.load(Ordering::SeqCst);
+        ddp.forward(&x)?;
+        assert_eq!(pg.calls.load(Ordering::SeqCst), before, "join left behind");
         Ok(())
     })
     .unwrap();
@@ -375,6 +465,24 @@ fn a_factory_that_never_returns_on_a_replica_is_bounded_by_the_timeout() {
     });
     assert!(
         matches!(err, Error::ReplicaTimeout { replica: 1, .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_factory_that_never_returns_on_the_master_is_bounded_by_the_timeout() {
+    let err = within(60, || {
+        let varmap = VarMap::new();
+        DataParallel::builder(&varmap, DType::F32, &cpu_devices(2))
+            .timeout(Duration::from_secs(2))
+            .build(counting_factory(0, || {
+                std::thread::sleep(Duration::from_secs(3600))
+            }))
+            .map(|_| ())
+            .unwrap_err()
+    });
+    assert!(
+        matches!(err, Error::ReplicaTimeout { replica: 0, .. }),
         "{err}"
     );
 }
