@@ -466,6 +466,15 @@ fn run_fault(fault: &str, ctx: &RankContext) -> anyhow::Result<()> {
             }
             pg.all_reduce(&x, ReduceOp::Sum)?;
         }
+        "keeps_handle" => {
+            // Rank 1 returns while something still holds its handle (as a
+            // returned model would); the others wait in a barrier.
+            if culprit {
+                std::mem::forget(ctx.process_group());
+                return Ok(());
+            }
+            pg.barrier()?;
+        }
         "early_exit" => {
             // Rank 1 finishes after one collective; the others call a second.
             pg.all_reduce(&x, ReduceOp::Sum)?;
@@ -877,6 +886,11 @@ fn a_rank_stuck_outside_collectives_makes_the_others_time_out_naming_it() {
         "timeout",
         &["timed out after 2s; rank(s) [1] did not arrive"],
     );
+}
+
+#[test]
+fn a_rank_that_returns_while_its_handle_lives_on_counts_as_gone() {
+    assert_fault("keeps_handle", &["rank 1 left the group"]);
 }
 
 #[test]

@@ -141,22 +141,23 @@ pub enum Backend {
 
 impl Backend {
     /// The environment variables through which MPI launchers announce a
-    /// rank: Open MPI's `mpirun`, then the PMI of MPICH, Intel MPI and
-    /// Slurm's `srun`.
-    pub const MPI_VARIABLES: [&'static str; 2] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"];
+    /// rank: Open MPI's `mpirun`, the PMI of MPICH, Intel MPI and Slurm's
+    /// `srun`, and PMIx (`srun --mpi=pmix`, PRRTE).
+    pub const MPI_VARIABLES: [&'static str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"];
 
     /// This process's rank in the MPI job that started it, read from the
     /// launcher's environment (`OMPI_COMM_WORLD_RANK`, `PMI_RANK`) before
     /// MPI is initialized; 0 outside MPI. For the usual "only rank 0
     /// prints" in code that runs before [`run`].
     pub fn process_rank() -> usize {
-        env_number(&["OMPI_COMM_WORLD_RANK", "PMI_RANK"]).unwrap_or(0)
+        env_number(&["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"]).unwrap_or(0)
     }
 
     /// The number of processes of the MPI job that started this one
-    /// (`OMPI_COMM_WORLD_SIZE`, `PMI_SIZE`); 1 outside MPI.
+    /// (`OMPI_COMM_WORLD_SIZE`, `PMI_SIZE`, Slurm's `SLURM_NTASKS`); 1
+    /// outside MPI or when the launcher does not say.
     pub fn world_size() -> usize {
-        env_number(&Self::MPI_VARIABLES).unwrap_or(1)
+        env_number(&["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"]).unwrap_or(1)
     }
 
     /// [`Backend::Mpi`] when the process was started by an MPI launcher,

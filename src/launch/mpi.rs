@@ -30,11 +30,20 @@ where
         Ok(Err(error)) => pg.abort(&format!("{error:#}")),
         Err(payload) => pg.abort(&format!("panicked: {}", panic_message(payload.as_ref()))),
     }
-    let failure = pg.failure().filter(|f| f.rank != rank);
-    // Dropping the last handle finalizes MPI when the group is healthy.
-    drop(pg);
-    match (outcome, failure) {
-        (Ok(Ok(value)), None) => Ok(value),
+    let failure = pg.failure();
+    // Leaves even if the value holds a handle; finalizes MPI when healthy.
+    pg.leave();
+    let failure_of_another = failure.clone().filter(|f| f.rank != rank);
+    match (outcome, failure_of_another) {
+        (Ok(Ok(value)), None) => match failure {
+            // This rank failed the group (an abort, a timeout) although its
+            // function returned a value: the job did not succeed.
+            Some(own) => Err(LaunchError::Aborted {
+                rank,
+                reason: own.cause.to_string(),
+            }),
+            None => Ok(value),
+        },
         (Ok(Ok(_)), Some(failure)) => Err(LaunchError::PeerFailed {
             rank,
             failure,

@@ -178,6 +178,8 @@ pub(super) fn run(
     let _ = started.send(Ok((rank, world_size)));
     engine.serve();
     let ack = engine.shutdown.take();
+    // A failure a peer already announced must not be finalized over.
+    engine.receive_notices();
     if engine.shared.failure().is_none() {
         engine.announce(&Notice::Left {
             seq: engine.completed,
@@ -187,6 +189,7 @@ pub(super) fn run(
         // `MPI_Finalize`, which waits for the other ranks to finalize.
         drop(universe);
     } else {
+        engine.announce_own_failure();
         // After a failure some ranks never finalize, and finalizing here
         // could wait for them forever: the process ends without it, and
         // mpirun reports the job as failed, as it must be.
@@ -264,6 +267,9 @@ impl Engine {
             }
             Err(Stop::Reported) => {}
         }
+        // A failure of this rank found on the way (an unexpected message,
+        // say) reaches the others now.
+        self.announce_own_failure();
         self.current = None;
     }
 
@@ -707,6 +713,7 @@ impl Engine {
                 cause: FailureCause::Aborted(format!("gave up {}: {error}", self.op())),
             });
         }
+        self.announce_own_failure();
         self.report(Err(error));
         loop {
             pending = test_all(pending);
@@ -720,7 +727,12 @@ impl Engine {
                     let _ = job.reply.send(Err(error));
                 }
                 Ok(Control::Abort) => self.announce_own_failure(),
-                Ok(Control::Shutdown(ack)) => self.shutdown = Some(ack),
+                // The requests may never complete: MPI is not finalized,
+                // and the handle need not wait for more than the notices.
+                Ok(Control::Shutdown(ack)) => {
+                    self.announce_own_failure();
+                    let _ = ack.send(());
+                }
                 Err(TryRecvError::Empty | TryRecvError::Disconnected) => {}
             }
             thread::sleep(IDLE_POLL);

@@ -15,6 +15,7 @@ mod engine;
 mod wire;
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -28,13 +29,23 @@ use super::protocol::{self, OpSig, Signature, TensorMeta};
 use super::{CommError, Failure, FailureCause, GroupOptions, ProcessGroup, ReduceOp, Result};
 use crate::lock::lock;
 
-/// The largest tensor (in bytes) one collective moves: MPI counts are
-/// `int`s, and a header travels with the data.
-const MAX_TENSOR_BYTES: usize = i32::MAX as usize - 64 * 1024;
+/// The most bytes one message carries: MPI counts are `int`s, and a header
+/// travels with the data.
+const MAX_MESSAGE_BYTES: usize = i32::MAX as usize - 64 * 1024;
+
+fn too_large(bytes: usize) -> String {
+    format!(
+        "{bytes} bytes is more than MPI moves in one message ({MAX_MESSAGE_BYTES}); split the tensor"
+    )
+}
 
 /// How long a call waits for the engine past its own timeout before it
 /// concludes the engine is stuck inside MPI.
 const ENGINE_GRACE: Duration = Duration::from_secs(5);
+
+/// How long leaving a failed group waits for the engine to send this
+/// rank's failure to the others (the process usually exits right after).
+const NOTICE_GRACE: Duration = Duration::from_secs(2);
 
 /// Why [`MpiGroup::init`] failed.
 #[derive(Debug, thiserror::Error)]
@@ -74,9 +85,11 @@ impl Shared {
 /// Start the processes with `mpirun` (or `srun`); [`crate::launch::run`]
 /// creates the group when the program runs under it, so one program works
 /// with thread ranks and with processes. Create at most one per process:
-/// MPI is initialized by the first [`MpiGroup::init`] and finalized when
-/// the last clone of the `Arc` is dropped (which waits for the other ranks
-/// to finish too, as `MPI_Finalize` does).
+/// MPI is initialized by the first [`MpiGroup::init`] and finalized by
+/// [`MpiGroup::leave`] or when the last clone of the `Arc` is dropped
+/// (which waits for the other ranks to finish too, as `MPI_Finalize` does).
+/// Payloads travel in the machine's byte order: every machine of a job
+/// must share it (all current x86-64 and ARM64 clusters do).
 ///
 /// **What matches [`ThreadGroup`](crate::comm::ThreadGroup)**: the
 /// reduction order (rank order below
@@ -121,6 +134,8 @@ pub struct MpiGroup {
     calls: Mutex<u64>,
     control: Sender<Control>,
     engine: Mutex<Option<JoinHandle<()>>>,
+    /// Whether this rank has left (see [`MpiGroup::leave`]).
+    left: AtomicBool,
 }
 
 impl fmt::Debug for MpiGroup {
@@ -178,7 +193,37 @@ impl MpiGroup {
             calls: Mutex::new(0),
             control,
             engine: Mutex::new(Some(engine)),
+            left: AtomicBool::new(false),
         }))
+    }
+
+    /// Leaves the group now, as dropping the last handle would, even if
+    /// clones of the handle live on (in a trained model returned by the
+    /// rank's function, say): the other ranks' later collectives fail
+    /// naming this rank instead of waiting for it, MPI is finalized if the
+    /// group is healthy (which waits for the other ranks to finish), and
+    /// later calls on this handle fail. [`crate::launch::run`] calls it when
+    /// the rank's function returns.
+    pub fn leave(&self) {
+        if self.left.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if thread::panicking() {
+            self.fail(FailureCause::Panicked);
+        }
+        let (ack, done) = channel::bounded(1);
+        let _ = self.control.send(Control::Shutdown(ack));
+        if self.shared.failure().is_none() {
+            // A healthy group finalizes MPI, which waits for every rank.
+            let _ = done.recv();
+            if let Some(engine) = lock(&self.engine).take() {
+                let _ = engine.join();
+            }
+        } else {
+            // A failed one may have left its engine waiting on a dead peer:
+            // only the notices are waited for, briefly.
+            let _ = done.recv_timeout(NOTICE_GRACE);
+        }
     }
 
     /// Runs one collective on the engine and waits for its result.
@@ -186,6 +231,13 @@ impl MpiGroup {
         let op = sig.op.name();
         let mut calls = lock(&self.calls);
         if let Some(failure) = self.shared.failure() {
+            return Err(self.group_failed(op, failure));
+        }
+        if self.left.load(Ordering::SeqCst) {
+            let failure = Failure {
+                rank: self.rank,
+                cause: FailureCause::Left,
+            };
             return Err(self.group_failed(op, failure));
         }
         *calls += 1;
@@ -255,6 +307,20 @@ impl MpiGroup {
         self.group_failed(op, failure)
     }
 
+    /// Into how many messages a reduction of `tensor` splits: the ring's
+    /// chunks (as the engine decides, from the size and the threshold), or
+    /// one.
+    fn reduction_parts(&self, tensor: &Tensor) -> usize {
+        let bytes = tensor
+            .elem_count()
+            .saturating_mul(tensor.dtype().size_in_bytes());
+        if self.world_size > 1 && bytes >= self.shared.ring_threshold_bytes {
+            self.world_size
+        } else {
+            1
+        }
+    }
+
     fn root_error(&self, root: usize) -> Option<String> {
         (root >= self.world_size).then(|| {
             format!(
@@ -303,8 +369,12 @@ impl MpiGroup {
     }
 }
 
-/// A tensor's host copy and its signature, or why it cannot be sent.
-fn host_copy(tensor: &Tensor) -> (Option<TensorMeta>, std::result::Result<Buffer, String>) {
+/// A tensor's host copy and its signature, or why it cannot be sent in
+/// messages of at most `1 / parts` of it (the ring's chunks).
+fn host_copy_in(
+    tensor: &Tensor,
+    parts: usize,
+) -> (Option<TensorMeta>, std::result::Result<Buffer, String>) {
     let meta = TensorMeta {
         dtype: tensor.dtype(),
         dims: tensor.dims().to_vec(),
@@ -312,14 +382,18 @@ fn host_copy(tensor: &Tensor) -> (Option<TensorMeta>, std::result::Result<Buffer
     let bytes = tensor
         .elem_count()
         .saturating_mul(tensor.dtype().size_in_bytes());
-    let data = if bytes > MAX_TENSOR_BYTES {
-        Err(format!(
-            "{bytes} bytes is more than MPI moves in one message ({MAX_TENSOR_BYTES}); split the tensor"
-        ))
+    let largest_message = bytes.div_ceil(parts.max(1)) + tensor.dtype().size_in_bytes();
+    let data = if largest_message > MAX_MESSAGE_BYTES {
+        Err(too_large(bytes))
     } else {
         Buffer::from_tensor(tensor)
     };
     (Some(meta), data)
+}
+
+/// [`host_copy_in`] for data that travels whole.
+fn host_copy(tensor: &Tensor) -> (Option<TensorMeta>, std::result::Result<Buffer, String>) {
+    host_copy_in(tensor, 1)
 }
 
 fn signature(op: OpSig, meta: Option<TensorMeta>, invalid: Option<String>) -> Signature {
@@ -344,7 +418,7 @@ impl ProcessGroup for MpiGroup {
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let (meta, data) = host_copy(tensor);
+        let (meta, data) = host_copy_in(tensor, self.reduction_parts(tensor));
         let sig = signature(OpSig::AllReduce(op), meta, data.as_ref().err().cloned());
         let kind = Kind::Reduce {
             op,
@@ -441,7 +515,7 @@ impl ProcessGroup for MpiGroup {
     }
 
     fn reduce(&self, tensor: &Tensor, root: usize, op: ReduceOp) -> Result<Option<Tensor>> {
-        let (meta, data) = host_copy(tensor);
+        let (meta, data) = host_copy_in(tensor, self.reduction_parts(tensor));
         let invalid = self.root_error(root).or(data.as_ref().err().cloned());
         let sig = signature(OpSig::Reduce { root, op }, meta, invalid);
         let kind = Kind::Reduce {
@@ -461,13 +535,10 @@ impl ProcessGroup for MpiGroup {
     }
 
     fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
-        let sig = signature(OpSig::AllGatherBytes, None, None);
-        let reply = self.call(
-            sig,
-            Kind::AllGather {
-                data: Some(Buffer::U8(bytes)),
-            },
-        )?;
+        let invalid = (bytes.len() > MAX_MESSAGE_BYTES).then(|| too_large(bytes.len()));
+        let data = invalid.is_none().then_some(Buffer::U8(bytes));
+        let sig = signature(OpSig::AllGatherBytes, None, invalid);
+        let reply = self.call(sig, Kind::AllGather { data })?;
         let Reply::Many(buffers) = reply else {
             return Err(self.wrong_reply("all_gather_bytes"));
         };
@@ -505,19 +576,6 @@ fn host_copy_meta(tensor: &Tensor) -> Option<TensorMeta> {
 
 impl Drop for MpiGroup {
     fn drop(&mut self) {
-        if thread::panicking() {
-            self.fail(FailureCause::Panicked);
-        }
-        let (ack, done) = channel::bounded(1);
-        let _ = self.control.send(Control::Shutdown(ack));
-        // A healthy group finalizes MPI, which waits for every rank; a
-        // failed one may have left its engine waiting on a dead peer, so
-        // it is not waited for.
-        if self.shared.failure().is_none() {
-            let _ = done.recv();
-            if let Some(engine) = lock(&self.engine).take() {
-                let _ = engine.join();
-            }
-        }
+        self.leave();
     }
 }

@@ -177,10 +177,12 @@ pub(crate) fn decode_header(message: &[u8]) -> Result<Header, String> {
     })
 }
 
-/// The longest failure reason a notice carries; longer ones are cut. It
-/// keeps a notice far below MPI's eager limit (4 KiB for shared memory),
-/// so sending one never waits for the receiver.
+/// The longest failure reason a notice carries; longer ones are cut.
 const MAX_REASON_BYTES: usize = 1000;
+
+/// The longest encoded notice: far below MPI's eager limit (4 KiB for
+/// shared memory), so sending one does not wait for the receiver.
+const MAX_NOTICE_BYTES: usize = 2048;
 
 /// What one rank tells the others outside any collective.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -218,8 +220,31 @@ impl Notice {
         }
     }
 
+    /// The notice as JSON, at most [`MAX_NOTICE_BYTES`] long: the reason is
+    /// cut further when escaping made it longer.
     pub(crate) fn encode(&self) -> Vec<u8> {
-        serde_json::to_vec(self).unwrap_or_default()
+        let mut notice = self.clone();
+        loop {
+            let bytes = serde_json::to_vec(&notice).unwrap_or_default();
+            if bytes.len() <= MAX_NOTICE_BYTES {
+                return bytes;
+            }
+            match &mut notice {
+                Notice::Failed {
+                    cause: WireCause::Aborted(reason),
+                    ..
+                } if !reason.is_empty() => {
+                    let keep = reason.len() / 2;
+                    *reason = truncate_to(reason, keep);
+                }
+                Notice::Failed {
+                    cause: WireCause::TimedOut { missing, .. },
+                    ..
+                } if !missing.is_empty() => missing.truncate(missing.len() / 2),
+                // Nothing left to cut: a bare notice is a few dozen bytes.
+                _ => return bytes,
+            }
+        }
     }
 
     pub(crate) fn decode(bytes: &[u8]) -> Result<Notice, String> {
@@ -242,10 +267,15 @@ impl WireCause {
 }
 
 fn truncate(reason: &str) -> String {
-    if reason.len() <= MAX_REASON_BYTES {
+    truncate_to(reason, MAX_REASON_BYTES)
+}
+
+/// `reason` cut to at most `max` bytes (at a character boundary), marked.
+fn truncate_to(reason: &str, max: usize) -> String {
+    if reason.len() <= max {
         return reason.to_string();
     }
-    let mut end = MAX_REASON_BYTES;
+    let mut end = max;
     while !reason.is_char_boundary(end) {
         end -= 1;
     }
@@ -310,6 +340,12 @@ mod tests {
             panic!("not an abort");
         };
         assert!(reason.len() <= MAX_REASON_BYTES + '…'.len_utf8());
+        // Control characters grow sixfold when escaped: still one small notice.
+        let escaped = Failure {
+            rank: 1,
+            cause: FailureCause::Aborted("\u{1}".repeat(5000)),
+        };
+        assert!(Notice::failed(&escaped).encode().len() <= MAX_NOTICE_BYTES);
         let timed_out = Failure {
             rank: 0,
             cause: FailureCause::TimedOut {
