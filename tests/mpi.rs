@@ -561,17 +561,24 @@ fn run_bounded(mut command: Command, what: &str) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .expect("the command starts (is Open MPI installed?)");
-    // Read the pipes on threads, so that a chatty child never blocks.
-    let mut stdout = child.stdout.take().unwrap();
-    let mut stderr = child.stderr.take().unwrap();
-    let out = std::thread::spawn(move || {
-        let mut buf = Vec::new();
-        std::io::Read::read_to_end(&mut stdout, &mut buf).map(|_| buf)
-    });
-    let err = std::thread::spawn(move || {
-        let mut buf = Vec::new();
-        std::io::Read::read_to_end(&mut stderr, &mut buf).map(|_| buf)
-    });
+    // Read the pipes on threads, so that a chatty child never blocks, and
+    // wait for them with a deadline too: a process that outlives mpirun
+    // could keep a pipe open.
+    let pipe = |mut from: Box<dyn std::io::Read + Send>| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            let _ = from.read_to_end(&mut buf);
+            let _ = tx.send(buf);
+        });
+        rx
+    };
+    let out = pipe(Box::new(child.stdout.take().unwrap()));
+    let err = pipe(Box::new(child.stderr.take().unwrap()));
+    let read = |rx: &std::sync::mpsc::Receiver<Vec<u8>>| {
+        rx.recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| b"(output not closed within 30 s)".to_vec())
+    };
     let start = Instant::now();
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -583,17 +590,16 @@ fn run_bounded(mut command: Command, what: &str) -> Output {
             std::thread::sleep(Duration::from_secs(5));
             let _ = child.kill();
             let _ = child.wait();
-            let text = String::from_utf8_lossy(&out.join().unwrap().unwrap_or_default())
-                .to_string()
-                + &String::from_utf8_lossy(&err.join().unwrap().unwrap_or_default());
+            let text = String::from_utf8_lossy(&read(&out)).to_string()
+                + &String::from_utf8_lossy(&read(&err));
             panic!("{what} ran past {DEADLINE:?}:\n{text}");
         }
         std::thread::sleep(Duration::from_millis(50));
     };
     Output {
         status,
-        stdout: out.join().unwrap().unwrap_or_default(),
-        stderr: err.join().unwrap().unwrap_or_default(),
+        stdout: read(&out),
+        stderr: read(&err),
     }
 }
 
