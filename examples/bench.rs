@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run --release --example bench -- --out bench-out [--quick] [--steps 20] [--rounds 2]
-//!     [--device cpu|cuda] [--torch-csv scripts-output.csv]
+//!     [--device cpu|cuda] [--torch-csv scripts-output.csv]    (--help for details)
 //! ```
 //!
 //! `--torch-csv` reads the CSV written by `scripts/bench_torch.py --csv` (run
@@ -34,6 +34,7 @@
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -45,6 +46,7 @@ use candle_dp::{DataParallel, DdpConfig, DistributedDataParallel, LossReduction}
 use candle_nn::{
     conv2d, linear, loss, Conv2d, Conv2dConfig, Linear, Optimizer, VarBuilder, VarMap, SGD,
 };
+use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
@@ -465,10 +467,56 @@ fn specs(quick: bool, steps: usize, device: &str) -> Vec<Spec> {
     out
 }
 
+/// Where the replicas or ranks run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum DeviceKind {
+    /// CPU replicas (the cores split between them).
+    Cpu,
+    /// CUDA streams of GPU 0 (a build with `--features cuda`).
+    Cuda,
+}
+
+impl DeviceKind {
+    fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Cuda => "cuda",
+        }
+    }
+}
+
+/// Training benchmark of candle-dp: one device, DataParallel, DDP on thread
+/// ranks and (feature `mpi`) on MPI processes, side by side in one run.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Only the MLP at global batch 256 on 2 replicas (under a minute).
+    #[arg(long)]
+    quick: bool,
+    /// Where bench.md, bench.csv and bench.svg are written.
+    #[arg(long, value_name = "DIR", default_value = "bench-out")]
+    out: PathBuf,
+    /// Timed steps per configuration and round [default: 20, 10 with --quick].
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Rounds over all configurations [default: 2, 1 with --quick].
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// Where the replicas run.
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    device: DeviceKind,
+    /// The CSV of `scripts/bench_torch.py --csv`, for the ratios to PyTorch.
+    #[arg(long, value_name = "CSV")]
+    torch_csv: Option<PathBuf>,
+    /// Internal: run one configuration (JSON) in this process.
+    #[arg(long, hide = true, value_name = "SPEC")]
+    child: Option<String>,
+}
+
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    if let Some(i) = args.iter().position(|a| a == "--child") {
-        let spec: Spec = serde_json::from_str(args.get(i + 1).context("--child needs a spec")?)?;
+    let args = Args::parse();
+    if let Some(child) = &args.child {
+        let spec: Spec = serde_json::from_str(child).context("--child needs a spec")?;
         let measured = run_child(&spec)?;
         // Under mpirun every rank gets here; rank 0 reports.
         if Backend::process_rank() == 0 {
@@ -476,26 +524,12 @@ fn main() -> Result<()> {
         }
         return Ok(());
     }
-    let flag = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
-    let quick = args.iter().any(|a| a == "--quick");
-    let out_dir = flag("--out").unwrap_or_else(|| "bench-out".into());
-    let steps: usize = flag("--steps")
-        .map(|s| s.parse())
-        .transpose()?
-        .unwrap_or(if quick { 10 } else { 20 });
-    let rounds: usize = flag("--rounds")
-        .map(|s| s.parse())
-        .transpose()?
-        .unwrap_or(if quick { 1 } else { 2 });
-    std::fs::create_dir_all(&out_dir)?;
-
-    let device = flag("--device").unwrap_or_else(|| "cpu".into());
-    let specs = specs(quick, steps, &device);
+    let quick = args.quick;
+    let steps = args.steps.unwrap_or(if quick { 10 } else { 20 });
+    let rounds = args.rounds.unwrap_or(if quick { 1 } else { 2 });
+    let out_dir = &args.out;
+    std::fs::create_dir_all(out_dir)?;
+    let specs = specs(quick, steps, args.device.name());
     let bar = ProgressBar::new((specs.len() * rounds) as u64);
     bar.set_style(
         ProgressStyle::with_template("[{bar:30}] {pos}/{len} {msg}")?.progress_chars("=> "),
@@ -524,17 +558,24 @@ fn main() -> Result<()> {
     bar.finish_and_clear();
 
     let rows = summarize(&specs, &measured);
-    let torch = flag("--torch-csv")
-        .map(std::fs::read_to_string)
+    let torch = args
+        .torch_csv
+        .as_ref()
+        .map(|path| {
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+        })
         .transpose()?;
     let mut table = markdown(&rows);
     table += &targets(&rows, torch.as_deref());
     table += &ddp_comparison(&rows, torch.as_deref());
     println!("{table}");
-    std::fs::write(format!("{out_dir}/bench.md"), &table)?;
-    std::fs::write(format!("{out_dir}/bench.csv"), csv(&rows))?;
-    chart(&rows, &format!("{out_dir}/bench.svg"))?;
-    println!("wrote {out_dir}/bench.md, bench.csv, bench.svg");
+    std::fs::write(out_dir.join("bench.md"), &table)?;
+    std::fs::write(out_dir.join("bench.csv"), csv(&rows))?;
+    chart(&rows, &out_dir.join("bench.svg"))?;
+    println!(
+        "wrote {}: bench.md, bench.csv, bench.svg",
+        out_dir.display()
+    );
     Ok(())
 }
 
@@ -773,7 +814,7 @@ fn csv(rows: &[Row]) -> String {
 }
 
 /// Samples/s per configuration, one panel row per (model, batch).
-fn chart(rows: &[Row], path: &str) -> Result<()> {
+fn chart(rows: &[Row], path: &Path) -> Result<()> {
     use plotters::prelude::*;
     let mut groups: Vec<(String, usize)> = Vec::new();
     for r in rows {

@@ -56,6 +56,8 @@
 //! between them from the environment, so one program runs both ways, and
 //! [`seeded_varmap`] gives every rank and every run the same initial weights.
 
+#![deny(missing_docs)]
+
 pub mod checkpoint;
 pub mod comm;
 mod data_parallel;
