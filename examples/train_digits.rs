@@ -114,6 +114,9 @@ struct Args {
     /// Writes the trained weights (safetensors) here; under DDP, rank 0 writes.
     #[arg(long, value_name = "FILE")]
     save: Option<PathBuf>,
+    /// Writes the loss and held-out accuracy per epoch of every run here (SVG).
+    #[arg(long, value_name = "FILE", default_value = "target/train_digits.svg")]
+    chart: PathBuf,
 }
 
 impl Args {
@@ -151,12 +154,34 @@ fn load_data(args: &Args) -> Result<(LabelledImages, LabelledImages, String)> {
 }
 
 struct Outcome {
+    /// Training time, evaluations excluded.
     seconds: f64,
     samples: usize,
     last_loss: f32,
     accuracy: f64,
+    /// Per epoch: the mean training loss and the held-out accuracy.
+    history: Vec<(f32, f64)>,
     /// The trained weights.
     varmap: VarMap,
+}
+
+/// The losses of one epoch, and its held-out accuracy, outside the timing.
+#[derive(Default)]
+struct EpochLog {
+    losses: Vec<f32>,
+    history: Vec<(f32, f64)>,
+    evaluating: std::time::Duration,
+}
+
+impl EpochLog {
+    fn end_epoch(&mut self, model: &Mlp, test: &LabelledImages) -> Result<()> {
+        let start = Instant::now();
+        let mean = self.losses.iter().sum::<f32>() / self.losses.len().max(1) as f32;
+        self.losses.clear();
+        self.history.push((mean, accuracy(model, test)?));
+        self.evaluating += start.elapsed();
+        Ok(())
+    }
 }
 
 /// One training run. `replicas == 0` means plain candle on one device.
@@ -192,6 +217,7 @@ fn train(
     });
 
     let (mut samples, mut last_loss) = (0, f32::NAN);
+    let mut log = EpochLog::default();
     let start = Instant::now();
     for epoch in 0..args.epochs {
         let order = shuffled_indices(train.len(), args.seed + 1 + epoch as u64);
@@ -221,11 +247,13 @@ fn train(
             };
             samples += batch.len();
             last_loss = loss.to_scalar::<f32>()?;
+            log.losses.push(last_loss);
             bar.inc(1);
         }
         bar.set_message(format!("epoch {} loss {last_loss:.4}", epoch + 1));
+        log.end_epoch(&single, test)?;
     }
-    let seconds = start.elapsed().as_secs_f64();
+    let seconds = (start.elapsed() - log.evaluating).as_secs_f64();
     bar.finish();
 
     Ok(Outcome {
@@ -233,6 +261,7 @@ fn train(
         samples,
         last_loss,
         accuracy: accuracy(&single, test)?,
+        history: log.history,
         varmap,
     })
 }
@@ -277,6 +306,13 @@ fn train_ddp(
             ProgressBar::hidden()
         };
         let (mut samples, mut last_loss) = (0, f32::NAN);
+        let mut log = EpochLog::default();
+        // Shares the trained variables: evaluates the model as it is.
+        let model = Mlp::new(
+            VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+            inputs,
+            hidden,
+        )?;
         for epoch in 0..args.epochs {
             sampler.set_epoch(epoch as u64);
             let loader = Loader::new(dataset.clone(), per_rank)?
@@ -288,10 +324,15 @@ fn train_ddp(
                 ddp.backward_step(&loss, &mut opt)?;
                 samples += batch[0].dim(0)?;
                 last_loss = loss.to_scalar::<f32>()?;
+                log.losses.push(last_loss);
                 bar.inc(1);
             }
             bar.set_message(format!("epoch {} loss {last_loss:.4}", epoch + 1));
+            if rank == 0 {
+                log.end_epoch(&model, test)?;
+            }
         }
+        let seconds = (start.elapsed() - log.evaluating).as_secs_f64();
         bar.finish();
         if rank != 0 {
             return Ok(None);
@@ -299,17 +340,13 @@ fn train_ddp(
         if let Some(path) = &args.save {
             checkpoint::save(&varmap, path, Prefix::None)?;
         }
-        let model = Mlp::new(
-            VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
-            inputs,
-            hidden,
-        )?;
         // Every rank trains on as many samples (the sampler pads).
         Ok(Some(Outcome {
-            seconds: start.elapsed().as_secs_f64(),
+            seconds,
             samples: samples * world,
             last_loss,
             accuracy: accuracy(&model, test)?,
+            history: log.history,
             varmap,
         }))
     })?;
@@ -469,5 +506,55 @@ fn main() -> Result<()> {
     if let Some(path) = &args.save {
         println!("weights saved to {}", path.display());
     }
+    let mut curves = vec![("one device".to_string(), one.history.as_slice())];
+    if let Some((label, outcome)) = &parallel {
+        curves.insert(0, (label.clone(), outcome.history.as_slice()));
+    }
+    chart(&args.chart, &curves)?;
+    println!("loss and accuracy per epoch: {}", args.chart.display());
+    Ok(())
+}
+
+/// Two panels, training loss and held-out accuracy per epoch, one line per run.
+fn chart(path: &std::path::Path, runs: &[(String, &[(f32, f64)])]) -> Result<()> {
+    use plotters::prelude::*;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let root = SVGBackend::new(path, (900, 360)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (left, right) = root.split_horizontally(450);
+    let epochs = runs.iter().map(|(_, h)| h.len()).max().unwrap_or(1).max(1);
+    let colors = [RED, BLUE, GREEN];
+    let panels: [(&str, DrawingArea<_, _>, fn(&(f32, f64)) -> f64); 2] = [
+        ("training loss (epoch mean)", left, |e| f64::from(e.0)),
+        ("held-out accuracy", right, |e| e.1),
+    ];
+    for (title, area, value) in panels {
+        let values = runs.iter().flat_map(|(_, h)| h.iter().map(value));
+        let top = values.fold(0f64, f64::max).max(1e-3) * 1.05;
+        let mut chart = ChartBuilder::on(&area)
+            .caption(title, ("sans-serif", 16))
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(50)
+            .build_cartesian_2d(1..epochs, 0f64..top)?;
+        chart.configure_mesh().x_desc("epoch").draw()?;
+        // Wider lines first: runs that agree (they should) stay visible.
+        for (i, ((label, history), color)) in runs.iter().zip(colors.iter().cycle()).enumerate() {
+            let style = color.stroke_width(6u32.saturating_sub(3 * i as u32).max(2));
+            let points = history.iter().enumerate().map(|(i, e)| (i + 1, value(e)));
+            chart
+                .draw_series(LineSeries::new(points, style))?
+                .label(label.as_str())
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], style));
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
+    }
+    root.present()?;
     Ok(())
 }
