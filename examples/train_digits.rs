@@ -526,7 +526,9 @@ fn chart(path: &std::path::Path, runs: &[(String, &[(f32, f64)])]) -> Result<()>
     let (left, right) = root.split_horizontally(450);
     let epochs = runs.iter().map(|(_, h)| h.len()).max().unwrap_or(1).max(1);
     let colors = [RED, BLUE, GREEN];
-    let panels: [(&str, DrawingArea<_, _>, fn(&(f32, f64)) -> f64); 2] = [
+    // Which number of an epoch's (loss, accuracy) a panel plots.
+    type Metric = fn(&(f32, f64)) -> f64;
+    let panels: [(&str, DrawingArea<_, _>, Metric); 2] = [
         ("training loss (epoch mean)", left, |e| f64::from(e.0)),
         ("held-out accuracy", right, |e| e.1),
     ];
