@@ -183,7 +183,7 @@ fn env_number(variables: &[&str]) -> Option<usize> {
 /// Runs `f` on every rank and returns the results of the ranks that ran
 /// in this process, in rank order: under an MPI launcher (see
 /// [`Backend::from_env`]), this process's rank of an
-/// [`MpiGroup`](crate::comm::MpiGroup) (one result; the world size is
+/// `MpiGroup` (feature `mpi`; one result; the world size is
 /// `mpirun`'s, and `threads` is not used); otherwise `threads` thread
 /// ranks, as [`spawn_with`].
 ///
