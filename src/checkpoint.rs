@@ -14,7 +14,7 @@ use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 
 use crate::error::{Error, Result};
-use crate::replicate::sorted_vars;
+use crate::vars::sorted_vars;
 
 /// The prefix PyTorch's `DataParallel` adds to state-dict keys.
 pub const MODULE_PREFIX: &str = "module.";

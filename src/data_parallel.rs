@@ -10,16 +10,16 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, TensorId, Var};
 use candle_nn::{Module, ModuleT, VarBuilder, VarMap};
 
+use crate::buffers::{is_batch_norm_buffer, BufferPredicate};
+use crate::device_label::device_label;
 use crate::error::{Error, Result};
 use crate::lock::lock;
 use crate::no_grad::NoGradCheck;
 use crate::parallel_apply::{parallel_apply, Cancel, Replica, Worker};
 use crate::reduce::{balanced_partition, sum_gradients};
-use crate::replicate::{
-    build_master, build_replica, device_label, is_batch_norm_buffer, sorted_vars, BufferPredicate,
-    ReplicaVars,
-};
+use crate::replicate::{build_master, build_replica, ReplicaVars};
 use crate::scatter_gather::{gather, scatter, Gather, Scatter, ScatterPlan, Split};
+use crate::vars::{grads_of, sorted_vars};
 
 /// How a loss computed on each replica combines into the global loss.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -545,7 +545,7 @@ impl<M: 'static> DataParallel<M> {
                 let t0 = Instant::now();
                 // d/d(out) of sum(out * grad) is exactly `grad`.
                 let seeded = (&out * grad.reshape(out.shape())?.detach())?.sum_all()?;
-                Ok((master_grads(&seeded.backward()?, &master)?, t0.elapsed()))
+                Ok((grads_of(&seeded.backward()?, &master), t0.elapsed()))
             },
         )?;
         let backward = results.iter().map(|r| r.1).max().unwrap_or_default();
@@ -639,7 +639,7 @@ impl<M: 'static> DataParallel<M> {
                 candle_core::bail!("step abandoned: another replica failed");
             }
             let t0 = Instant::now();
-            let grads = master_grads(&weighted.backward()?, &master)?;
+            let grads = grads_of(&weighted.backward()?, &master);
             Ok((weighted.detach(), grads, t0.elapsed()))
         })?;
         let backward = results.iter().map(|r| r.2).max().unwrap_or_default();
@@ -742,18 +742,6 @@ impl<M: 'static> DataParallel<M> {
         }
         Ok(store)
     }
-}
-
-/// The gradients of the master variables in one replica's store, in the
-/// master's (sorted) order.
-fn master_grads(
-    store: &GradStore,
-    master: &[(String, Var)],
-) -> candle_core::Result<Vec<Option<Tensor>>> {
-    Ok(master
-        .iter()
-        .map(|(_, var)| store.get(var.as_tensor()).cloned())
-        .collect())
 }
 
 /// Rows along `dim` of the first tensor leaf, if any.

@@ -38,10 +38,11 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Module, ModuleT, Optimizer, VarBuilder, VarMap};
 use serde::{Deserialize, Serialize};
 
+use crate::buffers::{is_batch_norm_buffer, BufferPredicate};
 use crate::comm::{all_gather_object, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::no_grad::NoGradCheck;
-use crate::replicate::{is_batch_norm_buffer, sorted_vars, BufferPredicate};
+use crate::vars::{grads_of, sorted_vars};
 
 /// How a bucket of gradients travels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -286,11 +287,7 @@ impl<M> DistributedDataParallel<M> {
         let start = Instant::now();
         let grads = loss.backward()?;
         self.timings.backward = start.elapsed();
-        let local: Vec<Option<Tensor>> = self
-            .params
-            .iter()
-            .map(|(_, v)| grads.get(v.as_tensor()).cloned())
-            .collect();
+        let local = grads_of(&grads, &self.params);
         let local = match self.accumulated.take() {
             None => local,
             Some(acc) => acc

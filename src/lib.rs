@@ -58,11 +58,13 @@
 
 #![deny(missing_docs)]
 
+mod buffers;
 pub mod checkpoint;
 pub mod comm;
 mod data_parallel;
 pub mod datasets;
 mod ddp;
+mod device_label;
 mod error;
 pub mod launch;
 pub mod loader;
@@ -75,11 +77,13 @@ mod replicate;
 pub mod sampler;
 mod scatter_gather;
 mod seeded_init;
+mod vars;
 
+pub use buffers::{is_batch_norm_buffer, BufferPredicate};
 pub use data_parallel::{DataParallel, DataParallelBuilder, LossReduction, Step, StepTimings};
 pub use ddp::{CommHook, DdpConfig, DdpTimings, DistributedDataParallel, JoinDivisor};
+pub use device_label::device_label;
 pub use error::{Error, Result};
-pub use replicate::{device_label, is_batch_norm_buffer, BufferPredicate};
 pub use scatter_gather::{
     chunk_sizes, gather, scatter, Gather, Replicated, Scatter, ScatterPlan, Split,
 };

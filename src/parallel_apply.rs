@@ -19,9 +19,10 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender};
 
+use crate::device_label::device_label;
 use crate::error::{Error, Result};
 use crate::panic_message::panic_message;
-use crate::replicate::{device_label, ReplicaVars};
+use crate::replicate::ReplicaVars;
 
 /// What a worker owns: the user's model and the tensors that follow the master.
 pub(crate) struct Replica<M> {

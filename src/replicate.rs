@@ -24,37 +24,12 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::{Init, VarBuilder, VarMap};
 
+use crate::buffers::BufferPredicate;
+use crate::device_label::device_label;
 use crate::error::{Error, Result};
 use crate::lock::lock;
 use crate::panic_message::panic_message;
-
-/// Decides which variables are buffers (updated by the forward pass, never
-/// by the optimizer) from their `VarMap` name.
-pub type BufferPredicate = Arc<dyn Fn(&str) -> bool + Send + Sync>;
-
-/// The default [`BufferPredicate`]: candle-nn's BatchNorm statistics,
-/// `*running_mean` and `*running_var`.
-pub fn is_batch_norm_buffer(name: &str) -> bool {
-    name.ends_with("running_mean") || name.ends_with("running_var")
-}
-
-/// Label used in error messages: `cpu`, `cuda:1`, `metal:0`.
-pub fn device_label(device: &Device) -> String {
-    match device.location() {
-        candle_core::DeviceLocation::Cpu => "cpu".to_string(),
-        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
-        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
-    }
-}
-
-/// The master's variables, sorted by name so that every ordering derived
-/// from them (gradient reduction, checkpoints) is deterministic.
-pub(crate) fn sorted_vars(varmap: &VarMap) -> Vec<(String, Var)> {
-    let data = lock(varmap.data());
-    let mut vars: Vec<(String, Var)> = data.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
-    vars
-}
+use crate::vars::sorted_vars;
 
 /// Builds the master model on `device`, creating (or reusing) the variables
 /// in `varmap`, and checks that every variable lives on that device.

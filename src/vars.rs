@@ -1,0 +1,24 @@
+//! A model's variables by name, in a fixed order, and their gradients.
+
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+use candle_nn::VarMap;
+
+use crate::lock::lock;
+
+/// The variables of `varmap`, sorted by name so that every ordering derived
+/// from them (gradient reduction, buckets, checkpoints) is deterministic
+/// (`VarMap` iterates in hash order).
+pub(crate) fn sorted_vars(varmap: &VarMap) -> Vec<(String, Var)> {
+    let data = lock(varmap.data());
+    let mut vars: Vec<(String, Var)> = data.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    vars
+}
+
+/// The gradient of each of `vars` in `store`, in order (`None`: no gradient).
+pub(crate) fn grads_of(store: &GradStore, vars: &[(String, Var)]) -> Vec<Option<Tensor>> {
+    vars.iter()
+        .map(|(_, var)| store.get(var.as_tensor()).cloned())
+        .collect()
+}
