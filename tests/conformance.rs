@@ -75,14 +75,7 @@ fn nested_inputs_and_outputs_are_split_and_gathered_element_by_element() {
     let module = the_module(&varmap);
     let (fa, fb) = (module.forward(&a).unwrap(), module.forward(&b).unwrap());
     let close = |x: &Tensor, y: &Tensor| {
-        let d = (x - y)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let d = max_abs_diff(x, y);
         assert!(d < 1e-6, "{d}");
     };
     close(&first, &fa);
@@ -106,14 +99,7 @@ fn inference_equals_the_module_and_leaves_buffers_alone() {
     let x = Tensor::randn(3f32, 2., (6, 12), &Device::Cpu).unwrap();
     let out = dp.forward_t(&x.detach(), false).unwrap();
     let expected = module.forward_t(&x, false).unwrap();
-    let d = (out - expected)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let d = max_abs_diff(&out, &expected);
     assert!(d < 1e-6, "{d}");
     assert_eq!(stats(), before);
     // Training mode moves them (replica 0's statistics, as in PyTorch).

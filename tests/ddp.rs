@@ -48,37 +48,6 @@ fn init_mlp() -> HashMap<String, Tensor> {
     snapshot(&varmap)
 }
 
-fn single_device(
-    init: &HashMap<String, Tensor>,
-    data: &[(Tensor, Tensor)],
-    adamw: bool,
-) -> HashMap<String, Tensor> {
-    let varmap = varmap_from(init);
-    let net = Mlp::new(
-        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
-        SIZES,
-    )
-    .unwrap();
-    let mut sgd = SGD::new(varmap.all_vars(), 0.1).unwrap();
-    let mut adam = AdamW::new(
-        varmap.all_vars(),
-        ParamsAdamW {
-            lr: 0.01,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    for (x, y) in data {
-        let loss = loss::cross_entropy(&net.forward(x).unwrap(), y).unwrap();
-        if adamw {
-            adam.backward_step(&loss).unwrap();
-        } else {
-            sgd.backward_step(&loss).unwrap();
-        }
-    }
-    snapshot(&varmap)
-}
-
 /// Trains on `world` ranks, rank r taking rows `r*b..(r+1)*b` of every global batch.
 fn ddp_train(
     init: &HashMap<String, Tensor>,
@@ -122,7 +91,7 @@ fn ddp_on_1_to_4_ranks_matches_single_device_training_of_the_global_batch() {
     let init = init_mlp();
     let data = batches(10, 12);
     for adamw in [false, true] {
-        let reference = single_device(&init, &data, adamw);
+        let reference = single_device_mlp(&init, &data, adamw);
         for world in 1..=4 {
             let ranks = ddp_train(&init, &data, world, adamw);
             for (rank, got) in ranks.iter().enumerate() {
@@ -146,7 +115,7 @@ fn no_sync_over_k_steps_matches_one_step_on_k_times_the_batch() {
     let init = init_mlp();
     let (world, k, micro) = (2, 3, 2);
     let data = batches(4, world * k * micro);
-    let reference = single_device(&init, &data, false);
+    let reference = single_device_mlp(&init, &data, false);
     let ranks = spawn_with(world, bounded(), |ctx| {
         let varmap = varmap_from(&init);
         let mut ddp = mlp_ddp(&ctx, &varmap, DdpConfig::default())?;

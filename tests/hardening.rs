@@ -108,14 +108,7 @@ fn spawn_returns_when_a_rank_returns_its_trained_ddp() {
     let result = within(60, || {
         spawn(2, |ctx| {
             let varmap = VarMap::new();
-            let ddp = DistributedDataParallel::new(
-                ctx.process_group(),
-                &varmap,
-                DType::F32,
-                &Device::Cpu,
-                |vb| linear(3, 2, vb),
-                DdpConfig::default(),
-            )?;
+            let ddp = linear_ddp(ctx.process_group(), &varmap)?;
             if ctx.rank == 1 {
                 ctx.pg.all_reduce(
                     &Tensor::ones(2, DType::F32, &Device::Cpu)?,
@@ -128,6 +121,21 @@ fn spawn_returns_when_a_rank_returns_its_trained_ddp() {
     });
     let err = result.unwrap_err();
     assert!(err.to_string().contains("rank 0 left the group"), "{err}");
+}
+
+/// This rank's DDP around a 3 -> 2 linear layer.
+fn linear_ddp(
+    pg: Arc<dyn ProcessGroup>,
+    varmap: &VarMap,
+) -> candle_dp::Result<DistributedDataParallel<Linear>> {
+    DistributedDataParallel::new(
+        pg,
+        varmap,
+        DType::F32,
+        &Device::Cpu,
+        |vb| linear(3, 2, vb),
+        DdpConfig::default(),
+    )
 }
 
 /// Rows of the output depend on the part: 3x3 and 2x2 cannot be concatenated.
@@ -405,14 +413,7 @@ fn no_sync_and_join_are_restored_when_their_closure_panics() {
             calls: AtomicUsize::new(0),
         });
         let varmap = VarMap::new();
-        let mut ddp = DistributedDataParallel::new(
-            pg.clone(),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-            |vb| linear(3, 2, vb),
-            DdpConfig::default(),
-        )?;
+        let mut ddp = linear_ddp(pg.clone(), &varmap)?;
         let x = Tensor::ones((4, 3), DType::F32, &Device::Cpu)?;
         let grads_of_a_step = |ddp: &mut DistributedDataParallel<Linear>| -> anyhow::Result<usize> {
             let loss = ddp.forward(&x)?.sqr()?.sum_all()?;

@@ -18,7 +18,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_dp::comm::{all_gather_object, GroupOptions, ReduceOp};
 use candle_dp::launch::{run, spawn_with, RankContext};
 use candle_dp::{CommHook, DdpConfig, DistributedDataParallel, JoinDivisor};
@@ -720,30 +720,7 @@ fn training_input(rows: usize) -> Tensors {
 
 /// Plain candle on one device over the global batches.
 fn single_device(input: &Tensors, adamw: bool) -> Tensors {
-    let varmap = varmap_from(&init_of(input));
-    let net = Mlp::new(
-        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
-        SIZES,
-    )
-    .unwrap();
-    let mut sgd = SGD::new(varmap.all_vars(), 0.1).unwrap();
-    let mut adam = AdamW::new(
-        varmap.all_vars(),
-        ParamsAdamW {
-            lr: 0.01,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    for (x, y) in batches(input) {
-        let loss = loss::cross_entropy(&net.forward(&x).unwrap(), &y).unwrap();
-        if adamw {
-            adam.backward_step(&loss).unwrap();
-        } else {
-            sgd.backward_step(&loss).unwrap();
-        }
-    }
-    snapshot(&varmap)
+    single_device_mlp(&init_of(input), &batches(input), adamw)
 }
 
 #[test]

@@ -188,6 +188,40 @@ pub fn diff_report(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> 
 /// The sizes of the MLP the DDP tests train.
 pub const DDP_SIZES: (usize, usize, usize) = (6, 16, 5);
 
+/// Plain candle on one device: the MLP of [`DDP_SIZES`] from `init`, one
+/// step per `(x, y)` of `data`, SGD 0.1 or AdamW 0.01.
+pub fn single_device_mlp(
+    init: &HashMap<String, Tensor>,
+    data: &[(Tensor, Tensor)],
+    adamw: bool,
+) -> HashMap<String, Tensor> {
+    use candle_nn::Optimizer;
+    let varmap = varmap_from(init);
+    let net = Mlp::new(
+        VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &Device::Cpu),
+        DDP_SIZES,
+    )
+    .unwrap();
+    let mut sgd = candle_nn::SGD::new(varmap.all_vars(), 0.1).unwrap();
+    let mut adam = candle_nn::AdamW::new(
+        varmap.all_vars(),
+        candle_nn::ParamsAdamW {
+            lr: 0.01,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    for (x, y) in data {
+        let loss = candle_nn::loss::cross_entropy(&net.forward(x).unwrap(), y).unwrap();
+        if adamw {
+            adam.backward_step(&loss).unwrap();
+        } else {
+            sgd.backward_step(&loss).unwrap();
+        }
+    }
+    snapshot(&varmap)
+}
+
 /// This rank's DDP around an MLP of [`DDP_SIZES`].
 pub fn mlp_ddp(
     ctx: &candle_dp::launch::RankContext,
