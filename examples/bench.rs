@@ -18,8 +18,8 @@
 //!
 //! Every configuration runs in its own child process (this binary again,
 //! with `--child`; for `ddp-mpi`, `mpirun -np R` of it), so each gets the
-//! thread settings it needs (candle reads `RAYON_NUM_THREADS` /
-//! `CANDLE_NUM_THREADS` from the environment), and
+//! thread settings it needs (a single device's threads, an MPI process's
+//! share; DataParallel and DDP on threads set up their own), and
 //! configurations are interleaved over `--rounds` to spread machine noise.
 //! Writes `bench.md` (markdown table), `bench.csv` and `bench.svg` (chart)
 //! into `--out`.
@@ -218,17 +218,14 @@ fn run_child(spec: &Spec) -> Result<Measured> {
         // The same code on thread ranks and, under mpirun, on processes.
         "ddp" | "ddp-mpi" => {
             let world = spec.replicas;
-            let threads = (cores() / world).max(1);
             let per_rank = spec.batch / world;
             let options = GroupOptions {
                 timeout: Some(Duration::from_secs(120)),
                 ..Default::default()
             };
-            let mut results = launch::run(world, options, |ctx| {
-                let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .build()?;
-                pool.install(|| -> Result<Measured> {
+            // Thread ranks get their share of the cores from `launch`.
+            let mut results = launch::run(world, options, |ctx| -> Result<Measured> {
+                {
                     let mut m = Measured::default();
                     let varmap = VarMap::new();
                     let model = spec.model.clone();
@@ -286,7 +283,7 @@ fn run_child(spec: &Spec) -> Result<Measured> {
                         }
                     }
                     Ok(m)
-                })
+                }
             })?;
             m = results.swap_remove(0);
         }
@@ -384,24 +381,20 @@ fn run_in_child(spec: &Spec) -> Result<Measured> {
         Command::new(std::env::current_exe()?)
     };
     cmd.arg("--child").arg(serde_json::to_string(spec)?);
-    let per_replica_threads = match spec.kind.as_str() {
-        "single" => spec.threads,
-        _ => (cores() / spec.replicas).max(1),
+    // One device: gemm splits each matmul into RAYON_NUM_THREADS parts and
+    // candle's elementwise pool has CANDLE_NUM_THREADS - 1 threads, so both
+    // say how many cores the run gets. DataParallel and DDP on threads size
+    // them themselves (src/cpu_threads.rs); MPI processes are told their
+    // share here (one core each on this machine's two).
+    let threads = match spec.kind.as_str() {
+        "single" => Some(spec.threads),
+        "ddp-mpi" => Some((cores() / spec.replicas).max(1)),
+        _ => None,
     };
-    // gemm splits each matmul into RAYON_NUM_THREADS parts; candle's
-    // elementwise barrier pool has CANDLE_NUM_THREADS - 1 workers shared by
-    // the whole process, so with several replicas it is turned off and each
-    // replica keeps to its own cores.
-    cmd.env("RAYON_NUM_THREADS", per_replica_threads.to_string());
-    let several = spec.kind != "single" && spec.replicas > 1;
-    cmd.env(
-        "CANDLE_NUM_THREADS",
-        if several {
-            "1".to_string()
-        } else {
-            per_replica_threads.to_string()
-        },
-    );
+    if let Some(threads) = threads {
+        cmd.env("RAYON_NUM_THREADS", threads.to_string());
+        cmd.env("CANDLE_NUM_THREADS", threads.to_string());
+    }
     let out = cmd.output()?;
     if !out.status.success() {
         bail!(

@@ -241,6 +241,8 @@ impl<M: 'static> DataParallelBuilder<M> {
         F: Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
     {
         let first = self.devices.first().ok_or(Error::NoDevices)?.clone();
+        // Before the master's factory runs its first candle ops.
+        crate::cpu_threads::share_cpu_between(self.devices.iter().filter(|d| d.is_cpu()).count());
         let factory = Arc::new(factory);
         self.build_master_bounded(&first, &factory)?;
         let threads = self.threads_per_replica.unwrap_or_else(|| {

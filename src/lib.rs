@@ -61,6 +61,7 @@
 mod buffers;
 pub mod checkpoint;
 pub mod comm;
+mod cpu_threads;
 mod data_parallel;
 pub mod datasets;
 mod ddp;

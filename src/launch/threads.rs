@@ -12,6 +12,7 @@ use std::thread;
 
 use super::{LaunchError, RankContext};
 use crate::comm::{Failure, FailureCause, GroupOptions, ProcessGroup, ThreadGroup, ThreadRank};
+use crate::cpu_threads;
 use crate::panic_message::panic_message;
 
 /// Runs `f` on `world_size` ranks of a new [`ThreadGroup`] (default
@@ -79,6 +80,8 @@ where
         return Err(LaunchError::EmptyWorld);
     };
     let f = &f;
+    cpu_threads::share_cpu_between(world_size);
+    let threads = cpu_threads::threads_per_worker(world_size);
     let (outcomes, start_error) = thread::scope(|scope| {
         let mut handles = Vec::with_capacity(world_size);
         let mut start_error = None;
@@ -86,7 +89,7 @@ where
             let rank = pg.rank();
             let started = thread::Builder::new()
                 .name(format!("candle-dp-rank-{rank}"))
-                .spawn_scoped(scope, move || run_rank(pg, f));
+                .spawn_scoped(scope, move || run_rank(pg, threads, f));
             match started {
                 Ok(handle) => handles.push(handle),
                 Err(source) => {
@@ -125,9 +128,13 @@ enum Outcome<T> {
     Panicked(String),
 }
 
-fn run_rank<T, F>(pg: ThreadRank, f: &F) -> Outcome<T>
+/// Runs `f` for rank `pg` with its own rayon pool of `threads` threads (its
+/// share of the cores, see [`cpu_threads`]), then tells the group how it
+/// ended.
+fn run_rank<T, F>(pg: ThreadRank, threads: usize, f: &F) -> Outcome<T>
 where
-    F: Fn(RankContext) -> anyhow::Result<T>,
+    T: Send,
+    F: Fn(RankContext) -> anyhow::Result<T> + Sync,
 {
     // `spawn` keeps its own reference so that, after a failure, the group is
     // failed with this rank's error before the handle goes away (otherwise
@@ -140,7 +147,14 @@ where
     };
     // Unwind safety: after a panic only the group's failure state is used,
     // and it is built to be read after any failure.
-    let outcome = match panic::catch_unwind(AssertUnwindSafe(|| f(ctx))) {
+    let rank = ctx.rank;
+    let run = || match cpu_threads::worker_pool(format!("candle-dp-rank-{rank}"), threads) {
+        Ok(pool) => pool.install(|| f(ctx)),
+        Err(e) => Err(anyhow::anyhow!(
+            "cannot start the thread pool of rank {rank}: {e}"
+        )),
+    };
+    let outcome = match panic::catch_unwind(AssertUnwindSafe(run)) {
         Ok(Ok(value)) => Outcome::Done(value),
         Ok(Err(error)) => Outcome::Failed(error),
         Err(payload) => Outcome::Panicked(panic_message(payload.as_ref())),

@@ -1,0 +1,85 @@
+//! Sharing the CPU between several workers of one process (DataParallel
+//! replicas, thread ranks), which candle's CPU kernels do not do by
+//! themselves.
+//!
+//! candle runs a CPU matmul on the current rayon pool, and large
+//! elementwise ops on one process-wide "barrier pool" of
+//! `CANDLE_NUM_THREADS - 1` spinning threads that serves one caller at a
+//! time. With several workers calling it at once, that pool serialises them
+//! and its spinning threads take cores from them: on 2 cores, 2 replicas of
+//! the benchmark's MLP took 43.5 ms per step with candle's defaults against
+//! 19.8 ms with the pool empty (README, Performance).
+//!
+//! So each worker gets its own rayon pool of `cores / workers` threads, and
+//! before any worker starts, [`share_cpu_between`] empties the barrier pool
+//! (elementwise ops then run on the calling worker's thread) unless the user
+//! chose `CANDLE_NUM_THREADS` themselves.
+
+use std::sync::Once;
+
+/// The variable candle sizes its elementwise pool from (read once, when
+/// the pool starts).
+const CANDLE_NUM_THREADS: &str = "CANDLE_NUM_THREADS";
+
+/// The cores this process may use.
+pub(crate) fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Threads for each of `workers` workers sharing the cores: at least 1.
+pub(crate) fn threads_per_worker(workers: usize) -> usize {
+    (cores() / workers.max(1)).max(1)
+}
+
+/// Prepares candle for `workers` CPU workers running at once in this
+/// process; nothing to do for one. Call it before the workers start.
+///
+/// Sets `CANDLE_NUM_THREADS=1` when the user has not set it. If candle's
+/// elementwise pool had already started with threads (it starts at the
+/// first large elementwise op, and cannot be resized), logs a warning once
+/// that says how to avoid it.
+pub(crate) fn share_cpu_between(workers: usize) {
+    if workers <= 1 || std::env::var_os(CANDLE_NUM_THREADS).is_some() {
+        return;
+    }
+    // A process-wide setting, changed only when the user left it unset and
+    // asked for several CPU workers. std's environment lock guards this
+    // against Rust readers (candle reads it with `std::env::var`).
+    std::env::set_var(CANDLE_NUM_THREADS, "1");
+    let started_with = candle_core::utils::barrier_pool().n_workers();
+    if started_with > 0 {
+        static WARNED: Once = Once::new();
+        WARNED.call_once(|| {
+            tracing::warn!(
+                "candle's elementwise thread pool started with {started_with} thread(s) before \
+                 candle-dp could size it for {workers} workers; they will take turns on it \
+                 (about 2x slower on CPU). Set CANDLE_NUM_THREADS=1 before the first candle op, \
+                 or build the DataParallel (or start the ranks) first."
+            );
+        });
+    }
+}
+
+/// A rayon pool of `threads` threads named `name-<i>`, for one worker's
+/// parallel kernels.
+pub(crate) fn worker_pool(
+    name: String,
+    threads: usize,
+) -> Result<rayon::ThreadPool, rayon::ThreadPoolBuildError> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .thread_name(move |i| format!("{name}-{i}"))
+        .build()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_worker_gets_at_least_one_thread() {
+        assert_eq!(threads_per_worker(0), cores());
+        assert_eq!(threads_per_worker(1), cores());
+        assert_eq!(threads_per_worker(cores() * 4), 1);
+    }
+}
