@@ -445,10 +445,9 @@ impl<M> DistributedDataParallel<M> {
             }
             let device = self.params[bucket.params[0]].1.device();
             pieces.push(Tensor::new(present, device)?.to_dtype(bucket.dtype)?);
-            let flat = Tensor::cat(&pieces, 0)?;
-            let reduced = self.reduce_bucket(&flat, divisor)?;
+            let reduced = self.reduce_bucket(&pieces, bucket.dtype, divisor)?;
             let mut offset = 0;
-            let flags_at = flat.elem_count() - bucket.params.len();
+            let flags_at = reduced.elem_count() - bucket.params.len();
             let flags = reduced
                 .narrow(0, flags_at, bucket.params.len())?
                 .to_dtype(DType::F64)?
@@ -469,24 +468,28 @@ impl<M> DistributedDataParallel<M> {
         Ok(store)
     }
 
-    /// One bucket through the communication hook.
-    fn reduce_bucket(&self, flat: &Tensor, divisor: f64) -> Result<Tensor> {
+    /// One bucket (its pieces of `dtype`, reduced as their concatenation)
+    /// through the communication hook.
+    fn reduce_bucket(&self, pieces: &[Tensor], dtype: DType, divisor: f64) -> Result<Tensor> {
         let wire = match self.config.comm_hook {
-            CommHook::Average => flat.dtype(),
+            CommHook::Average => dtype,
             CommHook::Fp16Compress => DType::F16,
             CommHook::Bf16Compress => DType::BF16,
         };
         let world = self.pg.world_size() as f64;
-        let reduced = if wire == flat.dtype() && divisor == world {
+        let reduced = if wire == dtype && divisor == world {
             // Divide once, at the end of the reduction, instead of a pass
             // over the whole bucket before it.
-            self.comm(self.pg.all_reduce(flat, ReduceOp::Avg))?
+            self.comm(self.pg.all_reduce_concat(pieces, ReduceOp::Avg))?
         } else {
             // Compressed: divide first so the sum cannot overflow f16.
-            let scaled = (flat.to_dtype(wire)? / divisor)?;
-            self.comm(self.pg.all_reduce(&scaled, ReduceOp::Sum))?
+            let scaled = pieces
+                .iter()
+                .map(|piece| piece.to_dtype(wire)? / divisor)
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            self.comm(self.pg.all_reduce_concat(&scaled, ReduceOp::Sum))?
         };
-        Ok(reduced.to_dtype(flat.dtype())?)
+        Ok(reduced.to_dtype(dtype)?)
     }
 
     fn broadcast_from_rank0(&self, vars: &[(String, Var)]) -> Result<()> {

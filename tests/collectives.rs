@@ -497,6 +497,89 @@ fn large_reductions_of_views_and_of_tensors_sharing_storage_match_the_sequential
     }
 }
 
+/// Parts of a bucket as DDP hands them over: of several shapes, one empty,
+/// one a strided view, one a window into a larger storage; their lengths do
+/// not line up with the ring's chunks.
+fn bucket_parts(rank: usize) -> candle_core::Result<Vec<Tensor>> {
+    let values = |len, salt| Tensor::new(random_f32(rank * 7 + salt, len), &Device::Cpu);
+    let strided = values(2 * 333, 1)?.reshape((333, 2))?.narrow(1, 0, 1)?;
+    let window = values(1000, 2)?.narrow(0, 17, 901)?;
+    Ok(vec![
+        values(5 * 41, 3)?.reshape((5, 41))?,
+        Tensor::zeros(0, DType::F32, &Device::Cpu)?,
+        strided,
+        window,
+        values(3, 4)?,
+    ])
+}
+
+#[test]
+fn all_reduce_concat_is_bitwise_all_reduce_of_the_concatenation_on_both_paths() {
+    for world in [1, 2, 3, 4] {
+        for threshold in [SMALL_PATH, RING_PATH] {
+            let results = run(world, threshold, |ctx| {
+                let parts = bucket_parts(ctx.rank)?;
+                let flat: Vec<Tensor> = parts
+                    .iter()
+                    .map(Tensor::flatten_all)
+                    .collect::<candle_core::Result<_>>()?;
+                let cat = Tensor::cat(&flat, 0)?;
+                let mut pairs = Vec::new();
+                for op in OPS {
+                    let concat = ctx.pg.all_reduce_concat(&parts, op)?;
+                    pairs.push((concat, ctx.pg.all_reduce(&cat, op)?));
+                }
+                Ok(pairs)
+            });
+            for (rank, pairs) in results.iter().enumerate() {
+                for ((concat, reference), op) in pairs.iter().zip(OPS) {
+                    let at = format!("world {world}, threshold {threshold}, rank {rank}, {op:?}");
+                    assert_eq!(concat.dims(), reference.dims(), "{at}");
+                    assert_eq!(bits(concat), bits(reference), "{at}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn all_reduce_concat_of_differing_dtypes_is_an_error_on_every_rank() {
+    for threshold in [SMALL_PATH, RING_PATH] {
+        let result = spawn_with(3, options(threshold), |ctx| {
+            let mut parts = bucket_parts(ctx.rank)?;
+            if ctx.rank == 1 {
+                parts[0] = parts[0].to_dtype(DType::F64)?;
+            }
+            let err = ctx
+                .pg
+                .all_reduce_concat(&parts, ReduceOp::Sum)
+                .expect_err("f64 among f32 parts");
+            Ok(err.to_string())
+        });
+        match (threshold, result) {
+            // The ring agrees on the error through the header exchange.
+            (RING_PATH, Ok(messages)) => {
+                for (rank, message) in messages.iter().enumerate() {
+                    assert!(
+                        message.contains("rank 1") && message.contains("f64"),
+                        "rank {rank}: {message}"
+                    );
+                }
+            }
+            // Copying into one buffer fails on rank 1 alone, which then fails
+            // the group so that no rank waits for it.
+            (SMALL_PATH, Err(err)) => {
+                let message = err.to_string();
+                assert!(
+                    message.contains("rank 1") && message.contains("cannot concatenate"),
+                    "{message}"
+                );
+            }
+            (_, other) => panic!("threshold {threshold}: {other:?}"),
+        }
+    }
+}
+
 #[test]
 fn a_rank_may_overwrite_its_input_as_soon_as_a_large_reduction_returns() {
     // The ranks read each other's inputs in place: none returns before the

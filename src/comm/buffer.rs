@@ -176,6 +176,9 @@ pub(crate) enum Input {
         key: usize,
     },
     Copied(Arc<Buffer>),
+    /// Several inputs read as one, their concatenation (a DDP bucket, read
+    /// where each gradient is instead of copied into one buffer first).
+    Concat(Vec<Input>),
 }
 
 impl Input {
@@ -194,35 +197,105 @@ impl Input {
         }
     }
 
+    /// The concatenation of `tensors` (flattened), which all have `dtype`.
+    pub(crate) fn concat(tensors: &[Tensor], dtype: DType) -> Result<Input, String> {
+        tensors
+            .iter()
+            .enumerate()
+            .map(|(i, tensor)| match tensor.dtype() {
+                d if d == dtype => Input::new(tensor),
+                d => Err(format!(
+                    "tensor {i} is {}, not {} like the first",
+                    d.as_str(),
+                    dtype.as_str()
+                )),
+            })
+            .collect::<Result<_, _>>()
+            .map(Input::Concat)
+    }
+
     /// The number of elements.
     pub(crate) fn len(&self) -> usize {
         match self {
             Input::InPlace { tensor, .. } => tensor.elem_count(),
             Input::Copied(buffer) => match_buffer!(buffer.as_ref(), v => v.len()),
+            Input::Concat(parts) => parts.iter().map(Input::len).sum(),
         }
+    }
+
+    /// The single inputs this one is made of, in order.
+    fn leaves(&self) -> Vec<&Input> {
+        match self {
+            Input::Concat(parts) => parts.iter().flat_map(Input::leaves).collect(),
+            single => vec![single],
+        }
+    }
+
+    /// Where each leaf's elements start, and the total, as [`leaves`](Self::leaves).
+    fn starts(leaves: &[&Input]) -> Vec<usize> {
+        let mut at = 0;
+        let mut starts: Vec<usize> = leaves
+            .iter()
+            .map(|leaf| {
+                let start = at;
+                at += leaf.len();
+                start
+            })
+            .collect();
+        starts.push(at);
+        starts
     }
 }
 
-/// `f` of the elements `range` of every input.
+/// The elements `range` of a single (not concatenated) input, whose storage
+/// is locked in `guards` if it is read in place.
+fn leaf_slice<'a, T: Element>(
+    leaf: &'a Input,
+    guards: &'a [(usize, StorageRef<'a>)],
+    range: Range<usize>,
+) -> Option<&'a [T]> {
+    match leaf {
+        Input::InPlace { tensor, key } => {
+            let at = guards.binary_search_by_key(key, |&(key, _)| key).ok()?;
+            match (&*guards[at].1, tensor.layout().contiguous_offsets()) {
+                (Storage::Cpu(cpu), Some((start, _))) => cpu
+                    .as_slice::<T>()
+                    .ok()?
+                    .get(start + range.start..start + range.end),
+                _ => None,
+            }
+        }
+        Input::Copied(buffer) => T::slice_of(buffer)?.get(range),
+        Input::Concat(_) => None,
+    }
+}
+
+/// `f` of the elements `range` of every input, called on consecutive
+/// pieces of the range: one call when no input is a concatenation,
+/// otherwise one per stretch in which no input crosses from one part into
+/// the next. The pieces cover the range in order.
 ///
 /// Tensors are read in place, under their storage's read lock, taken once
 /// per storage (candle's lock is fair: a second read lock on the same
 /// storage behind a waiting writer would deadlock), in a fixed order, and
-/// released when `f` returns. Callers do not wait for other ranks while
-/// holding them.
+/// released when the last call returns. Callers do not wait for other ranks
+/// while holding them.
 ///
 /// `Err(i)` when input `i` holds no such elements, which cannot happen for
 /// inputs of `T`'s dtype and a range within their length.
-pub(crate) fn read_inputs<T: Element, R>(
+pub(crate) fn read_inputs<T: Element>(
     inputs: &[&Input],
     range: Range<usize>,
-    f: impl FnOnce(&[&[T]]) -> R,
-) -> Result<R, usize> {
-    let mut locked: Vec<(usize, &Tensor)> = inputs
+    mut f: impl FnMut(&[&[T]]),
+) -> Result<(), usize> {
+    let leaves: Vec<Vec<&Input>> = inputs.iter().map(|input| input.leaves()).collect();
+    let starts: Vec<Vec<usize>> = leaves.iter().map(|l| Input::starts(l)).collect();
+    let mut locked: Vec<(usize, &Tensor)> = leaves
         .iter()
-        .filter_map(|input| match input {
+        .flatten()
+        .filter_map(|leaf| match leaf {
             Input::InPlace { tensor, key } => Some((*key, tensor)),
-            Input::Copied(_) => None,
+            _ => None,
         })
         .collect();
     locked.sort_by_key(|&(key, _)| key);
@@ -232,26 +305,40 @@ pub(crate) fn read_inputs<T: Element, R>(
         .map(|(key, tensor)| (key, tensor.storage_and_layout().0))
         .collect();
     let mut slices: Vec<&[T]> = Vec::with_capacity(inputs.len());
-    for (i, &input) in inputs.iter().enumerate() {
-        let slice = match input {
-            Input::InPlace { tensor, key } => {
-                let at = guards.binary_search_by_key(key, |&(key, _)| key);
-                match (
-                    at.map(|at| &*guards[at].1),
-                    tensor.layout().contiguous_offsets(),
-                ) {
-                    (Ok(Storage::Cpu(cpu)), Some((start, _))) => cpu
-                        .as_slice::<T>()
-                        .ok()
-                        .and_then(|all| all.get(start + range.start..start + range.end)),
-                    _ => None,
-                }
+    if range.is_empty() {
+        for (i, leaves) in leaves.iter().enumerate() {
+            let len: usize = leaves.iter().map(|leaf| leaf.len()).sum();
+            if range.start > len {
+                return Err(i);
             }
-            Input::Copied(buffer) => T::slice_of(buffer).and_then(|all| all.get(range.clone())),
-        };
-        slices.push(slice.ok_or(i)?);
+            slices.push(&[]);
+        }
+        f(&slices);
+        return Ok(());
     }
-    Ok(f(&slices))
+    let mut at = range.start;
+    while at < range.end {
+        // The piece ends where the range ends or any input's part does.
+        let mut end = range.end;
+        for starts in &starts {
+            let next = starts.partition_point(|&s| s <= at);
+            if let Some(&s) = starts.get(next) {
+                end = end.min(s);
+            }
+        }
+        slices.clear();
+        for (i, (leaves, starts)) in leaves.iter().zip(&starts).enumerate() {
+            // The last part that starts at or before `at` (skipping empty ones).
+            let part = starts.partition_point(|&s| s <= at).saturating_sub(1);
+            let slice = leaves
+                .get(part)
+                .and_then(|leaf| leaf_slice(leaf, &guards, at - starts[part]..end - starts[part]));
+            slices.push(slice.ok_or(i)?);
+        }
+        f(&slices);
+        at = end;
+    }
+    Ok(())
 }
 
 /// An element type that buffers hold and reductions combine.

@@ -286,6 +286,32 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
     /// (bitwise identical) result.
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor>;
 
+    /// Combines the concatenation of `tensors` (each flattened; all of one
+    /// dtype and device) across all ranks with `op`, and returns it as one
+    /// 1-D tensor: bitwise [`all_reduce`](ProcessGroup::all_reduce) of
+    /// `Tensor::cat` of the flattened tensors, which is what this default
+    /// does. [`ThreadGroup`] reads the tensors where they are instead of
+    /// copying them into one buffer first (DDP's buckets use this).
+    ///
+    /// If this rank's tensors cannot be concatenated (none, or differing
+    /// dtypes), the group is failed with the reason, so the other ranks do
+    /// not wait for this one.
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use candle_dp::comm::{ProcessGroup, ReduceOp, ThreadGroup};
+    ///
+    /// let pg = ThreadGroup::new(1).remove(0);
+    /// let a = Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu)?;
+    /// let b = Tensor::new(&[5f32], &Device::Cpu)?;
+    /// let sum = pg.all_reduce_concat(&[a, b], ReduceOp::Sum)?;
+    /// assert_eq!(sum.to_vec1::<f32>()?, [1., 2., 3., 4., 5.]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    fn all_reduce_concat(&self, tensors: &[Tensor], op: ReduceOp) -> Result<Tensor> {
+        all_reduce_concat_copied(self, tensors, op)
+    }
+
     /// Returns a copy of `root`'s tensor on every rank. Every rank passes a
     /// tensor of the same dtype and shape (only `root`'s values are used).
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor>;
@@ -319,6 +345,33 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
 
     /// The group's first failure, if any.
     fn failure(&self) -> Option<Failure>;
+}
+
+/// [`ProcessGroup::all_reduce_concat`] by concatenating the tensors into one
+/// first.
+pub(crate) fn all_reduce_concat_copied<P: ProcessGroup + ?Sized>(
+    pg: &P,
+    tensors: &[Tensor],
+    op: ReduceOp,
+) -> Result<Tensor> {
+    let flat = tensors
+        .iter()
+        .map(Tensor::flatten_all)
+        .collect::<candle_core::Result<Vec<_>>>()
+        .and_then(|flat| Tensor::cat(&flat, 0));
+    match flat {
+        Ok(flat) => pg.all_reduce(&flat, op),
+        Err(e) => {
+            let reason = format!("all_reduce_concat: cannot concatenate the tensors: {e}");
+            pg.abort(&reason);
+            Err(CommError::InvalidInput {
+                rank: pg.rank(),
+                op: "all_reduce_concat",
+                culprit: pg.rank(),
+                reason,
+            })
+        }
+    }
 }
 
 /// Gathers a serde-serializable value from every rank, in rank order, on

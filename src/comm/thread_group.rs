@@ -673,6 +673,34 @@ impl ProcessGroup for ThreadRank {
             .map_err(|e| call.tensor_error(e))
     }
 
+    fn all_reduce_concat(&self, tensors: &[Tensor], op: ReduceOp) -> Result<Tensor> {
+        let Some(first) = tensors.first() else {
+            return super::all_reduce_concat_copied(self, tensors, op);
+        };
+        let len: usize = tensors.iter().map(Tensor::elem_count).sum();
+        let bytes = len.saturating_mul(first.dtype().size_in_bytes());
+        if self.world_size == 1 || bytes < self.shared.ring_threshold_bytes {
+            return super::all_reduce_concat_copied(self, tensors, op);
+        }
+        // The ring, as `all_reduce` runs it on the concatenation, reading
+        // every part in place.
+        let call = self.begin("all_reduce")?;
+        let input = Input::concat(tensors, first.dtype());
+        let sig = Signature {
+            op: OpSig::AllReduce(op),
+            meta: Some(TensorMeta {
+                dtype: first.dtype(),
+                dims: vec![len],
+            }),
+            invalid: input.as_ref().err().cloned(),
+        };
+        let headers = call.exchange_with_input(sig, |_| None, input.as_ref().ok())?;
+        let inputs = call.inputs(&headers)?;
+        ring::all_reduce(&inputs, first.dtype(), op, &call)?
+            .into_tensor(&[len], first.device())
+            .map_err(|e| call.tensor_error(e))
+    }
+
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
         let call = self.begin("broadcast")?;
         let local = (self.rank == root).then(|| local_copy(tensor));
