@@ -17,6 +17,11 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+// Example code shared with the tests; each user needs only part of it.
+#[allow(dead_code)]
+#[path = "common/datasets.rs"]
+mod datasets;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -26,7 +31,6 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
 use candle_dp::comm::GroupOptions;
-use candle_dp::datasets::{load_digits, load_mnist, shuffled_indices, LabelledImages};
 use candle_dp::launch::{self, Backend};
 use candle_dp::loader::{Loader, TensorDataset};
 use candle_dp::sampler::DistributedSampler;
@@ -35,6 +39,7 @@ use candle_dp::{
 };
 use candle_nn::{linear, loss, AdamW, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use clap::{Parser, ValueEnum};
+use datasets::{load_digits, load_mnist, shuffled_indices, LabelledImages};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// The user's model: plain candle code, unaware of data parallelism.

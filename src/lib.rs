@@ -62,7 +62,6 @@ mod buffers;
 pub mod checkpoint;
 pub mod comm;
 mod data_parallel;
-pub mod datasets;
 mod ddp;
 mod device_label;
 mod error;
