@@ -34,9 +34,7 @@ use candle_dp::comm::GroupOptions;
 use candle_dp::launch::{self, Backend};
 use candle_dp::loader::{Loader, TensorDataset};
 use candle_dp::sampler::DistributedSampler;
-use candle_dp::{
-    cpu_devices, seeded_varmap, DataParallel, DdpConfig, DistributedDataParallel, LossReduction,
-};
+use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParallel, LossReduction};
 use candle_nn::{linear, loss, AdamW, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use clap::{Parser, ValueEnum};
 use datasets::{load_digits, load_mnist, shuffled_indices, LabelledImages};
@@ -290,14 +288,13 @@ fn train_ddp(
         let (rank, world) = (ctx.rank, ctx.world_size);
         let per_rank = (args.batch() / world).max(1);
         let varmap = copy_varmap(init)?;
-        let mut ddp = DistributedDataParallel::new(
+        let mut ddp = DistributedDataParallel::builder(
             ctx.process_group(),
             &varmap,
             DType::F32,
             &Device::Cpu,
-            |vb| Mlp::new(vb, inputs, hidden),
-            DdpConfig::default(),
-        )?;
+        )
+        .build(|vb| Mlp::new(vb, inputs, hidden))?;
         let mut opt = adamw(&varmap, args.lr)?;
         let mut sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
         // Timed from here, as the other runs: MPI's start-up is not training.

@@ -63,6 +63,7 @@ pub mod checkpoint;
 pub mod comm;
 mod data_parallel;
 mod ddp;
+mod ddp_builder;
 mod device_label;
 mod error;
 pub mod launch;
@@ -81,6 +82,7 @@ mod vars;
 pub use buffers::{is_batch_norm_buffer, BufferPredicate};
 pub use data_parallel::{DataParallel, DataParallelBuilder, LossReduction, Step, StepTimings};
 pub use ddp::{CommHook, DdpConfig, DdpTimings, DistributedDataParallel, JoinDivisor};
+pub use ddp_builder::DdpBuilder;
 pub use device_label::device_label;
 pub use error::{Error, Result};
 pub use scatter_gather::{
