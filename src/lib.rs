@@ -71,13 +71,12 @@ pub mod loader;
 mod lock;
 mod no_grad;
 mod panic_message;
-mod parallel_apply;
 pub mod reduce;
-mod replicate;
 pub mod sampler;
 mod scatter_gather;
 mod seeded_init;
 mod vars;
+mod worker_pool;
 
 pub use buffers::{is_batch_norm_buffer, BufferPredicate};
 pub use data_parallel::{DataParallel, DataParallelBuilder, LossReduction, Step, StepTimings};
