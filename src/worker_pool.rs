@@ -184,6 +184,19 @@ pub(crate) struct WorkerPool<S> {
     workers: Vec<Worker<S>>,
 }
 
+impl<S> std::fmt::Debug for WorkerPool<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let devices: Vec<String> = self
+            .workers
+            .iter()
+            .map(|w| device_label(&w.device))
+            .collect();
+        f.debug_struct("WorkerPool")
+            .field("devices", &devices)
+            .finish()
+    }
+}
+
 impl<S: 'static> WorkerPool<S> {
     /// Starts one worker per device, in order, each with a rayon pool of
     /// `threads` threads, and builds worker `i`'s state on its own thread
@@ -299,5 +312,112 @@ impl<S: 'static> WorkerPool<S> {
             .enumerate()
             .map(|(index, value)| value.ok_or_else(|| failed(index, NoAnswer::Gone.into())))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `n` CPU workers whose state starts at their index.
+    fn pool(n: usize) -> WorkerPool<usize> {
+        let devices = vec![Device::Cpu; n];
+        let (pool, ids) = WorkerPool::start(&devices, 1, None, |i, _| Ok::<_, ()>((i, i))).unwrap();
+        assert_eq!(ids, (0..n).collect::<Vec<_>>());
+        pool
+    }
+
+    #[test]
+    fn jobs_run_on_their_workers_state_and_come_back_in_order() {
+        let pool = pool(3);
+        for round in 1..=2 {
+            let jobs: Vec<_> = (0..3)
+                .map(|_| {
+                    |state: &mut usize, _: &Cancel| {
+                        *state += 10;
+                        Ok::<_, ()>(*state)
+                    }
+                })
+                .collect();
+            let expected: Vec<usize> = (0..3).map(|i| i + 10 * round).collect();
+            assert_eq!(pool.run(jobs, None).unwrap(), expected);
+        }
+    }
+
+    #[test]
+    fn a_panicking_job_names_its_worker_and_the_worker_lives_on() {
+        let pool = pool(2);
+        let job = |panics: bool| {
+            move |state: &mut usize, _: &Cancel| {
+                assert!(!panics, "job on {state} panics");
+                Ok::<_, ()>(*state)
+            }
+        };
+        let failure = pool.run(vec![job(false), job(true)], None).unwrap_err();
+        assert_eq!((failure.worker, failure.device.as_str()), (1, "cpu"));
+        assert!(
+            matches!(&failure.failure, Failure::Panic(m) if m.contains("job on 1 panics")),
+            "{failure:?}"
+        );
+        assert_eq!(
+            pool.run(vec![job(false), job(false)], None).unwrap(),
+            [0, 1]
+        );
+    }
+
+    #[test]
+    fn a_job_past_the_deadline_is_a_timeout_and_the_others_are_cancelled() {
+        let pool = pool(2);
+        let saw_cancel = Arc::new(AtomicBool::new(false));
+        let job = |waits: bool, saw_cancel: Arc<AtomicBool>| {
+            move |_: &mut usize, cancel: &Cancel| {
+                while waits && !cancel.is_cancelled() {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                saw_cancel.store(waits, Ordering::Relaxed);
+                Ok::<_, ()>(())
+            }
+        };
+        let jobs = vec![
+            job(true, saw_cancel.clone()),
+            job(false, saw_cancel.clone()),
+        ];
+        let failure = pool.run(jobs, Some(Duration::from_millis(50))).unwrap_err();
+        assert_eq!(failure.worker, 0);
+        assert!(
+            matches!(failure.failure, Failure::NoAnswer(NoAnswer::Timeout(t)) if t == Duration::from_millis(50)),
+            "{failure:?}"
+        );
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !saw_cancel.load(Ordering::Relaxed) {
+            assert!(
+                Instant::now() < deadline,
+                "the waiting job was not cancelled"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn an_init_that_fails_or_panics_is_a_start_failure_naming_the_worker() {
+        let devices = vec![Device::Cpu; 3];
+        let failure = WorkerPool::<()>::start(&devices, 1, None, |i, _| match i {
+            1 => Err("no model"),
+            _ => Ok(((), ())),
+        })
+        .unwrap_err();
+        assert!(
+            matches!(failure.failure, Failure::Error("no model")) && failure.worker == 1,
+            "{failure:?}"
+        );
+        let failure = WorkerPool::<()>::start(&devices, 1, None, |i, _| {
+            assert!(i != 2, "init {i} panics");
+            Ok::<_, ()>(((), ()))
+        })
+        .unwrap_err();
+        assert!(
+            matches!(&failure.failure, Failure::Panic(m) if m.contains("init 2 panics")),
+            "{failure:?}"
+        );
     }
 }
