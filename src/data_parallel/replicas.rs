@@ -132,12 +132,8 @@ impl<M: 'static> Replicas<M> {
 
 /// The error for a replica whose work failed.
 fn replica_error(failure: WorkerFailure<candle_core::Error>) -> Error {
-    let WorkerFailure {
-        worker: replica,
-        device,
-        failure,
-    } = failure;
-    match failure {
+    let (replica, device) = (failure.worker, failure.device);
+    match failure.failure {
         Failure::Error(source) => Error::Replica {
             replica,
             device,
@@ -154,12 +150,8 @@ fn replica_error(failure: WorkerFailure<candle_core::Error>) -> Error {
 
 /// The error for a replica that could not be built.
 fn build_error(failure: WorkerFailure<Error>) -> Error {
-    let WorkerFailure {
-        worker: replica,
-        device,
-        failure,
-    } = failure;
-    match failure {
+    let (replica, device) = (failure.worker, failure.device);
+    match failure.failure {
         Failure::Error(e) => e,
         Failure::Panic(message) => Error::Candle(candle_core::Error::Msg(format!(
             "the model factory panicked: {message}"
