@@ -17,6 +17,11 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+// Example code shared with the tests; each user needs only part of it.
+#[allow(dead_code)]
+#[path = "common/datasets.rs"]
+mod datasets;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -26,15 +31,13 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
 use candle_dp::comm::GroupOptions;
-use candle_dp::datasets::{load_digits, load_mnist, shuffled_indices, LabelledImages};
 use candle_dp::launch::{self, Backend};
 use candle_dp::loader::{Loader, TensorDataset};
 use candle_dp::sampler::DistributedSampler;
-use candle_dp::{
-    cpu_devices, seeded_varmap, DataParallel, DdpConfig, DistributedDataParallel, LossReduction,
-};
+use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParallel, LossReduction};
 use candle_nn::{linear, loss, AdamW, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use clap::{Parser, ValueEnum};
+use datasets::{load_digits, load_mnist, shuffled_indices, LabelledImages};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// The user's model: plain candle code, unaware of data parallelism.
@@ -285,14 +288,13 @@ fn train_ddp(
         let (rank, world) = (ctx.rank, ctx.world_size);
         let per_rank = (args.batch() / world).max(1);
         let varmap = copy_varmap(init)?;
-        let mut ddp = DistributedDataParallel::new(
+        let mut ddp = DistributedDataParallel::builder(
             ctx.process_group(),
             &varmap,
             DType::F32,
             &Device::Cpu,
-            |vb| Mlp::new(vb, inputs, hidden),
-            DdpConfig::default(),
-        )?;
+        )
+        .build(|vb| Mlp::new(vb, inputs, hidden))?;
         let mut opt = adamw(&varmap, args.lr)?;
         let mut sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
         // Timed from here, as the other runs: MPI's start-up is not training.

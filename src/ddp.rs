@@ -186,6 +186,8 @@ impl<M> DistributedDataParallel<M> {
     /// Builds this rank's model from `factory` on `device` (variables in
     /// `varmap`), checks that every rank built the same variables, and
     /// copies rank 0's values to every rank. Every rank must call it.
+    /// [`builder`](Self::builder) gives the settings one at a time instead
+    /// of as a [`DdpConfig`].
     pub fn new<F>(
         pg: Arc<dyn ProcessGroup>,
         varmap: &VarMap,

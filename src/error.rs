@@ -195,15 +195,6 @@ pub enum Error {
         source: Box<Error>,
     },
 
-    /// A data file that cannot be read or parsed.
-    #[error("{path}: {reason}")]
-    Data {
-        /// The file.
-        path: String,
-        /// What is wrong with it (with the line or offset where it applies).
-        reason: String,
-    },
-
     /// An error from candle outside any replica (gather, reduce, checkpoint I/O).
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -1,6 +1,11 @@
 //! The bundled digits load completely; the MNIST IDX reader reads what it is given.
 
-use candle_dp::datasets::{load_digits, load_mnist, shuffled_indices};
+// Example code shared with the examples; each user needs only part of it.
+#[allow(dead_code)]
+#[path = "../examples/common/datasets.rs"]
+mod datasets;
+
+use datasets::{load_digits, load_mnist, shuffled_indices};
 
 #[test]
 fn bundled_digits_have_1797_samples_of_64_pixels_in_10_classes() {

@@ -236,18 +236,14 @@ fn buffers_follow_rank_0_unless_broadcast_is_off() {
     for broadcast in [true, false] {
         let buffers = spawn_with(2, bounded(), |ctx| {
             let varmap = VarMap::new();
-            let config = DdpConfig {
-                broadcast_buffers: broadcast,
-                ..Default::default()
-            };
-            let mut ddp = DistributedDataParallel::new(
+            let mut ddp = DistributedDataParallel::builder(
                 ctx.process_group(),
                 &varmap,
                 DType::F32,
                 &Device::Cpu,
-                BnNet::new,
-                config,
-            )?;
+            )
+            .broadcast_buffers(broadcast)
+            .build(BnNet::new)?;
             // Different data per rank: the running statistics diverge in training.
             let x = Tensor::full(ctx.rank as f32 + 1., (4, 12), &Device::Cpu)?
                 .add(&Tensor::randn(0f32, 1., (4, 12), &Device::Cpu)?)?;

@@ -6,6 +6,10 @@
 #![allow(clippy::result_large_err)]
 
 mod common;
+// Example code shared with the examples; each user needs only part of it.
+#[allow(dead_code)]
+#[path = "../examples/common/datasets.rs"]
+mod datasets;
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -16,7 +20,6 @@ use std::time::Duration;
 use candle_core::{DType, Device, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
 use candle_dp::comm::{ProcessGroup, ReduceOp, Result as CommResult};
-use candle_dp::datasets::{load_digits, load_mnist};
 use candle_dp::launch::{spawn, LaunchError};
 use candle_dp::loader::{Loader, LoaderError, TensorDataset};
 use candle_dp::sampler::{DistributedSampler, SamplerError};
@@ -26,6 +29,7 @@ use candle_dp::{
 };
 use candle_nn::{linear, Linear, Module, VarBuilder, VarMap};
 use common::*;
+use datasets::{load_digits, load_mnist};
 
 /// Runs `f` on a thread and returns its result, or fails the test if it
 /// has not finished within `seconds` (a hang).

@@ -1,12 +1,34 @@
-//! Small real data sets for examples and tests: the 8x8 handwritten digits
-//! bundled in `data/digits/` and MNIST from local IDX files.
+//! Small real data sets for the examples and tests: the 8x8 handwritten
+//! digits bundled in `data/digits/` and MNIST from local IDX files.
+//!
+//! Example code, not part of candle-dp: a program includes it with
+//! `#[path = ".../examples/common/datasets.rs"] mod datasets;`, so the
+//! library does not depend on a gzip decoder.
 
 use std::io::Read;
 use std::path::Path;
 
 use candle_core::{Device, Tensor};
 
-use crate::error::{Error, Result};
+/// Why a data file could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    /// A data file that cannot be read or parsed.
+    #[error("{path}: {reason}")]
+    Data {
+        /// The file.
+        path: String,
+        /// What is wrong with it (with the line or offset where it applies).
+        reason: String,
+    },
+
+    /// An error from candle while building the tensors.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// `Result` with this module's [`DataError`].
+pub type Result<T> = std::result::Result<T, DataError>;
 
 /// Labelled images: `images` is `[n, height * width]` f32 in `[0, 1]`,
 /// `labels` is `[n]` u32.
@@ -37,7 +59,7 @@ impl LabelledImages {
     ///
     /// # Errors
     ///
-    /// [`Error::Data`] naming the first index that is out of range.
+    /// [`DataError::Data`] naming the first index that is out of range.
     pub fn select(&self, indices: &[usize]) -> Result<Self> {
         let len = self.len();
         let idx: Vec<u32> = indices
@@ -45,7 +67,7 @@ impl LabelledImages {
             .enumerate()
             .map(|(position, &i)| match u32::try_from(i) {
                 Ok(i32) if i < len => Ok(i32),
-                _ => Err(Error::Data {
+                _ => Err(DataError::Data {
                     path: "LabelledImages::select".into(),
                     reason: format!(
                         "index {i} (position {position}) is out of range for {len} samples"
@@ -62,8 +84,8 @@ impl LabelledImages {
     }
 }
 
-fn data_error(path: &Path, reason: impl Into<String>) -> Error {
-    Error::Data {
+fn data_error(path: &Path, reason: impl Into<String>) -> DataError {
+    DataError::Data {
         path: path.display().to_string(),
         reason: reason.into(),
     }

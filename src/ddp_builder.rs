@@ -1,0 +1,138 @@
+//! [`DdpBuilder`]: configures a [`DistributedDataParallel`] one setting at a
+//! time, in the style of [`DataParallel::builder`](crate::DataParallel::builder).
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use candle_core::{DType, Device};
+use candle_nn::{VarBuilder, VarMap};
+
+use crate::comm::ProcessGroup;
+use crate::ddp::{CommHook, DdpConfig, DistributedDataParallel, JoinDivisor};
+use crate::error::Result;
+
+impl<M> DistributedDataParallel<M> {
+    /// Starts configuring this rank's [`DistributedDataParallel`] (buckets,
+    /// buffers, communication hook, join divisor); every setting not given
+    /// keeps its [`DdpConfig::default`] value.
+    pub fn builder(
+        pg: Arc<dyn ProcessGroup>,
+        varmap: &VarMap,
+        dtype: DType,
+        device: &Device,
+    ) -> DdpBuilder<M> {
+        DdpBuilder {
+            model: PhantomData,
+            pg,
+            varmap: varmap.clone(),
+            dtype,
+            device: device.clone(),
+            config: DdpConfig::default(),
+        }
+    }
+}
+
+/// Configures a [`DistributedDataParallel`]; made by
+/// [`DistributedDataParallel::builder`], one setter per [`DdpConfig`] field.
+///
+/// ```
+/// use candle_core::{DType, Device};
+/// use candle_nn::{linear, VarMap};
+/// use candle_dp::{launch::spawn, CommHook, DistributedDataParallel};
+///
+/// spawn(2, |ctx| {
+///     let varmap = VarMap::new();
+///     let ddp = DistributedDataParallel::builder(ctx.process_group(), &varmap, DType::F32, &Device::Cpu)
+///         .bucket_cap_bytes(4 << 20)
+///         .comm_hook(CommHook::Bf16Compress)
+///         .broadcast_buffers(false)
+///         .build(|vb| linear(4, 2, vb))?;
+///     assert_eq!(ddp.params().len(), 2); // weight and bias
+///     Ok(())
+/// })?;
+/// # Ok::<(), anyhow::Error>(())
+/// ```
+pub struct DdpBuilder<M> {
+    model: PhantomData<fn() -> M>,
+    pg: Arc<dyn ProcessGroup>,
+    varmap: VarMap,
+    dtype: DType,
+    device: Device,
+    config: DdpConfig,
+}
+
+impl<M> DdpBuilder<M> {
+    /// Largest bucket, in bytes (default 25 MiB).
+    pub fn bucket_cap_bytes(mut self, bytes: usize) -> Self {
+        self.config.bucket_cap_bytes = bytes;
+        self
+    }
+
+    /// Largest first bucket, in bytes (default 1 MiB).
+    pub fn first_bucket_cap_bytes(mut self, bytes: usize) -> Self {
+        self.config.first_bucket_cap_bytes = bytes;
+        self
+    }
+
+    /// Broadcast buffers from rank 0 before every forward (default on).
+    pub fn broadcast_buffers(mut self, broadcast: bool) -> Self {
+        self.config.broadcast_buffers = broadcast;
+        self
+    }
+
+    /// How buckets are reduced (default [`CommHook::Average`]).
+    pub fn comm_hook(mut self, hook: CommHook) -> Self {
+        self.config.comm_hook = hook;
+        self
+    }
+
+    /// What to divide by while ranks have joined (default
+    /// [`JoinDivisor::InitialWorldSize`]).
+    pub fn join_divisor(mut self, divisor: JoinDivisor) -> Self {
+        self.config.join_divisor = divisor;
+        self
+    }
+
+    /// Which variables are buffers, broadcast instead of reduced (default:
+    /// [`is_batch_norm_buffer`](crate::is_batch_norm_buffer), candle-nn's
+    /// BatchNorm statistics). The same setting as
+    /// [`DataParallelBuilder::buffers`](crate::DataParallelBuilder::buffers).
+    pub fn buffers(mut self, is_buffer: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
+        self.config.is_buffer = Arc::new(is_buffer);
+        self
+    }
+
+    /// The settings so far.
+    pub fn config(&self) -> &DdpConfig {
+        &self.config
+    }
+
+    /// Builds this rank's model with these settings: see
+    /// [`DistributedDataParallel::new`]. Every rank must call it.
+    pub fn build<F>(self, factory: F) -> Result<DistributedDataParallel<M>>
+    where
+        F: FnOnce(VarBuilder) -> candle_core::Result<M>,
+    {
+        DistributedDataParallel::new(
+            self.pg,
+            &self.varmap,
+            self.dtype,
+            &self.device,
+            factory,
+            self.config,
+        )
+    }
+}
+
+impl<M> fmt::Debug for DdpBuilder<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DdpBuilder")
+            .field("rank", &self.pg.rank())
+            .field("world_size", &self.pg.world_size())
+            .field("dtype", &self.dtype)
+            .field("device", &self.device)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
