@@ -13,7 +13,9 @@
 //! So each worker gets its own rayon pool of `cores / workers` threads, and
 //! before any worker starts, [`share_cpu_between`] empties the barrier pool
 //! (elementwise ops then run on the calling worker's thread) unless the user
-//! chose `CANDLE_NUM_THREADS` themselves.
+//! chose `CANDLE_NUM_THREADS` themselves. Processes started together on one
+//! machine by `mpirun` divide its cores the same way
+//! ([`share_cpu_with_local_processes`]).
 
 use std::sync::Once;
 
@@ -57,6 +59,26 @@ pub(crate) fn share_cpu_between(workers: usize) {
                  or build the DataParallel (or start the ranks) first."
             );
         });
+    }
+}
+
+/// Prepares candle for this process being one of `local` processes on its
+/// machine (ranks started by `mpirun`): unless the user set them, sets
+/// `RAYON_NUM_THREADS` and `CANDLE_NUM_THREADS` to this process's share of
+/// the cores it may use, as `torchrun` sets `OMP_NUM_THREADS` for PyTorch.
+/// Call it before the first candle op and before rayon's global pool
+/// starts. When the launcher bound the process to some cores, the share is
+/// of those (at least 1).
+pub(crate) fn share_cpu_with_local_processes(local: usize) {
+    if local <= 1 {
+        return;
+    }
+    let threads = threads_per_worker(local).to_string();
+    for variable in ["RAYON_NUM_THREADS", CANDLE_NUM_THREADS] {
+        if std::env::var_os(variable).is_none() {
+            // Before any thread of this library reads it (see above).
+            std::env::set_var(variable, &threads);
+        }
     }
 }
 

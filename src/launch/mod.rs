@@ -160,6 +160,20 @@ impl Backend {
         env_number(&["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"]).unwrap_or(1)
     }
 
+    /// The number of processes of this MPI job on this machine
+    /// (`OMPI_COMM_WORLD_LOCAL_SIZE`, `MPI_LOCALNRANKS`, `PMI_LOCAL_SIZE`,
+    /// Slurm's `SLURM_NTASKS_PER_NODE`); 1 when the launcher does not say.
+    /// [`run`] gives each its share of the cores.
+    pub fn local_processes() -> usize {
+        env_number(&[
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+            "MPI_LOCALNRANKS",
+            "PMI_LOCAL_SIZE",
+            "SLURM_NTASKS_PER_NODE",
+        ])
+        .unwrap_or(1)
+    }
+
     /// [`Backend::Mpi`] when the process was started by an MPI launcher,
     /// else [`Backend::Threads`].
     pub fn from_env() -> Backend {
@@ -206,7 +220,10 @@ where
     match Backend::from_env() {
         Backend::Threads => spawn_with(threads, options, f),
         #[cfg(feature = "mpi")]
-        Backend::Mpi { .. } => mpi::run(options, f).map(|result| vec![result]),
+        Backend::Mpi { .. } => {
+            crate::cpu_threads::share_cpu_with_local_processes(Backend::local_processes());
+            mpi::run(options, f).map(|result| vec![result])
+        }
         #[cfg(not(feature = "mpi"))]
         Backend::Mpi { variable } => Err(LaunchError::MpiNotEnabled { variable }),
     }
