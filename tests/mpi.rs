@@ -147,6 +147,20 @@ fn collectives(ctx: &RankContext) -> anyhow::Result<Tensors> {
                 let r = pg.all_reduce(&x, op).map_err(|e| e.to_string());
                 record(&mut results, &mut errors, label, r)?;
             }
+            // The same elements in three parts (one a strided view), as a
+            // DDP bucket hands them over.
+            if n >= 3 {
+                let parts = [
+                    x.narrow(0, 0, 1)?,
+                    Tensor::stack(&[&x.narrow(0, 1, n - 2)?; 2], 1)?.narrow(1, 0, 1)?,
+                    x.narrow(0, n - 1, 1)?,
+                ];
+                let label = format!("all_reduce_concat {dtype:?} {n}");
+                let r = pg
+                    .all_reduce_concat(&parts, ReduceOp::Sum)
+                    .map_err(|e| e.to_string());
+                record(&mut results, &mut errors, label, r)?;
+            }
             let root = world - 1;
             let r = pg
                 .reduce(&x, root, ReduceOp::Sum)

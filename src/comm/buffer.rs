@@ -134,6 +134,19 @@ impl Buffer {
         buffer.map_err(|e| e.to_string())
     }
 
+    /// The concatenation of `tensors` (flattened, all of `dtype`), copied
+    /// once into one buffer.
+    pub(crate) fn concat(tensors: &[Tensor], dtype: DType) -> Result<Buffer, String> {
+        let input = Input::concat(tensors, dtype)?;
+        let len = input.len();
+        match_dtype!(dtype, T => {
+            let mut values: Vec<T> = Vec::with_capacity(len);
+            read_inputs(&[&input], 0..len, |xs: &[&[T]]| values.extend_from_slice(xs[0]))
+                .map_err(|_| format!("cannot read the {len} elements of the tensors"))?;
+            Ok(T::into_buffer(values))
+        }, _ => Err(unsupported(dtype)))
+    }
+
     /// A new tensor holding a copy of these elements.
     pub(crate) fn to_tensor(&self, dims: &[usize], device: &Device) -> candle_core::Result<Tensor> {
         match_buffer!(self, v => Tensor::from_slice(v, dims, device))

@@ -311,9 +311,16 @@ impl MpiGroup {
     /// chunks (as the engine decides, from the size and the threshold), or
     /// one.
     fn reduction_parts(&self, tensor: &Tensor) -> usize {
-        let bytes = tensor
-            .elem_count()
-            .saturating_mul(tensor.dtype().size_in_bytes());
+        self.reduction_parts_of(
+            tensor
+                .elem_count()
+                .saturating_mul(tensor.dtype().size_in_bytes()),
+        )
+    }
+
+    /// Into how many parts a reduction of `bytes` is cut (the ring's
+    /// chunks), so that each message stays within MPI's counts.
+    fn reduction_parts_of(&self, bytes: usize) -> usize {
         if self.world_size > 1 && bytes >= self.shared.ring_threshold_bytes {
             self.world_size
         } else {
@@ -379,16 +386,21 @@ fn host_copy_in(
         dtype: tensor.dtype(),
         dims: tensor.dims().to_vec(),
     };
-    let bytes = tensor
-        .elem_count()
-        .saturating_mul(tensor.dtype().size_in_bytes());
-    let largest_message = bytes.div_ceil(parts.max(1)) + tensor.dtype().size_in_bytes();
-    let data = if largest_message > MAX_MESSAGE_BYTES {
+    let data = checked_size(&meta, parts).and_then(|()| Buffer::from_tensor(tensor));
+    (Some(meta), data)
+}
+
+/// Refuses data of `meta` whose largest message, sent in `parts` parts,
+/// would not fit MPI's counts.
+fn checked_size(meta: &TensorMeta, parts: usize) -> std::result::Result<(), String> {
+    let elem = meta.dtype.size_in_bytes();
+    let bytes = meta.dims.iter().product::<usize>().saturating_mul(elem);
+    let largest_message = bytes.div_ceil(parts.max(1)) + elem;
+    if largest_message > MAX_MESSAGE_BYTES {
         Err(too_large(bytes))
     } else {
-        Buffer::from_tensor(tensor)
-    };
-    (Some(meta), data)
+        Ok(())
+    }
 }
 
 /// [`host_copy_in`] for data that travels whole.
@@ -427,6 +439,36 @@ impl ProcessGroup for MpiGroup {
         };
         let reply = self.call(sig, kind)?;
         self.one("all_reduce", reply, tensor)
+    }
+
+    fn all_reduce_concat(&self, tensors: &[Tensor], op: ReduceOp) -> Result<Tensor> {
+        let Some(first) = tensors.first() else {
+            return super::all_reduce_concat_copied(self, tensors, op);
+        };
+        // The parts are copied once, straight into the buffer MPI sends.
+        let len = tensors.iter().map(Tensor::elem_count).sum();
+        let meta = TensorMeta {
+            dtype: first.dtype(),
+            dims: vec![len],
+        };
+        let parts = self.reduction_parts_of(len.saturating_mul(first.dtype().size_in_bytes()));
+        let data = checked_size(&meta, parts).and_then(|()| Buffer::concat(tensors, first.dtype()));
+        let sig = signature(
+            OpSig::AllReduce(op),
+            Some(meta),
+            data.as_ref().err().cloned(),
+        );
+        let kind = Kind::Reduce {
+            op,
+            root: None,
+            data: data.ok(),
+        };
+        match self.call(sig, kind)? {
+            Reply::One(buffer, _) => buffer
+                .into_tensor(&[len], first.device())
+                .map_err(|e| self.tensor_error("all_reduce", e)),
+            _ => Err(self.wrong_reply("all_reduce")),
+        }
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
