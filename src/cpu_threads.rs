@@ -11,9 +11,12 @@
 //! 19.8 ms with the pool empty (README, Performance).
 //!
 //! So each worker gets its own rayon pool of `cores / workers` threads, and
-//! before any worker starts, [`share_cpu_between`] empties the barrier pool
-//! (elementwise ops then run on the calling worker's thread) unless the user
-//! chose `CANDLE_NUM_THREADS` themselves. Processes started together on one
+//! before any worker starts, [`share_cpu_between`] tells gemm to split each
+//! matmul into that many parts and empties the barrier pool (elementwise ops
+//! then run on the calling worker's thread), unless the user set
+//! `RAYON_NUM_THREADS` or `CANDLE_NUM_THREADS` themselves. The cost: candle
+//! code run outside the workers later in the same process (a single-device
+//! run, the optimizer on DataParallel's master) gets the same settings. Processes started together on one
 //! machine by `mpirun` divide its cores the same way
 //! ([`share_cpu_with_local_processes`]).
 
@@ -22,6 +25,21 @@ use std::sync::Once;
 /// The variable candle sizes its elementwise pool from (read once, when
 /// the pool starts).
 const CANDLE_NUM_THREADS: &str = "CANDLE_NUM_THREADS";
+
+/// How many parts candle's matmul (gemm) splits its work into.
+const RAYON_NUM_THREADS: &str = "RAYON_NUM_THREADS";
+
+/// Sets `variable` to `value` unless the user set it; whether it did.
+fn set_if_unset(variable: &str, value: &str) -> bool {
+    if std::env::var_os(variable).is_some() {
+        return false;
+    }
+    // A process-wide setting, changed only when the user left it unset and
+    // asked for several workers, before they start. std's environment lock
+    // guards it against Rust readers (candle reads it with `std::env::var`).
+    std::env::set_var(variable, value);
+    true
+}
 
 /// The cores this process may use.
 pub(crate) fn cores() -> usize {
@@ -36,18 +54,22 @@ pub(crate) fn threads_per_worker(workers: usize) -> usize {
 /// Prepares candle for `workers` CPU workers running at once in this
 /// process; nothing to do for one. Call it before the workers start.
 ///
-/// Sets `CANDLE_NUM_THREADS=1` when the user has not set it. If candle's
+/// Sets `RAYON_NUM_THREADS` to each worker's share of the cores and
+/// `CANDLE_NUM_THREADS=1`, each only when the user has not set it. If candle's
 /// elementwise pool had already started with threads (it starts at the
 /// first large elementwise op, and cannot be resized), logs a warning once
 /// that says how to avoid it.
 pub(crate) fn share_cpu_between(workers: usize) {
-    if workers <= 1 || std::env::var_os(CANDLE_NUM_THREADS).is_some() {
+    if workers <= 1 {
         return;
     }
-    // A process-wide setting, changed only when the user left it unset and
-    // asked for several CPU workers. std's environment lock guards this
-    // against Rust readers (candle reads it with `std::env::var`).
-    std::env::set_var(CANDLE_NUM_THREADS, "1");
+    // gemm splits each matmul into RAYON_NUM_THREADS parts whatever pool it
+    // runs in; more parts than the worker's pool has threads cost the conv
+    // net 40% (25.5 against 17.8 ms per step, 2 replicas).
+    set_if_unset(RAYON_NUM_THREADS, &threads_per_worker(workers).to_string());
+    if !set_if_unset(CANDLE_NUM_THREADS, "1") {
+        return;
+    }
     let started_with = candle_core::utils::barrier_pool().n_workers();
     if started_with > 0 {
         static WARNED: Once = Once::new();
@@ -69,16 +91,14 @@ pub(crate) fn share_cpu_between(workers: usize) {
 /// Call it before the first candle op and before rayon's global pool
 /// starts. When the launcher bound the process to some cores, the share is
 /// of those (at least 1).
+#[cfg(feature = "mpi")]
 pub(crate) fn share_cpu_with_local_processes(local: usize) {
     if local <= 1 {
         return;
     }
     let threads = threads_per_worker(local).to_string();
-    for variable in ["RAYON_NUM_THREADS", CANDLE_NUM_THREADS] {
-        if std::env::var_os(variable).is_none() {
-            // Before any thread of this library reads it (see above).
-            std::env::set_var(variable, &threads);
-        }
+    for variable in [RAYON_NUM_THREADS, CANDLE_NUM_THREADS] {
+        set_if_unset(variable, &threads);
     }
 }
 

@@ -55,6 +55,16 @@
 //! the processes of an MPI job on one machine or many. [`launch::run`] picks
 //! between them from the environment, so one program runs both ways, and
 //! [`seeded_varmap`] gives every rank and every run the same initial weights.
+//!
+//! **CPU threads.** Several CPU replicas or thread ranks share the cores by
+//! themselves: each gets its own rayon pool of `cores / workers` threads,
+//! and candle's process-wide elementwise pool is left empty
+//! (`CANDLE_NUM_THREADS=1`, unless set) so they do not take turns on it.
+//! Under `mpirun`, each process takes its share of the machine's cores.
+//!
+//! **Features.** `avx512` (default): `gemm`'s AVX-512 matmul kernels, chosen
+//! at run time only on CPUs that have AVX-512F. `mpi`: `MpiGroup`. `cuda`:
+//! candle's CUDA backend. `mimalloc`: the allocator of the examples.
 
 #![deny(missing_docs)]
 

@@ -7,12 +7,15 @@
 //! are not even copied once when they are contiguous CPU tensors: the ranks
 //! read them in place ([`Input`]).
 
+use std::any::Any;
+use std::mem::MaybeUninit;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::{DType, Device, Storage, StorageRef, Tensor, WithDType};
 use half::{bf16, f16};
 
+use super::shared_output::{fill, SharedOutput};
 use super::ReduceOp;
 
 /// The flattened elements of a tensor, one variant per supported dtype.
@@ -136,6 +139,7 @@ impl Buffer {
 
     /// The concatenation of `tensors` (flattened, all of `dtype`), copied
     /// once into one buffer.
+    #[cfg(feature = "mpi")]
     pub(crate) fn concat(tensors: &[Tensor], dtype: DType) -> Result<Buffer, String> {
         let input = Input::concat(tensors, dtype)?;
         let len = input.len();
@@ -181,7 +185,17 @@ fn is_supported(dtype: DType) -> bool {
 /// A contiguous CPU tensor is shared as it is and read in place; any other
 /// tensor (on a GPU, or a strided view) is copied to the host once.
 #[derive(Debug, Clone)]
-pub(crate) enum Input {
+pub(crate) struct Input {
+    source: Source,
+    /// Where the ranks find the [`SharedOutput`] of an all-reduce: the
+    /// first rank that needs it creates it in rank 0's input, which every
+    /// rank sees.
+    output: Arc<OnceLock<Arc<dyn Any + Send + Sync>>>,
+}
+
+/// Where an input's elements are.
+#[derive(Debug, Clone)]
+enum Source {
     InPlace {
         tensor: Tensor,
         /// Identifies the tensor's storage, and so its lock: the address of
@@ -189,25 +203,16 @@ pub(crate) enum Input {
         key: usize,
     },
     Copied(Arc<Buffer>),
-    /// Several inputs read as one, their concatenation (a DDP bucket, read
+    /// Several sources read as one, their concatenation (a DDP bucket, read
     /// where each gradient is instead of copied into one buffer first).
-    Concat(Vec<Input>),
+    Concat(Vec<Source>),
 }
 
 impl Input {
     /// The error is a message for [`CommError::InvalidInput`](super::CommError),
     /// as for [`Buffer::from_tensor`].
     pub(crate) fn new(tensor: &Tensor) -> Result<Input, String> {
-        if tensor.device().is_cpu() && tensor.is_contiguous() && is_supported(tensor.dtype()) {
-            let (storage, _) = tensor.storage_and_layout();
-            let key = std::ptr::from_ref::<Storage>(&storage) as usize;
-            Ok(Input::InPlace {
-                tensor: tensor.clone(),
-                key,
-            })
-        } else {
-            Buffer::from_tensor(tensor).map(|b| Input::Copied(Arc::new(b)))
-        }
+        Source::new(tensor).map(Input::from)
     }
 
     /// The concatenation of `tensors` (flattened), which all have `dtype`.
@@ -216,7 +221,7 @@ impl Input {
             .iter()
             .enumerate()
             .map(|(i, tensor)| match tensor.dtype() {
-                d if d == dtype => Input::new(tensor),
+                d if d == dtype => Source::new(tensor),
                 d => Err(format!(
                     "tensor {i} is {}, not {} like the first",
                     d.as_str(),
@@ -224,28 +229,67 @@ impl Input {
                 )),
             })
             .collect::<Result<_, _>>()
-            .map(Input::Concat)
+            .map(|parts| Input::from(Source::Concat(parts)))
     }
 
     /// The number of elements.
     pub(crate) fn len(&self) -> usize {
-        match self {
-            Input::InPlace { tensor, .. } => tensor.elem_count(),
-            Input::Copied(buffer) => match_buffer!(buffer.as_ref(), v => v.len()),
-            Input::Concat(parts) => parts.iter().map(Input::len).sum(),
+        self.source.len()
+    }
+
+    /// The all-reduce result of `len` elements that every rank holding a
+    /// clone of this input shares; `None` if it was created for another
+    /// element type (the ranks agreed on the dtype, so they do not).
+    pub(crate) fn shared_output<T: Element>(&self, len: usize) -> Option<Arc<SharedOutput<T>>> {
+        let any = self
+            .output
+            .get_or_init(|| Arc::new(SharedOutput::<T>::new(len)))
+            .clone();
+        any.downcast::<SharedOutput<T>>().ok()
+    }
+}
+
+impl From<Source> for Input {
+    fn from(source: Source) -> Input {
+        Input {
+            source,
+            output: Arc::default(),
+        }
+    }
+}
+
+impl Source {
+    fn new(tensor: &Tensor) -> Result<Source, String> {
+        if tensor.device().is_cpu() && tensor.is_contiguous() && is_supported(tensor.dtype()) {
+            let (storage, _) = tensor.storage_and_layout();
+            let key = std::ptr::from_ref::<Storage>(&storage) as usize;
+            Ok(Source::InPlace {
+                tensor: tensor.clone(),
+                key,
+            })
+        } else {
+            Buffer::from_tensor(tensor).map(|b| Source::Copied(Arc::new(b)))
         }
     }
 
-    /// The single inputs this one is made of, in order.
-    fn leaves(&self) -> Vec<&Input> {
+    fn len(&self) -> usize {
         match self {
-            Input::Concat(parts) => parts.iter().flat_map(Input::leaves).collect(),
+            Source::InPlace { tensor, .. } => tensor.elem_count(),
+            Source::Copied(buffer) => match_buffer!(buffer.as_ref(), v => v.len()),
+            Source::Concat(parts) => parts.iter().map(Source::len).sum(),
+        }
+    }
+
+    /// The single sources this one is made of, in order.
+    fn leaves(&self) -> Vec<&Source> {
+        match self {
+            Source::Concat(parts) => parts.iter().flat_map(Source::leaves).collect(),
             single => vec![single],
         }
     }
 
     /// Where each leaf's elements start, and the total, as [`leaves`](Self::leaves).
-    fn starts(leaves: &[&Input]) -> Vec<usize> {
+    fn starts(leaves: &[&Source]) -> Vec<usize> {
         let mut at = 0;
         let mut starts: Vec<usize> = leaves
             .iter()
@@ -260,15 +304,15 @@ impl Input {
     }
 }
 
-/// The elements `range` of a single (not concatenated) input, whose storage
-/// is locked in `guards` if it is read in place.
+/// The elements `range` of a single (not concatenated) source, whose
+/// storage is locked in `guards` if it is read in place.
 fn leaf_slice<'a, T: Element>(
-    leaf: &'a Input,
+    leaf: &'a Source,
     guards: &'a [(usize, StorageRef<'a>)],
     range: Range<usize>,
 ) -> Option<&'a [T]> {
     match leaf {
-        Input::InPlace { tensor, key } => {
+        Source::InPlace { tensor, key } => {
             let at = guards.binary_search_by_key(key, |&(key, _)| key).ok()?;
             match (&*guards[at].1, tensor.layout().contiguous_offsets()) {
                 (Storage::Cpu(cpu), Some((start, _))) => cpu
@@ -278,8 +322,8 @@ fn leaf_slice<'a, T: Element>(
                 _ => None,
             }
         }
-        Input::Copied(buffer) => T::slice_of(buffer)?.get(range),
-        Input::Concat(_) => None,
+        Source::Copied(buffer) => T::slice_of(buffer)?.get(range),
+        Source::Concat(_) => None,
     }
 }
 
@@ -301,13 +345,13 @@ pub(crate) fn read_inputs<T: Element>(
     range: Range<usize>,
     mut f: impl FnMut(&[&[T]]),
 ) -> Result<(), usize> {
-    let leaves: Vec<Vec<&Input>> = inputs.iter().map(|input| input.leaves()).collect();
-    let starts: Vec<Vec<usize>> = leaves.iter().map(|l| Input::starts(l)).collect();
+    let leaves: Vec<Vec<&Source>> = inputs.iter().map(|input| input.source.leaves()).collect();
+    let starts: Vec<Vec<usize>> = leaves.iter().map(|l| Source::starts(l)).collect();
     let mut locked: Vec<(usize, &Tensor)> = leaves
         .iter()
         .flatten()
         .filter_map(|leaf| match leaf {
-            Input::InPlace { tensor, key } => Some((*key, tensor)),
+            Source::InPlace { tensor, key } => Some((*key, tensor)),
             _ => None,
         })
         .collect();
@@ -482,6 +526,26 @@ pub(crate) fn extend_combined<T: Element>(op: ReduceOp, out: &mut Vec<T>, a: &[T
         ReduceOp::Sum | ReduceOp::Avg => out.extend(pairs.map(|(&a, &b)| T::reduce_sum(a, b))),
         ReduceOp::Max => out.extend(pairs.map(|(&a, &b)| T::reduce_max(a, b))),
         ReduceOp::Min => out.extend(pairs.map(|(&a, &b)| T::reduce_min(a, b))),
+    }
+}
+
+/// Writes `a[i] ⊕ b[i]` into `out` (of their length) and returns it
+/// initialized, as [`extend_combined`] appends them; `None` if the lengths
+/// differ.
+pub(crate) fn fill_combined<'a, T: Element>(
+    op: ReduceOp,
+    out: &'a mut [MaybeUninit<T>],
+    a: &[T],
+    b: &[T],
+) -> Option<&'a mut [T]> {
+    if a.len() != b.len() {
+        return None;
+    }
+    let pairs = a.iter().zip(b);
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => fill(out, pairs.map(|(&a, &b)| T::reduce_sum(a, b))),
+        ReduceOp::Max => fill(out, pairs.map(|(&a, &b)| T::reduce_max(a, b))),
+        ReduceOp::Min => fill(out, pairs.map(|(&a, &b)| T::reduce_min(a, b))),
     }
 }
 

@@ -28,6 +28,7 @@ mod buffer;
 mod mpi_group;
 mod protocol;
 mod ring;
+mod shared_output;
 mod thread_group;
 
 use std::fmt;

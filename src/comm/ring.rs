@@ -15,13 +15,15 @@
 //! depends only on `W`, `n` and the element's index, never on timing or on
 //! which rank computes it, so all ranks get bitwise the same result.
 //!
-//! **Who reduces what.** With two ranks, each rank that wants the result
-//! reduces every chunk itself, straight into its result: that reads both
-//! inputs and writes the result once, about the cost of a memcpy, where
-//! splitting the work would add a copy of half the buffer. With more ranks,
-//! rank `r` reduces chunk `r` only and hands it (shared, not copied) to the
-//! ranks that want it, which copy it into their result: reading all `W`
-//! inputs for every chunk would cost each rank `W` reads of the buffer.
+//! **Who reduces what.** In an all-reduce, rank `r` reduces chunk `r` into
+//! one result buffer that all ranks fill together and then share
+//! ([`SharedOutput`]): the data is read and written once in all. In a
+//! reduce to one root, with two ranks the root reduces every chunk itself,
+//! straight into its result (reading both inputs and writing once, where
+//! splitting the work would add a copy of half the buffer); with more, rank
+//! `r` reduces chunk `r` only and hands it (shared, not copied) to the
+//! root, which copies it into its result: reading all `W` inputs for every
+//! chunk would cost the root `W` reads of the buffer.
 //!
 //! **Lifetime.** A rank returns only once every other rank has sent it a
 //! message after its last read of the inputs, so an input is never read
@@ -30,14 +32,16 @@
 //! The code is written against [`Link`], so it does not care how messages
 //! travel; it needs every rank's input readable in its own process.
 
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 
-use candle_core::DType;
+use candle_core::{DType, Device, Tensor};
 
 use super::buffer::{
-    chunk_range, combine_into, extend_combined, finish, match_dtype, read_inputs, Buffer, Element,
-    Input,
+    chunk_range, combine_into, extend_combined, fill_combined, finish, match_dtype, read_inputs,
+    Buffer, Element, Input,
 };
+use super::shared_output::{fill, Complete, Filled};
 use super::{CommError, ReduceOp, Result};
 
 /// Up to this many ranks, each rank reduces every chunk it wants itself.
@@ -61,19 +65,64 @@ pub(crate) trait Link {
     fn unexpected(&self, src: usize, detail: String) -> CommError;
 }
 
+/// An all-reduce's result, which every rank shares.
+pub(crate) struct Reduced(Box<dyn Filled>);
+
+impl Reduced {
+    /// The result as a tensor of `dims` on `device`.
+    pub(crate) fn into_tensor(
+        self,
+        dims: &[usize],
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
+        self.0.to_tensor(dims, device)
+    }
+}
+
 /// All-reduce of every rank's input (`inputs[r]` is rank `r`'s; all have
-/// the same `dtype` and length).
+/// the same `dtype` and length): each rank reduces its own chunk into one
+/// result that they all share.
 pub(crate) fn all_reduce(
     inputs: &[&Input],
     dtype: DType,
     op: ReduceOp,
     link: &impl Link,
-) -> Result<Buffer> {
-    let all = |_| true;
-    let reduced = match_dtype!(dtype, T => reduce_for::<T>(inputs, op, all, link)?.map(T::into_buffer), _ => {
-        return Err(unsupported(dtype, link))
-    });
-    reduced.ok_or_else(|| link.unexpected(link.rank(), "no result".into()))
+) -> Result<Reduced> {
+    match_dtype!(dtype, T => all_reduce_shared::<T>(inputs, op, link), _ => {
+        Err(unsupported(dtype, link))
+    })
+}
+
+fn all_reduce_shared<T: Element>(
+    inputs: &[&Input],
+    op: ReduceOp,
+    link: &impl Link,
+) -> Result<Reduced> {
+    let (rank, world) = (link.rank(), link.world_size());
+    let len = inputs[rank].len();
+    // Rank 0's input is the same object on every rank, so is this.
+    let output = inputs[0]
+        .shared_output::<T>(len)
+        .ok_or_else(|| link.unexpected(0, "a shared result of another type".into()))?;
+    let range = chunk_range(len, world, rank);
+    // SAFETY: each rank writes its own chunk; the chunks do not overlap.
+    let chunk = unsafe { output.chunk_mut(range.clone()) };
+    let mut written = 0;
+    reduce_chunk(
+        inputs,
+        rank,
+        link,
+        write_into(op, world, chunk, &mut written),
+    )?;
+    if written != range.len() {
+        let detail = format!("its chunk has {written} of {} elements", range.len());
+        return Err(link.unexpected(rank, detail));
+    }
+    // Written and done reading: tell every other rank, and wait for theirs.
+    done_reading(link, |_| None, false)?;
+    // SAFETY: every rank wrote its chunk (the chunks tile the buffer) before
+    // it sent its message, and has received all of them.
+    Ok(Reduced(Box::new(unsafe { Complete::new(output) })))
 }
 
 /// Reduce to `root`: bitwise the result of [`all_reduce`], on `root` only.
@@ -84,8 +133,7 @@ pub(crate) fn reduce(
     root: usize,
     link: &impl Link,
 ) -> Result<Option<Buffer>> {
-    let root_only = |rank| rank == root;
-    let reduced = match_dtype!(dtype, T => reduce_for::<T>(inputs, op, root_only, link)?.map(T::into_buffer), _ => {
+    let reduced = match_dtype!(dtype, T => reduce_to_root::<T>(inputs, op, root, link)?.map(T::into_buffer), _ => {
         return Err(unsupported(dtype, link))
     });
     Ok(reduced)
@@ -96,53 +144,36 @@ fn unsupported(dtype: DType, link: &impl Link) -> CommError {
     link.unexpected(link.rank(), format!("unsupported dtype {}", dtype.as_str()))
 }
 
-/// The reduction, for the ranks `wants` the result on (`Some` on those).
-fn reduce_for<T: Element>(
+/// The reduction, on `root` only (`Some` there).
+fn reduce_to_root<T: Element>(
     inputs: &[&Input],
     op: ReduceOp,
-    wants: impl Fn(usize) -> bool,
+    root: usize,
     link: &impl Link,
 ) -> Result<Option<Vec<T>>> {
     let (rank, world) = (link.rank(), link.world_size());
     let len = inputs[rank].len();
-    let others = || (0..world).filter(move |&r| r != rank);
 
     // Everything that reads the inputs comes first.
     let reduce_all = world <= REDUCE_ALL_MAX_WORLD;
     let mut out = Vec::new();
     let mut mine = None;
     if reduce_all {
-        if wants(rank) {
+        if rank == root {
             out.reserve_exact(len);
             for chunk in 0..world {
-                reduce_chunk(inputs, chunk, op, &mut out, link)?;
+                reduce_chunk(inputs, chunk, link, append_to(op, world, &mut out))?;
             }
         }
     } else {
         let mut values = Vec::with_capacity(chunk_range(len, world, rank).len());
-        reduce_chunk(inputs, rank, op, &mut values, link)?;
+        reduce_chunk(inputs, rank, link, append_to(op, world, &mut values))?;
         mine = Some(Arc::new(T::into_buffer(values)));
     }
 
-    // Then every rank tells every other one that it is done reading.
-    for dst in others() {
-        link.send(dst, mine.clone().filter(|_| wants(dst)))?;
-    }
-    let expects_chunks = !reduce_all && wants(rank);
-    let mut chunks: Vec<Option<Arc<Buffer>>> = vec![None; world];
-    for src in others() {
-        let chunk = link.recv(src)?;
-        if chunk.is_some() != expects_chunks {
-            let detail = if expects_chunks {
-                "no data where its chunk was expected"
-            } else {
-                "data where none was expected"
-            };
-            return Err(link.unexpected(src, detail.into()));
-        }
-        chunks[src] = chunk;
-    }
-    if !wants(rank) {
+    let send = |dst| mine.clone().filter(|_| dst == root);
+    let mut chunks = done_reading(link, send, !reduce_all && rank == root)?;
+    if rank != root {
         return Ok(None);
     }
     if reduce_all {
@@ -170,35 +201,59 @@ fn reduce_for<T: Element>(
     Ok(Some(out))
 }
 
-/// Appends chunk `chunk`, reduced over every rank's input in the ring's
-/// order, to `out`.
+/// Tells every other rank that this one is done with the inputs, handing
+/// `dst` the chunk `data_for(dst)`, then waits for the same message from
+/// each of them: carrying a chunk if `expects_chunks`, none otherwise.
+/// Returns the chunks received, by sender.
+fn done_reading(
+    link: &impl Link,
+    data_for: impl Fn(usize) -> Option<Arc<Buffer>>,
+    expects_chunks: bool,
+) -> Result<Vec<Option<Arc<Buffer>>>> {
+    let (rank, world) = (link.rank(), link.world_size());
+    let others = || (0..world).filter(move |&r| r != rank);
+    for dst in others() {
+        link.send(dst, data_for(dst))?;
+    }
+    let mut chunks: Vec<Option<Arc<Buffer>>> = vec![None; world];
+    for src in others() {
+        let chunk = link.recv(src)?;
+        if chunk.is_some() != expects_chunks {
+            let detail = if expects_chunks {
+                "no data where its chunk was expected"
+            } else {
+                "data where none was expected"
+            };
+            return Err(link.unexpected(src, detail.into()));
+        }
+        chunks[src] = chunk;
+    }
+    Ok(chunks)
+}
+
+/// Reduces chunk `chunk` over every rank's input in the ring's order,
+/// handing `emit` the inputs' elements block by block, in order (each block
+/// one slice per rank, in reduction order). `emit` returns `false` if the
+/// block does not fit where it goes, an error here.
 fn reduce_chunk<T: Element>(
     inputs: &[&Input],
     chunk: usize,
-    op: ReduceOp,
-    out: &mut Vec<T>,
     link: &impl Link,
+    mut emit: impl FnMut(&[&[T]]) -> bool,
 ) -> Result<()> {
     let world = inputs.len();
     // Ranks c+1, c+2, …, c.
     let order: Vec<&Input> = (1..=world).map(|k| inputs[(chunk + k) % world]).collect();
     let range = chunk_range(inputs[link.rank()].len(), world, chunk);
+    let mut fits = true;
     read_inputs(&order, range, |xs: &[&[T]]| {
         let len = xs.first().map_or(0, |x| x.len());
+        let mut blocks: Vec<&[T]> = Vec::with_capacity(xs.len());
         for start in (0..len).step_by(BLOCK) {
             let block = start..(start + BLOCK).min(len);
-            let at = out.len();
-            match xs {
-                [first, second, rest @ ..] => {
-                    extend_combined(op, out, &first[block.clone()], &second[block.clone()]);
-                    for x in rest {
-                        combine_into(op, &mut out[at..], &x[block.clone()]);
-                    }
-                }
-                [only] => out.extend_from_slice(&only[block]),
-                [] => {}
-            }
-            finish(op, &mut out[at..], world);
+            blocks.clear();
+            blocks.extend(xs.iter().map(|x| &x[block.clone()]));
+            fits &= emit(&blocks);
         }
     })
     .map_err(|i| {
@@ -209,5 +264,66 @@ fn reduce_chunk<T: Element>(
             T::DTYPE.as_str()
         );
         link.unexpected(src, detail)
-    })
+    })?;
+    if fits {
+        Ok(())
+    } else {
+        Err(link.unexpected(
+            link.rank(),
+            "a reduced block does not fit its result".into(),
+        ))
+    }
+}
+
+/// An `emit` for [`reduce_chunk`] that appends each block, reduced, to `out`.
+fn append_to<'a, T: Element>(
+    op: ReduceOp,
+    world: usize,
+    out: &'a mut Vec<T>,
+) -> impl FnMut(&[&[T]]) -> bool + 'a {
+    move |xs| {
+        let at = out.len();
+        match xs {
+            [first, second, rest @ ..] => {
+                extend_combined(op, out, first, second);
+                for x in rest {
+                    combine_into(op, &mut out[at..], x);
+                }
+            }
+            [only] => out.extend_from_slice(only),
+            [] => {}
+        }
+        finish(op, &mut out[at..], world);
+        true
+    }
+}
+
+/// An `emit` for [`reduce_chunk`] that writes each block, reduced, into
+/// `out` from its start on, counting the elements in `written`.
+fn write_into<'a, T: Element>(
+    op: ReduceOp,
+    world: usize,
+    out: &'a mut [MaybeUninit<T>],
+    written: &'a mut usize,
+) -> impl FnMut(&[&[T]]) -> bool + 'a {
+    move |xs| {
+        let len = xs.first().map_or(0, |x| x.len());
+        let Some(dst) = out.get_mut(*written..*written + len) else {
+            return false;
+        };
+        let values = match xs {
+            [first, second, ..] => fill_combined(op, dst, first, second),
+            [only] => fill(dst, only.iter().copied()),
+            [] => Some(&mut [][..]),
+        };
+        let Some(values) = values else {
+            return false;
+        };
+        for x in xs.iter().skip(2) {
+            combine_into(op, values, x);
+        }
+        finish(op, values, world);
+        *written += len;
+        true
+    }
 }
