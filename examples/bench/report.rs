@@ -68,27 +68,41 @@ pub fn summarize(specs: &[Spec], measured: &[Measured]) -> Vec<Row> {
         .collect()
 }
 
-/// The issue's target figures for the MLP at global batch 256 on 2 replicas.
+/// The row of `kind` on `replicas` replicas at `model` and global `batch`.
+fn find(rows: &[Row], model: Model, batch: usize, kind: Kind, replicas: usize) -> Option<&Row> {
+    rows.iter().find(|r| {
+        r.spec.model == model
+            && r.spec.batch == batch
+            && r.spec.kind == kind
+            && r.spec.replicas == replicas
+    })
+}
+
+/// The best single-device throughput at `model` and global `batch`, any
+/// thread count (0 when none was measured).
+fn best_single(rows: &[Row], model: Model, batch: usize) -> f64 {
+    rows.iter()
+        .filter(|r| r.spec.model == model && r.spec.batch == batch && r.spec.kind == Kind::Single)
+        .map(|r| r.samples_per_s)
+        .fold(0.0, f64::max)
+}
+
+/// PyTorch's two reference configurations in `bench_torch.py`'s CSV.
+const TORCH_DDP: &str = "torch-ddp-gloo-2x1";
+const TORCH_1PROC: &str = "torch-1proc-2thr";
+
+/// The issue's target figures: for the MLP at global batch 256 on 2
+/// replicas as bullets, then a table for every model and batch measured.
 pub fn targets(rows: &[Row], torch: Option<&str>) -> String {
-    let find = |kind: Kind, replicas: usize, threads: usize| {
-        rows.iter().find(|r| {
-            r.spec.model == Model::Mlp
-                && r.spec.batch == 256
-                && r.spec.kind == kind
-                && r.spec.replicas == replicas
-                && (kind != Kind::Single || r.spec.threads == threads)
-        })
-    };
-    let (Some(dp), Some(ddp)) = (find(Kind::DpFast, 2, 0), find(Kind::Ddp, 2, 0)) else {
+    mlp_256_targets(rows, torch) + &targets_table(rows, torch)
+}
+
+fn mlp_256_targets(rows: &[Row], torch: Option<&str>) -> String {
+    let find = |kind| find(rows, Model::Mlp, 256, kind, 2);
+    let (Some(dp), Some(ddp)) = (find(Kind::DpFast), find(Kind::Ddp)) else {
         return String::new();
     };
-    let best_single = rows
-        .iter()
-        .filter(|r| {
-            r.spec.model == Model::Mlp && r.spec.batch == 256 && r.spec.kind == Kind::Single
-        })
-        .map(|r| r.samples_per_s)
-        .fold(0.0, f64::max);
+    let best_single = best_single(rows, Model::Mlp, 256);
     let pct = |e: Option<f64>| e.map_or("n/a".to_string(), |e| format!("{:.0}%", 100.0 * e));
     let mut s =
         String::from("\n## Targets (MLP 784-1024-1024-10, global batch 256, 2 replicas)\n\n");
@@ -107,7 +121,7 @@ pub fn targets(rows: &[Row], torch: Option<&str>) -> String {
     );
     s += &format!("- engine overhead (all but forward, backward, optimizer): DataParallel {:.1}%, DDP {:.1}% (target <= 5%)\n", overhead_pct(dp), overhead_pct(ddp));
     if let Some(torch) = torch {
-        for config in ["torch-ddp-gloo-2x1", "torch-1proc-2thr"] {
+        for config in [TORCH_DDP, TORCH_1PROC] {
             if let Some(rate) = torch_rate(torch, config, 256) {
                 s += &format!(
                     "- vs PyTorch {config} ({rate:.0} samples/s): DataParallel {:.2}x, DDP {:.2}x\n",
@@ -116,6 +130,77 @@ pub fn targets(rows: &[Row], torch: Option<&str>) -> String {
                 );
             }
         }
+    }
+    s
+}
+
+/// The targets at every (model, global batch) with DataParallel (fast path)
+/// or DDP on thread ranks measured on 2 replicas; a cell is empty where its
+/// configuration (or PyTorch's, MLP only) is missing.
+fn targets_table(rows: &[Row], torch: Option<&str>) -> String {
+    let mut groups: Vec<(Model, usize)> = Vec::new();
+    for r in rows {
+        let key = (r.spec.model, r.spec.batch);
+        let measured = matches!(r.spec.kind, Kind::DpFast | Kind::Ddp) && r.spec.replicas == 2;
+        if measured && !groups.contains(&key) {
+            groups.push(key);
+        }
+    }
+    if groups.is_empty() {
+        return String::new();
+    }
+    let mut s = String::from(
+        "\n## Targets at every model and global batch (2 replicas)\n\n\
+         DP: DataParallel (fast path); DDP: on thread ranks; single: the best \
+         single-device configuration at that batch (target >= 1.0); overhead: all but forward, \
+         backward, optimizer (target <= 5%)",
+    );
+    let torch_columns = if torch.is_some() {
+        s +=
+            "; PyTorch: DDP over gloo (2 processes x 1 thread) and 1 process (2 threads), MLP only";
+        " DP / PyTorch DDP-gloo | DDP / PyTorch DDP-gloo | DP / PyTorch 1-process | DDP / PyTorch 1-process |"
+    } else {
+        ""
+    };
+    let columns = 6 + if torch.is_some() { 4 } else { 0 };
+    s += &format!(
+        ".\n\n| model | global batch | DP / single | DDP / single | DP overhead | DDP overhead |{torch_columns}\n|{}\n",
+        "---|".repeat(columns)
+    );
+    let ratio = |a: Option<f64>, b: Option<f64>| {
+        a.zip(b.filter(|b| *b > 0.0))
+            .map_or(String::new(), |(a, b)| format!("{:.2}", a / b))
+    };
+    for (model, batch) in groups {
+        let dp = find(rows, model, batch, Kind::DpFast, 2);
+        let ddp = find(rows, model, batch, Kind::Ddp, 2);
+        let (dp_rate, ddp_rate) = (dp.map(|r| r.samples_per_s), ddp.map(|r| r.samples_per_s));
+        let single = Some(best_single(rows, model, batch));
+        let overhead =
+            |r: Option<&Row>| r.map_or(String::new(), |r| format!("{:.1}%", overhead_pct(r)));
+        s += &format!(
+            "| {model} | {batch} | {} | {} | {} | {} |",
+            ratio(dp_rate, single),
+            ratio(ddp_rate, single),
+            overhead(dp),
+            overhead(ddp),
+        );
+        if let Some(torch) = torch {
+            let rate = |config| {
+                (model == Model::Mlp)
+                    .then(|| torch_rate(torch, config, batch))
+                    .flatten()
+            };
+            let (gloo, one_proc) = (rate(TORCH_DDP), rate(TORCH_1PROC));
+            s += &format!(
+                " {} | {} | {} | {} |",
+                ratio(dp_rate, gloo),
+                ratio(ddp_rate, gloo),
+                ratio(dp_rate, one_proc),
+                ratio(ddp_rate, one_proc),
+            );
+        }
+        s += "\n";
     }
     s
 }
@@ -149,7 +234,7 @@ pub fn ddp_comparison(rows: &[Row], torch: Option<&str>) -> String {
     for r in ddp {
         let torch_cell = torch
             .filter(|_| r.spec.model == Model::Mlp)
-            .and_then(|t| torch_rate(t, "torch-ddp-gloo-2x1", r.spec.batch))
+            .and_then(|t| torch_rate(t, TORCH_DDP, r.spec.batch))
             .map_or(String::new(), |rate| {
                 format!("{:.2}x ({rate:.0})", r.samples_per_s / rate)
             });
