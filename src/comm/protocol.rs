@@ -15,6 +15,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 
 use super::buffer::{Buffer, Input};
+use super::op::Op;
 use super::{CommError, ReduceOp, Result};
 
 /// Which collective a rank called, with the arguments all ranks must agree on.
@@ -31,18 +32,23 @@ pub(crate) enum OpSig {
 }
 
 impl OpSig {
+    /// The collective called.
+    pub(crate) fn op(self) -> Op {
+        match self {
+            OpSig::AllReduce(_) => Op::AllReduce,
+            OpSig::Broadcast { .. } => Op::Broadcast,
+            OpSig::AllGather => Op::AllGather,
+            OpSig::Gather { .. } => Op::Gather,
+            OpSig::Scatter { .. } => Op::Scatter,
+            OpSig::Reduce { .. } => Op::Reduce,
+            OpSig::Barrier => Op::Barrier,
+            OpSig::AllGatherBytes => Op::AllGatherBytes,
+        }
+    }
+
     /// The collective's name, as in error messages.
     pub(crate) fn name(self) -> &'static str {
-        match self {
-            OpSig::AllReduce(_) => "all_reduce",
-            OpSig::Broadcast { .. } => "broadcast",
-            OpSig::AllGather => "all_gather",
-            OpSig::Gather { .. } => "gather",
-            OpSig::Scatter { .. } => "scatter",
-            OpSig::Reduce { .. } => "reduce",
-            OpSig::Barrier => "barrier",
-            OpSig::AllGatherBytes => "all_gather_bytes",
-        }
+        self.op().as_str()
     }
 
     /// The name of the collective called `name` as a `&'static str` (for
@@ -50,20 +56,7 @@ impl OpSig {
     /// "a collective".
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn static_name(name: &str) -> &'static str {
-        const NAMES: [&str; 8] = [
-            "all_reduce",
-            "broadcast",
-            "all_gather",
-            "gather",
-            "scatter",
-            "reduce",
-            "barrier",
-            "all_gather_bytes",
-        ];
-        NAMES
-            .into_iter()
-            .find(|known| *known == name)
-            .unwrap_or("a collective")
+        Op::from_name(name).map_or("a collective", Op::as_str)
     }
 
     fn root(self) -> Option<usize> {

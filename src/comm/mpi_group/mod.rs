@@ -25,6 +25,7 @@ use crossbeam::channel::{self, Receiver, Sender};
 
 use self::engine::{Control, Job, Kind, Reply};
 use super::buffer::Buffer;
+use super::op::Op;
 use super::protocol::{self, OpSig, Signature, TensorMeta};
 use super::{CommError, Failure, FailureCause, GroupOptions, ProcessGroup, ReduceOp, Result};
 use crate::lock::lock;
@@ -337,16 +338,16 @@ impl MpiGroup {
         })
     }
 
-    fn tensor_error(&self, op: &'static str, source: candle_core::Error) -> CommError {
+    fn tensor_error(&self, op: Op, source: candle_core::Error) -> CommError {
         CommError::Tensor {
             rank: self.rank,
-            op,
+            op: op.as_str(),
             source,
         }
     }
 
     /// The collective's result as a tensor shaped like `like`.
-    fn one(&self, op: &'static str, reply: Reply, like: &Tensor) -> Result<Tensor> {
+    fn one(&self, op: Op, reply: Reply, like: &Tensor) -> Result<Tensor> {
         match reply {
             Reply::One(buffer, _) => buffer
                 .into_tensor(like.dims(), like.device())
@@ -355,7 +356,7 @@ impl MpiGroup {
         }
     }
 
-    fn many(&self, op: &'static str, reply: Reply, like: &Tensor) -> Result<Vec<Tensor>> {
+    fn many(&self, op: Op, reply: Reply, like: &Tensor) -> Result<Vec<Tensor>> {
         match reply {
             Reply::Many(buffers) => buffers
                 .into_iter()
@@ -366,10 +367,10 @@ impl MpiGroup {
         }
     }
 
-    fn wrong_reply(&self, op: &'static str) -> CommError {
+    fn wrong_reply(&self, op: Op) -> CommError {
         CommError::Protocol {
             rank: self.rank,
-            op,
+            op: op.as_str(),
             peer: self.rank,
             detail: "the engine answered with the wrong kind of result".into(),
         }
@@ -438,7 +439,7 @@ impl ProcessGroup for MpiGroup {
             data: data.ok(),
         };
         let reply = self.call(sig, kind)?;
-        self.one("all_reduce", reply, tensor)
+        self.one(Op::AllReduce, reply, tensor)
     }
 
     fn all_reduce_concat(&self, tensors: &[Tensor], op: ReduceOp) -> Result<Tensor> {
@@ -466,8 +467,8 @@ impl ProcessGroup for MpiGroup {
         match self.call(sig, kind)? {
             Reply::One(buffer, _) => buffer
                 .into_tensor(&[len], first.device())
-                .map_err(|e| self.tensor_error("all_reduce", e)),
-            _ => Err(self.wrong_reply("all_reduce")),
+                .map_err(|e| self.tensor_error(Op::AllReduce, e)),
+            _ => Err(self.wrong_reply(Op::AllReduce)),
         }
     }
 
@@ -490,14 +491,14 @@ impl ProcessGroup for MpiGroup {
                 data: data.ok(),
             },
         )?;
-        self.one("broadcast", reply, tensor)
+        self.one(Op::Broadcast, reply, tensor)
     }
 
     fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
         let (meta, data) = host_copy(tensor);
         let sig = signature(OpSig::AllGather, meta, data.as_ref().err().cloned());
         let reply = self.call(sig, Kind::AllGather { data: data.ok() })?;
-        self.many("all_gather", reply, tensor)
+        self.many(Op::AllGather, reply, tensor)
     }
 
     fn gather(&self, tensor: &Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
@@ -512,7 +513,7 @@ impl ProcessGroup for MpiGroup {
             },
         )? {
             Reply::Nothing => Ok(None),
-            reply => self.many("gather", reply, tensor).map(Some),
+            reply => self.many(Op::Gather, reply, tensor).map(Some),
         }
     }
 
@@ -541,7 +542,7 @@ impl ProcessGroup for MpiGroup {
             },
         )?;
         let Reply::One(buffer, dims) = reply else {
-            return Err(self.wrong_reply("scatter"));
+            return Err(self.wrong_reply(Op::Scatter));
         };
         // The root's own part stays on its tensor's device; the others' on
         // the CPU, as other processes cannot name the root's device.
@@ -553,7 +554,7 @@ impl ProcessGroup for MpiGroup {
         };
         buffer
             .into_tensor(&dims, &device)
-            .map_err(|e| self.tensor_error("scatter", e))
+            .map_err(|e| self.tensor_error(Op::Scatter, e))
     }
 
     fn reduce(&self, tensor: &Tensor, root: usize, op: ReduceOp) -> Result<Option<Tensor>> {
@@ -567,7 +568,7 @@ impl ProcessGroup for MpiGroup {
         };
         match self.call(sig, kind)? {
             Reply::Nothing => Ok(None),
-            reply => self.one("reduce", reply, tensor).map(Some),
+            reply => self.one(Op::Reduce, reply, tensor).map(Some),
         }
     }
 
@@ -582,7 +583,7 @@ impl ProcessGroup for MpiGroup {
         let sig = signature(OpSig::AllGatherBytes, None, invalid);
         let reply = self.call(sig, Kind::AllGather { data })?;
         let Reply::Many(buffers) = reply else {
-            return Err(self.wrong_reply("all_gather_bytes"));
+            return Err(self.wrong_reply(Op::AllGatherBytes));
         };
         buffers
             .into_iter()
@@ -591,7 +592,7 @@ impl ProcessGroup for MpiGroup {
                 Buffer::U8(bytes) => Ok(bytes),
                 _ => Err(CommError::Protocol {
                     rank: self.rank,
-                    op: "all_gather_bytes",
+                    op: Op::AllGatherBytes.as_str(),
                     peer: src,
                     detail: "its data are not bytes".into(),
                 }),
