@@ -90,6 +90,16 @@ pub(crate) struct TensorMeta {
     pub(crate) dims: Vec<usize>,
 }
 
+impl TensorMeta {
+    /// `tensor`'s dtype and shape.
+    pub(crate) fn of(tensor: &Tensor) -> TensorMeta {
+        TensorMeta {
+            dtype: tensor.dtype(),
+            dims: tensor.dims().to_vec(),
+        }
+    }
+}
+
 impl fmt::Display for TensorMeta {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} {:?}", self.dtype.as_str(), self.dims)
@@ -145,9 +155,47 @@ pub(crate) enum Body {
     Data(Option<Arc<Buffer>>),
 }
 
+/// Whether a reduction of `bytes` bytes takes the ring path. It depends
+/// only on the size and group-wide settings, so all ranks agree once their
+/// shapes and dtypes do.
+pub(crate) fn takes_ring(bytes: usize, world_size: usize, ring_threshold_bytes: usize) -> bool {
+    world_size > 1 && bytes >= ring_threshold_bytes
+}
+
+/// The bytes of `tensor`'s elements.
+pub(crate) fn tensor_bytes(tensor: &Tensor) -> usize {
+    tensor
+        .elem_count()
+        .saturating_mul(tensor.dtype().size_in_bytes())
+}
+
+/// Why `root` cannot be used in a group of `world_size` ranks, if it cannot.
+pub(crate) fn root_error(root: usize, world_size: usize) -> Option<String> {
+    (root >= world_size).then(|| format!("root {root} is out of range for world size {world_size}"))
+}
+
+/// The parts `rank` scatters from `root` (none unless it is the root), each
+/// made from its tensor by `part`, or why the root's argument cannot be
+/// used.
+pub(crate) fn scatter_parts<P>(
+    tensors: Option<&[Tensor]>,
+    rank: usize,
+    root: usize,
+    world_size: usize,
+    mut part: impl FnMut(&Tensor) -> std::result::Result<P, String>,
+) -> std::result::Result<Vec<P>, String> {
+    scatter_tensors(tensors, rank, root, world_size).and_then(|tensors| {
+        tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| part(t).map_err(|e| format!("tensor {i}: {e}")))
+            .collect()
+    })
+}
+
 /// The tensors `rank` scatters from `root` (none unless it is the root), or
 /// why the root's argument cannot be used.
-pub(crate) fn scatter_tensors(
+fn scatter_tensors(
     tensors: Option<&[Tensor]>,
     rank: usize,
     root: usize,

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use candle_core::{Device, Tensor};
 use crossbeam::channel::{self, Receiver, Sender};
 
-use self::engine::{Control, Job, Kind, Reply};
+use self::engine::{Control, Job, Kind, Reply, Ticket};
 use super::buffer::Buffer;
 use super::op::Op;
 use super::protocol::{self, OpSig, Signature, TensorMeta};
@@ -245,13 +245,16 @@ impl MpiGroup {
         let timeout = *lock(&self.shared.timeout);
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let (reply, result) = channel::bounded(1);
-        let job = Job {
+        let ticket = Ticket {
             seq: *calls,
             op,
-            sig,
-            kind,
             deadline,
             timeout,
+        };
+        let job = Job {
+            ticket,
+            sig,
+            kind,
             reply,
         };
         if self.control.send(Control::Call(job)).is_err() {
@@ -312,17 +315,13 @@ impl MpiGroup {
     /// chunks (as the engine decides, from the size and the threshold), or
     /// one.
     fn reduction_parts(&self, tensor: &Tensor) -> usize {
-        self.reduction_parts_of(
-            tensor
-                .elem_count()
-                .saturating_mul(tensor.dtype().size_in_bytes()),
-        )
+        self.reduction_parts_of(protocol::tensor_bytes(tensor))
     }
 
     /// Into how many parts a reduction of `bytes` is cut (the ring's
     /// chunks), so that each message stays within MPI's counts.
     fn reduction_parts_of(&self, bytes: usize) -> usize {
-        if self.world_size > 1 && bytes >= self.shared.ring_threshold_bytes {
+        if protocol::takes_ring(bytes, self.world_size, self.shared.ring_threshold_bytes) {
             self.world_size
         } else {
             1
@@ -330,12 +329,7 @@ impl MpiGroup {
     }
 
     fn root_error(&self, root: usize) -> Option<String> {
-        (root >= self.world_size).then(|| {
-            format!(
-                "root {root} is out of range for world size {}",
-                self.world_size
-            )
-        })
+        protocol::root_error(root, self.world_size)
     }
 
     fn tensor_error(&self, op: Op, source: candle_core::Error) -> CommError {
@@ -383,10 +377,7 @@ fn host_copy_in(
     tensor: &Tensor,
     parts: usize,
 ) -> (Option<TensorMeta>, std::result::Result<Buffer, String>) {
-    let meta = TensorMeta {
-        dtype: tensor.dtype(),
-        dims: tensor.dims().to_vec(),
-    };
+    let meta = TensorMeta::of(tensor);
     let data = checked_size(&meta, parts).and_then(|()| Buffer::from_tensor(tensor));
     (Some(meta), data)
 }
@@ -476,7 +467,7 @@ impl ProcessGroup for MpiGroup {
         let (meta, data) = if self.rank == root {
             host_copy(tensor)
         } else {
-            (host_copy_meta(tensor), Err(String::new()))
+            (Some(TensorMeta::of(tensor)), Err(String::new()))
         };
         let invalid = self.root_error(root).or_else(|| {
             (self.rank == root)
@@ -518,20 +509,10 @@ impl ProcessGroup for MpiGroup {
     }
 
     fn scatter(&self, tensors: Option<&[Tensor]>, root: usize) -> Result<Tensor> {
-        let parts: std::result::Result<Vec<(Buffer, Vec<usize>)>, String> =
-            protocol::scatter_tensors(tensors, self.rank, root, self.world_size).and_then(
-                |tensors| {
-                    tensors
-                        .iter()
-                        .enumerate()
-                        .map(|(i, t)| {
-                            let (_, data) = host_copy(t);
-                            data.map(|d| (d, t.dims().to_vec()))
-                                .map_err(|e| format!("tensor {i}: {e}"))
-                        })
-                        .collect()
-                },
-            );
+        let parts = protocol::scatter_parts(tensors, self.rank, root, self.world_size, |t| {
+            let (_, data) = host_copy(t);
+            data.map(|d| (d, t.dims().to_vec()))
+        });
         let invalid = self.root_error(root).or(parts.as_ref().err().cloned());
         let sig = signature(OpSig::Scatter { root }, None, invalid);
         let reply = self.call(
@@ -607,14 +588,6 @@ impl ProcessGroup for MpiGroup {
     fn failure(&self) -> Option<Failure> {
         self.shared.failure()
     }
-}
-
-/// The signature part of [`host_copy`], for ranks whose data is not sent.
-fn host_copy_meta(tensor: &Tensor) -> Option<TensorMeta> {
-    Some(TensorMeta {
-        dtype: tensor.dtype(),
-        dims: tensor.dims().to_vec(),
-    })
 }
 
 impl Drop for MpiGroup {

@@ -18,23 +18,17 @@ use crate::comm::{
 use crate::lock::lock;
 
 impl ThreadRank {
-    /// Whether a reduction of `tensor` takes the ring path. It depends only
-    /// on the tensor's size and group-wide settings, so all ranks agree once
-    /// their shapes and dtypes do.
+    /// Whether a reduction of `tensor` takes the ring path.
     fn uses_ring(&self, tensor: &Tensor) -> bool {
-        let bytes = tensor
-            .elem_count()
-            .saturating_mul(tensor.dtype().size_in_bytes());
-        self.world_size > 1 && bytes >= self.shared.ring_threshold_bytes
+        protocol::takes_ring(
+            protocol::tensor_bytes(tensor),
+            self.world_size,
+            self.shared.ring_threshold_bytes,
+        )
     }
 
     fn root_error(&self, root: usize) -> Option<String> {
-        (root >= self.world_size).then(|| {
-            format!(
-                "root {root} is out of range for world size {}",
-                self.world_size
-            )
-        })
+        protocol::root_error(root, self.world_size)
     }
 
     /// The first half of `gather` and `reduce`: every rank sends its copy of
@@ -70,10 +64,7 @@ fn local_copy(tensor: &Tensor) -> Local {
 }
 
 pub(super) fn meta(tensor: &Tensor) -> Option<TensorMeta> {
-    Some(TensorMeta {
-        dtype: tensor.dtype(),
-        dims: tensor.dims().to_vec(),
-    })
+    Some(TensorMeta::of(tensor))
 }
 
 fn piece(data: &Arc<Buffer>, tensor: &Tensor) -> Piece {
@@ -203,19 +194,9 @@ impl ProcessGroup for ThreadRank {
 
     fn scatter(&self, tensors: Option<&[Tensor]>, root: usize) -> Result<Tensor> {
         let call = self.begin(Op::Scatter)?;
-        let pieces: std::result::Result<Vec<Piece>, String> =
-            protocol::scatter_tensors(tensors, self.rank, root, self.world_size).and_then(
-                |tensors| {
-                    tensors
-                        .iter()
-                        .enumerate()
-                        .map(|(i, t)| {
-                            let data = local_copy(t).map_err(|e| format!("tensor {i}: {e}"))?;
-                            Ok(piece(&data, t))
-                        })
-                        .collect()
-                },
-            );
+        let pieces = protocol::scatter_parts(tensors, self.rank, root, self.world_size, |t| {
+            local_copy(t).map(|data| piece(&data, t))
+        });
         let sig = Signature {
             op: OpSig::Scatter { root },
             meta: None,
