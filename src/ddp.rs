@@ -607,3 +607,18 @@ fn make_buckets(params: &[(String, Var)], first_cap: usize, cap: usize) -> Vec<B
     }
     buckets
 }
+
+// The module and the process group stay out: `M` need not be `Debug`, and
+// the rank and world size say which group this is.
+impl<M> std::fmt::Debug for DistributedDataParallel<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DistributedDataParallel")
+            .field("rank", &self.pg.rank())
+            .field("world_size", &self.pg.world_size())
+            .field("params", &self.params.len())
+            .field("buffers", &self.buffers.len())
+            .field("buckets", &self.buckets.len())
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}

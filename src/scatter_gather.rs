@@ -261,16 +261,7 @@ impl<T: Scatter, S: BuildHasher + Default> Scatter for HashMap<String, T, S> {
     }
 
     fn scatter_parts(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
-        let mut parts: Vec<Self> = (0..plan.replicas()).map(|_| Self::default()).collect();
-        for (key, value) in self {
-            for (part, chunk) in parts
-                .iter_mut()
-                .zip(one_per_replica(value.scatter_parts(plan)?, plan)?)
-            {
-                part.insert(key.clone(), chunk);
-            }
-        }
-        Ok(parts)
+        scatter_entries(self, plan)
     }
 }
 
@@ -280,17 +271,30 @@ impl<T: Scatter> Scatter for BTreeMap<String, T> {
     }
 
     fn scatter_parts(&self, plan: &ScatterPlan) -> candle_core::Result<Vec<Self>> {
-        let mut parts: Vec<Self> = (0..plan.replicas()).map(|_| Self::new()).collect();
-        for (key, value) in self {
-            for (part, chunk) in parts
-                .iter_mut()
-                .zip(one_per_replica(value.scatter_parts(plan)?, plan)?)
-            {
-                part.insert(key.clone(), chunk);
-            }
-        }
-        Ok(parts)
+        scatter_entries(self, plan)
     }
+}
+
+/// A map's parts: every value scattered, and each replica's chunks under
+/// their keys, in a map of the same kind.
+fn scatter_entries<'a, T, M>(
+    entries: impl IntoIterator<Item = (&'a String, &'a T)>,
+    plan: &ScatterPlan,
+) -> candle_core::Result<Vec<M>>
+where
+    T: Scatter + 'a,
+    M: Default + Extend<(String, T)>,
+{
+    let mut parts: Vec<M> = (0..plan.replicas()).map(|_| M::default()).collect();
+    for (key, value) in entries {
+        for (part, chunk) in parts
+            .iter_mut()
+            .zip(one_per_replica(value.scatter_parts(plan)?, plan)?)
+        {
+            part.extend([(key.clone(), chunk)]);
+        }
+    }
+    Ok(parts)
 }
 
 /// Turns `items[i][r]` (item, replica) into `parts[r][i]` (replica, item).

@@ -26,6 +26,7 @@
 mod buffer;
 #[cfg(feature = "mpi")]
 mod mpi_group;
+mod op;
 mod protocol;
 mod ring;
 mod shared_output;

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 
 use super::buffer::{Buffer, Input};
+use super::op::Op;
 use super::{CommError, ReduceOp, Result};
 
 /// Which collective a rank called, with the arguments all ranks must agree on.
@@ -31,18 +32,23 @@ pub(crate) enum OpSig {
 }
 
 impl OpSig {
+    /// The collective called.
+    pub(crate) fn op(self) -> Op {
+        match self {
+            OpSig::AllReduce(_) => Op::AllReduce,
+            OpSig::Broadcast { .. } => Op::Broadcast,
+            OpSig::AllGather => Op::AllGather,
+            OpSig::Gather { .. } => Op::Gather,
+            OpSig::Scatter { .. } => Op::Scatter,
+            OpSig::Reduce { .. } => Op::Reduce,
+            OpSig::Barrier => Op::Barrier,
+            OpSig::AllGatherBytes => Op::AllGatherBytes,
+        }
+    }
+
     /// The collective's name, as in error messages.
     pub(crate) fn name(self) -> &'static str {
-        match self {
-            OpSig::AllReduce(_) => "all_reduce",
-            OpSig::Broadcast { .. } => "broadcast",
-            OpSig::AllGather => "all_gather",
-            OpSig::Gather { .. } => "gather",
-            OpSig::Scatter { .. } => "scatter",
-            OpSig::Reduce { .. } => "reduce",
-            OpSig::Barrier => "barrier",
-            OpSig::AllGatherBytes => "all_gather_bytes",
-        }
+        self.op().as_str()
     }
 
     /// The name of the collective called `name` as a `&'static str` (for
@@ -50,20 +56,7 @@ impl OpSig {
     /// "a collective".
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn static_name(name: &str) -> &'static str {
-        const NAMES: [&str; 8] = [
-            "all_reduce",
-            "broadcast",
-            "all_gather",
-            "gather",
-            "scatter",
-            "reduce",
-            "barrier",
-            "all_gather_bytes",
-        ];
-        NAMES
-            .into_iter()
-            .find(|known| *known == name)
-            .unwrap_or("a collective")
+        Op::from_name(name).map_or("a collective", Op::as_str)
     }
 
     fn root(self) -> Option<usize> {
@@ -95,6 +88,16 @@ impl fmt::Display for OpSig {
 pub(crate) struct TensorMeta {
     pub(crate) dtype: DType,
     pub(crate) dims: Vec<usize>,
+}
+
+impl TensorMeta {
+    /// `tensor`'s dtype and shape.
+    pub(crate) fn of(tensor: &Tensor) -> TensorMeta {
+        TensorMeta {
+            dtype: tensor.dtype(),
+            dims: tensor.dims().to_vec(),
+        }
+    }
 }
 
 impl fmt::Display for TensorMeta {
@@ -152,9 +155,47 @@ pub(crate) enum Body {
     Data(Option<Arc<Buffer>>),
 }
 
+/// Whether a reduction of `bytes` bytes takes the ring path. It depends
+/// only on the size and group-wide settings, so all ranks agree once their
+/// shapes and dtypes do.
+pub(crate) fn takes_ring(bytes: usize, world_size: usize, ring_threshold_bytes: usize) -> bool {
+    world_size > 1 && bytes >= ring_threshold_bytes
+}
+
+/// The bytes of `tensor`'s elements.
+pub(crate) fn tensor_bytes(tensor: &Tensor) -> usize {
+    tensor
+        .elem_count()
+        .saturating_mul(tensor.dtype().size_in_bytes())
+}
+
+/// Why `root` cannot be used in a group of `world_size` ranks, if it cannot.
+pub(crate) fn root_error(root: usize, world_size: usize) -> Option<String> {
+    (root >= world_size).then(|| format!("root {root} is out of range for world size {world_size}"))
+}
+
+/// The parts `rank` scatters from `root` (none unless it is the root), each
+/// made from its tensor by `part`, or why the root's argument cannot be
+/// used.
+pub(crate) fn scatter_parts<P>(
+    tensors: Option<&[Tensor]>,
+    rank: usize,
+    root: usize,
+    world_size: usize,
+    mut part: impl FnMut(&Tensor) -> std::result::Result<P, String>,
+) -> std::result::Result<Vec<P>, String> {
+    scatter_tensors(tensors, rank, root, world_size).and_then(|tensors| {
+        tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| part(t).map_err(|e| format!("tensor {i}: {e}")))
+            .collect()
+    })
+}
+
 /// The tensors `rank` scatters from `root` (none unless it is the root), or
 /// why the root's argument cannot be used.
-pub(crate) fn scatter_tensors(
+fn scatter_tensors(
     tensors: Option<&[Tensor]>,
     rank: usize,
     root: usize,

@@ -75,14 +75,20 @@ pub(super) enum Control {
     Shutdown(Sender<()>),
 }
 
-/// One collective call of this rank.
-pub(super) struct Job {
+/// Which collective call of this rank, and its time limit.
+#[derive(Clone, Copy)]
+pub(super) struct Ticket {
     pub(super) seq: u64,
     pub(super) op: &'static str,
-    pub(super) sig: Signature,
-    pub(super) kind: Kind,
     pub(super) deadline: Option<Instant>,
     pub(super) timeout: Option<Duration>,
+}
+
+/// One collective call of this rank.
+pub(super) struct Job {
+    pub(super) ticket: Ticket,
+    pub(super) sig: Signature,
+    pub(super) kind: Kind,
     pub(super) reply: Sender<Result<Reply, CommError>>,
 }
 
@@ -138,10 +144,7 @@ impl From<CommError> for Stop {
 
 /// The collective in progress.
 struct Current {
-    seq: u64,
-    op: &'static str,
-    deadline: Option<Instant>,
-    timeout: Option<Duration>,
+    ticket: Ticket,
     reply: Option<Sender<Result<Reply, CommError>>>,
     /// The ranks the current wait depends on, for a timeout's message.
     waiting_for: Vec<usize>,
@@ -236,19 +239,14 @@ impl Engine {
 
     fn run_job(&mut self, job: Job) {
         let Job {
-            seq,
-            op,
+            ticket,
             sig,
             kind,
-            deadline,
-            timeout,
             reply,
         } = job;
+        let seq = ticket.seq;
         self.current = Some(Current {
-            seq,
-            op,
-            deadline,
-            timeout,
+            ticket,
             reply: Some(reply),
             waiting_for: Vec::new(),
         });
@@ -281,11 +279,13 @@ impl Engine {
     }
 
     fn op(&self) -> &'static str {
-        self.current.as_ref().map_or("a collective", |c| c.op)
+        self.current
+            .as_ref()
+            .map_or("a collective", |c| c.ticket.op)
     }
 
     fn seq(&self) -> u64 {
-        self.current.as_ref().map_or(0, |c| c.seq)
+        self.current.as_ref().map_or(0, |c| c.ticket.seq)
     }
 
     fn others(&self) -> impl Iterator<Item = usize> {
@@ -409,7 +409,7 @@ impl Engine {
             return false;
         };
         let bytes = data.len().saturating_mul(data.dtype().size_in_bytes());
-        self.world_size > 1 && bytes >= self.shared.ring_threshold_bytes
+        protocol::takes_ring(bytes, self.world_size, self.shared.ring_threshold_bytes)
     }
 
     /// Sends this rank's header (with what payload each destination needs)
@@ -723,7 +723,7 @@ impl Engine {
             self.receive_notices();
             match self.control.try_recv() {
                 Ok(Control::Call(job)) => {
-                    let error = self.group_failed_for(job.op);
+                    let error = self.group_failed_for(job.ticket.op);
                     let _ = job.reply.send(Err(error));
                 }
                 Ok(Control::Abort) => self.announce_own_failure(),
@@ -758,13 +758,14 @@ impl Engine {
             return Some(self.group_failed_for(self.op()));
         }
         let current = self.current.as_ref()?;
-        if current.deadline.is_some_and(|d| Instant::now() >= d) {
+        if current.ticket.deadline.is_some_and(|d| Instant::now() >= d) {
             let missing = if current.waiting_for.is_empty() {
                 self.others().collect()
             } else {
                 current.waiting_for.clone()
             };
-            let (op, timeout) = (current.op, current.timeout.unwrap_or_default());
+            let ticket = current.ticket;
+            let (op, timeout) = (ticket.op, ticket.timeout.unwrap_or_default());
             self.fail(Failure {
                 rank: self.rank,
                 cause: FailureCause::TimedOut {

@@ -23,8 +23,9 @@ use std::time::{Duration, Instant};
 use candle_core::{Device, Tensor};
 use crossbeam::channel::{self, Receiver, Sender};
 
-use self::engine::{Control, Job, Kind, Reply};
+use self::engine::{Control, Job, Kind, Reply, Ticket};
 use super::buffer::Buffer;
+use super::op::Op;
 use super::protocol::{self, OpSig, Signature, TensorMeta};
 use super::{CommError, Failure, FailureCause, GroupOptions, ProcessGroup, ReduceOp, Result};
 use crate::lock::lock;
@@ -244,13 +245,16 @@ impl MpiGroup {
         let timeout = *lock(&self.shared.timeout);
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let (reply, result) = channel::bounded(1);
-        let job = Job {
+        let ticket = Ticket {
             seq: *calls,
             op,
-            sig,
-            kind,
             deadline,
             timeout,
+        };
+        let job = Job {
+            ticket,
+            sig,
+            kind,
             reply,
         };
         if self.control.send(Control::Call(job)).is_err() {
@@ -311,17 +315,13 @@ impl MpiGroup {
     /// chunks (as the engine decides, from the size and the threshold), or
     /// one.
     fn reduction_parts(&self, tensor: &Tensor) -> usize {
-        self.reduction_parts_of(
-            tensor
-                .elem_count()
-                .saturating_mul(tensor.dtype().size_in_bytes()),
-        )
+        self.reduction_parts_of(protocol::tensor_bytes(tensor))
     }
 
     /// Into how many parts a reduction of `bytes` is cut (the ring's
     /// chunks), so that each message stays within MPI's counts.
     fn reduction_parts_of(&self, bytes: usize) -> usize {
-        if self.world_size > 1 && bytes >= self.shared.ring_threshold_bytes {
+        if protocol::takes_ring(bytes, self.world_size, self.shared.ring_threshold_bytes) {
             self.world_size
         } else {
             1
@@ -329,24 +329,19 @@ impl MpiGroup {
     }
 
     fn root_error(&self, root: usize) -> Option<String> {
-        (root >= self.world_size).then(|| {
-            format!(
-                "root {root} is out of range for world size {}",
-                self.world_size
-            )
-        })
+        protocol::root_error(root, self.world_size)
     }
 
-    fn tensor_error(&self, op: &'static str, source: candle_core::Error) -> CommError {
+    fn tensor_error(&self, op: Op, source: candle_core::Error) -> CommError {
         CommError::Tensor {
             rank: self.rank,
-            op,
+            op: op.as_str(),
             source,
         }
     }
 
     /// The collective's result as a tensor shaped like `like`.
-    fn one(&self, op: &'static str, reply: Reply, like: &Tensor) -> Result<Tensor> {
+    fn one(&self, op: Op, reply: Reply, like: &Tensor) -> Result<Tensor> {
         match reply {
             Reply::One(buffer, _) => buffer
                 .into_tensor(like.dims(), like.device())
@@ -355,7 +350,7 @@ impl MpiGroup {
         }
     }
 
-    fn many(&self, op: &'static str, reply: Reply, like: &Tensor) -> Result<Vec<Tensor>> {
+    fn many(&self, op: Op, reply: Reply, like: &Tensor) -> Result<Vec<Tensor>> {
         match reply {
             Reply::Many(buffers) => buffers
                 .into_iter()
@@ -366,10 +361,10 @@ impl MpiGroup {
         }
     }
 
-    fn wrong_reply(&self, op: &'static str) -> CommError {
+    fn wrong_reply(&self, op: Op) -> CommError {
         CommError::Protocol {
             rank: self.rank,
-            op,
+            op: op.as_str(),
             peer: self.rank,
             detail: "the engine answered with the wrong kind of result".into(),
         }
@@ -382,10 +377,7 @@ fn host_copy_in(
     tensor: &Tensor,
     parts: usize,
 ) -> (Option<TensorMeta>, std::result::Result<Buffer, String>) {
-    let meta = TensorMeta {
-        dtype: tensor.dtype(),
-        dims: tensor.dims().to_vec(),
-    };
+    let meta = TensorMeta::of(tensor);
     let data = checked_size(&meta, parts).and_then(|()| Buffer::from_tensor(tensor));
     (Some(meta), data)
 }
@@ -438,7 +430,7 @@ impl ProcessGroup for MpiGroup {
             data: data.ok(),
         };
         let reply = self.call(sig, kind)?;
-        self.one("all_reduce", reply, tensor)
+        self.one(Op::AllReduce, reply, tensor)
     }
 
     fn all_reduce_concat(&self, tensors: &[Tensor], op: ReduceOp) -> Result<Tensor> {
@@ -466,8 +458,8 @@ impl ProcessGroup for MpiGroup {
         match self.call(sig, kind)? {
             Reply::One(buffer, _) => buffer
                 .into_tensor(&[len], first.device())
-                .map_err(|e| self.tensor_error("all_reduce", e)),
-            _ => Err(self.wrong_reply("all_reduce")),
+                .map_err(|e| self.tensor_error(Op::AllReduce, e)),
+            _ => Err(self.wrong_reply(Op::AllReduce)),
         }
     }
 
@@ -475,7 +467,7 @@ impl ProcessGroup for MpiGroup {
         let (meta, data) = if self.rank == root {
             host_copy(tensor)
         } else {
-            (host_copy_meta(tensor), Err(String::new()))
+            (Some(TensorMeta::of(tensor)), Err(String::new()))
         };
         let invalid = self.root_error(root).or_else(|| {
             (self.rank == root)
@@ -490,14 +482,14 @@ impl ProcessGroup for MpiGroup {
                 data: data.ok(),
             },
         )?;
-        self.one("broadcast", reply, tensor)
+        self.one(Op::Broadcast, reply, tensor)
     }
 
     fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
         let (meta, data) = host_copy(tensor);
         let sig = signature(OpSig::AllGather, meta, data.as_ref().err().cloned());
         let reply = self.call(sig, Kind::AllGather { data: data.ok() })?;
-        self.many("all_gather", reply, tensor)
+        self.many(Op::AllGather, reply, tensor)
     }
 
     fn gather(&self, tensor: &Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
@@ -512,25 +504,15 @@ impl ProcessGroup for MpiGroup {
             },
         )? {
             Reply::Nothing => Ok(None),
-            reply => self.many("gather", reply, tensor).map(Some),
+            reply => self.many(Op::Gather, reply, tensor).map(Some),
         }
     }
 
     fn scatter(&self, tensors: Option<&[Tensor]>, root: usize) -> Result<Tensor> {
-        let parts: std::result::Result<Vec<(Buffer, Vec<usize>)>, String> =
-            protocol::scatter_tensors(tensors, self.rank, root, self.world_size).and_then(
-                |tensors| {
-                    tensors
-                        .iter()
-                        .enumerate()
-                        .map(|(i, t)| {
-                            let (_, data) = host_copy(t);
-                            data.map(|d| (d, t.dims().to_vec()))
-                                .map_err(|e| format!("tensor {i}: {e}"))
-                        })
-                        .collect()
-                },
-            );
+        let parts = protocol::scatter_parts(tensors, self.rank, root, self.world_size, |t| {
+            let (_, data) = host_copy(t);
+            data.map(|d| (d, t.dims().to_vec()))
+        });
         let invalid = self.root_error(root).or(parts.as_ref().err().cloned());
         let sig = signature(OpSig::Scatter { root }, None, invalid);
         let reply = self.call(
@@ -541,7 +523,7 @@ impl ProcessGroup for MpiGroup {
             },
         )?;
         let Reply::One(buffer, dims) = reply else {
-            return Err(self.wrong_reply("scatter"));
+            return Err(self.wrong_reply(Op::Scatter));
         };
         // The root's own part stays on its tensor's device; the others' on
         // the CPU, as other processes cannot name the root's device.
@@ -553,7 +535,7 @@ impl ProcessGroup for MpiGroup {
         };
         buffer
             .into_tensor(&dims, &device)
-            .map_err(|e| self.tensor_error("scatter", e))
+            .map_err(|e| self.tensor_error(Op::Scatter, e))
     }
 
     fn reduce(&self, tensor: &Tensor, root: usize, op: ReduceOp) -> Result<Option<Tensor>> {
@@ -567,7 +549,7 @@ impl ProcessGroup for MpiGroup {
         };
         match self.call(sig, kind)? {
             Reply::Nothing => Ok(None),
-            reply => self.one("reduce", reply, tensor).map(Some),
+            reply => self.one(Op::Reduce, reply, tensor).map(Some),
         }
     }
 
@@ -582,7 +564,7 @@ impl ProcessGroup for MpiGroup {
         let sig = signature(OpSig::AllGatherBytes, None, invalid);
         let reply = self.call(sig, Kind::AllGather { data })?;
         let Reply::Many(buffers) = reply else {
-            return Err(self.wrong_reply("all_gather_bytes"));
+            return Err(self.wrong_reply(Op::AllGatherBytes));
         };
         buffers
             .into_iter()
@@ -591,7 +573,7 @@ impl ProcessGroup for MpiGroup {
                 Buffer::U8(bytes) => Ok(bytes),
                 _ => Err(CommError::Protocol {
                     rank: self.rank,
-                    op: "all_gather_bytes",
+                    op: Op::AllGatherBytes.as_str(),
                     peer: src,
                     detail: "its data are not bytes".into(),
                 }),
@@ -606,14 +588,6 @@ impl ProcessGroup for MpiGroup {
     fn failure(&self) -> Option<Failure> {
         self.shared.failure()
     }
-}
-
-/// The signature part of [`host_copy`], for ranks whose data is not sent.
-fn host_copy_meta(tensor: &Tensor) -> Option<TensorMeta> {
-    Some(TensorMeta {
-        dtype: tensor.dtype(),
-        dims: tensor.dims().to_vec(),
-    })
 }
 
 impl Drop for MpiGroup {

@@ -1,0 +1,232 @@
+//! The child side: runs one `Spec` in this process and measures its steps.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_dp::comm::GroupOptions;
+use candle_dp::launch;
+use candle_dp::{DataParallel, DdpConfig, DistributedDataParallel, LossReduction};
+use candle_nn::{loss, Optimizer, VarBuilder, VarMap, SGD};
+use serde::{Deserialize, Serialize};
+
+use crate::net::Net;
+use crate::plan::{Kind, Spec};
+use crate::stats::{median, ms};
+
+/// What a child reports: per-step wall times and per-phase times (ms).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Measured {
+    pub step_ms: Vec<f64>,
+    pub phases: BTreeMap<String, Vec<f64>>,
+    /// DDP: the gradient bytes all-reduced per step.
+    pub grad_bytes: Option<usize>,
+    /// DDP: one memcpy of `grad_bytes` (ms, median), for scale.
+    pub memcpy_ms: Option<f64>,
+}
+
+impl Measured {
+    fn phase(&mut self, name: &str, d: Duration) {
+        self.phases.entry(name.into()).or_default().push(ms(d))
+    }
+
+    /// Adds another round's measurements of the same configuration.
+    pub fn merge(&mut self, got: Measured) {
+        self.step_ms.extend(got.step_ms);
+        self.grad_bytes = got.grad_bytes.or(self.grad_bytes);
+        if let Some(t) = got.memcpy_ms {
+            self.memcpy_ms = Some(self.memcpy_ms.map_or(t, |old| old.min(t)));
+        }
+        for (k, v) in got.phases {
+            self.phases.entry(k).or_default().extend(v);
+        }
+    }
+}
+
+fn data(spec: &Spec, device: &Device) -> Result<(Tensor, Tensor)> {
+    let x = Tensor::randn(
+        0f32,
+        1.,
+        Net::input_shape(spec.model, spec.batch),
+        &Device::Cpu,
+    )?;
+    let y = Tensor::from_vec(
+        (0..spec.batch as u32).map(|i| i % 10).collect(),
+        spec.batch,
+        &Device::Cpu,
+    )?;
+    Ok((x.to_device(device)?, y.to_device(device)?))
+}
+
+/// Runs one configuration in this process (the child side).
+pub fn run_child(spec: &Spec) -> Result<Measured> {
+    let first = spec.device(0)?;
+    let (x, y) = data(spec, &first)?;
+    match spec.kind {
+        Kind::Single => run_single(spec, first, &x, &y),
+        // The same code on thread ranks and, under mpirun, on processes.
+        Kind::Ddp | Kind::DdpMpi => run_ddp(spec, &x, &y),
+        Kind::DpFast | Kind::DpDropin | Kind::DpFromloss => run_dp(spec, &x, &y),
+    }
+}
+
+fn run_single(spec: &Spec, first: Device, x: &Tensor, y: &Tensor) -> Result<Measured> {
+    let mut m = Measured::default();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(spec.threads)
+        .build()?;
+    pool.install(|| -> Result<()> {
+        let varmap = VarMap::new();
+        let net = Net::new(
+            spec.model,
+            VarBuilder::from_varmap(&varmap, DType::F32, &first),
+        )?;
+        let mut sgd = SGD::new(varmap.all_vars(), 0.01)?;
+        let devices = [first.clone()];
+        for step in 0..spec.warmup + spec.steps {
+            let t0 = Instant::now();
+            let loss = loss::cross_entropy(&net.forward(x)?, y)?;
+            let t1 = Instant::now();
+            let grads = loss.backward()?;
+            let t2 = Instant::now();
+            sgd.step(&grads)?;
+            spec.sync(&devices)?;
+            if step >= spec.warmup {
+                m.phase("forward", t1 - t0);
+                m.phase("backward", t2 - t1);
+                m.phase("optimizer", t2.elapsed());
+                m.step_ms.push(ms(t0.elapsed()));
+            }
+        }
+        Ok(())
+    })?;
+    Ok(m)
+}
+
+fn run_ddp(spec: &Spec, x: &Tensor, y: &Tensor) -> Result<Measured> {
+    let world = spec.replicas;
+    let per_rank = spec.batch / world;
+    let options = GroupOptions {
+        timeout: Some(Duration::from_secs(120)),
+        ..Default::default()
+    };
+    // Thread ranks get their share of the cores from `launch`.
+    let mut results = launch::run(world, options, |ctx| -> Result<Measured> {
+        let mut m = Measured::default();
+        let varmap = VarMap::new();
+        let model = spec.model;
+        let device = spec.device(ctx.rank)?;
+        let mut ddp = DistributedDataParallel::new(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &device,
+            |vb| Net::new(model, vb),
+            DdpConfig::default(),
+        )?;
+        let mut sgd = SGD::new(varmap.all_vars(), 0.01)?;
+        let grad_bytes: usize = varmap
+            .all_vars()
+            .iter()
+            .map(|v| v.elem_count() * v.dtype().size_in_bytes())
+            .sum();
+        m.grad_bytes = Some(grad_bytes);
+        m.memcpy_ms = Some(memcpy_ms(grad_bytes));
+        let (x, y) = (
+            x.narrow(0, ctx.rank * per_rank, per_rank)?
+                .to_device(&device)?,
+            y.narrow(0, ctx.rank * per_rank, per_rank)?
+                .to_device(&device)?,
+        );
+        let devices = [device.clone()];
+        for step in 0..spec.warmup + spec.steps {
+            let t0 = Instant::now();
+            let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+            let t1 = Instant::now();
+            let grads = ddp.backward(&loss)?;
+            let t2 = Instant::now();
+            sgd.step(&grads)?;
+            spec.sync(&devices)?;
+            if step >= spec.warmup {
+                let t = ddp.last_timings();
+                m.phase("forward", t1 - t0);
+                m.phase("backward", t.backward);
+                m.phase("reduce", t.all_reduce);
+                m.phase("optimizer", t2.elapsed());
+                m.step_ms.push(ms(t0.elapsed()));
+            }
+        }
+        Ok(m)
+    })?;
+    Ok(results.swap_remove(0))
+}
+
+fn run_dp(spec: &Spec, x: &Tensor, y: &Tensor) -> Result<Measured> {
+    let mut m = Measured::default();
+    let varmap = VarMap::new();
+    let model = spec.model;
+    let devices = (0..spec.replicas)
+        .map(|i| spec.device(i))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let (x, y) = (x.to_device(&devices[0])?, y.to_device(&devices[0])?);
+    let dp = DataParallel::new(&varmap, DType::F32, &devices, move |vb| Net::new(model, vb))?;
+    let mut sgd = SGD::new(varmap.all_vars(), 0.01)?;
+    for step in 0..spec.warmup + spec.steps {
+        let t0 = Instant::now();
+        let grads = match spec.kind {
+            Kind::DpFast => {
+                dp.forward_backward(
+                    (x.clone(), y.clone()),
+                    LossReduction::Mean,
+                    |m: &Net, (x, y)| loss::cross_entropy(&m.forward(&x)?, &y),
+                )?
+                .grads
+            }
+            Kind::DpFromloss => {
+                let out = dp.forward(&x)?;
+                dp.backward_from_loss(&out, |o| loss::cross_entropy(o, &y))?
+                    .grads
+            }
+            Kind::DpDropin => {
+                let out = dp.forward(&x)?;
+                let loss = loss::cross_entropy(&out, &y)?;
+                let t = Instant::now();
+                let grads = loss.backward()?;
+                m.phase("backward-serial", t.elapsed());
+                grads
+            }
+            other => bail!("{other} is not a DataParallel configuration"),
+        };
+        let t1 = Instant::now();
+        sgd.step(&grads)?;
+        spec.sync(&devices)?;
+        if step >= spec.warmup {
+            let t = dp.last_timings();
+            m.phase("scatter", t.scatter);
+            m.phase("replicate", t.replicate);
+            m.phase("forward", t.forward);
+            m.phase("backward", t.backward);
+            m.phase("reduce", t.reduce);
+            m.phase("gather", t.gather);
+            m.phase("optimizer", t1.elapsed());
+            m.step_ms.push(ms(t0.elapsed()));
+        }
+    }
+    Ok(m)
+}
+
+/// The median time of copying `bytes` bytes once (ms).
+fn memcpy_ms(bytes: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let times: Vec<f64> = (0..7)
+        .map(|_| {
+            let t = Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&dst);
+            ms(t.elapsed())
+        })
+        .collect();
+    median(&times)
+}

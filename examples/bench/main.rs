@@ -1,0 +1,183 @@
+//! Training benchmark: one device, DataParallel (three backward paths) and
+//! DistributedDataParallel on thread ranks and (built with `--features
+//! mpi`, Open MPI installed) on MPI processes, side by side in one run.
+//!
+//! ```text
+//! cargo run --release --example bench -- --out bench-out [--quick] [--steps 20] [--rounds 2]
+//!     [--device cpu|cuda] [--torch-csv scripts-output.csv]    (--help for details)
+//! ```
+//!
+//! `--torch-csv` reads the CSV written by `scripts/bench_torch.py --csv` (run
+//! just before or after, on the same machine) and adds the ratios to
+//! PyTorch.
+//!
+//! `--device cuda` (a build with `--features cuda`) puts every replica or
+//! rank on its own CUDA stream of GPU 0; steps end with a device
+//! synchronisation, phase times are then only indicative (kernels run
+//! asynchronously), and scaling efficiency is left out.
+//!
+//! Every configuration runs in its own child process (this binary again,
+//! with `--child`; for `ddp-mpi`, `mpirun -np R` of it), so each gets the
+//! thread settings it needs (a single device's threads, an MPI process's
+//! share; DataParallel and DDP on threads set up their own), and
+//! configurations are interleaved over `--rounds` to spread machine noise.
+//! Writes `bench.md` (markdown table), `bench.csv` and `bench.svg` (chart)
+//! into `--out`.
+//!
+//! Scaling efficiency, as defined in the design notes: throughput with R
+//! replicas / (R x throughput of one replica on 1/R of the cores at the same
+//! per-replica batch). "Engine overhead" is the share of the step not spent
+//! in forward, backward or optimizer compute.
+
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+mod child;
+mod net;
+mod plan;
+mod report;
+mod stats;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use candle_dp::launch::Backend;
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use child::{run_child, Measured};
+use plan::{cores, specs, DeviceKind, Kind, Spec};
+use report::{chart, csv, ddp_comparison, markdown, summarize, targets};
+
+/// Training benchmark of candle-dp: one device, DataParallel, DDP on thread
+/// ranks and (feature `mpi`) on MPI processes, side by side in one run.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Only the MLP at global batch 256 on 2 replicas (under a minute).
+    #[arg(long)]
+    quick: bool,
+    /// Where bench.md, bench.csv and bench.svg are written.
+    #[arg(long, value_name = "DIR", default_value = "bench-out")]
+    out: PathBuf,
+    /// Timed steps per configuration and round [default: 20, 10 with --quick].
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Rounds over all configurations [default: 2, 1 with --quick].
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// Where the replicas run.
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    device: DeviceKind,
+    /// The CSV of `scripts/bench_torch.py --csv`, for the ratios to PyTorch.
+    #[arg(long, value_name = "CSV")]
+    torch_csv: Option<PathBuf>,
+    /// Internal: run one configuration (JSON) in this process.
+    #[arg(long, hide = true, value_name = "SPEC")]
+    child: Option<String>,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if let Some(child) = &args.child {
+        let spec: Spec = serde_json::from_str(child).context("--child needs a spec")?;
+        let measured = run_child(&spec)?;
+        // Under mpirun every rank gets here; rank 0 reports.
+        if Backend::process_rank() == 0 {
+            println!("{}", serde_json::to_string(&measured)?);
+        }
+        return Ok(());
+    }
+    let quick = args.quick;
+    let steps = args.steps.unwrap_or(if quick { 10 } else { 20 });
+    let rounds = args.rounds.unwrap_or(if quick { 1 } else { 2 });
+    let out_dir = &args.out;
+    std::fs::create_dir_all(out_dir)?;
+    let specs = specs(quick, steps, args.device);
+    let bar = ProgressBar::new((specs.len() * rounds) as u64);
+    bar.set_style(
+        ProgressStyle::with_template("[{bar:30}] {pos}/{len} {msg}")?.progress_chars("=> "),
+    );
+    let mut measured: Vec<Measured> = vec![Measured::default(); specs.len()];
+    for _ in 0..rounds {
+        for (spec, m) in specs.iter().zip(measured.iter_mut()) {
+            bar.set_message(format!(
+                "{} {} batch {}",
+                spec.label(),
+                spec.model,
+                spec.batch
+            ));
+            m.merge(run_in_child(spec)?);
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+
+    let rows = summarize(&specs, &measured);
+    let torch = args
+        .torch_csv
+        .as_ref()
+        .map(|path| {
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+        })
+        .transpose()?;
+    let mut table = markdown(&rows);
+    table += &targets(&rows, torch.as_deref());
+    table += &ddp_comparison(&rows, torch.as_deref());
+    println!("{table}");
+    std::fs::write(out_dir.join("bench.md"), &table)?;
+    std::fs::write(out_dir.join("bench.csv"), csv(&rows))?;
+    chart(&rows, &out_dir.join("bench.svg"))?;
+    println!(
+        "wrote {}: bench.md, bench.csv, bench.svg",
+        out_dir.display()
+    );
+    Ok(())
+}
+
+/// Runs one configuration in a child process with its thread settings.
+fn run_in_child(spec: &Spec) -> Result<Measured> {
+    let mut cmd = if spec.kind == Kind::DdpMpi {
+        let mut mpirun = Command::new("mpirun");
+        mpirun
+            .args([
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "--bind-to",
+                "none",
+            ])
+            .args(["-np", &spec.replicas.to_string()])
+            .arg(std::env::current_exe()?);
+        mpirun
+    } else {
+        Command::new(std::env::current_exe()?)
+    };
+    cmd.arg("--child").arg(serde_json::to_string(spec)?);
+    // One device: gemm splits each matmul into RAYON_NUM_THREADS parts and
+    // candle's elementwise pool has CANDLE_NUM_THREADS - 1 threads, so both
+    // say how many cores the run gets. DataParallel and DDP on threads size
+    // them themselves (src/cpu_threads.rs); MPI processes are told their
+    // share here (one core each on this machine's two).
+    let threads = match spec.kind {
+        Kind::Single => Some(spec.threads),
+        Kind::DdpMpi => Some((cores() / spec.replicas).max(1)),
+        _ => None,
+    };
+    if let Some(threads) = threads {
+        cmd.env("RAYON_NUM_THREADS", threads.to_string());
+        cmd.env("CANDLE_NUM_THREADS", threads.to_string());
+    }
+    let out = cmd.output()?;
+    if !out.status.success() {
+        bail!(
+            "{} failed: {}",
+            spec.label(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let line = String::from_utf8(out.stdout)?;
+    serde_json::from_str(line.lines().last().context("child printed nothing")?)
+        .context("child output")
+}

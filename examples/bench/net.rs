@@ -1,0 +1,54 @@
+//! The two networks the benchmark trains.
+
+use candle_core::{Module, Tensor};
+use candle_nn::{conv2d, linear, Conv2d, Conv2dConfig, Linear, VarBuilder};
+
+use crate::plan::Model;
+
+/// The reference MLP 784-1024-1024-10.
+pub struct Mlp(Linear, Linear, Linear);
+
+/// A small conv net on 1x28x28: conv 16 -> pool -> conv 32 -> pool -> fc 10.
+pub struct Conv(Conv2d, Conv2d, Linear);
+
+pub enum Net {
+    Mlp(Mlp),
+    Conv(Conv),
+}
+
+impl Net {
+    pub fn new(model: Model, vb: VarBuilder) -> candle_core::Result<Self> {
+        Ok(match model {
+            Model::Mlp => Net::Mlp(Mlp(
+                linear(784, 1024, vb.pp("l1"))?,
+                linear(1024, 1024, vb.pp("l2"))?,
+                linear(1024, 10, vb.pp("l3"))?,
+            )),
+            Model::Conv => Net::Conv(Conv(
+                conv2d(1, 16, 3, Conv2dConfig::default(), vb.pp("c1"))?,
+                conv2d(16, 32, 3, Conv2dConfig::default(), vb.pp("c2"))?,
+                linear(32 * 5 * 5, 10, vb.pp("fc"))?,
+            )),
+        })
+    }
+
+    pub fn input_shape(model: Model, batch: usize) -> Vec<usize> {
+        match model {
+            Model::Mlp => vec![batch, 784],
+            Model::Conv => vec![batch, 1, 28, 28],
+        }
+    }
+}
+
+impl Module for Net {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Net::Mlp(m) => m.2.forward(&m.1.forward(&m.0.forward(x)?.relu()?)?.relu()?),
+            Net::Conv(c) => {
+                let h = c.0.forward(x)?.relu()?.max_pool2d(2)?;
+                let h = c.1.forward(&h)?.relu()?.max_pool2d(2)?;
+                c.2.forward(&h.flatten_from(1)?)
+            }
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! The configurations a run measures: which kinds, models, global batches
+//! and replica counts, each as a `Spec` that travels to its child process.
+
+use std::fmt;
+
+use candle_core::Device;
+use clap::ValueEnum;
+use serde::{Deserialize, Serialize};
+
+/// How a configuration trains; its JSON name is the one the table prints.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Kind {
+    /// One device, no data parallelism.
+    Single,
+    /// DataParallel, `forward_backward` (backward on the replicas' threads).
+    DpFast,
+    /// DataParallel, forward then `loss.backward()` on the caller's thread.
+    DpDropin,
+    /// DataParallel, `forward` then `backward_from_loss`.
+    DpFromloss,
+    /// DistributedDataParallel on thread ranks.
+    Ddp,
+    /// DistributedDataParallel on MPI processes under `mpirun`.
+    DdpMpi,
+}
+
+impl Kind {
+    /// The parallel kinds, in the order the table lists them.
+    pub const PARALLEL: [Kind; 5] = [
+        Kind::DpFast,
+        Kind::DpFromloss,
+        Kind::DpDropin,
+        Kind::Ddp,
+        Kind::DdpMpi,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Single => "single",
+            Kind::DpFast => "dp-fast",
+            Kind::DpDropin => "dp-dropin",
+            Kind::DpFromloss => "dp-fromloss",
+            Kind::Ddp => "ddp",
+            Kind::DdpMpi => "ddp-mpi",
+        }
+    }
+
+    /// DistributedDataParallel, on threads or processes.
+    pub fn is_ddp(self) -> bool {
+        matches!(self, Kind::Ddp | Kind::DdpMpi)
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The network trained (see `net.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Model {
+    /// MLP 784-1024-1024-10.
+    Mlp,
+    /// A small conv net on 1x28x28.
+    Conv,
+}
+
+impl Model {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Model::Mlp => "mlp",
+            Model::Conv => "conv",
+        }
+    }
+}
+
+impl fmt::Display for Model {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Where the replicas or ranks run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// CPU replicas (the cores split between them).
+    Cpu,
+    /// CUDA streams of GPU 0 (a build with `--features cuda`).
+    Cuda,
+}
+
+/// One configuration, as passed to a child process.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Spec {
+    pub kind: Kind,
+    pub model: Model,
+    /// Global batch (per step, all replicas together).
+    pub batch: usize,
+    pub replicas: usize,
+    /// Threads for a single-device run (1 = one core).
+    pub threads: usize,
+    pub warmup: usize,
+    pub steps: usize,
+    /// cpu, or cuda: replicas as separate CUDA streams on GPU 0.
+    pub device: DeviceKind,
+}
+
+impl Spec {
+    /// The device of replica (or rank) `i`.
+    pub fn device(&self, i: usize) -> candle_core::Result<Device> {
+        match (self.device, i) {
+            (DeviceKind::Cuda, 0) if self.kind == Kind::Single => Device::new_cuda(0),
+            (DeviceKind::Cuda, _) => Device::new_cuda_with_stream(0),
+            (DeviceKind::Cpu, _) => Ok(Device::Cpu),
+        }
+    }
+
+    pub fn sync(&self, devices: &[Device]) -> candle_core::Result<()> {
+        devices.iter().try_for_each(|d| d.synchronize())
+    }
+
+    pub fn label(&self) -> String {
+        match self.kind {
+            Kind::Single => format!("single, {} thread(s)", self.threads),
+            kind => format!("{kind} x{}", self.replicas),
+        }
+    }
+}
+
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Every configuration of a run, in table order.
+pub fn specs(quick: bool, steps: usize, device: DeviceKind) -> Vec<Spec> {
+    let (models, batches, replicas): (&[Model], &[usize], &[usize]) = if quick {
+        (&[Model::Mlp], &[256], &[2])
+    } else {
+        (&[Model::Mlp, Model::Conv], &[64, 256, 1024], &[1, 2, 4])
+    };
+    let warmup = if quick { 3 } else { 5 };
+    let mut out = Vec::new();
+    for &model in models {
+        for &batch in batches {
+            let spec = |kind: Kind, batch: usize, replicas: usize, threads: usize| Spec {
+                kind,
+                model,
+                batch,
+                replicas,
+                threads,
+                warmup,
+                steps,
+                device,
+            };
+            out.push(spec(Kind::Single, batch, 1, cores()));
+            if device == DeviceKind::Cpu {
+                out.push(spec(Kind::Single, batch, 1, 1));
+                out.push(spec(Kind::Single, batch / 2, 1, 1)); // per-replica baseline for 2 replicas
+            }
+            for &r in replicas {
+                for kind in Kind::PARALLEL {
+                    if r == 4 && kind != Kind::DpFast && kind != Kind::Ddp {
+                        continue;
+                    }
+                    // Processes need the feature, and MPI on this machine.
+                    if kind == Kind::DdpMpi
+                        && (!cfg!(feature = "mpi") || device != DeviceKind::Cpu || r == 1)
+                    {
+                        continue;
+                    }
+                    out.push(spec(kind, batch, r, 0));
+                }
+            }
+        }
+    }
+    out
+}

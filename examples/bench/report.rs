@@ -1,0 +1,406 @@
+//! The report of a run: one row per configuration (median step, samples/s,
+//! scaling efficiency, phases), as a markdown table, CSV and SVG chart, the
+//! issue's targets and the DDP comparison.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::Result;
+
+use crate::child::Measured;
+use crate::plan::{cores, DeviceKind, Kind, Model, Spec};
+use crate::stats::median;
+
+/// One configuration's medians over all its rounds.
+pub struct Row {
+    pub spec: Spec,
+    pub median_ms: f64,
+    pub samples_per_s: f64,
+    pub efficiency: Option<f64>,
+    pub phases: BTreeMap<String, f64>,
+    pub grad_bytes: Option<usize>,
+    pub memcpy_ms: Option<f64>,
+}
+
+pub fn summarize(specs: &[Spec], measured: &[Measured]) -> Vec<Row> {
+    let throughput = |s: &Spec, m: &Measured| s.batch as f64 / (median(&m.step_ms) / 1e3);
+    let baseline = |model: Model, batch: usize, threads: usize| {
+        specs
+            .iter()
+            .zip(measured)
+            .find(|(s, _)| {
+                s.kind == Kind::Single
+                    && s.model == model
+                    && s.batch == batch
+                    && s.threads == threads
+            })
+            .map(|(s, m)| throughput(s, m))
+    };
+    specs
+        .iter()
+        .zip(measured)
+        .map(|(s, m)| {
+            let efficiency = (s.kind != Kind::Single).then(|| {
+                // One replica on 1/R of the cores at the per-replica batch.
+                let per_replica = s.batch / s.replicas;
+                let base = match s.replicas {
+                    _ if s.device != DeviceKind::Cpu => None,
+                    1 => baseline(s.model, s.batch, cores()),
+                    r if cores() / r == 1 => baseline(s.model, per_replica, 1),
+                    _ => None,
+                };
+                base.map(|b| throughput(s, m) / (s.replicas as f64 * b))
+            });
+            Row {
+                spec: s.clone(),
+                median_ms: median(&m.step_ms),
+                samples_per_s: throughput(s, m),
+                efficiency: efficiency.flatten(),
+                phases: m
+                    .phases
+                    .iter()
+                    .map(|(k, v)| (k.clone(), median(v)))
+                    .collect(),
+                grad_bytes: m.grad_bytes,
+                memcpy_ms: m.memcpy_ms,
+            }
+        })
+        .collect()
+}
+
+/// The row of `kind` on `replicas` replicas at `model` and global `batch`.
+fn find(rows: &[Row], model: Model, batch: usize, kind: Kind, replicas: usize) -> Option<&Row> {
+    rows.iter().find(|r| {
+        r.spec.model == model
+            && r.spec.batch == batch
+            && r.spec.kind == kind
+            && r.spec.replicas == replicas
+    })
+}
+
+/// The best single-device throughput at `model` and global `batch`, any
+/// thread count (0 when none was measured).
+fn best_single(rows: &[Row], model: Model, batch: usize) -> f64 {
+    rows.iter()
+        .filter(|r| r.spec.model == model && r.spec.batch == batch && r.spec.kind == Kind::Single)
+        .map(|r| r.samples_per_s)
+        .fold(0.0, f64::max)
+}
+
+/// PyTorch's two reference configurations in `bench_torch.py`'s CSV.
+const TORCH_DDP: &str = "torch-ddp-gloo-2x1";
+const TORCH_1PROC: &str = "torch-1proc-2thr";
+
+/// The issue's target figures: for the MLP at global batch 256 on 2
+/// replicas as bullets, then a table for every model and batch measured.
+pub fn targets(rows: &[Row], torch: Option<&str>) -> String {
+    mlp_256_targets(rows, torch) + &targets_table(rows, torch)
+}
+
+fn mlp_256_targets(rows: &[Row], torch: Option<&str>) -> String {
+    let find = |kind| find(rows, Model::Mlp, 256, kind, 2);
+    let (Some(dp), Some(ddp)) = (find(Kind::DpFast), find(Kind::Ddp)) else {
+        return String::new();
+    };
+    let best_single = best_single(rows, Model::Mlp, 256);
+    let pct = |e: Option<f64>| e.map_or("n/a".to_string(), |e| format!("{:.0}%", 100.0 * e));
+    let mut s =
+        String::from("\n## Targets (MLP 784-1024-1024-10, global batch 256, 2 replicas)\n\n");
+    s += &format!(
+        "- scaling efficiency: DataParallel (fast path) {}, DDP {} (target >= 90%)\n",
+        pct(dp.efficiency),
+        pct(ddp.efficiency)
+    );
+    s += &format!(
+        "- DataParallel / DDP throughput: {:.2} (target >= 0.95)\n",
+        dp.samples_per_s / ddp.samples_per_s
+    );
+    s += &format!(
+        "- DataParallel / best single-device configuration: {:.2} (target >= 1.0)\n",
+        dp.samples_per_s / best_single
+    );
+    s += &format!("- engine overhead (all but forward, backward, optimizer): DataParallel {:.1}%, DDP {:.1}% (target <= 5%)\n", overhead_pct(dp), overhead_pct(ddp));
+    if let Some(torch) = torch {
+        for config in [TORCH_DDP, TORCH_1PROC] {
+            if let Some(rate) = torch_rate(torch, config, 256) {
+                s += &format!(
+                    "- vs PyTorch {config} ({rate:.0} samples/s): DataParallel {:.2}x, DDP {:.2}x\n",
+                    dp.samples_per_s / rate,
+                    ddp.samples_per_s / rate
+                );
+            }
+        }
+    }
+    s
+}
+
+/// The targets at every (model, global batch) with DataParallel (fast path)
+/// or DDP on thread ranks measured on 2 replicas; a cell is empty where its
+/// configuration (or PyTorch's, MLP only) is missing.
+fn targets_table(rows: &[Row], torch: Option<&str>) -> String {
+    let mut groups: Vec<(Model, usize)> = Vec::new();
+    for r in rows {
+        let key = (r.spec.model, r.spec.batch);
+        let measured = matches!(r.spec.kind, Kind::DpFast | Kind::Ddp) && r.spec.replicas == 2;
+        if measured && !groups.contains(&key) {
+            groups.push(key);
+        }
+    }
+    if groups.is_empty() {
+        return String::new();
+    }
+    let mut s = String::from(
+        "\n## Targets at every model and global batch (2 replicas)\n\n\
+         DP: DataParallel (fast path); DDP: on thread ranks; single: the best \
+         single-device configuration at that batch (target >= 1.0); overhead: all but forward, \
+         backward, optimizer (target <= 5%)",
+    );
+    let torch_columns = if torch.is_some() {
+        s +=
+            "; PyTorch: DDP over gloo (2 processes x 1 thread) and 1 process (2 threads), MLP only";
+        " DP / PyTorch DDP-gloo | DDP / PyTorch DDP-gloo | DP / PyTorch 1-process | DDP / PyTorch 1-process |"
+    } else {
+        ""
+    };
+    let columns = 6 + if torch.is_some() { 4 } else { 0 };
+    s += &format!(
+        ".\n\n| model | global batch | DP / single | DDP / single | DP overhead | DDP overhead |{torch_columns}\n|{}\n",
+        "---|".repeat(columns)
+    );
+    let ratio = |a: Option<f64>, b: Option<f64>| {
+        a.zip(b.filter(|b| *b > 0.0))
+            .map_or(String::new(), |(a, b)| format!("{:.2}", a / b))
+    };
+    for (model, batch) in groups {
+        let dp = find(rows, model, batch, Kind::DpFast, 2);
+        let ddp = find(rows, model, batch, Kind::Ddp, 2);
+        let (dp_rate, ddp_rate) = (dp.map(|r| r.samples_per_s), ddp.map(|r| r.samples_per_s));
+        let single = Some(best_single(rows, model, batch));
+        let overhead =
+            |r: Option<&Row>| r.map_or(String::new(), |r| format!("{:.1}%", overhead_pct(r)));
+        s += &format!(
+            "| {model} | {batch} | {} | {} | {} | {} |",
+            ratio(dp_rate, single),
+            ratio(ddp_rate, single),
+            overhead(dp),
+            overhead(ddp),
+        );
+        if let Some(torch) = torch {
+            let rate = |config| {
+                (model == Model::Mlp)
+                    .then(|| torch_rate(torch, config, batch))
+                    .flatten()
+            };
+            let (gloo, one_proc) = (rate(TORCH_DDP), rate(TORCH_1PROC));
+            s += &format!(
+                " {} | {} | {} | {} |",
+                ratio(dp_rate, gloo),
+                ratio(ddp_rate, gloo),
+                ratio(dp_rate, one_proc),
+                ratio(ddp_rate, one_proc),
+            );
+        }
+        s += "\n";
+    }
+    s
+}
+
+/// PyTorch's samples/s for `config` at `batch`, from `bench_torch.py`'s CSV.
+fn torch_rate(torch: &str, config: &str, batch: usize) -> Option<f64> {
+    torch.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(',').collect();
+        (f.first() == Some(&config) && f.get(2) == Some(&batch.to_string().as_str()))
+            .then(|| f.get(5).and_then(|v| v.parse::<f64>().ok()))
+            .flatten()
+    })
+}
+
+/// DDP on 2 thread ranks against DDP on 2 MPI processes (and PyTorch DDP
+/// over gloo, 2 processes x 1 thread, when its CSV is given): throughput,
+/// scaling efficiency and the gradient all-reduce per step.
+pub fn ddp_comparison(rows: &[Row], torch: Option<&str>) -> String {
+    let ddp: Vec<&Row> = rows
+        .iter()
+        .filter(|r| r.spec.kind.is_ddp() && r.spec.replicas == 2)
+        .collect();
+    if !ddp.iter().any(|r| r.spec.kind == Kind::DdpMpi) {
+        return String::new();
+    }
+    let mut s = String::from(
+        "\n## DDP on 2 processes (MPI) and on 2 thread ranks\n\n\
+         | config | model | global batch | samples/s | vs PyTorch DDP-gloo 2x1 | scaling eff. | all-reduce ms/step | gradient MB | all-reduce GB/s | memcpy ms |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in ddp {
+        let torch_cell = torch
+            .filter(|_| r.spec.model == Model::Mlp)
+            .and_then(|t| torch_rate(t, TORCH_DDP, r.spec.batch))
+            .map_or(String::new(), |rate| {
+                format!("{:.2}x ({rate:.0})", r.samples_per_s / rate)
+            });
+        let reduce = r.phases.get("reduce").copied();
+        let mb = r.grad_bytes.map(|b| b as f64 / 1e6);
+        let gbps = reduce
+            .zip(mb)
+            .map_or(String::new(), |(ms, mb)| format!("{:.2}", mb / ms));
+        s += &format!(
+            "| {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} |\n",
+            r.spec.label(),
+            r.spec.model,
+            r.spec.batch,
+            r.samples_per_s,
+            torch_cell,
+            r.efficiency
+                .map_or(String::new(), |e| format!("{:.0}%", 100.0 * e)),
+            reduce.map_or(String::new(), |v| format!("{v:.2}")),
+            mb.map_or(String::new(), |v| format!("{v:.2}")),
+            gbps,
+            r.memcpy_ms.map_or(String::new(), |v| format!("{v:.2}")),
+        );
+    }
+    s += "\nall-reduce GB/s: gradient bytes / all-reduce time (algorithm bandwidth); a ring moves 2(n-1)/n of them per rank.\n";
+    s
+}
+
+/// Share of the step (percent) not spent in forward, backward (the
+/// drop-in path's serial one included) or optimizer compute.
+fn overhead_pct(r: &Row) -> f64 {
+    let compute: f64 = ["forward", "backward", "optimizer", "backward-serial"]
+        .iter()
+        .filter_map(|k| r.phases.get(*k))
+        .sum();
+    100.0 * (r.median_ms - compute).max(0.0) / r.median_ms
+}
+
+const PHASES: [&str; 7] = [
+    "scatter",
+    "replicate",
+    "forward",
+    "backward",
+    "reduce",
+    "gather",
+    "optimizer",
+];
+
+/// The phase times of a row in `PHASES` order (ms, `decimals` places); the
+/// drop-in path's backward is the serial one on the caller's thread.
+fn phase_cells(r: &Row, decimals: usize) -> Vec<String> {
+    PHASES
+        .iter()
+        .map(|&k| {
+            let key = if k == "backward" && r.phases.contains_key("backward-serial") {
+                "backward-serial"
+            } else {
+                k
+            };
+            r.phases
+                .get(key)
+                .map_or(String::new(), |v| format!("{v:.decimals$}"))
+        })
+        .collect()
+}
+
+pub fn markdown(rows: &[Row]) -> String {
+    let mut s = format!(
+        "| config | model | global batch | replicas | median ms/step | samples/s | scaling eff. | {} | overhead |\n|{}\n",
+        PHASES.join(" | "),
+        "---|".repeat(8 + PHASES.len())
+    );
+    for r in rows {
+        s += &format!(
+            "| {} | {} | {} | {} | {:.2} | {:.0} | {} | {} | {:.1}% |\n",
+            r.spec.label(),
+            r.spec.model,
+            r.spec.batch,
+            r.spec.replicas,
+            r.median_ms,
+            r.samples_per_s,
+            r.efficiency
+                .map_or(String::new(), |e| format!("{:.0}%", 100.0 * e)),
+            phase_cells(r, 2).join(" | "),
+            overhead_pct(r)
+        );
+    }
+    s
+}
+
+pub fn csv(rows: &[Row]) -> String {
+    let mut s = format!(
+        "config,model,global_batch,replicas,median_ms,samples_per_s,scaling_efficiency,{}\n",
+        PHASES.join(",")
+    );
+    for r in rows {
+        // The label holds a comma ("single, 2 thread(s)"): quote it.
+        s += &format!(
+            "\"{}\",{},{},{},{:.3},{:.1},{},{}\n",
+            r.spec.label(),
+            r.spec.model,
+            r.spec.batch,
+            r.spec.replicas,
+            r.median_ms,
+            r.samples_per_s,
+            r.efficiency.map_or(String::new(), |e| format!("{e:.3}")),
+            phase_cells(r, 3).join(",")
+        );
+    }
+    s
+}
+
+/// Samples/s per configuration, one panel row per (model, batch).
+pub fn chart(rows: &[Row], path: &Path) -> Result<()> {
+    use plotters::prelude::*;
+    let mut groups: Vec<(Model, usize)> = Vec::new();
+    for r in rows {
+        let key = (r.spec.model, r.spec.batch);
+        if !groups.contains(&key) && r.spec.kind != Kind::Single {
+            groups.push(key);
+        }
+    }
+    let height = 260 * groups.len() as u32;
+    let root = SVGBackend::new(path, (1000, height.max(260))).into_drawing_area();
+    root.fill(&WHITE)?;
+    for (area, (model, batch)) in root.split_evenly((groups.len(), 1)).iter().zip(&groups) {
+        let group: Vec<&Row> = rows
+            .iter()
+            .filter(|r| r.spec.model == *model && r.spec.batch == *batch)
+            .collect();
+        let max = group.iter().map(|r| r.samples_per_s).fold(0.0, f64::max) * 1.15;
+        let mut chart = ChartBuilder::on(area)
+            .caption(
+                format!("{model}, global batch {batch}: samples/s"),
+                ("sans-serif", 16),
+            )
+            .margin(8)
+            .x_label_area_size(20)
+            .y_label_area_size(200)
+            .build_cartesian_2d(0.0..max.max(1.0), (0..group.len()).into_segmented())?;
+        chart
+            .configure_mesh()
+            .y_labels(group.len())
+            .y_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) => {
+                    group.get(*i).map_or(String::new(), |r| r.spec.label())
+                }
+                _ => String::new(),
+            })
+            .draw()?;
+        chart.draw_series(group.iter().enumerate().map(|(i, r)| {
+            let color = if r.spec.kind == Kind::Single {
+                BLUE.mix(0.6)
+            } else if r.spec.kind == Kind::Ddp {
+                RED.mix(0.6)
+            } else {
+                GREEN.mix(0.6)
+            };
+            Rectangle::new(
+                [
+                    (0.0, SegmentValue::Exact(i)),
+                    (r.samples_per_s, SegmentValue::Exact(i + 1)),
+                ],
+                color.filled(),
+            )
+        }))?;
+    }
+    root.present()?;
+    Ok(())
+}
