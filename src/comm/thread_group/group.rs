@@ -71,10 +71,13 @@ impl Default for GroupOptions {
 ///
 /// Large reductions move no partial results between ranks: the ranks read
 /// each other's inputs where they are (a contiguous CPU tensor in place,
-/// any other tensor from one host copy) and write straight into their
-/// results. With two ranks each rank reduces the whole buffer, which costs
-/// about one memcpy of it; with more, each reduces one chunk and copies the
-/// others' chunks.
+/// any other tensor from one host copy). In a large all-reduce, each rank
+/// reduces its chunk straight into one result that all ranks then share:
+/// **every rank gets the same CPU tensor** (one storage; on another device,
+/// a copy of it). candle tensors are immutable, so this only shows if a
+/// rank writes into the result in place (`Tensor::slice_set`), which the
+/// others would see. In a large `reduce`, the root reduces the whole buffer
+/// (two ranks) or copies the others' chunks (more).
 ///
 /// Each step rounds to the tensor's dtype (f16 and bf16 sums are not
 /// accumulated in f32). `Avg` divides that sum by `W`, in the dtype, as the
