@@ -1,9 +1,11 @@
-//! Micro-benchmarks: scatter / gather, gradient reduce-add, and all-reduce
-//! bandwidth across 2 threads next to a plain memcpy of the same size.
+//! Micro-benchmarks: scatter / gather, gradient reduce-add, all-reduce
+//! bandwidth across 2 threads next to a plain memcpy of the same size, and
+//! the candle kernel that decides much of a CPU replica's backward.
 //!
 //! ```text
 //! cargo bench --bench micro            # everything
 //! cargo bench --bench micro -- all_reduce
+//! RAYON_NUM_THREADS=1 CANDLE_NUM_THREADS=1 cargo bench --bench micro -- grad_accumulate
 //! ```
 
 #[cfg(feature = "mimalloc")]
@@ -110,5 +112,34 @@ fn all_reduce(c: &mut Criterion) {
     partner.join().unwrap();
 }
 
-criterion_group!(benches, scatter_gather, reduce_add, all_reduce);
+/// What candle's backward does for every weight of a `Linear` layer, which
+/// computes `x @ w.t()`: the gradient of `w.t()` arrives, its transpose (a
+/// strided view) is added to a fresh zero tensor, which walks the gradient
+/// column by column. The same add of a contiguous gradient for comparison.
+/// Shapes: the benchmark MLP's two large weights. Run on one thread (see
+/// above) to see one CPU replica's cost.
+fn grad_accumulate(c: &mut Criterion) {
+    let mut group = c.benchmark_group("grad_accumulate");
+    for (rows, cols) in [(1024usize, 784usize), (1024, 1024)] {
+        let grad_t = Tensor::randn(0f32, 1., (cols, rows), &Device::Cpu).unwrap();
+        let grad = grad_t.t().unwrap().contiguous().unwrap();
+        let shape = format!("{rows}x{cols}");
+        group.throughput(Throughput::Bytes((rows * cols * 4) as u64));
+        group.bench_function(BenchmarkId::new("zeros_plus_transposed", &shape), |b| {
+            b.iter(|| {
+                let zeros = Tensor::zeros((rows, cols), DType::F32, &Device::Cpu).unwrap();
+                (zeros + grad_t.t().unwrap()).unwrap()
+            })
+        });
+        group.bench_function(BenchmarkId::new("zeros_plus_contiguous", &shape), |b| {
+            b.iter(|| {
+                let zeros = Tensor::zeros((rows, cols), DType::F32, &Device::Cpu).unwrap();
+                (zeros + &grad).unwrap()
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, scatter_gather, reduce_add, all_reduce, grad_accumulate);
 criterion_main!(benches);
