@@ -141,5 +141,11 @@ fn grad_accumulate(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, scatter_gather, reduce_add, all_reduce, grad_accumulate);
+criterion_group!(
+    benches,
+    scatter_gather,
+    reduce_add,
+    all_reduce,
+    grad_accumulate
+);
 criterion_main!(benches);
