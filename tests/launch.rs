@@ -359,3 +359,60 @@ fn ranks_finishing_normally_never_fail_the_others_last_collective() {
         assert!(results.iter().all(|r| *r == (4, vec![6.0])));
     }
 }
+
+#[test]
+fn an_abort_in_the_middle_of_large_all_reduces_gives_each_rank_the_sum_or_the_failure() {
+    // Large tensors take the ring, where the ranks fill one shared result;
+    // rank 2 is aborted from another thread at varying moments, so some
+    // calls finish and others are cut off while chunks are being written.
+    const LEN: usize = 1 << 20;
+    for delay_us in [0u64, 500, 2000, 5000, 10_000, 20_000] {
+        let outcomes = Mutex::new(Vec::new());
+        let err = spawn_with(3, options(), |ctx| -> anyhow::Result<()> {
+            let x = Tensor::full(ctx.rank as f32 + 1.0, LEN, &Device::Cpu)?;
+            let aborter = (ctx.rank == 2).then(|| {
+                let pg = ctx.pg.clone();
+                thread::spawn(move || {
+                    thread::sleep(Duration::from_micros(delay_us));
+                    pg.abort("stopped mid-reduction");
+                })
+            });
+            let mut failed = false;
+            for _ in 0..20 {
+                let result = ctx.pg.all_reduce(&x, ReduceOp::Sum);
+                failed = result.is_err();
+                outcomes.lock().unwrap().push((ctx.rank, result));
+                if failed {
+                    break;
+                }
+            }
+            if let Some(aborter) = aborter {
+                aborter
+                    .join()
+                    .map_err(|_| anyhow::anyhow!("aborter panicked"))?;
+            }
+            anyhow::ensure!(failed, "rank {} saw no failure", ctx.rank);
+            Ok(())
+        })
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("stopped mid-reduction"),
+            "delay {delay_us} us: {err}"
+        );
+        for (rank, result) in outcomes.into_inner().unwrap() {
+            match result {
+                Ok(sum) => {
+                    let values = sum.to_vec1::<f32>().unwrap();
+                    assert!(
+                        values.iter().all(|&v| v == 6.0),
+                        "delay {delay_us} us, rank {rank}"
+                    );
+                }
+                Err(CommError::GroupFailed { failure, .. }) => {
+                    assert_eq!(failure, aborted(2, "stopped mid-reduction"), "rank {rank}");
+                }
+                Err(other) => panic!("delay {delay_us} us, rank {rank}: {other}"),
+            }
+        }
+    }
+}
