@@ -36,7 +36,11 @@ fn set_if_unset(variable: &str, value: &str) -> bool {
     }
     // A process-wide setting, changed only when the user left it unset and
     // asked for several workers, before they start. std's environment lock
-    // guards it against Rust readers (candle reads it with `std::env::var`).
+    // guards it against Rust readers (candle reads it with `std::env::var`);
+    // C code reading the environment on another thread at this moment
+    // (`getenv`) is not guarded, which is why `set_var` is `unsafe` from
+    // edition 2024. Users who start such threads first set both variables
+    // themselves, and nothing is written here.
     std::env::set_var(variable, value);
     true
 }

@@ -239,13 +239,17 @@ impl Input {
 
     /// The all-reduce result of `len` elements that every rank holding a
     /// clone of this input shares; `None` if it was created for another
-    /// element type (the ranks agreed on the dtype, so they do not).
+    /// element type or length (the ranks agreed on both, so they do not).
     pub(crate) fn shared_output<T: Element>(&self, len: usize) -> Option<Arc<SharedOutput<T>>> {
         let any = self
             .output
             .get_or_init(|| Arc::new(SharedOutput::<T>::new(len)))
             .clone();
-        any.downcast::<SharedOutput<T>>().ok()
+        // Every rank asks for the same length (the ranks agreed on the
+        // tensor); one that does not must not get chunks of another buffer.
+        any.downcast::<SharedOutput<T>>()
+            .ok()
+            .filter(|output| output.len() == len)
     }
 }
 

@@ -103,7 +103,7 @@ fn all_reduce_shared<T: Element>(
     // Rank 0's input is the same object on every rank, so is this.
     let output = inputs[0]
         .shared_output::<T>(len)
-        .ok_or_else(|| link.unexpected(0, "a shared result of another type".into()))?;
+        .ok_or_else(|| link.unexpected(0, "a shared result of another type or length".into()))?;
     let range = chunk_range(len, world, rank);
     // SAFETY: each rank writes its own chunk; the chunks do not overlap.
     let chunk = unsafe { output.chunk_mut(range.clone()) };

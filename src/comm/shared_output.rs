@@ -42,6 +42,11 @@ unsafe impl<T: Element> Send for SharedOutput<T> {}
 unsafe impl<T: Element> Sync for SharedOutput<T> {}
 
 impl<T: Element> SharedOutput<T> {
+    /// The number of elements.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
     pub(crate) fn new(len: usize) -> Self {
         let mut values: Vec<T> = Vec::with_capacity(len);
         let start = values.as_mut_ptr();
@@ -62,6 +67,8 @@ impl<T: Element> SharedOutput<T> {
     #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn chunk_mut(&self, range: Range<usize>) -> &mut [MaybeUninit<T>] {
         assert!(range.start <= range.end && range.end <= self.len);
+        // A result already handed out is never written again.
+        assert!(self.tensor.get().is_none(), "a finished shared result");
         // SAFETY: within the allocation (checked above), which lives as
         // long as `self`; exclusive by the caller's promise.
         unsafe {
@@ -101,10 +108,16 @@ pub(crate) fn fill<T: Copy>(
     if values.len() != out.len() {
         return None;
     }
+    let mut written = 0;
     for (slot, value) in out.iter_mut().zip(values) {
         slot.write(value);
+        written += 1;
     }
-    // SAFETY: every element of `out` was just written (same lengths), and
+    // `ExactSizeIterator::len` is a promise that safe code can break.
+    if written != out.len() {
+        return None;
+    }
+    // SAFETY: every element of `out` was just written (counted above), and
     // `MaybeUninit<T>` has `T`'s layout.
     Some(unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<T>(), out.len()) })
 }
