@@ -15,7 +15,7 @@ use std::sync::{Arc, OnceLock};
 use candle_core::{DType, Device, Storage, StorageRef, Tensor, WithDType};
 use half::{bf16, f16};
 
-use super::shared_output::{fill, SharedOutput};
+use super::shared_output::{fill_zip, SharedOutput};
 use super::ReduceOp;
 
 /// The flattened elements of a tensor, one variant per supported dtype.
@@ -542,14 +542,10 @@ pub(crate) fn fill_combined<'a, T: Element>(
     a: &[T],
     b: &[T],
 ) -> Option<&'a mut [T]> {
-    if a.len() != b.len() {
-        return None;
-    }
-    let pairs = a.iter().zip(b);
     match op {
-        ReduceOp::Sum | ReduceOp::Avg => fill(out, pairs.map(|(&a, &b)| T::reduce_sum(a, b))),
-        ReduceOp::Max => fill(out, pairs.map(|(&a, &b)| T::reduce_max(a, b))),
-        ReduceOp::Min => fill(out, pairs.map(|(&a, &b)| T::reduce_min(a, b))),
+        ReduceOp::Sum | ReduceOp::Avg => fill_zip(out, a, b, T::reduce_sum),
+        ReduceOp::Max => fill_zip(out, a, b, T::reduce_max),
+        ReduceOp::Min => fill_zip(out, a, b, T::reduce_min),
     }
 }
 

@@ -41,7 +41,7 @@ use super::buffer::{
     chunk_range, combine_into, extend_combined, fill_combined, finish, match_dtype, read_inputs,
     Buffer, Element, Input,
 };
-use super::shared_output::{fill, Complete, Filled};
+use super::shared_output::{fill_copy, Complete, Filled};
 use super::{CommError, ReduceOp, Result};
 
 /// Up to this many ranks, each rank reduces every chunk it wants itself.
@@ -313,7 +313,7 @@ fn write_into<'a, T: Element>(
         };
         let values = match xs {
             [first, second, ..] => fill_combined(op, dst, first, second),
-            [only] => fill(dst, only.iter().copied()),
+            [only] => fill_copy(dst, only),
             [] => Some(&mut [][..]),
         };
         let Some(values) = values else {

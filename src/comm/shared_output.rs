@@ -99,27 +99,47 @@ impl<T: Element> SharedOutput<T> {
     }
 }
 
-/// Writes `values` into `out`, in order, and returns `out` as initialized
-/// elements; `None` (nothing promised) if their lengths differ.
-pub(crate) fn fill<T: Copy>(
-    out: &mut [MaybeUninit<T>],
-    values: impl ExactSizeIterator<Item = T>,
-) -> Option<&mut [T]> {
-    if values.len() != out.len() {
+/// Writes `f(a[i], b[i])` into `out` and returns it as initialized
+/// elements; `None` (nothing promised) unless all three have one length.
+pub(crate) fn fill_zip<'a, T: Copy>(
+    out: &'a mut [MaybeUninit<T>],
+    a: &[T],
+    b: &[T],
+    f: impl Fn(T, T) -> T,
+) -> Option<&'a mut [T]> {
+    if a.len() != out.len() || b.len() != out.len() {
         return None;
     }
-    let mut written = 0;
-    for (slot, value) in out.iter_mut().zip(values) {
-        slot.write(value);
-        written += 1;
+    for ((slot, &a), &b) in out.iter_mut().zip(a).zip(b) {
+        slot.write(f(a, b));
     }
-    // `ExactSizeIterator::len` is a promise that safe code can break.
-    if written != out.len() {
+    // SAFETY: the loop wrote every element of `out` (the slices have its
+    // length), and `MaybeUninit<T>` has `T`'s layout.
+    Some(unsafe { assume_init(out) })
+}
+
+/// Copies `a` into `out` and returns it as initialized elements; `None`
+/// unless they have one length.
+pub(crate) fn fill_copy<'a, T: Copy>(
+    out: &'a mut [MaybeUninit<T>],
+    a: &[T],
+) -> Option<&'a mut [T]> {
+    if a.len() != out.len() {
         return None;
     }
-    // SAFETY: every element of `out` was just written (counted above), and
-    // `MaybeUninit<T>` has `T`'s layout.
-    Some(unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<T>(), out.len()) })
+    for (slot, &a) in out.iter_mut().zip(a) {
+        slot.write(a);
+    }
+    // SAFETY: as in `fill_zip`.
+    Some(unsafe { assume_init(out) })
+}
+
+/// # Safety
+///
+/// Every element of `out` is initialized.
+unsafe fn assume_init<T>(out: &mut [MaybeUninit<T>]) -> &mut [T] {
+    // SAFETY: the caller's promise; `MaybeUninit<T>` has `T`'s layout.
+    unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<T>(), out.len()) }
 }
 
 /// A filled [`SharedOutput`] of any element type, as the ring returns it.
