@@ -35,7 +35,7 @@
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::DType;
 
 use super::buffer::{
     chunk_range, combine_into, extend_combined, fill_combined, finish, match_dtype, read_inputs,
@@ -65,20 +65,6 @@ pub(crate) trait Link {
     fn unexpected(&self, src: usize, detail: String) -> CommError;
 }
 
-/// An all-reduce's result, which every rank shares.
-pub(crate) struct Reduced(Box<dyn Filled>);
-
-impl Reduced {
-    /// The result as a tensor of `dims` on `device`.
-    pub(crate) fn into_tensor(
-        self,
-        dims: &[usize],
-        device: &Device,
-    ) -> candle_core::Result<Tensor> {
-        self.0.to_tensor(dims, device)
-    }
-}
-
 /// All-reduce of every rank's input (`inputs[r]` is rank `r`'s; all have
 /// the same `dtype` and length): each rank reduces its own chunk into one
 /// result that they all share.
@@ -87,7 +73,7 @@ pub(crate) fn all_reduce(
     dtype: DType,
     op: ReduceOp,
     link: &impl Link,
-) -> Result<Reduced> {
+) -> Result<Box<dyn Filled>> {
     match_dtype!(dtype, T => all_reduce_shared::<T>(inputs, op, link), _ => {
         Err(unsupported(dtype, link))
     })
@@ -97,7 +83,7 @@ fn all_reduce_shared<T: Element>(
     inputs: &[&Input],
     op: ReduceOp,
     link: &impl Link,
-) -> Result<Reduced> {
+) -> Result<Box<dyn Filled>> {
     let (rank, world) = (link.rank(), link.world_size());
     let len = inputs[rank].len();
     // Rank 0's input is the same object on every rank, so is this.
@@ -122,7 +108,7 @@ fn all_reduce_shared<T: Element>(
     done_reading(link, |_| None, false)?;
     // SAFETY: every rank wrote its chunk (the chunks tile the buffer) before
     // it sent its message, and has received all of them.
-    Ok(Reduced(Box::new(unsafe { Complete::new(output) })))
+    Ok(Box::new(unsafe { Complete::new(output) }))
 }
 
 /// Reduce to `root`: bitwise the result of [`all_reduce`], on `root` only.

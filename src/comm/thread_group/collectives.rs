@@ -98,7 +98,7 @@ impl ProcessGroup for ThreadRank {
             let headers = call.exchange_inputs(tensor, OpSig::AllReduce(op), None)?;
             let inputs = call.inputs(&headers)?;
             return ring::all_reduce(&inputs, tensor.dtype(), op, &call)?
-                .into_tensor(tensor.dims(), tensor.device())
+                .to_tensor(tensor.dims(), tensor.device())
                 .map_err(|e| call.tensor_error(e));
         }
         // Small buffers go to every rank with the header.
@@ -139,7 +139,7 @@ impl ProcessGroup for ThreadRank {
         let headers = call.exchange_with_input(sig, |_| None, input.as_ref().ok())?;
         let inputs = call.inputs(&headers)?;
         ring::all_reduce(&inputs, first.dtype(), op, &call)?
-            .into_tensor(&[len], first.device())
+            .to_tensor(&[len], first.device())
             .map_err(|e| call.tensor_error(e))
     }
 
