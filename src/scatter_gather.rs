@@ -379,6 +379,19 @@ fn one_per_replica<T>(parts: Vec<T>, plan: &ScatterPlan) -> candle_core::Result<
     }
 }
 
+/// Invokes the macro `$m` once per tuple arity that [`Scatter`] and
+/// [`Gather`] support, one to six, with each element's type name and index.
+macro_rules! for_each_tuple_arity {
+    ($m:ident) => {
+        $m!(A.0);
+        $m!(A.0, B.1);
+        $m!(A.0, B.1, C.2);
+        $m!(A.0, B.1, C.2, D.3);
+        $m!(A.0, B.1, C.2, D.3, E.4);
+        $m!(A.0, B.1, C.2, D.3, E.4, F.5);
+    };
+}
+
 /// Zips equally long vectors of parts into a vector of tuples.
 macro_rules! zip_parts {
     ($a:ident) => { $a.into_iter().map(|a| (a,)).collect() };
@@ -408,12 +421,7 @@ macro_rules! tuple_scatter {
         }
     };
 }
-tuple_scatter!(A.0);
-tuple_scatter!(A.0, B.1);
-tuple_scatter!(A.0, B.1, C.2);
-tuple_scatter!(A.0, B.1, C.2, D.3);
-tuple_scatter!(A.0, B.1, C.2, D.3, E.4);
-tuple_scatter!(A.0, B.1, C.2, D.3, E.4, F.5);
+for_each_tuple_arity!(tuple_scatter);
 
 /// Splits `input` according to `plan` (PyTorch's `scatter`): one part per
 /// replica, each on its device.
@@ -636,9 +644,4 @@ macro_rules! tuple_gather {
         }
     };
 }
-tuple_gather!(A.0);
-tuple_gather!(A.0, B.1);
-tuple_gather!(A.0, B.1, C.2);
-tuple_gather!(A.0, B.1, C.2, D.3);
-tuple_gather!(A.0, B.1, C.2, D.3, E.4);
-tuple_gather!(A.0, B.1, C.2, D.3, E.4, F.5);
+for_each_tuple_arity!(tuple_gather);

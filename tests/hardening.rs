@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
-use candle_dp::comm::{ProcessGroup, ReduceOp, Result as CommResult};
+use candle_dp::comm::{Membership, ProcessGroup, ReduceOp, Result as CommResult};
 use candle_dp::launch::{spawn, LaunchError};
 use candle_dp::loader::{Loader, LoaderError, TensorDataset};
 use candle_dp::sampler::{DistributedSampler, SamplerError};
@@ -357,17 +357,8 @@ impl Counting {
 }
 
 impl ProcessGroup for Counting {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn set_timeout(&self, timeout: Option<Duration>) {
-        self.inner.set_timeout(timeout)
-    }
-    fn timeout(&self) -> Option<Duration> {
-        self.inner.timeout()
+    fn membership(&self) -> &Membership {
+        self.inner.membership()
     }
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> CommResult<Tensor> {
         self.count();

@@ -24,6 +24,7 @@
 //!   [`ProcessGroup::set_timeout`] bounds every wait.
 
 mod buffer;
+mod membership;
 #[cfg(feature = "mpi")]
 mod mpi_group;
 mod op;
@@ -39,6 +40,7 @@ use candle_core::Tensor;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+pub use membership::Membership;
 #[cfg(feature = "mpi")]
 pub use mpi_group::{MpiGroup, MpiInitError};
 pub use thread_group::{GroupOptions, ThreadGroup, ThreadRank, DEFAULT_RING_THRESHOLD_BYTES};
@@ -268,21 +270,34 @@ pub type Result<T> = std::result::Result<T, CommError>;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub trait ProcessGroup: Send + Sync + fmt::Debug {
+    /// This rank's place in the group and its timeout, which the four
+    /// accessors below read (a wrapper around another group returns the
+    /// inner group's).
+    fn membership(&self) -> &Membership;
+
     /// This rank's index, in `0..world_size()`.
-    fn rank(&self) -> usize;
+    fn rank(&self) -> usize {
+        self.membership().rank()
+    }
 
     /// The number of ranks in the group.
-    fn world_size(&self) -> usize;
+    fn world_size(&self) -> usize {
+        self.membership().world_size()
+    }
 
     /// Bounds every later wait of this rank: a collective that has not
     /// completed `timeout` after it was called returns
     /// [`CommError::Timeout`] and fails the group. `None` waits forever (a
     /// failed or departed rank still ends the wait).
-    fn set_timeout(&self, timeout: Option<Duration>);
+    fn set_timeout(&self, timeout: Option<Duration>) {
+        self.membership().set_timeout(timeout)
+    }
 
     /// The timeout set by [`set_timeout`](ProcessGroup::set_timeout) or the
     /// group's options.
-    fn timeout(&self) -> Option<Duration>;
+    fn timeout(&self) -> Option<Duration> {
+        self.membership().timeout()
+    }
 
     /// Combines `tensor` across all ranks with `op`; every rank gets the
     /// (bitwise identical) result.

@@ -27,7 +27,9 @@ use self::engine::{Control, Job, Kind, Reply, Ticket};
 use super::buffer::Buffer;
 use super::op::Op;
 use super::protocol::{self, OpSig, Signature, TensorMeta};
-use super::{CommError, Failure, FailureCause, GroupOptions, ProcessGroup, ReduceOp, Result};
+use super::{
+    CommError, Failure, FailureCause, GroupOptions, Membership, ProcessGroup, ReduceOp, Result,
+};
 use crate::lock::lock;
 
 /// The most bytes one message carries: MPI counts are `int`s, and a header
@@ -65,7 +67,6 @@ pub(crate) struct Shared {
     /// The first failure this process knows of (its own, or one that
     /// another rank announced).
     failure: OnceLock<Failure>,
-    timeout: Mutex<Option<Duration>>,
     ring_threshold_bytes: usize,
 }
 
@@ -127,8 +128,7 @@ impl Shared {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct MpiGroup {
-    rank: usize,
-    world_size: usize,
+    membership: Membership,
     shared: Arc<Shared>,
     /// The number of collectives this rank has entered; its lock
     /// serializes the calls of this handle.
@@ -142,8 +142,8 @@ pub struct MpiGroup {
 impl fmt::Debug for MpiGroup {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MpiGroup")
-            .field("rank", &self.rank)
-            .field("world_size", &self.world_size)
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
             .field("failure", &self.shared.failure())
             .finish_non_exhaustive()
     }
@@ -165,7 +165,6 @@ impl MpiGroup {
         }
         let shared = Arc::new(Shared {
             failure: OnceLock::new(),
-            timeout: Mutex::new(options.timeout),
             ring_threshold_bytes: options.ring_threshold_bytes,
         });
         let (control, requests): (Sender<Control>, Receiver<Control>) = channel::unbounded();
@@ -188,8 +187,7 @@ impl MpiGroup {
             }
         };
         Ok(Arc::new(MpiGroup {
-            rank,
-            world_size,
+            membership: Membership::new(rank, world_size, options.timeout),
             shared,
             calls: Mutex::new(0),
             control,
@@ -236,13 +234,13 @@ impl MpiGroup {
         }
         if self.left.load(Ordering::SeqCst) {
             let failure = Failure {
-                rank: self.rank,
+                rank: self.rank(),
                 cause: FailureCause::Left,
             };
             return Err(self.group_failed(op, failure));
         }
         *calls += 1;
-        let timeout = *lock(&self.shared.timeout);
+        let timeout = self.timeout();
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let (reply, result) = channel::bounded(1);
         let ticket = Ticket {
@@ -267,14 +265,15 @@ impl MpiGroup {
         match answer {
             Ok(answer) => answer,
             Err(true) => {
-                let missing: Vec<usize> =
-                    (0..self.world_size).filter(|&r| r != self.rank).collect();
+                let missing: Vec<usize> = (0..self.world_size())
+                    .filter(|&r| r != self.rank())
+                    .collect();
                 self.fail(FailureCause::TimedOut {
                     op,
                     missing: missing.clone(),
                 });
                 Err(CommError::Timeout {
-                    rank: self.rank,
+                    rank: self.rank(),
                     op,
                     timeout: timeout.unwrap_or_default(),
                     missing,
@@ -286,7 +285,7 @@ impl MpiGroup {
 
     fn fail(&self, cause: FailureCause) {
         self.shared.fail(Failure {
-            rank: self.rank,
+            rank: self.rank(),
             cause,
         });
         let _ = self.control.send(Control::Abort);
@@ -294,7 +293,7 @@ impl MpiGroup {
 
     fn group_failed(&self, op: &'static str, failure: Failure) -> CommError {
         CommError::GroupFailed {
-            rank: self.rank,
+            rank: self.rank(),
             op,
             failure,
         }
@@ -305,7 +304,7 @@ impl MpiGroup {
             "its MPI engine thread stopped".into(),
         ));
         let failure = self.shared.failure().unwrap_or(Failure {
-            rank: self.rank,
+            rank: self.rank(),
             cause: FailureCause::Aborted("its MPI engine thread stopped".into()),
         });
         self.group_failed(op, failure)
@@ -321,20 +320,20 @@ impl MpiGroup {
     /// Into how many parts a reduction of `bytes` is cut (the ring's
     /// chunks), so that each message stays within MPI's counts.
     fn reduction_parts_of(&self, bytes: usize) -> usize {
-        if protocol::takes_ring(bytes, self.world_size, self.shared.ring_threshold_bytes) {
-            self.world_size
+        if protocol::takes_ring(bytes, self.world_size(), self.shared.ring_threshold_bytes) {
+            self.world_size()
         } else {
             1
         }
     }
 
     fn root_error(&self, root: usize) -> Option<String> {
-        protocol::root_error(root, self.world_size)
+        protocol::root_error(root, self.world_size())
     }
 
     fn tensor_error(&self, op: Op, source: candle_core::Error) -> CommError {
         CommError::Tensor {
-            rank: self.rank,
+            rank: self.rank(),
             op: op.as_str(),
             source,
         }
@@ -363,9 +362,9 @@ impl MpiGroup {
 
     fn wrong_reply(&self, op: Op) -> CommError {
         CommError::Protocol {
-            rank: self.rank,
+            rank: self.rank(),
             op: op.as_str(),
-            peer: self.rank,
+            peer: self.rank(),
             detail: "the engine answered with the wrong kind of result".into(),
         }
     }
@@ -405,20 +404,8 @@ fn signature(op: OpSig, meta: Option<TensorMeta>, invalid: Option<String>) -> Si
 }
 
 impl ProcessGroup for MpiGroup {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    fn set_timeout(&self, timeout: Option<Duration>) {
-        *lock(&self.shared.timeout) = timeout;
-    }
-
-    fn timeout(&self) -> Option<Duration> {
-        *lock(&self.shared.timeout)
+    fn membership(&self) -> &Membership {
+        &self.membership
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
@@ -464,13 +451,13 @@ impl ProcessGroup for MpiGroup {
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
-        let (meta, data) = if self.rank == root {
+        let (meta, data) = if self.rank() == root {
             host_copy(tensor)
         } else {
             (Some(TensorMeta::of(tensor)), Err(String::new()))
         };
         let invalid = self.root_error(root).or_else(|| {
-            (self.rank == root)
+            (self.rank() == root)
                 .then(|| data.as_ref().err().cloned())
                 .flatten()
         });
@@ -509,7 +496,7 @@ impl ProcessGroup for MpiGroup {
     }
 
     fn scatter(&self, tensors: Option<&[Tensor]>, root: usize) -> Result<Tensor> {
-        let parts = protocol::scatter_parts(tensors, self.rank, root, self.world_size, |t| {
+        let parts = protocol::scatter_parts(tensors, self.rank(), root, self.world_size(), |t| {
             let (_, data) = host_copy(t);
             data.map(|d| (d, t.dims().to_vec()))
         });
@@ -528,7 +515,7 @@ impl ProcessGroup for MpiGroup {
         // The root's own part stays on its tensor's device; the others' on
         // the CPU, as other processes cannot name the root's device.
         let device = match tensors {
-            Some(tensors) if self.rank == root => tensors
+            Some(tensors) if self.rank() == root => tensors
                 .get(root)
                 .map_or(Device::Cpu, |t| t.device().clone()),
             _ => Device::Cpu,
@@ -572,7 +559,7 @@ impl ProcessGroup for MpiGroup {
             .map(|(src, buffer)| match buffer {
                 Buffer::U8(bytes) => Ok(bytes),
                 _ => Err(CommError::Protocol {
-                    rank: self.rank,
+                    rank: self.rank(),
                     op: Op::AllGatherBytes.as_str(),
                     peer: src,
                     detail: "its data are not bytes".into(),

@@ -16,7 +16,7 @@ use crate::comm::buffer::{Buffer, Input};
 use crate::comm::op::Op;
 use crate::comm::protocol::{self, Body, Envelope, Header, OpSig, Piece, Signature};
 use crate::comm::ring::Link;
-use crate::comm::{CommError, Failure, FailureCause, Result};
+use crate::comm::{CommError, Failure, FailureCause, ProcessGroup, Result};
 use crate::lock::lock;
 
 /// How long a rank polls for a message before it blocks (see
@@ -31,25 +31,25 @@ impl ThreadRank {
         let mut links = lock(&self.links);
         if let Some(failure) = self.shared.failure() {
             return Err(CommError::GroupFailed {
-                rank: self.rank,
+                rank: self.rank(),
                 op,
                 failure,
             });
         }
         if links.left {
             return Err(CommError::GroupFailed {
-                rank: self.rank,
+                rank: self.rank(),
                 op,
                 failure: Failure {
-                    rank: self.rank,
+                    rank: self.rank(),
                     cause: FailureCause::Left,
                 },
             });
         }
         links.seq += 1;
         let seq = links.seq;
-        self.shared.entered[self.rank].store(seq, Ordering::SeqCst);
-        let timeout = *lock(&self.timeout);
+        self.shared.entered[self.rank()].store(seq, Ordering::SeqCst);
+        let timeout = self.timeout();
         // A timeout too large for `Instant` is as good as none.
         let deadline = timeout
             .and_then(|t| Instant::now().checked_add(t))
@@ -166,8 +166,8 @@ impl Call<'_> {
         mut payload_for: impl FnMut(usize) -> Option<Piece>,
         input: Option<&Input>,
     ) -> Result<Vec<Header>> {
-        let me = self.pg.rank;
-        let world = self.pg.world_size;
+        let me = self.pg.rank();
+        let world = self.pg.world_size();
         for dst in (0..world).filter(|&dst| dst != me) {
             let header = Header {
                 sig: sig.clone(),
@@ -227,7 +227,7 @@ impl Call<'_> {
 
     pub(super) fn tensor_error(&self, source: candle_core::Error) -> CommError {
         CommError::Tensor {
-            rank: self.pg.rank,
+            rank: self.pg.rank(),
             op: self.op,
             source,
         }
@@ -237,11 +237,11 @@ impl Call<'_> {
         // `Shared::fail` stores the failure before waking anyone, so it is
         // there; the fallback only keeps this free of panics.
         let failure = self.pg.shared.failure().unwrap_or(Failure {
-            rank: self.pg.rank,
+            rank: self.pg.rank(),
             cause: FailureCause::Aborted("woken without a recorded failure".into()),
         });
         CommError::GroupFailed {
-            rank: self.pg.rank,
+            rank: self.pg.rank(),
             op: self.op,
             failure,
         }
@@ -263,7 +263,7 @@ impl Call<'_> {
         if self.pg.shared.failure().is_some() {
             return self.group_failed();
         }
-        let mut missing: Vec<usize> = (0..self.pg.world_size)
+        let mut missing: Vec<usize> = (0..self.pg.world_size())
             .filter(|&r| self.pg.shared.entered[r].load(Ordering::SeqCst) < self.seq)
             .collect();
         if missing.is_empty() {
@@ -272,14 +272,14 @@ impl Call<'_> {
         }
         // The other ranks' part of this collective can no longer complete.
         self.pg.shared.fail(Failure {
-            rank: self.pg.rank,
+            rank: self.pg.rank(),
             cause: FailureCause::TimedOut {
                 op: self.op,
                 missing: missing.clone(),
             },
         });
         CommError::Timeout {
-            rank: self.pg.rank,
+            rank: self.pg.rank(),
             op: self.op,
             timeout: self.timeout.unwrap_or_default(),
             missing,
@@ -289,11 +289,11 @@ impl Call<'_> {
 
 impl Link for Call<'_> {
     fn rank(&self) -> usize {
-        self.pg.rank
+        self.pg.rank()
     }
 
     fn world_size(&self) -> usize {
-        self.pg.world_size
+        self.pg.world_size()
     }
 
     fn send(&self, dst: usize, data: Option<Arc<Buffer>>) -> Result<()> {
@@ -310,14 +310,14 @@ impl Link for Call<'_> {
     fn unexpected(&self, src: usize, detail: String) -> CommError {
         // The ranks are out of step; nothing later can be trusted.
         self.pg.shared.fail(Failure {
-            rank: self.pg.rank,
+            rank: self.pg.rank(),
             cause: FailureCause::Aborted(format!(
                 "received an unexpected message from rank {src} in {}",
                 self.op
             )),
         });
         CommError::Protocol {
-            rank: self.pg.rank,
+            rank: self.pg.rank(),
             op: self.op,
             peer: src,
             detail,

@@ -2,7 +2,6 @@
 //! ([`Call`]), the ring for large reductions.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use candle_core::Tensor;
 
@@ -13,22 +12,21 @@ use crate::comm::op::Op;
 use crate::comm::protocol::{self, Header, OpSig, Piece, Signature, TensorMeta};
 use crate::comm::ring::{self, Link};
 use crate::comm::{
-    all_reduce_concat_copied, Failure, FailureCause, ProcessGroup, ReduceOp, Result,
+    all_reduce_concat_copied, Failure, FailureCause, Membership, ProcessGroup, ReduceOp, Result,
 };
-use crate::lock::lock;
 
 impl ThreadRank {
     /// Whether a reduction of `tensor` takes the ring path.
     fn uses_ring(&self, tensor: &Tensor) -> bool {
         protocol::takes_ring(
             protocol::tensor_bytes(tensor),
-            self.world_size,
+            self.world_size(),
             self.shared.ring_threshold_bytes,
         )
     }
 
     fn root_error(&self, root: usize) -> Option<String> {
-        protocol::root_error(root, self.world_size)
+        protocol::root_error(root, self.world_size())
     }
 
     /// The first half of `gather` and `reduce`: every rank sends its copy of
@@ -51,7 +49,7 @@ impl ThreadRank {
             Ok(data) if dst == root => Some(piece(data, tensor)),
             _ => None,
         })?;
-        Ok((self.rank == root).then_some(headers))
+        Ok((self.rank() == root).then_some(headers))
     }
 }
 
@@ -76,20 +74,8 @@ fn piece(data: &Arc<Buffer>, tensor: &Tensor) -> Piece {
 }
 
 impl ProcessGroup for ThreadRank {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    fn set_timeout(&self, timeout: Option<Duration>) {
-        *lock(&self.timeout) = timeout;
-    }
-
-    fn timeout(&self) -> Option<Duration> {
-        *lock(&self.timeout)
+    fn membership(&self) -> &Membership {
+        &self.membership
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
@@ -121,7 +107,7 @@ impl ProcessGroup for ThreadRank {
         };
         let len: usize = tensors.iter().map(Tensor::elem_count).sum();
         let bytes = len.saturating_mul(first.dtype().size_in_bytes());
-        if self.world_size == 1 || bytes < self.shared.ring_threshold_bytes {
+        if self.world_size() == 1 || bytes < self.shared.ring_threshold_bytes {
             return all_reduce_concat_copied(self, tensors, op);
         }
         // The ring, as `all_reduce` runs it on the concatenation, reading
@@ -145,7 +131,7 @@ impl ProcessGroup for ThreadRank {
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
         let call = self.begin(Op::Broadcast)?;
-        let local = (self.rank == root).then(|| local_copy(tensor));
+        let local = (self.rank() == root).then(|| local_copy(tensor));
         let sig = Signature {
             op: OpSig::Broadcast { root },
             meta: meta(tensor),
@@ -194,7 +180,7 @@ impl ProcessGroup for ThreadRank {
 
     fn scatter(&self, tensors: Option<&[Tensor]>, root: usize) -> Result<Tensor> {
         let call = self.begin(Op::Scatter)?;
-        let pieces = protocol::scatter_parts(tensors, self.rank, root, self.world_size, |t| {
+        let pieces = protocol::scatter_parts(tensors, self.rank(), root, self.world_size(), |t| {
             local_copy(t).map(|data| piece(&data, t))
         });
         let sig = Signature {
@@ -258,7 +244,7 @@ impl ProcessGroup for ThreadRank {
             invalid: None,
         };
         let headers = call.exchange(sig, |_| Some(data.clone()))?;
-        (0..self.world_size)
+        (0..self.world_size())
             .map(|src| {
                 let piece = call.payload(&headers, src)?;
                 piece
@@ -272,7 +258,7 @@ impl ProcessGroup for ThreadRank {
 
     fn abort(&self, reason: &str) {
         self.shared.fail(Failure {
-            rank: self.rank,
+            rank: self.rank(),
             cause: FailureCause::Aborted(reason.to_string()),
         });
     }

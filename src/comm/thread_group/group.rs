@@ -11,9 +11,7 @@ use std::time::Duration;
 use crossbeam::channel::{self, Receiver, Sender};
 
 use crate::comm::protocol::Envelope;
-#[cfg(doc)]
-use crate::comm::ProcessGroup;
-use crate::comm::{Failure, FailureCause};
+use crate::comm::{Failure, FailureCause, Membership, ProcessGroup};
 use crate::lock::lock;
 
 /// The default of [`GroupOptions::ring_threshold_bytes`]: 64 KiB.
@@ -139,11 +137,9 @@ impl ThreadGroup {
             .zip(from)
             .enumerate()
             .map(|(rank, (to, from))| ThreadRank {
-                rank,
-                world_size,
+                membership: Membership::new(rank, world_size, options.timeout),
                 shared: Arc::clone(&shared),
                 alarm: alarm_rx.clone(),
-                timeout: Mutex::new(options.timeout),
                 links: Mutex::new(Links {
                     seq: 0,
                     to,
@@ -218,19 +214,17 @@ pub(super) struct Links {
 /// sent before leaving). Dropping it while the thread panics fails the group
 /// with [`FailureCause::Panicked`].
 pub struct ThreadRank {
-    pub(super) rank: usize,
-    pub(super) world_size: usize,
+    pub(super) membership: Membership,
     pub(super) shared: Arc<Shared>,
     pub(super) alarm: Receiver<Infallible>,
-    pub(super) timeout: Mutex<Option<Duration>>,
     pub(super) links: Mutex<Links>,
 }
 
 impl fmt::Debug for ThreadRank {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ThreadRank")
-            .field("rank", &self.rank)
-            .field("world_size", &self.world_size)
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
             .field("failure", &self.shared.failure())
             .finish_non_exhaustive()
     }
@@ -243,7 +237,7 @@ impl Drop for ThreadRank {
         // here would also wake waits that are about to succeed.
         if std::thread::panicking() {
             self.shared.fail(Failure {
-                rank: self.rank,
+                rank: self.rank(),
                 cause: FailureCause::Panicked,
             });
         }
