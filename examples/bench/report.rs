@@ -300,6 +300,44 @@ fn phase_cells(r: &Row, decimals: usize) -> Vec<String> {
         .collect()
 }
 
+/// The table formats a row is written in.
+#[derive(Clone, Copy)]
+enum Format {
+    Markdown,
+    Csv,
+}
+
+/// One row's cells up to the phases, in the columns both formats share;
+/// only the precision, the efficiency's unit and the label's quoting differ.
+fn row_cells(r: &Row, format: Format) -> Vec<String> {
+    let (ms, rate, phase_decimals) = match format {
+        Format::Markdown => (2, 0, 2),
+        Format::Csv => (3, 1, 3),
+    };
+    let (label, efficiency) = match format {
+        Format::Markdown => (
+            r.spec.label(),
+            r.efficiency.map(|e| format!("{:.0}%", 100.0 * e)),
+        ),
+        // The label holds a comma ("single, 2 thread(s)"): quote it.
+        Format::Csv => (
+            format!("\"{}\"", r.spec.label()),
+            r.efficiency.map(|e| format!("{e:.3}")),
+        ),
+    };
+    let mut cells = vec![
+        label,
+        r.spec.model.to_string(),
+        r.spec.batch.to_string(),
+        r.spec.replicas.to_string(),
+        format!("{:.ms$}", r.median_ms),
+        format!("{:.rate$}", r.samples_per_s),
+        efficiency.unwrap_or_default(),
+    ];
+    cells.extend(phase_cells(r, phase_decimals));
+    cells
+}
+
 pub fn markdown(rows: &[Row]) -> String {
     let mut s = format!(
         "| config | model | global batch | replicas | median ms/step | samples/s | scaling eff. | {} | overhead |\n|{}\n",
@@ -307,19 +345,8 @@ pub fn markdown(rows: &[Row]) -> String {
         "---|".repeat(8 + PHASES.len())
     );
     for r in rows {
-        s += &format!(
-            "| {} | {} | {} | {} | {:.2} | {:.0} | {} | {} | {:.1}% |\n",
-            r.spec.label(),
-            r.spec.model,
-            r.spec.batch,
-            r.spec.replicas,
-            r.median_ms,
-            r.samples_per_s,
-            r.efficiency
-                .map_or(String::new(), |e| format!("{:.0}%", 100.0 * e)),
-            phase_cells(r, 2).join(" | "),
-            overhead_pct(r)
-        );
+        let cells = row_cells(r, Format::Markdown).join(" | ");
+        s += &format!("| {cells} | {:.1}% |\n", overhead_pct(r));
     }
     s
 }
@@ -330,18 +357,7 @@ pub fn csv(rows: &[Row]) -> String {
         PHASES.join(",")
     );
     for r in rows {
-        // The label holds a comma ("single, 2 thread(s)"): quote it.
-        s += &format!(
-            "\"{}\",{},{},{},{:.3},{:.1},{},{}\n",
-            r.spec.label(),
-            r.spec.model,
-            r.spec.batch,
-            r.spec.replicas,
-            r.median_ms,
-            r.samples_per_s,
-            r.efficiency.map_or(String::new(), |e| format!("{e:.3}")),
-            phase_cells(r, 3).join(",")
-        );
+        s += &(row_cells(r, Format::Csv).join(",") + "\n");
     }
     s
 }
