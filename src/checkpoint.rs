@@ -2,11 +2,13 @@
 //!
 //! PyTorch's `nn.DataParallel` prefixes every state-dict key with `module.`,
 //! and checkpoints saved with and without it do not load into each other.
-//! Here saving takes a [`Prefix`] and loading accepts both forms, reporting
-//! what was missing, unexpected or of the wrong shape.
+//! Here saving takes a [`Prefix`] and records it in the file's metadata,
+//! and loading accepts both forms, reporting what was missing, unexpected
+//! or of the wrong shape.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::{File, OpenOptions};
+use std::io::Read;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -18,6 +20,17 @@ use crate::vars::sorted_vars;
 
 /// The prefix PyTorch's `DataParallel` adds to state-dict keys.
 pub const MODULE_PREFIX: &str = "module.";
+
+/// The metadata entry in which [`save`] records the prefix it added, so
+/// that [`load`] strips exactly that, whatever the variables are called.
+const PREFIX_METADATA: &str = "candle_dp.prefix";
+
+/// The key safetensors reserves for its metadata: no tensor can be called so.
+const RESERVED_KEY: &str = "__metadata__";
+
+/// The longest part of the target's file name kept in the temporary name:
+/// any name the file system accepts (255 bytes on most) must still save.
+const TEMPORARY_STEM_BYTES: usize = 64;
 
 /// How names are written by [`save`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -49,7 +62,8 @@ impl LoadReport {
     }
 }
 
-/// Writes every variable of `varmap` to a safetensors file.
+/// Writes every variable of `varmap` to a safetensors file, recording the
+/// prefix in its metadata (entry `candle_dp.prefix`).
 ///
 /// **Crash safety**: the file is written under a temporary name in the same
 /// directory, flushed to disk, then renamed over `path` (and the directory
@@ -79,20 +93,29 @@ impl LoadReport {
 ///
 /// # Errors
 ///
-/// [`Error::Checkpoint`] naming the path when it cannot be written.
+/// [`Error::Checkpoint`] naming the path when it cannot be written, or
+/// naming the variable when the format cannot hold its name
+/// (`__metadata__`); then the file at `path` is not touched.
 pub fn save(varmap: &VarMap, path: impl AsRef<Path>, prefix: Prefix) -> Result<()> {
     let path = path.as_ref();
     let prefix = match prefix {
         Prefix::None => "",
         Prefix::Module => MODULE_PREFIX,
     };
+    let failed = |what: &str, e: &dyn std::fmt::Display| {
+        Error::Checkpoint(format!("{}: {what}: {e}", path.display()))
+    };
     let tensors: HashMap<String, Tensor> = sorted_vars(varmap)
         .into_iter()
         .map(|(name, var)| (format!("{prefix}{name}"), var.as_detached_tensor()))
         .collect();
-    let failed = |what: &str, e: &dyn std::fmt::Display| {
-        Error::Checkpoint(format!("{}: {what}: {e}", path.display()))
-    };
+    if tensors.contains_key(RESERVED_KEY) {
+        return Err(failed(
+            "not saved",
+            &format!("a variable would be stored as `{RESERVED_KEY}`, the key safetensors reserves for metadata; rename it"),
+        ));
+    }
+    let metadata = HashMap::from([(PREFIX_METADATA.to_string(), prefix.to_string())]);
     let file_name = path
         .file_name()
         .ok_or_else(|| failed("not a file path", &"it has no file name"))?;
@@ -101,17 +124,17 @@ pub fn save(varmap: &VarMap, path: impl AsRef<Path>, prefix: Prefix) -> Result<(
         _ => Path::new("."),
     };
     // Unique per process and per call: thread ranks of one process may
-    // save to the same path at once.
+    // save to the same path at once. Hidden, and no longer than the file
+    // system allows whatever the target's name.
     static SAVES: AtomicU64 = AtomicU64::new(0);
-    let mut temporary_name = file_name.to_os_string();
-    temporary_name.push(format!(
-        ".tmp-{}-{}",
+    let temporary = dir.join(format!(
+        ".{}.tmp-{}-{}",
+        name_stem(&file_name.to_string_lossy(), TEMPORARY_STEM_BYTES),
         std::process::id(),
         SAVES.fetch_add(1, Ordering::Relaxed)
     ));
-    let temporary = dir.join(temporary_name);
     let write = || -> Result<()> {
-        candle_core::safetensors::save(&tensors, &temporary)
+        safetensors::tensor::serialize_to_file(&tensors, Some(metadata), &temporary)
             .map_err(|e| failed("cannot write it", &e))?;
         // Write access: some platforms refuse to flush a read-only handle.
         OpenOptions::new()
@@ -133,12 +156,24 @@ pub fn save(varmap: &VarMap, path: impl AsRef<Path>, prefix: Prefix) -> Result<(
     Ok(())
 }
 
+/// The first `max` bytes of `name` at most, cut on a character boundary.
+fn name_stem(name: &str, max: usize) -> &str {
+    let mut end = name.len().min(max);
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    &name[..end]
+}
+
 /// Loads a safetensors file into the variables of `varmap`, in place (the
 /// variables keep their identity, so optimizers and `DataParallel` replicas
-/// see the new values). A key names the variable of the same name, or,
-/// when there is none, the variable it names without the `module.` prefix
-/// (so checkpoints of PyTorch's `DataParallel` load, and so do variables
-/// whose own names begin with `module.`).
+/// see the new values).
+///
+/// Names: a file written by [`save`] has its prefix stripped, exactly the
+/// one recorded, so every set of names round-trips (`w` and `module.w`
+/// included). A file from elsewhere (PyTorch) has `module.` stripped when
+/// every key carries it (PyTorch's `consume_prefix_in_state_dict_if_present`),
+/// unless the keys as they are name more of the model's variables.
 ///
 /// With `strict`, anything missing, unexpected or of the wrong shape is an
 /// [`Error::Checkpoint`] listing every such name, and nothing is changed.
@@ -152,34 +187,28 @@ pub fn save(varmap: &VarMap, path: impl AsRef<Path>, prefix: Prefix) -> Result<(
 /// does not fit (strict), or a tensor cannot be converted.
 pub fn load(varmap: &VarMap, path: impl AsRef<Path>, strict: bool) -> Result<LoadReport> {
     let path = path.as_ref();
-    let file = candle_core::safetensors::load(path, &Device::Cpu)
-        .map_err(|e| Error::Checkpoint(format!("{}: cannot read it: {e}", path.display())))?;
+    let unreadable = |e: &dyn std::fmt::Display| {
+        Error::Checkpoint(format!("{}: cannot read it: {e}", path.display()))
+    };
+    let saved_prefix = saved_prefix(path).map_err(|e| unreadable(&e))?;
+    let file = candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| unreadable(&e))?;
     let vars = sorted_vars(varmap);
     let names: BTreeSet<&str> = vars.iter().map(|(name, _)| name.as_str()).collect();
+    let keys: Vec<&str> = file.keys().map(String::as_str).collect();
+    let prefix = saved_prefix.unwrap_or_else(|| foreign_prefix(&keys, &names).to_string());
     let mut by_name: BTreeMap<String, (String, Tensor)> = BTreeMap::new();
     let mut unexpected = Vec::new();
-    // Sorted keys, so that the outcome does not depend on the file's order.
-    let mut entries: Vec<(String, Tensor)> = file.into_iter().collect();
-    entries.sort_by(|a, b| a.0.cmp(&b.0));
-    for (key, tensor) in entries {
-        let name = if names.contains(key.as_str()) {
-            key.clone()
-        } else {
-            match key.strip_prefix(MODULE_PREFIX) {
-                Some(stripped) if names.contains(stripped) => stripped.to_string(),
-                _ => {
-                    unexpected.push(key);
-                    continue;
-                }
+    for (key, tensor) in file {
+        // Stripping one prefix from every key cannot make two keys equal.
+        match key.strip_prefix(prefix.as_str()) {
+            Some(name) if names.contains(name) => {
+                by_name.insert(name.to_string(), (key.clone(), tensor));
             }
-        };
-        if let Some((other, _)) = by_name.insert(name.clone(), (key.clone(), tensor)) {
-            return Err(Error::Checkpoint(format!(
-                "{}: `{other}` and `{key}` both name the variable `{name}`",
-                path.display()
-            )));
+            _ => unexpected.push(key),
         }
     }
+    // Sorted, so that the report does not depend on the file's order.
+    unexpected.sort();
     let mut report = LoadReport {
         unexpected,
         ..LoadReport::default()
@@ -228,4 +257,51 @@ pub fn load(varmap: &VarMap, path: impl AsRef<Path>, strict: bool) -> Result<Loa
         report.loaded.push(name);
     }
     Ok(report)
+}
+
+/// The prefix [`save`] recorded in the file's metadata, if it wrote the
+/// file. Reads the header only.
+fn saved_prefix(path: &Path) -> std::io::Result<Option<String>> {
+    // safetensors' own limit on the header, so that a corrupt length cannot
+    // make this allocate without bound.
+    const MAX_HEADER: u64 = 100_000_000;
+    let invalid = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
+    let mut file = File::open(path)?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)
+        .map_err(|_| invalid("shorter than a safetensors header"))?;
+    let len = u64::from_le_bytes(len);
+    if len > MAX_HEADER {
+        return Err(invalid(
+            "its header length is not that of a safetensors file",
+        ));
+    }
+    let mut header = Vec::new();
+    file.take(len).read_to_end(&mut header)?;
+    // A header that does not parse is left for the full load to report.
+    let Ok(header) = serde_json::from_slice::<serde_json::Value>(&header) else {
+        return Ok(None);
+    };
+    Ok(header
+        .get(RESERVED_KEY)
+        .and_then(|metadata| metadata.get(PREFIX_METADATA))
+        .and_then(|prefix| prefix.as_str())
+        .map(str::to_string))
+}
+
+/// The prefix to strip from a file [`save`] did not write: `module.` when
+/// every key carries it and stripping it names at least as many of the
+/// model's variables as the keys do as they are.
+fn foreign_prefix(keys: &[&str], names: &BTreeSet<&str>) -> &'static str {
+    let all_prefixed = !keys.is_empty() && keys.iter().all(|k| k.starts_with(MODULE_PREFIX));
+    let matches = |strip: &str| {
+        keys.iter()
+            .filter(|k| k.strip_prefix(strip).is_some_and(|n| names.contains(n)))
+            .count()
+    };
+    if all_prefixed && matches(MODULE_PREFIX) >= matches("") {
+        MODULE_PREFIX
+    } else {
+        ""
+    }
 }

@@ -15,7 +15,9 @@
 //! - [`no_sync`](DistributedDataParallel::no_sync) accumulates gradients
 //!   locally; the next synchronised backward reduces the accumulated sum;
 //! - buffers (BatchNorm statistics) are broadcast from rank 0 before every
-//!   forward unless [`DdpConfig::broadcast_buffers`] is off;
+//!   forward unless [`DdpConfig::broadcast_buffers`] is off (inside
+//!   [`join`](DistributedDataParallel::join), from the highest rank still
+//!   training);
 //! - variables that got no gradient on some rank this step are reduced as
 //!   zeros there (no hang, no corrupted average); variables that got no
 //!   gradient on any rank get none, so optimizers skip them, as in PyTorch;
@@ -76,7 +78,10 @@ pub struct DdpConfig {
     /// Largest first bucket, in bytes (default 1 MiB), so the first
     /// reduction can start early once reduction overlaps backward.
     pub first_bucket_cap_bytes: usize,
-    /// Broadcast buffers from rank 0 before every forward (default on).
+    /// Broadcast buffers from rank 0 at construction and before every
+    /// forward (default on; inside [`join`](DistributedDataParallel::join)
+    /// from the highest rank still training). Off, buffers stay rank-local
+    /// throughout, as with PyTorch's `broadcast_buffers=False`.
     pub broadcast_buffers: bool,
     /// How buckets are reduced (default [`CommHook::Average`]).
     pub comm_hook: CommHook,
@@ -174,8 +179,6 @@ pub struct DistributedDataParallel<M> {
     joining: bool,
     /// Ranks that took part in the current step (set by a joining forward).
     active_ranks: usize,
-    /// Steps this rank trained inside the current `join`.
-    join_steps: usize,
     timings: DdpTimings,
     no_grad: NoGradCheck,
     /// Parameters without a gradient in the latest synchronised backward.
@@ -225,13 +228,16 @@ impl<M> DistributedDataParallel<M> {
             accumulated: None,
             syncing: true,
             joining: false,
-            join_steps: 0,
             no_grad: NoGradCheck::default(),
             without_grad: Vec::new(),
             timings: DdpTimings::default(),
         };
-        ddp.broadcast_from_rank0(&ddp.params)?;
-        ddp.broadcast_from_rank0(&ddp.buffers)?;
+        ddp.broadcast_vars(&ddp.params, 0)?;
+        // PyTorch leaves buffers rank-local at construction too when they
+        // are not broadcast.
+        if ddp.config.broadcast_buffers {
+            ddp.broadcast_vars(&ddp.buffers, 0)?;
+        }
         Ok(ddp)
     }
 
@@ -270,12 +276,23 @@ impl<M> DistributedDataParallel<M> {
     }
 
     fn pre_forward(&mut self) -> Result<()> {
-        if self.joining {
-            self.active_ranks = self.count_active(1.0)?;
-            self.join_steps += 1;
-        }
+        // Outside a join rank 0's buffers are the authority. Inside, rank 0
+        // may have joined with stale statistics: PyTorch takes the highest
+        // rank still training (`_find_common_rank(rank, True)`).
+        let buffer_root = if self.joining {
+            let active = self.active_flags(true)?;
+            self.active_ranks = active.iter().filter(|&&a| a).count();
+            highest(&active).unwrap_or(0)
+        } else {
+            0
+        };
+        self.sync_buffers(buffer_root)
+    }
+
+    /// Broadcasts the buffers from `root` when the configuration asks for it.
+    fn sync_buffers(&self, root: usize) -> Result<()> {
         if self.config.broadcast_buffers && !self.buffers.is_empty() {
-            self.broadcast_from_rank0(&self.buffers)?;
+            self.broadcast_vars(&self.buffers, root)?;
         }
         Ok(())
     }
@@ -358,13 +375,15 @@ impl<M> DistributedDataParallel<M> {
     /// step is one forward and one synchronised backward. When this rank's
     /// `f` returns, it keeps answering the others' collectives with zero
     /// gradients (divided per [`DdpConfig::join_divisor`]) until every rank
-    /// is done. Then, as in PyTorch, every rank takes the variables of the
-    /// last rank to finish (the others stopped applying updates when they
-    /// ran out of data; optimizer states are not synchronised). If `f`
-    /// fails, its error is returned at once.
+    /// is done. Then, as in PyTorch, every rank takes the parameters (and,
+    /// with [`DdpConfig::broadcast_buffers`], the buffers) of the last rank
+    /// to finish, the largest such rank on a tie: the others stopped
+    /// applying updates when they ran out of data. Optimizer states are not
+    /// synchronised. While any rank trains, buffers are broadcast from the
+    /// highest rank still training, not from rank 0. If `f` fails, its
+    /// error is returned at once.
     pub fn join<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
         self.joining = true;
-        self.join_steps = 0;
         // A panic in `f` ends the join as an error does (state restored),
         // then goes on unwinding.
         let result = match panic::catch_unwind(AssertUnwindSafe(|| f(self))) {
@@ -378,7 +397,7 @@ impl<M> DistributedDataParallel<M> {
         let shadowed = match &result {
             Ok(_) => self
                 .shadow_until_all_joined()
-                .and_then(|()| self.sync_from_last_joiner()),
+                .and_then(|last_joiner| self.sync_from_last_joiner(last_joiner)),
             Err(_) => Ok(()),
         };
         self.joining = false;
@@ -388,36 +407,49 @@ impl<M> DistributedDataParallel<M> {
         Ok(value)
     }
 
-    /// How many ranks are still training: each contributes `mine` (1 or 0).
-    fn count_active(&self, mine: f32) -> Result<usize> {
-        let flag = Tensor::new(&[mine], &Device::Cpu)?;
-        let total = self.comm(self.pg.all_reduce(&flag, ReduceOp::Sum))?;
+    /// Which ranks answer `true`: one all-reduce of a one-hot vector (this
+    /// rank's slot holds `mine`), so the count and the highest such rank
+    /// come from the same collective.
+    fn active_flags(&self, mine: bool) -> Result<Vec<bool>> {
+        let world = self.pg.world_size();
+        let mut slots = vec![0f32; world];
+        if let Some(slot) = slots.get_mut(self.pg.rank()) {
+            *slot = if mine { 1.0 } else { 0.0 };
+        }
+        let flags = Tensor::from_vec(slots, world, &Device::Cpu)?;
+        let total = self.comm(self.pg.all_reduce(&flags, ReduceOp::Sum))?;
         let total = total.to_vec1::<f32>()?;
         // A `ProcessGroup` implementation may be the user's: check its answer.
-        let count = total.first().ok_or_else(|| {
-            candle_core::Error::Msg("all_reduce of the active-rank count returned nothing".into())
-        })?;
-        Ok(count.round() as usize)
+        if total.len() != world {
+            return Err(Error::Candle(candle_core::Error::Msg(format!(
+                "all_reduce of the {world} join flags returned {} values",
+                total.len()
+            ))));
+        }
+        Ok(total.iter().map(|&f| f > 0.5).collect())
     }
 
-    /// Broadcasts the variables of the rank that trained the most steps.
-    fn sync_from_last_joiner(&self) -> Result<()> {
-        let steps = all_gather_object(self.pg.as_ref(), &self.join_steps)?;
-        let most = steps.iter().copied().max().unwrap_or(0);
-        let last = steps.iter().position(|&s| s == most).unwrap_or(0);
-        self.broadcast_vars(&self.params, last)?;
-        self.broadcast_vars(&self.buffers, last)
+    /// Every rank takes the model of the last rank to join (the largest
+    /// one on a tie, PyTorch's `_sync_final_model`).
+    fn sync_from_last_joiner(&self, last_joiner: bool) -> Result<()> {
+        let root = highest(&self.active_flags(last_joiner)?).unwrap_or(0);
+        self.broadcast_vars(&self.params, root)?;
+        self.sync_buffers(root)
     }
 
-    fn shadow_until_all_joined(&mut self) -> Result<()> {
+    /// Answers the collectives of the ranks still training until none is.
+    /// Returns whether this rank was among the last to join (no rank was
+    /// still training when it finished).
+    fn shadow_until_all_joined(&mut self) -> Result<bool> {
+        let mut last_joiner = true;
         loop {
-            self.active_ranks = self.count_active(0.0)?;
-            if self.active_ranks == 0 {
-                return Ok(());
-            }
-            if self.config.broadcast_buffers && !self.buffers.is_empty() {
-                self.broadcast_from_rank0(&self.buffers)?;
-            }
+            let active = self.active_flags(false)?;
+            self.active_ranks = active.iter().filter(|&&a| a).count();
+            let Some(buffer_root) = highest(&active) else {
+                return Ok(last_joiner);
+            };
+            last_joiner = false;
+            self.sync_buffers(buffer_root)?;
             let zeros = self.params.iter().map(|_| None).collect();
             self.all_reduce_grads(zeros)?;
         }
@@ -494,10 +526,6 @@ impl<M> DistributedDataParallel<M> {
         Ok(reduced.to_dtype(dtype)?)
     }
 
-    fn broadcast_from_rank0(&self, vars: &[(String, Var)]) -> Result<()> {
-        self.broadcast_vars(vars, 0)
-    }
-
     /// Copies `root`'s values of `vars` into this rank's, one collective
     /// per dtype.
     fn broadcast_vars(&self, vars: &[(String, Var)], root: usize) -> Result<()> {
@@ -534,6 +562,11 @@ impl<M> DistributedDataParallel<M> {
 /// Checks that every rank has the same variables (names, shapes, dtypes)
 /// as rank 0; the error names the first rank and variable that differ. All
 /// ranks see all signatures, so all return the same verdict.
+/// The highest rank whose flag is set.
+fn highest(flags: &[bool]) -> Option<usize> {
+    flags.iter().rposition(|&f| f)
+}
+
 fn verify_same_vars(pg: &dyn ProcessGroup, vars: &[(String, Var)]) -> Result<()> {
     let mine: Vec<VarSignature> = vars
         .iter()

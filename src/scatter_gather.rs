@@ -461,26 +461,24 @@ impl Gather for Tensor {
     /// Concatenates along `dim` (differentiably). When every part is 0-dim
     /// and `dim == 0`, the result is a vector with one entry per replica
     /// (PyTorch does the same, with a warning; here it is documented instead).
+    ///
+    /// Parts that do not fit together are an [`Error::Gather`] naming a
+    /// replica whose part differs from most others' (replica 0's on a tie)
+    /// in rank, in size outside `dim`, or in dtype.
     fn gather_parts(parts: Vec<Self>, dim: usize, device: &Device) -> Result<Self> {
-        let first = parts.first().ok_or_else(|| Error::Gather {
-            replica: 0,
-            reason: "no replica output".into(),
-        })?;
-        let all_scalars = parts.iter().all(|t| t.rank() == 0);
-        let reshaped: Vec<Tensor> = if all_scalars && dim == 0 {
+        let reference = check_parts_fit(&parts, dim)?;
+        let reshaped: Vec<Tensor> = if reference.rank() == 0 && dim == 0 {
             parts
                 .iter()
                 .map(|t| t.reshape(1))
                 .collect::<candle_core::Result<_>>()?
         } else {
-            check_same_shape_outside(&parts, first, dim)?;
             parts
         };
-        let moved = reshaped
+        let mut moved = reshaped
             .iter()
             .map(|t| t.to_device(device))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let mut moved = moved;
         if moved.len() == 1 {
             if let Some(only) = moved.pop() {
                 return Ok(only);
@@ -490,46 +488,68 @@ impl Gather for Tensor {
     }
 }
 
-fn check_same_shape_outside(parts: &[Tensor], first: &Tensor, dim: usize) -> Result<()> {
-    if dim >= first.rank() {
+/// Whether two replica outputs can be concatenated along `dim`: same rank,
+/// same dtype, same sizes outside `dim`.
+fn fits(a: &Tensor, b: &Tensor, dim: usize) -> bool {
+    a.rank() == b.rank()
+        && a.dtype() == b.dtype()
+        && a.dims()
+            .iter()
+            .zip(b.dims())
+            .enumerate()
+            .all(|(d, (x, y))| d == dim || x == y)
+}
+
+/// Checks that `parts` gather along `dim` and returns the part they agree
+/// with. The reference is the part most others fit (the first such on a
+/// tie), so that the error names the replica that is odd one out, not
+/// replica 0 because it came first.
+fn check_parts_fit(parts: &[Tensor], dim: usize) -> Result<&Tensor> {
+    let agreeing = |part: &Tensor| parts.iter().filter(|p| fits(p, part, dim)).count();
+    let mut best: Option<(usize, usize)> = None;
+    for (replica, part) in parts.iter().enumerate() {
+        let count = agreeing(part);
+        if best.is_none_or(|(most, _)| count > most) {
+            best = Some((count, replica));
+        }
+    }
+    let Some((agree, first_agreeing)) = best else {
+        return Err(Error::Gather {
+            replica: 0,
+            reason: "no replica output".into(),
+        });
+    };
+    let describe = |t: &Tensor| match t.rank() {
+        0 => format!("a 0-dim {:?} output", t.dtype()),
+        _ => format!("a {:?} output of shape {:?}", t.dtype(), t.dims()),
+    };
+    let reference = &parts[first_agreeing];
+    if let Some(replica) = parts.iter().position(|p| !fits(p, reference, dim)) {
+        return Err(Error::Gather {
+            replica,
+            reason: format!(
+                "it returned {}; replica {first_agreeing} returned {}, as {agree} of the {} replicas did (gather dim {dim})",
+                describe(&parts[replica]),
+                describe(reference),
+                parts.len(),
+            ),
+        });
+    }
+    let in_range = match reference.rank() {
+        // 0-dim outputs become one entry each along dim 0.
+        0 => dim == 0,
+        rank => dim < rank,
+    };
+    if !in_range {
         return Err(Error::Gather {
             replica: 0,
             reason: format!(
                 "gather dim {dim} is out of range for its output of shape {:?}",
-                first.dims()
+                reference.dims()
             ),
         });
     }
-    for (replica, part) in parts.iter().enumerate().skip(1) {
-        let fits = part.rank() == first.rank()
-            && part
-                .dims()
-                .iter()
-                .zip(first.dims())
-                .enumerate()
-                .all(|(d, (a, b))| d == dim || a == b);
-        if !fits {
-            return Err(Error::Gather {
-                replica,
-                reason: format!(
-                    "its shape {:?} differs from replica 0's {:?} outside the gather dim {dim}",
-                    part.dims(),
-                    first.dims()
-                ),
-            });
-        }
-        if part.dtype() != first.dtype() {
-            return Err(Error::Gather {
-                replica,
-                reason: format!(
-                    "its dtype {:?} differs from replica 0's {:?}",
-                    part.dtype(),
-                    first.dtype()
-                ),
-            });
-        }
-    }
-    Ok(())
+    Ok(reference)
 }
 
 impl<T: Gather> Gather for Vec<T> {

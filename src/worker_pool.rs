@@ -277,7 +277,8 @@ impl<S: 'static> WorkerPool<S> {
         }
         drop(results_tx);
 
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A timeout too large for `Instant` (`Duration::MAX`) is no limit.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let mut done: Vec<Option<R>> = (0..count).map(|_| None).collect();
         for _ in 0..count {
             let received = match deadline {

@@ -695,3 +695,323 @@ fn variables_without_gradient_are_reported_by_both_engines() {
         .unwrap();
     }
 }
+
+// ---- Round two (issue 18) ----
+
+#[test]
+fn a_timeout_too_large_to_represent_means_no_limit() {
+    within(60, || {
+        let varmap = VarMap::new();
+        let dp = DataParallel::builder(&varmap, DType::F32, &cpu_devices(2))
+            .timeout(Duration::MAX)
+            .build(|vb| linear(4, 3, vb))
+            .unwrap();
+        let x = Tensor::ones((4, 4), DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(dp.forward(&x).unwrap().dims(), &[4, 3]);
+    });
+}
+
+/// `scale * l(x)`: a model with a 0-dim parameter.
+struct Scaled {
+    l: Linear,
+    scale: Tensor,
+}
+
+impl Scaled {
+    fn new(vb: VarBuilder) -> candle_core::Result<Self> {
+        Ok(Self {
+            l: linear(4, 3, vb.pp("l"))?,
+            scale: vb.get_with_hints((), "scale", candle_nn::Init::Const(1.5))?,
+        })
+    }
+}
+
+impl Module for Scaled {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.l.forward(x)?.broadcast_mul(&self.scale)
+    }
+}
+
+/// Every gradient of `grads` for `varmap`'s variables, as f64 values by name.
+fn grad_values(
+    varmap: &VarMap,
+    grads: &candle_core::backprop::GradStore,
+) -> HashMap<String, Vec<f64>> {
+    let data = varmap.data().lock().unwrap();
+    data.iter()
+        .filter_map(|(name, var)| {
+            let g = grads.get(var.as_tensor())?;
+            let values = g.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+            Some((name.clone(), values.to_vec1::<f64>().unwrap()))
+        })
+        .collect()
+}
+
+fn assert_close(got: &HashMap<String, Vec<f64>>, want: &HashMap<String, Vec<f64>>, what: &str) {
+    assert_eq!(
+        got.keys().collect::<std::collections::BTreeSet<_>>(),
+        want.keys().collect::<std::collections::BTreeSet<_>>(),
+        "{what}"
+    );
+    for (name, w) in want {
+        for (a, b) in got[name].iter().zip(w) {
+            assert!(
+                (a - b).abs() <= 1e-5 * (1. + b.abs()),
+                "{what}: {name}: {a} vs {b}"
+            );
+        }
+    }
+}
+
+#[test]
+fn replicas_in_another_dtype_train_a_model_with_a_scalar_parameter() {
+    let x = Tensor::randn(0f32, 1., (6, 4), &Device::Cpu).unwrap();
+    let y = Tensor::new(&[0u32, 1, 2, 0, 1, 2], &Device::Cpu).unwrap();
+    let varmap = seeded_varmap(3, DType::F32, &Device::Cpu, Scaled::new).unwrap();
+    // The reference: one device, the master's dtype.
+    let model = Scaled::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)).unwrap();
+    let loss = candle_nn::loss::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
+    let want = grad_values(&varmap, &loss.backward().unwrap());
+    assert!(want.contains_key("scale"));
+
+    // Replicas in f64 over the f32 master: every replica holds converted
+    // copies, refreshed every step, the scalar included.
+    let dp = within(60, {
+        let varmap = varmap.clone();
+        move || DataParallel::new(&varmap, DType::F64, &cpu_devices(2), Scaled::new).unwrap()
+    });
+    for step in 0..2 {
+        let logits = dp.forward(&x.to_dtype(DType::F64).unwrap()).unwrap();
+        let loss = candle_nn::loss::cross_entropy(&logits, &y).unwrap();
+        assert_close(
+            &grad_values(&varmap, &loss.backward().unwrap()),
+            &want,
+            &format!("drop-in, step {step}"),
+        );
+        let fast = dp
+            .forward_backward(
+                (x.to_dtype(DType::F64).unwrap(), y.clone()),
+                candle_dp::LossReduction::Mean,
+                |m, (x, y)| candle_nn::loss::cross_entropy(&m.forward(&x)?, &y),
+            )
+            .unwrap();
+        assert_close(
+            &grad_values(&varmap, &fast.grads),
+            &want,
+            &format!("fast path, step {step}"),
+        );
+    }
+}
+
+#[test]
+fn replicas_in_another_dtype_refresh_and_commit_batch_norm_buffers() {
+    let x = Tensor::randn(1f32, 2., (6, 12), &Device::Cpu).unwrap();
+    let run = |dtype: DType| {
+        let varmap = seeded_varmap(5, DType::F32, &Device::Cpu, BnNet::new).unwrap();
+        let dp = DataParallel::new(&varmap, dtype, &cpu_devices(2), BnNet::new).unwrap();
+        for _ in 0..3 {
+            dp.forward_t(&x.to_dtype(dtype).unwrap(), true).unwrap();
+        }
+        let data = varmap.data().lock().unwrap();
+        assert_eq!(
+            data["bn.running_mean"].dtype(),
+            DType::F32,
+            "the master keeps its dtype"
+        );
+        drop(data);
+        running_stats(&varmap)
+    };
+    let (same, other) = (run(DType::F32), run(DType::F64));
+    for (a, b) in same.iter().flatten().zip(other.iter().flatten()) {
+        assert!((a - b).abs() <= 1e-5 * (1. + b.abs()), "{a} vs {b}");
+    }
+    // Three steps moved the statistics: the commit did happen.
+    assert!(same[0].iter().any(|&m| m.abs() > 1e-3), "{same:?}");
+}
+
+#[test]
+fn gather_names_the_replica_that_differs_from_the_majority() {
+    let scalar = |v: f32| Tensor::new(v, &Device::Cpu).unwrap();
+    let vector = || Tensor::new(&[1f32, 2.], &Device::Cpu).unwrap();
+    let replica_of = |parts: Vec<Tensor>| match candle_dp::gather(parts, 0, &Device::Cpu) {
+        Err(Error::Gather { replica, reason }) => (replica, reason),
+        other => panic!("expected a gather error, got {other:?}"),
+    };
+    // Two scalars and a vector: the vector is the odd one out.
+    let (replica, reason) = replica_of(vec![scalar(1.), scalar(2.), vector()]);
+    assert_eq!(replica, 2, "{reason}");
+    assert!(reason.contains("0-dim"), "{reason}");
+    // A scalar first, then vectors: the scalar is.
+    assert_eq!(replica_of(vec![scalar(1.), vector(), vector()]).0, 0);
+    // Scalars of different dtypes: a gather error, not candle's raw one.
+    let f64_scalar = Tensor::new(3f64, &Device::Cpu).unwrap();
+    let (replica, reason) = replica_of(vec![scalar(1.), scalar(2.), f64_scalar]);
+    assert_eq!(replica, 2, "{reason}");
+    assert!(reason.contains("F64"), "{reason}");
+    // Scalars of one dtype still gather into a vector.
+    let all = candle_dp::gather(vec![scalar(1.), scalar(2.)], 0, &Device::Cpu).unwrap();
+    assert_eq!(all.to_vec1::<f32>().unwrap(), vec![1., 2.]);
+}
+
+#[test]
+fn all_gather_object_keeps_nan_and_infinities_bit_for_bit() {
+    // A NaN with a payload, as a loss can hold, and the other edge values.
+    let odd_nan = f32::from_bits(0x7fc0_1234);
+    let values = within(60, move || {
+        spawn(2, move |ctx| {
+            let mine = (
+                ctx.rank,
+                vec![odd_nan, f32::INFINITY, -0.0],
+                [f64::NAN, f64::NEG_INFINITY, f64::MIN_POSITIVE / 2.],
+            );
+            Ok(candle_dp::comm::all_gather_object(ctx.pg.as_ref(), &mine)?)
+        })
+        .unwrap()
+    });
+    for gathered in values {
+        for (rank, (r, f32s, f64s)) in gathered.into_iter().enumerate() {
+            assert_eq!(r, rank);
+            let bits: Vec<u32> = f32s.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(
+                bits,
+                vec![
+                    odd_nan.to_bits(),
+                    f32::INFINITY.to_bits(),
+                    (-0f32).to_bits()
+                ]
+            );
+            let bits: Vec<u64> = f64s.iter().map(|v| v.to_bits()).collect();
+            let want = [f64::NAN, f64::NEG_INFINITY, f64::MIN_POSITIVE / 2.].map(f64::to_bits);
+            assert_eq!(bits, want.to_vec());
+        }
+    }
+}
+
+/// A varmap with `w` and `module.w` (and `module.module.b`), distinct values.
+fn prefixed_names_varmap() -> VarMap {
+    let varmap = VarMap::new();
+    let mut data = varmap.data().lock().unwrap();
+    for (i, name) in ["w", "module.w", "module.module.b"].iter().enumerate() {
+        let t = Tensor::full(i as f32 + 1., 2, &Device::Cpu).unwrap();
+        data.insert(name.to_string(), candle_core::Var::from_tensor(&t).unwrap());
+    }
+    drop(data);
+    varmap
+}
+
+fn zeroed_like(varmap: &VarMap) -> VarMap {
+    let fresh = VarMap::new();
+    let mut data = fresh.data().lock().unwrap();
+    for (name, var) in varmap.data().lock().unwrap().iter() {
+        let zeros = var.zeros_like().unwrap();
+        data.insert(name.clone(), candle_core::Var::from_tensor(&zeros).unwrap());
+    }
+    drop(data);
+    fresh
+}
+
+#[test]
+fn checkpoints_of_w_and_module_w_load_back_with_either_prefix() {
+    let varmap = prefixed_names_varmap();
+    for prefix in [Prefix::None, Prefix::Module] {
+        let path = temp_file(&format!("prefixed-names-{prefix:?}.safetensors"));
+        checkpoint::save(&varmap, &path, prefix).unwrap();
+        let fresh = zeroed_like(&varmap);
+        let report =
+            checkpoint::load(&fresh, &path, true).unwrap_or_else(|e| panic!("{prefix:?}: {e}"));
+        assert!(report.is_exact(), "{prefix:?}: {report:?}");
+        assert_eq!(
+            running_weights(&fresh),
+            running_weights(&varmap),
+            "{prefix:?}"
+        );
+        let _ = std::fs::remove_file(&path);
+    }
+}
+
+#[test]
+fn a_checkpoint_saves_under_a_250_byte_file_name() {
+    let dir = temp_file("long-names");
+    std::fs::create_dir_all(&dir).unwrap();
+    let name = format!("{}.safetensors", "n".repeat(250 - ".safetensors".len()));
+    assert_eq!(name.len(), 250);
+    let path = dir.join(&name);
+    let varmap = prefixed_names_varmap();
+    checkpoint::save(&varmap, &path, Prefix::Module).unwrap();
+    let fresh = zeroed_like(&varmap);
+    assert!(checkpoint::load(&fresh, &path, true).unwrap().is_exact());
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        left,
+        vec![std::ffi::OsString::from(name)],
+        "no temporary file is left"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_variable_the_format_cannot_name_is_refused_and_the_old_checkpoint_survives() {
+    let path = temp_file("reserved-name.safetensors");
+    let good = prefixed_names_varmap();
+    checkpoint::save(&good, &path, Prefix::None).unwrap();
+    let before = std::fs::read(&path).unwrap();
+
+    let bad = VarMap::new();
+    let t = Tensor::ones(3, DType::F32, &Device::Cpu).unwrap();
+    bad.data().lock().unwrap().insert(
+        "__metadata__".into(),
+        candle_core::Var::from_tensor(&t).unwrap(),
+    );
+    let err = checkpoint::save(&bad, &path, Prefix::None).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("__metadata__") && msg.contains(&path.display().to_string()),
+        "{msg}"
+    );
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        before,
+        "the good checkpoint is untouched"
+    );
+    // Under the `module.` prefix the same variable has a name the format holds.
+    checkpoint::save(&bad, &path, Prefix::Module).unwrap();
+    let fresh = zeroed_like(&bad);
+    assert!(checkpoint::load(&fresh, &path, true).unwrap().is_exact());
+    let _ = std::fs::remove_file(&path);
+}
+
+/// A dataset of `usize::MAX` samples whose sample `i` is `i` (as u32, wrapped).
+struct Unbounded;
+
+impl candle_dp::loader::Dataset for Unbounded {
+    fn len(&self) -> usize {
+        usize::MAX
+    }
+
+    fn get(&self, index: usize) -> candle_core::Result<Vec<Tensor>> {
+        Ok(vec![Tensor::new(index as u32, &Device::Cpu)?])
+    }
+}
+
+#[test]
+fn a_loader_over_an_unbounded_dataset_yields_its_first_batches() {
+    let firsts = within(30, || {
+        let loader = Loader::new(Arc::new(Unbounded), 4).unwrap();
+        assert_eq!(loader.len(), usize::MAX.div_ceil(4));
+        let inline: Vec<Vec<u32>> = loader
+            .iter()
+            .take(3)
+            .map(|b| b.unwrap()[0].to_vec1::<u32>().unwrap())
+            .collect();
+        let prefetched = loader.clone().prefetch(2).iter().next().unwrap().unwrap();
+        (inline, prefetched[0].to_vec1::<u32>().unwrap())
+    });
+    assert_eq!(
+        firsts.0,
+        vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7], vec![8, 9, 10, 11]]
+    );
+    assert_eq!(firsts.1, vec![0, 1, 2, 3]);
+}

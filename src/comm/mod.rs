@@ -232,8 +232,8 @@ pub enum CommError {
         rank: usize,
         /// The rank whose object does not decode.
         culprit: usize,
-        /// serde_json's error.
-        source: serde_json::Error,
+        /// The decoder's error.
+        source: rmp_serde::decode::Error,
     },
 }
 
@@ -393,7 +393,9 @@ pub(crate) fn all_reduce_concat_copied<P: ProcessGroup + ?Sized>(
 
 /// Gathers a serde-serializable value from every rank, in rank order, on
 /// every rank (PyTorch's `all_gather_object`), through
-/// [`ProcessGroup::all_gather_bytes`] and JSON.
+/// [`ProcessGroup::all_gather_bytes`] and MessagePack. Like PyTorch's
+/// pickle, the encoding keeps every value exactly: a NaN loss gathered
+/// for logging arrives as the same NaN, bit for bit.
 ///
 /// A value that fails to serialize on one rank makes every rank return
 /// [`CommError::InvalidInput`] naming it.
@@ -417,8 +419,11 @@ pub fn all_gather_object<T: Serialize + DeserializeOwned>(
     // of that rank returning early and the others waiting for it.
     const OK: u8 = 0;
     const FAILED: u8 = 1;
-    let bytes = match serde_json::to_vec(value) {
-        Ok(json) => [vec![OK], json].concat(),
+    // MessagePack, with field names (so `skip_serializing_if` and the like
+    // decode): every f32 and f64 travels bit for bit, NaN and infinities
+    // included, where JSON would write `null`.
+    let bytes = match rmp_serde::to_vec_named(value) {
+        Ok(encoded) => [vec![OK], encoded].concat(),
         Err(e) => [vec![FAILED], e.to_string().into_bytes()].concat(),
     };
     let gathered = pg.all_gather_bytes(bytes)?;
@@ -427,11 +432,13 @@ pub fn all_gather_object<T: Serialize + DeserializeOwned>(
         .iter()
         .enumerate()
         .map(|(culprit, bytes)| match bytes.split_first() {
-            Some((&OK, json)) => serde_json::from_slice(json).map_err(|source| CommError::Decode {
-                rank,
-                culprit,
-                source,
-            }),
+            Some((&OK, encoded)) => {
+                rmp_serde::from_slice(encoded).map_err(|source| CommError::Decode {
+                    rank,
+                    culprit,
+                    source,
+                })
+            }
             Some((_, message)) => Err(CommError::InvalidInput {
                 rank,
                 op: "all_gather_object",

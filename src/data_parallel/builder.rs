@@ -96,7 +96,8 @@ impl<M: 'static> DataParallelBuilder<M> {
 
     /// Longest time a step waits for its replicas, and [`build`](Self::build)
     /// for each model factory call, before failing with
-    /// [`Error::ReplicaTimeout`] (default: no limit).
+    /// [`Error::ReplicaTimeout`] (default: no limit). A timeout too large to
+    /// represent as a point in time, such as `Duration::MAX`, is no limit.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
         self

@@ -78,16 +78,15 @@ impl ReplicaVars {
     /// the master's device are shared and need nothing.
     pub(crate) fn refresh(&self) -> candle_core::Result<()> {
         for (master, copy) in &self.copied_params {
-            let value = master
-                .as_detached_tensor()
-                .to_dtype(copy.dtype())?
-                .to_device(copy.device())?;
+            let value = converted(master, copy)?;
             // `slice_set` writes in place and keeps the copy's autograd op
-            // (ToDevice of the master), so gradients keep flowing home.
-            copy.slice_set(&value, 0, 0)?;
+            // (ToDevice of the master), so gradients keep flowing home. It
+            // needs a dimension to write along: the flattened views share
+            // the storage and have one, even for a 0-dim parameter.
+            copy.flatten_all()?.slice_set(&value.flatten_all()?, 0, 0)?;
         }
         for (master, copy) in &self.buffers {
-            copy.set(&master.as_detached_tensor().to_device(copy.device())?)?;
+            copy.set(&converted(master, copy.as_tensor())?)?;
         }
         Ok(())
     }
@@ -99,13 +98,21 @@ impl ReplicaVars {
         let values = self
             .buffers
             .iter()
-            .map(|(master, copy)| copy.as_detached_tensor().to_device(master.device()))
+            .map(|(master, copy)| converted(copy, master.as_tensor()))
             .collect::<candle_core::Result<Vec<_>>>()?;
         for ((master, _), value) in self.buffers.iter().zip(values) {
             master.set(&value)?;
         }
         Ok(())
     }
+}
+
+/// `from`'s value in the dtype and on the device of `like`, detached: a
+/// replica may run in another dtype or on another device than the master.
+fn converted(from: &Var, like: &Tensor) -> candle_core::Result<Tensor> {
+    from.as_detached_tensor()
+        .to_dtype(like.dtype())?
+        .to_device(like.device())
 }
 
 /// A `VarBuilder` backend that hands a replica the master's variables.

@@ -5,7 +5,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::plan::Plan;
+use super::plan::{Indices, Plan};
 use super::prefetch::Prefetcher;
 use super::{Batch, Dataset, LoaderError};
 
@@ -158,8 +158,8 @@ impl Loader {
         let plan = Plan {
             dataset: Arc::clone(&self.dataset),
             indices: match &self.indices {
-                Some(indices) => Arc::clone(indices),
-                None => (0..self.dataset.len()).collect(),
+                Some(indices) => Indices::List(Arc::clone(indices)),
+                None => Indices::Range(self.dataset.len()),
             },
             batch_size: self.batch_size,
             num_batches: self.len(),

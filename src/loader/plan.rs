@@ -4,11 +4,38 @@ use std::sync::Arc;
 
 use super::{Batch, Dataset, LoaderError};
 
+/// The sample order of one pass.
+#[derive(Clone)]
+pub(super) enum Indices {
+    /// `0..n`, walked lazily: a dataset may report a huge (or unbounded,
+    /// `usize::MAX`) length, as PyTorch's samplers allow.
+    Range(usize),
+    /// An explicit list (a sampler's shard).
+    List(Arc<[usize]>),
+}
+
+impl Indices {
+    fn len(&self) -> usize {
+        match self {
+            Indices::Range(n) => *n,
+            Indices::List(list) => list.len(),
+        }
+    }
+
+    /// The index at `position` (< `len()`).
+    fn at(&self, position: usize) -> usize {
+        match self {
+            Indices::Range(_) => position,
+            Indices::List(list) => list[position],
+        }
+    }
+}
+
 /// What one pass loads: shared by the caller and the prefetch thread.
 #[derive(Clone)]
 pub(super) struct Plan {
     pub(super) dataset: Arc<dyn Dataset>,
-    pub(super) indices: Arc<[usize]>,
+    pub(super) indices: Indices,
     pub(super) batch_size: usize,
     pub(super) num_batches: usize,
     /// Full batches, positions taken modulo the number of indices.
@@ -18,31 +45,34 @@ pub(super) struct Plan {
 impl Plan {
     fn batch_indices(&self, batch: usize) -> Result<Vec<usize>, LoaderError> {
         let n = self.indices.len();
-        if self.cycle {
+        // u128 so that no batch number can overflow the position.
+        let start = batch as u128 * self.batch_size as u128;
+        let len = if self.cycle {
             if n == 0 {
                 return Err(LoaderError::NothingToCycle {
                     num_batches: self.num_batches,
                 });
             }
-            // u128 so that no batch number can overflow the position.
-            let start = batch as u128 * self.batch_size as u128;
-            let mut indices = Vec::new();
-            indices
-                .try_reserve_exact(self.batch_size)
-                .map_err(|_| LoaderError::BatchTooLarge {
-                    batch_size: self.batch_size,
-                })?;
-            indices.extend(
-                (0..self.batch_size as u128)
-                    .map(|i| self.indices[((start + i) % n as u128) as usize]),
-            );
-            Ok(indices)
+            self.batch_size
         } else {
-            // Here batch < ceil(n / batch_size), so start < n.
-            let start = batch * self.batch_size;
-            let end = n.min(start + self.batch_size);
-            Ok(self.indices[start..end].to_vec())
-        }
+            // Here batch < ceil(n / batch_size), so start < n: the last
+            // batch may be short.
+            (n as u128)
+                .saturating_sub(start)
+                .min(self.batch_size as u128) as usize
+        };
+        // A batch size beyond memory (over a lazily walked, huge range) is
+        // an error, not an abort.
+        let mut indices = Vec::new();
+        indices
+            .try_reserve_exact(len)
+            .map_err(|_| LoaderError::BatchTooLarge {
+                batch_size: self.batch_size,
+            })?;
+        indices.extend(
+            (start..start + len as u128).map(|p| self.indices.at((p % n as u128) as usize)),
+        );
+        Ok(indices)
     }
 
     pub(super) fn load(&self, batch: usize) -> Result<Batch, LoaderError> {
