@@ -195,6 +195,57 @@ pub enum Error {
         source: Box<Error>,
     },
 
+    /// A pipeline balance that does not fit the layers and stages.
+    #[error("invalid pipeline balance for {layers} layers on {stages} stage(s): {reason}")]
+    InvalidBalance {
+        /// Number of layers.
+        layers: usize,
+        /// Number of stages (devices).
+        stages: usize,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A pipeline layer's factory failed.
+    #[error("building pipeline layer {layer} failed: {source}")]
+    LayerBuild {
+        /// The layer's index in the model's list.
+        layer: usize,
+        /// What the factory returned.
+        source: candle_core::Error,
+    },
+
+    /// A pipeline stage failed: which stage, on which device, in which
+    /// micro-batch and phase. The stage named is the one that was
+    /// computing, not the ones waiting for it.
+    #[error("in pipeline stage {stage} on device {device}, {phase} of micro-batch {micro_batch}: {source}")]
+    Stage {
+        /// Stage index.
+        stage: usize,
+        /// Device label.
+        device: String,
+        /// Micro-batch index.
+        micro_batch: usize,
+        /// `forward`, `loss` or `backward`.
+        phase: &'static str,
+        /// The original error (a caught panic's message included), boxed
+        /// to keep `Error` small.
+        source: Box<candle_core::Error>,
+    },
+
+    /// A pipeline stage did not finish within the configured timeout.
+    #[error("pipeline stage {stage} on device {device} did not finish within {timeout:?}{doing}")]
+    StageTimeout {
+        /// The stage that was computing when the time ran out.
+        stage: usize,
+        /// Device label.
+        device: String,
+        /// What it was doing (e.g. ", in the forward of micro-batch 3").
+        doing: String,
+        /// The timeout that expired.
+        timeout: Duration,
+    },
+
     /// An error from candle outside any replica (gather, reduce, checkpoint I/O).
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -56,6 +56,10 @@
 //! between them from the environment, so one program runs both ways, and
 //! [`seeded_varmap`] gives every rank and every run the same initial weights.
 //!
+//! [`pipeline::Pipeline`] splits a model into stages across devices and
+//! pipelines micro-batches through them (GPipe or 1F1B): model parallelism
+//! for models too large for one device.
+//!
 //! **CPU threads.** Several CPU replicas or thread ranks share the cores by
 //! themselves: each gets its own rayon pool of `cores / workers` threads,
 //! and candle's process-wide elementwise pool is left empty
@@ -82,6 +86,7 @@ pub mod loader;
 mod lock;
 mod no_grad;
 mod panic_message;
+pub mod pipeline;
 pub mod reduce;
 pub mod sampler;
 mod scatter_gather;

@@ -39,7 +39,7 @@ pub struct Step {
     /// Gradients keyed by the master variables: pass to any candle
     /// `Optimizer::step`.
     pub grads: GradStore,
-    without_grad: Vec<String>,
+    pub(crate) without_grad: Vec<String>,
 }
 
 impl Step {

@@ -1,0 +1,583 @@
+//! Model parallelism: a model split into stages across devices, pipelined
+//! over micro-batches.
+//!
+//! The model is an ordered list of layers, each built by its own factory
+//! from a `VarBuilder` on its stage's device, so the whole model never
+//! exists on one device. The layers are split into contiguous stages (one
+//! per device) by a [`Balance`]; each stage lives on a persistent worker
+//! (the crate's worker pool, as `DataParallel`'s replicas do). A step splits
+//! the batch into `chunks` micro-batches (`torch.chunk` sizes) that flow
+//! through the stages in a [`Schedule`] (GPipe or 1F1B).
+//!
+//! Two ways to train, as with [`DataParallel`](crate::DataParallel):
+//! - **drop-in**: [`Pipeline::forward`] returns the output with its graph
+//!   spanning every stage; `loss.backward()` (or `opt.backward_step`) walks
+//!   it, serially, on the calling thread;
+//! - **fast**: [`Pipeline::forward_backward`] computes the loss of each
+//!   micro-batch on the last stage and runs each stage's backward on its own
+//!   worker, overlapping the stages. The gradients, accumulated in
+//!   micro-batch order, come back in one `GradStore` for any candle
+//!   optimizer. With [`LossReduction::Mean`] each micro-batch's loss is
+//!   weighted by its share of the rows, so the gradients equal the full
+//!   batch's for any split (PyTorch divides by the number of micro-batches,
+//!   exact only when they are equal).
+//!
+//! ```
+//! use std::sync::Arc;
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_nn::{linear, loss, Activation, Optimizer, VarMap, SGD};
+//! use candle_dp::pipeline::{layer, Pipeline, Schedule};
+//! use candle_dp::{cpu_devices, LossReduction};
+//!
+//! # fn main() -> anyhow::Result<()> {
+//! let layers = vec![
+//!     layer(|vb| linear(8, 16, vb.pp("l1"))),
+//!     layer(|_| Ok(Activation::Relu)),
+//!     layer(|vb| linear(16, 4, vb.pp("l2"))),
+//! ];
+//! let varmap = VarMap::new();
+//! let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+//!     .chunks(4)
+//!     .schedule(Schedule::OneFOneB)
+//!     .build(layers)?;
+//! assert_eq!(pipe.balance(), &[2, 1]);
+//! let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
+//! let x = Tensor::randn(0f32, 1., (12, 8), &Device::Cpu)?;
+//! let y = Tensor::new(&[0u32, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3], &Device::Cpu)?;
+//! let step = pipe.forward_backward(&x, &y, LossReduction::Mean, |logits, y| {
+//!     loss::cross_entropy(logits, y)
+//! })?;
+//! sgd.step(&step.grads)?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Layers whose forward couples the rows of a batch (BatchNorm in training)
+//! see one micro-batch at a time, as in every pipeline; their running
+//! statistics are updated once per micro-batch. Variables shared by layers
+//! of different stages (tied weights) get the sum of their gradients when
+//! those stages share a device; across devices they are refused for now.
+
+mod balance;
+mod schedule;
+mod stage;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, ModuleT, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use crossbeam::channel;
+
+pub use balance::Balance;
+pub use schedule::Schedule;
+
+use crate::device_label::device_label;
+use crate::error::{Error, Result};
+use crate::lock::lock;
+use crate::no_grad::NoGradCheck;
+use crate::vars::sorted_vars;
+use crate::worker_pool::{Failure, NoAnswer, WorkerFailure, WorkerPool};
+use crate::{chunk_sizes, LossReduction, Step};
+use stage::{Board, Links, LossFn, Stage, StageFailure, StageOutput, StageWork, TrainLoss};
+
+/// Builds one layer of a pipeline from a `VarBuilder` on its stage's device.
+pub type LayerFactory =
+    Arc<dyn Fn(VarBuilder) -> candle_core::Result<Box<dyn ModuleT>> + Send + Sync>;
+
+/// A [`LayerFactory`] from a closure that builds any layer (every candle
+/// `Module` is a `ModuleT`).
+///
+/// ```
+/// use candle_nn::linear;
+/// let l1 = candle_dp::pipeline::layer(|vb| linear(4, 8, vb.pp("l1")));
+/// # let _ = l1;
+/// ```
+pub fn layer<L, F>(factory: F) -> LayerFactory
+where
+    L: ModuleT + 'static,
+    F: Fn(VarBuilder) -> candle_core::Result<L> + Send + Sync + 'static,
+{
+    Arc::new(move |vb| Ok(Box::new(factory(vb)?) as Box<dyn ModuleT>))
+}
+
+/// A model split into stages across devices, pipelined over micro-batches.
+/// See the [module docs](self).
+pub struct Pipeline {
+    pool: WorkerPool<Stage>,
+    devices: Vec<Device>,
+    balance: Vec<usize>,
+    stage_vars: Vec<Vec<(String, Var)>>,
+    params: Vec<(String, Var)>,
+    chunks: usize,
+    schedule: Schedule,
+    timeout: Option<Duration>,
+    no_grad: NoGradCheck,
+    /// One step at a time: the stages' channels belong to one step.
+    step: Mutex<()>,
+}
+
+impl std::fmt::Debug for Pipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let devices: Vec<String> = self.devices.iter().map(device_label).collect();
+        f.debug_struct("Pipeline")
+            .field("devices", &devices)
+            .field("balance", &self.balance)
+            .field("chunks", &self.chunks)
+            .field("schedule", &self.schedule)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+/// Settings of a [`Pipeline`], one at a time; [`build`](Self::build) makes it.
+pub struct PipelineBuilder {
+    varmap: VarMap,
+    dtype: DType,
+    devices: Vec<Device>,
+    balance: Balance,
+    chunks: Option<usize>,
+    schedule: Schedule,
+    timeout: Option<Duration>,
+    threads_per_stage: Option<usize>,
+}
+
+impl std::fmt::Debug for PipelineBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PipelineBuilder")
+            .field("dtype", &self.dtype)
+            .field(
+                "devices",
+                &self.devices.iter().map(device_label).collect::<Vec<_>>(),
+            )
+            .field("balance", &self.balance)
+            .field("chunks", &self.chunks)
+            .field("schedule", &self.schedule)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl Pipeline {
+    /// Starts configuring a pipeline whose stage `i` runs on `devices[i]`,
+    /// with its variables in `varmap`.
+    pub fn builder(varmap: &VarMap, dtype: DType, devices: &[Device]) -> PipelineBuilder {
+        PipelineBuilder {
+            varmap: varmap.clone(),
+            dtype,
+            devices: devices.to_vec(),
+            balance: Balance::Uniform,
+            chunks: None,
+            schedule: Schedule::default(),
+            timeout: None,
+            threads_per_stage: None,
+        }
+    }
+
+    /// The stages' devices.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+
+    /// The number of layers of each stage.
+    pub fn balance(&self) -> &[usize] {
+        &self.balance
+    }
+
+    /// The number of micro-batches a batch is split into (fewer when the
+    /// batch has fewer rows, as `torch.chunk` does).
+    pub fn chunks(&self) -> usize {
+        self.chunks
+    }
+
+    /// The schedule of the fast path.
+    pub fn schedule(&self) -> Schedule {
+        self.schedule
+    }
+
+    /// The names of the variables of each stage (a tied variable appears
+    /// in every stage that uses it).
+    pub fn stage_vars(&self) -> Vec<Vec<String>> {
+        self.stage_vars
+            .iter()
+            .map(|vars| vars.iter().map(|(n, _)| n.clone()).collect())
+            .collect()
+    }
+
+    /// The drop-in forward in training mode: see [`forward_t`](Self::forward_t).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_t(x, true)
+    }
+
+    /// Runs the micro-batches of `x` through the stages (each stage on its
+    /// worker, the stages overlapping) and returns the concatenated output,
+    /// on the last stage's device, with its graph spanning every stage:
+    /// `loss.backward()` gives the gradients of every variable.
+    pub fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let _step = lock(&self.step);
+        let inputs = self.micro_batches(x)?;
+        let count = inputs.len();
+        let outputs = self.run_step(inputs, None, train)?;
+        let mut last = outputs.into_iter().last().unwrap_or_default().outputs;
+        if last.len() != count {
+            return Err(Error::Candle(candle_core::Error::Msg(format!(
+                "the last stage returned {} outputs for {count} micro-batches",
+                last.len()
+            ))));
+        }
+        if last.len() == 1 {
+            if let Some(only) = last.pop() {
+                return Ok(only);
+            }
+        }
+        Ok(Tensor::cat(&last, 0)?)
+    }
+
+    /// The fast path: splits `x` and `y` into micro-batches, computes
+    /// `loss_fn(output, targets)` of each on the last stage and runs each
+    /// stage's backward on its own worker, in the configured schedule.
+    /// Returns the loss (the sum of the weighted micro-batch losses, on the
+    /// last stage's device) and the gradients of every variable.
+    pub fn forward_backward<F>(
+        &self,
+        x: &Tensor,
+        y: &Tensor,
+        reduction: LossReduction,
+        loss_fn: F,
+    ) -> Result<Step>
+    where
+        F: Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
+    {
+        let _step = lock(&self.step);
+        let inputs = self.micro_batches(x)?;
+        let targets = self.micro_batches(y)?;
+        if targets
+            .iter()
+            .map(|t| t.dim(0).ok())
+            .ne(inputs.iter().map(|t| t.dim(0).ok()))
+        {
+            return Err(Error::ScatterSizeMismatch {
+                dim: 0,
+                expected: x.dims().first().copied().unwrap_or(0),
+                leaf: 1,
+                found: y.dims().first().copied().unwrap_or(0),
+                shape: y.dims().to_vec(),
+            });
+        }
+        let rows = x.dim(0)? as f64;
+        let shares = inputs
+            .iter()
+            .map(|t| match reduction {
+                LossReduction::Mean => Ok(t.dim(0)? as f64 / rows),
+                LossReduction::Sum => Ok(1.0),
+            })
+            .collect::<candle_core::Result<Vec<f64>>>()?;
+        let loss = TrainLoss {
+            loss_fn: Arc::new(loss_fn) as Arc<LossFn>,
+            targets,
+            shares,
+        };
+        let outputs = self.run_step(inputs, Some(loss), true)?;
+        let mut grads = GradStore::default();
+        for (vars, output) in self.stage_vars.iter().zip(&outputs) {
+            for ((_, var), grad) in vars.iter().zip(&output.grads) {
+                let Some(grad) = grad else { continue };
+                // A variable of several stages (tied) gets the sum.
+                let sum = match grads.get(var.as_tensor()) {
+                    Some(earlier) => (earlier + grad)?,
+                    None => grad.clone(),
+                };
+                grads.insert(var.as_tensor(), sum);
+            }
+        }
+        let losses = outputs.last().map(|o| o.losses.clone()).unwrap_or_default();
+        let mut loss = match losses.first() {
+            Some(first) => first.clone(),
+            None => Tensor::zeros((), DType::F32, self.last_device())?,
+        };
+        for l in losses.iter().skip(1) {
+            loss = (loss + l)?;
+        }
+        let without_grad = self.no_grad.check("Pipeline", &self.params, &grads);
+        Ok(Step {
+            loss,
+            grads,
+            without_grad,
+        })
+    }
+
+    fn last_device(&self) -> &Device {
+        self.devices.last().unwrap_or(&Device::Cpu)
+    }
+
+    /// `x` in `torch.chunk` micro-batches along dim 0.
+    fn micro_batches(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let rows = x
+            .dims()
+            .first()
+            .copied()
+            .ok_or(Error::ScatterDimOutOfRange {
+                dim: 0,
+                leaf: 0,
+                rank: 0,
+                shape: Vec::new(),
+            })?;
+        if rows == 0 {
+            return Err(Error::Candle(candle_core::Error::Msg(
+                "a pipeline step needs at least one row".into(),
+            )));
+        }
+        let mut start = 0;
+        chunk_sizes(rows, self.chunks)
+            .into_iter()
+            .map(|n| {
+                let part = x.narrow(0, start, n)?;
+                start += n;
+                Ok(part)
+            })
+            .collect()
+    }
+
+    /// One step on every stage: their channels, their work, their results.
+    fn run_step(
+        &self,
+        inputs: Vec<Tensor>,
+        loss: Option<TrainLoss>,
+        train: bool,
+    ) -> Result<Vec<StageOutput>> {
+        let stages = self.devices.len();
+        let chunks = inputs.len();
+        let board: Board = Arc::new((0..stages).map(|_| Mutex::new(None)).collect());
+        let mut links: Vec<Links> = (0..stages).map(|_| Links::default()).collect();
+        for s in 1..stages {
+            let (act_tx, act_rx) = channel::unbounded();
+            let (grad_tx, grad_rx) = channel::unbounded();
+            links[s - 1].to_next = Some(act_tx);
+            links[s].from_prev = Some(act_rx);
+            if loss.is_some() {
+                links[s].grad_to_prev = Some(grad_tx);
+                links[s - 1].grad_from_next = Some(grad_rx);
+            }
+        }
+        let mut inputs = Some(inputs);
+        let mut loss = loss;
+        let training = loss.is_some();
+        let jobs: Vec<_> = links
+            .into_iter()
+            .enumerate()
+            .map(|(index, links)| {
+                let ops = if training {
+                    self.schedule.ops(index, stages, chunks)
+                } else {
+                    (0..chunks).map(schedule::Op::Forward).collect()
+                };
+                let work = StageWork {
+                    index,
+                    ops,
+                    device: self.devices[index].clone(),
+                    inputs: if index == 0 {
+                        inputs.take().unwrap_or_default()
+                    } else {
+                        Vec::new()
+                    },
+                    links,
+                    board: Arc::clone(&board),
+                    loss: if training {
+                        // Only the last stage computes the loss; the others
+                        // only need to know the step trains.
+                        if index + 1 == stages {
+                            loss.take()
+                        } else {
+                            Some(TrainLoss {
+                                loss_fn: Arc::new(|_: &Tensor, _: &Tensor| {
+                                    candle_core::bail!("only the last stage computes the loss")
+                                }),
+                                targets: Vec::new(),
+                                shares: Vec::new(),
+                            })
+                        }
+                    } else {
+                        None
+                    },
+                    train,
+                };
+                move |stage: &mut Stage, cancel: &crate::worker_pool::Cancel| {
+                    work.run(stage, cancel)
+                }
+            })
+            .collect();
+        self.pool
+            .run(jobs, self.timeout)
+            .map_err(|failure| self.stage_error(failure, &board))
+    }
+
+    /// The error naming the stage that failed, or that held the step up.
+    fn stage_error(&self, failure: WorkerFailure<StageFailure>, board: &Board) -> Error {
+        let doing = |stage: usize| board.get(stage).and_then(|slot| *lock(slot));
+        let stage_error = |stage: usize, source: candle_core::Error| {
+            let (phase, micro_batch) = doing(stage).unwrap_or((stage::Phase::Forward, 0));
+            Error::Stage {
+                stage,
+                device: self.label(stage),
+                micro_batch,
+                phase: phase.name(),
+                source: Box::new(source),
+            }
+        };
+        match failure.failure {
+            Failure::Error(f) => Error::Stage {
+                stage: failure.worker,
+                device: failure.device,
+                micro_batch: f.micro_batch,
+                phase: f.phase.name(),
+                source: Box::new(f.source),
+            },
+            Failure::Panic(message) => stage_error(
+                failure.worker,
+                candle_core::Error::Msg(format!("panicked: {message}")),
+            ),
+            Failure::NoAnswer(NoAnswer::Timeout(timeout)) => {
+                // The stage that is computing, not the ones waiting for it.
+                let stage = (0..self.devices.len())
+                    .find(|&s| doing(s).is_some())
+                    .unwrap_or(failure.worker);
+                Error::StageTimeout {
+                    stage,
+                    device: self.label(stage),
+                    doing: doing(stage).map_or_else(String::new, |(phase, m)| {
+                        format!(", in the {} of micro-batch {m}", phase.name())
+                    }),
+                    timeout,
+                }
+            }
+            Failure::NoAnswer(why) => stage_error(
+                failure.worker,
+                candle_core::Error::Msg(format!("its worker did not answer: {why:?}")),
+            ),
+        }
+    }
+
+    fn label(&self, stage: usize) -> String {
+        self.devices
+            .get(stage)
+            .map_or_else(|| "?".into(), device_label)
+    }
+}
+
+impl PipelineBuilder {
+    /// How the layers are split into stages (default [`Balance::Uniform`]).
+    pub fn balance(mut self, balance: Balance) -> Self {
+        self.balance = balance;
+        self
+    }
+
+    /// Micro-batches per step (default: twice the number of stages, so the
+    /// idle fraction (S-1)/(chunks+S-1) stays near a third or below; 1 is
+    /// plain model parallelism, no overlap).
+    pub fn chunks(mut self, chunks: usize) -> Self {
+        self.chunks = Some(chunks);
+        self
+    }
+
+    /// The schedule of [`Pipeline::forward_backward`] (default 1F1B).
+    pub fn schedule(mut self, schedule: Schedule) -> Self {
+        self.schedule = schedule;
+        self
+    }
+
+    /// Longest time a step (and building each stage) may take before it
+    /// fails with [`Error::StageTimeout`] naming the stage that was
+    /// computing (default: no limit; `Duration::MAX` is no limit too).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// Threads of each stage's rayon pool (default: on CPU the cores shared
+    /// between the CPU stages, on GPUs 1).
+    pub fn threads_per_stage(mut self, threads: usize) -> Self {
+        self.threads_per_stage = Some(threads.max(1));
+        self
+    }
+
+    /// Splits `layers` into stages and builds each stage's layers on its
+    /// worker, in order (variables created in `varmap` on the stage's
+    /// device, or reused when they exist).
+    pub fn build(self, layers: Vec<LayerFactory>) -> Result<Pipeline> {
+        let stages = self.devices.len();
+        let first = self.devices.first().ok_or(Error::NoDevices)?.clone();
+        let chunks = self.chunks.unwrap_or(2 * stages);
+        if chunks == 0 {
+            return Err(Error::InvalidBalance {
+                layers: layers.len(),
+                stages,
+                reason: "chunks must be at least 1".into(),
+            });
+        }
+        let cpu_stages = self.devices.iter().filter(|d| d.is_cpu()).count();
+        crate::cpu_threads::share_cpu_between(cpu_stages);
+        let balance =
+            balance::layers_per_stage(&self.balance, &layers, stages, self.dtype, &first)?;
+        let threads = self.threads_per_stage.unwrap_or_else(|| {
+            if cpu_stages == stages {
+                crate::cpu_threads::threads_per_worker(stages)
+            } else {
+                1
+            }
+        });
+        let starts: Vec<usize> = balance
+            .iter()
+            .scan(0, |start, n| {
+                let s = *start;
+                *start += n;
+                Some(s)
+            })
+            .collect();
+        let layers = Arc::new(layers);
+        let (varmap, dtype) = (self.varmap.clone(), self.dtype);
+        let plan = Arc::new((balance.clone(), starts));
+        let (pool, stage_vars) = WorkerPool::start(
+            &self.devices,
+            threads,
+            self.timeout,
+            move |index, device| {
+                let (sizes, starts) = &*plan;
+                let range = starts[index]..starts[index] + sizes[index];
+                let stage =
+                    stage::build_stage(&varmap, dtype, device, range.start, &layers[range])?;
+                let vars = stage.vars.clone();
+                Ok::<_, Error>((stage, vars))
+            },
+        )
+        .map_err(|failure| match failure.failure {
+            Failure::Error(e) => e,
+            Failure::Panic(message) => Error::Candle(candle_core::Error::Msg(format!(
+                "building pipeline stage {} on {} panicked: {message}",
+                failure.worker, failure.device
+            ))),
+            Failure::NoAnswer(NoAnswer::Timeout(timeout)) => Error::StageTimeout {
+                stage: failure.worker,
+                device: failure.device,
+                doing: ", building its layers".into(),
+                timeout,
+            },
+            Failure::NoAnswer(why) => Error::Candle(candle_core::Error::Msg(format!(
+                "pipeline stage {} on {} could not start: {why:?}",
+                failure.worker, failure.device
+            ))),
+        })?;
+        Ok(Pipeline {
+            pool,
+            devices: self.devices,
+            balance,
+            stage_vars,
+            params: sorted_vars(&self.varmap),
+            chunks,
+            schedule: self.schedule,
+            timeout: self.timeout,
+            no_grad: NoGradCheck::default(),
+            step: Mutex::new(()),
+        })
+    }
+}

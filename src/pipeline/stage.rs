@@ -1,0 +1,432 @@
+//! One pipeline stage: its layers on its device, and the work it runs in a
+//! step, talking to its neighbours over channels.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_nn::{Init, ModuleT, VarBuilder, VarMap};
+use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
+
+use super::schedule::Op;
+use crate::device_label::device_label;
+use crate::lock::lock;
+use crate::worker_pool::Cancel;
+
+/// A tensor for micro-batch `m`, between neighbouring stages.
+pub(crate) type Message = (usize, Tensor);
+
+/// The loss of one micro-batch: `(output, targets)`.
+pub(crate) type LossFn = dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync;
+
+/// How often a waiting stage looks whether the step was abandoned.
+const POLL: Duration = Duration::from_millis(20);
+
+/// How long a stage waits, once its neighbour is gone, for the step to be
+/// abandoned before it reports the neighbour itself.
+const GONE_GRACE: Duration = Duration::from_secs(5);
+
+/// The layers of one stage, built on its worker (they need not be `Send`).
+pub(crate) struct Stage {
+    pub(crate) layers: Vec<Box<dyn ModuleT>>,
+    /// The variables the layers use, by name.
+    pub(crate) vars: Vec<(String, Var)>,
+}
+
+impl Stage {
+    fn forward(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        self.layers
+            .iter()
+            .try_fold(x.clone(), |h, layer| layer.forward_t(&h, train))
+    }
+}
+
+/// What a stage was doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    Forward,
+    Loss,
+    Backward,
+}
+
+impl Phase {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Phase::Forward => "forward",
+            Phase::Loss => "loss",
+            Phase::Backward => "backward",
+        }
+    }
+}
+
+/// What each stage is computing right now (`None` while it waits or is
+/// done), so that a timeout names the stage that holds the step up.
+pub(crate) type Board = Arc<Vec<Mutex<Option<(Phase, usize)>>>>;
+
+/// Why a stage's work stopped.
+#[derive(Debug)]
+pub(crate) struct StageFailure {
+    pub(crate) micro_batch: usize,
+    pub(crate) phase: Phase,
+    pub(crate) source: candle_core::Error,
+}
+
+/// The channels of one stage to its neighbours (absent at the ends).
+#[derive(Default)]
+pub(crate) struct Links {
+    pub(crate) from_prev: Option<Receiver<Message>>,
+    pub(crate) to_next: Option<Sender<Message>>,
+    pub(crate) grad_from_next: Option<Receiver<Message>>,
+    pub(crate) grad_to_prev: Option<Sender<Message>>,
+}
+
+/// What a stage hands back at the end of a step.
+#[derive(Default)]
+pub(crate) struct StageOutput {
+    /// One accumulated gradient per stage variable (training).
+    pub(crate) grads: Vec<Option<Tensor>>,
+    /// The weighted micro-batch losses (last stage, training).
+    pub(crate) losses: Vec<Tensor>,
+    /// The micro-batch outputs (last stage, forward only).
+    pub(crate) outputs: Vec<Tensor>,
+}
+
+/// One stage's part of a step.
+pub(crate) struct StageWork {
+    pub(crate) index: usize,
+    pub(crate) ops: Vec<Op>,
+    pub(crate) device: Device,
+    /// Stage 0: the micro-batches of the input.
+    pub(crate) inputs: Vec<Tensor>,
+    pub(crate) links: Links,
+    pub(crate) board: Board,
+    /// `Some` for a training step: the last stage's loss.
+    pub(crate) loss: Option<TrainLoss>,
+    /// Forward only: the train flag of `forward_t`.
+    pub(crate) train: bool,
+}
+
+/// The loss side of a training step (used by the last stage).
+pub(crate) struct TrainLoss {
+    pub(crate) loss_fn: Arc<LossFn>,
+    pub(crate) targets: Vec<Tensor>,
+    /// Each micro-batch's weight (its share of the rows for a mean loss).
+    pub(crate) shares: Vec<f64>,
+}
+
+impl StageWork {
+    fn set(&self, doing: Option<(Phase, usize)>) {
+        if let Some(slot) = self.board.get(self.index) {
+            *lock(slot) = doing;
+        }
+    }
+
+    /// Runs the stage's ops: a training step when `loss` is set (stage
+    /// inputs are leaves, each stage runs its own backward), else forwards
+    /// whose graph stays connected across stages (the drop-in path).
+    pub(crate) fn run(self, stage: &Stage, cancel: &Cancel) -> Result<StageOutput, StageFailure> {
+        let chunks = self
+            .ops
+            .iter()
+            .filter(|op| matches!(op, Op::Forward(_)))
+            .count();
+        let mut saved: Vec<Option<(Option<Var>, Tensor)>> = (0..chunks).map(|_| None).collect();
+        let mut out = StageOutput {
+            grads: vec![None; stage.vars.len()],
+            ..StageOutput::default()
+        };
+        for &op in &self.ops {
+            match op {
+                Op::Forward(m) => {
+                    let (leaf, output) = self.forward(stage, m, cancel)?;
+                    if self.loss.is_some() {
+                        if let Some(slot) = saved.get_mut(m) {
+                            *slot = Some((leaf, output.clone()));
+                        }
+                    }
+                    match (&self.loss, &self.links.to_next) {
+                        (_, Some(next)) => {
+                            let message = if self.loss.is_some() {
+                                output.detach()
+                            } else {
+                                output
+                            };
+                            // The neighbour may be gone after a failure: the
+                            // step is being abandoned, its error comes first.
+                            let _ = next.send((m, message));
+                        }
+                        (Some(_), None) => {}
+                        (None, None) => out.outputs.push(output),
+                    }
+                }
+                Op::Backward(m) => {
+                    let Some((leaf, output)) = saved.get_mut(m).and_then(Option::take) else {
+                        continue;
+                    };
+                    self.backward(stage, m, leaf, output, &mut out, cancel)?;
+                }
+            }
+        }
+        self.set(None);
+        Ok(out)
+    }
+
+    fn forward(
+        &self,
+        stage: &Stage,
+        m: usize,
+        cancel: &Cancel,
+    ) -> Result<(Option<Var>, Tensor), StageFailure> {
+        let fail = |phase| {
+            move |source| StageFailure {
+                micro_batch: m,
+                phase,
+                source,
+            }
+        };
+        let input = match &self.links.from_prev {
+            Some(rx) => self.receive(rx, m, Phase::Forward, cancel)?,
+            None => self
+                .inputs
+                .get(m)
+                .cloned()
+                .ok_or_else(|| candle_core::Error::Msg(format!("no input for micro-batch {m}")))
+                .map_err(fail(Phase::Forward))?,
+        };
+        self.set(Some((Phase::Forward, m)));
+        let input = input
+            .to_device(&self.device)
+            .map_err(fail(Phase::Forward))?;
+        // A training stage starts its own graph at a leaf, so that its
+        // backward stops there and yields the gradient to send upstream.
+        let leaf = match (&self.loss, &self.links.from_prev) {
+            (Some(_), Some(_)) => {
+                Some(Var::from_tensor(&input.detach()).map_err(fail(Phase::Forward))?)
+            }
+            _ => None,
+        };
+        let x = leaf.as_ref().map_or(&input, Var::as_tensor);
+        let train = self.loss.is_some() || self.train;
+        let output = stage.forward(x, train).map_err(fail(Phase::Forward))?;
+        let Some(loss) = self.loss.as_ref().filter(|_| self.links.to_next.is_none()) else {
+            return Ok((leaf, output));
+        };
+        self.set(Some((Phase::Loss, m)));
+        let weighted = (|| {
+            let target = loss.targets.get(m).ok_or_else(|| {
+                candle_core::Error::Msg(format!("no targets for micro-batch {m}"))
+            })?;
+            let value = (loss.loss_fn)(&output, target)?;
+            if value.elem_count() != 1 {
+                candle_core::bail!("the loss must be a scalar, got shape {:?}", value.dims());
+            }
+            let share = loss.shares.get(m).copied().unwrap_or(1.0);
+            value.reshape(())?.affine(share, 0.)
+        })()
+        .map_err(fail(Phase::Loss))?;
+        Ok((leaf, weighted))
+    }
+
+    fn backward(
+        &self,
+        stage: &Stage,
+        m: usize,
+        leaf: Option<Var>,
+        output: Tensor,
+        out: &mut StageOutput,
+        cancel: &Cancel,
+    ) -> Result<(), StageFailure> {
+        let fail = |source| StageFailure {
+            micro_batch: m,
+            phase: Phase::Backward,
+            source,
+        };
+        let grads = match &self.links.grad_from_next {
+            // The last stage: `output` is the weighted loss.
+            None => {
+                self.set(Some((Phase::Backward, m)));
+                out.losses.push(output.detach());
+                output.backward().map_err(fail)?
+            }
+            Some(rx) => {
+                let grad = self.receive(rx, m, Phase::Backward, cancel)?;
+                self.set(Some((Phase::Backward, m)));
+                // d(sum(output * g))/d(output) is exactly g.
+                (|| {
+                    let grad = grad.to_device(output.device())?.detach();
+                    (output * grad)?.sum_all()?.backward()
+                })()
+                .map_err(fail)?
+            }
+        };
+        // In micro-batch order on every schedule: bitwise-equal sums.
+        for ((_, var), acc) in stage.vars.iter().zip(out.grads.iter_mut()) {
+            if let Some(g) = grads.get(var.as_tensor()) {
+                *acc = Some(match acc.take() {
+                    Some(sum) => (sum + g).map_err(fail)?,
+                    None => g.clone(),
+                });
+            }
+        }
+        if let (Some(leaf), Some(prev)) = (leaf, &self.links.grad_to_prev) {
+            let grad = match grads.get(leaf.as_tensor()) {
+                Some(g) => g.clone(),
+                None => leaf.zeros_like().map_err(fail)?,
+            };
+            let _ = prev.send((m, grad));
+        }
+        Ok(())
+    }
+
+    /// Waits for micro-batch `m` from a neighbour; gives up when the step
+    /// is abandoned (another stage failed or the step timed out).
+    fn receive(
+        &self,
+        rx: &Receiver<Message>,
+        m: usize,
+        phase: Phase,
+        cancel: &Cancel,
+    ) -> Result<Tensor, StageFailure> {
+        self.set(None);
+        let fail = |reason: String| StageFailure {
+            micro_batch: m,
+            phase,
+            source: candle_core::Error::Msg(reason),
+        };
+        let mut gone_since: Option<Instant> = None;
+        loop {
+            if cancel.is_cancelled() {
+                return Err(fail("step abandoned: another stage failed".into()));
+            }
+            match rx.recv_timeout(POLL) {
+                Ok((got, tensor)) if got == m => return Ok(tensor),
+                Ok((got, _)) => {
+                    return Err(fail(format!("received micro-batch {got}, expected {m}")))
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => {
+                    // The neighbour failed: its own error reaches the caller
+                    // first and abandons the step; this is the fallback.
+                    let since = *gone_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() > GONE_GRACE {
+                        return Err(fail("a neighbouring stage stopped without an error".into()));
+                    }
+                    std::thread::sleep(POLL);
+                }
+            }
+        }
+    }
+}
+
+/// A `VarBuilder` backend for one stage: the model's `VarMap` (variables
+/// are created on the stage's device), recording which variables the
+/// stage's layers use.
+pub(crate) struct StageBackend {
+    pub(crate) varmap: VarMap,
+    pub(crate) used: Mutex<Vec<String>>,
+}
+
+impl StageBackend {
+    fn record(&self, name: &str, tensor: Tensor, dev: &Device) -> candle_core::Result<Tensor> {
+        if !tensor.device().same_device(dev) {
+            candle_core::bail!(
+                "`{name}` already lives on {} but this stage is on {}: a variable shared by layers on two devices is not supported yet; place the layers that share it on one device",
+                device_label(tensor.device()),
+                device_label(dev)
+            );
+        }
+        lock(&self.used).push(name.to_string());
+        Ok(tensor)
+    }
+}
+
+impl candle_nn::var_builder::SimpleBackend for StageBackend {
+    fn get(
+        &self,
+        shape: Shape,
+        name: &str,
+        init: Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let tensor = self.varmap.get(shape, name, init, dtype, dev)?;
+        self.record(name, tensor, dev)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        let tensor = lock(self.varmap.data())
+            .get(name)
+            .map(|var| var.as_tensor().clone())
+            .ok_or_else(|| candle_core::Error::Msg(format!("no variable `{name}`")))?;
+        self.record(name, tensor, dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        lock(self.varmap.data()).contains_key(name)
+    }
+}
+
+/// Lets the builder read what the backend recorded after handing it to the
+/// `VarBuilder` (which owns a boxed backend).
+pub(crate) struct SharedStageBackend(pub(crate) Arc<StageBackend>);
+
+impl candle_nn::var_builder::SimpleBackend for SharedStageBackend {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        self.0.get(s, name, h, dtype, dev)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.0.get_unchecked(name, dtype, dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.contains_tensor(name)
+    }
+}
+
+/// Builds `factories` (global indices from `first`) for one stage on `device`.
+pub(crate) fn build_stage(
+    varmap: &VarMap,
+    dtype: DType,
+    device: &Device,
+    first: usize,
+    factories: &[super::LayerFactory],
+) -> crate::Result<Stage> {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    let backend = Arc::new(StageBackend {
+        varmap: varmap.clone(),
+        used: Mutex::new(Vec::new()),
+    });
+    let mut layers = Vec::with_capacity(factories.len());
+    for (offset, factory) in factories.iter().enumerate() {
+        let layer = first + offset;
+        let vb = VarBuilder::from_backend(
+            Box::new(SharedStageBackend(backend.clone())),
+            dtype,
+            device.clone(),
+        );
+        let built = catch_unwind(AssertUnwindSafe(|| factory(vb))).unwrap_or_else(|payload| {
+            Err(candle_core::Error::Msg(format!(
+                "the layer factory panicked: {}",
+                crate::panic_message::panic_message(payload.as_ref())
+            )))
+        });
+        layers.push(built.map_err(|source| crate::Error::LayerBuild { layer, source })?);
+    }
+    let mut names = std::mem::take(&mut *lock(&backend.used));
+    names.sort();
+    names.dedup();
+    let data = lock(varmap.data());
+    let vars = names
+        .into_iter()
+        .filter_map(|name| data.get(&name).map(|var| (name, var.clone())))
+        .collect();
+    Ok(Stage { layers, vars })
+}

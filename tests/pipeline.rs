@@ -1,0 +1,422 @@
+//! Pipeline (model) parallelism: exact against one device on both paths,
+//! GPipe and 1F1B bitwise equal, the balances, and failing stages named.
+// Closures here return `candle_dp::Result` as the API requires.
+#![allow(clippy::result_large_err)]
+
+use std::collections::HashMap;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_dp::pipeline::{layer, Balance, LayerFactory, Pipeline, Schedule};
+use candle_dp::{cpu_devices, seeded_varmap, Error, LossReduction};
+use candle_nn::{linear, loss, Activation, VarBuilder, VarMap};
+
+/// Runs `f` on a thread; fails the test if it takes longer than `seconds`.
+fn within<T: Send + 'static>(seconds: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+    });
+    match rx.recv_timeout(Duration::from_secs(seconds)) {
+        Ok(Ok(value)) => value,
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        Err(_) => panic!("did not finish within {seconds} s: it hangs"),
+    }
+}
+
+/// Six layers: 6 -> 10 -> relu -> 10 -> sigmoid -> 10 -> 3 (with a
+/// parameter-free layer in between, so every balance is exercised).
+fn layers() -> Vec<LayerFactory> {
+    vec![
+        layer(|vb| linear(6, 10, vb.pp("l1"))),
+        layer(|_| Ok(Activation::Relu)),
+        layer(|vb| linear(10, 10, vb.pp("l2"))),
+        layer(|_| Ok(Activation::Sigmoid)),
+        layer(|vb| linear(10, 10, vb.pp("l3"))),
+        layer(|vb| linear(10, 3, vb.pp("l4"))),
+    ]
+}
+
+/// The same model on one device.
+fn single(vb: VarBuilder) -> candle_core::Result<impl Module> {
+    let l1 = linear(6, 10, vb.pp("l1"))?;
+    let l2 = linear(10, 10, vb.pp("l2"))?;
+    let l3 = linear(10, 10, vb.pp("l3"))?;
+    let l4 = linear(10, 3, vb.pp("l4"))?;
+    Ok(candle_nn::func(move |x: &Tensor| {
+        let h = candle_nn::ops::sigmoid(&l2.forward(&l1.forward(x)?.relu()?)?)?;
+        l4.forward(&l3.forward(&h)?)
+    }))
+}
+
+fn data(rows: usize) -> (Tensor, Tensor) {
+    let x = Tensor::randn(0f32, 1., (rows, 6), &Device::Cpu).unwrap();
+    let y: Vec<u32> = (0..rows as u32).map(|i| (i * 7 + 1) % 3).collect();
+    (x, Tensor::from_vec(y, rows, &Device::Cpu).unwrap())
+}
+
+fn init() -> VarMap {
+    seeded_varmap(11, DType::F32, &Device::Cpu, |vb| single(vb).map(|_| ())).unwrap()
+}
+
+/// A copy of `varmap` (fresh variables with the same values).
+fn copy_of(varmap: &VarMap) -> VarMap {
+    let copy = VarMap::new();
+    let mut data = copy.data().lock().unwrap();
+    for (name, var) in varmap.data().lock().unwrap().iter() {
+        let value = var.as_tensor().copy().unwrap();
+        data.insert(name.clone(), candle_core::Var::from_tensor(&value).unwrap());
+    }
+    drop(data);
+    copy
+}
+
+fn grads_by_name(
+    varmap: &VarMap,
+    grads: &candle_core::backprop::GradStore,
+) -> HashMap<String, Vec<f32>> {
+    varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(name, var)| {
+            let g = grads
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("no gradient for {name}"));
+            (
+                name.clone(),
+                g.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn max_diff(a: &HashMap<String, Vec<f32>>, b: &HashMap<String, Vec<f32>>) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .flat_map(|(name, va)| {
+            va.iter()
+                .zip(&b[name])
+                .map(|(x, y)| (x - y).abs() / (1. + y.abs()))
+        })
+        .fold(0., f32::max)
+}
+
+fn pipeline(varmap: &VarMap, stages: usize, chunks: usize, schedule: Schedule) -> Pipeline {
+    Pipeline::builder(varmap, DType::F32, &cpu_devices(stages))
+        .chunks(chunks)
+        .schedule(schedule)
+        .timeout(Duration::from_secs(60))
+        .build(layers())
+        .unwrap()
+}
+
+#[test]
+fn pipeline_gradients_equal_one_device_for_1_to_3_stages_and_1_to_13_micro_batches() {
+    within(300, || {
+        let start = init();
+        let (x, y) = data(13);
+        let reference = copy_of(&start);
+        let model = single(VarBuilder::from_varmap(
+            &reference,
+            DType::F32,
+            &Device::Cpu,
+        ))
+        .unwrap();
+        let l = loss::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
+        let want = grads_by_name(&reference, &l.backward().unwrap());
+        let want_loss = l.to_scalar::<f32>().unwrap();
+        for stages in 1..=3 {
+            for chunks in 1..=13 {
+                let varmap = copy_of(&start);
+                let mut by_schedule = Vec::new();
+                for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+                    let pipe = pipeline(&varmap, stages, chunks, schedule);
+                    let step = pipe
+                        .forward_backward(&x, &y, LossReduction::Mean, |out, y| {
+                            loss::cross_entropy(out, y)
+                        })
+                        .unwrap();
+                    let got = grads_by_name(&varmap, &step.grads);
+                    let diff = max_diff(&got, &want);
+                    assert!(
+                        diff < 1e-5,
+                        "{stages} stages, {chunks} chunks, {schedule:?}: {diff}"
+                    );
+                    let l = step.loss.to_scalar::<f32>().unwrap();
+                    assert!((l - want_loss).abs() < 1e-5, "loss {l} vs {want_loss}");
+                    by_schedule.push(got);
+                }
+                assert_eq!(
+                    by_schedule[0], by_schedule[1],
+                    "GPipe and 1F1B bitwise, {stages} stages, {chunks} chunks"
+                );
+                // The drop-in path: the graph spans the stages.
+                let pipe = pipeline(&varmap, stages, chunks, Schedule::OneFOneB);
+                let out = pipe.forward(&x).unwrap();
+                let l = loss::cross_entropy(&out, &y).unwrap();
+                let diff = max_diff(&grads_by_name(&varmap, &l.backward().unwrap()), &want);
+                assert!(
+                    diff < 1e-5,
+                    "drop-in, {stages} stages, {chunks} chunks: {diff}"
+                );
+            }
+        }
+    });
+}
+
+#[test]
+fn pipeline_training_follows_one_device_training_step_for_step() {
+    within(120, || {
+        use candle_nn::Optimizer;
+        let start = init();
+        let (x, y) = data(24);
+        let reference = copy_of(&start);
+        let model = single(VarBuilder::from_varmap(
+            &reference,
+            DType::F32,
+            &Device::Cpu,
+        ))
+        .unwrap();
+        let mut sgd = candle_nn::SGD::new(reference.all_vars(), 0.2).unwrap();
+        let varmap = copy_of(&start);
+        let pipe = pipeline(&varmap, 2, 5, Schedule::OneFOneB);
+        let mut pipe_sgd = candle_nn::SGD::new(varmap.all_vars(), 0.2).unwrap();
+        for _ in 0..5 {
+            let l = loss::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
+            sgd.backward_step(&l).unwrap();
+            let step = pipe
+                .forward_backward(&x, &y, LossReduction::Mean, |out, y| {
+                    loss::cross_entropy(out, y)
+                })
+                .unwrap();
+            pipe_sgd.step(&step.grads).unwrap();
+        }
+        let values = |v: &VarMap| -> HashMap<String, Vec<f32>> {
+            v.data()
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|(n, t)| {
+                    (
+                        n.clone(),
+                        t.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    )
+                })
+                .collect()
+        };
+        let diff = max_diff(&values(&varmap), &values(&reference));
+        assert!(diff < 1e-5, "{diff}");
+    });
+}
+
+#[test]
+fn balances_split_the_layers_as_asked() {
+    let build = |balance: Balance| {
+        Pipeline::builder(&VarMap::new(), DType::F32, &cpu_devices(3))
+            .balance(balance)
+            .build(layers())
+    };
+    assert_eq!(build(Balance::Uniform).unwrap().balance(), &[2, 2, 2]);
+    assert_eq!(
+        build(Balance::Explicit(vec![1, 4, 1])).unwrap().balance(),
+        &[1, 4, 1]
+    );
+    // Bytes per layer (f32): l1 280, relu 0, l2 440, sigmoid 0, l3 440,
+    // l4 132. No contiguous split into 3 has a largest stage under 572.
+    let bytes = [280, 0, 440, 0, 440, 132];
+    let by_bytes = build(Balance::ParameterBytes).unwrap();
+    let mut start = 0;
+    let largest = by_bytes
+        .balance()
+        .iter()
+        .map(|&n| {
+            start += n;
+            bytes[start - n..start].iter().sum::<usize>()
+        })
+        .max();
+    assert_eq!(largest, Some(572), "{:?}", by_bytes.balance());
+    let sample = Tensor::randn(0f32, 1., (8, 6), &Device::Cpu).unwrap();
+    let timed = build(Balance::Time { sample }).unwrap();
+    assert_eq!(timed.balance().iter().sum::<usize>(), 6);
+    for bad in [vec![1, 1], vec![0, 3, 3], vec![2, 2, 3]] {
+        let err = build(Balance::Explicit(bad.clone())).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidBalance { .. }),
+            "{bad:?}: {err}"
+        );
+    }
+    let err = Pipeline::builder(&VarMap::new(), DType::F32, &cpu_devices(7))
+        .build(layers())
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("every stage needs at least one layer"),
+        "{err}"
+    );
+}
+
+#[test]
+fn each_stage_builds_only_its_own_layers_variables() {
+    let pipe = Pipeline::builder(&VarMap::new(), DType::F32, &cpu_devices(2))
+        .balance(Balance::Explicit(vec![3, 3]))
+        .build(layers())
+        .unwrap();
+    assert_eq!(
+        pipe.stage_vars(),
+        vec![
+            vec!["l1.bias", "l1.weight", "l2.bias", "l2.weight"],
+            vec!["l3.bias", "l3.weight", "l4.bias", "l4.weight"],
+        ]
+    );
+}
+
+#[test]
+fn a_variable_shared_by_two_stages_gets_the_sum_of_its_gradients() {
+    // x -> W -> relu -> W -> sum: the same `w` in stage 0 and stage 1.
+    let tied = || layer(|vb| Ok(linear_no_bias(vb.get((4, 4), "w")?)));
+    let layers = vec![tied(), layer(|_| Ok(Activation::Relu)), tied()];
+    let varmap = VarMap::new();
+    let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+        .balance(Balance::Explicit(vec![2, 1]))
+        .chunks(3)
+        .build(layers)
+        .unwrap();
+    let x = Tensor::randn(0f32, 1., (5, 4), &Device::Cpu).unwrap();
+    let y = Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap();
+    let step = pipe
+        .forward_backward(&x, &y, LossReduction::Sum, |out, _| out.sum_all())
+        .unwrap();
+    let w = varmap.data().lock().unwrap()["w"].clone();
+    let lin = linear_no_bias(w.as_tensor().clone());
+    let out = lin
+        .forward(&lin.forward(&x).unwrap().relu().unwrap())
+        .unwrap();
+    let want = out.sum_all().unwrap().backward().unwrap();
+    let diff = (step.grads.get(w.as_tensor()).unwrap() - want.get(w.as_tensor()).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(diff < 1e-5, "{diff}");
+}
+
+fn linear_no_bias(w: Tensor) -> candle_nn::Linear {
+    candle_nn::Linear::new(w, None)
+}
+
+/// A layer that fails (or panics, or sleeps) in the forward of micro-batch
+/// rows starting with a marker value.
+struct Faulty {
+    mode: &'static str,
+}
+
+impl Module for Faulty {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let first = x.flatten_all()?.get(0)?.to_scalar::<f32>()?;
+        if first == 99. {
+            match self.mode {
+                "error" => candle_core::bail!("bad rows"),
+                "panic" => panic!("boom"),
+                _ => std::thread::sleep(Duration::from_secs(30)),
+            }
+        }
+        Ok(x.clone())
+    }
+}
+
+#[test]
+fn a_failing_panicking_or_stuck_stage_is_named_with_its_micro_batch_and_phase() {
+    for mode in ["error", "panic", "stuck"] {
+        let err = within(60, move || {
+            let varmap = VarMap::new();
+            // Stage 0 (relu) passes micro-batch 1's 99s on to stage 1.
+            let x = Tensor::zeros((6, 4), DType::F32, &Device::Cpu).unwrap();
+            let y = Tensor::new(&[0u32, 1, 0, 1, 0, 1], &Device::Cpu).unwrap();
+            let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(3))
+                .chunks(3)
+                .timeout(Duration::from_millis(1500))
+                .build(vec![
+                    layer(|_| Ok(Activation::Relu)),
+                    layer(move |_| Ok(Faulty { mode })),
+                    layer(|vb| linear(4, 2, vb.pp("b"))),
+                ])
+                .unwrap();
+            let marked = Tensor::cat(
+                &[
+                    x.narrow(0, 0, 2).unwrap(),
+                    Tensor::full(99f32, (2, 4), &Device::Cpu).unwrap(),
+                    x.narrow(0, 4, 2).unwrap(),
+                ],
+                0,
+            )
+            .unwrap();
+            pipe.forward_backward(&marked, &y, LossReduction::Mean, |o, y| {
+                loss::cross_entropy(o, y)
+            })
+            .map(|_| ())
+            .unwrap_err()
+        });
+        match (mode, &err) {
+            ("stuck", Error::StageTimeout { stage, doing, .. }) => {
+                assert_eq!(*stage, 1, "{err}");
+                assert!(doing.contains("forward of micro-batch 1"), "{err}");
+            }
+            (
+                _,
+                Error::Stage {
+                    stage,
+                    micro_batch,
+                    phase,
+                    ..
+                },
+            ) if mode != "stuck" => {
+                assert_eq!((*stage, *micro_batch, *phase), (1, 1, "forward"), "{err}");
+                assert!(
+                    err.to_string()
+                        .contains(if mode == "error" { "bad rows" } else { "boom" }),
+                    "{err}"
+                );
+            }
+            _ => panic!("{mode}: unexpected {err}"),
+        }
+    }
+}
+
+#[test]
+fn a_pipeline_keeps_working_after_a_failed_step() {
+    within(60, || {
+        let varmap = init();
+        let pipe = pipeline(&varmap, 2, 2, Schedule::OneFOneB);
+        let (x, y) = data(4);
+        let bad_y = Tensor::new(&[0u32, 1, 7, 1], &Device::Cpu).unwrap(); // class 7 of 3
+        let err = pipe
+            .forward_backward(&x, &bad_y, LossReduction::Mean, |o, y| {
+                loss::cross_entropy(o, y)
+            })
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Stage {
+                    stage: 1,
+                    phase: "loss",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let step = pipe
+            .forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+                loss::cross_entropy(o, y)
+            })
+            .unwrap();
+        assert!(step.loss.to_scalar::<f32>().unwrap().is_finite());
+    });
+}
