@@ -136,6 +136,18 @@ impl StageWork {
             ..StageOutput::default()
         };
         for &op in &self.ops {
+            // Stage 0 never waits on a neighbour: stop here once the step
+            // is abandoned, so no work (or BatchNorm update) outlives it.
+            if cancel.is_cancelled() {
+                let m = match op {
+                    Op::Forward(m) | Op::Backward(m) => m,
+                };
+                return Err(StageFailure {
+                    micro_batch: m,
+                    phase: Phase::Forward,
+                    source: candle_core::Error::Msg("step abandoned: another stage failed".into()),
+                });
+            }
             match op {
                 Op::Forward(m) => {
                     let (leaf, output) = self.forward(stage, m, cancel)?;
@@ -161,7 +173,13 @@ impl StageWork {
                 }
                 Op::Backward(m) => {
                     let Some((leaf, output)) = saved.get_mut(m).and_then(Option::take) else {
-                        continue;
+                        return Err(StageFailure {
+                            micro_batch: m,
+                            phase: Phase::Backward,
+                            source: candle_core::Error::Msg(format!(
+                                "no saved forward for micro-batch {m}"
+                            )),
+                        });
                     };
                     self.backward(stage, m, leaf, output, &mut out, cancel)?;
                 }
