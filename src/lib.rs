@@ -91,6 +91,7 @@ pub mod reduce;
 pub mod sampler;
 mod scatter_gather;
 mod seeded_init;
+mod shared_backend;
 mod vars;
 mod worker_pool;
 

@@ -29,6 +29,7 @@ use crate::device_label::device_label;
 use crate::error::{Error, Result};
 use crate::lock::lock;
 use crate::panic_message::panic_message;
+use crate::shared_backend::SharedBackend;
 use crate::vars::sorted_vars;
 
 /// Builds the master model on `device`, creating (or reusing) the variables
@@ -231,29 +232,4 @@ pub(crate) fn build_replica<M>(
     })?;
     let vars = std::mem::take(&mut *lock(&backend.vars));
     Ok((model, vars))
-}
-
-/// Lets the builder keep a handle on the backend after handing it to the
-/// `VarBuilder` (which takes ownership of a boxed backend).
-struct SharedBackend(Arc<ReplicaBackend>);
-
-impl candle_nn::var_builder::SimpleBackend for SharedBackend {
-    fn get(
-        &self,
-        s: Shape,
-        name: &str,
-        h: Init,
-        dtype: DType,
-        dev: &Device,
-    ) -> candle_core::Result<Tensor> {
-        self.0.get(s, name, h, dtype, dev)
-    }
-
-    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        self.0.get_unchecked(name, dtype, dev)
-    }
-
-    fn contains_tensor(&self, name: &str) -> bool {
-        self.0.contains_tensor(name)
-    }
 }

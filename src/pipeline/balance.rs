@@ -10,6 +10,7 @@ use candle_nn::{Init, VarBuilder, VarMap};
 use super::LayerFactory;
 use crate::error::{Error, Result};
 use crate::lock::lock;
+use crate::shared_backend::SharedBackend;
 
 /// How many consecutive layers each stage gets.
 #[derive(Debug, Clone)]
@@ -133,7 +134,7 @@ fn parameter_bytes(layers: &[LayerFactory], dtype: DType) -> Result<Vec<f64>> {
         .enumerate()
         .map(|(index, factory)| {
             let vb = VarBuilder::from_backend(
-                Box::new(SharedCounter(counter.clone())),
+                Box::new(SharedBackend(counter.clone())),
                 dtype,
                 Device::Cpu,
             );
@@ -158,9 +159,7 @@ struct CountingBackend {
     created: Mutex<Vec<(String, usize)>>,
 }
 
-struct SharedCounter(std::sync::Arc<CountingBackend>);
-
-impl candle_nn::var_builder::SimpleBackend for SharedCounter {
+impl candle_nn::var_builder::SimpleBackend for CountingBackend {
     fn get(
         &self,
         shape: Shape,
@@ -170,7 +169,7 @@ impl candle_nn::var_builder::SimpleBackend for SharedCounter {
         _dev: &Device,
     ) -> candle_core::Result<Tensor> {
         let bytes = shape.elem_count() * dtype.size_in_bytes();
-        lock(&self.0.created).push((name.to_string(), bytes));
+        lock(&self.created).push((name.to_string(), bytes));
         Tensor::zeros((), dtype, &Device::Cpu)?.broadcast_as(shape)
     }
 

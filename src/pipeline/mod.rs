@@ -383,24 +383,14 @@ impl Pipeline {
                     },
                     links,
                     board: Arc::clone(&board),
-                    loss: if training {
-                        // Only the last stage computes the loss; the others
-                        // only need to know the step trains.
-                        if index + 1 == stages {
-                            loss.take()
-                        } else {
-                            Some(TrainLoss {
-                                loss_fn: Arc::new(|_: &Tensor, _: &Tensor| {
-                                    candle_core::bail!("only the last stage computes the loss")
-                                }),
-                                targets: Vec::new(),
-                                shares: Vec::new(),
-                            })
-                        }
+                    training,
+                    // Only the last stage computes the loss.
+                    loss: if index + 1 == stages {
+                        loss.take()
                     } else {
                         None
                     },
-                    train,
+                    train: training || train,
                 };
                 move |stage: &mut Stage, cancel: &crate::worker_pool::Cancel| {
                     work.run(stage, cancel)

@@ -11,6 +11,7 @@ use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 use super::schedule::Op;
 use crate::device_label::device_label;
 use crate::lock::lock;
+use crate::shared_backend::SharedBackend;
 use crate::worker_pool::Cancel;
 
 /// A tensor for micro-batch `m`, between neighbouring stages.
@@ -100,9 +101,12 @@ pub(crate) struct StageWork {
     pub(crate) inputs: Vec<Tensor>,
     pub(crate) links: Links,
     pub(crate) board: Board,
-    /// `Some` for a training step: the last stage's loss.
+    /// A training step (stage inputs are leaves, each stage runs its own
+    /// backward), or forwards only (the drop-in path).
+    pub(crate) training: bool,
+    /// The last stage of a training step: its loss.
     pub(crate) loss: Option<TrainLoss>,
-    /// Forward only: the train flag of `forward_t`.
+    /// The train flag of the layers' `forward_t` (true when training).
     pub(crate) train: bool,
 }
 
@@ -121,9 +125,8 @@ impl StageWork {
         }
     }
 
-    /// Runs the stage's ops: a training step when `loss` is set (stage
-    /// inputs are leaves, each stage runs its own backward), else forwards
-    /// whose graph stays connected across stages (the drop-in path).
+    /// Runs the stage's ops: a training step, or forwards whose graph
+    /// stays connected across stages (the drop-in path).
     pub(crate) fn run(self, stage: &Stage, cancel: &Cancel) -> Result<StageOutput, StageFailure> {
         let chunks = self
             .ops
@@ -151,14 +154,14 @@ impl StageWork {
             match op {
                 Op::Forward(m) => {
                     let (leaf, output) = self.forward(stage, m, cancel)?;
-                    if self.loss.is_some() {
+                    if self.training {
                         if let Some(slot) = saved.get_mut(m) {
                             *slot = Some((leaf, output.clone()));
                         }
                     }
-                    match (&self.loss, &self.links.to_next) {
-                        (_, Some(next)) => {
-                            let message = if self.loss.is_some() {
+                    match &self.links.to_next {
+                        Some(next) => {
+                            let message = if self.training {
                                 output.detach()
                             } else {
                                 output
@@ -167,8 +170,8 @@ impl StageWork {
                             // step is being abandoned, its error comes first.
                             let _ = next.send((m, message));
                         }
-                        (Some(_), None) => {}
-                        (None, None) => out.outputs.push(output),
+                        None if !self.training => out.outputs.push(output),
+                        None => {}
                     }
                 }
                 Op::Backward(m) => {
@@ -217,16 +220,15 @@ impl StageWork {
             .map_err(fail(Phase::Forward))?;
         // A training stage starts its own graph at a leaf, so that its
         // backward stops there and yields the gradient to send upstream.
-        let leaf = match (&self.loss, &self.links.from_prev) {
-            (Some(_), Some(_)) => {
+        let leaf = match (self.training, &self.links.from_prev) {
+            (true, Some(_)) => {
                 Some(Var::from_tensor(&input.detach()).map_err(fail(Phase::Forward))?)
             }
             _ => None,
         };
         let x = leaf.as_ref().map_or(&input, Var::as_tensor);
-        let train = self.loss.is_some() || self.train;
-        let output = stage.forward(x, train).map_err(fail(Phase::Forward))?;
-        let Some(loss) = self.loss.as_ref().filter(|_| self.links.to_next.is_none()) else {
+        let output = stage.forward(x, self.train).map_err(fail(Phase::Forward))?;
+        let Some(loss) = &self.loss else {
             return Ok((leaf, output));
         };
         self.set(Some((Phase::Loss, m)));
@@ -384,31 +386,6 @@ impl candle_nn::var_builder::SimpleBackend for StageBackend {
     }
 }
 
-/// Lets the builder read what the backend recorded after handing it to the
-/// `VarBuilder` (which owns a boxed backend).
-pub(crate) struct SharedStageBackend(pub(crate) Arc<StageBackend>);
-
-impl candle_nn::var_builder::SimpleBackend for SharedStageBackend {
-    fn get(
-        &self,
-        s: Shape,
-        name: &str,
-        h: Init,
-        dtype: DType,
-        dev: &Device,
-    ) -> candle_core::Result<Tensor> {
-        self.0.get(s, name, h, dtype, dev)
-    }
-
-    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        self.0.get_unchecked(name, dtype, dev)
-    }
-
-    fn contains_tensor(&self, name: &str) -> bool {
-        self.0.contains_tensor(name)
-    }
-}
-
 /// Builds `factories` (global indices from `first`) for one stage on `device`.
 pub(crate) fn build_stage(
     varmap: &VarMap,
@@ -426,7 +403,7 @@ pub(crate) fn build_stage(
     for (offset, factory) in factories.iter().enumerate() {
         let layer = first + offset;
         let vb = VarBuilder::from_backend(
-            Box::new(SharedStageBackend(backend.clone())),
+            Box::new(SharedBackend(backend.clone())),
             dtype,
             device.clone(),
         );
