@@ -420,3 +420,281 @@ fn a_pipeline_keeps_working_after_a_failed_step() {
         assert!(step.loss.to_scalar::<f32>().unwrap().is_finite());
     });
 }
+
+// ---------------------------------------------------------------- BatchNorm
+
+/// 6 -> 8 -> relu -> 8 -> BatchNorm -> 3, the norm with `momentum`: over
+/// 8 features, or (`spatial`) over 2 channels of 4 positions each. One norm
+/// only: a norm after another sees inputs normalised per micro-batch,
+/// which no pipeline can make equal to the whole batch's.
+fn bn_layers(momentum: f64, spatial: bool) -> Vec<LayerFactory> {
+    let config = move || candle_nn::BatchNormConfig {
+        momentum,
+        ..Default::default()
+    };
+    let (channels, shape) = if spatial {
+        (2, vec![2, 4])
+    } else {
+        (8, vec![8])
+    };
+    vec![
+        layer(|vb| linear(6, 8, vb.pp("l1"))),
+        layer(|_| Ok(Activation::Relu)),
+        layer(|vb| linear(8, 8, vb.pp("l2"))),
+        layer(move |_| {
+            let shape = shape.clone();
+            Ok(candle_nn::func(move |x| {
+                let mut dims = vec![x.dim(0)?];
+                dims.extend(&shape);
+                x.reshape(dims)
+            }))
+        }),
+        layer(move |vb| candle_nn::batch_norm(channels, config(), vb.pp("bn"))),
+        layer(|_| Ok(candle_nn::func(|x| x.flatten_from(1)))),
+        layer(|vb| linear(8, 3, vb.pp("l3"))),
+    ]
+}
+
+/// The layers built on one device, applied in order.
+fn on_one_device(
+    layers: &[LayerFactory],
+    varmap: &VarMap,
+) -> impl Fn(&Tensor, bool) -> candle_core::Result<Tensor> {
+    let vb = VarBuilder::from_varmap(varmap, DType::F32, &Device::Cpu);
+    let built: Vec<_> = layers.iter().map(|f| f(vb.clone()).unwrap()).collect();
+    move |x: &Tensor, train: bool| {
+        built
+            .iter()
+            .try_fold(x.clone(), |h, layer| layer.forward_t(&h, train))
+    }
+}
+
+fn buffers_of(varmap: &VarMap) -> HashMap<String, Vec<f32>> {
+    varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(name, _)| candle_dp::is_batch_norm_buffer(name))
+        .map(|(name, var)| {
+            let v = var.as_tensor().flatten_all().unwrap().to_vec1::<f32>();
+            (name.clone(), v.unwrap())
+        })
+        .collect()
+}
+
+fn bn_init(momentum: f64, spatial: bool) -> VarMap {
+    let layers = bn_layers(momentum, spatial);
+    let varmap = seeded_varmap(5, DType::F32, &Device::Cpu, |vb| {
+        layers.iter().try_for_each(|f| f(vb.clone()).map(|_| ()))
+    })
+    .unwrap();
+    // Start the statistics away from 0 and 1, so a lost update shows.
+    for (name, var) in varmap.data().lock().unwrap().iter() {
+        if candle_dp::is_batch_norm_buffer(name) {
+            let shifted = var.as_tensor().affine(0.5, 0.25).unwrap();
+            var.set(&shifted).unwrap();
+        }
+    }
+    varmap
+}
+
+#[test]
+fn batch_norm_running_statistics_equal_the_whole_batchs_for_any_micro_batches() {
+    within(240, || {
+        let momentum = 0.3; // not candle's default: nothing assumes it
+        let rows = 26; // 13 micro-batches of 2 rows at most
+        let x = Tensor::randn(1f32, 3., (rows, 6), &Device::Cpu).unwrap();
+        let y = Tensor::from_vec(
+            (0..rows as u32).map(|i| i % 3).collect(),
+            rows,
+            &Device::Cpu,
+        )
+        .unwrap();
+        for spatial in [false, true] {
+            let start = bn_init(momentum, spatial);
+            let reference = copy_of(&start);
+            let one = on_one_device(&bn_layers(momentum, spatial), &reference);
+            let steps = 3;
+            for _ in 0..steps {
+                one(&x, true).unwrap();
+            }
+            let want = buffers_of(&reference);
+            let eval_want = one(&x, false).unwrap();
+            for stages in 1..=3 {
+                for chunks in [1, 2, 3, 5, 13] {
+                    for path in ["gpipe", "1f1b", "drop-in"] {
+                        let varmap = copy_of(&start);
+                        let schedule = if path == "gpipe" {
+                            Schedule::GPipe
+                        } else {
+                            Schedule::OneFOneB
+                        };
+                        let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(stages))
+                            .chunks(chunks)
+                            .schedule(schedule)
+                            .timeout(Duration::from_secs(60))
+                            .build(bn_layers(momentum, spatial))
+                            .unwrap();
+                        for _ in 0..steps {
+                            if path == "drop-in" {
+                                let out = pipe.forward(&x).unwrap();
+                                out.sum_all().unwrap().backward().unwrap();
+                            } else {
+                                pipe.forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+                                    loss::cross_entropy(o, y)
+                                })
+                                .unwrap();
+                            }
+                        }
+                        let diff = max_diff(&buffers_of(&varmap), &want);
+                        let case =
+                            format!("{stages} stages, {chunks} chunks, {path}, spatial {spatial}");
+                        assert!(diff < 1e-5, "{case}: running statistics differ by {diff}");
+                        // Evaluation reads them: the same output as one device.
+                        let eval = pipe.forward_t(&x, false).unwrap();
+                        let eval_diff = (eval - &eval_want)
+                            .unwrap()
+                            .abs()
+                            .unwrap()
+                            .max_all()
+                            .unwrap()
+                            .to_scalar::<f32>()
+                            .unwrap();
+                        assert!(
+                            eval_diff < 1e-4,
+                            "{case}: evaluation differs by {eval_diff}"
+                        );
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// A layer whose `n`-th forward (counting from 1) fails.
+struct FailsOnCall {
+    calls: std::sync::atomic::AtomicUsize,
+    n: usize,
+}
+
+impl Module for FailsOnCall {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let call = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        if call == self.n {
+            candle_core::bail!("forward number {call} fails");
+        }
+        Ok(x.clone())
+    }
+}
+
+#[test]
+fn batch_norm_buffers_are_untouched_by_a_failed_step() {
+    within(60, || {
+        let varmap = bn_init(0.1, true);
+        let before = buffers_of(&varmap);
+        let mut layers = bn_layers(0.1, true);
+        // The last stage fails on the second micro-batch, when the first
+        // stage (GPipe) has run the forwards of both.
+        layers.push(layer(|_| {
+            Ok(FailsOnCall {
+                calls: Default::default(),
+                n: 2,
+            })
+        }));
+        let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+            .balance(Balance::Explicit(vec![7, 1]))
+            .chunks(2)
+            .schedule(Schedule::GPipe)
+            .build(layers)
+            .unwrap();
+        let (x, y) = data(4);
+        let err = pipe
+            .forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+                loss::cross_entropy(o, y)
+            })
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Stage {
+                    stage: 1,
+                    micro_batch: 1,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(
+            buffers_of(&varmap),
+            before,
+            "a failed step changed the buffers"
+        );
+        // The next step commits.
+        pipe.forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+            loss::cross_entropy(o, y)
+        })
+        .unwrap();
+        assert_ne!(buffers_of(&varmap), before);
+    });
+}
+
+#[test]
+fn a_layer_with_a_batch_norm_inside_keeps_per_micro_batch_statistics() {
+    within(60, || {
+        // Linear and BatchNorm in one layer: its input is not what the
+        // norm sees, so its statistics cannot be deferred; they must be
+        // exactly the per-micro-batch updates, not something made up.
+        let block = || {
+            layer(|vb| {
+                // Same width in and out: only the check can tell.
+                let lin = linear(4, 4, vb.pp("lin"))?;
+                let bn = candle_nn::batch_norm(4, 1e-5, vb.pp("bn"))?;
+                Ok(candle_nn::func_t(move |x, train| {
+                    candle_nn::ModuleT::forward_t(&bn, &lin.forward(x)?, train)
+                }))
+            })
+        };
+        let layers = || {
+            vec![
+                layer(|vb| linear(6, 4, vb.pp("in"))),
+                block(),
+                layer(|vb| linear(4, 3, vb.pp("out"))),
+            ]
+        };
+        let start = seeded_varmap(3, DType::F32, &Device::Cpu, |vb| {
+            layers().iter().try_for_each(|f| f(vb.clone()).map(|_| ()))
+        })
+        .unwrap();
+        let (x, y) = data(6);
+        let reference = copy_of(&start);
+        let one = on_one_device(&layers(), &reference);
+        for m in 0..3 {
+            one(&x.narrow(0, 2 * m, 2).unwrap(), true).unwrap();
+        }
+        let varmap = copy_of(&start);
+        let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+            .chunks(3)
+            .build(layers())
+            .unwrap();
+        pipe.forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+            loss::cross_entropy(o, y)
+        })
+        .unwrap();
+        let diff = max_diff(&buffers_of(&varmap), &buffers_of(&reference));
+        assert!(diff < 1e-6, "{diff}");
+    });
+}
+
+#[test]
+fn a_batch_norm_buffer_on_two_stages_is_refused() {
+    let norm = || layer(|vb| candle_nn::batch_norm(6, 1e-5, vb.pp("bn")));
+    let err = Pipeline::builder(&VarMap::new(), DType::F32, &cpu_devices(2))
+        .build(vec![norm(), norm()])
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::InvalidBalance { reason, .. } if reason.contains("bn.running_")),
+        "{err}"
+    );
+}

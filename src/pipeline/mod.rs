@@ -53,14 +53,20 @@
 //! ```
 //!
 //! Layers whose forward couples the rows of a batch (BatchNorm in training)
-//! see one micro-batch at a time, as in every pipeline; their running
-//! statistics are updated once per micro-batch. Variables shared by layers
-//! of different stages (tied weights) get the sum of their gradients when
-//! those stages share a device; across devices they are refused for now.
+//! see one micro-batch at a time, as in every pipeline. BatchNorm running
+//! statistics, though, are those of the whole batch (deferred: see
+//! `deferred_norm`), as on one device, with no change to the model, and
+//! they reach the `VarMap` only when the whole step succeeds. Variables
+//! shared by layers of different stages (tied weights) get the sum of
+//! their gradients, on any devices: a stage whose device is not the
+//! variable's uses a copy refreshed at every step.
 
 mod balance;
+mod deferred_norm;
 mod schedule;
 mod stage;
+mod stage_build;
+mod timings;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -72,6 +78,7 @@ use crossbeam::channel;
 
 pub use balance::Balance;
 pub use schedule::Schedule;
+pub use timings::PipelineTimings;
 
 use crate::device_label::device_label;
 use crate::error::{Error, Result};
@@ -80,7 +87,7 @@ use crate::no_grad::NoGradCheck;
 use crate::vars::sorted_vars;
 use crate::worker_pool::{Failure, NoAnswer, WorkerFailure, WorkerPool};
 use crate::{chunk_sizes, LossReduction, Step};
-use stage::{Board, Links, LossFn, Stage, StageFailure, StageOutput, StageWork, TrainLoss};
+use stage::{Board, Doing, Links, LossFn, Stage, StageFailure, StageOutput, StageWork, TrainLoss};
 
 /// Builds one layer of a pipeline from a `VarBuilder` on its stage's device.
 pub type LayerFactory =
@@ -114,6 +121,7 @@ pub struct Pipeline {
     schedule: Schedule,
     timeout: Option<Duration>,
     no_grad: NoGradCheck,
+    timings: Mutex<PipelineTimings>,
     /// One step at a time: the stages' channels belong to one step.
     step: Mutex<()>,
 }
@@ -203,6 +211,11 @@ impl Pipeline {
             .iter()
             .map(|vars| vars.iter().map(|(n, _)| n.clone()).collect())
             .collect()
+    }
+
+    /// Where the time of the latest successful step went, stage by stage.
+    pub fn last_timings(&self) -> PipelineTimings {
+        lock(&self.timings).clone()
     }
 
     /// The drop-in forward in training mode: see [`forward_t`](Self::forward_t).
@@ -348,7 +361,7 @@ impl Pipeline {
     ) -> Result<Vec<StageOutput>> {
         let stages = self.devices.len();
         let chunks = inputs.len();
-        let board: Board = Arc::new((0..stages).map(|_| Mutex::new(None)).collect());
+        let board: Board = Arc::new((0..stages).map(|_| Mutex::new(Doing::NotStarted)).collect());
         let mut links: Vec<Links> = (0..stages).map(|_| Links::default()).collect();
         for s in 1..stages {
             let (act_tx, act_rx) = channel::unbounded();
@@ -360,6 +373,7 @@ impl Pipeline {
                 links[s - 1].grad_from_next = Some(grad_rx);
             }
         }
+        let started = std::time::Instant::now();
         let mut inputs = Some(inputs);
         let mut loss = loss;
         let training = loss.is_some();
@@ -391,22 +405,46 @@ impl Pipeline {
                         None
                     },
                     train: training || train,
+                    computing_since: std::cell::Cell::new(None),
+                    busy: std::cell::Cell::new(Duration::ZERO),
                 };
                 move |stage: &mut Stage, cancel: &crate::worker_pool::Cancel| {
                     work.run(stage, cancel)
                 }
             })
             .collect();
-        self.pool
+        let outputs = self
+            .pool
             .run(jobs, self.timeout)
-            .map_err(|failure| self.stage_error(failure, &board))
+            .map_err(|failure| self.stage_error(failure, &board))?;
+        // Every stage succeeded: now the buffers may change.
+        for output in &outputs {
+            for (var, value) in &output.buffers {
+                var.set(&value.to_device(var.device())?)?;
+            }
+        }
+        *lock(&self.timings) = PipelineTimings {
+            step: started.elapsed(),
+            busy: outputs.iter().map(|o| o.busy).collect(),
+            peak_saved_bytes: outputs.iter().map(|o| o.peak_saved_bytes).collect(),
+        };
+        Ok(outputs)
     }
 
     /// The error naming the stage that failed, or that held the step up.
     fn stage_error(&self, failure: WorkerFailure<StageFailure>, board: &Board) -> Error {
-        let doing = |stage: usize| board.get(stage).and_then(|slot| *lock(slot));
+        let doing = |stage: usize| board.get(stage).map(|slot| *lock(slot));
+        let computing = |stage: usize| match doing(stage) {
+            Some(Doing::Computing {
+                phase,
+                micro_batch,
+                since,
+            }) => Some((phase, micro_batch, since)),
+            _ => None,
+        };
         let stage_error = |stage: usize, source: candle_core::Error| {
-            let (phase, micro_batch) = doing(stage).unwrap_or((stage::Phase::Forward, 0));
+            let (phase, micro_batch) =
+                computing(stage).map_or((stage::Phase::Forward, 0), |(phase, m, _)| (phase, m));
             Error::Stage {
                 stage,
                 device: self.label(stage),
@@ -428,16 +466,32 @@ impl Pipeline {
                 candle_core::Error::Msg(format!("panicked: {message}")),
             ),
             Failure::NoAnswer(NoAnswer::Timeout(timeout)) => {
-                // The stage that is computing, not the ones waiting for it.
-                let stage = (0..self.devices.len())
-                    .find(|&s| doing(s).is_some())
-                    .unwrap_or(failure.worker);
+                // The stage computing for the longest, not the ones waiting
+                // for it; else one whose worker is still stuck in an
+                // earlier step.
+                let stages = 0..self.devices.len();
+                let longest = stages
+                    .clone()
+                    .filter_map(|s| computing(s).map(|(_, _, since)| (s, since)))
+                    .min_by_key(|&(_, since)| since)
+                    .map(|(s, _)| s);
+                let stuck = stages
+                    .clone()
+                    .find(|&s| doing(s) == Some(Doing::NotStarted));
+                let stage = longest.or(stuck).unwrap_or(failure.worker);
+                let what = match doing(stage) {
+                    Some(Doing::Computing {
+                        phase, micro_batch, ..
+                    }) => format!(", in the {} of micro-batch {micro_batch}", phase.name()),
+                    Some(Doing::NotStarted) => {
+                        ", its worker still busy with an earlier step that did not finish".into()
+                    }
+                    _ => String::new(),
+                };
                 Error::StageTimeout {
                     stage,
                     device: self.label(stage),
-                    doing: doing(stage).map_or_else(String::new, |(phase, m)| {
-                        format!(", in the {} of micro-batch {m}", phase.name())
-                    }),
+                    doing: what,
                     timeout,
                 }
             }
@@ -527,7 +581,7 @@ impl PipelineBuilder {
         let layers = Arc::new(layers);
         let (varmap, dtype) = (self.varmap.clone(), self.dtype);
         let plan = Arc::new((balance.clone(), starts));
-        let (pool, stage_vars) = WorkerPool::start(
+        let (pool, stage_lists) = WorkerPool::start(
             &self.devices,
             threads,
             self.timeout,
@@ -535,9 +589,14 @@ impl PipelineBuilder {
                 let (sizes, starts) = &*plan;
                 let range = starts[index]..starts[index] + sizes[index];
                 let stage =
-                    stage::build_stage(&varmap, dtype, device, range.start, &layers[range])?;
-                let vars = stage.vars.clone();
-                Ok::<_, Error>((stage, vars))
+                    stage_build::build_stage(&varmap, dtype, device, range.start, &layers[range])?;
+                let vars = stage
+                    .vars
+                    .iter()
+                    .map(|v| (v.name.clone(), v.master.clone()))
+                    .collect::<Vec<_>>();
+                let buffers = stage.buffers.iter().map(|b| b.name.clone()).collect();
+                Ok::<_, Error>((stage, (vars, buffers)))
             },
         )
         .map_err(|failure| match failure.failure {
@@ -557,6 +616,9 @@ impl PipelineBuilder {
                 failure.worker, failure.device
             ))),
         })?;
+        let (stage_vars, stage_buffers): (Vec<_>, Vec<Vec<String>>) =
+            stage_lists.into_iter().unzip();
+        refuse_buffers_of_two_stages(&stage_buffers, balance.iter().sum(), &balance)?;
         Ok(Pipeline {
             pool,
             devices: self.devices,
@@ -567,7 +629,30 @@ impl PipelineBuilder {
             schedule: self.schedule,
             timeout: self.timeout,
             no_grad: NoGradCheck::default(),
+            timings: Mutex::new(PipelineTimings::default()),
             step: Mutex::new(()),
         })
     }
+}
+
+/// A buffer updated on two stages would get two commits; refuse it.
+fn refuse_buffers_of_two_stages(
+    stage_buffers: &[Vec<String>],
+    layers: usize,
+    balance: &[usize],
+) -> Result<()> {
+    for (later, names) in stage_buffers.iter().enumerate() {
+        for name in names {
+            if let Some(earlier) = stage_buffers[..later].iter().position(|n| n.contains(name)) {
+                return Err(Error::InvalidBalance {
+                    layers,
+                    stages: balance.len(),
+                    reason: format!(
+                        "the buffer `{name}` is used by stages {earlier} and {later} (balance {balance:?}); put the layers that share it in one stage"
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
 }

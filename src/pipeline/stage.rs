@@ -1,17 +1,17 @@
 //! One pipeline stage: its layers on its device, and the work it runs in a
 //! step, talking to its neighbours over channels.
 
+use std::cell::Cell;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device, Shape, Tensor, Var};
-use candle_nn::{Init, ModuleT, VarBuilder, VarMap};
+use candle_core::{Device, Tensor, Var};
+use candle_nn::ModuleT;
 use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 
+use super::deferred_norm::{self, NormStep, NormUse};
 use super::schedule::Op;
-use crate::device_label::device_label;
 use crate::lock::lock;
-use crate::shared_backend::SharedBackend;
 use crate::worker_pool::Cancel;
 
 /// A tensor for micro-batch `m`, between neighbouring stages.
@@ -27,18 +27,64 @@ const POLL: Duration = Duration::from_millis(20);
 /// abandoned before it reports the neighbour itself.
 const GONE_GRACE: Duration = Duration::from_secs(5);
 
+/// A variable a stage's layers use: the `VarMap`'s own (`local` is
+/// `master`), or a stage-local mirror of it (see `stage_build`).
+pub(crate) struct StageVar {
+    pub(crate) name: String,
+    /// What the layers use.
+    pub(crate) local: Var,
+    /// The `VarMap`'s variable.
+    pub(crate) master: Var,
+}
+
+impl StageVar {
+    fn is_mirror(&self) -> bool {
+        self.local.as_tensor().id() != self.master.as_tensor().id()
+    }
+}
+
 /// The layers of one stage, built on its worker (they need not be `Send`).
 pub(crate) struct Stage {
     pub(crate) layers: Vec<Box<dyn ModuleT>>,
-    /// The variables the layers use, by name.
-    pub(crate) vars: Vec<(String, Var)>,
+    /// The global index of the first layer.
+    pub(crate) first: usize,
+    /// The trainable variables the layers use, by name.
+    pub(crate) vars: Vec<StageVar>,
+    /// The BatchNorm buffers the layers use (always mirrors), by name.
+    pub(crate) buffers: Vec<StageVar>,
+    /// The layers that update buffers.
+    pub(crate) norms: Vec<NormUse>,
+    pub(crate) device: Device,
 }
 
 impl Stage {
-    fn forward(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
-        self.layers
-            .iter()
-            .try_fold(x.clone(), |h, layer| layer.forward_t(&h, train))
+    /// Copies the `VarMap`'s current values into the mirrors.
+    fn refresh(&self) -> candle_core::Result<()> {
+        for v in self.vars.iter().chain(&self.buffers) {
+            if v.is_mirror() {
+                v.local
+                    .set(&v.master.as_tensor().to_device(&self.device)?)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        train: bool,
+        mut norms: Option<&mut NormStep>,
+    ) -> candle_core::Result<Tensor> {
+        let mut h = x.clone();
+        for (k, layer) in self.layers.iter().enumerate() {
+            h = match norms.as_deref_mut() {
+                Some(step) if train && self.norms.iter().any(|u| u.layer == k) => {
+                    deferred_norm::forward_layer(self, k, &h, step)?
+                }
+                _ => layer.forward_t(&h, train)?,
+            };
+        }
+        Ok(h)
     }
 }
 
@@ -60,9 +106,24 @@ impl Phase {
     }
 }
 
-/// What each stage is computing right now (`None` while it waits or is
-/// done), so that a timeout names the stage that holds the step up.
-pub(crate) type Board = Arc<Vec<Mutex<Option<(Phase, usize)>>>>;
+/// What a stage is doing in a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Doing {
+    /// Its job has not begun: its worker is still busy (with an earlier,
+    /// abandoned step that is stuck).
+    NotStarted,
+    /// Waiting for a neighbour, or done.
+    Waiting,
+    Computing {
+        phase: Phase,
+        micro_batch: usize,
+        since: Instant,
+    },
+}
+
+/// What each stage is doing right now, so that a timeout names the stage
+/// that holds the step up.
+pub(crate) type Board = Arc<Vec<Mutex<Doing>>>;
 
 /// Why a stage's work stopped.
 #[derive(Debug)]
@@ -84,8 +145,17 @@ pub(crate) struct Links {
 /// What a stage hands back at the end of a step.
 #[derive(Default)]
 pub(crate) struct StageOutput {
-    /// One accumulated gradient per stage variable (training).
+    /// One accumulated gradient per stage variable (training), on the
+    /// device of the `VarMap`'s variable.
     pub(crate) grads: Vec<Option<Tensor>>,
+    /// The buffers' new values, with their `VarMap` variables (training
+    /// forwards), to commit when every stage has succeeded.
+    pub(crate) buffers: Vec<(Var, Tensor)>,
+    /// Time spent computing (not waiting for a neighbour).
+    pub(crate) busy: Duration,
+    /// The most bytes of micro-batch activations (stage inputs and
+    /// outputs) held for the backward at once.
+    pub(crate) peak_saved_bytes: usize,
     /// The weighted micro-batch losses (last stage, training).
     pub(crate) losses: Vec<Tensor>,
     /// The micro-batch outputs (last stage, forward only).
@@ -108,6 +178,9 @@ pub(crate) struct StageWork {
     pub(crate) loss: Option<TrainLoss>,
     /// The train flag of the layers' `forward_t` (true when training).
     pub(crate) train: bool,
+    /// When the current computation began, and the time computed so far.
+    pub(crate) computing_since: Cell<Option<Instant>>,
+    pub(crate) busy: Cell<Duration>,
 }
 
 /// The loss side of a training step (used by the last stage).
@@ -119,7 +192,24 @@ pub(crate) struct TrainLoss {
 }
 
 impl StageWork {
+    /// Marks the stage computing `phase` of micro-batch `m`, or waiting
+    /// (`None`), and keeps count of the time it computes.
     fn set(&self, doing: Option<(Phase, usize)>) {
+        let now = Instant::now();
+        if let Some(since) = self.computing_since.take() {
+            self.busy.set(self.busy.get() + now.duration_since(since));
+        }
+        let doing = match doing {
+            Some((phase, micro_batch)) => {
+                self.computing_since.set(Some(now));
+                Doing::Computing {
+                    phase,
+                    micro_batch,
+                    since: now,
+                }
+            }
+            None => Doing::Waiting,
+        };
         if let Some(slot) = self.board.get(self.index) {
             *lock(slot) = doing;
         }
@@ -128,6 +218,19 @@ impl StageWork {
     /// Runs the stage's ops: a training step, or forwards whose graph
     /// stays connected across stages (the drop-in path).
     pub(crate) fn run(self, stage: &Stage, cancel: &Cancel) -> Result<StageOutput, StageFailure> {
+        self.set(None);
+        let setup = |source| StageFailure {
+            micro_batch: 0,
+            phase: Phase::Forward,
+            source,
+        };
+        stage.refresh().map_err(setup)?;
+        let mut norms = if self.train && !stage.norms.is_empty() {
+            Some(NormStep::start(stage).map_err(setup)?)
+        } else {
+            None
+        };
+        let (mut saved_bytes, mut peak_saved_bytes) = (0usize, 0usize);
         let chunks = self
             .ops
             .iter()
@@ -138,6 +241,7 @@ impl StageWork {
             grads: vec![None; stage.vars.len()],
             ..StageOutput::default()
         };
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         for &op in &self.ops {
             // Stage 0 never waits on a neighbour: stop here once the step
             // is abandoned, so no work (or BatchNorm update) outlives it.
@@ -153,8 +257,10 @@ impl StageWork {
             }
             match op {
                 Op::Forward(m) => {
-                    let (leaf, output) = self.forward(stage, m, cancel)?;
+                    let (leaf, output) = self.forward(stage, m, norms.as_mut(), cancel)?;
                     if self.training {
+                        saved_bytes += bytes(&output) + leaf.as_ref().map_or(0, |l| bytes(l));
+                        peak_saved_bytes = peak_saved_bytes.max(saved_bytes);
                         if let Some(slot) = saved.get_mut(m) {
                             *slot = Some((leaf, output.clone()));
                         }
@@ -184,11 +290,24 @@ impl StageWork {
                             )),
                         });
                     };
+                    saved_bytes = saved_bytes
+                        .saturating_sub(bytes(&output) + leaf.as_ref().map_or(0, |l| bytes(l)));
                     self.backward(stage, m, leaf, output, &mut out, cancel)?;
                 }
             }
         }
+        if let Some(step) = norms.as_mut() {
+            let last = chunks.saturating_sub(1);
+            self.set(Some((Phase::Forward, last)));
+            out.buffers = deferred_norm::finish(stage, step).map_err(|source| StageFailure {
+                micro_batch: last,
+                phase: Phase::Forward,
+                source,
+            })?;
+        }
         self.set(None);
+        out.busy = self.busy.get();
+        out.peak_saved_bytes = peak_saved_bytes;
         Ok(out)
     }
 
@@ -196,6 +315,7 @@ impl StageWork {
         &self,
         stage: &Stage,
         m: usize,
+        norms: Option<&mut NormStep>,
         cancel: &Cancel,
     ) -> Result<(Option<Var>, Tensor), StageFailure> {
         let fail = |phase| {
@@ -227,7 +347,9 @@ impl StageWork {
             _ => None,
         };
         let x = leaf.as_ref().map_or(&input, Var::as_tensor);
-        let output = stage.forward(x, self.train).map_err(fail(Phase::Forward))?;
+        let output = stage
+            .forward(x, self.train, norms)
+            .map_err(fail(Phase::Forward))?;
         let Some(loss) = &self.loss else {
             return Ok((leaf, output));
         };
@@ -280,11 +402,13 @@ impl StageWork {
             }
         };
         // In micro-batch order on every schedule: bitwise-equal sums.
-        for ((_, var), acc) in stage.vars.iter().zip(out.grads.iter_mut()) {
-            if let Some(g) = grads.get(var.as_tensor()) {
+        for (var, acc) in stage.vars.iter().zip(out.grads.iter_mut()) {
+            if let Some(g) = grads.get(var.local.as_tensor()) {
+                // A mirror's gradient goes to its variable's device.
+                let g = g.to_device(var.master.device()).map_err(fail)?;
                 *acc = Some(match acc.take() {
                     Some(sum) => (sum + g).map_err(fail)?,
-                    None => g.clone(),
+                    None => g,
                 });
             }
         }
@@ -336,92 +460,4 @@ impl StageWork {
             }
         }
     }
-}
-
-/// A `VarBuilder` backend for one stage: the model's `VarMap` (variables
-/// are created on the stage's device), recording which variables the
-/// stage's layers use.
-pub(crate) struct StageBackend {
-    pub(crate) varmap: VarMap,
-    pub(crate) used: Mutex<Vec<String>>,
-}
-
-impl StageBackend {
-    fn record(&self, name: &str, tensor: Tensor, dev: &Device) -> candle_core::Result<Tensor> {
-        if !tensor.device().same_device(dev) {
-            candle_core::bail!(
-                "`{name}` already lives on {} but this stage is on {}: a variable shared by layers on two devices is not supported yet; place the layers that share it on one device",
-                device_label(tensor.device()),
-                device_label(dev)
-            );
-        }
-        lock(&self.used).push(name.to_string());
-        Ok(tensor)
-    }
-}
-
-impl candle_nn::var_builder::SimpleBackend for StageBackend {
-    fn get(
-        &self,
-        shape: Shape,
-        name: &str,
-        init: Init,
-        dtype: DType,
-        dev: &Device,
-    ) -> candle_core::Result<Tensor> {
-        let tensor = self.varmap.get(shape, name, init, dtype, dev)?;
-        self.record(name, tensor, dev)
-    }
-
-    fn get_unchecked(&self, name: &str, _: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        let tensor = lock(self.varmap.data())
-            .get(name)
-            .map(|var| var.as_tensor().clone())
-            .ok_or_else(|| candle_core::Error::Msg(format!("no variable `{name}`")))?;
-        self.record(name, tensor, dev)
-    }
-
-    fn contains_tensor(&self, name: &str) -> bool {
-        lock(self.varmap.data()).contains_key(name)
-    }
-}
-
-/// Builds `factories` (global indices from `first`) for one stage on `device`.
-pub(crate) fn build_stage(
-    varmap: &VarMap,
-    dtype: DType,
-    device: &Device,
-    first: usize,
-    factories: &[super::LayerFactory],
-) -> crate::Result<Stage> {
-    use std::panic::{catch_unwind, AssertUnwindSafe};
-    let backend = Arc::new(StageBackend {
-        varmap: varmap.clone(),
-        used: Mutex::new(Vec::new()),
-    });
-    let mut layers = Vec::with_capacity(factories.len());
-    for (offset, factory) in factories.iter().enumerate() {
-        let layer = first + offset;
-        let vb = VarBuilder::from_backend(
-            Box::new(SharedBackend(backend.clone())),
-            dtype,
-            device.clone(),
-        );
-        let built = catch_unwind(AssertUnwindSafe(|| factory(vb))).unwrap_or_else(|payload| {
-            Err(candle_core::Error::Msg(format!(
-                "the layer factory panicked: {}",
-                crate::panic_message::panic_message(payload.as_ref())
-            )))
-        });
-        layers.push(built.map_err(|source| crate::Error::LayerBuild { layer, source })?);
-    }
-    let mut names = std::mem::take(&mut *lock(&backend.used));
-    names.sort();
-    names.dedup();
-    let data = lock(varmap.data());
-    let vars = names
-        .into_iter()
-        .filter_map(|name| data.get(&name).map(|var| (name, var.clone())))
-        .collect();
-    Ok(Stage { layers, vars })
 }

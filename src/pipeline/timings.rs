@@ -1,0 +1,46 @@
+//! Where the time and the activation memory of a pipeline step went.
+
+use std::time::Duration;
+
+/// The latest successful step of a [`Pipeline`](super::Pipeline), stage by
+/// stage: the figures behind the pipeline's benchmark.
+///
+/// ```
+/// use std::time::Duration;
+/// use candle_dp::pipeline::PipelineTimings;
+///
+/// let t = PipelineTimings {
+///     step: Duration::from_millis(100),
+///     busy: vec![Duration::from_millis(80), Duration::from_millis(60)],
+///     peak_saved_bytes: vec![4096, 2048],
+/// };
+/// assert!((t.bubble() - 0.3).abs() < 1e-9);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PipelineTimings {
+    /// Wall time of the step, from the split into micro-batches to the
+    /// last stage's answer.
+    pub step: Duration,
+    /// Per stage, the time spent computing (forwards, losses, backwards),
+    /// not waiting for a neighbour.
+    pub busy: Vec<Duration>,
+    /// Per stage, the most bytes of micro-batch activations held at once
+    /// for the backward (each stage's input and output per micro-batch;
+    /// the layers' own intermediate tensors come on top, in proportion).
+    /// GPipe holds every micro-batch, 1F1B at most `stages - stage`.
+    pub peak_saved_bytes: Vec<usize>,
+}
+
+impl PipelineTimings {
+    /// The measured bubble: the fraction of the stages' time spent idle,
+    /// `1 - sum(busy) / (stages * step)`. With equal stages and free
+    /// communication it is `(stages - 1) / (chunks + stages - 1)`.
+    pub fn bubble(&self) -> f64 {
+        let total = self.step.as_secs_f64() * self.busy.len() as f64;
+        if total <= 0.0 {
+            return 0.0;
+        }
+        let busy: f64 = self.busy.iter().map(Duration::as_secs_f64).sum();
+        (1.0 - busy / total).max(0.0)
+    }
+}
