@@ -356,16 +356,26 @@ fn a_failing_panicking_or_stuck_stage_is_named_with_its_micro_batch_and_phase() 
                 0,
             )
             .unwrap();
-            pipe.forward_backward(&marked, &y, LossReduction::Mean, |o, y| {
-                loss::cross_entropy(o, y)
-            })
-            .map(|_| ())
-            .unwrap_err()
+            let step = |x: &Tensor| {
+                pipe.forward_backward(x, &y, LossReduction::Mean, |o, y| loss::cross_entropy(o, y))
+                    .map(|_| ())
+            };
+            let err = step(&marked).unwrap_err();
+            // A stuck stage's worker is still in that forward: the next
+            // step must name it too, not a stage waiting for it.
+            let next = (mode == "stuck").then(|| step(&x).unwrap_err());
+            (err, next)
         });
+        let (err, next) = err;
         match (mode, &err) {
             ("stuck", Error::StageTimeout { stage, doing, .. }) => {
                 assert_eq!(*stage, 1, "{err}");
                 assert!(doing.contains("forward of micro-batch 1"), "{err}");
+                let next = next.unwrap();
+                assert!(
+                    matches!(&next, Error::StageTimeout { stage: 1, doing, .. } if doing.contains("still busy")),
+                    "{next}"
+                );
             }
             (
                 _,
