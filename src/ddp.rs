@@ -208,6 +208,44 @@ impl<M> DistributedDataParallel<M> {
                 rank,
                 source: Box::new(Error::Candle(e)),
             })?;
+        Self::from_module(pg, varmap, module, config)
+    }
+
+    /// Wraps a `module` already built from `varmap` (its variables may lie
+    /// on several devices, as a [`Pipeline`](crate::pipeline::Pipeline)'s
+    /// do): checks that every rank has the same variables and copies rank
+    /// 0's values to every rank. Every rank must call it.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device};
+    /// use candle_dp::launch::spawn;
+    /// use candle_dp::pipeline::{layer, Pipeline};
+    /// use candle_dp::{cpu_devices, DdpConfig, DistributedDataParallel};
+    /// use candle_nn::{linear, VarMap};
+    ///
+    /// spawn(2, |ctx| {
+    ///     let varmap = VarMap::new();
+    ///     let layers = vec![
+    ///         layer(|vb| linear(4, 8, vb.pp("a"))),
+    ///         layer(|vb| linear(8, 2, vb.pp("b"))),
+    ///     ];
+    ///     let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2)).build(layers)?;
+    ///     let ddp = DistributedDataParallel::from_module(
+    ///         ctx.process_group(),
+    ///         &varmap,
+    ///         pipe,
+    ///         DdpConfig::default(),
+    ///     )?;
+    ///     Ok(ddp.params().len())
+    /// })?;
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn from_module(
+        pg: Arc<dyn ProcessGroup>,
+        varmap: &VarMap,
+        module: M,
+        config: DdpConfig,
+    ) -> Result<Self> {
         let vars = sorted_vars(varmap);
         verify_same_vars(pg.as_ref(), &vars)?;
         let (buffers, params): (Vec<_>, Vec<_>) = vars
@@ -246,6 +284,11 @@ impl<M> DistributedDataParallel<M> {
         &self.module
     }
 
+    /// Whether backward passes synchronise (false inside `no_sync`).
+    pub(crate) fn is_syncing(&self) -> bool {
+        self.syncing
+    }
+
     /// This rank's process group.
     pub fn process_group(&self) -> &Arc<dyn ProcessGroup> {
         &self.pg
@@ -275,7 +318,7 @@ impl<M> DistributedDataParallel<M> {
         Ok(self.module.forward_t(x, train)?)
     }
 
-    fn pre_forward(&mut self) -> Result<()> {
+    pub(crate) fn pre_forward(&mut self) -> Result<()> {
         // Outside a join rank 0's buffers are the authority. Inside, rank 0
         // may have joined with stale statistics: PyTorch takes the highest
         // rank still training (`_find_common_rank(rank, True)`).
@@ -306,7 +349,14 @@ impl<M> DistributedDataParallel<M> {
         let start = Instant::now();
         let grads = loss.backward()?;
         self.timings.backward = start.elapsed();
-        let local = grads_of(&grads, &self.params);
+        self.synchronise(&grads)
+    }
+
+    /// What [`backward`](Self::backward) does once this rank's gradients
+    /// are known: adds what `no_sync` accumulated, then averages across
+    /// ranks (or, inside `no_sync`, only accumulates).
+    pub(crate) fn synchronise(&mut self, grads: &GradStore) -> Result<GradStore> {
+        let local = grads_of(grads, &self.params);
         let local = match self.accumulated.take() {
             None => local,
             Some(acc) => acc
@@ -527,16 +577,23 @@ impl<M> DistributedDataParallel<M> {
     }
 
     /// Copies `root`'s values of `vars` into this rank's, one collective
-    /// per dtype.
+    /// per dtype and device.
     fn broadcast_vars(&self, vars: &[(String, Var)], root: usize) -> Result<()> {
-        let mut dtypes: Vec<DType> = vars.iter().map(|(_, v)| v.dtype()).collect();
-        dtypes.sort_by_key(|d| d.as_str());
-        dtypes.dedup();
-        for dtype in dtypes {
+        // In order of first appearance: the same on every rank.
+        let mut groups: Vec<(DType, &Device)> = Vec::new();
+        for (_, v) in vars {
+            if !groups
+                .iter()
+                .any(|(d, dev)| *d == v.dtype() && dev.same_device(v.device()))
+            {
+                groups.push((v.dtype(), v.device()));
+            }
+        }
+        for (dtype, device) in groups {
             let group: Vec<&Var> = vars
                 .iter()
                 .map(|(_, v)| v)
-                .filter(|v| v.dtype() == dtype)
+                .filter(|v| v.dtype() == dtype && v.device().same_device(device))
                 .collect();
             let flats = group
                 .iter()
@@ -625,7 +682,11 @@ fn make_buckets(params: &[(String, Var)], first_cap: usize, cap: usize) -> Vec<B
         let size = var.elem_count() * var.dtype().size_in_bytes();
         let limit = if buckets.len() <= 1 { first_cap } else { cap };
         match buckets.last_mut() {
-            Some(b) if b.dtype == var.dtype() && bytes + size <= limit => {
+            Some(b)
+                if b.dtype == var.dtype()
+                    && params[b.params[0]].1.device().same_device(var.device())
+                    && bytes + size <= limit =>
+            {
                 b.params.push(i);
                 bytes += size;
             }

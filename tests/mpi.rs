@@ -78,6 +78,7 @@ fn scenario_by_name(name: &str, ctx: RankContext, out: &Path) -> anyhow::Result<
         "hook_fp16" => hooked(&ctx, &input()?, CommHook::Fp16Compress)?,
         "hook_bf16" => hooked(&ctx, &input()?, CommHook::Bf16Compress)?,
         "buffers" => buffers(&ctx, &input()?)?,
+        "pipeline_ddp" => pipeline_ddp(&ctx, &input()?)?,
         fault => {
             run_fault(fault, &ctx)?;
             return Ok(None);
@@ -307,6 +308,44 @@ fn ddp_train(ctx: &RankContext, input: &Tensors, adamw: bool) -> anyhow::Result<
         } else {
             ddp.backward_step(&loss, &mut sgd)?;
         }
+    }
+    Ok(snapshot(&varmap))
+}
+
+/// A pipeline of 2 stages (3 micro-batches) in each rank, SGD 0.1: the
+/// MLP of `ddp_train` as a list of layers.
+fn pipeline_ddp(ctx: &RankContext, input: &Tensors) -> anyhow::Result<Tensors> {
+    use candle_dp::pipeline::{layer, Pipeline};
+    use candle_dp::{cpu_devices, LossReduction};
+    let varmap = if ctx.rank == 0 {
+        varmap_from(&init_of(input))
+    } else {
+        VarMap::new()
+    };
+    let (i, h, o) = SIZES;
+    let layers = vec![
+        layer(move |vb| candle_nn::linear(i, h, vb.pp("l1"))),
+        layer(|_| Ok(candle_nn::Activation::Relu)),
+        layer(move |vb| candle_nn::linear(h, o, vb.pp("l2"))),
+    ];
+    let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+        .chunks(3)
+        .timeout(Duration::from_secs(30))
+        .build(layers)?;
+    let mut ddp = DistributedDataParallel::from_module(
+        ctx.process_group(),
+        &varmap,
+        pipe,
+        DdpConfig::default(),
+    )?;
+    let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
+    for (x, y) in batches(input) {
+        let b = x.dim(0)? / ctx.world_size;
+        let (x, y) = (x.narrow(0, ctx.rank * b, b)?, y.narrow(0, ctx.rank * b, b)?);
+        let step = ddp.forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+            loss::cross_entropy(o, y)
+        })?;
+        sgd.step(&step.grads)?;
     }
     Ok(snapshot(&varmap))
 }
@@ -760,6 +799,29 @@ fn ddp_on_2_and_3_processes_matches_single_device_training_of_the_global_batch()
                 "{scenario}: processes and threads differ"
             );
         }
+    }
+}
+
+#[test]
+fn a_pipeline_in_each_of_2_and_3_processes_matches_single_device_training() {
+    let input = training_input(12);
+    let reference = single_device(&input, false);
+    for np in [2, 3] {
+        let job = mpirun_ok(np, "pipeline_ddp", Some(&input));
+        for rank in 0..np {
+            let got = job.rank(rank);
+            let diff = max_rel_diff(&got, &reference);
+            assert!(
+                diff < 1e-5,
+                "pipeline in {np} processes, rank {rank}: {diff}\n{}",
+                diff_report(&got, &reference)
+            );
+        }
+        let threads = on_threads(np, |ctx| pipeline_ddp(ctx, &input));
+        assert!(
+            identical(&job.rank(0), &threads[0]),
+            "pipeline_ddp: processes and threads differ"
+        );
     }
 }
 

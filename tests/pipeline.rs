@@ -194,21 +194,90 @@ fn pipeline_training_follows_one_device_training_step_for_step() {
                 .unwrap();
             pipe_sgd.step(&step.grads).unwrap();
         }
-        let values = |v: &VarMap| -> HashMap<String, Vec<f32>> {
-            v.data()
-                .lock()
-                .unwrap()
-                .iter()
-                .map(|(n, t)| {
-                    (
-                        n.clone(),
-                        t.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-                    )
-                })
-                .collect()
-        };
         let diff = max_diff(&values(&varmap), &values(&reference));
         assert!(diff < 1e-5, "{diff}");
+    });
+}
+
+fn values(v: &VarMap) -> HashMap<String, Vec<f32>> {
+    v.data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(n, t)| {
+            let values = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            (n.clone(), values)
+        })
+        .collect()
+}
+
+#[test]
+fn a_pipeline_in_each_ddp_rank_trains_like_one_device_on_the_global_batch() {
+    within(120, || {
+        use candle_dp::launch::spawn_with;
+        use candle_dp::{DdpConfig, DistributedDataParallel};
+        use candle_nn::Optimizer;
+        let start = init();
+        let batches: Vec<(Tensor, Tensor)> = (0..3).map(|_| data(12)).collect();
+        let reference = copy_of(&start);
+        let model = single(VarBuilder::from_varmap(
+            &reference,
+            DType::F32,
+            &Device::Cpu,
+        ))
+        .unwrap();
+        let mut sgd = candle_nn::SGD::new(reference.all_vars(), 0.2).unwrap();
+        for (x, y) in &batches {
+            let l = loss::cross_entropy(&model.forward(x).unwrap(), y).unwrap();
+            sgd.backward_step(&l).unwrap();
+        }
+        let want = values(&reference);
+        for world in [2, 3] {
+            for path in ["fast", "drop-in"] {
+                let options = candle_dp::comm::GroupOptions {
+                    timeout: Some(Duration::from_secs(30)),
+                    ..Default::default()
+                };
+                let ranks = spawn_with(world, options, |ctx| {
+                    // Ranks other than 0 start elsewhere: DDP copies rank 0's.
+                    let varmap = if ctx.rank == 0 {
+                        copy_of(&start)
+                    } else {
+                        VarMap::new()
+                    };
+                    let pipe = pipeline(&varmap, 2, 3, Schedule::OneFOneB);
+                    let mut ddp = DistributedDataParallel::from_module(
+                        ctx.process_group(),
+                        &varmap,
+                        pipe,
+                        DdpConfig::default(),
+                    )?;
+                    let mut sgd = candle_nn::SGD::new(varmap.all_vars(), 0.2)?;
+                    for (x, y) in &batches {
+                        let b = x.dim(0)? / world;
+                        let x = x.narrow(0, ctx.rank * b, b)?;
+                        let y = y.narrow(0, ctx.rank * b, b)?;
+                        if path == "fast" {
+                            let step =
+                                ddp.forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+                                    loss::cross_entropy(o, y)
+                                })?;
+                            sgd.step(&step.grads)?;
+                        } else {
+                            let out = ddp.forward_t(&x, true)?;
+                            let l = loss::cross_entropy(&out, &y)?;
+                            ddp.backward_step(&l, &mut sgd)?;
+                        }
+                    }
+                    Ok(values(&varmap))
+                })
+                .unwrap();
+                for (rank, got) in ranks.iter().enumerate() {
+                    let diff = max_diff(got, &want);
+                    assert!(diff < 1e-5, "{world} ranks, {path}, rank {rank}: {diff}");
+                }
+            }
+        }
     });
 }
 

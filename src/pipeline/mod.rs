@@ -63,6 +63,7 @@
 
 mod balance;
 mod deferred_norm;
+mod distributed;
 mod schedule;
 mod stage;
 mod stage_build;
