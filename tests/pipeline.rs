@@ -426,7 +426,7 @@ fn a_failing_panicking_or_stuck_stage_is_named_with_its_micro_batch_and_phase() 
             )
             .unwrap();
             let step = |x: &Tensor| {
-                pipe.forward_backward(x, &y, LossReduction::Mean, |o, y| loss::cross_entropy(o, y))
+                pipe.forward_backward(x, &y, LossReduction::Mean, loss::cross_entropy)
                     .map(|_| ())
             };
             let err = step(&marked).unwrap_err();
