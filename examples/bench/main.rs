@@ -5,7 +5,11 @@
 //! ```text
 //! cargo run --release --example bench -- --out bench-out [--quick] [--steps 20] [--rounds 2]
 //!     [--device cpu|cuda] [--torch-csv scripts-output.csv]    (--help for details)
+//! cargo run --release --example bench -- --pipeline --out bench-out   (model parallelism)
 //! ```
+//!
+//! `--pipeline` measures the pipeline instead (see `pipeline.rs`) and
+//! writes `pipeline.md`.
 //!
 //! `--torch-csv` reads the CSV written by `scripts/bench_torch.py --csv` (run
 //! just before or after, on the same machine) and adds the ratios to
@@ -35,6 +39,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod child;
 mod net;
+mod pipeline;
 mod plan;
 mod report;
 mod stats;
@@ -74,9 +79,17 @@ struct Args {
     /// The CSV of `scripts/bench_torch.py --csv`, for the ratios to PyTorch.
     #[arg(long, value_name = "CSV")]
     torch_csv: Option<PathBuf>,
+    /// Measure model parallelism instead: one device, naive model
+    /// parallelism, GPipe and 1F1B at 2-16 micro-batches, and a run under
+    /// a per-device memory budget (writes pipeline.md).
+    #[arg(long)]
+    pipeline: bool,
     /// Internal: run one configuration (JSON) in this process.
     #[arg(long, hide = true, value_name = "SPEC")]
     child: Option<String>,
+    /// Internal: run one pipeline configuration (JSON) in this process.
+    #[arg(long, hide = true, value_name = "SPEC")]
+    pipeline_child: Option<String>,
 }
 
 fn main() -> Result<()> {
@@ -90,11 +103,25 @@ fn main() -> Result<()> {
         }
         return Ok(());
     }
+    if let Some(child) = &args.pipeline_child {
+        let spec: pipeline::PipeSpec = serde_json::from_str(child).context("a pipeline spec")?;
+        println!("{}", serde_json::to_string(&pipeline::run_child(&spec)?)?);
+        return Ok(());
+    }
     let quick = args.quick;
-    let steps = args.steps.unwrap_or(if quick { 10 } else { 20 });
-    let rounds = args.rounds.unwrap_or(if quick { 1 } else { 2 });
     let out_dir = &args.out;
     std::fs::create_dir_all(out_dir)?;
+    if args.pipeline {
+        let steps = args.steps.unwrap_or(if quick { 3 } else { 5 });
+        let rounds = args.rounds.unwrap_or(if quick { 1 } else { 2 });
+        let report = pipeline::run(quick, steps, rounds)?;
+        println!("{report}");
+        std::fs::write(out_dir.join("pipeline.md"), &report)?;
+        println!("wrote {}", out_dir.join("pipeline.md").display());
+        return Ok(());
+    }
+    let steps = args.steps.unwrap_or(if quick { 10 } else { 20 });
+    let rounds = args.rounds.unwrap_or(if quick { 1 } else { 2 });
     let specs = specs(quick, steps, args.device);
     let bar = ProgressBar::new((specs.len() * rounds) as u64);
     bar.set_style(

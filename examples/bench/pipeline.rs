@@ -1,0 +1,354 @@
+//! The pipeline part of the benchmark (`--pipeline`): one device against
+//! naive model parallelism (one micro-batch) and GPipe and 1F1B at 2 to 16
+//! micro-batches, on an MLP whose stages are all compute; then a run under
+//! a per-device memory budget that one device cannot meet.
+//!
+//! Each configuration runs in its own child process (this binary with
+//! `--pipeline-child`): the pipeline sizes candle's thread pools for its
+//! stages once per process, and one device must keep all the cores.
+
+use std::fmt::Write as _;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_dp::pipeline::{layer, Balance, LayerFactory, Pipeline, Schedule};
+use candle_dp::{cpu_devices, seeded_varmap, LossReduction};
+use candle_nn::{linear, loss, Activation, AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
+use serde::{Deserialize, Serialize};
+
+use crate::plan::cores;
+use crate::stats::median;
+
+/// One configuration, sent to its child process as JSON.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PipeSpec {
+    /// `None`: one device.
+    pub stages: Option<usize>,
+    pub chunks: usize,
+    pub gpipe: bool,
+    pub width: usize,
+    pub depth: usize,
+    pub batch: usize,
+    pub steps: usize,
+}
+
+impl PipeSpec {
+    fn label(&self) -> String {
+        match self.stages {
+            None => "one device".into(),
+            Some(_) if self.chunks == 1 => "naive model parallel (1 micro-batch)".into(),
+            Some(_) => format!(
+                "{} {} micro-batches",
+                if self.gpipe { "GPipe" } else { "1F1B" },
+                self.chunks
+            ),
+        }
+    }
+}
+
+/// What a child measured: per-step wall time, bubble and activation peaks.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PipeMeasured {
+    pub step_ms: Vec<f64>,
+    pub bubble: Vec<f64>,
+    pub peak_saved_bytes: Vec<usize>,
+}
+
+/// `depth` blocks of linear(width, width) and relu, then linear(width, 10).
+fn layers(width: usize, depth: usize) -> Vec<LayerFactory> {
+    let mut layers = Vec::new();
+    for i in 0..depth {
+        layers.push(layer(move |vb| {
+            linear(width, width, vb.pp(format!("l{i}")))
+        }));
+        layers.push(layer(|_| Ok(Activation::Relu)));
+    }
+    layers.push(layer(move |vb| linear(width, 10, vb.pp("out"))));
+    layers
+}
+
+/// The same layers on one device, applied in order.
+fn one_device(
+    list: &[LayerFactory],
+    varmap: &VarMap,
+    dtype: DType,
+) -> Result<impl Fn(&Tensor) -> Result<Tensor>> {
+    let vb = VarBuilder::from_varmap(varmap, dtype, &Device::Cpu);
+    let built = list
+        .iter()
+        .map(|f| f(vb.clone()))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(move |x: &Tensor| {
+        Ok(built
+            .iter()
+            .try_fold(x.clone(), |h, l| l.forward_t(&h, true))?)
+    })
+}
+
+fn init(width: usize, depth: usize, dtype: DType) -> Result<VarMap> {
+    let list = layers(width, depth);
+    Ok(seeded_varmap(7, dtype, &Device::Cpu, |vb| {
+        list.iter().try_for_each(|f| f(vb.clone()).map(|_| ()))
+    })?)
+}
+
+fn batch(rows: usize, width: usize, seed: u32) -> Result<(Tensor, Tensor)> {
+    let x: Vec<f32> = (0..rows * width)
+        .map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    let y: Vec<u32> = (0..rows as u32).map(|i| (i * 7 + seed) % 10).collect();
+    Ok((
+        Tensor::from_vec(x, (rows, width), &Device::Cpu)?,
+        Tensor::from_vec(y, rows, &Device::Cpu)?,
+    ))
+}
+
+/// The child side: trains `spec.steps` timed steps (after one warm-up).
+pub fn run_child(spec: &PipeSpec) -> Result<PipeMeasured> {
+    let varmap = init(spec.width, spec.depth, DType::F32)?;
+    let (x, y) = batch(spec.batch, spec.width, 1)?;
+    let mut sgd = SGD::new(varmap.all_vars(), 0.01)?;
+    let mut measured = PipeMeasured::default();
+    match spec.stages {
+        None => {
+            let model = one_device(&layers(spec.width, spec.depth), &varmap, DType::F32)?;
+            for step in 0..=spec.steps {
+                let start = Instant::now();
+                let l = loss::cross_entropy(&model(&x)?, &y)?;
+                sgd.backward_step(&l)?;
+                if step > 0 {
+                    measured.step_ms.push(start.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+        }
+        Some(stages) => {
+            let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(stages))
+                .chunks(spec.chunks)
+                .schedule(if spec.gpipe {
+                    Schedule::GPipe
+                } else {
+                    Schedule::OneFOneB
+                })
+                .build(layers(spec.width, spec.depth))?;
+            for step in 0..=spec.steps {
+                let start = Instant::now();
+                let s = pipe.forward_backward(&x, &y, LossReduction::Mean, loss::cross_entropy)?;
+                sgd.step(&s.grads)?;
+                if step > 0 {
+                    measured.step_ms.push(start.elapsed().as_secs_f64() * 1e3);
+                    let t = pipe.last_timings();
+                    measured.bubble.push(t.bubble());
+                    measured.peak_saved_bytes = t.peak_saved_bytes;
+                }
+            }
+        }
+    }
+    Ok(measured)
+}
+
+fn run_in_child(spec: &PipeSpec) -> Result<PipeMeasured> {
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.arg("--pipeline-child")
+        .arg(serde_json::to_string(spec)?);
+    if spec.stages.is_none() {
+        // One device gets every core (see `run_in_child` in main.rs).
+        cmd.env("RAYON_NUM_THREADS", cores().to_string());
+        cmd.env("CANDLE_NUM_THREADS", cores().to_string());
+    }
+    let out = cmd.output()?;
+    if !out.status.success() {
+        bail!(
+            "{} failed: {}",
+            spec.label(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let line = String::from_utf8(out.stdout)?;
+    serde_json::from_str(line.lines().last().context("child printed nothing")?)
+        .context("child output")
+}
+
+/// The parent side: every configuration over `rounds`, interleaved; returns
+/// the markdown report.
+pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
+    let (width, depth, rows, stages) = if quick {
+        (256, 4, 256, 2)
+    } else {
+        (768, 8, 1024, 2)
+    };
+    let chunk_counts: &[usize] = if quick { &[1, 4] } else { &[1, 2, 4, 8, 16] };
+    let spec = |stages, chunks, gpipe| PipeSpec {
+        stages,
+        chunks,
+        gpipe,
+        width,
+        depth,
+        batch: rows,
+        steps,
+    };
+    let mut specs = vec![spec(None, 1, false)];
+    for &chunks in chunk_counts {
+        specs.push(spec(Some(stages), chunks, true));
+        if chunks > 1 {
+            specs.push(spec(Some(stages), chunks, false));
+        }
+    }
+    let mut measured = vec![PipeMeasured::default(); specs.len()];
+    for round in 0..rounds {
+        for (s, m) in specs.iter().zip(measured.iter_mut()) {
+            eprintln!("pipeline round {}/{rounds}: {}", round + 1, s.label());
+            let got = run_in_child(s)?;
+            m.step_ms.extend(got.step_ms);
+            m.bubble.extend(got.bubble);
+            m.peak_saved_bytes = got.peak_saved_bytes;
+        }
+    }
+    let single_ms = median(&measured[0].step_ms);
+    let mut md = format!(
+        "## Pipeline: MLP {width}x{depth} layers + head, batch {rows}, {stages} CPU stages ({} cores), SGD\n\n\
+         | configuration | samples/s | vs one device | bubble measured | bubble (S-1)/(m+S-1) | peak saved activations per stage (KiB) |\n\
+         |---|---:|---:|---:|---:|---|\n",
+        cores()
+    );
+    for (s, m) in specs.iter().zip(&measured) {
+        let ms = median(&m.step_ms);
+        let rate = rows as f64 / (ms / 1e3);
+        let (bubble, ideal, peaks) = match s.stages {
+            None => ("-".into(), "-".into(), "-".into()),
+            Some(k) => (
+                format!("{:.2}", median(&m.bubble)),
+                format!("{:.2}", (k - 1) as f64 / (s.chunks + k - 1) as f64),
+                m.peak_saved_bytes
+                    .iter()
+                    .map(|b| format!("{}", b / 1024))
+                    .collect::<Vec<_>>()
+                    .join(" / "),
+            ),
+        };
+        let _ = writeln!(
+            md,
+            "| {} | {rate:.0} | {:.2}x | {bubble} | {ideal} | {peaks} |",
+            s.label(),
+            single_ms / ms
+        );
+    }
+    md += &budget_run(quick)?;
+    Ok(md)
+}
+
+/// Parameters, gradients and AdamW's two moments: four times the bytes of
+/// the variables a device holds.
+fn training_bytes(vars: &[candle_core::Var]) -> usize {
+    4 * vars
+        .iter()
+        .map(|v| v.elem_count() * v.dtype().size_in_bytes())
+        .sum::<usize>()
+}
+
+/// A model whose training state does not fit one device's budget, trained
+/// by the pipeline anyway, against the unbounded one-device run. In f64:
+/// AdamW's first updates are about `lr * sign(g)`, so in f32 the rounding
+/// differences of near-zero gradients (a sum in another order) would show
+/// as differences of up to `2 * lr` in the weights, which says nothing
+/// about the pipeline.
+fn budget_run(quick: bool) -> Result<String> {
+    let dtype = DType::F64;
+    let (width, depth, rows, steps) = if quick {
+        (256, 4, 128, 3)
+    } else {
+        (768, 8, 256, 5)
+    };
+    let adamw = |vars| {
+        AdamW::new(
+            vars,
+            ParamsAdamW {
+                lr: 1e-3,
+                ..Default::default()
+            },
+        )
+    };
+    let data: Vec<(Tensor, Tensor)> = (0..steps as u32)
+        .map(|s| {
+            let (x, y) = batch(rows, width, s)?;
+            Ok((x.to_dtype(dtype)?, y))
+        })
+        .collect::<Result<_>>()?;
+    // One device, no budget: the reference.
+    let reference = init(width, depth, dtype)?;
+    let model = one_device(&layers(width, depth), &reference, dtype)?;
+    let mut opt = adamw(reference.all_vars())?;
+    for (x, y) in &data {
+        opt.backward_step(&loss::cross_entropy(&model(x)?, y)?)?;
+    }
+    let whole = training_bytes(&reference.all_vars());
+    let budget = whole * 6 / 10;
+    // The pipeline under the budget: stages balanced by parameter bytes.
+    let varmap = init(width, depth, dtype)?;
+    let pipe = Pipeline::builder(&varmap, dtype, &cpu_devices(2))
+        .balance(Balance::ParameterBytes)
+        .chunks(4)
+        .build(layers(width, depth))?;
+    let data_vars = varmap
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .clone();
+    let per_stage: Vec<usize> = pipe
+        .stage_vars()
+        .iter()
+        .map(|names| {
+            let vars: Vec<_> = names
+                .iter()
+                .filter_map(|n| data_vars.get(n).cloned())
+                .collect();
+            training_bytes(&vars)
+        })
+        .collect();
+    if let Some(over) = per_stage.iter().position(|&b| b > budget) {
+        bail!(
+            "stage {over} needs {} bytes, over the budget of {budget}",
+            per_stage[over]
+        );
+    }
+    let mut opt = adamw(varmap.all_vars())?;
+    for (x, y) in &data {
+        let step = pipe.forward_backward(x, y, LossReduction::Mean, loss::cross_entropy)?;
+        opt.step(&step.grads)?;
+    }
+    let mut diff = 0f64;
+    for (name, var) in varmap
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .iter()
+    {
+        let want = reference
+            .data()
+            .lock()
+            .map_err(|_| anyhow::anyhow!("poisoned"))?[name]
+            .as_tensor()
+            .clone();
+        let d = (var.as_tensor() - want)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f64>()?;
+        diff = diff.max(d);
+    }
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    Ok(format!(
+        "\n## Pipeline under a memory budget\n\n\
+         MLP {width}x{depth} + head in f64, AdamW, {steps} steps of {rows} rows. Budget per device \
+         (parameters + gradients + AdamW moments): {:.1} MiB. One device needs {:.1} MiB: it \
+         does not fit. 2 stages balanced by parameter bytes need {} MiB: they fit. Largest \
+         weight difference from the unbounded one-device run: {diff:.2e}.\n",
+        mib(budget),
+        mib(whole),
+        per_stage
+            .iter()
+            .map(|&b| format!("{:.1}", mib(b)))
+            .collect::<Vec<_>>()
+            .join(" and "),
+    ))
+}

@@ -1,0 +1,208 @@
+//! Model parallelism: a digit classifier split into stages over 2 CPU
+//! "devices", pipelined over micro-batches, then the same training on one
+//! device, and the largest weight difference between the two.
+//!
+//! ```text
+//! cargo run --release --example pipeline -- [--stages 2] [--chunks 4] [--schedule 1f1b|gpipe]
+//!     [--epochs 5] [--batch 64] [--seed 1]
+//! ```
+//!
+//! The model is a list of layer factories; each stage builds only its own
+//! layers, on its own device (on CPU every stage is `Device::Cpu`, with its
+//! own share of the cores). The training loop is the plain candle loop with
+//! one call changed: `pipe.forward_backward(..)` instead of
+//! `model.forward(..)` and `loss.backward()`.
+
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+#[allow(dead_code)]
+#[path = "common/datasets.rs"]
+mod datasets;
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use candle_dp::pipeline::{layer, LayerFactory, Pipeline, Schedule};
+use candle_dp::{cpu_devices, seeded_varmap, LossReduction};
+use candle_nn::{linear, loss, Activation, AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use clap::{Parser, ValueEnum};
+use datasets::{load_digits, shuffled_indices, LabelledImages};
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Sched {
+    Gpipe,
+    #[value(name = "1f1b")]
+    OneFOneB,
+}
+
+/// Trains an MLP on the bundled 8x8 digits with a pipeline, then on one
+/// device, and compares.
+#[derive(Parser, Debug)]
+struct Args {
+    /// Pipeline stages (one per CPU "device").
+    #[arg(long, default_value_t = 2)]
+    stages: usize,
+    /// Micro-batches per batch.
+    #[arg(long, default_value_t = 4)]
+    chunks: usize,
+    #[arg(long, value_enum, default_value_t = Sched::OneFOneB)]
+    schedule: Sched,
+    #[arg(long, default_value_t = 5)]
+    epochs: usize,
+    /// Rows per batch.
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    /// Initial weights and data order.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+/// The model as a list of layers: 64 -> 128 -> 128 -> 64 -> 10.
+fn layers() -> Vec<LayerFactory> {
+    vec![
+        layer(|vb| linear(64, 128, vb.pp("l1"))),
+        layer(|_| Ok(Activation::Relu)),
+        layer(|vb| linear(128, 128, vb.pp("l2"))),
+        layer(|_| Ok(Activation::Relu)),
+        layer(|vb| linear(128, 64, vb.pp("l3"))),
+        layer(|_| Ok(Activation::Relu)),
+        layer(|vb| linear(64, 10, vb.pp("l4"))),
+    ]
+}
+
+fn adamw(varmap: &VarMap) -> Result<AdamW> {
+    Ok(AdamW::new(
+        varmap.all_vars(),
+        ParamsAdamW {
+            lr: 3e-3,
+            ..Default::default()
+        },
+    )?)
+}
+
+fn accuracy(logits: &Tensor, labels: &Tensor) -> Result<f64> {
+    let hits = logits
+        .argmax(1)?
+        .eq(labels)?
+        .to_dtype(DType::F32)?
+        .sum_all()?;
+    Ok(hits.to_scalar::<f32>()? as f64 / labels.dim(0)? as f64)
+}
+
+fn batches(
+    train: &LabelledImages,
+    batch: usize,
+    epoch: usize,
+    seed: u64,
+) -> Result<Vec<(Tensor, Tensor)>> {
+    let order = shuffled_indices(train.len(), seed + epoch as u64);
+    order
+        .chunks(batch)
+        .map(|rows| {
+            let part = train.select(rows)?;
+            Ok((part.images.flatten_from(1)?, part.labels))
+        })
+        .collect()
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/digits/digits.csv.gz");
+    let all = load_digits(path)?;
+    let order = shuffled_indices(all.len(), args.seed);
+    let cut = all.len() * 4 / 5;
+    let (train, test) = (all.select(&order[..cut])?, all.select(&order[cut..])?);
+    let list = layers();
+    let init = || {
+        seeded_varmap(args.seed, DType::F32, &Device::Cpu, |vb| {
+            list.iter().try_for_each(|f| f(vb.clone()).map(|_| ()))
+        })
+    };
+
+    // The pipeline.
+    let varmap = init()?;
+    let schedule = match args.schedule {
+        Sched::Gpipe => Schedule::GPipe,
+        Sched::OneFOneB => Schedule::OneFOneB,
+    };
+    let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(args.stages))
+        .chunks(args.chunks)
+        .schedule(schedule)
+        .build(layers())?;
+    println!(
+        "pipeline: {} stages (layers per stage {:?}), {} micro-batches, {:?}",
+        args.stages,
+        pipe.balance(),
+        pipe.chunks(),
+        pipe.schedule()
+    );
+    let mut opt = adamw(&varmap)?;
+    let test_x = test.images.flatten_from(1)?;
+    let mut bubble = Vec::new();
+    let start = std::time::Instant::now();
+    for epoch in 0..args.epochs {
+        let mut losses = Vec::new();
+        for (x, y) in batches(&train, args.batch, epoch, args.seed)? {
+            let step = pipe.forward_backward(&x, &y, LossReduction::Mean, loss::cross_entropy)?;
+            opt.step(&step.grads)?;
+            losses.push(step.loss.to_scalar::<f32>()?);
+            bubble.push(pipe.last_timings().bubble());
+        }
+        let acc = accuracy(&pipe.forward_t(&test_x, false)?, &test.labels)?;
+        let mean = losses.iter().sum::<f32>() / losses.len() as f32;
+        println!(
+            "epoch {epoch}: loss {mean:.4}, held-out accuracy {:.2}%",
+            acc * 100.0
+        );
+    }
+    let pipe_seconds = start.elapsed().as_secs_f64();
+    bubble.sort_by(f64::total_cmp);
+    let median_bubble = bubble.get(bubble.len() / 2).copied().unwrap_or(0.0);
+
+    // The same training on one device: plain candle.
+    let reference = init()?;
+    let vb = VarBuilder::from_varmap(&reference, DType::F32, &Device::Cpu);
+    let model = layers()
+        .iter()
+        .map(|f| f(vb.clone()))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let forward = |x: &Tensor, train: bool| {
+        model
+            .iter()
+            .try_fold(x.clone(), |h, l| l.forward_t(&h, train))
+    };
+    let mut opt = adamw(&reference)?;
+    for epoch in 0..args.epochs {
+        for (x, y) in batches(&train, args.batch, epoch, args.seed)? {
+            opt.backward_step(&loss::cross_entropy(&forward(&x, true)?, &y)?)?;
+        }
+    }
+    let one_acc = accuracy(&forward(&test_x, false)?, &test.labels)?;
+
+    let mut diff = 0f32;
+    let pipeline_vars = varmap
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?;
+    let reference_vars = reference
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?;
+    for (name, var) in pipeline_vars.iter() {
+        let d = (var.as_tensor() - reference_vars[name].as_tensor())?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        diff = diff.max(d);
+    }
+    println!(
+        "one device: held-out accuracy {:.2}%\n\
+         pipeline training took {pipe_seconds:.2} s; median measured bubble {median_bubble:.2} \
+         (ideal (S-1)/(m+S-1) = {:.2})\n\
+         largest weight difference, pipeline vs one device: {diff:.2e}",
+        one_acc * 100.0,
+        (args.stages - 1) as f64 / (pipe.chunks() + args.stages - 1) as f64,
+    );
+    Ok(())
+}
