@@ -138,6 +138,10 @@ struct VarSignature {
     name: String,
     shape: Vec<usize>,
     dtype: String,
+    /// Which of the rank's devices holds it, by first appearance: buckets
+    /// and broadcasts are made per device, so every rank must place the
+    /// variables alike.
+    device: usize,
 }
 
 /// Data parallelism across the ranks of a [`ProcessGroup`]: each rank holds
@@ -625,12 +629,23 @@ fn highest(flags: &[bool]) -> Option<usize> {
 }
 
 fn verify_same_vars(pg: &dyn ProcessGroup, vars: &[(String, Var)]) -> Result<()> {
+    let mut devices: Vec<&Device> = Vec::new();
     let mine: Vec<VarSignature> = vars
         .iter()
-        .map(|(name, v)| VarSignature {
-            name: name.clone(),
-            shape: v.dims().to_vec(),
-            dtype: v.dtype().as_str().to_string(),
+        .map(|(name, v)| {
+            let device = match devices.iter().position(|d| d.same_device(v.device())) {
+                Some(i) => i,
+                None => {
+                    devices.push(v.device());
+                    devices.len() - 1
+                }
+            };
+            VarSignature {
+                name: name.clone(),
+                shape: v.dims().to_vec(),
+                dtype: v.dtype().as_str().to_string(),
+                device,
+            }
         })
         .collect();
     let all = all_gather_object(pg, &mine)?;
@@ -649,6 +664,11 @@ fn verify_same_vars(pg: &dyn ProcessGroup, vars: &[(String, Var)]) -> Result<()>
                     rank,
                     detail: if a.name != b.name {
                         format!("has variable `{}` where rank 0 has `{}`", b.name, a.name)
+                    } else if a.device != b.device {
+                        format!(
+                            "has `{}` on its device {} (counting devices as its variables first use them) where rank 0 has it on its device {}: every rank must place the variables on its devices alike",
+                            b.name, b.device, a.device
+                        )
                     } else {
                         format!(
                             "has `{}` with shape {:?} ({}) where rank 0 has {:?} ({})",

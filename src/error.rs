@@ -233,6 +233,22 @@ pub enum Error {
         source: Box<candle_core::Error>,
     },
 
+    /// The drop-in training forward of a [`Pipeline`](crate::pipeline::Pipeline)
+    /// whose stage works on a copy of a variable that lives on another
+    /// device: `loss.backward()` would leave that stage's gradient on the
+    /// copy.
+    #[error(
+        "pipeline stage {stage} works on a copy of `{var}`, which lives on {device}: the drop-in training forward cannot return its gradient; train with `forward_backward`"
+    )]
+    DropInWithCopiedVar {
+        /// Stage index.
+        stage: usize,
+        /// The variable's name.
+        var: String,
+        /// Where the variable lives.
+        device: String,
+    },
+
     /// A pipeline stage did not finish within the configured timeout.
     #[error("pipeline stage {stage} on device {device} did not finish within {timeout:?}{doing}")]
     StageTimeout {

@@ -777,3 +777,104 @@ fn a_batch_norm_buffer_on_two_stages_is_refused() {
         "{err}"
     );
 }
+
+/// Needs a GPU (on CPU every stage is the same device): a CPU stage and a
+/// CUDA stage share a weight; the CUDA stage works on a copy, and the
+/// weight (on the CPU, where it was created) gets the sum of both stages'
+/// gradients, as on one device.
+#[cfg(feature = "cuda")]
+#[test]
+fn a_weight_tied_across_a_cpu_and_a_gpu_stage_gets_the_sum_of_its_gradients() {
+    within(120, || {
+        let gpu = Device::new_cuda(0).unwrap();
+        let tied = || layer(|vb| Ok(linear_no_bias(vb.get((4, 4), "w")?)));
+        let layers = vec![tied(), layer(|_| Ok(Activation::Relu)), tied()];
+        let varmap = VarMap::new();
+        let pipe = Pipeline::builder(&varmap, DType::F32, &[Device::Cpu, gpu])
+            .balance(Balance::Explicit(vec![2, 1]))
+            .chunks(3)
+            .build(layers)
+            .unwrap();
+        let x = Tensor::randn(0f32, 1., (5, 4), &Device::Cpu).unwrap();
+        let y = Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap();
+        let w = varmap.data().lock().unwrap()["w"].clone();
+        assert!(w.device().is_cpu());
+        for _ in 0..2 {
+            let step = pipe
+                .forward_backward(&x, &y, LossReduction::Sum, |out, _| out.sum_all())
+                .unwrap();
+            let lin = linear_no_bias(w.as_tensor().clone());
+            let out = lin
+                .forward(&lin.forward(&x).unwrap().relu().unwrap())
+                .unwrap();
+            let want = out.sum_all().unwrap().backward().unwrap();
+            let got = step.grads.get(w.as_tensor()).unwrap();
+            assert!(got.device().is_cpu());
+            let diff = (got - want.get(w.as_tensor()).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(diff < 1e-4, "{diff}");
+            // The GPU stage must see the new value at the next step.
+            let updated = (w.as_tensor() - (got * 0.1).unwrap()).unwrap();
+            w.set(&updated).unwrap();
+        }
+        // The drop-in path could not route the GPU stage's gradient back.
+        let err = pipe.forward(&x).map(|_| ()).unwrap_err();
+        assert!(
+            matches!(&err, Error::DropInWithCopiedVar { stage: 1, var, .. } if var == "w"),
+            "{err}"
+        );
+    });
+}
+
+/// A layer that keeps the mean of its input in a `running_mean` of its own
+/// (no `running_var`: not a BatchNorm pair).
+struct MeanTracker {
+    stat: candle_core::Var,
+}
+
+impl Module for MeanTracker {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.stat.set(&x.mean(0)?)?;
+        Ok(x.clone())
+    }
+}
+
+#[test]
+fn a_buffer_outside_a_batch_norm_pair_is_committed_too() {
+    within(60, || {
+        let varmap = VarMap::new();
+        let layers = vec![
+            layer(|vb| linear(6, 3, vb.pp("l1"))),
+            layer(|vb| {
+                let stat =
+                    vb.get_with_hints(3, "track.running_mean", candle_nn::Init::Const(0.))?;
+                Ok(MeanTracker {
+                    stat: candle_core::Var::from_tensor(&stat)?,
+                })
+            }),
+        ];
+        let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+            .chunks(1)
+            .build(layers)
+            .unwrap();
+        let (x, y) = data(4);
+        pipe.forward_backward(&x, &y, LossReduction::Mean, loss::cross_entropy)
+            .unwrap();
+        let l1 = varmap.data().lock().unwrap()["l1.weight"].clone();
+        let b1 = varmap.data().lock().unwrap()["l1.bias"].clone();
+        let want = candle_nn::Linear::new(l1.as_tensor().clone(), Some(b1.as_tensor().clone()))
+            .forward(&x)
+            .unwrap()
+            .mean(0)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert_eq!(buffers_of(&varmap)["track.running_mean"], want);
+    });
+}

@@ -15,9 +15,15 @@
 //! That works when the layer's input is what the BatchNorm normalises
 //! (the BatchNorm is a layer of its own). The first time a layer updates
 //! buffers, the stage checks it: the layer's real update must equal the
-//! one the two-row input gives. A layer that fails the check (a block with
-//! a BatchNorm inside, a norm with another formula) keeps its per
-//! micro-batch updates, with a warning.
+//! one two-row inputs give (with two patterns across channels). A layer
+//! that fails the check (a block with a BatchNorm inside, a norm with
+//! another formula) keeps its per micro-batch updates, with a warning. The
+//! check is made once per layer, on its first training micro-batch with at
+//! least two values per channel; until then its updates are per
+//! micro-batch. Two
+//! layers sharing one norm's buffers are deferred together, in layer order,
+//! as on one device; if only one of them passes the check, the deferral
+//! wins.
 
 use std::cell::Cell;
 
@@ -123,9 +129,20 @@ impl Moments {
 
     /// Two rows whose per-channel mean is `self.mean` and whose unbiased
     /// variance is `self.unbiased_var()`, shaped `(2, C, 1, …)` for a layer
-    /// that takes inputs of `rank` dimensions.
-    fn two_rows(&self, rank: usize, like: &Tensor) -> candle_core::Result<Tensor> {
-        let half_spread = (self.unbiased_var()? / 2.0)?.sqrt()?;
+    /// that takes inputs of `rank` dimensions. `alternate` flips the
+    /// spread of every other channel: the same per-channel moments, another
+    /// pattern across channels (only a layer that mixes channels before its
+    /// norm can tell the two apart).
+    fn two_rows(&self, rank: usize, like: &Tensor, alternate: bool) -> candle_core::Result<Tensor> {
+        let mut half_spread = (self.unbiased_var()? / 2.0)?.sqrt()?;
+        if alternate {
+            let channels = half_spread.dim(0)?;
+            let signs: Vec<f64> = (0..channels)
+                .map(|c| if c % 2 == 0 { 1.0 } else { -1.0 })
+                .collect();
+            let signs = Tensor::new(signs, half_spread.device())?;
+            half_spread = (half_spread * signs)?;
+        }
         let rows = Tensor::stack(
             &[(&self.mean + &half_spread)?, (&self.mean - &half_spread)?],
             0,
@@ -180,10 +197,14 @@ pub(crate) fn forward_layer(
     let uses: Vec<usize> = (0..stage.norms.len())
         .filter(|&i| stage.norms[i].layer == k)
         .collect();
-    // A layer not checked yet updates from the start values, so that its
-    // update can be compared with the two-row one.
+    // A layer about to be checked updates from the start values, so that
+    // its update can be compared with the two-row ones.
+    let values_per_channel = match x.dims() {
+        [_, channels, ..] if *channels > 0 => x.elem_count() / channels,
+        _ => 0,
+    };
     for &i in &uses {
-        if stage.norms[i].deferrable.get().is_none() {
+        if stage.norms[i].deferrable.get().is_none() && values_per_channel >= 2 {
             step.rewind(stage, &stage.norms[i])?;
         }
     }
@@ -228,8 +249,10 @@ fn not_deferrable(stage: &Stage, u: &NormUse, why: &str) {
 }
 
 /// Whether layer `u`'s real update (just made from the start values) is
-/// the one a two-row input with `moments` gives. Leaves the buffers as the
-/// real update left them.
+/// the one two-row inputs with `moments` give, with two patterns across
+/// channels (a two-row micro-batch is itself such an input, so one pattern
+/// could match a layer that mixes channels by chance). Leaves every buffer
+/// as the real update left it.
 fn check(
     stage: &Stage,
     u: &NormUse,
@@ -238,19 +261,40 @@ fn check(
     step: &NormStep,
 ) -> candle_core::Result<bool> {
     let (mean, var) = (&stage.buffers[u.mean].local, &stage.buffers[u.var].local);
-    let real = (mean.as_tensor().copy()?, var.as_tensor().copy()?);
-    step.rewind(stage, u)?;
-    let ran = moments
-        .two_rows(rank, mean.as_tensor())
-        .and_then(|rows| stage.layers[u.layer].forward_t(&rows, true));
-    let two_rows = (mean.as_tensor().copy()?, var.as_tensor().copy()?);
-    mean.set(&real.0)?;
-    var.set(&real.1)?;
-    if ran.is_err() {
-        return Ok(false);
+    // The layer may update other buffers too (a block with two norms).
+    let real: Vec<Tensor> = stage
+        .buffers
+        .iter()
+        .map(|b| b.local.as_tensor().copy())
+        .collect::<candle_core::Result<_>>()?;
+    let mut agree = true;
+    for alternate in [false, true] {
+        step.rewind(stage, u)?;
+        let ran = moments
+            .two_rows(rank, mean.as_tensor(), alternate)
+            .and_then(|rows| stage.layers[u.layer].forward_t(&rows, true));
+        let synthetic = (mean.as_tensor().copy()?, var.as_tensor().copy()?);
+        for (buffer, value) in stage.buffers.iter().zip(&real) {
+            buffer.local.set(value)?;
+        }
+        agree = agree
+            && ran.is_ok()
+            && close(u, moments, step, (&real[u.mean], &real[u.var]), &synthetic)?;
     }
+    Ok(agree)
+}
+
+/// Whether two updates of `u`'s buffers agree within the rounding of
+/// their dtype.
+fn close(
+    u: &NormUse,
+    moments: &Moments,
+    step: &NormStep,
+    real: (&Tensor, &Tensor),
+    synthetic: &(Tensor, Tensor),
+) -> candle_core::Result<bool> {
     let f64s = |t: &Tensor| t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>();
-    let tolerance = match mean.dtype() {
+    let tolerance = match real.0.dtype() {
         DType::F64 => 1e-9,
         DType::F32 => 1e-4,
         _ => 5e-2,
@@ -260,19 +304,19 @@ fn check(
         f64s(&moments.unbiased_var()?.sqrt()?)?,
     );
     let (start_mean, start_var) = (f64s(&step.start[u.mean])?, f64s(&step.start[u.var])?);
-    let close = |a: f64, b: f64, scale: f64| {
+    let near = |a: f64, b: f64, scale: f64| {
         (a.is_nan() && b.is_nan()) || a == b || (a - b).abs() <= tolerance * (scale + 1e-12)
     };
-    let means_agree = f64s(&real.0)?
+    let means_agree = f64s(real.0)?
         .iter()
-        .zip(f64s(&two_rows.0)?)
+        .zip(f64s(&synthetic.0)?)
         .enumerate()
-        .all(|(c, (&a, b))| close(a, b, start_mean[c].abs() + m[c].abs() + sd[c]));
-    let vars_agree = f64s(&real.1)?
+        .all(|(c, (&a, b))| near(a, b, start_mean[c].abs() + m[c].abs() + sd[c]));
+    let vars_agree = f64s(real.1)?
         .iter()
-        .zip(f64s(&two_rows.1)?)
+        .zip(f64s(&synthetic.1)?)
         .enumerate()
-        .all(|(c, (&a, b))| close(a, b, start_var[c].abs() + sd[c] * sd[c]));
+        .all(|(c, (&a, b))| near(a, b, start_var[c].abs() + sd[c] * sd[c]));
     Ok(means_agree && vars_agree)
 }
 
@@ -295,7 +339,7 @@ pub(crate) fn finish(
     }
     for (i, (moments, rank)) in &deferred {
         let u = &stage.norms[*i];
-        let rows = moments.two_rows(*rank, stage.buffers[u.mean].local.as_tensor())?;
+        let rows = moments.two_rows(*rank, stage.buffers[u.mean].local.as_tensor(), false)?;
         stage.layers[u.layer].forward_t(&rows, true)?;
     }
     stage

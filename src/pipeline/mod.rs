@@ -117,6 +117,9 @@ pub struct Pipeline {
     devices: Vec<Device>,
     balance: Vec<usize>,
     stage_vars: Vec<Vec<(String, Var)>>,
+    /// Trainable variables a stage uses through a copy (they live on
+    /// another device): `(stage, name, device)`.
+    copied_vars: Vec<(usize, String, String)>,
     params: Vec<(String, Var)>,
     chunks: usize,
     schedule: Schedule,
@@ -227,8 +230,19 @@ impl Pipeline {
     /// Runs the micro-batches of `x` through the stages (each stage on its
     /// worker, the stages overlapping) and returns the concatenated output,
     /// on the last stage's device, with its graph spanning every stage:
-    /// `loss.backward()` gives the gradients of every variable.
+    /// `loss.backward()` gives the gradients of every variable. Training
+    /// (`train`) is refused with [`Error::DropInWithCopiedVar`] when a
+    /// stage uses a variable that lives on another device (tied weights
+    /// across devices): only [`forward_backward`](Self::forward_backward)
+    /// routes that stage's gradient back.
     pub fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        if let (true, Some((stage, var, device))) = (train, self.copied_vars.first()) {
+            return Err(Error::DropInWithCopiedVar {
+                stage: *stage,
+                var: var.clone(),
+                device: device.clone(),
+            });
+        }
         let _step = lock(&self.step);
         let inputs = self.micro_batches(x)?;
         let count = inputs.len();
@@ -467,9 +481,9 @@ impl Pipeline {
                 candle_core::Error::Msg(format!("panicked: {message}")),
             ),
             Failure::NoAnswer(NoAnswer::Timeout(timeout)) => {
-                // The stage computing for the longest, not the ones waiting
-                // for it; else one whose worker is still stuck in an
-                // earlier step.
+                // A stage whose worker is still stuck in an earlier step
+                // has held this one up from its start; else the stage
+                // computing for the longest, not the ones waiting for it.
                 let stages = 0..self.devices.len();
                 let longest = stages
                     .clone()
@@ -479,7 +493,7 @@ impl Pipeline {
                 let stuck = stages
                     .clone()
                     .find(|&s| doing(s) == Some(Doing::NotStarted));
-                let stage = longest.or(stuck).unwrap_or(failure.worker);
+                let stage = stuck.or(longest).unwrap_or(failure.worker);
                 let what = match doing(stage) {
                     Some(Doing::Computing {
                         phase, micro_batch, ..
@@ -597,7 +611,13 @@ impl PipelineBuilder {
                     .map(|v| (v.name.clone(), v.master.clone()))
                     .collect::<Vec<_>>();
                 let buffers = stage.buffers.iter().map(|b| b.name.clone()).collect();
-                Ok::<_, Error>((stage, (vars, buffers)))
+                let copied = stage
+                    .vars
+                    .iter()
+                    .filter(|v| v.is_mirror())
+                    .map(|v| (v.name.clone(), device_label(v.master.device())))
+                    .collect::<Vec<_>>();
+                Ok::<_, Error>((stage, (vars, buffers, copied)))
             },
         )
         .map_err(|failure| match failure.failure {
@@ -617,14 +637,21 @@ impl PipelineBuilder {
                 failure.worker, failure.device
             ))),
         })?;
-        let (stage_vars, stage_buffers): (Vec<_>, Vec<Vec<String>>) =
-            stage_lists.into_iter().unzip();
+        let mut stage_vars = Vec::with_capacity(stages);
+        let mut stage_buffers: Vec<Vec<String>> = Vec::with_capacity(stages);
+        let mut copied_vars = Vec::new();
+        for (stage, (vars, buffers, copied)) in stage_lists.into_iter().enumerate() {
+            stage_vars.push(vars);
+            stage_buffers.push(buffers);
+            copied_vars.extend(copied.into_iter().map(|(var, device)| (stage, var, device)));
+        }
         refuse_buffers_of_two_stages(&stage_buffers, balance.iter().sum(), &balance)?;
         Ok(Pipeline {
             pool,
             devices: self.devices,
             balance,
             stage_vars,
+            copied_vars,
             params: sorted_vars(&self.varmap),
             chunks,
             schedule: self.schedule,

@@ -38,7 +38,7 @@ pub(crate) struct StageVar {
 }
 
 impl StageVar {
-    fn is_mirror(&self) -> bool {
+    pub(crate) fn is_mirror(&self) -> bool {
         self.local.as_tensor().id() != self.master.as_tensor().id()
     }
 }
@@ -296,10 +296,21 @@ impl StageWork {
                 }
             }
         }
-        if let Some(step) = norms.as_mut() {
+        // A training forward's buffers (updated by the layers on the
+        // stage's copies) go back with the output, to be committed once
+        // every stage has succeeded.
+        if self.train && !stage.buffers.is_empty() {
             let last = chunks.saturating_sub(1);
             self.set(Some((Phase::Forward, last)));
-            out.buffers = deferred_norm::finish(stage, step).map_err(|source| StageFailure {
+            let committed = match norms.as_mut() {
+                Some(step) => deferred_norm::finish(stage, step),
+                None => stage
+                    .buffers
+                    .iter()
+                    .map(|b| Ok((b.master.clone(), b.local.as_tensor().copy()?)))
+                    .collect(),
+            };
+            out.buffers = committed.map_err(|source| StageFailure {
                 micro_batch: last,
                 phase: Phase::Forward,
                 source,
