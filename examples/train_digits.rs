@@ -35,30 +35,82 @@ use candle_dp::launch::{self, Backend};
 use candle_dp::loader::{Loader, TensorDataset};
 use candle_dp::sampler::DistributedSampler;
 use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParallel, LossReduction};
-use candle_nn::{linear, loss, AdamW, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_nn::{
+    conv2d, linear, loss, AdamW, Conv2d, Conv2dConfig, Linear, Optimizer, ParamsAdamW, VarBuilder,
+    VarMap,
+};
 use clap::{Parser, ValueEnum};
 use datasets::{load_digits, load_mnist, shuffled_indices, LabelledImages};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// The user's model: plain candle code, unaware of data parallelism.
-struct Mlp {
-    l1: Linear,
-    l2: Linear,
+enum Net {
+    Mlp { l1: Linear, l2: Linear },
+    Conv(ConvNet),
 }
 
-impl Mlp {
-    fn new(vb: VarBuilder, inputs: usize, hidden: usize) -> candle_core::Result<Self> {
-        Ok(Self {
-            l1: linear(inputs, hidden, vb.pp("l1"))?,
-            l2: linear(hidden, 10, vb.pp("l2"))?,
+/// conv(1 -> c, 3x3) -> relu -> conv(c -> 2c, 3x3) -> relu -> maxpool 2 ->
+/// linear(2c * (h/2) * (w/2) -> 10), on images given as flattened rows.
+struct ConvNet {
+    conv1: Conv2d,
+    conv2: Conv2d,
+    fc: Linear,
+    height: usize,
+    width: usize,
+}
+
+impl Net {
+    fn new(
+        vb: VarBuilder,
+        model: Model,
+        height: usize,
+        width: usize,
+        hidden: usize,
+    ) -> candle_core::Result<Self> {
+        Ok(match model {
+            Model::Mlp => Net::Mlp {
+                l1: linear(height * width, hidden, vb.pp("l1"))?,
+                l2: linear(hidden, 10, vb.pp("l2"))?,
+            },
+            Model::Conv => {
+                let c = hidden;
+                let same = Conv2dConfig {
+                    padding: 1,
+                    ..Default::default()
+                };
+                Net::Conv(ConvNet {
+                    conv1: conv2d(1, c, 3, same, vb.pp("conv1"))?,
+                    conv2: conv2d(c, 2 * c, 3, same, vb.pp("conv2"))?,
+                    fc: linear(2 * c * (height / 2) * (width / 2), 10, vb.pp("fc"))?,
+                    height,
+                    width,
+                })
+            }
         })
     }
 }
 
-impl Module for Mlp {
+impl Module for Net {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.l2.forward(&self.l1.forward(x)?.relu()?)
+        match self {
+            Net::Mlp { l1, l2 } => l2.forward(&l1.forward(x)?.relu()?),
+            Net::Conv(net) => {
+                let x = x.reshape((x.dim(0)?, 1, net.height, net.width))?;
+                let h = net.conv1.forward(&x)?.relu()?;
+                let h = net.conv2.forward(&h)?.relu()?.max_pool2d(2)?;
+                net.fc.forward(&h.flatten_from(1)?)
+            }
+        }
     }
+}
+
+/// Which model the job trains.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum Model {
+    /// Two convolutions and a linear layer (`--hidden` channels first).
+    Conv,
+    /// One hidden layer of `--hidden` units.
+    Mlp,
 }
 
 /// How the training is parallelised.
@@ -102,9 +154,13 @@ struct Args {
     /// AdamW learning rate.
     #[arg(long, default_value_t = 0.002)]
     lr: f64,
-    /// Width of the hidden layer.
-    #[arg(long, default_value_t = 256)]
-    hidden: usize,
+    /// The model: a small conv net, or an MLP.
+    #[arg(long, value_enum, default_value_t = Model::Conv)]
+    model: Model,
+    /// Channels of the conv net's first convolution, or the MLP's hidden
+    /// units [default: 8 for conv, 256 for mlp].
+    #[arg(long)]
+    hidden: Option<usize>,
     /// DataParallel's backward path.
     #[arg(long, value_enum, default_value_t = Backward::Fast)]
     backward: Backward,
@@ -129,6 +185,22 @@ impl Args {
 
     fn batch(&self) -> usize {
         self.batch as usize
+    }
+
+    fn hidden(&self) -> usize {
+        self.hidden.unwrap_or(match self.model {
+            Model::Conv => 8,
+            Model::Mlp => 256,
+        })
+    }
+
+    /// Builds this run's model for `data`'s image size.
+    fn net(
+        &self,
+        data: &LabelledImages,
+    ) -> impl Fn(VarBuilder) -> candle_core::Result<Net> + Send + Sync + Clone + 'static {
+        let (model, height, width, hidden) = (self.model, data.height, data.width, self.hidden());
+        move |vb| Net::new(vb, model, height, width, hidden)
     }
 
     fn fast_backward(&self) -> bool {
@@ -177,7 +249,7 @@ struct EpochLog {
 }
 
 impl EpochLog {
-    fn end_epoch(&mut self, model: &Mlp, test: &LabelledImages) -> Result<()> {
+    fn end_epoch(&mut self, model: &Net, test: &LabelledImages) -> Result<()> {
         let start = Instant::now();
         let mean = self.losses.iter().sum::<f32>() / self.losses.len().max(1) as f32;
         self.losses.clear();
@@ -196,14 +268,13 @@ fn train(
     test: &LabelledImages,
 ) -> Result<Outcome> {
     let varmap = copy_varmap(init)?;
-    let (inputs, hidden) = (train.height * train.width, args.hidden);
-    let factory = move |vb: VarBuilder| Mlp::new(vb, inputs, hidden);
+    let factory = args.net(train);
     let dp = if replicas > 0 {
         Some(DataParallel::new(
             &varmap,
             DType::F32,
             &cpu_devices(replicas),
-            factory,
+            factory.clone(),
         )?)
     } else {
         None
@@ -283,7 +354,7 @@ fn train_ddp(
         train.images.clone(),
         train.labels.clone(),
     ])?);
-    let (inputs, hidden) = (train.height * train.width, args.hidden);
+    let net = args.net(train);
     let ranks = launch::run(args.replicas(), GroupOptions::default(), |ctx| {
         let (rank, world) = (ctx.rank, ctx.world_size);
         let per_rank = (args.batch() / world).max(1);
@@ -294,7 +365,7 @@ fn train_ddp(
             DType::F32,
             &Device::Cpu,
         )
-        .build(|vb| Mlp::new(vb, inputs, hidden))?;
+        .build(net.clone())?;
         let mut opt = adamw(&varmap, args.lr)?;
         let mut sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
         // Timed from here, as the other runs: MPI's start-up is not training.
@@ -310,11 +381,7 @@ fn train_ddp(
         let (mut samples, mut last_loss) = (0, f32::NAN);
         let mut log = EpochLog::default();
         // Shares the trained variables: evaluates the model as it is.
-        let model = Mlp::new(
-            VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
-            inputs,
-            hidden,
-        )?;
+        let model = net(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
         for epoch in 0..args.epochs {
             sampler.set_epoch(epoch as u64);
             let loader = Loader::new(dataset.clone(), per_rank)?
@@ -374,7 +441,7 @@ fn progress_bar(steps: u64) -> Result<ProgressBar> {
     Ok(bar)
 }
 
-fn accuracy(model: &Mlp, test: &LabelledImages) -> Result<f64> {
+fn accuracy(model: &Net, test: &LabelledImages) -> Result<f64> {
     let predictions = model.forward(&test.images)?.argmax(1)?;
     let correct = predictions
         .eq(&test.labels)?
@@ -426,10 +493,22 @@ fn main() -> Result<()> {
             train_set.height,
             train_set.width
         );
+        let model = match args.model {
+            Model::Mlp => format!(
+                "MLP {}-{}-10",
+                train_set.height * train_set.width,
+                args.hidden()
+            ),
+            Model::Conv => {
+                let c = args.hidden();
+                format!(
+                    "conv net (conv 3x3 1-{c}, conv 3x3 {c}-{}, maxpool 2, linear to 10)",
+                    2 * c
+                )
+            }
+        };
         println!(
-            "model: MLP {}-{}-10, AdamW lr {}, global batch {}, {} epochs, {} backward, seed {}",
-            train_set.height * train_set.width,
-            args.hidden,
+            "model: {model}, AdamW lr {}, global batch {}, {} epochs, {} backward, seed {}",
             args.lr,
             args.batch,
             args.epochs,
@@ -443,10 +522,7 @@ fn main() -> Result<()> {
 
     // One initialisation, from the seed, shared by every run (and every
     // process), so they can be compared.
-    let (inputs, hidden) = (train_set.height * train_set.width, args.hidden);
-    let init = seeded_varmap(args.seed, DType::F32, &Device::Cpu, |vb| {
-        Mlp::new(vb, inputs, hidden)
-    })?;
+    let init = seeded_varmap(args.seed, DType::F32, &Device::Cpu, args.net(&train_set))?;
 
     let parallel = match args.strategy {
         Strategy::Dp => Some((
