@@ -196,13 +196,14 @@ fn run_in_child(spec: &Spec) -> Result<Measured> {
         cmd.env("RAYON_NUM_THREADS", threads.to_string());
         cmd.env("CANDLE_NUM_THREADS", threads.to_string());
     }
+    child_answer(cmd, &spec.label())
+}
+
+/// Runs a child process and reads the JSON on the last line it printed.
+fn child_answer<T: serde::de::DeserializeOwned>(mut cmd: Command, label: &str) -> Result<T> {
     let out = cmd.output()?;
     if !out.status.success() {
-        bail!(
-            "{} failed: {}",
-            spec.label(),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        bail!("{label} failed: {}", String::from_utf8_lossy(&out.stderr));
     }
     let line = String::from_utf8(out.stdout)?;
     serde_json::from_str(line.lines().last().context("child printed nothing")?)

@@ -11,7 +11,7 @@ use std::fmt::Write as _;
 use std::process::Command;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_dp::pipeline::{layer, Balance, LayerFactory, Pipeline, Schedule};
 use candle_dp::{cpu_devices, seeded_varmap, LossReduction};
@@ -157,17 +157,7 @@ fn run_in_child(spec: &PipeSpec) -> Result<PipeMeasured> {
         cmd.env("RAYON_NUM_THREADS", cores().to_string());
         cmd.env("CANDLE_NUM_THREADS", cores().to_string());
     }
-    let out = cmd.output()?;
-    if !out.status.success() {
-        bail!(
-            "{} failed: {}",
-            spec.label(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let line = String::from_utf8(out.stdout)?;
-    serde_json::from_str(line.lines().last().context("child printed nothing")?)
-        .context("child output")
+    crate::child_answer(cmd, &spec.label())
 }
 
 /// The parent side: every configuration over `rounds`, interleaved; returns
