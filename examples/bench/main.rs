@@ -37,6 +37,7 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+mod all_reduce;
 mod child;
 mod net;
 mod pipeline;
@@ -84,6 +85,14 @@ struct Args {
     /// a per-device memory budget (writes pipeline.md).
     #[arg(long)]
     pipeline: bool,
+    /// Measure the all-reduce alone instead: DDP's reduction of the MLP's
+    /// gradient on thread ranks, on MPI processes and with Open MPI's own
+    /// MPI_Allreduce (writes all_reduce.md).
+    #[arg(long)]
+    all_reduce: bool,
+    /// Internal: run one all-reduce measurement (JSON) in this process.
+    #[arg(long, hide = true, value_name = "SPEC")]
+    all_reduce_child: Option<String>,
     /// Internal: run one configuration (JSON) in this process.
     #[arg(long, hide = true, value_name = "SPEC")]
     child: Option<String>,
@@ -108,9 +117,25 @@ fn main() -> Result<()> {
         println!("{}", serde_json::to_string(&pipeline::run_child(&spec)?)?);
         return Ok(());
     }
+    if let Some(child) = &args.all_reduce_child {
+        let (backend, iters) = serde_json::from_str(child).context("an all-reduce spec")?;
+        if let Some(times) = all_reduce::run_child(backend, iters)? {
+            println!("{}", serde_json::to_string(&times)?);
+        }
+        return Ok(());
+    }
     let quick = args.quick;
     let out_dir = &args.out;
     std::fs::create_dir_all(out_dir)?;
+    if args.all_reduce {
+        let iters = args.steps.unwrap_or(if quick { 10 } else { 40 });
+        let rounds = args.rounds.unwrap_or(if quick { 1 } else { 3 });
+        let report = all_reduce::run(iters, rounds)?;
+        println!("{report}");
+        std::fs::write(out_dir.join("all_reduce.md"), &report)?;
+        println!("wrote {}", out_dir.join("all_reduce.md").display());
+        return Ok(());
+    }
     if args.pipeline {
         let steps = args.steps.unwrap_or(if quick { 3 } else { 5 });
         let rounds = args.rounds.unwrap_or(if quick { 1 } else { 2 });

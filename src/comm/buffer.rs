@@ -408,6 +408,9 @@ pub(crate) trait Element: WithDType {
     fn into_buffer(values: Vec<Self>) -> Buffer;
     /// The elements of a buffer of this type, `None` for another type.
     fn slice_of(buffer: &Buffer) -> Option<&[Self]>;
+    /// The vector inside a buffer of this type, the buffer back for
+    /// another type.
+    fn vec_of(buffer: Buffer) -> Result<Vec<Self>, Buffer>;
     /// `acc ⊕ x` for `Sum` and `Avg` (the division comes last).
     fn reduce_sum(acc: Self, x: Self) -> Self;
     /// The larger of the two (NaN wins, for floats).
@@ -427,6 +430,12 @@ macro_rules! buffer_variant {
             match buffer {
                 Buffer::$variant(values) => Some(values),
                 _ => None,
+            }
+        }
+        fn vec_of(buffer: Buffer) -> Result<Vec<Self>, Buffer> {
+            match buffer {
+                Buffer::$variant(values) => Ok(values),
+                other => Err(other),
             }
         }
     };
@@ -517,6 +526,20 @@ pub(crate) fn combine_into<T: Element>(op: ReduceOp, acc: &mut [T], x: &[T]) {
         ReduceOp::Sum | ReduceOp::Avg => pairs.for_each(|(a, &b)| *a = T::reduce_sum(*a, b)),
         ReduceOp::Max => pairs.for_each(|(a, &b)| *a = T::reduce_max(*a, b)),
         ReduceOp::Min => pairs.for_each(|(a, &b)| *a = T::reduce_min(*a, b)),
+    }
+}
+
+/// `x[i] = earlier[i] ⊕ x[i]`: [`combine_into`] with the result written
+/// over the later operand, so a ring can reduce in its input buffer while
+/// keeping the thread group's operand order.
+#[cfg(feature = "mpi")]
+pub(crate) fn combine_over<T: Element>(op: ReduceOp, earlier: &[T], x: &mut [T]) {
+    debug_assert_eq!(earlier.len(), x.len());
+    let pairs = x.iter_mut().zip(earlier);
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => pairs.for_each(|(x, &a)| *x = T::reduce_sum(a, *x)),
+        ReduceOp::Max => pairs.for_each(|(x, &a)| *x = T::reduce_max(a, *x)),
+        ReduceOp::Min => pairs.for_each(|(x, &a)| *x = T::reduce_min(a, *x)),
     }
 }
 

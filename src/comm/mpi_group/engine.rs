@@ -41,7 +41,7 @@ use mpi::Threading;
 use super::wire::{self, Notice, Wire};
 use super::Shared;
 use crate::comm::buffer::{
-    chunk_range, combine_into, finish, match_dtype, reduce_in_rank_order, Buffer,
+    chunk_range, combine_over, finish, match_dtype, reduce_in_rank_order, Buffer,
 };
 use crate::comm::protocol::{self, Signature};
 use crate::comm::{CommError, Failure, FailureCause, ReduceOp};
@@ -177,6 +177,7 @@ pub(super) fn run(
         completed: 0,
         current: None,
         shutdown: None,
+        scratch: Vec::new(),
     };
     let _ = started.send(Ok((rank, world_size)));
     engine.serve();
@@ -222,6 +223,20 @@ struct Engine {
     completed: u64,
     current: Option<Current>,
     shutdown: Option<Sender<()>>,
+    /// Where the ring's reduce-scatter receives, reused by every call.
+    /// `u64` words keep it aligned for every element type.
+    scratch: Vec<u64>,
+}
+
+/// The first `len` elements of `scratch` as `T`s, growing it if needed.
+fn typed_scratch<T: Wire>(scratch: &mut Vec<u64>, len: usize) -> &mut [T] {
+    let bytes = len * std::mem::size_of::<T>();
+    let words = bytes.div_ceil(8);
+    if scratch.len() < words {
+        scratch.resize(words, 0);
+    }
+    let all: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch[..words]);
+    bytemuck::cast_slice_mut(&mut all[..bytes])
 }
 
 impl Engine {
@@ -313,7 +328,7 @@ impl Engine {
                 let data = self.own(data)?;
                 let wants = root.is_none_or(|root| root == me);
                 if ring {
-                    return Ok(match self.ring_reduce(&data, op, root)? {
+                    return Ok(match self.ring_reduce(data, op, root)? {
                         Some(result) => Reply::One(result, Vec::new()),
                         None => Reply::Nothing,
                     });
@@ -517,71 +532,79 @@ impl Engine {
     }
 
     /// A reduction by the ring algorithm: `Some(result)` on every rank
-    /// (`root: None`) or on the root only.
+    /// (`root: None`) or on the root only. It works in `data` itself: the
+    /// reduced chunks and the chunks received in the all-gather overwrite
+    /// this rank's input, so the result costs no allocation or copy.
     fn ring_reduce(
         &mut self,
-        data: &Buffer,
+        data: Buffer,
         op: ReduceOp,
         root: Option<usize>,
     ) -> Result<Option<Buffer>, Stop> {
         fn typed<T: Wire>(
             engine: &mut Engine,
-            data: &Buffer,
+            data: Buffer,
             op: ReduceOp,
             root: Option<usize>,
         ) -> Result<Option<Buffer>, Stop> {
-            let x = T::slice_of(data)
-                .ok_or_else(|| engine.unexpected(engine.rank, "a buffer of another type".into()))?;
-            let mine = engine.reduce_scatter(x, op)?;
-            let result = match root {
-                None => Some(engine.ring_all_gather(x.len(), mine)?),
-                Some(root) => engine.gather_chunks(x.len(), mine, root)?,
+            let mut x = T::vec_of(data)
+                .map_err(|_| engine.unexpected(engine.rank, "a buffer of another type".into()))?;
+            engine.reduce_scatter(&mut x, op)?;
+            let whole = match root {
+                None => {
+                    engine.ring_all_gather(&mut x)?;
+                    true
+                }
+                Some(root) => engine.gather_chunks(&mut x, root)?,
             };
-            Ok(result.map(T::into_buffer))
+            Ok(whole.then(|| T::into_buffer(x)))
         }
         match_dtype!(data.dtype(), T => typed::<T>(self, data, op, root), _ => {
             Err(self.unexpected(self.rank, format!("unsupported dtype {}", data.dtype().as_str())).into())
         })
     }
 
-    /// The ring's reduce-scatter: returns chunk `rank` reduced over every
-    /// rank as `((x_{c+1} ⊕ x_{c+2}) ⊕ …) ⊕ x_c` (the thread group's
-    /// order), finished (`Avg` divided).
-    fn reduce_scatter<T: Wire>(&mut self, x: &[T], op: ReduceOp) -> Result<Vec<T>, Stop> {
+    /// The ring's reduce-scatter, in place: leaves chunk `rank` of `x`
+    /// reduced over every rank as `((x_{c+1} ⊕ x_{c+2}) ⊕ …) ⊕ x_c` (the
+    /// thread group's order), finished (`Avg` divided). The other chunks
+    /// hold partial sums afterwards.
+    fn reduce_scatter<T: Wire>(&mut self, x: &mut [T], op: ReduceOp) -> Result<(), Stop> {
         let (r, w) = (self.rank, self.world_size);
         let (next, prev) = ((r + 1) % w, (r + w - 1) % w);
-        let chunk = |c: usize| chunk_range(x.len(), w, c);
-        let mut partial: Vec<T> = if w == 1 { x.to_vec() } else { Vec::new() };
+        let len = x.len();
+        let chunk = |c: usize| chunk_range(len, w, c);
+        // Kept from call to call: fresh memory would cost a page fault per
+        // page on every call (about as much as the copy into it).
+        let mut scratch = std::mem::take(&mut self.scratch);
         for step in 0..w - 1 {
-            // Chunk c starts at rank c+1 and ends, fully reduced, at rank c.
+            // Chunk c starts at rank c+1 and ends, fully reduced, at rank c;
+            // the chunk sent is the one reduced in the step before.
             let send_chunk = (r + 2 * w - 1 - step) % w;
             let recv_chunk = (r + 2 * w - 2 - step) % w;
-            let mut received = vec![T::zeroed(); chunk(recv_chunk).len()];
-            let send: &[T] = if step == 0 {
-                &x[chunk(send_chunk)]
-            } else {
-                &partial
-            };
-            self.step(
-                bytemuck::cast_slice(send),
+            let received = typed_scratch::<T>(&mut scratch, chunk(recv_chunk).len());
+            let stepped = self.step(
+                bytemuck::cast_slice(&x[chunk(send_chunk)]),
                 next,
-                bytemuck::cast_slice_mut(&mut received),
+                bytemuck::cast_slice_mut(received),
                 prev,
-            )?;
-            combine_into(op, &mut received, &x[chunk(recv_chunk)]);
-            partial = received;
+            );
+            if let Err(stop) = stepped {
+                self.scratch = scratch;
+                return Err(stop);
+            }
+            combine_over(op, received, &mut x[chunk(recv_chunk)]);
         }
-        finish(op, &mut partial, w);
-        Ok(partial)
+        self.scratch = scratch;
+        finish(op, &mut x[chunk(r)], w);
+        Ok(())
     }
 
-    /// The ring's all-gather: every rank's chunk, in order, on every rank.
-    fn ring_all_gather<T: Wire>(&mut self, len: usize, mine: Vec<T>) -> Result<Vec<T>, Stop> {
+    /// The ring's all-gather, in place: every rank's reduced chunk into
+    /// `x`, whose chunk `rank` is this rank's.
+    fn ring_all_gather<T: Wire>(&mut self, x: &mut [T]) -> Result<(), Stop> {
         let (r, w) = (self.rank, self.world_size);
         let (next, prev) = ((r + 1) % w, (r + w - 1) % w);
-        let mut result = vec![T::zeroed(); len];
-        let mut chunks = split_chunks(&mut result, w);
-        chunks[r].copy_from_slice(&mine);
+        let mut chunks = split_chunks(x, w);
         for step in 0..w - 1 {
             let send_chunk = (r + w - step) % w;
             let recv_chunk = (r + 2 * w - 1 - step) % w;
@@ -593,30 +616,26 @@ impl Engine {
                 prev,
             )?;
         }
-        Ok(result)
+        Ok(())
     }
 
-    /// Every rank's chunk to `root`, which gets the whole result.
-    fn gather_chunks<T: Wire>(
-        &mut self,
-        len: usize,
-        mine: Vec<T>,
-        root: usize,
-    ) -> Result<Option<Vec<T>>, Stop> {
+    /// Every rank's reduced chunk to `root`, into its `x`; returns whether
+    /// `x` now holds the whole result (on `root` only).
+    fn gather_chunks<T: Wire>(&mut self, x: &mut [T], root: usize) -> Result<bool, Stop> {
+        let w = self.world_size;
         if self.rank != root {
+            let mine = &x[chunk_range(x.len(), w, self.rank)];
             mpi::request::scope(|scope| {
                 let send = self
                     .data
                     .process_at_rank(root as i32)
-                    .immediate_send_with_tag(scope, bytemuck::cast_slice::<T, u8>(&mine), TAG_DATA);
+                    .immediate_send_with_tag(scope, bytemuck::cast_slice::<T, u8>(mine), TAG_DATA);
                 self.set_waiting_for(vec![root]);
                 self.wait(vec![send], |_| Ok(true))
             })?;
-            return Ok(None);
+            return Ok(false);
         }
-        let mut result = vec![T::zeroed(); len];
-        let mut chunks = split_chunks(&mut result, self.world_size);
-        chunks[root].copy_from_slice(&mine);
+        let mut chunks = split_chunks(x, w);
         let others: Vec<usize> = self.others().collect();
         mpi::request::scope(|scope| {
             let receives: Vec<_> = chunks
@@ -636,7 +655,7 @@ impl Engine {
             self.set_waiting_for(others);
             self.wait(receives, |_| Ok(true))
         })?;
-        Ok(Some(result))
+        Ok(true)
     }
 
     /// One ring step: sends `send` to `to` while receiving `recv` from
