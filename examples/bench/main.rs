@@ -6,10 +6,12 @@
 //! cargo run --release --example bench -- --out bench-out [--quick] [--steps 20] [--rounds 2]
 //!     [--device cpu|cuda] [--torch-csv scripts-output.csv]    (--help for details)
 //! cargo run --release --example bench -- --pipeline --out bench-out   (model parallelism)
+//! cargo run --release --features mpi --example bench -- --all-reduce --out bench-out
 //! ```
 //!
 //! `--pipeline` measures the pipeline instead (see `pipeline.rs`) and
-//! writes `pipeline.md`.
+//! writes `pipeline.md`; `--all-reduce` measures DDP's gradient
+//! all-reduce alone (see `all_reduce.rs`) and writes `all_reduce.md`.
 //!
 //! `--torch-csv` reads the CSV written by `scripts/bench_torch.py --csv` (run
 //! just before or after, on the same machine) and adds the ratios to
