@@ -604,6 +604,54 @@ fn mpirun_command(np: usize, program: &Path) -> Command {
     command
 }
 
+/// How long `mpirun` may go on once every process it started has exited.
+const MPIRUN_OUTLIVES_WORKERS: Duration = Duration::from_secs(10);
+
+/// Watches the processes `mpirun` started (its children, from `/proc`).
+#[derive(Default)]
+struct Workers {
+    /// Whether a live child was ever seen (none exist before the launch).
+    seen: bool,
+    /// Since when none is alive.
+    gone_since: Option<Instant>,
+}
+
+impl Workers {
+    /// How long no child of `parent` has been alive (zombies count as
+    /// exited), once some child was; zero otherwise.
+    fn all_gone_for(&mut self, parent: u32) -> Duration {
+        let live = live_children(parent);
+        if live > 0 {
+            self.seen = true;
+            self.gone_since = None;
+            return Duration::ZERO;
+        }
+        if !self.seen {
+            return Duration::ZERO;
+        }
+        self.gone_since.get_or_insert_with(Instant::now).elapsed()
+    }
+}
+
+/// The children of `parent` that have not exited, from `/proc/*/stat`.
+fn live_children(parent: u32) -> usize {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    entries
+        .filter_map(|entry| std::fs::read_to_string(entry.ok()?.path().join("stat")).ok())
+        .filter(|stat| {
+            // "pid (comm) state ppid ...": comm may hold spaces, so read
+            // after its closing parenthesis.
+            let rest = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+            let mut fields = rest.split_whitespace();
+            let state = fields.next();
+            let ppid = fields.next().and_then(|p| p.parse::<u32>().ok());
+            ppid == Some(parent) && state != Some("Z") && state != Some("X")
+        })
+        .count()
+}
+
 /// Runs `command` to the end, or fails the test after [`DEADLINE`]; one
 /// at a time (the tests of this file run in parallel otherwise).
 fn run_bounded(mut command: Command, what: &str) -> Output {
@@ -633,9 +681,33 @@ fn run_bounded(mut command: Command, what: &str) -> Output {
             .unwrap_or_else(|_| b"(output not closed within 30 s)".to_vec())
     };
     let start = Instant::now();
+    let mut workers = Workers::default();
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
             break status;
+        }
+        if workers.all_gone_for(child.id()) > MPIRUN_OUTLIVES_WORKERS {
+            // Open MPI 4.1's mpirun can deadlock in its own shutdown
+            // (`PMIx_server_finalize`, seen under CPU load) after every
+            // process of the job has exited and it has printed its
+            // verdict. The job is over: end mpirun, and report it as
+            // failed, so a job that should have succeeded still fails.
+            let _ = child.kill();
+            let status = child.wait().unwrap();
+            let stdout = read(&out);
+            let mut stderr = read(&err);
+            stderr.extend_from_slice(
+                format!(
+                    "\n(mpirun was still running {MPIRUN_OUTLIVES_WORKERS:?} after its last \
+                     process exited, and was killed)\n"
+                )
+                .as_bytes(),
+            );
+            return Output {
+                status,
+                stdout,
+                stderr,
+            };
         }
         if start.elapsed() > DEADLINE {
             // SIGTERM first: mpirun then ends its processes too.
@@ -955,6 +1027,23 @@ fn a_rank_that_returns_while_its_handle_lives_on_counts_as_gone() {
 #[test]
 fn a_rank_that_finished_early_makes_a_later_collective_fail_naming_it() {
     assert_fault("early_exit", &["rank 1 left the group"]);
+}
+
+/// The guard against Open MPI's shutdown deadlock: a launcher that goes on
+/// after its last process exited is ended and reported failed, long
+/// before the deadline. A shell stands in for mpirun: one child that
+/// exits after a second, then the shell becomes a `sleep` with none.
+#[test]
+fn a_launcher_that_outlives_its_processes_is_ended_and_reported_failed() {
+    let mut command = Command::new("sh");
+    command.args(["-c", "sleep 1 & wait; exec sleep 600"]);
+    let output = run_bounded(command, "a stuck launcher");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("after its last process exited, and was killed"),
+        "{stderr}"
+    );
 }
 
 /// The main job, `train_digits --strategy ddp`, trains to the same bytes

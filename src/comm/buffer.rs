@@ -410,6 +410,7 @@ pub(crate) trait Element: WithDType {
     fn slice_of(buffer: &Buffer) -> Option<&[Self]>;
     /// The vector inside a buffer of this type, the buffer back for
     /// another type.
+    #[cfg(feature = "mpi")]
     fn vec_of(buffer: Buffer) -> Result<Vec<Self>, Buffer>;
     /// `acc ⊕ x` for `Sum` and `Avg` (the division comes last).
     fn reduce_sum(acc: Self, x: Self) -> Self;
@@ -432,6 +433,7 @@ macro_rules! buffer_variant {
                 _ => None,
             }
         }
+        #[cfg(feature = "mpi")]
         fn vec_of(buffer: Buffer) -> Result<Vec<Self>, Buffer> {
             match buffer {
                 Buffer::$variant(values) => Ok(values),
