@@ -223,8 +223,10 @@ struct Engine {
     completed: u64,
     current: Option<Current>,
     shutdown: Option<Sender<()>>,
-    /// Where the ring's reduce-scatter receives, reused by every call.
-    /// `u64` words keep it aligned for every element type.
+    /// Where the ring's reduce-scatter receives, reused by every call: it
+    /// keeps the size of the largest chunk received so far (half the
+    /// largest all-reduce on 2 ranks). `u64` words keep it aligned for
+    /// every element type.
     scratch: Vec<u64>,
 }
 
