@@ -3,7 +3,8 @@
 #   bash scripts/gpu_check.sh
 # Runs every test gated on the `cuda` feature: DataParallel's master-device
 # check (tests/errors.rs) and a pipeline with a CPU stage and a GPU stage
-# sharing a weight (tests/pipeline.rs), with the rest of those files.
+# sharing a weight (tests/pipeline.rs), a replica on a GPU receiving only its
+# rows (tests/scatter_gather.rs), with the rest of those files.
 #
 # Without a CUDA toolkit, the compiler comes from PyPI (checked 2026-11-24:
 # `cargo check --features cuda --all-targets` and clippy pass with it on a
@@ -16,4 +17,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi -L
-cargo test --features cuda --test errors --test pipeline
+cargo test --features cuda --test errors --test pipeline --test scatter_gather

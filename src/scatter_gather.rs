@@ -215,8 +215,35 @@ impl Scatter for Tensor {
             .into_iter()
             .zip(&plan.sizes)
             .zip(&plan.devices)
-            .map(|((start, &len), device)| self.narrow(plan.dim, start, len)?.to_device(device))
+            .map(|((start, &len), device)| {
+                move_rows(
+                    &self.narrow(plan.dim, start, len)?,
+                    device,
+                    len,
+                    self.dim(plan.dim)?,
+                )
+            })
             .collect()
+    }
+}
+
+/// `chunk` (`len` of the input's `total` rows) on `device`. A narrowed
+/// view keeps the whole input's storage, and candle's `to_device` copies
+/// that whole storage (between GPUs and from the host alike): each replica
+/// would receive the entire batch. So a strict part bound for another
+/// device is first copied into a storage of its own, on its device (a
+/// local copy of exactly its rows), and only that crosses over. On one
+/// device the view is kept: no copy at all, as on CPU replicas.
+fn move_rows(
+    chunk: &Tensor,
+    device: &Device,
+    len: usize,
+    total: usize,
+) -> candle_core::Result<Tensor> {
+    if chunk.device().same_device(device) || len == total {
+        chunk.to_device(device)
+    } else {
+        chunk.force_contiguous()?.to_device(device)
     }
 }
 

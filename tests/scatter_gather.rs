@@ -259,3 +259,29 @@ proptest! {
         prop_assert_eq!(values(back.3.as_ref().unwrap()), values(&y));
     }
 }
+
+/// A replica on another device receives a storage of exactly its rows: a
+/// narrowed view moved with `to_device` would carry the whole batch's
+/// storage along (candle copies a view's entire storage across devices).
+#[cfg(feature = "cuda")]
+#[test]
+fn a_replica_on_a_gpu_receives_only_its_rows() -> anyhow::Result<()> {
+    use candle_core::Storage;
+    let gpu = Device::new_cuda(0)?;
+    let x = Tensor::arange(0f32, 24., &Device::Cpu)?.reshape((6, 4))?;
+    let devices = [Device::Cpu, gpu.clone()];
+    let plan = ScatterPlan::for_input(&x, 0, &Split::Even, &devices)?
+        .ok_or_else(|| anyhow::anyhow!("no plan"))?;
+    let parts = scatter(&x, &plan)?;
+    assert_eq!(parts[1].device().location(), gpu.location());
+    assert_eq!(
+        parts[1].to_device(&Device::Cpu)?.to_vec2::<f32>()?,
+        x.narrow(0, 3, 3)?.to_vec2::<f32>()?
+    );
+    let (storage, _) = parts[1].storage_and_layout();
+    let Storage::Cuda(cuda) = &*storage else {
+        anyhow::bail!("replica 1 is not on the GPU");
+    };
+    assert_eq!(cuda.as_cuda_slice::<f32>()?.len(), 3 * 4);
+    Ok(())
+}
