@@ -231,9 +231,9 @@ impl Scatter for Tensor {
 /// view keeps the whole input's storage, and candle's `to_device` copies
 /// that whole storage (between GPUs and from the host alike): each replica
 /// would receive the entire batch. So a strict part bound for another
-/// device is first copied into a storage of its own, on its device (a
-/// local copy of exactly its rows), and only that crosses over. On one
-/// device the view is kept: no copy at all, as on CPU replicas.
+/// device is first copied into a storage of its own where it is (a local
+/// copy of exactly its rows), and only that crosses over. On one device
+/// the view is kept: no copy at all, as on CPU replicas.
 fn move_rows(
     chunk: &Tensor,
     device: &Device,
