@@ -467,6 +467,13 @@ fn a_failing_panicking_or_stuck_stage_is_named_with_its_micro_batch_and_phase() 
     }
 }
 
+/// The error of a training step (mean cross-entropy) that must fail.
+fn failed_step(pipe: &Pipeline, x: &Tensor, y: &Tensor) -> Error {
+    pipe.forward_backward(x, y, LossReduction::Mean, loss::cross_entropy)
+        .map(|_| ())
+        .unwrap_err()
+}
+
 #[test]
 fn a_pipeline_keeps_working_after_a_failed_step() {
     within(60, || {
@@ -474,12 +481,7 @@ fn a_pipeline_keeps_working_after_a_failed_step() {
         let pipe = pipeline(&varmap, 2, 2, Schedule::OneFOneB);
         let (x, y) = data(4);
         let bad_y = Tensor::new(&[0u32, 1, 7, 1], &Device::Cpu).unwrap(); // class 7 of 3
-        let err = pipe
-            .forward_backward(&x, &bad_y, LossReduction::Mean, |o, y| {
-                loss::cross_entropy(o, y)
-            })
-            .map(|_| ())
-            .unwrap_err();
+        let err = failed_step(&pipe, &x, &bad_y);
         assert!(
             matches!(
                 err,
@@ -688,12 +690,7 @@ fn batch_norm_buffers_are_untouched_by_a_failed_step() {
             .build(layers)
             .unwrap();
         let (x, y) = data(4);
-        let err = pipe
-            .forward_backward(&x, &y, LossReduction::Mean, |o, y| {
-                loss::cross_entropy(o, y)
-            })
-            .map(|_| ())
-            .unwrap_err();
+        let err = failed_step(&pipe, &x, &y);
         assert!(
             matches!(
                 err,

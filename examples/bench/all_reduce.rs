@@ -174,21 +174,10 @@ fn native_child(_: usize) -> Result<Option<Times>> {
 }
 
 fn run_in_child(backend: Backend, iters: usize) -> Result<Times> {
-    let exe = std::env::current_exe()?;
     let mut cmd = if backend == Backend::Threads {
-        Command::new(exe)
+        Command::new(std::env::current_exe()?)
     } else {
-        let mut mpirun = Command::new("mpirun");
-        mpirun
-            .args([
-                "--allow-run-as-root",
-                "--oversubscribe",
-                "--bind-to",
-                "none",
-            ])
-            .args(["-np", "2"])
-            .arg(exe);
-        mpirun
+        crate::mpirun_this(2)?
     };
     cmd.arg("--all-reduce-child")
         .arg(serde_json::to_string(&(backend, iters))?);

@@ -194,17 +194,7 @@ fn main() -> Result<()> {
 /// Runs one configuration in a child process with its thread settings.
 fn run_in_child(spec: &Spec) -> Result<Measured> {
     let mut cmd = if spec.kind == Kind::DdpMpi {
-        let mut mpirun = Command::new("mpirun");
-        mpirun
-            .args([
-                "--allow-run-as-root",
-                "--oversubscribe",
-                "--bind-to",
-                "none",
-            ])
-            .args(["-np", &spec.replicas.to_string()])
-            .arg(std::env::current_exe()?);
-        mpirun
+        mpirun_this(spec.replicas)?
     } else {
         Command::new(std::env::current_exe()?)
     };
@@ -224,6 +214,22 @@ fn run_in_child(spec: &Spec) -> Result<Measured> {
         cmd.env("CANDLE_NUM_THREADS", threads.to_string());
     }
     child_answer(cmd, &spec.label())
+}
+
+/// `mpirun -np N` of this binary: as root too, more ranks than cores
+/// allowed, processes left unbound (they size their own threads).
+fn mpirun_this(np: usize) -> Result<Command> {
+    let mut mpirun = Command::new("mpirun");
+    mpirun
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+        ])
+        .args(["-np", &np.to_string()])
+        .arg(std::env::current_exe()?);
+    Ok(mpirun)
 }
 
 /// Runs a child process and reads the JSON on the last line it printed.
