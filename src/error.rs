@@ -13,6 +13,19 @@ pub enum Error {
     #[error("no devices given: DataParallel needs at least one device (use candle_dp::cpu_devices(n) for CPU replicas)")]
     NoDevices,
 
+    /// A CUDA device made with `Device::new_cuda`, whose work goes to the
+    /// calling thread's default stream: several threads drive each device,
+    /// and their streams would run unordered (see the README, GPUs).
+    #[error("{role} {index} is on cuda:{ordinal} made with Device::new_cuda, whose work goes to each calling thread's own default stream; several threads drive this device, and their streams are not ordered with each other: create it with Device::new_cuda_with_stream({ordinal}), which gives it one stream")]
+    ImplicitCudaStream {
+        /// What the device is for: `replica`, `output device` or `stage`.
+        role: &'static str,
+        /// Its index among the devices given.
+        index: usize,
+        /// The GPU.
+        ordinal: usize,
+    },
+
     /// A master variable does not live on `devices[0]` (PyTorch: "module must
     /// have its parameters and buffers on device X").
     #[error("module must have its parameters and buffers on device {expected} (devices[0]), but `{name}` is on {found}")]

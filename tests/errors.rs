@@ -283,7 +283,7 @@ fn master_vars_not_on_the_first_device_are_rejected() {
         VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
     )
     .unwrap();
-    let gpu = Device::new_cuda(0).unwrap();
+    let gpu = Device::new_cuda_with_stream(0).unwrap();
     let err = DataParallel::new(&varmap, DType::F32, &[gpu], |vb| {
         candle_nn::linear(3, 2, vb)
     })
@@ -294,4 +294,35 @@ fn master_vars_not_on_the_first_device_are_rejected() {
         err.to_string().contains("cuda:0") && err.to_string().contains("`bias`"),
         "{err}"
     );
+}
+
+/// Needs a GPU: a device on CUDA's per-thread default stream would have the
+/// caller's and the workers' work on it run unordered.
+#[cfg(feature = "cuda")]
+#[test]
+fn a_gpu_on_the_per_thread_default_stream_is_refused_with_the_call_to_use() {
+    let varmap = VarMap::new();
+    let with_stream = Device::new_cuda_with_stream(0).unwrap();
+    let per_thread = Device::new_cuda(0).unwrap();
+    let err = DataParallel::new(&varmap, DType::F32, &[with_stream, per_thread], |vb| {
+        candle_nn::linear(3, 2, vb)
+    })
+    .map(|_| ())
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::ImplicitCudaStream {
+                role: "replica",
+                index: 1,
+                ordinal: 0
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("Device::new_cuda_with_stream(0)"),
+        "{err}"
+    );
+    assert!(varmap.all_vars().is_empty(), "nothing was built");
 }

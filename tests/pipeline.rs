@@ -783,7 +783,7 @@ fn a_batch_norm_buffer_on_two_stages_is_refused() {
 #[test]
 fn a_weight_tied_across_a_cpu_and_a_gpu_stage_gets_the_sum_of_its_gradients() {
     within(120, || {
-        let gpu = Device::new_cuda(0).unwrap();
+        let gpu = Device::new_cuda_with_stream(0).unwrap();
         let tied = || layer(|vb| Ok(linear_no_bias(vb.get((4, 4), "w")?)));
         let layers = vec![tied(), layer(|_| Ok(Activation::Relu)), tied()];
         let varmap = VarMap::new();
@@ -874,4 +874,29 @@ fn a_buffer_outside_a_batch_norm_pair_is_committed_too() {
             .unwrap();
         assert_eq!(buffers_of(&varmap)["track.running_mean"], want);
     });
+}
+
+/// Needs a GPU: a stage on CUDA's per-thread default stream is refused (the
+/// optimizer on the caller's thread and the stage's worker would use two
+/// unordered streams).
+#[cfg(feature = "cuda")]
+#[test]
+fn a_stage_on_the_per_thread_default_stream_is_refused() {
+    let varmap = VarMap::new();
+    let gpu = Device::new_cuda(0).unwrap();
+    let err = Pipeline::builder(&varmap, DType::F32, &[Device::Cpu, gpu])
+        .build(layers())
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::ImplicitCudaStream {
+                role: "stage",
+                index: 1,
+                ..
+            }
+        ),
+        "{err}"
+    );
 }

@@ -164,6 +164,10 @@ impl<M: 'static> DataParallelBuilder<M> {
         F: Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
     {
         let first = self.devices.first().ok_or(Error::NoDevices)?.clone();
+        crate::cuda_setup::prepare("replica", &self.devices)?;
+        if let Some(output) = &self.output_device {
+            crate::cuda_setup::prepare("output device", std::slice::from_ref(output))?;
+        }
         // Before the master's factory runs its first candle ops.
         crate::cpu_threads::share_cpu_between(self.devices.iter().filter(|d| d.is_cpu()).count());
         let factory = Arc::new(factory);

@@ -25,6 +25,7 @@ use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::{Init, VarBuilder, VarMap};
 
 use crate::buffers::BufferPredicate;
+use crate::device_copy::copy_into;
 use crate::device_label::device_label;
 use crate::error::{Error, Result};
 use crate::lock::lock;
@@ -75,19 +76,18 @@ pub(crate) struct ReplicaVars {
 }
 
 impl ReplicaVars {
-    /// Copies the master's current values into this replica. Parameters on
-    /// the master's device are shared and need nothing.
+    /// Copies the master's current values into this replica: one device
+    /// copy per parameter and buffer into the replica's own storage (after
+    /// a conversion on the master's device when the replica runs in
+    /// another dtype). Parameters on the master's device are shared and
+    /// need nothing. Each copy keeps its autograd op (ToDevice of the
+    /// master), so gradients keep flowing home.
     pub(crate) fn refresh(&self) -> candle_core::Result<()> {
         for (master, copy) in &self.copied_params {
-            let value = converted(master, copy)?;
-            // `slice_set` writes in place and keeps the copy's autograd op
-            // (ToDevice of the master), so gradients keep flowing home. It
-            // needs a dimension to write along: the flattened views share
-            // the storage and have one, even for a 0-dim parameter.
-            copy.flatten_all()?.slice_set(&value.flatten_all()?, 0, 0)?;
+            copy_into(copy, &in_dtype_of(master, copy)?)?;
         }
         for (master, copy) in &self.buffers {
-            copy.set(&converted(master, copy.as_tensor())?)?;
+            copy_into(copy.as_tensor(), &in_dtype_of(master, copy.as_tensor())?)?;
         }
         Ok(())
     }
@@ -106,6 +106,11 @@ impl ReplicaVars {
         }
         Ok(())
     }
+}
+
+/// `from`'s value, detached, in the dtype of `like`, still on its own device.
+fn in_dtype_of(from: &Var, like: &Tensor) -> candle_core::Result<Tensor> {
+    from.as_detached_tensor().to_dtype(like.dtype())
 }
 
 /// `from`'s value in the dtype and on the device of `like`, detached: a

@@ -566,6 +566,7 @@ impl PipelineBuilder {
     pub fn build(self, layers: Vec<LayerFactory>) -> Result<Pipeline> {
         let stages = self.devices.len();
         let first = self.devices.first().ok_or(Error::NoDevices)?.clone();
+        crate::cuda_setup::prepare("stage", &self.devices)?;
         let chunks = self.chunks.unwrap_or(2 * stages);
         if chunks == 0 {
             return Err(Error::InvalidBalance {

@@ -11,6 +11,7 @@ use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 
 use super::deferred_norm::{self, NormStep, NormUse};
 use super::schedule::Op;
+use crate::device_copy::copy_into;
 use crate::lock::lock;
 use crate::worker_pool::Cancel;
 
@@ -54,16 +55,15 @@ pub(crate) struct Stage {
     pub(crate) buffers: Vec<StageVar>,
     /// The layers that update buffers.
     pub(crate) norms: Vec<NormUse>,
-    pub(crate) device: Device,
 }
 
 impl Stage {
-    /// Copies the `VarMap`'s current values into the mirrors.
+    /// Copies the `VarMap`'s current values into the mirrors (one device
+    /// copy each, see [`copy_into`]).
     fn refresh(&self) -> candle_core::Result<()> {
         for v in self.vars.iter().chain(&self.buffers) {
             if v.is_mirror() {
-                v.local
-                    .set(&v.master.as_tensor().to_device(&self.device)?)?;
+                copy_into(v.local.as_tensor(), &v.master.as_detached_tensor())?;
             }
         }
         Ok(())

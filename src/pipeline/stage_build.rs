@@ -141,6 +141,5 @@ pub(crate) fn build_stage(
         vars,
         buffers,
         norms,
-        device: device.clone(),
     })
 }

@@ -1,0 +1,131 @@
+//! What a set of CUDA devices needs before several threads drive them: a
+//! stream of its own per device, and direct (peer) access between GPUs.
+//!
+//! **Streams.** `Device::new_cuda(i)` sends work to CUDA's *per-thread*
+//! default stream: which stream runs a kernel depends on the thread that
+//! launched it, and per-thread streams are not ordered with each other. A
+//! [`DataParallel`](crate::DataParallel) or a
+//! [`Pipeline`](crate::pipeline::Pipeline) drives the master device from
+//! the caller's thread (scatter, optimizer) and from a worker thread
+//! (replica 0, the gradients' reduce), so with per-thread streams the
+//! optimizer's update of a weight and the next forward's read of it could
+//! run in either order. `Device::new_cuda_with_stream(i)` gives the device
+//! one stream of its own: every thread's work on it is then in the order the
+//! threads issued it (the crate's channels order the threads), and cudarc
+//! orders work between two such streams through the events it records on
+//! every buffer. So the policy is correct by construction: per-thread and
+//! legacy-default-stream devices are refused, with the call to use instead.
+//!
+//! **Peer access.** Between two GPUs a copy is a `cuMemcpyPeerAsync`; with
+//! peer access enabled it goes over NVLink or PCIe directly, without it the
+//! driver stages it through host memory (correct, slower). Access is
+//! enabled for every pair of distinct GPUs the hardware allows, with a
+//! warning (`tracing`) for the pairs it does not.
+
+use candle_core::Device;
+
+use crate::error::{Error, Result};
+
+/// Checks `devices` (the `role`s of a DataParallel or a pipeline, e.g.
+/// "replica" or "stage") and enables peer access between distinct GPUs.
+/// Nothing to do without the `cuda` feature or without CUDA devices.
+pub(crate) fn prepare(role: &'static str, devices: &[Device]) -> Result<()> {
+    for (index, device) in devices.iter().enumerate() {
+        if let Some(ordinal) = cuda::implicit_stream_ordinal(device) {
+            return Err(Error::ImplicitCudaStream {
+                role,
+                index,
+                ordinal,
+            });
+        }
+    }
+    cuda::enable_peer_access(devices);
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+mod cuda {
+    use candle_core::Device;
+
+    pub(super) fn implicit_stream_ordinal(_: &Device) -> Option<usize> {
+        None
+    }
+
+    pub(super) fn enable_peer_access(_: &[Device]) {}
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    use candle_core::cuda_backend::cudarc::driver::{sys, CudaContext};
+    use candle_core::Device;
+
+    /// CUDA's handle for the calling thread's default stream
+    /// (`CU_STREAM_PER_THREAD`), which cudarc's `per_thread_stream` uses.
+    const PER_THREAD_STREAM: usize = 0x2;
+
+    /// The GPU ordinal of a CUDA device whose work goes to an implicit
+    /// stream (per-thread or legacy default), `None` for any other device.
+    pub(super) fn implicit_stream_ordinal(device: &Device) -> Option<usize> {
+        let Device::Cuda(cuda) = device else {
+            return None;
+        };
+        let stream = cuda.cuda_stream();
+        let handle = stream.cu_stream() as usize;
+        (handle == 0 || handle == PER_THREAD_STREAM).then(|| stream.context().ordinal())
+    }
+
+    /// Enables peer access both ways between every two distinct GPUs among
+    /// `devices`, warning where the hardware or the driver refuses.
+    pub(super) fn enable_peer_access(devices: &[Device]) {
+        let contexts: BTreeMap<usize, Arc<CudaContext>> = devices
+            .iter()
+            .filter_map(|d| match d {
+                Device::Cuda(cuda) => {
+                    let ctx = cuda.cuda_stream().context().clone();
+                    Some((ctx.ordinal(), ctx))
+                }
+                _ => None,
+            })
+            .collect();
+        for (from, from_ctx) in &contexts {
+            for (to, to_ctx) in &contexts {
+                if from == to {
+                    continue;
+                }
+                if let Err(why) = enable(from_ctx, to_ctx) {
+                    tracing::warn!(
+                        "no peer access from cuda:{from} to cuda:{to} ({why}): copies between \
+                         them are staged through host memory by the driver"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Lets `from`'s context read and write `to`'s memory directly.
+    fn enable(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> Result<(), String> {
+        let mut can_access = 0;
+        // SAFETY: plain driver queries on live contexts (both `Arc`s are
+        // held for the call); cudarc has no safe wrapper for peer access,
+        // and candle 0.11 enables none (candle issue #3524). The calling
+        // thread is bound to `from`'s context first, as
+        // cuCtxEnablePeerAccess requires.
+        unsafe {
+            sys::cuDeviceCanAccessPeer(&mut can_access, from.cu_device(), to.cu_device())
+                .result()
+                .map_err(|e| e.to_string())?;
+            if can_access == 0 {
+                return Err("the hardware does not allow it".into());
+            }
+            from.bind_to_thread().map_err(|e| e.to_string())?;
+            match sys::cuCtxEnablePeerAccess(to.cu_ctx(), 0) {
+                sys::CUresult::CUDA_SUCCESS
+                | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        }
+    }
+}
