@@ -29,6 +29,10 @@ enum Opt {
 enum Model {
     Mlp,
     Conv,
+    /// Wide enough that the GPU's kernels take longer than their launch: a
+    /// missing ordering between streams shows as wrong values.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    WideMlp,
 }
 
 const STEPS: usize = 10;
@@ -52,6 +56,7 @@ fn build(model: Model, vb: VarBuilder) -> candle_core::Result<Net> {
     Ok(match model {
         Model::Mlp => Net::Mlp(Mlp::new(vb, (6, 16, 5))?),
         Model::Conv => Net::Conv(ConvNet::new(vb)?),
+        Model::WideMlp => Net::Mlp(Mlp::new(vb, (256, 1024, 5))?),
     })
 }
 
@@ -100,6 +105,11 @@ struct Data {
 }
 
 fn data(model: Model) -> Data {
+    data_sized(model, BATCH, STEPS)
+}
+
+/// Random batches of `batch` rows for `steps` steps, and initial values.
+fn data_sized(model: Model, batch: usize, steps: usize) -> Data {
     let varmap = VarMap::new();
     build(
         model,
@@ -107,17 +117,18 @@ fn data(model: Model) -> Data {
     )
     .unwrap();
     let shape: &[usize] = match model {
-        Model::Mlp => &[BATCH, 6],
-        Model::Conv => &[BATCH, 1, 8, 8],
+        Model::Mlp => &[batch, 6],
+        Model::Conv => &[batch, 1, 8, 8],
+        Model::WideMlp => &[batch, 256],
     };
-    let xs = (0..STEPS)
+    let xs = (0..steps)
         .map(|_| Tensor::randn(0f32, 1., shape, &Device::Cpu).unwrap())
         .collect();
-    let ys = (0..STEPS)
+    let ys = (0..steps)
         .map(|s| {
             Tensor::from_vec(
-                (0..BATCH as u32).map(|i| (i * 7 + s as u32) % 5).collect(),
-                BATCH,
+                (0..batch as u32).map(|i| (i * 7 + s as u32) % 5).collect(),
+                batch,
                 &Device::Cpu,
             )
             .unwrap()
@@ -130,35 +141,46 @@ fn data(model: Model) -> Data {
     }
 }
 
-fn single_device(model: Model, opt: Opt, d: &Data) -> HashMap<String, Tensor> {
-    let varmap = varmap_from(&d.init);
-    let net = build(
-        model,
-        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
-    )
-    .unwrap();
+/// The initial values on `device`, as a fresh `VarMap`.
+fn varmap_on(d: &Data, device: &Device) -> VarMap {
+    let on_device = d
+        .init
+        .iter()
+        .map(|(name, t)| (name.clone(), t.to_device(device).unwrap()))
+        .collect();
+    varmap_from(&on_device)
+}
+
+/// The step's batch on `device`.
+fn batch_on(x: &Tensor, y: &Tensor, device: &Device) -> (Tensor, Tensor) {
+    (x.to_device(device).unwrap(), y.to_device(device).unwrap())
+}
+
+fn single_device(model: Model, opt: Opt, d: &Data, device: &Device) -> HashMap<String, Tensor> {
+    let varmap = varmap_on(d, device);
+    let net = build(model, VarBuilder::from_varmap(&varmap, DType::F32, device)).unwrap();
     let mut opt = AnyOpt::new(opt, &varmap);
     for (x, y) in d.xs.iter().zip(&d.ys) {
-        let loss = loss::cross_entropy(&net.forward(x).unwrap(), y).unwrap();
+        let (x, y) = batch_on(x, y, device);
+        let loss = loss::cross_entropy(&net.forward(&x).unwrap(), &y).unwrap();
         opt.backward_step(&loss);
     }
     snapshot(&varmap)
 }
 
+/// Training through a DataParallel on `devices`, the master on `devices[0]`.
 fn data_parallel(
     model: Model,
     opt: Opt,
-    replicas: usize,
+    devices: &[Device],
     path: Path,
     d: &Data,
 ) -> HashMap<String, Tensor> {
-    let varmap = varmap_from(&d.init);
-    let dp = DataParallel::new(&varmap, DType::F32, &cpu_devices(replicas), move |vb| {
-        build(model, vb)
-    })
-    .unwrap();
+    let varmap = varmap_on(d, &devices[0]);
+    let dp = DataParallel::new(&varmap, DType::F32, devices, move |vb| build(model, vb)).unwrap();
     let mut opt = AnyOpt::new(opt, &varmap);
     for (x, y) in d.xs.iter().zip(&d.ys) {
+        let (x, y) = &batch_on(x, y, &devices[0]);
         match path {
             Path::DropIn => {
                 let loss = loss::cross_entropy(&dp.forward(x).unwrap(), y).unwrap();
@@ -194,29 +216,41 @@ fn data_parallel(
     snapshot(&varmap)
 }
 
-fn check(model: Model, opt: Opt) {
-    let d = data(model);
-    let reference = single_device(model, opt, &d);
+/// Every path with 1 to `max_replicas` replicas (`devices(r)`) against one
+/// device (`devices(1)[0]`), within `tolerance` (relative).
+fn check_on(
+    d: &Data,
+    model: Model,
+    opt: Opt,
+    max_replicas: usize,
+    devices: impl Fn(usize) -> Vec<Device>,
+    tolerance: f32,
+) {
+    let reference = single_device(model, opt, d, &devices(1)[0]);
     assert!(
         max_rel_diff(&reference, &d.init) > 1e-3,
         "training moved the weights"
     );
-    for replicas in 1..=4 {
+    for replicas in 1..=max_replicas {
         for path in [
             Path::DropIn,
             Path::ParallelFromLoss,
             Path::ParallelFromGradOutput,
             Path::ReplicaLoss,
         ] {
-            let got = data_parallel(model, opt, replicas, path, &d);
+            let got = data_parallel(model, opt, &devices(replicas), path, d);
             let diff = max_rel_diff(&got, &reference);
             assert!(
-                diff < 1e-5,
+                diff < tolerance,
                 "{model:?} {opt:?} {replicas} replicas via {path:?}: relative difference {diff}\n{}",
                 diff_report(&got, &reference)
             );
         }
     }
+}
+
+fn check(model: Model, opt: Opt) {
+    check_on(&data(model), model, opt, 4, cpu_devices, 1e-5);
 }
 
 #[test]
@@ -274,5 +308,84 @@ fn all_backward_paths_give_the_same_gradients() {
             let d = max_abs_diff(a, b);
             assert!(d < 1e-6, "{path}: {name} differs by {d}");
         }
+    }
+}
+
+/// The same checks with replicas on CUDA devices, each with a stream of its
+/// own: streams of one GPU, or one GPU per replica where the machine has
+/// them (`scripts/gpu_check.sh`).
+#[cfg(feature = "cuda")]
+mod on_gpus {
+    use super::*;
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+
+    /// Replica `i` on GPU `i % gpus`, with a stream of its own.
+    fn gpu_devices(replicas: usize) -> Vec<Device> {
+        let gpus = CudaContext::device_count().unwrap() as usize;
+        (0..replicas)
+            .map(|i| Device::new_cuda_with_stream(i % gpus).unwrap())
+            .collect()
+    }
+
+    // GPU kernels sum in another order than the CPU's and than each other
+    // at other batch sizes: a looser bound than on CPU.
+    const TOLERANCE: f32 = 1e-4;
+
+    #[test]
+    fn mlp_with_sgd_on_gpu_replicas_matches_one_gpu() {
+        check_on(
+            &data(Model::Mlp),
+            Model::Mlp,
+            Opt::Sgd,
+            3,
+            gpu_devices,
+            TOLERANCE,
+        );
+    }
+
+    #[test]
+    fn mlp_with_adamw_on_gpu_replicas_matches_one_gpu() {
+        check_on(
+            &data(Model::Mlp),
+            Model::Mlp,
+            Opt::AdamW,
+            3,
+            gpu_devices,
+            TOLERANCE,
+        );
+    }
+
+    #[test]
+    fn conv_net_with_sgd_on_gpu_replicas_matches_one_gpu() {
+        check_on(
+            &data(Model::Conv),
+            Model::Conv,
+            Opt::Sgd,
+            3,
+            gpu_devices,
+            TOLERANCE,
+        );
+    }
+
+    #[test]
+    fn conv_net_with_adamw_on_gpu_replicas_matches_one_gpu() {
+        check_on(
+            &data(Model::Conv),
+            Model::Conv,
+            Opt::AdamW,
+            3,
+            gpu_devices,
+            TOLERANCE,
+        );
+    }
+
+    /// Many steps of a model whose kernels outlast their launch: the
+    /// optimizer's update (caller thread) and the next refresh and forward
+    /// (worker threads, other streams) must be ordered, or a replica reads
+    /// half-updated weights and the result drifts from one device's.
+    #[test]
+    fn many_steps_of_a_wide_mlp_on_gpu_replicas_match_one_gpu() {
+        let d = data_sized(Model::WideMlp, 1024, 40);
+        check_on(&d, Model::WideMlp, Opt::Sgd, 2, gpu_devices, TOLERANCE);
     }
 }

@@ -763,22 +763,23 @@ fn assert_close(got: &HashMap<String, Vec<f64>>, want: &HashMap<String, Vec<f64>
     }
 }
 
-#[test]
-fn replicas_in_another_dtype_train_a_model_with_a_scalar_parameter() {
-    let x = Tensor::randn(0f32, 1., (6, 4), &Device::Cpu).unwrap();
-    let y = Tensor::new(&[0u32, 1, 2, 0, 1, 2], &Device::Cpu).unwrap();
-    let varmap = seeded_varmap(3, DType::F32, &Device::Cpu, Scaled::new).unwrap();
+/// Replicas in f64 over an f32 master on `devices` (the master on the
+/// first): every replica holds converted copies, refreshed every step, the
+/// 0-dim `scale` included; gradients as on one device in f32.
+fn scalar_parameter_in_another_dtype(devices: Vec<Device>) {
+    let master = devices[0].clone();
+    let x = Tensor::randn(0f32, 1., (6, 4), &master).unwrap();
+    let y = Tensor::new(&[0u32, 1, 2, 0, 1, 2], &master).unwrap();
+    let varmap = seeded_varmap(3, DType::F32, &master, Scaled::new).unwrap();
     // The reference: one device, the master's dtype.
-    let model = Scaled::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)).unwrap();
+    let model = Scaled::new(VarBuilder::from_varmap(&varmap, DType::F32, &master)).unwrap();
     let loss = candle_nn::loss::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
     let want = grad_values(&varmap, &loss.backward().unwrap());
     assert!(want.contains_key("scale"));
 
-    // Replicas in f64 over the f32 master: every replica holds converted
-    // copies, refreshed every step, the scalar included.
     let dp = within(60, {
         let varmap = varmap.clone();
-        move || DataParallel::new(&varmap, DType::F64, &cpu_devices(2), Scaled::new).unwrap()
+        move || DataParallel::new(&varmap, DType::F64, &devices, Scaled::new).unwrap()
     });
     for step in 0..2 {
         let logits = dp.forward(&x.to_dtype(DType::F64).unwrap()).unwrap();
@@ -804,29 +805,81 @@ fn replicas_in_another_dtype_train_a_model_with_a_scalar_parameter() {
 }
 
 #[test]
+fn replicas_in_another_dtype_train_a_model_with_a_scalar_parameter() {
+    scalar_parameter_in_another_dtype(cpu_devices(2));
+}
+
+/// BatchNorm statistics after three training forwards of `x` with replicas
+/// in `dtype` on `devices`, over an f32 master on the first: the master
+/// keeps its dtype, replica 0's statistics are committed.
+fn batch_norm_stats_with_replicas_in(
+    x: &Tensor,
+    dtype: DType,
+    devices: &[Device],
+) -> Vec<Vec<f32>> {
+    let x = x.to_device(&devices[0]).unwrap();
+    let varmap = seeded_varmap(5, DType::F32, &devices[0], BnNet::new).unwrap();
+    let dp = DataParallel::new(&varmap, dtype, devices, BnNet::new).unwrap();
+    for _ in 0..3 {
+        dp.forward_t(&x.to_dtype(dtype).unwrap(), true).unwrap();
+    }
+    let data = varmap.data().lock().unwrap();
+    assert_eq!(
+        data["bn.running_mean"].dtype(),
+        DType::F32,
+        "the master keeps its dtype"
+    );
+    drop(data);
+    running_stats(&varmap)
+}
+
+#[test]
 fn replicas_in_another_dtype_refresh_and_commit_batch_norm_buffers() {
     let x = Tensor::randn(1f32, 2., (6, 12), &Device::Cpu).unwrap();
-    let run = |dtype: DType| {
-        let varmap = seeded_varmap(5, DType::F32, &Device::Cpu, BnNet::new).unwrap();
-        let dp = DataParallel::new(&varmap, dtype, &cpu_devices(2), BnNet::new).unwrap();
-        for _ in 0..3 {
-            dp.forward_t(&x.to_dtype(dtype).unwrap(), true).unwrap();
-        }
-        let data = varmap.data().lock().unwrap();
-        assert_eq!(
-            data["bn.running_mean"].dtype(),
-            DType::F32,
-            "the master keeps its dtype"
-        );
-        drop(data);
-        running_stats(&varmap)
-    };
-    let (same, other) = (run(DType::F32), run(DType::F64));
+    let devices = cpu_devices(2);
+    let same = batch_norm_stats_with_replicas_in(&x, DType::F32, &devices);
+    let other = batch_norm_stats_with_replicas_in(&x, DType::F64, &devices);
     for (a, b) in same.iter().flatten().zip(other.iter().flatten()) {
         assert!((a - b).abs() <= 1e-5 * (1. + b.abs()), "{a} vs {b}");
     }
     // Three steps moved the statistics: the commit did happen.
     assert!(same[0].iter().any(|&m| m.abs() > 1e-3), "{same:?}");
+}
+
+/// The same two cases with replicas on CUDA devices (streams of GPU 0 and,
+/// where the machine has one, GPU 1): each parameter's refresh is one device
+/// copy into the replica's own storage (`scripts/gpu_check.sh`).
+#[cfg(feature = "cuda")]
+mod on_gpus {
+    use super::*;
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+
+    fn two_gpu_devices() -> Vec<Device> {
+        let gpus = CudaContext::device_count().unwrap() as usize;
+        (0..2)
+            .map(|i| Device::new_cuda_with_stream(i % gpus).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn gpu_replicas_in_another_dtype_train_a_model_with_a_scalar_parameter() {
+        scalar_parameter_in_another_dtype(two_gpu_devices());
+    }
+
+    #[test]
+    fn gpu_replicas_in_another_dtype_refresh_and_commit_batch_norm_buffers() {
+        let x = Tensor::randn(1f32, 2., (6, 12), &Device::Cpu).unwrap();
+        let devices = two_gpu_devices();
+        let same = batch_norm_stats_with_replicas_in(&x, DType::F32, &devices);
+        let other = batch_norm_stats_with_replicas_in(&x, DType::F64, &devices);
+        let on_cpu = batch_norm_stats_with_replicas_in(&x, DType::F32, &cpu_devices(2));
+        for (a, b) in same.iter().flatten().zip(other.iter().flatten()) {
+            assert!((a - b).abs() <= 1e-5 * (1. + b.abs()), "{a} vs {b}");
+        }
+        for (a, b) in same.iter().flatten().zip(on_cpu.iter().flatten()) {
+            assert!((a - b).abs() <= 1e-4 * (1. + b.abs()), "GPU {a} vs CPU {b}");
+        }
+    }
 }
 
 #[test]
