@@ -1,14 +1,35 @@
 #!/usr/bin/env bash
-# The checks that need an NVIDIA GPU, in one command (CUDA toolkit on PATH):
-#   bash scripts/gpu_check.sh
-# Runs every test gated on the `cuda` feature: DataParallel's master-device
-# check (tests/errors.rs) and a pipeline with a CPU stage and a GPU stage
-# sharing a weight (tests/pipeline.rs), a replica on a GPU receiving only its
-# rows (tests/scatter_gather.rs), with the rest of those files.
+# The checks that need an NVIDIA GPU, in one command, output under OUT:
 #
-# Without a CUDA toolkit, the compiler comes from PyPI (checked 2026-11-24:
-# `cargo check --features cuda --all-targets` and clippy pass with it on a
-# machine without a GPU, 8.6 min on 2 cores, most of it candle's kernels):
+#   bash scripts/gpu_check.sh OUT                 # build here, then run
+#   bash scripts/gpu_check.sh --build-only BIN    # build here, no GPU needed
+#   bash scripts/gpu_check.sh --prebuilt BIN OUT  # run what --build-only made
+#
+# The last two are for a GPU machine without Rust: build on another x86-64
+# machine, carry BIN over, run there from the repository's root.
+#
+# What runs (release profile, so tests and benchmark share one build of
+# candle's CUDA kernels):
+# - every test gated on the `cuda` feature, with the rest of their files:
+#   DataParallel on GPU replicas (streams of GPU 0, or one GPU per replica
+#   where the machine has several) for every backward path against one GPU,
+#   40 steps of a wide MLP that would expose a missing ordering between
+#   streams (tests/equivalence.rs); replicas in another dtype with a 0-dim
+#   parameter and BatchNorm buffers (tests/hardening.rs); per-thread-stream
+#   devices refused (tests/errors.rs, tests/pipeline.rs); scatter moving
+#   only each replica's rows (tests/scatter_gather.rs); a pipeline with a CPU
+#   and a GPU stage sharing a weight (tests/pipeline.rs);
+# - the training benchmark on the GPU (`bench --device cuda`): the
+#   reference MLP (launch-bound), a wide MLP 784-4096-4096-10 and the conv
+#   net at batch 8192 (compute-bound), one device against DataParallel and
+#   DDP on two streams.
+# OUT gets device.txt (nvidia-smi, topology), tests.txt, and bench/
+# (bench.md, bench.csv, bench.svg). Under 10 minutes on an H100 once built.
+#
+# Building needs the CUDA compiler. Without a CUDA toolkit it comes from
+# PyPI (checked 2026-11-24: `cargo clippy --features cuda --all-targets`
+# passes with it on a machine without a GPU; a first build takes about 9
+# minutes on 2 cores, most of it candle's kernels):
 #   python3 -m venv /work/cudaenv && /work/cudaenv/bin/pip install "nvidia-cuda-nvcc==13.*"
 #   export PATH=/work/cudaenv/lib/python3.11/site-packages/nvidia/cu13/bin:$PATH
 #   export CUDA_COMPUTE_CAP=90        # H100 / H200; no GPU to ask on a build machine
@@ -16,5 +37,74 @@
 # (the cu12 wheel, nvidia-cuda-nvcc-cu12, ships ptxas but no nvcc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-nvidia-smi -L
-cargo test --features cuda --test errors --test pipeline --test scatter_gather
+
+TESTS=(equivalence hardening errors pipeline scatter_gather)
+FEATURES=cuda
+
+usage() {
+    sed -n '2,7p' "$0" >&2
+    exit 2
+}
+
+# Builds the CUDA tests and the benchmark into $1 (test binaries named after
+# their files, and `bench`).
+build() {
+    local bin=$1
+    mkdir -p "$bin"
+    local test_args=()
+    for t in "${TESTS[@]}"; do test_args+=(--test "$t"); done
+    cargo build --release --features "$FEATURES" --example bench
+    cp target/release/examples/bench "$bin/bench"
+    # The test executables' paths, from cargo's JSON messages.
+    cargo test --release --features "$FEATURES" "${test_args[@]}" --no-run \
+        --message-format=json |
+        python3 -c '
+import json, shutil, sys
+bin = sys.argv[1]
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and "test" in m["target"]["kind"]:
+        shutil.copy(m["executable"], f"{bin}/{m[\"target\"][\"name\"]}")
+' "$bin"
+    # Tests find their data through the path they were built in.
+    pwd >"$bin/built-in"
+    ls -l "$bin"
+}
+
+# Runs what build() made in $1, writing under $2.
+run() {
+    local bin=$1 out=$2
+    mkdir -p "$out"
+    local built_in
+    built_in=$(cat "$bin/built-in")
+    if [ ! -e "$built_in" ]; then
+        mkdir -p "$(dirname "$built_in")" && ln -s "$PWD" "$built_in"
+    fi
+    { nvidia-smi; nvidia-smi topo -m; } >"$out/device.txt" 2>&1 || true
+    local failed=0
+    for t in "${TESTS[@]}"; do
+        echo "== $t" | tee -a "$out/tests.txt"
+        "$bin/$t" --test-threads 1 2>&1 | tee -a "$out/tests.txt" || failed=1
+    done
+    "$bin/bench" --device cuda --rounds 2 --steps 20 --out "$out/bench" 2>&1 |
+        tee "$out/bench.txt" || failed=1
+    return $failed
+}
+
+case "${1:-}" in
+--build-only)
+    [ $# -eq 2 ] || usage
+    build "$2"
+    ;;
+--prebuilt)
+    [ $# -eq 3 ] || usage
+    run "$2" "$3"
+    ;;
+"" | -*) usage ;;
+*)
+    [ $# -eq 1 ] || usage
+    nvidia-smi -L
+    build target/gpu-check-bin
+    run target/gpu-check-bin "$1"
+    ;;
+esac

@@ -5,8 +5,18 @@ use candle_nn::{conv2d, linear, Conv2d, Conv2dConfig, Linear, VarBuilder};
 
 use crate::plan::Model;
 
-/// The reference MLP 784-1024-1024-10.
+/// The reference MLP 784-1024-1024-10, or wider: 784-w-w-10.
 pub struct Mlp(Linear, Linear, Linear);
+
+impl Mlp {
+    fn new(width: usize, vb: VarBuilder) -> candle_core::Result<Self> {
+        Ok(Mlp(
+            linear(784, width, vb.pp("l1"))?,
+            linear(width, width, vb.pp("l2"))?,
+            linear(width, 10, vb.pp("l3"))?,
+        ))
+    }
+}
 
 /// A small conv net on 1x28x28: conv 16 -> pool -> conv 32 -> pool -> fc 10.
 pub struct Conv(Conv2d, Conv2d, Linear);
@@ -19,11 +29,8 @@ pub enum Net {
 impl Net {
     pub fn new(model: Model, vb: VarBuilder) -> candle_core::Result<Self> {
         Ok(match model {
-            Model::Mlp => Net::Mlp(Mlp(
-                linear(784, 1024, vb.pp("l1"))?,
-                linear(1024, 1024, vb.pp("l2"))?,
-                linear(1024, 10, vb.pp("l3"))?,
-            )),
+            Model::Mlp => Net::Mlp(Mlp::new(1024, vb)?),
+            Model::MlpWide => Net::Mlp(Mlp::new(4096, vb)?),
             Model::Conv => Net::Conv(Conv(
                 conv2d(1, 16, 3, Conv2dConfig::default(), vb.pp("c1"))?,
                 conv2d(16, 32, 3, Conv2dConfig::default(), vb.pp("c2"))?,
@@ -34,7 +41,7 @@ impl Net {
 
     pub fn input_shape(model: Model, batch: usize) -> Vec<usize> {
         match model {
-            Model::Mlp => vec![batch, 784],
+            Model::Mlp | Model::MlpWide => vec![batch, 784],
             Model::Conv => vec![batch, 1, 28, 28],
         }
     }

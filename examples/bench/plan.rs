@@ -64,6 +64,8 @@ impl fmt::Display for Kind {
 pub enum Model {
     /// MLP 784-1024-1024-10.
     Mlp,
+    /// MLP 784-4096-4096-10: compute-bound on a GPU at a large batch.
+    MlpWide,
     /// A small conv net on 1x28x28.
     Conv,
 }
@@ -72,6 +74,7 @@ impl Model {
     pub fn as_str(self) -> &'static str {
         match self {
             Model::Mlp => "mlp",
+            Model::MlpWide => "mlp-wide",
             Model::Conv => "conv",
         }
     }
@@ -137,14 +140,30 @@ pub fn cores() -> usize {
 
 /// Every configuration of a run, in table order.
 pub fn specs(quick: bool, steps: usize, device: DeviceKind) -> Vec<Spec> {
-    let (models, batches, replicas): (&[Model], &[usize], &[usize]) = if quick {
-        (&[Model::Mlp], &[256], &[2])
-    } else {
-        (&[Model::Mlp, Model::Conv], &[64, 256, 1024], &[1, 2, 4])
+    // On a GPU the reference MLP is launch-bound (tens of microseconds of
+    // math per step): the wide MLP and the conv net at a large batch are the
+    // compute-bound configurations where the engine's overhead shows.
+    let plan: &[(Model, &[usize])] = match (device, quick) {
+        (DeviceKind::Cpu, true) => &[(Model::Mlp, &[256])],
+        (DeviceKind::Cpu, false) => &[
+            (Model::Mlp, &[64, 256, 1024]),
+            (Model::Conv, &[64, 256, 1024]),
+        ],
+        (DeviceKind::Cuda, true) => &[(Model::MlpWide, &[8192])],
+        (DeviceKind::Cuda, false) => &[
+            (Model::Mlp, &[256]),
+            (Model::MlpWide, &[8192]),
+            (Model::Conv, &[8192]),
+        ],
+    };
+    let replicas: &[usize] = match (device, quick) {
+        (_, true) => &[2],
+        (DeviceKind::Cpu, false) => &[1, 2, 4],
+        (DeviceKind::Cuda, false) => &[1, 2],
     };
     let warmup = if quick { 3 } else { 5 };
     let mut out = Vec::new();
-    for &model in models {
+    for &(model, batches) in plan {
         for &batch in batches {
             let spec = |kind: Kind, batch: usize, replicas: usize, threads: usize| Spec {
                 kind,
