@@ -18,7 +18,10 @@
 #   parameter and BatchNorm buffers (tests/hardening.rs); per-thread-stream
 #   devices refused (tests/errors.rs, tests/pipeline.rs); scatter moving
 #   only each replica's rows (tests/scatter_gather.rs); a pipeline with a CPU
-#   and a GPU stage sharing a weight (tests/pipeline.rs);
+#   and a GPU stage sharing a weight (tests/pipeline.rs); `NcclGroup` on two
+#   thread ranks: collectives against the host group's, agreed errors, a
+#   lost rank named, DDP on NCCL against one GPU (tests/nccl.rs; on a
+#   one-GPU machine both ranks share it, NCCL_MULTI_RANK_GPU_ENABLE=1);
 # - the training benchmark on the GPU (`bench --device cuda`): the
 #   reference MLP (launch-bound), a wide MLP 784-4096-4096-10 and the conv
 #   net at batch 8192 (compute-bound), one device against DataParallel and
@@ -35,11 +38,21 @@
 #   export CUDA_COMPUTE_CAP=90        # H100 / H200; no GPU to ask on a build machine
 #   export CUDARC_CUDA_VERSION=13040  # cudarc 0.19.10 knows CUDA up to 13.4, the wheel is 13.5
 # (the cu12 wheel, nvidia-cuda-nvcc-cu12, ships ptxas but no nvcc).
+# Linking (--build-only) also needs the libraries candle links by name:
+# libcuda (the driver's, or the toolkit's stub), libcublas, libcublasLt,
+# libcurand, libnvrtc, and libnccl for the `nccl` feature. The wheels
+# nvidia-cublas, nvidia-curand, nvidia-cuda-nvrtc and nvidia-nccl-cu13 hold
+# them as `lib*.so.N` only: link through a folder of unversioned symlinks,
+#   mkdir -p /tmp/cuda-link && ln -sf .../libnccl.so.2 /tmp/cuda-link/libnccl.so  # and so on
+#   export LIBRARY_PATH=/tmp/cuda-link
+# (checked 2026-11-24 only as far as `cargo clippy --features nccl
+# --all-targets`, which links nothing; at run time LD_LIBRARY_PATH must find
+# the same libraries: the device machines' torch image has those wheels).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TESTS=(equivalence hardening errors pipeline scatter_gather)
-FEATURES=cuda
+TESTS=(equivalence hardening errors pipeline scatter_gather nccl)
+FEATURES=nccl # implies cuda
 
 usage() {
     sed -n '2,7p' "$0" >&2
@@ -81,6 +94,14 @@ run() {
         mkdir -p "$(dirname "$built_in")" && ln -s "$PWD" "$built_in"
     fi
     { nvidia-smi; nvidia-smi topo -m; } >"$out/device.txt" 2>&1 || true
+    # Two NCCL ranks on one GPU are refused unless NCCL (2.30+) is told.
+    export NCCL_MULTI_RANK_GPU_ENABLE=1
+    # libnccl.so.2 from the nvidia-nccl-cu13 wheel, where Python has it.
+    local nccl_lib
+    nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib"))' 2>/dev/null || true)
+    if [ -n "$nccl_lib" ]; then
+        export LD_LIBRARY_PATH="$nccl_lib:${LD_LIBRARY_PATH:-}"
+    fi
     local failed=0
     for t in "${TESTS[@]}"; do
         echo "== $t" | tee -a "$out/tests.txt"

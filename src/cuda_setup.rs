@@ -43,6 +43,13 @@ pub(crate) fn prepare(role: &'static str, devices: &[Device]) -> Result<()> {
     Ok(())
 }
 
+/// Whether `device` is a CUDA device with a stream of its own (made with
+/// `Device::new_cuda_with_stream`).
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+pub(crate) fn has_own_stream(device: &Device) -> bool {
+    device.is_cuda() && cuda::implicit_stream_ordinal(device).is_none()
+}
+
 #[cfg(not(feature = "cuda"))]
 mod cuda {
     use candle_core::Device;

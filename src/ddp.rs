@@ -510,14 +510,21 @@ impl<M> DistributedDataParallel<M> {
     }
 
     /// Averages `local` (one optional gradient per parameter) across ranks,
-    /// bucket by bucket. Each bucket carries one presence flag per
-    /// parameter, so a parameter without a gradient on some rank counts as
-    /// zero there, and one without a gradient anywhere gets none.
+    /// bucket by bucket. A parameter without a gradient on some rank counts
+    /// as zero there, and one without a gradient anywhere gets none: each
+    /// bucket carries one presence flag per parameter or, where the group
+    /// reduces on the GPUs ([`ProcessGroup::reduces_on_device`]), the flags
+    /// of all parameters are summed once on the host first, so that no
+    /// bucket needs a copy between host and device.
     fn all_reduce_grads(&self, local: Vec<Option<Tensor>>) -> Result<GradStore> {
         let divisor = match self.config.join_divisor {
             JoinDivisor::InitialWorldSize => self.pg.world_size(),
             JoinDivisor::ActiveRanks => self.active_ranks.max(1),
         } as f64;
+        let presence = match self.pg.reduces_on_device() && !local.is_empty() {
+            true => Some(self.presence_on_host(&local)?),
+            false => None,
+        };
         let mut store = GradStore::default();
         for bucket in &self.buckets {
             let mut pieces = Vec::with_capacity(bucket.params.len() + 1);
@@ -531,15 +538,22 @@ impl<M> DistributedDataParallel<M> {
                 pieces.push(flat);
                 present.push(if local[i].is_some() { 1f64 } else { 0. });
             }
-            let device = self.params[bucket.params[0]].1.device();
-            pieces.push(Tensor::new(present, device)?.to_dtype(bucket.dtype)?);
+            if presence.is_none() {
+                let device = self.params[bucket.params[0]].1.device();
+                pieces.push(Tensor::new(present, device)?.to_dtype(bucket.dtype)?);
+            }
             let reduced = self.reduce_bucket(&pieces, bucket.dtype, divisor)?;
             let mut offset = 0;
-            let flags_at = reduced.elem_count() - bucket.params.len();
-            let flags = reduced
-                .narrow(0, flags_at, bucket.params.len())?
-                .to_dtype(DType::F64)?
-                .to_vec1::<f64>()?;
+            let flags = match &presence {
+                Some(all) => bucket.params.iter().map(|&i| all[i]).collect(),
+                None => {
+                    let flags_at = reduced.elem_count() - bucket.params.len();
+                    reduced
+                        .narrow(0, flags_at, bucket.params.len())?
+                        .to_dtype(DType::F64)?
+                        .to_vec1::<f64>()?
+                }
+            };
             for (k, &i) in bucket.params.iter().enumerate() {
                 let var = &self.params[i].1;
                 let n = var.elem_count();
@@ -554,6 +568,19 @@ impl<M> DistributedDataParallel<M> {
             }
         }
         Ok(store)
+    }
+
+    /// For each parameter, on how many ranks it has a gradient: one
+    /// all-reduce of a CPU tensor (a device group passes it to its host
+    /// group).
+    fn presence_on_host(&self, local: &[Option<Tensor>]) -> Result<Vec<f64>> {
+        let mine: Vec<f32> = local
+            .iter()
+            .map(|g| if g.is_some() { 1. } else { 0. })
+            .collect();
+        let mine = Tensor::new(mine, &Device::Cpu)?;
+        let all = self.comm(self.pg.all_reduce(&mine, ReduceOp::Sum))?;
+        Ok(all.to_dtype(DType::F64)?.to_vec1::<f64>()?)
     }
 
     /// One bucket (its pieces of `dtype`, reduced as their concatenation)

@@ -4,10 +4,13 @@
 mod common;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_dp::comm::GroupOptions;
+use candle_dp::comm::{
+    Failure, GroupOptions, Membership, ProcessGroup, ReduceOp, Result as CommResult,
+};
 use candle_dp::launch::{spawn_with, LaunchError};
 use candle_dp::{CommHook, DdpConfig, DistributedDataParallel, JoinDivisor};
 use candle_nn::{linear, loss, AdamW, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
@@ -48,14 +51,88 @@ fn init_mlp() -> HashMap<String, Tensor> {
     snapshot(&varmap)
 }
 
-/// Trains on `world` ranks, rank r taking rows `r*b..(r+1)*b` of every global batch.
-fn ddp_train(
+/// A rank's group as DDP sees it: the thread rank itself, or wrapped.
+type Wrap = fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup>;
+
+fn as_is(pg: Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup> {
+    pg
+}
+
+/// A thread rank that says it reduces on the GPUs, as an `NcclGroup` does:
+/// DDP then sums the gradients' presence flags once per step on the host
+/// instead of carrying them in every bucket. Everything else is the thread
+/// rank's, so that path runs and is checked on CPU.
+#[derive(Debug)]
+struct FlagsApart {
+    inner: Arc<dyn ProcessGroup>,
+    /// The element count of every all-reduce, in call order.
+    all_reduces: std::sync::Mutex<Vec<usize>>,
+}
+
+impl FlagsApart {
+    fn new(inner: Arc<dyn ProcessGroup>) -> Self {
+        Self {
+            inner,
+            all_reduces: Default::default(),
+        }
+    }
+}
+
+fn flags_apart(pg: Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup> {
+    Arc::new(FlagsApart::new(pg))
+}
+
+impl ProcessGroup for FlagsApart {
+    fn membership(&self) -> &Membership {
+        self.inner.membership()
+    }
+    fn reduces_on_device(&self) -> bool {
+        true
+    }
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> CommResult<Tensor> {
+        self.all_reduces.lock().unwrap().push(t.elem_count());
+        self.inner.all_reduce(t, op)
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> CommResult<Tensor> {
+        self.inner.broadcast(t, root)
+    }
+    fn all_gather(&self, t: &Tensor) -> CommResult<Vec<Tensor>> {
+        self.inner.all_gather(t)
+    }
+    fn gather(&self, t: &Tensor, root: usize) -> CommResult<Option<Vec<Tensor>>> {
+        self.inner.gather(t, root)
+    }
+    fn scatter(&self, ts: Option<&[Tensor]>, root: usize) -> CommResult<Tensor> {
+        self.inner.scatter(ts, root)
+    }
+    fn reduce(&self, t: &Tensor, root: usize, op: ReduceOp) -> CommResult<Option<Tensor>> {
+        self.inner.reduce(t, root, op)
+    }
+    fn barrier(&self) -> CommResult<()> {
+        self.inner.barrier()
+    }
+    fn all_gather_bytes(&self, bytes: Vec<u8>) -> CommResult<Vec<Vec<u8>>> {
+        self.inner.all_gather_bytes(bytes)
+    }
+    fn abort(&self, reason: &str) {
+        self.inner.abort(reason)
+    }
+    fn failure(&self) -> Option<Failure> {
+        self.inner.failure()
+    }
+}
+
+/// Trains on `world` ranks, rank r taking rows `r*b..(r+1)*b` of every
+/// global batch, each rank's group passed through `wrap`.
+fn ddp_train_over(
     init: &HashMap<String, Tensor>,
     data: &[(Tensor, Tensor)],
     world: usize,
     adamw: bool,
+    wrap: Wrap,
 ) -> Vec<HashMap<String, Tensor>> {
-    spawn_with(world, bounded(), |ctx| {
+    spawn_with(world, bounded(), move |mut ctx| {
+        ctx.pg = wrap(ctx.pg);
         // Every rank starts from its own random init: construction must broadcast rank 0's.
         let varmap = if ctx.rank == 0 {
             varmap_from(init)
@@ -88,12 +165,21 @@ fn ddp_train(
 
 #[test]
 fn ddp_on_1_to_4_ranks_matches_single_device_training_of_the_global_batch() {
+    matches_single_device_over(as_is);
+}
+
+#[test]
+fn with_presence_flags_summed_on_the_host_ddp_still_matches_single_device_training() {
+    matches_single_device_over(flags_apart);
+}
+
+fn matches_single_device_over(wrap: Wrap) {
     let init = init_mlp();
     let data = batches(10, 12);
     for adamw in [false, true] {
         let reference = single_device_mlp(&init, &data, adamw);
         for world in 1..=4 {
-            let ranks = ddp_train(&init, &data, world, adamw);
+            let ranks = ddp_train_over(&init, &data, world, adamw, wrap);
             for (rank, got) in ranks.iter().enumerate() {
                 assert!(
                     identical(got, &ranks[0]),
@@ -188,10 +274,54 @@ struct Heads {
 
 #[test]
 fn parameters_unused_on_some_ranks_average_as_zero_and_unused_everywhere_get_no_gradient() {
-    let grads = spawn_with(2, bounded(), |ctx| {
+    unused_parameters_over(as_is);
+}
+
+#[test]
+fn with_presence_flags_summed_on_the_host_unused_parameters_are_still_told_apart() {
+    unused_parameters_over(flags_apart);
+}
+
+#[test]
+fn a_group_that_reduces_on_device_gets_the_presence_flags_in_one_host_call_per_step() {
+    let init = init_mlp();
+    let params = init.len();
+    let elements: usize = init.values().map(Tensor::elem_count).sum();
+    let calls = spawn_with(2, bounded(), move |ctx| {
+        let group = Arc::new(FlagsApart::new(ctx.process_group()));
+        let varmap = if ctx.rank == 0 {
+            varmap_from(&init)
+        } else {
+            VarMap::new()
+        };
+        let mut ddp = DistributedDataParallel::new(
+            group.clone(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            |vb| Mlp::new(vb, SIZES),
+            DdpConfig::default(),
+        )?;
+        let before = group.all_reduces.lock().unwrap().len();
+        let (x, y) = &batches(1, 4)[0];
+        let loss = loss::cross_entropy(&ddp.forward(x)?, y)?;
+        ddp.backward(&loss)?;
+        let calls = group.all_reduces.lock().unwrap()[before..].to_vec();
+        Ok(calls)
+    })
+    .unwrap();
+    for calls in calls {
+        // One call with a flag per parameter, then the buckets: gradients only.
+        assert_eq!(calls[0], params, "{calls:?}");
+        assert_eq!(calls[1..].iter().sum::<usize>(), elements, "{calls:?}");
+    }
+}
+
+fn unused_parameters_over(wrap: Wrap) {
+    let grads = spawn_with(2, bounded(), move |ctx| {
         let varmap = VarMap::new();
         let ddp = DistributedDataParallel::new(
-            ctx.process_group(),
+            wrap(ctx.process_group()),
             &varmap,
             DType::F32,
             &Device::Cpu,

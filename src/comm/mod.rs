@@ -24,9 +24,13 @@
 //!   [`ProcessGroup::set_timeout`] bounds every wait.
 
 mod buffer;
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+mod device_call;
 mod membership;
 #[cfg(feature = "mpi")]
 mod mpi_group;
+#[cfg(feature = "nccl")]
+mod nccl_group;
 mod op;
 mod protocol;
 mod ring;
@@ -43,6 +47,8 @@ use serde::Serialize;
 pub use membership::Membership;
 #[cfg(feature = "mpi")]
 pub use mpi_group::{MpiGroup, MpiInitError};
+#[cfg(feature = "nccl")]
+pub use nccl_group::NcclGroup;
 pub use thread_group::{GroupOptions, ThreadGroup, ThreadRank, DEFAULT_RING_THRESHOLD_BYTES};
 
 /// How [`ProcessGroup::all_reduce`] and [`ProcessGroup::reduce`] combine the
@@ -297,6 +303,15 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
     /// group's options.
     fn timeout(&self) -> Option<Duration> {
         self.membership().timeout()
+    }
+
+    /// Whether this group reduces GPU tensors on the GPUs (an `NcclGroup`),
+    /// so that DDP keeps its buckets there and exchanges the gradients'
+    /// presence flags on the host once per step instead of inside every
+    /// bucket. Default: `false` (buckets carry their flags, as the
+    /// host groups' bitwise guarantees are stated).
+    fn reduces_on_device(&self) -> bool {
+        false
     }
 
     /// Combines `tensor` across all ranks with `op`; every rank gets the
