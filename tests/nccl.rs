@@ -218,3 +218,16 @@ fn ddp_on_nccl_matches_one_gpu_and_the_ranks_agree_bitwise() {
         diff_report(&ranks[0], &reference)
     );
 }
+
+#[test]
+fn run_on_gpus_gives_every_rank_a_gpu_and_a_group_that_reduces_there() {
+    let results = candle_dp::launch::run_on_gpus(2, bounded(), |ctx, device| {
+        assert!(ctx.pg.reduces_on_device());
+        let x = Tensor::new(&[ctx.rank as f32 + 1.], &device)?;
+        let sum = ctx.pg.all_reduce(&x, ReduceOp::Sum)?;
+        assert!(sum.device().same_device(&device));
+        Ok(sum.to_vec1::<f32>()?)
+    })
+    .unwrap();
+    assert_eq!(results, vec![vec![3.0], vec![3.0]]);
+}

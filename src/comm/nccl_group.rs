@@ -31,12 +31,12 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::cudarc::driver::{
     sys as cuda_sys, CudaEvent, CudaSlice, CudaStream, CudaView, DeviceRepr, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::cudarc::nccl::{self, Comm, Id, NcclType};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
-use candle_core::backend::BackendDevice;
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Storage, Tensor};
 use crossbeam::channel::{Receiver, Sender};

@@ -23,6 +23,8 @@
 //! # Ok::<(), candle_dp::launch::LaunchError>(())
 //! ```
 
+#[cfg(feature = "nccl")]
+mod gpus;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod threads;
@@ -31,6 +33,8 @@ use std::sync::Arc;
 
 use crate::comm::{Failure, GroupOptions, ProcessGroup};
 
+#[cfg(feature = "nccl")]
+pub use gpus::run_on_gpus;
 pub use threads::{spawn, spawn_with};
 
 /// What the closure given to [`run`] or [`spawn`] gets on each rank.
@@ -158,6 +162,20 @@ impl Backend {
     /// outside MPI or when the launcher does not say.
     pub fn world_size() -> usize {
         env_number(&["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"]).unwrap_or(1)
+    }
+
+    /// This process's index among the processes of its MPI job on this
+    /// machine (`OMPI_COMM_WORLD_LOCAL_RANK`, `MPI_LOCALRANKID`,
+    /// `PMI_LOCAL_RANK`, Slurm's `SLURM_LOCALID`); 0 when the launcher does
+    /// not say. It picks the process's GPU in `run_on_gpus` (feature `nccl`).
+    pub fn local_rank() -> usize {
+        env_number(&[
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "MPI_LOCALRANKID",
+            "PMI_LOCAL_RANK",
+            "SLURM_LOCALID",
+        ])
+        .unwrap_or(0)
     }
 
     /// The number of processes of this MPI job on this machine
