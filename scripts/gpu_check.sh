@@ -13,12 +13,13 @@
 # What runs (release profile, so tests and benchmark share one build of
 # candle's CUDA kernels):
 # - every test gated on the `cuda` feature, with the rest of their files:
-#   DataParallel on GPU replicas (streams of GPU 0, or one GPU per replica
+#   DataParallel on GPU replicas (sharing GPU 0, or one GPU per replica
 #   where the machine has several) for every backward path against one GPU,
 #   40 steps of a wide MLP that would expose a missing ordering between
 #   streams (tests/equivalence.rs); replicas in another dtype with a 0-dim
 #   parameter and BatchNorm buffers (tests/hardening.rs); per-thread-stream
-#   devices refused (tests/errors.rs, tests/pipeline.rs); scatter moving
+#   devices and two streams of one GPU refused (tests/errors.rs,
+#   tests/pipeline.rs); scatter moving
 #   only each replica's rows (tests/scatter_gather.rs); a pipeline with a CPU
 #   and a GPU stage sharing a weight (tests/pipeline.rs); `NcclGroup` on two
 #   thread ranks: collectives against the host group's, agreed errors, a
@@ -26,8 +27,8 @@
 #   one-GPU machine both ranks share it, NCCL_MULTI_RANK_GPU_ENABLE=1);
 # - the training benchmark on the GPU (`bench --device cuda`): the
 #   reference MLP (launch-bound), a wide MLP 784-4096-4096-10 and the conv
-#   net at batch 8192 (compute-bound), one device against DataParallel and
-#   DDP on two streams.
+#   net at batch 8192 (compute-bound), one device against DataParallel
+#   (replicas sharing GPU 0) and DDP (two thread ranks, a stream each).
 # OUT gets device.txt (nvidia-smi, topology), tests.txt, and bench/
 # (bench.md, bench.csv, bench.svg). Under 10 minutes on an H100 once built.
 #
@@ -43,7 +44,7 @@
 # Linking (--build-only) also needs the libraries candle links by name:
 # libcuda, libcudart, libcublas, libcublasLt, libcurand, libnvrtc, and
 # libnccl for the `nccl` feature. Checked 2026-11-24 on a machine without a
-# GPU (first release build 9 min on 2 cores, then 42 MB in BIN): the wheels
+# GPU (first release build 10 min on 2 cores, then 42 MB in BIN): the wheels
 # hold them as `lib*.so.N` only, and libcuda comes with the driver, so link
 # through a folder of unversioned names and a stub libcuda (SONAME
 # libcuda.so.1: the GPU machine's driver is loaded at run time):

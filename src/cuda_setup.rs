@@ -1,5 +1,5 @@
-//! What a set of CUDA devices needs before several threads drive them: a
-//! stream of its own per device, and direct (peer) access between GPUs.
+//! What a set of CUDA devices needs before several threads drive them: one
+//! stream per GPU, and direct (peer) access between GPUs.
 //!
 //! **Streams.** `Device::new_cuda(i)` sends work to CUDA's *per-thread*
 //! default stream: which stream runs a kernel depends on the thread that
@@ -10,11 +10,18 @@
 //! (replica 0, the gradients' reduce), so with per-thread streams the
 //! optimizer's update of a weight and the next forward's read of it could
 //! run in either order. `Device::new_cuda_with_stream(i)` gives the device
-//! one stream of its own: every thread's work on it is then in the order the
-//! threads issued it (the crate's channels order the threads), and cudarc
-//! orders work between two such streams through the events it records on
-//! every buffer. So the policy is correct by construction: per-thread and
-//! legacy-default-stream devices are refused, with the call to use instead.
+//! one stream of its own: every thread's work on it runs in the order the
+//! threads issued it (the crate's channels order the threads).
+//!
+//! Two such devices on one GPU are two streams of one CUDA context, and
+//! nothing orders them: cudarc makes a stream wait only for a buffer's
+//! recorded write, and candle's kernels record none on their outputs, so a
+//! copy from one stream to the other could read a tensor before the kernel
+//! producing it ran. Between two GPUs cudarc's copy waits for everything
+//! queued on the source's stream, which is enough. So the policy, correct by
+//! construction: per-thread and legacy-default-stream devices are refused,
+//! and so are two different devices on one GPU (give the same `Device`
+//! twice for two replicas on one GPU: they share its stream).
 //!
 //! **Peer access.** Between two GPUs a copy is a `cuMemcpyPeerAsync`; with
 //! peer access enabled it goes over NVLink or PCIe directly, without it the
@@ -26,11 +33,15 @@ use candle_core::Device;
 
 use crate::error::{Error, Result};
 
-/// Checks `devices` (the `role`s of a DataParallel or a pipeline, e.g.
-/// "replica" or "stage") and enables peer access between distinct GPUs.
+/// One device of a DataParallel or a pipeline, as errors name it: its role
+/// ("replica", "output device", "stage"), its index, the device.
+pub(crate) type Role<'a> = (&'static str, usize, &'a Device);
+
+/// Checks the `devices` of a DataParallel or a pipeline against the stream
+/// policy above, then enables peer access between their distinct GPUs.
 /// Nothing to do without the `cuda` feature or without CUDA devices.
-pub(crate) fn prepare(role: &'static str, devices: &[Device]) -> Result<()> {
-    for (index, device) in devices.iter().enumerate() {
+pub(crate) fn prepare(devices: &[Role]) -> Result<()> {
+    for &(role, index, device) in devices {
         if let Some(ordinal) = cuda::implicit_stream_ordinal(device) {
             return Err(Error::ImplicitCudaStream {
                 role,
@@ -39,7 +50,22 @@ pub(crate) fn prepare(role: &'static str, devices: &[Device]) -> Result<()> {
             });
         }
     }
-    cuda::enable_peer_access(devices);
+    for (k, &(role, index, device)) in devices.iter().enumerate() {
+        let earlier = devices[..k].iter().find(|(_, _, other)| {
+            other.location() == device.location() && !other.same_device(device)
+        });
+        if let (Some(&(first_role, first_index, _)), candle_core::DeviceLocation::Cuda { gpu_id }) =
+            (earlier, device.location())
+        {
+            return Err(Error::TwoStreamsOfOneGpu {
+                first: format!("{first_role} {first_index}"),
+                second: format!("{role} {index}"),
+                ordinal: gpu_id,
+            });
+        }
+    }
+    let all: Vec<Device> = devices.iter().map(|(_, _, d)| (*d).clone()).collect();
+    cuda::enable_peer_access(&all);
     Ok(())
 }
 

@@ -26,6 +26,19 @@ pub enum Error {
         ordinal: usize,
     },
 
+    /// Two different CUDA devices (streams) on one GPU: candle's kernels
+    /// record no CUDA events, so work on two streams of one GPU cannot be
+    /// ordered (see the README, GPUs).
+    #[error("{first} and {second} are two different devices (streams) on cuda:{ordinal}; candle's kernels record no CUDA events, so work on two streams of one GPU cannot be ordered: give the same Device for both (they share its stream), or one GPU each")]
+    TwoStreamsOfOneGpu {
+        /// The first of the two, e.g. `replica 0`.
+        first: String,
+        /// The second, e.g. `replica 1`.
+        second: String,
+        /// The GPU.
+        ordinal: usize,
+    },
+
     /// A master variable does not live on `devices[0]` (PyTorch: "module must
     /// have its parameters and buffers on device X").
     #[error("module must have its parameters and buffers on device {expected} (devices[0]), but `{name}` is on {found}")]

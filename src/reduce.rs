@@ -27,7 +27,7 @@ pub fn sum_gradients(
 ) -> candle_core::Result<Option<Tensor>> {
     let mut sum: Option<Tensor> = None;
     for grad in parts.iter().flatten() {
-        let grad = grad.to_device(device)?;
+        let grad = crate::device_copy::to_device(grad, device)?;
         sum = Some(match sum {
             None => grad,
             Some(acc) => (acc + grad)?,

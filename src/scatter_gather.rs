@@ -241,9 +241,9 @@ fn move_rows(
     total: usize,
 ) -> candle_core::Result<Tensor> {
     if chunk.device().same_device(device) || len == total {
-        chunk.to_device(device)
+        crate::device_copy::to_device(chunk, device)
     } else {
-        chunk.force_contiguous()?.to_device(device)
+        crate::device_copy::to_device(&chunk.force_contiguous()?, device)
     }
 }
 
@@ -504,7 +504,7 @@ impl Gather for Tensor {
         };
         let mut moved = reshaped
             .iter()
-            .map(|t| t.to_device(device))
+            .map(|t| crate::device_copy::to_device(t, device))
             .collect::<candle_core::Result<Vec<_>>>()?;
         if moved.len() == 1 {
             if let Some(only) = moved.pop() {

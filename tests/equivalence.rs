@@ -311,20 +311,22 @@ fn all_backward_paths_give_the_same_gradients() {
     }
 }
 
-/// The same checks with replicas on CUDA devices, each with a stream of its
-/// own: streams of one GPU, or one GPU per replica where the machine has
-/// them (`scripts/gpu_check.sh`).
+/// The same checks with replicas on CUDA devices: one GPU per replica where
+/// the machine has them, replicas sharing a GPU otherwise
+/// (`scripts/gpu_check.sh`).
 #[cfg(feature = "cuda")]
 mod on_gpus {
     use super::*;
     use candle_core::cuda_backend::cudarc::driver::CudaContext;
 
-    /// Replica `i` on GPU `i % gpus`, with a stream of its own.
+    /// Replica `i` on GPU `i % gpus`; replicas on one GPU share its device
+    /// (one stream per GPU).
     fn gpu_devices(replicas: usize) -> Vec<Device> {
         let gpus = CudaContext::device_count().unwrap() as usize;
-        (0..replicas)
-            .map(|i| Device::new_cuda_with_stream(i % gpus).unwrap())
-            .collect()
+        let per_gpu: Vec<Device> = (0..gpus.min(replicas))
+            .map(|i| Device::new_cuda_with_stream(i).unwrap())
+            .collect();
+        (0..replicas).map(|i| per_gpu[i % gpus].clone()).collect()
     }
 
     // GPU kernels sum in another order than the CPU's and than each other
@@ -381,8 +383,8 @@ mod on_gpus {
 
     /// Many steps of a model whose kernels outlast their launch: the
     /// optimizer's update (caller thread) and the next refresh and forward
-    /// (worker threads, other streams) must be ordered, or a replica reads
-    /// half-updated weights and the result drifts from one device's.
+    /// (worker threads, other GPUs' streams) must be ordered, or a replica
+    /// reads half-updated weights and the result drifts from one device's.
     #[test]
     fn many_steps_of_a_wide_mlp_on_gpu_replicas_match_one_gpu() {
         let d = data_sized(Model::WideMlp, 1024, 40);

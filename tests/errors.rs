@@ -326,3 +326,27 @@ fn a_gpu_on_the_per_thread_default_stream_is_refused_with_the_call_to_use() {
     );
     assert!(varmap.all_vars().is_empty(), "nothing was built");
 }
+
+/// Needs a GPU: two devices (streams) on one GPU cannot be ordered, since
+/// candle's kernels record no events; the same device twice is fine.
+#[cfg(feature = "cuda")]
+#[test]
+fn two_streams_of_one_gpu_are_refused_and_one_device_twice_is_not() {
+    let varmap = VarMap::new();
+    let a = Device::new_cuda_with_stream(0).unwrap();
+    let b = Device::new_cuda_with_stream(0).unwrap();
+    let err = DataParallel::new(&varmap, DType::F32, &[a.clone(), b], |vb| {
+        candle_nn::linear(3, 2, vb)
+    })
+    .map(|_| ())
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::TwoStreamsOfOneGpu { first, second, ordinal: 0 }
+            if first == "replica 0" && second == "replica 1"),
+        "{err}"
+    );
+    DataParallel::new(&varmap, DType::F32, &[a.clone(), a], |vb| {
+        candle_nn::linear(3, 2, vb)
+    })
+    .unwrap();
+}

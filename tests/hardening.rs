@@ -846,19 +846,23 @@ fn replicas_in_another_dtype_refresh_and_commit_batch_norm_buffers() {
     assert!(same[0].iter().any(|&m| m.abs() > 1e-3), "{same:?}");
 }
 
-/// The same two cases with replicas on CUDA devices (streams of GPU 0 and,
-/// where the machine has one, GPU 1): each parameter's refresh is one device
-/// copy into the replica's own storage (`scripts/gpu_check.sh`).
+/// The same two cases with replicas on CUDA devices (GPUs 0 and 1, or both
+/// on GPU 0): each parameter's refresh is one device copy into the
+/// replica's own storage (`scripts/gpu_check.sh`).
 #[cfg(feature = "cuda")]
 mod on_gpus {
     use super::*;
     use candle_core::cuda_backend::cudarc::driver::CudaContext;
 
+    /// Two replicas: on GPUs 0 and 1, or both on GPU 0's one device.
     fn two_gpu_devices() -> Vec<Device> {
         let gpus = CudaContext::device_count().unwrap() as usize;
-        (0..2)
-            .map(|i| Device::new_cuda_with_stream(i % gpus).unwrap())
-            .collect()
+        let first = Device::new_cuda_with_stream(0).unwrap();
+        let second = match gpus {
+            1 => first.clone(),
+            _ => Device::new_cuda_with_stream(1).unwrap(),
+        };
+        vec![first, second]
     }
 
     #[test]

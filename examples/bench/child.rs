@@ -166,9 +166,9 @@ fn run_dp(spec: &Spec, x: &Tensor, y: &Tensor) -> Result<Measured> {
     let mut m = Measured::default();
     let varmap = VarMap::new();
     let model = spec.model;
-    let devices = (0..spec.replicas)
-        .map(|i| spec.device(i))
-        .collect::<candle_core::Result<Vec<_>>>()?;
+    // On a GPU the replicas share its one stream: candle-dp refuses two
+    // streams of one GPU (nothing could order them).
+    let devices = vec![spec.device(0)?; spec.replicas];
     let (x, y) = (x.to_device(&devices[0])?, y.to_device(&devices[0])?);
     let dp = DataParallel::new(&varmap, DType::F32, &devices, move |vb| Net::new(model, vb))?;
     let mut sgd = SGD::new(varmap.all_vars(), 0.01)?;

@@ -18,7 +18,9 @@
 //! PyTorch.
 //!
 //! `--device cuda` (a build with `--features cuda`) puts every replica or
-//! rank on its own CUDA stream of GPU 0; steps end with a device
+//! rank on GPU 0: DataParallel's replicas share its stream (candle-dp
+//! refuses two streams of one GPU), DDP's thread ranks have a stream each;
+//! steps end with a device
 //! synchronisation, phase times are then only indicative (kernels run
 //! asynchronously), and scaling efficiency is left out.
 //!

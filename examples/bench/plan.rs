@@ -108,7 +108,8 @@ pub struct Spec {
     pub threads: usize,
     pub warmup: usize,
     pub steps: usize,
-    /// cpu, or cuda: replicas as separate CUDA streams on GPU 0.
+    /// cpu, or cuda: GPU 0 (DataParallel's replicas share its stream, DDP's
+    /// ranks have a stream each).
     pub device: DeviceKind,
 }
 

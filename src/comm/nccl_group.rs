@@ -28,12 +28,13 @@
 //!
 //! [`ThreadGroup`]: super::ThreadGroup
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::cudarc::driver::{
-    sys as cuda_sys, CudaEvent, CudaSlice, CudaStream, CudaView, DeviceRepr, ValidAsZeroBits,
+    CudaEvent, CudaSlice, CudaStream, CudaView, DeviceRepr, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::cudarc::nccl::{self, Comm, Id, NcclType};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
@@ -52,8 +53,43 @@ struct DeviceComm(Comm);
 // SAFETY: cudarc marks `Comm` neither Send nor Sync because it holds NCCL's
 // raw handle. NCCL allows a communicator to be used from any thread as long
 // as calls on it do not overlap; every use here is behind one `Mutex`
-// (`NcclGroup::comm`), and the handle's owner (this struct) is dropped once.
+// (`CommSlot::comm`), and the handle's owner (this struct) is dropped once.
 unsafe impl Send for DeviceComm {}
+
+/// The communicator, shared with the watchdog, until it is aborted.
+/// Dropping it aborts it (cudarc's `Comm` calls `ncclCommAbort`), which ends
+/// kernels still waiting for a lost rank.
+struct CommSlot {
+    comm: Mutex<Option<DeviceComm>>,
+    /// An abort asked for while a call held the communicator: done by that
+    /// call when it returns, so that `abort` never waits on NCCL.
+    abort_pending: AtomicBool,
+}
+
+impl CommSlot {
+    /// Aborts the communicator now, or as soon as the call using it returns.
+    fn abort(&self) {
+        self.abort_pending.store(true, Ordering::SeqCst);
+        if let Ok(mut comm) = self.comm.try_lock() {
+            comm.take();
+        }
+    }
+
+    /// Runs `f` on the communicator (`None` once aborted), then carries out
+    /// an abort asked for meanwhile.
+    fn with<R>(&self, f: impl FnOnce(Option<&Comm>) -> R) -> R {
+        let mut comm = lock(&self.comm);
+        let result = f(comm.as_ref().map(|c| &c.0));
+        if self.abort_pending.load(Ordering::SeqCst) {
+            comm.take();
+        }
+        result
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.abort_pending.load(Ordering::SeqCst)
+    }
+}
 
 /// A [`ProcessGroup`] that runs collectives on GPU tensors through NCCL
 /// (feature `nccl`), over a host group that carries the agreement, the
@@ -82,8 +118,7 @@ unsafe impl Send for DeviceComm {}
 pub struct NcclGroup {
     host: Arc<dyn ProcessGroup>,
     device: CudaDevice,
-    /// `None` once aborted.
-    comm: Arc<Mutex<Option<DeviceComm>>>,
+    comm: Arc<CommSlot>,
     /// Where queued collectives are sent to be watched (with a timeout).
     watchdog: Sender<Watch>,
 }
@@ -186,15 +221,23 @@ impl NcclGroup {
                 });
             }
         };
-        let comm = Arc::new(Mutex::new(Some(DeviceComm(comm))));
-        let watchdog = Watchdog::start(Arc::clone(&host), Arc::clone(&comm)).map_err(|e| {
-            CommError::InvalidInput {
-                rank,
-                op,
-                culprit: rank,
-                reason: format!("cannot start the NCCL watchdog thread: {e}"),
+        let comm = Arc::new(CommSlot {
+            comm: Mutex::new(Some(DeviceComm(comm))),
+            abort_pending: AtomicBool::new(false),
+        });
+        let watchdog = match Watchdog::start(Arc::clone(&host), Arc::clone(&comm)) {
+            Ok(watchdog) => watchdog,
+            Err(e) => {
+                let reason = format!("cannot start the NCCL watchdog thread: {e}");
+                host.abort(&reason);
+                return Err(CommError::InvalidInput {
+                    rank,
+                    op,
+                    culprit: rank,
+                    reason,
+                });
             }
-        })?;
+        };
         Ok(Self {
             host,
             device,
@@ -223,11 +266,21 @@ impl NcclGroup {
         invalid: Option<String>,
         on_device: bool,
     ) -> Result<Route> {
-        if lock(&self.comm).is_none() {
+        if self.comm.is_aborted() {
             return Err(self.failed(sig.name()));
         }
         let call = DeviceCall::new(sig, Some(tensor), invalid, on_device);
-        let calls: Vec<DeviceCall> = all_gather_object(self.host.as_ref(), &call)?;
+        let calls: Vec<DeviceCall> = match all_gather_object(self.host.as_ref(), &call) {
+            Ok(calls) => calls,
+            Err(e) => {
+                // The group failed: collectives queued before can no longer
+                // complete on this rank's stream.
+                if self.host.failure().is_some() {
+                    self.comm.abort();
+                }
+                return Err(e);
+            }
+        };
         agree(&calls, self.host.rank(), sig.name())
     }
 
@@ -246,7 +299,8 @@ impl NcclGroup {
     /// Queues `collective` on this rank's stream with `tensor` as input and
     /// a new buffer of `out_len` elements as output (none: this rank gets
     /// no result), and returns the output. The watchdog follows it when a
-    /// timeout is set.
+    /// timeout is set. The ranks have agreed to run it: if this rank cannot,
+    /// it fails the group, so that the others' NCCL calls end.
     fn launch(
         &self,
         op: &'static str,
@@ -255,22 +309,54 @@ impl NcclGroup {
         collective: Collective,
     ) -> Result<Option<CudaStorage>> {
         let rank = self.host.rank();
-        let tensor_error = |source| CommError::Tensor { rank, op, source };
-        let input = tensor.contiguous().map_err(tensor_error)?;
+        let stream = self.device.cuda_stream();
+        let started = self
+            .host
+            .timeout()
+            .and_then(|_| stream.record_event(None).ok());
+        let launched = self.queue(tensor, out_len, collective, &stream);
+        let output = launched.map_err(|reason| {
+            let reason = format!("NCCL {op} failed: {reason}");
+            self.abort(&reason);
+            CommError::InvalidInput {
+                rank,
+                op,
+                culprit: rank,
+                reason,
+            }
+        })?;
+        if let (Some(timeout), Some(started)) = (self.host.timeout(), started) {
+            if let Ok(done) = stream.record_event(None) {
+                let _ = self.watchdog.send(Watch {
+                    op,
+                    started,
+                    done,
+                    timeout,
+                });
+            }
+        }
+        Ok(output)
+    }
+
+    /// The part of [`launch`](Self::launch) that can fail on this rank alone.
+    fn queue(
+        &self,
+        tensor: &Tensor,
+        out_len: Option<usize>,
+        collective: Collective,
+        stream: &Arc<CudaStream>,
+    ) -> std::result::Result<Option<CudaStorage>, String> {
+        let input = tensor.contiguous().map_err(|e| e.to_string())?;
         let (storage, layout) = input.storage_and_layout();
         let (Storage::Cuda(storage), Some((start, end))) = (&*storage, layout.contiguous_offsets())
         else {
-            return Err(tensor_error(candle_core::Error::Msg(
-                "not a contiguous CUDA tensor".into(),
-            )));
+            return Err("not a contiguous CUDA tensor".into());
         };
-        let stream = self.device.cuda_stream();
-        let launched = {
-            let comm = lock(&self.comm);
-            let comm = comm.as_ref().ok_or_else(|| self.failed(op))?;
+        self.comm.with(|comm| {
+            let comm = comm.ok_or("the NCCL communicator was aborted")?;
             let run = Run {
-                comm: &comm.0,
-                stream: &stream,
+                comm,
+                stream,
                 device: &self.device,
                 range: start..end,
                 out_len,
@@ -287,28 +373,23 @@ impl NcclGroup {
                 DType::I64 => run.typed::<i64>(storage),
                 other => Err(format!("NCCL has no {}", other.as_str())),
             }
+        })
+    }
+
+    /// Waits, within the group's timeout and while the group stands, for
+    /// this rank's stream to finish what it queued (its last collectives).
+    fn wait_idle(&self) {
+        let stream = self.device.cuda_stream();
+        let Ok(event) = stream.record_event(None) else {
+            return;
         };
-        let output = launched.map_err(|reason| {
-            let reason = format!("NCCL {op} failed: {reason}");
-            self.abort(&reason);
-            CommError::InvalidInput {
-                rank,
-                op,
-                culprit: rank,
-                reason,
+        let deadline = self.host.timeout().map(|t| Instant::now() + t);
+        while let Ok(false) = event.try_is_complete() {
+            if self.host.failure().is_some() || deadline.is_some_and(|d| Instant::now() >= d) {
+                return;
             }
-        })?;
-        if let Some(timeout) = self.host.timeout() {
-            if let Ok(event) = stream.record_event(None) {
-                let _ = self.watchdog.send(Watch {
-                    op,
-                    event,
-                    deadline: Instant::now() + timeout,
-                    timeout,
-                });
-            }
+            std::thread::sleep(Duration::from_micros(200));
         }
-        Ok(output)
     }
 
     /// A tensor of `dims` over `storage`, on this group's GPU.
@@ -472,13 +553,21 @@ impl ProcessGroup for NcclGroup {
 
     fn abort(&self, reason: &str) {
         self.host.abort(reason);
-        // Dropping the communicator aborts it (ncclCommAbort), which ends
-        // kernels still waiting for other ranks.
-        lock(&self.comm).take();
+        self.comm.abort();
     }
 
     fn failure(&self) -> Option<Failure> {
         self.host.failure()
+    }
+}
+
+impl Drop for NcclGroup {
+    /// Lets this rank's last collectives finish before the communicator
+    /// goes: cudarc's `Comm` aborts on drop, which would cut a collective
+    /// the other ranks still need.
+    fn drop(&mut self) {
+        self.wait_idle();
+        self.comm.abort();
     }
 }
 
@@ -502,24 +591,24 @@ impl NcclGroup {
     }
 }
 
-/// A queued collective the watchdog waits for.
+/// A queued collective the watchdog waits for: events recorded on the
+/// rank's stream just before and just after it.
 struct Watch {
     op: &'static str,
-    event: CudaEvent,
-    deadline: Instant,
+    started: CudaEvent,
+    done: CudaEvent,
     timeout: Duration,
 }
 
 /// The thread that fails the group when a queued collective outlives the
-/// timeout (a rank lost after agreeing), and aborts the communicator.
+/// timeout (a rank lost after agreeing) or the GPU reports an error, and
+/// aborts the communicator. The clock of a collective starts when the GPU
+/// reaches it, not when it is queued behind a long backward.
 struct Watchdog;
 
 impl Watchdog {
     /// Starts the thread; it ends when the group (the sender) is dropped.
-    fn start(
-        host: Arc<dyn ProcessGroup>,
-        comm: Arc<Mutex<Option<DeviceComm>>>,
-    ) -> std::io::Result<Sender<Watch>> {
+    fn start(host: Arc<dyn ProcessGroup>, comm: Arc<CommSlot>) -> std::io::Result<Sender<Watch>> {
         let (tx, rx) = crossbeam::channel::unbounded();
         std::thread::Builder::new()
             .name(format!("candle-dp-nccl-watchdog-{}", host.rank()))
@@ -527,29 +616,42 @@ impl Watchdog {
         Ok(tx)
     }
 
-    fn run(rx: Receiver<Watch>, host: Arc<dyn ProcessGroup>, comm: Arc<Mutex<Option<DeviceComm>>>) {
+    fn run(rx: Receiver<Watch>, host: Arc<dyn ProcessGroup>, comm: Arc<CommSlot>) {
         while let Ok(watch) = rx.recv() {
-            if watch.event.context().bind_to_thread().is_err() {
-                continue;
+            if let Err(why) = Self::follow(&watch, &comm) {
+                host.abort(&why);
+                comm.abort();
+                return;
             }
-            loop {
-                // SAFETY: a query of an event this thread owns (`watch`),
-                // on its context, bound above; cudarc has no safe query.
-                let status = unsafe { cuda_sys::cuEventQuery(watch.event.cu_event()) };
-                if status != cuda_sys::CUresult::CUDA_ERROR_NOT_READY {
-                    break;
+        }
+    }
+
+    /// Waits for `watch` to complete; the reason to fail the group if it
+    /// does not.
+    fn follow(watch: &Watch, comm: &CommSlot) -> std::result::Result<(), String> {
+        let failed = |e| format!("the GPU reported {e:?} around its NCCL {}", watch.op);
+        let mut deadline = None;
+        loop {
+            if comm.is_aborted() {
+                return Ok(());
+            }
+            if watch.done.try_is_complete().map_err(failed)? {
+                return Ok(());
+            }
+            match deadline {
+                None if watch.started.try_is_complete().map_err(failed)? => {
+                    deadline = Some(Instant::now() + watch.timeout);
                 }
-                if Instant::now() >= watch.deadline {
-                    host.abort(&format!(
-                        "its NCCL {} did not complete within {:?} (a rank stopped after \
-                         agreeing to it); the NCCL communicator was aborted",
+                Some(d) if Instant::now() >= d => {
+                    return Err(format!(
+                        "its NCCL {} did not complete within {:?} of starting on the GPU (a \
+                         rank stopped after agreeing to it); the NCCL communicator was aborted",
                         watch.op, watch.timeout
-                    ));
-                    lock(&comm).take();
-                    return;
+                    ))
                 }
-                std::thread::sleep(Duration::from_micros(200));
+                _ => {}
             }
+            std::thread::sleep(Duration::from_micros(200));
         }
     }
 }

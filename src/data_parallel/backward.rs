@@ -230,9 +230,9 @@ impl<M: 'static> DataParallel<M> {
         })?;
         let backward = slowest(per_replica.iter().map(|r| r.grads.backward));
         let gather_start = Instant::now();
-        let mut loss = per_replica[0].loss.to_device(&self.output_device)?;
+        let mut loss = crate::device_copy::to_device(&per_replica[0].loss, &self.output_device)?;
         for r in &per_replica[1..] {
-            loss = (loss + r.loss.to_device(&self.output_device)?)?;
+            loss = (loss + crate::device_copy::to_device(&r.loss, &self.output_device)?)?;
         }
         let reduce_start = Instant::now();
         let grads = self.reduce_add(per_replica.into_iter().map(|r| r.grads.grads).collect())?;

@@ -164,10 +164,16 @@ impl<M: 'static> DataParallelBuilder<M> {
         F: Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
     {
         let first = self.devices.first().ok_or(Error::NoDevices)?.clone();
-        crate::cuda_setup::prepare("replica", &self.devices)?;
+        let mut roles: Vec<crate::cuda_setup::Role> = self
+            .devices
+            .iter()
+            .enumerate()
+            .map(|(i, d)| ("replica", i, d))
+            .collect();
         if let Some(output) = &self.output_device {
-            crate::cuda_setup::prepare("output device", std::slice::from_ref(output))?;
+            roles.push(("output device", 0, output));
         }
+        crate::cuda_setup::prepare(&roles)?;
         // Before the master's factory runs its first candle ops.
         crate::cpu_threads::share_cpu_between(self.devices.iter().filter(|d| d.is_cpu()).count());
         let factory = Arc::new(factory);

@@ -25,7 +25,7 @@ use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::{Init, VarBuilder, VarMap};
 
 use crate::buffers::BufferPredicate;
-use crate::device_copy::copy_into;
+use crate::device_copy::{self as copy, copy_into};
 use crate::device_label::device_label;
 use crate::error::{Error, Result};
 use crate::lock::lock;
@@ -116,9 +116,10 @@ fn in_dtype_of(from: &Var, like: &Tensor) -> candle_core::Result<Tensor> {
 /// `from`'s value in the dtype and on the device of `like`, detached: a
 /// replica may run in another dtype or on another device than the master.
 fn converted(from: &Var, like: &Tensor) -> candle_core::Result<Tensor> {
-    from.as_detached_tensor()
-        .to_dtype(like.dtype())?
-        .to_device(like.device())
+    crate::device_copy::to_device(
+        &from.as_detached_tensor().to_dtype(like.dtype())?,
+        like.device(),
+    )
 }
 
 /// A `VarBuilder` backend that hands a replica the master's variables.
@@ -170,16 +171,13 @@ impl ReplicaBackend {
         let mut vars = lock(&self.vars);
         if (self.is_buffer)(name) {
             // A detached source makes `Var::from_tensor` copy the storage.
-            let value = master
-                .as_detached_tensor()
-                .to_dtype(dtype)?
-                .to_device(dev)?;
+            let value = copy::to_device(&master.as_detached_tensor().to_dtype(dtype)?, dev)?;
             let copy = Var::from_tensor(&value)?;
             let tensor = copy.as_tensor().clone();
             vars.buffers.push((master, copy));
             return Ok(tensor);
         }
-        let tensor = master.as_tensor().to_dtype(dtype)?.to_device(dev)?;
+        let tensor = copy::to_device(&master.as_tensor().to_dtype(dtype)?, dev)?;
         if tensor.id() != master.as_tensor().id() {
             vars.copied_params.push((master, tensor.clone()));
         }

@@ -192,7 +192,7 @@ fn layer_times(
     dtype: DType,
     device: &Device,
 ) -> Result<Vec<Duration>> {
-    let mut input = sample.to_device(device)?;
+    let mut input = crate::device_copy::to_device(sample, device)?;
     let mut times = Vec::with_capacity(layers.len());
     for (index, factory) in layers.iter().enumerate() {
         // One layer at a time, in a scratch VarMap: the model never exists

@@ -435,7 +435,7 @@ impl Pipeline {
         // Every stage succeeded: now the buffers may change.
         for output in &outputs {
             for (var, value) in &output.buffers {
-                var.set(&value.to_device(var.device())?)?;
+                var.set(&crate::device_copy::to_device(value, var.device())?)?;
             }
         }
         *lock(&self.timings) = PipelineTimings {
@@ -566,7 +566,13 @@ impl PipelineBuilder {
     pub fn build(self, layers: Vec<LayerFactory>) -> Result<Pipeline> {
         let stages = self.devices.len();
         let first = self.devices.first().ok_or(Error::NoDevices)?.clone();
-        crate::cuda_setup::prepare("stage", &self.devices)?;
+        let roles: Vec<crate::cuda_setup::Role> = self
+            .devices
+            .iter()
+            .enumerate()
+            .map(|(i, d)| ("stage", i, d))
+            .collect();
+        crate::cuda_setup::prepare(&roles)?;
         let chunks = self.chunks.unwrap_or(2 * stages);
         if chunks == 0 {
             return Err(Error::InvalidBalance {

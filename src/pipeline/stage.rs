@@ -11,7 +11,7 @@ use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 
 use super::deferred_norm::{self, NormStep, NormUse};
 use super::schedule::Op;
-use crate::device_copy::copy_into;
+use crate::device_copy::{self as copy, copy_into};
 use crate::lock::lock;
 use crate::worker_pool::Cancel;
 
@@ -346,9 +346,7 @@ impl StageWork {
                 .map_err(fail(Phase::Forward))?,
         };
         self.set(Some((Phase::Forward, m)));
-        let input = input
-            .to_device(&self.device)
-            .map_err(fail(Phase::Forward))?;
+        let input = copy::to_device(&input, &self.device).map_err(fail(Phase::Forward))?;
         // A training stage starts its own graph at a leaf, so that its
         // backward stops there and yields the gradient to send upstream.
         let leaf = match (self.training, &self.links.from_prev) {
@@ -406,7 +404,7 @@ impl StageWork {
                 self.set(Some((Phase::Backward, m)));
                 // d(sum(output * g))/d(output) is exactly g.
                 (|| {
-                    let grad = grad.to_device(output.device())?.detach();
+                    let grad = copy::to_device(&grad, output.device())?.detach();
                     (output * grad)?.sum_all()?.backward()
                 })()
                 .map_err(fail)?
@@ -416,7 +414,7 @@ impl StageWork {
         for (var, acc) in stage.vars.iter().zip(out.grads.iter_mut()) {
             if let Some(g) = grads.get(var.local.as_tensor()) {
                 // A mirror's gradient goes to its variable's device.
-                let g = g.to_device(var.master.device()).map_err(fail)?;
+                let g = copy::to_device(g, var.master.device()).map_err(fail)?;
                 *acc = Some(match acc.take() {
                     Some(sum) => (sum + g).map_err(fail)?,
                     None => g,

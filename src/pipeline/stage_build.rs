@@ -45,7 +45,7 @@ impl StageBackend {
             return Ok(mirror.as_tensor().clone());
         }
         // `detach` drops the variable mark, so `from_tensor` copies.
-        let mirror = Var::from_tensor(&tensor.to_device(dev)?.detach())?;
+        let mirror = Var::from_tensor(&crate::device_copy::to_device(&tensor, dev)?.detach())?;
         mirrors.insert(name.to_string(), mirror.clone());
         Ok(mirror.as_tensor().clone())
     }
