@@ -378,6 +378,10 @@ impl<M> DistributedDataParallel<M> {
         }
         let reduce_start = Instant::now();
         let store = self.all_reduce_grads(local)?;
+        // A failed step must leave the parameters untouched: with a device
+        // group, the gradients reach the optimizer only once its
+        // collectives completed (a no-op for the host groups).
+        self.comm(self.pg.wait_for_device())?;
         self.timings.all_reduce = reduce_start.elapsed();
         self.without_grad = self
             .no_grad

@@ -314,6 +314,15 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
         false
     }
 
+    /// Returns once the collectives this rank queued on its device have
+    /// completed, or with the group's failure: for a group whose
+    /// collectives run asynchronously on a GPU (an `NcclGroup` with a
+    /// timeout), so that DDP hands gradients to the optimizer only from a
+    /// collective that completed. Default: nothing queued, `Ok` at once.
+    fn wait_for_device(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Combines `tensor` across all ranks with `op`; every rank gets the
     /// (bitwise identical) result.
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor>;

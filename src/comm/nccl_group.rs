@@ -16,10 +16,18 @@
 //!   `scatter`, `barrier` and `all_gather_bytes` go through the host group,
 //!   as it does them.
 //! - **Failures.** The host group's failure is the group's. Once a timeout
-//!   is set, a watchdog thread waits for each queued NCCL collective; one
-//!   that has not completed by the deadline (a rank died after agreeing)
-//!   fails the host group, naming the collective, and aborts the NCCL
-//!   communicator, which ends the kernels still waiting for the lost rank.
+//!   is set, a watchdog thread follows each queued NCCL collective; one that
+//!   has not completed within the timeout of the GPU reaching it (a rank
+//!   died after agreeing), or a GPU error, fails the host group, naming the
+//!   collective, and aborts the NCCL communicator, which ends the kernels
+//!   still waiting for the lost rank. With a timeout, DDP also waits for its
+//!   collectives before handing gradients to the optimizer
+//!   ([`ProcessGroup::wait_for_device`], PyTorch's
+//!   `TORCH_NCCL_BLOCKING_WAIT`), so a failed step changes no parameter.
+//! - **Devices.** Only tensors on the `Device` given to [`NcclGroup::new`]
+//!   (or a clone) take the NCCL path: another device of the same GPU is
+//!   another stream, which NCCL's kernels would not be ordered with, so its
+//!   tensors go through the host group, with a warning.
 //!
 //! Results are equal on every rank, but not bitwise those of a
 //! [`ThreadGroup`]: NCCL sums in its own order, `ncclAvg` scales each value
@@ -121,6 +129,8 @@ pub struct NcclGroup {
     comm: Arc<CommSlot>,
     /// Where queued collectives are sent to be watched (with a timeout).
     watchdog: Sender<Watch>,
+    /// Whether a tensor on another device of this GPU was reported.
+    warned_other_device: AtomicBool,
 }
 
 impl std::fmt::Debug for NcclGroup {
@@ -243,6 +253,7 @@ impl NcclGroup {
             device,
             comm,
             watchdog,
+            warned_other_device: AtomicBool::new(false),
         })
     }
 
@@ -254,8 +265,25 @@ impl NcclGroup {
     /// Whether `tensor` can take the NCCL path for a reduction `op` (or
     /// none): on this group's GPU, in a dtype NCCL takes.
     fn on_device(&self, tensor: &Tensor, op: Option<ReduceOp>) -> bool {
-        matches!(tensor.device(), Device::Cuda(d) if d.same_device(&self.device))
-            && device_reduces(tensor.dtype(), op)
+        let Device::Cuda(cuda) = tensor.device() else {
+            return false;
+        };
+        if !cuda.same_device(&self.device) {
+            // Another device of this rank's GPU is another stream, which
+            // NCCL's kernels would not be ordered with: the host path is
+            // the safe one, and a slow one, so say it once.
+            let same_gpu = cuda.cuda_stream().context().ordinal()
+                == self.device.cuda_stream().context().ordinal();
+            if same_gpu && !self.warned_other_device.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    "rank {}: a tensor on another Device of this rank's GPU goes through the \
+                     host group; create it on the Device given to NcclGroup::new",
+                    self.host.rank()
+                );
+            }
+            return false;
+        }
+        device_reduces(tensor.dtype(), op)
     }
 
     /// The agreement over the host group (see [`agree`]).
@@ -474,6 +502,21 @@ impl ProcessGroup for NcclGroup {
 
     fn reduces_on_device(&self) -> bool {
         true
+    }
+
+    /// With a timeout set, waits (bounded by it, through the watchdog) for
+    /// this rank's queued collectives, and fails if the group failed
+    /// meanwhile: what `TORCH_NCCL_BLOCKING_WAIT` gives in PyTorch. Without
+    /// a timeout, returns at once.
+    fn wait_for_device(&self) -> Result<()> {
+        if self.host.timeout().is_none() {
+            return Ok(());
+        }
+        self.wait_idle();
+        match self.host.failure() {
+            Some(_) => Err(self.failed("wait_for_device")),
+            None => Ok(()),
+        }
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
