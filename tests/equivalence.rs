@@ -333,52 +333,29 @@ mod on_gpus {
     // at other batch sizes: a looser bound than on CPU.
     const TOLERANCE: f32 = 1e-4;
 
+    /// Every path on 1 to 3 GPU replicas against one GPU.
+    fn on_gpus(model: Model, opt: Opt) {
+        check_on(&data(model), model, opt, 3, gpu_devices, TOLERANCE);
+    }
+
     #[test]
     fn mlp_with_sgd_on_gpu_replicas_matches_one_gpu() {
-        check_on(
-            &data(Model::Mlp),
-            Model::Mlp,
-            Opt::Sgd,
-            3,
-            gpu_devices,
-            TOLERANCE,
-        );
+        within(300, || on_gpus(Model::Mlp, Opt::Sgd));
     }
 
     #[test]
     fn mlp_with_adamw_on_gpu_replicas_matches_one_gpu() {
-        check_on(
-            &data(Model::Mlp),
-            Model::Mlp,
-            Opt::AdamW,
-            3,
-            gpu_devices,
-            TOLERANCE,
-        );
+        within(300, || on_gpus(Model::Mlp, Opt::AdamW));
     }
 
     #[test]
     fn conv_net_with_sgd_on_gpu_replicas_matches_one_gpu() {
-        check_on(
-            &data(Model::Conv),
-            Model::Conv,
-            Opt::Sgd,
-            3,
-            gpu_devices,
-            TOLERANCE,
-        );
+        within(300, || on_gpus(Model::Conv, Opt::Sgd));
     }
 
     #[test]
     fn conv_net_with_adamw_on_gpu_replicas_matches_one_gpu() {
-        check_on(
-            &data(Model::Conv),
-            Model::Conv,
-            Opt::AdamW,
-            3,
-            gpu_devices,
-            TOLERANCE,
-        );
+        within(300, || on_gpus(Model::Conv, Opt::AdamW));
     }
 
     /// Many steps of a model whose kernels outlast their launch: the
@@ -387,7 +364,9 @@ mod on_gpus {
     /// reads half-updated weights and the result drifts from one device's.
     #[test]
     fn many_steps_of_a_wide_mlp_on_gpu_replicas_match_one_gpu() {
-        let d = data_sized(Model::WideMlp, 1024, 40);
-        check_on(&d, Model::WideMlp, Opt::Sgd, 2, gpu_devices, TOLERANCE);
+        within(300, || {
+            let d = data_sized(Model::WideMlp, 1024, 40);
+            check_on(&d, Model::WideMlp, Opt::Sgd, 2, gpu_devices, TOLERANCE);
+        });
     }
 }

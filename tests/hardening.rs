@@ -14,7 +14,7 @@ mod datasets;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
@@ -30,20 +30,6 @@ use candle_dp::{
 use candle_nn::{linear, Linear, Module, VarBuilder, VarMap};
 use common::*;
 use datasets::{load_digits, load_mnist};
-
-/// Runs `f` on a thread and returns its result, or fails the test if it
-/// has not finished within `seconds` (a hang).
-fn within<T: Send + 'static>(seconds: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
-    });
-    match rx.recv_timeout(Duration::from_secs(seconds)) {
-        Ok(Ok(value)) => value,
-        Ok(Err(panic)) => std::panic::resume_unwind(panic),
-        Err(_) => panic!("did not finish within {seconds} s: it hangs"),
-    }
-}
 
 fn running_stats(varmap: &VarMap) -> Vec<Vec<f32>> {
     let data = varmap.data().lock().unwrap();
@@ -867,16 +853,20 @@ mod on_gpus {
 
     #[test]
     fn gpu_replicas_in_another_dtype_train_a_model_with_a_scalar_parameter() {
-        scalar_parameter_in_another_dtype(two_gpu_devices());
+        within(120, || scalar_parameter_in_another_dtype(two_gpu_devices()));
     }
 
     #[test]
     fn gpu_replicas_in_another_dtype_refresh_and_commit_batch_norm_buffers() {
         let x = Tensor::randn(1f32, 2., (6, 12), &Device::Cpu).unwrap();
-        let devices = two_gpu_devices();
-        let same = batch_norm_stats_with_replicas_in(&x, DType::F32, &devices);
-        let other = batch_norm_stats_with_replicas_in(&x, DType::F64, &devices);
         let on_cpu = batch_norm_stats_with_replicas_in(&x, DType::F32, &cpu_devices(2));
+        let (same, other) = within(120, move || {
+            let devices = two_gpu_devices();
+            (
+                batch_norm_stats_with_replicas_in(&x, DType::F32, &devices),
+                batch_norm_stats_with_replicas_in(&x, DType::F64, &devices),
+            )
+        });
         for (a, b) in same.iter().flatten().zip(other.iter().flatten()) {
             assert!((a - b).abs() <= 1e-5 * (1. + b.abs()), "{a} vs {b}");
         }

@@ -49,185 +49,200 @@ fn close(a: &[f32], b: &[f32]) -> bool {
 
 #[test]
 fn collectives_on_gpu_tensors_match_the_host_group() {
-    let checked = spawn_with(2, bounded(), |ctx| {
-        let device = gpu(ctx.rank);
-        let nccl = NcclGroup::new(ctx.process_group(), &device)?;
-        let host = ctx.process_group();
-        let cpu = Tensor::new(
-            &[ctx.rank as f32 + 0.5, -2.0, 3.0 * ctx.rank as f32],
-            &Device::Cpu,
-        )?;
-        let x = cpu.to_device(&device)?;
-        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
-            let got = nccl.all_reduce(&x, op)?;
-            assert!(
-                got.device().same_device(&device),
-                "the result stays on the GPU"
+    // NCCL's initialisation has no timeout of its own.
+    within(180, move || {
+        let checked = spawn_with(2, bounded(), |ctx| {
+            let device = gpu(ctx.rank);
+            let nccl = NcclGroup::new(ctx.process_group(), &device)?;
+            let host = ctx.process_group();
+            let cpu = Tensor::new(
+                &[ctx.rank as f32 + 0.5, -2.0, 3.0 * ctx.rank as f32],
+                &Device::Cpu,
+            )?;
+            let x = cpu.to_device(&device)?;
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+                let got = nccl.all_reduce(&x, op)?;
+                assert!(
+                    got.device().same_device(&device),
+                    "the result stays on the GPU"
+                );
+                let want = host.all_reduce(&cpu, op)?;
+                assert!(close(&values(&got), &values(&want)), "{op}");
+            }
+            let b = nccl.broadcast(&x, 1)?;
+            assert!(close(&values(&b), &values(&host.broadcast(&cpu, 1)?)));
+            let all = nccl.all_gather(&x)?;
+            let want = host.all_gather(&cpu)?;
+            for (g, w) in all.iter().zip(&want) {
+                assert!(close(&values(g), &values(w)));
+            }
+            let gathered = nccl.gather(&x, 0)?;
+            assert_eq!(gathered.is_some(), ctx.rank == 0);
+            let reduced = nccl.reduce(&x, 1, ReduceOp::Sum)?;
+            let want = host.reduce(&cpu, 1, ReduceOp::Sum)?;
+            assert_eq!(reduced.is_some(), ctx.rank == 1);
+            if let (Some(r), Some(w)) = (reduced, want) {
+                assert!(close(&values(&r), &values(&w)));
+            }
+            // CPU tensors and dtypes NCCL lacks go through the host group.
+            let on_host = nccl.all_reduce(&cpu, ReduceOp::Sum)?;
+            assert!(on_host.device().is_cpu());
+            let ints = Tensor::new(&[ctx.rank as i64 + 1], &device)?;
+            let avg = nccl.all_reduce(&ints, ReduceOp::Avg)?;
+            assert_eq!(
+                avg.to_vec1::<i64>()?,
+                vec![1],
+                "(1 + 2) / 2 truncated, as the host groups"
             );
-            let want = host.all_reduce(&cpu, op)?;
-            assert!(close(&values(&got), &values(&want)), "{op}");
-        }
-        let b = nccl.broadcast(&x, 1)?;
-        assert!(close(&values(&b), &values(&host.broadcast(&cpu, 1)?)));
-        let all = nccl.all_gather(&x)?;
-        let want = host.all_gather(&cpu)?;
-        for (g, w) in all.iter().zip(&want) {
-            assert!(close(&values(g), &values(w)));
-        }
-        let gathered = nccl.gather(&x, 0)?;
-        assert_eq!(gathered.is_some(), ctx.rank == 0);
-        let reduced = nccl.reduce(&x, 1, ReduceOp::Sum)?;
-        let want = host.reduce(&cpu, 1, ReduceOp::Sum)?;
-        assert_eq!(reduced.is_some(), ctx.rank == 1);
-        if let (Some(r), Some(w)) = (reduced, want) {
-            assert!(close(&values(&r), &values(&w)));
-        }
-        // CPU tensors and dtypes NCCL lacks go through the host group.
-        let on_host = nccl.all_reduce(&cpu, ReduceOp::Sum)?;
-        assert!(on_host.device().is_cpu());
-        let ints = Tensor::new(&[ctx.rank as i64 + 1], &device)?;
-        let avg = nccl.all_reduce(&ints, ReduceOp::Avg)?;
-        assert_eq!(
-            avg.to_vec1::<i64>()?,
-            vec![1],
-            "(1 + 2) / 2 truncated, as the host groups"
-        );
-        Ok(())
-    });
-    checked.unwrap();
+            Ok(())
+        });
+        checked.unwrap();
+    })
 }
 
 #[test]
 fn mismatched_shapes_give_every_rank_the_same_error_and_the_group_goes_on() {
-    let results = spawn_with(2, bounded(), |ctx| {
-        let device = gpu(ctx.rank);
-        let nccl = NcclGroup::new(ctx.process_group(), &device)?;
-        let x = Tensor::zeros(3 + ctx.rank, DType::F32, &device)?;
-        let err = nccl.all_reduce(&x, ReduceOp::Sum).unwrap_err();
-        let ok = nccl.all_reduce(&Tensor::ones(2, DType::F32, &device)?, ReduceOp::Sum)?;
-        Ok((err.to_string(), values(&ok)))
+    // NCCL's initialisation has no timeout of its own.
+    within(180, move || {
+        let results = spawn_with(2, bounded(), |ctx| {
+            let device = gpu(ctx.rank);
+            let nccl = NcclGroup::new(ctx.process_group(), &device)?;
+            let x = Tensor::zeros(3 + ctx.rank, DType::F32, &device)?;
+            let err = nccl.all_reduce(&x, ReduceOp::Sum).unwrap_err();
+            let ok = nccl.all_reduce(&Tensor::ones(2, DType::F32, &device)?, ReduceOp::Sum)?;
+            Ok((err.to_string(), values(&ok)))
+        })
+        .unwrap();
+        for (err, ok) in &results {
+            assert!(err.contains("rank(s) [1]: f32 [4]"), "{err}");
+            assert_eq!(ok, &vec![2.0, 2.0]);
+        }
     })
-    .unwrap();
-    for (err, ok) in &results {
-        assert!(err.contains("rank(s) [1]: f32 [4]"), "{err}");
-        assert_eq!(ok, &vec![2.0, 2.0]);
-    }
 }
 
 #[test]
 fn a_rank_that_never_arrives_is_named_within_the_timeout() {
-    let options = GroupOptions {
-        timeout: Some(Duration::from_secs(3)),
-        ..Default::default()
-    };
-    let results = spawn_with(2, options, |ctx| {
-        let device = gpu(ctx.rank);
-        let nccl = NcclGroup::new(ctx.process_group(), &device)?;
-        if ctx.rank == 1 {
-            std::thread::sleep(Duration::from_secs(6));
-            return Ok(None);
-        }
-        let x = Tensor::ones(4, DType::F32, &device)?;
-        Ok(Some(
-            nccl.all_reduce(&x, ReduceOp::Sum).map(|_| ()).unwrap_err(),
-        ))
-    });
-    // spawn fails the run once a rank fails; either way rank 1 is named.
-    let text = match results {
-        Ok(r) => format!("{:?}", r[0]),
-        Err(e) => e.to_string(),
-    };
-    assert!(text.contains("[1]") || text.contains("rank 1"), "{text}");
+    // NCCL's initialisation has no timeout of its own.
+    within(180, move || {
+        let options = GroupOptions {
+            timeout: Some(Duration::from_secs(3)),
+            ..Default::default()
+        };
+        let results = spawn_with(2, options, |ctx| {
+            let device = gpu(ctx.rank);
+            let nccl = NcclGroup::new(ctx.process_group(), &device)?;
+            if ctx.rank == 1 {
+                std::thread::sleep(Duration::from_secs(6));
+                return Ok(None);
+            }
+            let x = Tensor::ones(4, DType::F32, &device)?;
+            Ok(Some(
+                nccl.all_reduce(&x, ReduceOp::Sum).map(|_| ()).unwrap_err(),
+            ))
+        });
+        // spawn fails the run once a rank fails; either way rank 1 is named.
+        let text = match results {
+            Ok(r) => format!("{:?}", r[0]),
+            Err(e) => e.to_string(),
+        };
+        assert!(text.contains("[1]") || text.contains("rank 1"), "{text}");
+    })
 }
 
 #[test]
 fn ddp_on_nccl_matches_one_gpu_and_the_ranks_agree_bitwise() {
-    let init = {
-        let varmap = VarMap::new();
-        Mlp::new(
-            VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    // NCCL's initialisation has no timeout of its own.
+    within(180, move || {
+        let init = {
+            let varmap = VarMap::new();
+            Mlp::new(
+                VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+                DDP_SIZES,
+            )
+            .unwrap();
+            snapshot(&varmap)
+        };
+        let data: Vec<(Tensor, Tensor)> = (0..8)
+            .map(|s| {
+                let x = Tensor::randn(0f32, 1., (8, DDP_SIZES.0), &Device::Cpu).unwrap();
+                let y = Tensor::from_vec((0..8u32).map(|i| (i + s) % 5).collect(), 8, &Device::Cpu)
+                    .unwrap();
+                (x, y)
+            })
+            .collect();
+        let on = |values: &std::collections::HashMap<String, Tensor>, device: &Device| {
+            let moved = values
+                .iter()
+                .map(|(n, t)| (n.clone(), t.to_device(device).unwrap()))
+                .collect();
+            varmap_from(&moved)
+        };
+        // One GPU, the whole batch.
+        let device = gpu(0);
+        let varmap = on(&init, &device);
+        let net = Mlp::new(
+            VarBuilder::from_varmap(&varmap, DType::F32, &device),
             DDP_SIZES,
         )
         .unwrap();
-        snapshot(&varmap)
-    };
-    let data: Vec<(Tensor, Tensor)> = (0..8)
-        .map(|s| {
-            let x = Tensor::randn(0f32, 1., (8, DDP_SIZES.0), &Device::Cpu).unwrap();
-            let y = Tensor::from_vec((0..8u32).map(|i| (i + s) % 5).collect(), 8, &Device::Cpu)
-                .unwrap();
-            (x, y)
-        })
-        .collect();
-    let on = |values: &std::collections::HashMap<String, Tensor>, device: &Device| {
-        let moved = values
-            .iter()
-            .map(|(n, t)| (n.clone(), t.to_device(device).unwrap()))
-            .collect();
-        varmap_from(&moved)
-    };
-    // One GPU, the whole batch.
-    let device = gpu(0);
-    let varmap = on(&init, &device);
-    let net = Mlp::new(
-        VarBuilder::from_varmap(&varmap, DType::F32, &device),
-        DDP_SIZES,
-    )
-    .unwrap();
-    let mut sgd = SGD::new(varmap.all_vars(), 0.1).unwrap();
-    for (x, y) in &data {
-        let l = loss::cross_entropy(
-            &net.forward(&x.to_device(&device).unwrap()).unwrap(),
-            &y.to_device(&device).unwrap(),
-        )
-        .unwrap();
-        sgd.backward_step(&l).unwrap();
-    }
-    let reference = snapshot(&varmap);
-
-    let (init2, data2) = (init.clone(), data.clone());
-    let ranks = spawn_with(2, bounded(), move |ctx| {
-        let device = gpu(ctx.rank);
-        let pg: Arc<dyn ProcessGroup> = Arc::new(NcclGroup::new(ctx.process_group(), &device)?);
-        let varmap = on(&init2, &device);
-        let mut ddp = DistributedDataParallel::new(
-            pg,
-            &varmap,
-            DType::F32,
-            &device,
-            |vb| Mlp::new(vb, DDP_SIZES),
-            DdpConfig::default(),
-        )?;
-        let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
-        for (x, y) in &data2 {
-            let (x, y) = (
-                x.narrow(0, ctx.rank * 4, 4)?.to_device(&device)?,
-                y.narrow(0, ctx.rank * 4, 4)?.to_device(&device)?,
-            );
-            let l = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
-            ddp.backward_step(&l, &mut sgd)?;
+        let mut sgd = SGD::new(varmap.all_vars(), 0.1).unwrap();
+        for (x, y) in &data {
+            let l = loss::cross_entropy(
+                &net.forward(&x.to_device(&device).unwrap()).unwrap(),
+                &y.to_device(&device).unwrap(),
+            )
+            .unwrap();
+            sgd.backward_step(&l).unwrap();
         }
-        Ok(snapshot(&varmap))
+        let reference = snapshot(&varmap);
+
+        let (init2, data2) = (init.clone(), data.clone());
+        let ranks = spawn_with(2, bounded(), move |ctx| {
+            let device = gpu(ctx.rank);
+            let pg: Arc<dyn ProcessGroup> = Arc::new(NcclGroup::new(ctx.process_group(), &device)?);
+            let varmap = on(&init2, &device);
+            let mut ddp = DistributedDataParallel::new(
+                pg,
+                &varmap,
+                DType::F32,
+                &device,
+                |vb| Mlp::new(vb, DDP_SIZES),
+                DdpConfig::default(),
+            )?;
+            let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
+            for (x, y) in &data2 {
+                let (x, y) = (
+                    x.narrow(0, ctx.rank * 4, 4)?.to_device(&device)?,
+                    y.narrow(0, ctx.rank * 4, 4)?.to_device(&device)?,
+                );
+                let l = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+                ddp.backward_step(&l, &mut sgd)?;
+            }
+            Ok(snapshot(&varmap))
+        })
+        .unwrap();
+        assert!(identical(&ranks[0], &ranks[1]), "the ranks drifted apart");
+        let diff = max_rel_diff(&ranks[0], &reference);
+        assert!(
+            diff < 1e-4,
+            "{diff}\n{}",
+            diff_report(&ranks[0], &reference)
+        );
     })
-    .unwrap();
-    assert!(identical(&ranks[0], &ranks[1]), "the ranks drifted apart");
-    let diff = max_rel_diff(&ranks[0], &reference);
-    assert!(
-        diff < 1e-4,
-        "{diff}\n{}",
-        diff_report(&ranks[0], &reference)
-    );
 }
 
 #[test]
 fn run_on_gpus_gives_every_rank_a_gpu_and_a_group_that_reduces_there() {
-    let results = candle_dp::launch::run_on_gpus(2, bounded(), |ctx, device| {
-        assert!(ctx.pg.reduces_on_device());
-        let x = Tensor::new(&[ctx.rank as f32 + 1.], &device)?;
-        let sum = ctx.pg.all_reduce(&x, ReduceOp::Sum)?;
-        assert!(sum.device().same_device(&device));
-        Ok(sum.to_vec1::<f32>()?)
+    // NCCL's initialisation has no timeout of its own.
+    within(180, move || {
+        let results = candle_dp::launch::run_on_gpus(2, bounded(), |ctx, device| {
+            assert!(ctx.pg.reduces_on_device());
+            let x = Tensor::new(&[ctx.rank as f32 + 1.], &device)?;
+            let sum = ctx.pg.all_reduce(&x, ReduceOp::Sum)?;
+            assert!(sum.device().same_device(&device));
+            Ok(sum.to_vec1::<f32>()?)
+        })
+        .unwrap();
+        assert_eq!(results, vec![vec![3.0], vec![3.0]]);
     })
-    .unwrap();
-    assert_eq!(results, vec![vec![3.0], vec![3.0]]);
 }

@@ -284,3 +284,17 @@ pub fn ddp_reference_run(
     }
     Ok(snapshot(&varmap))
 }
+
+/// Runs `f` on a thread and returns its result, or fails the test if it
+/// has not finished within `seconds` (a hang).
+pub fn within<T: Send + 'static>(seconds: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(seconds)) {
+        Ok(Ok(value)) => value,
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        Err(_) => panic!("did not finish within {seconds} s: it hangs"),
+    }
+}
