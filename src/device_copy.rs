@@ -5,10 +5,9 @@
 //! The plain way, `dst.set(&src.to_device(dst.device()))`, allocates a new
 //! storage on the destination, copies into it, and copies again into `dst`:
 //! two device copies and an allocation per parameter per step. Between two
-//! CUDA devices (two GPUs, or two streams of one GPU) [`copy_into`] issues a
-//! single device-to-device copy into `dst`'s own storage, on `dst`'s stream:
-//! cudarc's `memcpy_dtod`, a `cuMemcpyPeerAsync` between GPUs, which first
-//! makes `dst`'s stream wait for the work that wrote `src`.
+//! CUDA devices [`copy_into`] issues a single device-to-device copy into
+//! `dst`'s own storage, on `dst`'s stream: cudarc's `memcpy_dtod`, a
+//! `cuMemcpyPeerAsync` between GPUs.
 //!
 //! `dst` keeps its identity and its autograd op, so a replica's copy of a
 //! parameter (the `ToDevice` of the master variable) still sends its

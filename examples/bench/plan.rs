@@ -92,7 +92,7 @@ impl fmt::Display for Model {
 pub enum DeviceKind {
     /// CPU replicas (the cores split between them).
     Cpu,
-    /// CUDA streams of GPU 0 (a build with `--features cuda`).
+    /// GPU 0 (a build with `--features cuda`).
     Cuda,
 }
 

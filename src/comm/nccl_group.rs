@@ -219,35 +219,15 @@ impl NcclGroup {
                 )
                 .map_err(|e| format!("ncclCommInitRank failed: {e:?}"))
             });
-        let comm = match comm {
-            Ok(comm) => comm,
-            Err(reason) => {
-                host.abort(&reason);
-                return Err(CommError::InvalidInput {
-                    rank,
-                    op,
-                    culprit: rank,
-                    reason,
-                });
-            }
-        };
+        let comm = comm.map_err(|reason| fail_here(host.as_ref(), op, reason))?;
         let comm = Arc::new(CommSlot {
             comm: Mutex::new(Some(DeviceComm(comm))),
             abort_pending: AtomicBool::new(false),
         });
-        let watchdog = match Watchdog::start(Arc::clone(&host), Arc::clone(&comm)) {
-            Ok(watchdog) => watchdog,
-            Err(e) => {
-                let reason = format!("cannot start the NCCL watchdog thread: {e}");
-                host.abort(&reason);
-                return Err(CommError::InvalidInput {
-                    rank,
-                    op,
-                    culprit: rank,
-                    reason,
-                });
-            }
-        };
+        let watchdog = Watchdog::start(Arc::clone(&host), Arc::clone(&comm)).map_err(|e| {
+            let reason = format!("cannot start the NCCL watchdog thread: {e}");
+            fail_here(host.as_ref(), op, reason)
+        })?;
         Ok(Self {
             host,
             device,
@@ -336,7 +316,6 @@ impl NcclGroup {
         out_len: Option<usize>,
         collective: Collective,
     ) -> Result<Option<CudaStorage>> {
-        let rank = self.host.rank();
         let stream = self.device.cuda_stream();
         let started = self
             .host
@@ -344,14 +323,12 @@ impl NcclGroup {
             .and_then(|_| stream.record_event(None).ok());
         let launched = self.queue(tensor, out_len, collective, &stream);
         let output = launched.map_err(|reason| {
-            let reason = format!("NCCL {op} failed: {reason}");
-            self.abort(&reason);
-            CommError::InvalidInput {
-                rank,
+            self.comm.abort();
+            fail_here(
+                self.host.as_ref(),
                 op,
-                culprit: rank,
-                reason,
-            }
+                format!("NCCL {op} failed: {reason}"),
+            )
         })?;
         if let (Some(timeout), Some(started)) = (self.host.timeout(), started) {
             if let Ok(done) = stream.record_event(None) {
@@ -434,6 +411,19 @@ impl NcclGroup {
                 peer: self.rank(),
                 detail: "no output".into(),
             })
+    }
+}
+
+/// Fails the group over `host` with `reason`, a failure of this rank alone
+/// (the others have agreed and would wait for it), and returns this rank's
+/// error.
+fn fail_here(host: &dyn ProcessGroup, op: &'static str, reason: String) -> CommError {
+    host.abort(&reason);
+    CommError::InvalidInput {
+        rank: host.rank(),
+        op,
+        culprit: host.rank(),
+        reason,
     }
 }
 
