@@ -144,7 +144,8 @@ impl std::fmt::Debug for NcclGroup {
     }
 }
 
-/// What rank 0 sends every rank while the group is created.
+/// What every rank sends while the group is created: whether its device
+/// can take part, and (rank 0 only) the NCCL id.
 type Setup = (
     std::result::Result<(), String>,
     std::result::Result<Vec<u8>, String>,
@@ -190,10 +191,16 @@ impl NcclGroup {
                 });
             }
         }
-        let (Ok(device), Ok(bytes)) = (usable, &all[0].1) else {
-            unreachable!("every rank's setup was checked above")
-        };
         let mut internal = [0 as std::ffi::c_char; 128];
+        let (Ok(device), Some((_, Ok(bytes)))) = (usable, all.first()) else {
+            // Checked above on every rank; kept an error, never a panic.
+            return Err(CommError::Protocol {
+                rank,
+                op,
+                peer: 0,
+                detail: "no NCCL id from rank 0".into(),
+            });
+        };
         if bytes.len() != internal.len() {
             return Err(CommError::Protocol {
                 rank,
