@@ -162,6 +162,26 @@ fn collectives(ctx: &RankContext) -> anyhow::Result<Tensors> {
                     .map_err(|e| e.to_string());
                 record(&mut results, &mut errors, label, r)?;
             }
+            // A bucket of many parts read in place (one empty; the ring's
+            // chunk boundaries fall inside parts), then the same elements
+            // cut differently on each rank, which processes concatenate
+            // before the ring.
+            if n >= 70_000 {
+                let same = [0, 10, 10, 23_331, 46_000, n];
+                let by_rank = [0, 1_000 * (rank + 1), n];
+                for (name, cuts) in [("same", &same[..]), ("by rank", &by_rank[..])] {
+                    let parts = cuts
+                        .windows(2)
+                        .map(|w| x.narrow(0, w[0], w[1] - w[0]))
+                        .collect::<candle_core::Result<Vec<_>>>()?;
+                    for op in [ReduceOp::Avg, ReduceOp::Max] {
+                        let label =
+                            format!("all_reduce_concat {op} {dtype:?} {n}, parts cut {name}");
+                        let r = pg.all_reduce_concat(&parts, op).map_err(|e| e.to_string());
+                        record(&mut results, &mut errors, label, r)?;
+                    }
+                }
+            }
             let root = world - 1;
             let r = pg
                 .reduce(&x, root, ReduceOp::Sum)

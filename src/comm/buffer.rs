@@ -141,11 +141,16 @@ impl Buffer {
     /// once into one buffer.
     #[cfg(feature = "mpi")]
     pub(crate) fn concat(tensors: &[Tensor], dtype: DType) -> Result<Buffer, String> {
-        let input = Input::concat(tensors, dtype)?;
+        Buffer::of_input(&Input::concat(tensors, dtype)?, dtype)
+    }
+
+    /// The elements of `input` (of `dtype`), copied once into one buffer.
+    #[cfg(feature = "mpi")]
+    pub(crate) fn of_input(input: &Input, dtype: DType) -> Result<Buffer, String> {
         let len = input.len();
         match_dtype!(dtype, T => {
             let mut values: Vec<T> = Vec::with_capacity(len);
-            read_inputs(&[&input], 0..len, |xs: &[&[T]]| values.extend_from_slice(xs[0]))
+            read_inputs(&[input], 0..len, |xs: &[&[T]]| values.extend_from_slice(xs[0]))
                 .map_err(|_| format!("cannot read the {len} elements of the tensors"))?;
             Ok(T::into_buffer(values))
         }, _ => Err(unsupported(dtype)))
@@ -400,6 +405,55 @@ pub(crate) fn read_inputs<T: Element>(
         at = end;
     }
     Ok(())
+}
+
+/// `f` of the elements of each part of `input` (one slice per tensor of a
+/// concatenation, in order), all lent at once: tensors are read in place
+/// under their storages' read locks, taken as [`read_inputs`] takes them
+/// and held until `f` returns. `Err(i)` when part `i` holds no elements of
+/// `T`.
+///
+/// The MPI engine holds them while it waits for other processes, which
+/// cannot need them; in this process, the rank's caller is waiting for the
+/// result. A collective given up while MPI still reads the tensors keeps
+/// them locked (for reading) until MPI lets go.
+#[cfg(feature = "mpi")]
+pub(crate) fn read_parts<T: Element, R>(
+    input: &Input,
+    f: impl FnOnce(&[&[T]]) -> R,
+) -> Result<R, usize> {
+    let leaves = input.source.leaves();
+    let mut locked: Vec<(usize, &Tensor)> = leaves
+        .iter()
+        .filter_map(|leaf| match leaf {
+            Source::InPlace { tensor, key } => Some((*key, tensor)),
+            _ => None,
+        })
+        .collect();
+    locked.sort_by_key(|&(key, _)| key);
+    locked.dedup_by_key(|&mut (key, _)| key);
+    let guards: Vec<(usize, StorageRef)> = locked
+        .into_iter()
+        .map(|(key, tensor)| (key, tensor.storage_and_layout().0))
+        .collect();
+    let parts = leaves
+        .iter()
+        .enumerate()
+        .map(|(i, leaf)| leaf_slice::<T>(leaf, &guards, 0..leaf.len()).ok_or(i))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(f(&parts))
+}
+
+/// The number of elements of each part of `input`, as [`read_parts`]
+/// lends them.
+#[cfg(feature = "mpi")]
+pub(crate) fn part_lens(input: &Input) -> Vec<usize> {
+    input
+        .source
+        .leaves()
+        .iter()
+        .map(|leaf| leaf.len())
+        .collect()
 }
 
 /// An element type that buffers hold and reductions combine.

@@ -27,10 +27,12 @@
 //!   all-gather or gather to the root), in the thread group's exact
 //!   reduction order, so every result is bitwise the thread group's.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use candle_core::DType;
 use crossbeam::channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use mpi::point_to_point::MatchedReceiveVec;
 use mpi::request::{Request, Scope};
@@ -41,7 +43,8 @@ use mpi::Threading;
 use super::wire::{self, Notice, Wire};
 use super::Shared;
 use crate::comm::buffer::{
-    chunk_range, combine_over, finish, match_dtype, reduce_in_rank_order, Buffer,
+    chunk_range, combine_into, combine_over, finish, match_dtype, part_lens, read_parts,
+    reduce_in_rank_order, Buffer, Input,
 };
 use crate::comm::protocol::{self, Signature};
 use crate::comm::{CommError, Failure, FailureCause, ReduceOp};
@@ -100,6 +103,17 @@ pub(super) enum Kind {
         op: ReduceOp,
         root: Option<usize>,
         data: Option<Buffer>,
+    },
+    /// An all_reduce of the concatenation of `input`'s tensors (of
+    /// `dtype`), large enough for the ring, which reads them where they
+    /// lie when every rank's tensors have the same lengths: a concatenated
+    /// copy would cost a pass over the data and a fresh buffer, about a
+    /// third of the reduction (README, "DDP on MPI processes"). Otherwise
+    /// the engine concatenates them and runs [`Kind::Reduce`].
+    ReduceParts {
+        op: ReduceOp,
+        input: Input,
+        dtype: DType,
     },
     Broadcast {
         root: usize,
@@ -315,11 +329,23 @@ impl Engine {
             return Err(error.into());
         }
         let ring = self.uses_ring(&kind);
-        let headers = self.exchange_headers(&sig, &kind, ring)?;
+        let lens = match &kind {
+            Kind::ReduceParts { input, .. } if ring => Some(part_lens(input)),
+            _ => None,
+        };
+        let headers = self.exchange_headers(&sig, &kind, ring, lens.as_deref())?;
         let sigs: Vec<&Signature> = (0..self.world_size)
             .map(|r| headers[r].as_ref().map_or(&sig, |h| &h.sig))
             .collect();
         protocol::check(&sigs, self.rank, self.op())?;
+        // Parts are read in place only if every rank cuts its data the same
+        // way, so that each message of the first ring step is received whole.
+        let lens = lens.filter(|mine| {
+            headers
+                .iter()
+                .flatten()
+                .all(|h| h.parts.as_ref() == Some(mine))
+        });
         let mut payloads: Vec<Option<(Buffer, Vec<usize>)>> = headers
             .into_iter()
             .map(|h| h.and_then(|h| h.payload))
@@ -343,6 +369,23 @@ impl Engine {
                 let reduced = reduce_in_rank_order(&parts, op)
                     .ok_or_else(|| self.unexpected(0, "buffers of different types".into()))?;
                 Ok(Reply::One(reduced, Vec::new()))
+            }
+            Kind::ReduceParts { op, input, dtype } => {
+                if !ring {
+                    let detail = "a reduction of parts below the ring threshold".into();
+                    return Err(self.unexpected(me, detail).into());
+                }
+                let reduced = match lens {
+                    Some(lens) => self.ring_reduce_parts(&input, dtype, &lens, op)?,
+                    None => {
+                        let data = Buffer::of_input(&input, dtype)
+                            .map_err(|detail| self.unexpected(me, detail))?;
+                        self.ring_reduce(data, op, None)?
+                    }
+                };
+                reduced
+                    .map(|result| Reply::One(result, Vec::new()))
+                    .ok_or_else(|| self.unexpected(me, "no result of its ring".into()).into())
             }
             Kind::Broadcast { root, data } => {
                 let result = if root == me {
@@ -419,13 +462,15 @@ impl Engine {
     /// Whether a reduction takes the ring path: as in the thread group, by
     /// the buffer's size and the group-wide threshold only.
     fn uses_ring(&self, kind: &Kind) -> bool {
-        let Kind::Reduce {
-            data: Some(data), ..
-        } = kind
-        else {
-            return false;
+        let bytes = match kind {
+            Kind::Reduce {
+                data: Some(data), ..
+            } => data.len().saturating_mul(data.dtype().size_in_bytes()),
+            Kind::ReduceParts { input, dtype, .. } => {
+                input.len().saturating_mul(dtype.size_in_bytes())
+            }
+            _ => return false,
         };
-        let bytes = data.len().saturating_mul(data.dtype().size_in_bytes());
         protocol::takes_ring(bytes, self.world_size, self.shared.ring_threshold_bytes)
     }
 
@@ -437,6 +482,7 @@ impl Engine {
         sig: &Signature,
         kind: &Kind,
         ring: bool,
+        parts: Option<&[usize]>,
     ) -> Result<Vec<Option<wire::Header>>, Stop> {
         let me = self.rank;
         let seq = self.seq();
@@ -462,12 +508,12 @@ impl Engine {
             let message = self
                 .others()
                 .next()
-                .map(|dst| wire::encode_header(seq, sig, payload_for(dst)))
+                .map(|dst| wire::encode_header(seq, sig, payload_for(dst), parts))
                 .unwrap_or_default();
             vec![(usize::MAX, message)]
         } else {
             self.others()
-                .map(|dst| (dst, wire::encode_header(seq, sig, payload_for(dst))))
+                .map(|dst| (dst, wire::encode_header(seq, sig, payload_for(dst), parts)))
                 .collect()
         };
         let message_for = |dst: usize| -> &[u8] {
@@ -564,6 +610,99 @@ impl Engine {
         match_dtype!(data.dtype(), T => typed::<T>(self, data, op, root), _ => {
             Err(self.unexpected(self.rank, format!("unsupported dtype {}", data.dtype().as_str())).into())
         })
+    }
+
+    /// The ring on this rank's tensors where they lie (`Kind::ReduceParts`;
+    /// every rank's parts have the lengths `lens`): the reduce-scatter
+    /// sends its first chunk straight from the tensors and adds each
+    /// received partial result to the tensors' elements into the result,
+    /// then the all-gather runs as in [`ring_reduce`](Engine::ring_reduce).
+    /// Same messages' contents and reduction order as on the concatenation.
+    fn ring_reduce_parts(
+        &mut self,
+        input: &Input,
+        dtype: DType,
+        lens: &[usize],
+        op: ReduceOp,
+    ) -> Result<Option<Buffer>, Stop> {
+        fn typed<T: Wire>(
+            engine: &mut Engine,
+            input: &Input,
+            lens: &[usize],
+            op: ReduceOp,
+        ) -> Result<Option<Buffer>, Stop> {
+            // Every element is received before it is read: zeroed memory
+            // only keeps the buffer initialised (fresh pages cost no pass).
+            let mut x: Vec<T> = bytemuck::zeroed_vec(lens.iter().sum());
+            let scattered = read_parts::<T, _>(input, |parts| {
+                engine.reduce_scatter_parts(parts, lens, &mut x, op)
+            });
+            match scattered {
+                Ok(result) => result?,
+                Err(part) => {
+                    let detail = format!("its part {part} holds no {} elements", T::DTYPE.as_str());
+                    return Err(engine.unexpected(engine.rank, detail).into());
+                }
+            }
+            engine.ring_all_gather(&mut x)?;
+            Ok(Some(T::into_buffer(x)))
+        }
+        match_dtype!(dtype, T => typed::<T>(self, input, lens, op), _ => {
+            Err(self.unexpected(self.rank, format!("unsupported dtype {}", dtype.as_str())).into())
+        })
+    }
+
+    /// [`reduce_scatter`](Engine::reduce_scatter) with this rank's data in
+    /// `parts` (lengths `lens`, the same on every rank) instead of in `x`:
+    /// leaves chunk `rank` of `x` reduced and finished. The first step's
+    /// chunk travels as one message per part it overlaps, later steps'
+    /// partial results as one.
+    fn reduce_scatter_parts<T: Wire>(
+        &mut self,
+        parts: &[&[T]],
+        lens: &[usize],
+        x: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), Stop> {
+        let (r, w) = (self.rank, self.world_size);
+        let (next, prev) = ((r + 1) % w, (r + w - 1) % w);
+        let len = x.len();
+        let chunk = |c: usize| chunk_range(len, w, c);
+        for step in 0..w - 1 {
+            let send_chunk = (r + 2 * w - 1 - step) % w;
+            let recv_chunk = (r + 2 * w - 2 - step) % w;
+            let received = cuts(lens, chunk(recv_chunk));
+            {
+                let mut chunks = split_chunks(x, w);
+                let (partial, recv) = pair(&mut chunks, send_chunk, recv_chunk);
+                let sends: Vec<&[u8]> = if step == 0 {
+                    cuts(lens, chunk(send_chunk))
+                        .into_iter()
+                        .map(|(part, local, _)| bytemuck::cast_slice(&parts[part][local]))
+                        .collect()
+                } else {
+                    vec![bytemuck::cast_slice(partial)]
+                };
+                // `prev` cuts its first chunk as this rank cuts the same chunk.
+                let recv_at = chunk(recv_chunk).start;
+                let receives: Vec<&mut [u8]> = if step == 0 && received.is_empty() {
+                    Vec::new()
+                } else if step == 0 {
+                    split_at_cuts(recv, received.iter().map(|(_, _, at)| at.start - recv_at))
+                        .into_iter()
+                        .map(bytemuck::cast_slice_mut)
+                        .collect()
+                } else {
+                    vec![bytemuck::cast_slice_mut(recv)]
+                };
+                self.step_many(&sends, next, receives, prev)?;
+            }
+            for (part, local, at) in received {
+                combine_into(op, &mut x[at], &parts[part][local]);
+            }
+        }
+        finish(op, &mut x[chunk(r)], w);
+        Ok(())
     }
 
     /// The ring's reduce-scatter, in place: leaves chunk `rank` of `x`
@@ -663,16 +802,36 @@ impl Engine {
     /// One ring step: sends `send` to `to` while receiving `recv` from
     /// `from`.
     fn step(&mut self, send: &[u8], to: usize, recv: &mut [u8], from: usize) -> Result<(), Stop> {
+        self.step_many(&[send], to, vec![recv], from)
+    }
+
+    /// One ring step in several messages: sends each of `sends` to `to`,
+    /// in order, while receiving `from`'s messages, in order, into
+    /// `receives` (MPI keeps the order of messages between two ranks).
+    fn step_many(
+        &mut self,
+        sends: &[&[u8]],
+        to: usize,
+        receives: Vec<&mut [u8]>,
+        from: usize,
+    ) -> Result<(), Stop> {
         self.set_waiting_for(vec![from]);
         mpi::request::scope(|scope| {
-            let requests = vec![
-                self.data
-                    .process_at_rank(to as i32)
-                    .immediate_send_with_tag(scope, send, TAG_DATA),
-                self.data
-                    .process_at_rank(from as i32)
-                    .immediate_receive_into_with_tag(scope, recv, TAG_DATA),
-            ];
+            let mut requests = Vec::with_capacity(sends.len() + receives.len());
+            for &send in sends {
+                requests.push(
+                    self.data
+                        .process_at_rank(to as i32)
+                        .immediate_send_with_tag(scope, send, TAG_DATA),
+                );
+            }
+            for recv in receives {
+                requests.push(
+                    self.data
+                        .process_at_rank(from as i32)
+                        .immediate_receive_into_with_tag(scope, recv, TAG_DATA),
+                );
+            }
             self.wait(requests, |_| Ok(true))
         })
     }
@@ -902,6 +1061,38 @@ fn test_all<'a, D: ?Sized, S: Scope<'a>>(
         .collect()
 }
 
+/// Where `range` of a concatenation of parts of lengths `lens` lies: for
+/// each part it overlaps (empty overlaps left out), the part, the range
+/// within the part, and the range within the concatenation.
+fn cuts(lens: &[usize], range: Range<usize>) -> Vec<(usize, Range<usize>, Range<usize>)> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for (part, &n) in lens.iter().enumerate() {
+        let at = range.start.max(start)..range.end.min(start + n);
+        if !at.is_empty() {
+            out.push((part, at.start - start..at.end - start, at));
+        }
+        start += n;
+    }
+    out
+}
+
+/// `values` cut at the offsets `starts` (ascending, the first 0) into
+/// consecutive pieces; the last runs to the end.
+fn split_at_cuts<T>(values: &mut [T], starts: impl Iterator<Item = usize>) -> Vec<&mut [T]> {
+    let mut pieces = Vec::new();
+    let mut rest = values;
+    let mut consumed = 0;
+    for start in starts.skip(1) {
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(start - consumed);
+        pieces.push(head);
+        rest = tail;
+        consumed = start;
+    }
+    pieces.push(rest);
+    pieces
+}
+
 /// `values` cut into the ring's `chunks` contiguous chunks.
 fn split_chunks<T>(values: &mut [T], chunks: usize) -> Vec<&mut [T]> {
     let len = values.len();
@@ -938,6 +1129,26 @@ mod tests {
         let lens: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
         assert_eq!(lens, vec![3, 2, 2]);
         assert_eq!(chunks[2], &[5, 6]);
+    }
+
+    #[test]
+    fn cuts_follow_the_parts_a_range_overlaps_and_skip_empty_ones() {
+        // Parts [0, 3), [3, 3) (empty), [3, 7), [7, 9).
+        let lens = [3, 0, 4, 2];
+        assert_eq!(
+            cuts(&lens, 2..8),
+            vec![(0, 2..3, 2..3), (2, 0..4, 3..7), (3, 0..1, 7..8)]
+        );
+        assert_eq!(cuts(&lens, 4..6), vec![(2, 1..3, 4..6)]);
+        assert!(cuts(&lens, 5..5).is_empty());
+    }
+
+    #[test]
+    fn split_at_cuts_gives_consecutive_pieces_covering_the_slice() {
+        let mut values: Vec<u32> = (0..6).collect();
+        let pieces = split_at_cuts(&mut values, [0, 1, 4].into_iter());
+        let pieces: Vec<Vec<u32>> = pieces.into_iter().map(|p| p.to_vec()).collect();
+        assert_eq!(pieces, vec![vec![0], vec![1, 2, 3], vec![4, 5]]);
     }
 
     #[test]

@@ -24,7 +24,7 @@ use candle_core::{Device, Tensor};
 use crossbeam::channel::{self, Receiver, Sender};
 
 use self::engine::{Control, Job, Kind, Reply, Ticket};
-use super::buffer::Buffer;
+use super::buffer::{Buffer, Input};
 use super::op::Op;
 use super::protocol::{self, OpSig, Signature, TensorMeta};
 use super::{
@@ -424,24 +424,39 @@ impl ProcessGroup for MpiGroup {
         let Some(first) = tensors.first() else {
             return super::all_reduce_concat_copied(self, tensors, op);
         };
-        // The parts are copied once, straight into the buffer MPI sends.
+        let dtype = first.dtype();
         let len = tensors.iter().map(Tensor::elem_count).sum();
         let meta = TensorMeta {
-            dtype: first.dtype(),
+            dtype,
             dims: vec![len],
         };
-        let parts = self.reduction_parts_of(len.saturating_mul(first.dtype().size_in_bytes()));
-        let data = checked_size(&meta, parts).and_then(|()| Buffer::concat(tensors, first.dtype()));
-        let sig = signature(
-            OpSig::AllReduce(op),
-            Some(meta),
-            data.as_ref().err().cloned(),
-        );
-        let kind = Kind::Reduce {
-            op,
-            root: None,
-            data: data.ok(),
+        let parts = self.reduction_parts_of(len.saturating_mul(dtype.size_in_bytes()));
+        let checked = checked_size(&meta, parts);
+        let (kind, invalid) = if parts > 1 {
+            // The ring reads the tensors where they are (see `Kind::ReduceParts`).
+            match checked.and_then(|()| Input::concat(tensors, dtype)) {
+                Ok(input) => (Kind::ReduceParts { op, input, dtype }, None),
+                Err(e) => (
+                    Kind::Reduce {
+                        op,
+                        root: None,
+                        data: None,
+                    },
+                    Some(e),
+                ),
+            }
+        } else {
+            // Small: copied once, into the buffer that travels with the header.
+            let data = checked.and_then(|()| Buffer::concat(tensors, dtype));
+            let invalid = data.as_ref().err().cloned();
+            let kind = Kind::Reduce {
+                op,
+                root: None,
+                data: data.ok(),
+            };
+            (kind, invalid)
         };
+        let sig = signature(OpSig::AllReduce(op), Some(meta), invalid);
         match self.call(sig, kind)? {
             Reply::One(buffer, _) => buffer
                 .into_tensor(&[len], first.device())

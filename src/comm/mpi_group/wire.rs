@@ -91,6 +91,10 @@ struct WireHeader {
     invalid: Option<String>,
     /// Describes the payload that follows the JSON, if any.
     payload: Option<WireMeta>,
+    /// The lengths of the tensors a ring reduction reads in place, if it
+    /// does (see `Kind::ReduceParts`).
+    #[serde(default)]
+    parts: Option<Vec<usize>>,
 }
 
 /// A decoded header message.
@@ -100,14 +104,19 @@ pub(crate) struct Header {
     pub(crate) sig: Signature,
     /// The payload with its shape.
     pub(crate) payload: Option<(Buffer, Vec<usize>)>,
+    /// The lengths of the tensors the sender's ring reduction reads in
+    /// place, if it does.
+    pub(crate) parts: Option<Vec<usize>>,
 }
 
 /// Encodes a header message: `sig` for collective `seq`, with `payload`
-/// and its shape (`None`: flat).
+/// and its shape (`None`: flat), and the lengths of the tensors a ring
+/// reduction reads in place.
 pub(crate) fn encode_header(
     seq: u64,
     sig: &Signature,
     payload: Option<(&Buffer, Option<&[usize]>)>,
+    parts: Option<&[usize]>,
 ) -> Vec<u8> {
     let header = WireHeader {
         seq,
@@ -116,6 +125,7 @@ pub(crate) fn encode_header(
         invalid: sig.invalid.clone(),
         payload: payload
             .map(|(buffer, dims)| WireMeta::new(buffer.dtype(), dims.unwrap_or(&[buffer.len()]))),
+        parts: parts.map(<[usize]>::to_vec),
     };
     // Serializing plain data to a Vec cannot fail; an empty header would
     // be reported by the receiver as undecodable, never silently used.
@@ -174,6 +184,7 @@ pub(crate) fn decode_header(message: &[u8]) -> Result<Header, String> {
             invalid: header.invalid,
         },
         payload,
+        parts: header.parts,
     })
 }
 
@@ -301,13 +312,14 @@ mod tests {
             invalid: Some("no".into()),
         };
         let payload = Buffer::BF16(vec![half::bf16::from_f32(1.5); 6]);
-        let message = encode_header(7, &sig, Some((&payload, Some(&[2, 3]))));
+        let message = encode_header(7, &sig, Some((&payload, Some(&[2, 3]))), Some(&[4, 2]));
         let header = decode_header(&message).unwrap();
         assert_eq!(header.seq, 7);
         assert_eq!(header.sig.op, sig.op);
         assert_eq!(header.sig.meta, sig.meta);
         assert_eq!(header.sig.invalid.as_deref(), Some("no"));
         assert_eq!(header.payload, Some((payload, vec![2, 3])));
+        assert_eq!(header.parts, Some(vec![4, 2]));
     }
 
     #[test]
@@ -317,7 +329,7 @@ mod tests {
             meta: None,
             invalid: None,
         };
-        let message = encode_header(1, &sig, Some((&Buffer::F32(vec![1.0; 4]), None)));
+        let message = encode_header(1, &sig, Some((&Buffer::F32(vec![1.0; 4]), None)), None);
         assert!(decode_header(&message[..2]).is_err());
         assert!(decode_header(&message[..message.len() - 1]).is_err());
         let mut garbled = message.clone();
