@@ -27,6 +27,7 @@
 //!   all-gather or gather to the root), in the thread group's exact
 //!   reduction order, so every result is bitwise the thread group's.
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::Arc;
 use std::thread;
@@ -40,6 +41,9 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use mpi::Threading;
 
+use super::message_bytes::{
+    as_receivable, assume_received, assume_received_ref, received, sent, MessageByte,
+};
 use super::wire::{self, Notice, Wire};
 use super::Shared;
 use crate::comm::buffer::{
@@ -600,7 +604,7 @@ impl Engine {
             engine.reduce_scatter(&mut x, op)?;
             let whole = match root {
                 None => {
-                    engine.ring_all_gather(&mut x)?;
+                    engine.ring_all_gather(as_receivable(&mut x))?;
                     true
                 }
                 Some(root) => engine.gather_chunks(&mut x, root)?,
@@ -631,20 +635,26 @@ impl Engine {
             lens: &[usize],
             op: ReduceOp,
         ) -> Result<Option<Buffer>, Stop> {
-            // Every element is received before it is read: zeroed memory
-            // only keeps the buffer initialised (fresh pages cost no pass).
-            let mut x: Vec<T> = bytemuck::zeroed_vec(lens.iter().sum());
+            // Every element is received before it is read, so the result
+            // is not zero-filled first (see `message_bytes`).
+            let len = lens.iter().sum();
+            let mut x: Vec<T> = Vec::with_capacity(len);
+            let result = &mut x.spare_capacity_mut()[..len];
             let scattered = read_parts::<T, _>(input, |parts| {
-                engine.reduce_scatter_parts(parts, lens, &mut x, op)
+                engine.reduce_scatter_parts(parts, lens, result, op)
             });
             match scattered {
-                Ok(result) => result?,
+                Ok(done) => done?,
                 Err(part) => {
                     let detail = format!("its part {part} holds no {} elements", T::DTYPE.as_str());
                     return Err(engine.unexpected(engine.rank, detail).into());
                 }
             }
-            engine.ring_all_gather(&mut x)?;
+            engine.ring_all_gather(result)?;
+            // SAFETY: the chunks tile the buffer; chunk `rank` was received
+            // (its last step) and reduced, every other chunk received by
+            // the all-gather, whose receives have completed.
+            unsafe { x.set_len(len) };
             Ok(Some(T::into_buffer(x)))
         }
         match_dtype!(dtype, T => typed::<T>(self, input, lens, op), _ => {
@@ -661,7 +671,7 @@ impl Engine {
         &mut self,
         parts: &[&[T]],
         lens: &[usize],
-        x: &mut [T],
+        x: &mut [MaybeUninit<T>],
         op: ReduceOp,
     ) -> Result<(), Stop> {
         let (r, w) = (self.rank, self.world_size);
@@ -671,37 +681,41 @@ impl Engine {
         for step in 0..w - 1 {
             let send_chunk = (r + 2 * w - 1 - step) % w;
             let recv_chunk = (r + 2 * w - 2 - step) % w;
-            let received = cuts(lens, chunk(recv_chunk));
+            let cuts_in = cuts(lens, chunk(recv_chunk));
             {
                 let mut chunks = split_chunks(x, w);
                 let (partial, recv) = pair(&mut chunks, send_chunk, recv_chunk);
-                let sends: Vec<&[u8]> = if step == 0 {
+                let sends: Vec<&[MessageByte]> = if step == 0 {
                     cuts(lens, chunk(send_chunk))
                         .into_iter()
-                        .map(|(part, local, _)| bytemuck::cast_slice(&parts[part][local]))
+                        .map(|(part, local, _)| sent(&parts[part][local]))
                         .collect()
                 } else {
-                    vec![bytemuck::cast_slice(partial)]
+                    // SAFETY: received in the step before, and reduced.
+                    vec![sent(unsafe { assume_received_ref(partial) })]
                 };
                 // `prev` cuts its first chunk as this rank cuts the same chunk.
                 let recv_at = chunk(recv_chunk).start;
-                let receives: Vec<&mut [u8]> = if step == 0 && received.is_empty() {
+                let receives: Vec<&mut [MessageByte]> = if step == 0 && cuts_in.is_empty() {
                     Vec::new()
                 } else if step == 0 {
-                    split_at_cuts(recv, received.iter().map(|(_, _, at)| at.start - recv_at))
+                    split_at_cuts(recv, cuts_in.iter().map(|(_, _, at)| at.start - recv_at))
                         .into_iter()
-                        .map(bytemuck::cast_slice_mut)
+                        .map(received)
                         .collect()
                 } else {
-                    vec![bytemuck::cast_slice_mut(recv)]
+                    vec![received(recv)]
                 };
                 self.step_many(&sends, next, receives, prev)?;
             }
-            for (part, local, at) in received {
-                combine_into(op, &mut x[at], &parts[part][local]);
+            for (part, local, at) in cuts_in {
+                // SAFETY: the step's receives, which covered the chunk, completed.
+                let partial = unsafe { assume_received(&mut x[at]) };
+                combine_into(op, partial, &parts[part][local]);
             }
         }
-        finish(op, &mut x[chunk(r)], w);
+        // SAFETY: received in the last step, and reduced.
+        finish(op, unsafe { assume_received(&mut x[chunk(r)]) }, w);
         Ok(())
     }
 
@@ -723,12 +737,7 @@ impl Engine {
             let send_chunk = (r + 2 * w - 1 - step) % w;
             let recv_chunk = (r + 2 * w - 2 - step) % w;
             let received = typed_scratch::<T>(&mut scratch, chunk(recv_chunk).len());
-            let stepped = self.step(
-                bytemuck::cast_slice(&x[chunk(send_chunk)]),
-                next,
-                bytemuck::cast_slice_mut(received),
-                prev,
-            );
+            let stepped = self.step(&x[chunk(send_chunk)], next, received, prev);
             if let Err(stop) = stepped {
                 self.scratch = scratch;
                 return Err(stop);
@@ -741,8 +750,9 @@ impl Engine {
     }
 
     /// The ring's all-gather, in place: every rank's reduced chunk into
-    /// `x`, whose chunk `rank` is this rank's.
-    fn ring_all_gather<T: Wire>(&mut self, x: &mut [T]) -> Result<(), Stop> {
+    /// `x`, whose chunk `rank` is this rank's (the only one that needs to
+    /// be initialised).
+    fn ring_all_gather<T: Wire>(&mut self, x: &mut [MaybeUninit<T>]) -> Result<(), Stop> {
         let (r, w) = (self.rank, self.world_size);
         let (next, prev) = ((r + 1) % w, (r + w - 1) % w);
         let mut chunks = split_chunks(x, w);
@@ -750,12 +760,10 @@ impl Engine {
             let send_chunk = (r + w - step) % w;
             let recv_chunk = (r + 2 * w - 1 - step) % w;
             let (send, recv) = pair(&mut chunks, send_chunk, recv_chunk);
-            self.step(
-                bytemuck::cast_slice(send),
-                next,
-                bytemuck::cast_slice_mut(recv),
-                prev,
-            )?;
+            // SAFETY: this rank's chunk, or the one received in the step
+            // before.
+            let send = sent(unsafe { assume_received_ref(send) });
+            self.step_many(&[send], next, vec![received(recv)], prev)?;
         }
         Ok(())
     }
@@ -801,8 +809,14 @@ impl Engine {
 
     /// One ring step: sends `send` to `to` while receiving `recv` from
     /// `from`.
-    fn step(&mut self, send: &[u8], to: usize, recv: &mut [u8], from: usize) -> Result<(), Stop> {
-        self.step_many(&[send], to, vec![recv], from)
+    fn step<T: Wire>(
+        &mut self,
+        send: &[T],
+        to: usize,
+        recv: &mut [T],
+        from: usize,
+    ) -> Result<(), Stop> {
+        self.step_many(&[sent(send)], to, vec![received(as_receivable(recv))], from)
     }
 
     /// One ring step in several messages: sends each of `sends` to `to`,
@@ -810,9 +824,9 @@ impl Engine {
     /// `receives` (MPI keeps the order of messages between two ranks).
     fn step_many(
         &mut self,
-        sends: &[&[u8]],
+        sends: &[&[MessageByte]],
         to: usize,
-        receives: Vec<&mut [u8]>,
+        receives: Vec<&mut [MessageByte]>,
         from: usize,
     ) -> Result<(), Stop> {
         self.set_waiting_for(vec![from]);

@@ -12,6 +12,7 @@
 //! [`ThreadGroup`]: crate::comm::ThreadGroup
 
 mod engine;
+mod message_bytes;
 mod wire;
 
 use std::fmt;
