@@ -25,7 +25,11 @@
 //!   and are reduced in rank order;
 //! - large reductions run the ring algorithm (reduce-scatter, then
 //!   all-gather or gather to the root), in the thread group's exact
-//!   reduction order, so every result is bitwise the thread group's.
+//!   reduction order, so every result is bitwise the thread group's;
+//!   DDP's buckets (`all_reduce_concat`) are read where the gradients lie,
+//!   one message per gradient in the first step, instead of being copied
+//!   into one buffer first, and the result is received into memory that
+//!   is not zero-filled first (see `message_bytes`).
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
