@@ -328,6 +328,52 @@ impl MpiGroup {
         }
     }
 
+    /// An all-reduce of data described by `meta`: at or above the ring
+    /// threshold the engine reads `input()` where its tensors lie (see
+    /// `Kind::ReduceParts`); below it, `copy()` travels with the header.
+    fn all_reduce_of(
+        &self,
+        op: ReduceOp,
+        meta: TensorMeta,
+        input: impl FnOnce() -> std::result::Result<Input, String>,
+        copy: impl FnOnce() -> std::result::Result<Buffer, String>,
+    ) -> Result<Buffer> {
+        let elem = meta.dtype.size_in_bytes();
+        let bytes = meta.dims.iter().product::<usize>().saturating_mul(elem);
+        let parts = self.reduction_parts_of(bytes);
+        let checked = checked_size(&meta, parts);
+        let (kind, invalid) = if parts > 1 {
+            match checked.and_then(|()| input()) {
+                Ok(input) => {
+                    let dtype = meta.dtype;
+                    (Kind::ReduceParts { op, input, dtype }, None)
+                }
+                Err(e) => (
+                    Kind::Reduce {
+                        op,
+                        root: None,
+                        data: None,
+                    },
+                    Some(e),
+                ),
+            }
+        } else {
+            let data = checked.and_then(|()| copy());
+            let invalid = data.as_ref().err().cloned();
+            let kind = Kind::Reduce {
+                op,
+                root: None,
+                data: data.ok(),
+            };
+            (kind, invalid)
+        };
+        let sig = signature(OpSig::AllReduce(op), Some(meta), invalid);
+        match self.call(sig, kind)? {
+            Reply::One(buffer, _) => Ok(buffer),
+            _ => Err(self.wrong_reply(Op::AllReduce)),
+        }
+    }
+
     fn root_error(&self, root: usize) -> Option<String> {
         protocol::root_error(root, self.world_size())
     }
@@ -410,15 +456,16 @@ impl ProcessGroup for MpiGroup {
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let (meta, data) = host_copy_in(tensor, self.reduction_parts(tensor));
-        let sig = signature(OpSig::AllReduce(op), meta, data.as_ref().err().cloned());
-        let kind = Kind::Reduce {
+        let meta = TensorMeta::of(tensor);
+        let reduced = self.all_reduce_of(
             op,
-            root: None,
-            data: data.ok(),
-        };
-        let reply = self.call(sig, kind)?;
-        self.one(Op::AllReduce, reply, tensor)
+            meta,
+            || Input::new(tensor),
+            || Buffer::from_tensor(tensor),
+        )?;
+        reduced
+            .into_tensor(tensor.dims(), tensor.device())
+            .map_err(|e| self.tensor_error(Op::AllReduce, e))
     }
 
     fn all_reduce_concat(&self, tensors: &[Tensor], op: ReduceOp) -> Result<Tensor> {
@@ -431,39 +478,15 @@ impl ProcessGroup for MpiGroup {
             dtype,
             dims: vec![len],
         };
-        let parts = self.reduction_parts_of(len.saturating_mul(dtype.size_in_bytes()));
-        let checked = checked_size(&meta, parts);
-        let (kind, invalid) = if parts > 1 {
-            // The ring reads the tensors where they are (see `Kind::ReduceParts`).
-            match checked.and_then(|()| Input::concat(tensors, dtype)) {
-                Ok(input) => (Kind::ReduceParts { op, input, dtype }, None),
-                Err(e) => (
-                    Kind::Reduce {
-                        op,
-                        root: None,
-                        data: None,
-                    },
-                    Some(e),
-                ),
-            }
-        } else {
-            // Small: copied once, into the buffer that travels with the header.
-            let data = checked.and_then(|()| Buffer::concat(tensors, dtype));
-            let invalid = data.as_ref().err().cloned();
-            let kind = Kind::Reduce {
-                op,
-                root: None,
-                data: data.ok(),
-            };
-            (kind, invalid)
-        };
-        let sig = signature(OpSig::AllReduce(op), Some(meta), invalid);
-        match self.call(sig, kind)? {
-            Reply::One(buffer, _) => buffer
-                .into_tensor(&[len], first.device())
-                .map_err(|e| self.tensor_error(Op::AllReduce, e)),
-            _ => Err(self.wrong_reply(Op::AllReduce)),
-        }
+        let reduced = self.all_reduce_of(
+            op,
+            meta,
+            || Input::concat(tensors, dtype),
+            || Buffer::concat(tensors, dtype),
+        )?;
+        reduced
+            .into_tensor(&[len], first.device())
+            .map_err(|e| self.tensor_error(Op::AllReduce, e))
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
