@@ -336,6 +336,25 @@ fn leaf_slice<'a, T: Element>(
     }
 }
 
+/// The read locks of the storages that `leaves` read in place, each taken
+/// once (candle's lock is fair: a second read lock on the same storage
+/// behind a waiting writer would deadlock), in a fixed order, keyed for
+/// [`leaf_slice`].
+fn lock_in_place<'a>(leaves: impl Iterator<Item = &'a Source>) -> Vec<(usize, StorageRef<'a>)> {
+    let mut locked: Vec<(usize, &Tensor)> = leaves
+        .filter_map(|leaf| match leaf {
+            Source::InPlace { tensor, key } => Some((*key, tensor)),
+            _ => None,
+        })
+        .collect();
+    locked.sort_by_key(|&(key, _)| key);
+    locked.dedup_by_key(|&mut (key, _)| key);
+    locked
+        .into_iter()
+        .map(|(key, tensor)| (key, tensor.storage_and_layout().0))
+        .collect()
+}
+
 /// `f` of the elements `range` of every input, called on consecutive
 /// pieces of the range: one call when no input is a concatenation,
 /// otherwise one per stretch in which no input crosses from one part into
@@ -356,20 +375,7 @@ pub(crate) fn read_inputs<T: Element>(
 ) -> Result<(), usize> {
     let leaves: Vec<Vec<&Source>> = inputs.iter().map(|input| input.source.leaves()).collect();
     let starts: Vec<Vec<usize>> = leaves.iter().map(|l| Source::starts(l)).collect();
-    let mut locked: Vec<(usize, &Tensor)> = leaves
-        .iter()
-        .flatten()
-        .filter_map(|leaf| match leaf {
-            Source::InPlace { tensor, key } => Some((*key, tensor)),
-            _ => None,
-        })
-        .collect();
-    locked.sort_by_key(|&(key, _)| key);
-    locked.dedup_by_key(|&mut (key, _)| key);
-    let guards: Vec<(usize, StorageRef)> = locked
-        .into_iter()
-        .map(|(key, tensor)| (key, tensor.storage_and_layout().0))
-        .collect();
+    let guards = lock_in_place(leaves.iter().flatten().copied());
     let mut slices: Vec<&[T]> = Vec::with_capacity(inputs.len());
     if range.is_empty() {
         for (i, leaves) in leaves.iter().enumerate() {
@@ -423,19 +429,7 @@ pub(crate) fn read_parts<T: Element, R>(
     f: impl FnOnce(&[&[T]]) -> R,
 ) -> Result<R, usize> {
     let leaves = input.source.leaves();
-    let mut locked: Vec<(usize, &Tensor)> = leaves
-        .iter()
-        .filter_map(|leaf| match leaf {
-            Source::InPlace { tensor, key } => Some((*key, tensor)),
-            _ => None,
-        })
-        .collect();
-    locked.sort_by_key(|&(key, _)| key);
-    locked.dedup_by_key(|&mut (key, _)| key);
-    let guards: Vec<(usize, StorageRef)> = locked
-        .into_iter()
-        .map(|(key, tensor)| (key, tensor.storage_and_layout().0))
-        .collect();
+    let guards = lock_in_place(leaves.iter().copied());
     let parts = leaves
         .iter()
         .enumerate()
