@@ -593,6 +593,45 @@ pub(crate) fn combine_over<T: Element>(op: ReduceOp, earlier: &[T], x: &mut [T])
     }
 }
 
+/// [`combine_into`] then [`finish`] in one pass: the last combination of
+/// a ring's chunk. The same operations on each element as the two passes,
+/// so the same bits, without reading and writing the chunk a second time.
+#[cfg(feature = "mpi")]
+pub(crate) fn combine_into_finished<T: Element>(
+    op: ReduceOp,
+    acc: &mut [T],
+    x: &[T],
+    world_size: usize,
+) {
+    debug_assert_eq!(acc.len(), x.len());
+    match op {
+        ReduceOp::Avg => acc
+            .iter_mut()
+            .zip(x)
+            .for_each(|(a, &b)| *a = T::reduce_sum(*a, b).divide(world_size)),
+        _ => combine_into(op, acc, x),
+    }
+}
+
+/// [`combine_over`] then [`finish`] in one pass, as
+/// [`combine_into_finished`].
+#[cfg(feature = "mpi")]
+pub(crate) fn combine_over_finished<T: Element>(
+    op: ReduceOp,
+    earlier: &[T],
+    x: &mut [T],
+    world_size: usize,
+) {
+    debug_assert_eq!(earlier.len(), x.len());
+    match op {
+        ReduceOp::Avg => x
+            .iter_mut()
+            .zip(earlier)
+            .for_each(|(x, &a)| *x = T::reduce_sum(a, *x).divide(world_size)),
+        _ => combine_over(op, earlier, x),
+    }
+}
+
 /// Appends `a[i] ⊕ b[i]` to `out`, with `a` holding the values of the
 /// earlier rank in the reduction order. One loop per op, as
 /// [`combine_into`].

@@ -51,8 +51,8 @@ use super::message_bytes::{
 use super::wire::{self, Notice, Wire};
 use super::Shared;
 use crate::comm::buffer::{
-    chunk_range, combine_into, combine_over, finish, match_dtype, part_lens, read_parts,
-    reduce_in_rank_order, Buffer, Input,
+    chunk_range, combine_into, combine_into_finished, combine_over, combine_over_finished,
+    match_dtype, part_lens, read_parts, reduce_in_rank_order, Buffer, Input,
 };
 use crate::comm::protocol::{self, Signature};
 use crate::comm::{CommError, Failure, FailureCause, ReduceOp};
@@ -712,14 +712,17 @@ impl Engine {
                 };
                 self.step_many(&sends, next, receives, prev)?;
             }
+            // The last step's chunk is this rank's: finished in the same pass.
+            let last = step == w - 2;
             for (part, local, at) in cuts_in {
                 // SAFETY: the step's receives, which covered the chunk, completed.
                 let partial = unsafe { assume_received(&mut x[at]) };
-                combine_into(op, partial, &parts[part][local]);
+                match last {
+                    true => combine_into_finished(op, partial, &parts[part][local], w),
+                    false => combine_into(op, partial, &parts[part][local]),
+                }
             }
         }
-        // SAFETY: received in the last step, and reduced.
-        finish(op, unsafe { assume_received(&mut x[chunk(r)]) }, w);
         Ok(())
     }
 
@@ -746,10 +749,13 @@ impl Engine {
                 self.scratch = scratch;
                 return Err(stop);
             }
-            combine_over(op, received, &mut x[chunk(recv_chunk)]);
+            // The last step's chunk is this rank's: finished in the same pass.
+            match step == w - 2 {
+                true => combine_over_finished(op, received, &mut x[chunk(recv_chunk)], w),
+                false => combine_over(op, received, &mut x[chunk(recv_chunk)]),
+            }
         }
         self.scratch = scratch;
-        finish(op, &mut x[chunk(r)], w);
         Ok(())
     }
 
