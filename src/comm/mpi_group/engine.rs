@@ -540,6 +540,7 @@ impl Engine {
                         .process_at_rank(dst as i32)
                         .immediate_send_with_tag(scope, message_for(dst), TAG_HEADER)
                 })
+                .map(sending)
                 .collect();
             self.wait(sends, |engine| {
                 engine.receive_headers(&mut missing, &mut headers)?;
@@ -608,7 +609,8 @@ impl Engine {
             engine.reduce_scatter(&mut x, op)?;
             let whole = match root {
                 None => {
-                    engine.ring_all_gather(as_receivable(&mut x))?;
+                    // SAFETY: only MPI writes through it, whole received bytes.
+                    engine.ring_all_gather(unsafe { as_receivable(&mut x) })?;
                     true
                 }
                 Some(root) => engine.gather_chunks(&mut x, root)?,
@@ -639,6 +641,13 @@ impl Engine {
             lens: &[usize],
             op: ReduceOp,
         ) -> Result<Option<Buffer>, Stop> {
+            // A ring of one rank would leave the result unwritten; no path
+            // takes the ring then (`protocol::takes_ring`), and this keeps
+            // the `set_len` below from depending on it.
+            if engine.world_size < 2 {
+                let detail = "a ring of a single rank".into();
+                return Err(engine.unexpected(engine.rank, detail).into());
+            }
             // Every element is received before it is read, so the result
             // is not zero-filled first (see `message_bytes`).
             let len = lens.iter().sum();
@@ -790,7 +799,7 @@ impl Engine {
                     .process_at_rank(root as i32)
                     .immediate_send_with_tag(scope, bytemuck::cast_slice::<T, u8>(mine), TAG_DATA);
                 self.set_waiting_for(vec![root]);
-                self.wait(vec![send], |_| Ok(true))
+                self.wait(vec![sending(send)], |_| Ok(true))
             })?;
             return Ok(false);
         }
@@ -802,13 +811,13 @@ impl Engine {
                 .enumerate()
                 .filter(|(src, _)| *src != root)
                 .map(|(src, chunk)| {
-                    self.data
+                    let bytes = bytemuck::cast_slice_mut::<T, u8>(chunk);
+                    let len = bytes.len();
+                    let request = self
+                        .data
                         .process_at_rank(src as i32)
-                        .immediate_receive_into_with_tag(
-                            scope,
-                            bytemuck::cast_slice_mut::<T, u8>(chunk),
-                            TAG_DATA,
-                        )
+                        .immediate_receive_into_with_tag(scope, bytes, TAG_DATA);
+                    receiving(request, src, len)
                 })
                 .collect();
             self.set_waiting_for(others);
@@ -826,7 +835,9 @@ impl Engine {
         recv: &mut [T],
         from: usize,
     ) -> Result<(), Stop> {
-        self.step_many(&[sent(send)], to, vec![received(as_receivable(recv))], from)
+        // SAFETY: only MPI writes through it, whole received bytes.
+        let recv = received(unsafe { as_receivable(recv) });
+        self.step_many(&[sent(send)], to, vec![recv], from)
     }
 
     /// One ring step in several messages: sends each of `sends` to `to`,
@@ -843,18 +854,19 @@ impl Engine {
         mpi::request::scope(|scope| {
             let mut requests = Vec::with_capacity(sends.len() + receives.len());
             for &send in sends {
-                requests.push(
+                requests.push(sending(
                     self.data
                         .process_at_rank(to as i32)
                         .immediate_send_with_tag(scope, send, TAG_DATA),
-                );
+                ));
             }
             for recv in receives {
-                requests.push(
-                    self.data
-                        .process_at_rank(from as i32)
-                        .immediate_receive_into_with_tag(scope, recv, TAG_DATA),
-                );
+                let len = recv.len();
+                let request = self
+                    .data
+                    .process_at_rank(from as i32)
+                    .immediate_receive_into_with_tag(scope, recv, TAG_DATA);
+                requests.push(receiving(request, from, len));
             }
             self.wait(requests, |_| Ok(true))
         })
@@ -869,20 +881,30 @@ impl Engine {
     /// Waits until every request in `pending` has completed and `progress`
     /// (called between polls) returns `Ok(true)`.
     ///
-    /// If the wait must end early (a failure, a notice, the deadline, or an
-    /// error from `progress`), the error is reported to the caller at once,
+    /// If the wait must end early (a failure, a notice, the deadline, an
+    /// error from `progress`, or a receive that brought fewer bytes than
+    /// its buffer holds, which MPI does not count as an error), the error is reported to the caller at once,
     /// but this returns only once the requests have completed, since MPI
     /// owns their buffers until then: possibly never, when a peer is gone.
     /// The group is failed by then, so nothing waits for the engine.
     fn wait<'a, D: ?Sized, S: Scope<'a>>(
         &mut self,
-        mut pending: Vec<Request<'a, D, S>>,
+        mut pending: Vec<InFlight<'a, D, S>>,
         mut progress: impl FnMut(&mut Self) -> Result<bool, CommError>,
     ) -> Result<(), Stop> {
         let start = Instant::now();
         let mut done = false;
         loop {
-            pending = test_all(pending);
+            let short;
+            (pending, short) = test_all(pending);
+            if let Some(Short { expected, got }) = short {
+                let detail = format!(
+                    "a message of {got} bytes where {} were expected",
+                    expected.bytes
+                );
+                let error = self.unexpected(expected.from, detail);
+                return Err(self.abandon(error, pending));
+            }
             if !done {
                 match progress(self) {
                     Ok(finished) => done = finished,
@@ -908,7 +930,7 @@ impl Engine {
     fn abandon<'a, D: ?Sized, S: Scope<'a>>(
         &mut self,
         error: CommError,
-        mut pending: Vec<Request<'a, D, S>>,
+        mut pending: Vec<InFlight<'a, D, S>>,
     ) -> Stop {
         if self.shared.failure().is_none() {
             // Only a failed group may leave a collective half done.
@@ -920,7 +942,7 @@ impl Engine {
         self.announce_own_failure();
         self.report(Err(error));
         loop {
-            pending = test_all(pending);
+            pending = test_all(pending).0;
             if pending.is_empty() {
                 return Stop::Reported;
             }
@@ -1076,13 +1098,61 @@ impl Engine {
 }
 
 /// The requests of `pending` that have not completed.
+/// A request in flight and, for a receive, what it must bring: MPI
+/// completes the receive of a shorter message without an error and leaves
+/// the rest of the buffer unwritten.
+type InFlight<'a, D, S> = (Request<'a, D, S>, Option<Expected>);
+
+/// A receive's source and the bytes it must bring.
+#[derive(Debug, Clone, Copy)]
+struct Expected {
+    from: usize,
+    bytes: usize,
+}
+
+/// A send: nothing to check on completion.
+fn sending<'a, D: ?Sized, S: Scope<'a>>(request: Request<'a, D, S>) -> InFlight<'a, D, S> {
+    (request, None)
+}
+
+/// A receive of exactly `bytes` bytes from rank `from`.
+fn receiving<'a, D: ?Sized, S: Scope<'a>>(
+    request: Request<'a, D, S>,
+    from: usize,
+    bytes: usize,
+) -> InFlight<'a, D, S> {
+    (request, Some(Expected { from, bytes }))
+}
+
+/// A completed receive that brought fewer bytes than expected.
+#[derive(Debug, Clone, Copy)]
+struct Short {
+    expected: Expected,
+    got: usize,
+}
+
+/// The requests still in flight, and the first completed receive that
+/// came up short.
 fn test_all<'a, D: ?Sized, S: Scope<'a>>(
-    pending: Vec<Request<'a, D, S>>,
-) -> Vec<Request<'a, D, S>> {
-    pending
+    pending: Vec<InFlight<'a, D, S>>,
+) -> (Vec<InFlight<'a, D, S>>, Option<Short>) {
+    let mut short = None;
+    let still = pending
         .into_iter()
-        .filter_map(|request| request.test().err())
-        .collect()
+        .filter_map(|(request, expected)| match request.test() {
+            Err(request) => Some((request, expected)),
+            Ok(status) => {
+                // Messages are capped below `i32::MAX` bytes
+                // (`MAX_MESSAGE_BYTES`), so the count is defined.
+                let got = usize::try_from(status.count(u8::equivalent_datatype())).unwrap_or(0);
+                if let Some(expected) = expected.filter(|e| e.bytes != got) {
+                    short.get_or_insert(Short { expected, got });
+                }
+                None
+            }
+        })
+        .collect();
+    (still, short)
 }
 
 /// Where `range` of a concatenation of parts of lengths `lens` lies: for

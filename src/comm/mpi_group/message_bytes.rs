@@ -48,11 +48,16 @@ pub(super) fn received<T: Wire>(values: &mut [MaybeUninit<T>]) -> &mut [MessageB
 }
 
 /// Initialised `values`, for MPI to receive into all the same.
-pub(super) fn as_receivable<T: Wire>(values: &mut [T]) -> &mut [MaybeUninit<T>] {
-    // SAFETY: `MaybeUninit<T>` has `T`'s layout; what is written through
-    // the result is whole bytes received by MPI (see `MessageByte`), and
-    // any bytes are a valid `T` (`Wire` types are `Pod`).
-    unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast(), values.len()) }
+///
+/// # Safety
+///
+/// Only initialised bytes may be written through the result (as MPI's
+/// receives write them): writing `MaybeUninit::uninit()` would leave
+/// `values` uninitialised behind the caller's back.
+pub(super) unsafe fn as_receivable<T: Wire>(values: &mut [T]) -> &mut [MaybeUninit<T>] {
+    // `MaybeUninit<T>` has `T`'s layout, and any initialised bytes are a
+    // valid `T` (`Wire` types are `Pod`).
+    std::slice::from_raw_parts_mut(values.as_mut_ptr().cast(), values.len())
 }
 
 /// `values`, which MPI has received into.

@@ -116,6 +116,12 @@ impl Shared {
 ///   outside Rust) is MPI's to handle: `mpirun` ends the whole job and
 ///   names the rank. After a failure the group is unusable and MPI is not
 ///   finalized, so `mpirun` reports the job as failed.
+/// - Large reductions read the tensors where they lie, under their storage's
+///   read lock, until MPI has sent them. If a peer fails mid-collective,
+///   MPI may never complete those sends: the tensors passed to the failed
+///   call stay read-locked (reading them still works; writing them, e.g.
+///   `Var::set`, would block). End the process after a group failure, as
+///   `mpirun` expects anyway.
 ///
 /// ```no_run
 /// use candle_core::{Device, Tensor};
