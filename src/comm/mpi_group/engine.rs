@@ -883,10 +883,11 @@ impl Engine {
     ///
     /// If the wait must end early (a failure, a notice, the deadline, an
     /// error from `progress`, or a receive that brought fewer bytes than
-    /// its buffer holds, which MPI does not count as an error), the error is reported to the caller at once,
-    /// but this returns only once the requests have completed, since MPI
-    /// owns their buffers until then: possibly never, when a peer is gone.
-    /// The group is failed by then, so nothing waits for the engine.
+    /// its buffer holds, which MPI does not count as an error), the error
+    /// is reported to the caller at once, but this returns only once the
+    /// requests have completed, since MPI owns their buffers until then:
+    /// possibly never, when a peer is gone. The group is failed by then,
+    /// so nothing waits for the engine.
     fn wait<'a, D: ?Sized, S: Scope<'a>>(
         &mut self,
         mut pending: Vec<InFlight<'a, D, S>>,
@@ -1097,7 +1098,6 @@ impl Engine {
     }
 }
 
-/// The requests of `pending` that have not completed.
 /// A request in flight and, for a receive, what it must bring: MPI
 /// completes the receive of a shorter message without an error and leaves
 /// the rest of the buffer unwritten.
