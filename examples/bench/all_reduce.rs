@@ -7,7 +7,11 @@
 //! Each measurement runs in a child process (this binary with
 //! `--all-reduce-child`, under `mpirun -np 2` for the MPI ones); every
 //! call starts after a barrier, so the times are the collective's own and
-//! not a late rank's.
+//! not a late rank's. With `--cold-mib N`, each rank first writes N MiB of
+//! its own before every call: in training the gradients come from a
+//! backward pass that has filled the caches with other data, while
+//! without it the same tensors are reduced call after call from the
+//! caches.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -47,6 +51,40 @@ pub enum Backend {
 /// Milliseconds per call, by what was called.
 pub type Times = BTreeMap<String, Vec<f64>>;
 
+/// One child's measurement.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct ChildSpec {
+    backend: Backend,
+    iters: usize,
+    cold_mib: usize,
+}
+
+/// Memory a rank writes before each call to push the collective's data
+/// out of the caches (nothing when empty).
+#[derive(Debug)]
+struct Evictor {
+    junk: Vec<u8>,
+    pass: u8,
+}
+
+impl Evictor {
+    fn new(mib: usize) -> Self {
+        Self {
+            junk: vec![0; mib << 20],
+            pass: 0,
+        }
+    }
+
+    /// Writes one byte of every cache line of the buffer.
+    fn evict(&mut self) {
+        self.pass = self.pass.wrapping_add(1);
+        for byte in self.junk.iter_mut().step_by(64) {
+            *byte = self.pass;
+        }
+        std::hint::black_box(&mut self.junk);
+    }
+}
+
 fn ms(since: Instant) -> f64 {
     since.elapsed().as_secs_f64() * 1e3
 }
@@ -70,7 +108,7 @@ fn gradients(rank: usize) -> Result<Vec<Tensor>> {
 
 /// Times `iters` calls of DDP's reduction (`all_reduce_concat`, `Avg`)
 /// and of `all_reduce` on the flat gradient, on one rank of `pg`.
-fn time_group(pg: &dyn ProcessGroup, iters: usize) -> Result<Times> {
+fn time_group(pg: &dyn ProcessGroup, iters: usize, cold_mib: usize) -> Result<Times> {
     let pieces = gradients(pg.rank())?;
     let flat = Tensor::cat(
         &pieces
@@ -80,12 +118,15 @@ fn time_group(pg: &dyn ProcessGroup, iters: usize) -> Result<Times> {
         0,
     )?;
     let mut times = Times::new();
+    let mut evictor = Evictor::new(cold_mib);
     for _ in 0..iters {
+        evictor.evict();
         pg.barrier()?;
         let t = Instant::now();
         let out = pg.all_reduce_concat(&pieces, ReduceOp::Avg)?;
         let concat_ms = ms(t);
         drop(out);
+        evictor.evict();
         pg.barrier()?;
         let t = Instant::now();
         let out = pg.all_reduce(&flat, ReduceOp::Sum)?;
@@ -99,14 +140,19 @@ fn time_group(pg: &dyn ProcessGroup, iters: usize) -> Result<Times> {
 
 /// The child side: measures `backend` and returns rank 0's times (`None`
 /// on the other MPI ranks).
-pub fn run_child(backend: Backend, iters: usize) -> Result<Option<Times>> {
+pub fn run_child(spec: ChildSpec) -> Result<Option<Times>> {
+    let ChildSpec {
+        backend,
+        iters,
+        cold_mib,
+    } = spec;
     match backend {
         Backend::Threads => {
             let mut ranks = ThreadGroup::new(2);
             let rank1 = ranks.pop().context("two ranks")?;
             let rank0 = ranks.pop().context("two ranks")?;
-            let partner = thread::spawn(move || time_group(&rank1, iters));
-            let mut times = time_group(&rank0, iters)?;
+            let partner = thread::spawn(move || time_group(&rank1, iters, cold_mib));
+            let mut times = time_group(&rank0, iters, cold_mib)?;
             match partner.join() {
                 Ok(result) => drop(result?),
                 Err(_) => bail!("rank 1 panicked"),
@@ -117,7 +163,9 @@ pub fn run_child(backend: Backend, iters: usize) -> Result<Option<Times>> {
                 .collect::<candle_core::Result<Vec<_>>>()?
                 .concat();
             let mut dst = vec![0f32; src.len()];
+            let mut evictor = Evictor::new(cold_mib);
             for _ in 0..iters {
+                evictor.evict();
                 let t = Instant::now();
                 dst.copy_from_slice(std::hint::black_box(&src));
                 std::hint::black_box(&mut dst);
@@ -125,15 +173,15 @@ pub fn run_child(backend: Backend, iters: usize) -> Result<Option<Times>> {
             }
             Ok(Some(times))
         }
-        Backend::Mpi => mpi_child(iters),
-        Backend::MpiNative => native_child(iters),
+        Backend::Mpi => mpi_child(iters, cold_mib),
+        Backend::MpiNative => native_child(iters, cold_mib),
     }
 }
 
 #[cfg(feature = "mpi")]
-fn mpi_child(iters: usize) -> Result<Option<Times>> {
+fn mpi_child(iters: usize, cold_mib: usize) -> Result<Option<Times>> {
     let pg = candle_dp::comm::MpiGroup::init(Default::default())?;
-    let times = time_group(pg.as_ref(), iters)?;
+    let times = time_group(pg.as_ref(), iters, cold_mib)?;
     Ok((pg.rank() == 0).then_some(times))
 }
 
@@ -141,7 +189,7 @@ fn mpi_child(iters: usize) -> Result<Option<Times>> {
 /// with (it sums in its own order; candle-dp's ring keeps the thread
 /// group's, bit for bit).
 #[cfg(feature = "mpi")]
-fn native_child(iters: usize) -> Result<Option<Times>> {
+fn native_child(iters: usize, cold_mib: usize) -> Result<Option<Times>> {
     use mpi::collective::SystemOperation;
     use mpi::traits::*;
     let universe = mpi::initialize().context("MPI did not start")?;
@@ -154,7 +202,9 @@ fn native_child(iters: usize) -> Result<Option<Times>> {
         .concat();
     let mut y = vec![0f32; x.len()];
     let mut times = Times::new();
+    let mut evictor = Evictor::new(cold_mib);
     for _ in 0..iters {
+        evictor.evict();
         world.barrier();
         let t = Instant::now();
         world.all_reduce_into(&x[..], &mut y[..], SystemOperation::sum());
@@ -164,29 +214,29 @@ fn native_child(iters: usize) -> Result<Option<Times>> {
 }
 
 #[cfg(not(feature = "mpi"))]
-fn mpi_child(_: usize) -> Result<Option<Times>> {
+fn mpi_child(_: usize, _: usize) -> Result<Option<Times>> {
     bail!("the MPI measurements need a build with --features mpi")
 }
 
 #[cfg(not(feature = "mpi"))]
-fn native_child(_: usize) -> Result<Option<Times>> {
+fn native_child(_: usize, _: usize) -> Result<Option<Times>> {
     bail!("the MPI measurements need a build with --features mpi")
 }
 
-fn run_in_child(backend: Backend, iters: usize) -> Result<Times> {
-    let mut cmd = if backend == Backend::Threads {
+fn run_in_child(spec: ChildSpec) -> Result<Times> {
+    let mut cmd = if spec.backend == Backend::Threads {
         Command::new(std::env::current_exe()?)
     } else {
         crate::mpirun_this(2)?
     };
     cmd.arg("--all-reduce-child")
-        .arg(serde_json::to_string(&(backend, iters))?);
-    crate::child_answer(cmd, &format!("all-reduce {backend:?}"))
+        .arg(serde_json::to_string(&spec)?);
+    crate::child_answer(cmd, &format!("all-reduce {:?}", spec.backend))
 }
 
 /// The parent side: every backend over `rounds`, interleaved; returns the
 /// markdown report.
-pub fn run(iters: usize, rounds: usize) -> Result<String> {
+pub fn run(iters: usize, rounds: usize, cold_mib: usize) -> Result<String> {
     let backends: &[Backend] = if cfg!(feature = "mpi") {
         &[Backend::Threads, Backend::Mpi, Backend::MpiNative]
     } else {
@@ -196,7 +246,12 @@ pub fn run(iters: usize, rounds: usize) -> Result<String> {
     for round in 0..rounds {
         for (b, &backend) in backends.iter().enumerate() {
             eprintln!("all-reduce round {}/{rounds}: {backend:?}", round + 1);
-            for (what, t) in run_in_child(backend, iters)? {
+            let spec = ChildSpec {
+                backend,
+                iters,
+                cold_mib,
+            };
+            for (what, t) in run_in_child(spec)? {
                 all.entry((b, what)).or_default().extend(t);
             }
         }
@@ -206,11 +261,15 @@ pub fn run(iters: usize, rounds: usize) -> Result<String> {
         .map(|s| s.iter().product::<usize>())
         .sum::<usize>()
         * 4;
+    let caches = match cold_mib {
+        0 => "warm caches (the same tensors call after call)".to_string(),
+        mib => format!("cold caches (each rank writes {mib} MiB of its own before every call)"),
+    };
     let mut out = String::new();
     writeln!(
         out,
         "All-reduce of the MLP's gradient ({:.2} MB f32 in {} tensors) over 2 ranks, \
-         {iters} calls x {rounds} rounds, each after a barrier; median and fastest ms.\n",
+         {iters} calls x {rounds} rounds, each after a barrier, {caches}; median and fastest ms.\n",
         bytes as f64 / 1e6,
         SHAPES.len()
     )?;

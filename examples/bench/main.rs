@@ -94,6 +94,11 @@ struct Args {
     /// MPI_Allreduce (writes all_reduce.md).
     #[arg(long)]
     all_reduce: bool,
+    /// With --all-reduce: before every call, each rank writes this many MiB
+    /// of its own, so the call starts with cold caches, as after a training
+    /// step's backward (0: warm, the same tensors call after call).
+    #[arg(long, value_name = "MIB", default_value_t = 0)]
+    cold_mib: usize,
     /// Internal: run one all-reduce measurement (JSON) in this process.
     #[arg(long, hide = true, value_name = "SPEC")]
     all_reduce_child: Option<String>,
@@ -122,8 +127,8 @@ fn main() -> Result<()> {
         return Ok(());
     }
     if let Some(child) = &args.all_reduce_child {
-        let (backend, iters) = serde_json::from_str(child).context("an all-reduce spec")?;
-        if let Some(times) = all_reduce::run_child(backend, iters)? {
+        let spec = serde_json::from_str(child).context("an all-reduce spec")?;
+        if let Some(times) = all_reduce::run_child(spec)? {
             println!("{}", serde_json::to_string(&times)?);
         }
         return Ok(());
@@ -134,7 +139,7 @@ fn main() -> Result<()> {
     if args.all_reduce {
         let iters = args.steps.unwrap_or(if quick { 10 } else { 40 });
         let rounds = args.rounds.unwrap_or(if quick { 1 } else { 3 });
-        let report = all_reduce::run(iters, rounds)?;
+        let report = all_reduce::run(iters, rounds, args.cold_mib)?;
         println!("{report}");
         std::fs::write(out_dir.join("all_reduce.md"), &report)?;
         println!("wrote {}", out_dir.join("all_reduce.md").display());
