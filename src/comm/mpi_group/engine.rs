@@ -726,9 +726,10 @@ impl Engine {
             for (part, local, at) in cuts_in {
                 // SAFETY: the step's receives, which covered the chunk, completed.
                 let partial = unsafe { assume_received(&mut x[at]) };
-                match last {
-                    true => combine_into_finished(op, partial, &parts[part][local], w),
-                    false => combine_into(op, partial, &parts[part][local]),
+                if last {
+                    combine_into_finished(op, partial, &parts[part][local], w);
+                } else {
+                    combine_into(op, partial, &parts[part][local]);
                 }
             }
         }
@@ -759,9 +760,10 @@ impl Engine {
                 return Err(stop);
             }
             // The last step's chunk is this rank's: finished in the same pass.
-            match step == w - 2 {
-                true => combine_over_finished(op, received, &mut x[chunk(recv_chunk)], w),
-                false => combine_over(op, received, &mut x[chunk(recv_chunk)]),
+            if step == w - 2 {
+                combine_over_finished(op, received, &mut x[chunk(recv_chunk)], w);
+            } else {
+                combine_over(op, received, &mut x[chunk(recv_chunk)]);
             }
         }
         self.scratch = scratch;
