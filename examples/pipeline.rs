@@ -28,6 +28,7 @@ use candle_dp::{cpu_devices, seeded_varmap, LossReduction};
 use candle_nn::{linear, loss, Activation, AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use clap::{Parser, ValueEnum};
 use datasets::{load_digits, shuffled_indices, LabelledImages};
+use std::process::ExitCode;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Sched {
@@ -106,8 +107,12 @@ fn batches(
         .collect()
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
+fn main() -> ExitCode {
+    // Errors as whole lines, prefixed with the rank under mpirun.
+    candle_dp::launch::report::exit_code(run(Args::parse()))
+}
+
+fn run(args: Args) -> Result<()> {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/digits/digits.csv.gz");
     let all = load_digits(path)?;
     let order = shuffled_indices(all.len(), args.seed);

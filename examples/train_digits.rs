@@ -22,6 +22,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[path = "common/datasets.rs"]
 mod datasets;
 
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -476,8 +477,12 @@ fn copy_varmap(from: &VarMap) -> Result<VarMap> {
     Ok(to)
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
+fn main() -> ExitCode {
+    // Errors as whole lines, prefixed with the rank under mpirun.
+    candle_dp::launch::report::exit_code(run(Args::parse()))
+}
+
+fn run(args: Args) -> Result<()> {
     let mpi = Backend::from_env() != Backend::Threads;
     if mpi && args.strategy != Strategy::Ddp {
         bail!("under mpirun, use --strategy ddp (dp and single run in one process)");

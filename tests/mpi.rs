@@ -20,13 +20,16 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
 use candle_dp::comm::{all_gather_object, GroupOptions, ReduceOp};
-use candle_dp::launch::{run, spawn_with, RankContext};
+use candle_dp::launch::{report, run, spawn_with, RankContext};
 use candle_dp::{CommHook, DdpConfig, DistributedDataParallel, JoinDivisor};
 use candle_nn::{loss, AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
 use common::*;
 
 const SCENARIO: &str = "CANDLE_DP_TEST_SCENARIO";
 const OUT_DIR: &str = "CANDLE_DP_TEST_OUT";
+
+/// Where each process's output goes too, one folder per rank.
+const RANK_OUTPUT: &str = "output";
 
 /// The longest any `mpirun` of these tests may take.
 const DEADLINE: Duration = Duration::from_secs(180);
@@ -45,7 +48,17 @@ fn bounded() -> GroupOptions {
 
 #[test]
 #[ignore = "the entry point of the processes that the tests below start with mpirun"]
-fn mpi_worker() -> anyhow::Result<()> {
+fn mpi_worker() {
+    // As a program's main would: report a failure as whole lines (once:
+    // `run` prints its own) and exit non-zero, rather than letting the test
+    // harness print it in pieces.
+    if let Err(error) = worker() {
+        report::eprint_error(&error);
+        std::process::exit(1);
+    }
+}
+
+fn worker() -> anyhow::Result<()> {
     let scenario = std::env::var(SCENARIO).context("no scenario named")?;
     let out = PathBuf::from(std::env::var(OUT_DIR).context("no output directory")?);
     let results = run(0, bounded(), |ctx| {
@@ -579,6 +592,17 @@ impl Job {
         )
     }
 
+    /// What the process of `rank` wrote to its standard error, from the
+    /// files of `mpirun --output-filename` (`<dir>/<job>/rank.<rank>/`).
+    fn rank_stderr(&self, rank: usize) -> String {
+        let jobs = std::fs::read_dir(self.dir.path().join(RANK_OUTPUT)).into_iter();
+        jobs.flatten()
+            .flatten()
+            .map(|job| job.path().join(format!("rank.{rank}/stderr")))
+            .map(|file| std::fs::read_to_string(file).unwrap_or_default())
+            .collect()
+    }
+
     fn rank(&self, rank: usize) -> Tensors {
         load(&self.dir.path().join(format!("rank{rank}.safetensors"))).unwrap_or_else(|e| {
             panic!(
@@ -595,7 +619,8 @@ fn mpirun(np: usize, scenario: &str, input: Option<&Tensors>) -> Job {
     if let Some(input) = input {
         candle_core::safetensors::save(input, dir.path().join("input.safetensors")).unwrap();
     }
-    let mut command = mpirun_command(np, &std::env::current_exe().unwrap());
+    let rank_output = dir.path().join(RANK_OUTPUT);
+    let mut command = mpirun_command(np, &std::env::current_exe().unwrap(), Some(&rank_output));
     command
         .args([
             "--ignored",
@@ -610,17 +635,20 @@ fn mpirun(np: usize, scenario: &str, input: Option<&Tensors>) -> Job {
     Job { output, dir }
 }
 
-/// `mpirun` (as root too, more ranks than cores allowed) of `program`.
-fn mpirun_command(np: usize, program: &Path) -> Command {
+/// `mpirun` (as root too, more ranks than cores allowed) of `program`,
+/// each process's output copied under `rank_output` when given.
+fn mpirun_command(np: usize, program: &Path, rank_output: Option<&Path>) -> Command {
     let mut command = Command::new("mpirun");
-    command
-        .args([
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "-np",
-            &np.to_string(),
-        ])
-        .arg(program);
+    command.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        &np.to_string(),
+    ]);
+    if let Some(dir) = rank_output {
+        command.arg("--output-filename").arg(dir);
+    }
+    command.arg(program);
     command
 }
 
@@ -977,19 +1005,50 @@ fn no_sync_join_hooks_and_buffer_broadcast_behave_as_on_threads() {
     }
 }
 
+/// Whether a line of `stderr` starts with the prefix of `rank`'s reports
+/// and holds `needle`.
+fn reported(stderr: &str, rank: usize, needle: &str) -> bool {
+    let prefix = format!("[rank {rank}] ");
+    stderr
+        .lines()
+        .any(|line| line.starts_with(&prefix) && line.contains(needle))
+}
+
+/// Where a fault scenario's message must be found.
+#[derive(Debug, Clone, Copy)]
+enum Said {
+    /// On a line of this rank's standard error that starts with its prefix.
+    ByRank(usize),
+    /// In the standard error of some rank (the ones stopped by the failure
+    /// report it; mpirun may end all but the first to exit).
+    ByAnyRank,
+    /// In mpirun's own output.
+    ByLauncher,
+}
+
 /// Runs a fault scenario on 3 processes and checks that it ends, non-zero,
-/// with `needles` in the output.
-fn assert_fault(scenario: &str, needles: &[&str]) {
+/// with each needle said where it says. Each rank's output is read from
+/// its own file (`mpirun --output-filename`), so no check depends on how
+/// the processes' writes interleave in mpirun's merged output.
+fn assert_fault(scenario: &str, needles: &[(Said, &str)]) {
     let job = mpirun(3, scenario, None);
     let text = job.text();
     assert!(
         !job.output.status.success(),
         "{scenario}: mpirun exited 0:\n{text}"
     );
-    for needle in needles {
+    for (said, needle) in needles {
+        let found = match said {
+            Said::ByRank(rank) => reported(&job.rank_stderr(*rank), *rank, needle),
+            Said::ByAnyRank => (0..3).any(|rank| job.rank_stderr(rank).contains(needle)),
+            Said::ByLauncher => text.contains(needle),
+        };
+        let ranks = (0..3)
+            .map(|rank| format!("--- rank {rank}:\n{}", job.rank_stderr(rank)))
+            .collect::<String>();
         assert!(
-            text.contains(needle),
-            "{scenario}: no {needle:?} in:\n{text}"
+            found,
+            "{scenario}: {needle:?} not said {said:?}:\n{ranks}--- mpirun:\n{text}"
         );
     }
 }
@@ -999,14 +1058,24 @@ fn a_rank_failing_before_during_or_after_a_collective_stops_every_rank_naming_it
     // The other ranks' own messages ("rank 0 stopped because rank 1
     // failed: …") are printed only if they get there before mpirun ends
     // them, so only the failing rank's is required.
-    assert_fault("fail_before", &["rank 1 failed: out of data"]);
+    // The failing rank's report is a whole line, prefixed with its rank.
+    assert_fault(
+        "fail_before",
+        &[(Said::ByRank(1), "rank 1 failed: out of data")],
+    );
     assert_fault(
         "fail_during",
-        &["rank 1 failed: a data loader thread failed"],
+        &[(
+            Said::ByRank(1),
+            "rank 1 failed: a data loader thread failed",
+        )],
     );
     assert_fault(
         "fail_after",
-        &["rank 1 failed: failed after the first all_reduce"],
+        &[(
+            Said::ByRank(1),
+            "rank 1 failed: failed after the first all_reduce",
+        )],
     );
 }
 
@@ -1014,20 +1083,33 @@ fn a_rank_failing_before_during_or_after_a_collective_stops_every_rank_naming_it
 fn a_rank_that_panics_stops_every_rank_naming_it() {
     assert_fault(
         "panic",
-        &["rank 1 panicked: rank 1 panics in its training loop"],
+        &[
+            (
+                Said::ByRank(1),
+                "rank 1 panicked: rank 1 panics in its training loop",
+            ),
+            // The panic itself, as the standard hook says it, on whole lines.
+            (Said::ByRank(1), "thread 'mpi_worker' panicked at"),
+        ],
     );
 }
 
 #[test]
 fn a_rank_killed_with_sigkill_ends_the_job_naming_it() {
-    assert_fault("sigkill", &["rank 1", "signal 9"]);
+    assert_fault(
+        "sigkill",
+        &[(Said::ByLauncher, "rank 1"), (Said::ByLauncher, "signal 9")],
+    );
 }
 
 #[test]
 fn a_model_that_differs_across_ranks_is_reported_naming_the_rank_and_variable() {
     assert_fault(
         "mismatched_model",
-        &["the model on rank 1 differs", "`l1.bias`"],
+        &[
+            (Said::ByAnyRank, "the model on rank 1 differs"),
+            (Said::ByAnyRank, "`l1.bias`"),
+        ],
     );
 }
 
@@ -1035,18 +1117,24 @@ fn a_model_that_differs_across_ranks_is_reported_naming_the_rank_and_variable() 
 fn a_rank_stuck_outside_collectives_makes_the_others_time_out_naming_it() {
     assert_fault(
         "timeout",
-        &["timed out after 2s; rank(s) [1] did not arrive"],
+        &[(
+            Said::ByAnyRank,
+            "timed out after 2s; rank(s) [1] did not arrive",
+        )],
     );
 }
 
 #[test]
 fn a_rank_that_returns_while_its_handle_lives_on_counts_as_gone() {
-    assert_fault("keeps_handle", &["rank 1 left the group"]);
+    assert_fault(
+        "keeps_handle",
+        &[(Said::ByAnyRank, "rank 1 left the group")],
+    );
 }
 
 #[test]
 fn a_rank_that_finished_early_makes_a_later_collective_fail_naming_it() {
-    assert_fault("early_exit", &["rank 1 left the group"]);
+    assert_fault("early_exit", &[(Said::ByAnyRank, "rank 1 left the group")]);
 }
 
 /// The guard against Open MPI's shutdown deadlock: a launcher that goes on
@@ -1103,7 +1191,7 @@ fn train_digits_on_threads_and_on_mpi_processes_saves_the_same_weights() {
     let mut threads = Command::new(&example);
     threads.args(args("threads.safetensors"));
     let threads = run_bounded(threads, "train_digits on threads");
-    let mut processes = mpirun_command(2, &example);
+    let mut processes = mpirun_command(2, &example, None);
     processes.args(args("mpi.safetensors"));
     let processes = run_bounded(processes, "train_digits under mpirun");
     for (what, output) in [("threads", &threads), ("mpirun", &processes)] {

@@ -50,7 +50,7 @@ mod report;
 mod stats;
 
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Command, ExitCode};
 
 use anyhow::{bail, Context, Result};
 use candle_dp::launch::Backend;
@@ -110,8 +110,12 @@ struct Args {
     pipeline_child: Option<String>,
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
+fn main() -> ExitCode {
+    // Errors as whole lines, prefixed with the rank under mpirun.
+    candle_dp::launch::report::exit_code(run(Args::parse()))
+}
+
+fn run(args: Args) -> Result<()> {
     if let Some(child) = &args.child {
         let spec: Spec = serde_json::from_str(child).context("--child needs a spec")?;
         let measured = run_child(&spec)?;

@@ -27,6 +27,7 @@
 mod gpus;
 #[cfg(feature = "mpi")]
 mod mpi;
+pub mod report;
 mod threads;
 
 use std::sync::Arc;
@@ -221,9 +222,13 @@ fn env_number(variables: &[&str]) -> Option<usize> {
 ///
 /// Under MPI, when `f` fails or panics the other ranks are told at once
 /// (their collectives fail naming this rank) and the error is returned;
-/// return it from `main` so that the process exits non-zero and `mpirun`
-/// ends the job. A rank stopped by another's failure returns
-/// [`LaunchError::PeerFailed`] naming that rank.
+/// make the process exit non-zero with it (for example with
+/// [`report::exit_code`]) so that `mpirun` ends the job. A rank stopped by
+/// another's failure returns [`LaunchError::PeerFailed`] naming that rank.
+/// Every rank's failure is also printed to standard error by `run` itself,
+/// as whole lines prefixed with the rank (see [`report`]): a failing rank's
+/// before the others learn of it, so that `mpirun` cannot end it first; a
+/// panic, while `f` runs, as one such report too.
 ///
 /// # Errors
 ///

@@ -4,12 +4,14 @@
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 
+use super::report::{self, RankPanicHook};
 use super::{LaunchError, RankContext};
-use crate::comm::{GroupOptions, MpiGroup, ProcessGroup};
+use crate::comm::{Failure, GroupOptions, MpiGroup, ProcessGroup};
 use crate::panic_message::panic_message;
 
 /// Runs `f` on this process's rank and returns its result, or the failure
-/// that stopped it (see [`run`](super::run)).
+/// that stopped it (see [`run`](super::run)), printed as a
+/// [`report`](super::report) too.
 pub(super) fn run<T, F>(options: GroupOptions, f: F) -> Result<T, LaunchError>
 where
     F: Fn(RankContext) -> anyhow::Result<T>,
@@ -21,10 +23,27 @@ where
         world_size: pg.world_size(),
         pg: Arc::clone(&pg) as Arc<dyn ProcessGroup>,
     };
+    let panic_hook = RankPanicHook::install();
     // Unwind safety: after a panic only the group's failure state is used.
     let outcome = panic::catch_unwind(AssertUnwindSafe(|| f(ctx)));
-    // Tell the other ranks first (a no-op if another rank failed first),
-    // so that they stop waiting for this one.
+    drop(panic_hook);
+    let first_failure_is_own = pg.failure().is_none_or(|f| f.rank == rank);
+    // Say what went wrong here before telling the others: once one of them
+    // exits, mpirun may end this process before it has printed anything.
+    let own_report = match &outcome {
+        Ok(Ok(_)) => None,
+        Ok(Err(source)) if first_failure_is_own => Some(format!("rank {rank} failed: {source:#}")),
+        Err(payload) if first_failure_is_own => Some(format!(
+            "rank {rank} panicked: {}",
+            panic_message(payload.as_ref())
+        )),
+        _ => None,
+    };
+    if let Some(report) = &own_report {
+        report::eprint_from_run(report);
+    }
+    // Tell the other ranks (a no-op if another rank failed first), so that
+    // they stop waiting for this one.
     match &outcome {
         Ok(Ok(_)) => {}
         Ok(Err(error)) => pg.abort(&format!("{error:#}")),
@@ -33,6 +52,23 @@ where
     let failure = pg.failure();
     // Leaves even if the value holds a handle; finalizes MPI when healthy.
     pg.leave();
+    let result = outcome_of(rank, outcome, failure);
+    if let Err(error) = &result {
+        let text = report::one_line(error);
+        if own_report.as_ref() != Some(&text) {
+            report::eprint_from_run(&text);
+        }
+    }
+    result
+}
+
+/// What [`run`] returns on `rank`, from its closure's outcome and the
+/// group's first failure (`failure`).
+fn outcome_of<T>(
+    rank: usize,
+    outcome: std::thread::Result<anyhow::Result<T>>,
+    failure: Option<Failure>,
+) -> Result<T, LaunchError> {
     let failure_of_another = failure.clone().filter(|f| f.rank != rank);
     match (outcome, failure_of_another) {
         (Ok(Ok(value)), None) => match failure {
