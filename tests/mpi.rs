@@ -1016,21 +1016,21 @@ fn reported(stderr: &str, rank: usize, needle: &str) -> bool {
 
 /// Where a fault scenario's message must be found.
 #[derive(Debug, Clone, Copy)]
-enum Said {
+enum Source {
     /// On a line of this rank's standard error that starts with its prefix.
-    ByRank(usize),
+    Rank(usize),
     /// In the standard error of some rank (the ones stopped by the failure
     /// report it; mpirun may end all but the first to exit).
-    ByAnyRank,
+    AnyRank,
     /// In mpirun's own output.
-    ByLauncher,
+    Launcher,
 }
 
 /// Runs a fault scenario on 3 processes and checks that it ends, non-zero,
 /// with each needle said where it says. Each rank's output is read from
 /// its own file (`mpirun --output-filename`), so no check depends on how
 /// the processes' writes interleave in mpirun's merged output.
-fn assert_fault(scenario: &str, needles: &[(Said, &str)]) {
+fn assert_fault(scenario: &str, needles: &[(Source, &str)]) {
     let job = mpirun(3, scenario, None);
     let text = job.text();
     assert!(
@@ -1039,16 +1039,16 @@ fn assert_fault(scenario: &str, needles: &[(Said, &str)]) {
     );
     for (said, needle) in needles {
         let found = match said {
-            Said::ByRank(rank) => reported(&job.rank_stderr(*rank), *rank, needle),
-            Said::ByAnyRank => (0..3).any(|rank| job.rank_stderr(rank).contains(needle)),
-            Said::ByLauncher => text.contains(needle),
+            Source::Rank(rank) => reported(&job.rank_stderr(*rank), *rank, needle),
+            Source::AnyRank => (0..3).any(|rank| job.rank_stderr(rank).contains(needle)),
+            Source::Launcher => text.contains(needle),
         };
         let ranks = (0..3)
             .map(|rank| format!("--- rank {rank}:\n{}", job.rank_stderr(rank)))
             .collect::<String>();
         assert!(
             found,
-            "{scenario}: {needle:?} not said {said:?}:\n{ranks}--- mpirun:\n{text}"
+            "{scenario}: {needle:?} not said by {said:?}:\n{ranks}--- mpirun:\n{text}"
         );
     }
 }
@@ -1061,19 +1061,19 @@ fn a_rank_failing_before_during_or_after_a_collective_stops_every_rank_naming_it
     // The failing rank's report is a whole line, prefixed with its rank.
     assert_fault(
         "fail_before",
-        &[(Said::ByRank(1), "rank 1 failed: out of data")],
+        &[(Source::Rank(1), "rank 1 failed: out of data")],
     );
     assert_fault(
         "fail_during",
         &[(
-            Said::ByRank(1),
+            Source::Rank(1),
             "rank 1 failed: a data loader thread failed",
         )],
     );
     assert_fault(
         "fail_after",
         &[(
-            Said::ByRank(1),
+            Source::Rank(1),
             "rank 1 failed: failed after the first all_reduce",
         )],
     );
@@ -1085,11 +1085,11 @@ fn a_rank_that_panics_stops_every_rank_naming_it() {
         "panic",
         &[
             (
-                Said::ByRank(1),
+                Source::Rank(1),
                 "rank 1 panicked: rank 1 panics in its training loop",
             ),
             // The panic itself, as the standard hook says it, on whole lines.
-            (Said::ByRank(1), "thread 'mpi_worker' panicked at"),
+            (Source::Rank(1), "thread 'mpi_worker' panicked at"),
         ],
     );
 }
@@ -1098,7 +1098,7 @@ fn a_rank_that_panics_stops_every_rank_naming_it() {
 fn a_rank_killed_with_sigkill_ends_the_job_naming_it() {
     assert_fault(
         "sigkill",
-        &[(Said::ByLauncher, "rank 1"), (Said::ByLauncher, "signal 9")],
+        &[(Source::Launcher, "rank 1"), (Source::Launcher, "signal 9")],
     );
 }
 
@@ -1107,8 +1107,8 @@ fn a_model_that_differs_across_ranks_is_reported_naming_the_rank_and_variable() 
     assert_fault(
         "mismatched_model",
         &[
-            (Said::ByAnyRank, "the model on rank 1 differs"),
-            (Said::ByAnyRank, "`l1.bias`"),
+            (Source::AnyRank, "the model on rank 1 differs"),
+            (Source::AnyRank, "`l1.bias`"),
         ],
     );
 }
@@ -1118,7 +1118,7 @@ fn a_rank_stuck_outside_collectives_makes_the_others_time_out_naming_it() {
     assert_fault(
         "timeout",
         &[(
-            Said::ByAnyRank,
+            Source::AnyRank,
             "timed out after 2s; rank(s) [1] did not arrive",
         )],
     );
@@ -1128,13 +1128,13 @@ fn a_rank_stuck_outside_collectives_makes_the_others_time_out_naming_it() {
 fn a_rank_that_returns_while_its_handle_lives_on_counts_as_gone() {
     assert_fault(
         "keeps_handle",
-        &[(Said::ByAnyRank, "rank 1 left the group")],
+        &[(Source::AnyRank, "rank 1 left the group")],
     );
 }
 
 #[test]
 fn a_rank_that_finished_early_makes_a_later_collective_fail_naming_it() {
-    assert_fault("early_exit", &[(Said::ByAnyRank, "rank 1 left the group")]);
+    assert_fault("early_exit", &[(Source::AnyRank, "rank 1 left the group")]);
 }
 
 /// The guard against Open MPI's shutdown deadlock: a launcher that goes on

@@ -328,6 +328,45 @@ fn balances_split_the_layers_as_asked() {
 }
 
 #[test]
+fn a_layer_factory_that_panics_or_fails_is_named_under_every_balance() {
+    let sample = Tensor::randn(0f32, 1., (4, 6), &Device::Cpu).unwrap();
+    let balances = [
+        Balance::Uniform,
+        Balance::Explicit(vec![2, 2, 2]),
+        Balance::ParameterBytes,
+        Balance::Time { sample },
+    ];
+    for balance in balances {
+        for panics in [true, false] {
+            let mut broken = layers();
+            broken[4] = layer(move |_| -> candle_core::Result<Activation> {
+                if panics {
+                    panic!("bad layer config");
+                }
+                candle_core::bail!("bad layer config")
+            });
+            let case = format!("{balance:?}, panics {panics}");
+            let balance = balance.clone();
+            let err = within(60, move || {
+                Pipeline::builder(&VarMap::new(), DType::F32, &cpu_devices(3))
+                    .balance(balance)
+                    .build(broken)
+                    .map(|_| ())
+            })
+            .unwrap_err();
+            assert!(
+                matches!(err, Error::LayerBuild { layer: 4, .. }),
+                "{case}: {err}"
+            );
+            assert!(
+                err.to_string().contains("bad layer config"),
+                "{case}: {err}"
+            );
+        }
+    }
+}
+
+#[test]
 fn each_stage_builds_only_its_own_layers_variables() {
     let pipe = Pipeline::builder(&VarMap::new(), DType::F32, &cpu_devices(2))
         .balance(Balance::Explicit(vec![3, 3]))
@@ -509,10 +548,18 @@ fn a_pipeline_keeps_working_after_a_failed_step() {
 /// only: a norm after another sees inputs normalised per micro-batch,
 /// which no pipeline can make equal to the whole batch's.
 fn bn_layers(momentum: f64, spatial: bool) -> Vec<LayerFactory> {
-    let config = move || candle_nn::BatchNormConfig {
-        momentum,
-        ..Default::default()
-    };
+    bn_layers_with(
+        candle_nn::BatchNormConfig {
+            momentum,
+            ..Default::default()
+        },
+        spatial,
+    )
+}
+
+/// [`bn_layers`] with the norm's whole configuration.
+fn bn_layers_with(config: candle_nn::BatchNormConfig, spatial: bool) -> Vec<LayerFactory> {
+    let config = move || config;
     let (channels, shape) = if spatial {
         (2, vec![2, 4])
     } else {
@@ -603,7 +650,9 @@ fn batch_norm_running_statistics_equal_the_whole_batchs_for_any_micro_batches() 
             let want = buffers_of(&reference);
             let eval_want = one(&x, false).unwrap();
             for stages in 1..=3 {
-                for chunks in [1, 2, 3, 5, 13] {
+                // 26 chunks: one row per micro-batch (one value per
+                // channel without the spatial dimensions).
+                for chunks in [1, 2, 3, 5, 13, 26] {
                     for path in ["gpipe", "1f1b", "drop-in"] {
                         let varmap = copy_of(&start);
                         let schedule = if path == "gpipe" {
@@ -760,6 +809,127 @@ fn a_layer_with_a_batch_norm_inside_keeps_per_micro_batch_statistics() {
         .unwrap();
         let diff = max_diff(&buffers_of(&varmap), &buffers_of(&reference));
         assert!(diff < 1e-6, "{diff}");
+    });
+}
+
+#[test]
+fn batch_norm_without_mean_removal_gets_the_whole_batchs_statistics_too() {
+    // `remove_mean: false` updates the running variance from the mean
+    // square times n / (n - 1): a function of the count as well as of the
+    // mean and variance, which two-row micro-batches cannot reveal.
+    within(240, || {
+        let config = candle_nn::BatchNormConfig {
+            remove_mean: false,
+            momentum: 0.3,
+            ..Default::default()
+        };
+        let rows = 12;
+        let x = Tensor::randn(1f32, 3., (rows, 6), &Device::Cpu).unwrap();
+        let y = Tensor::from_vec(
+            (0..rows as u32).map(|i| i % 3).collect(),
+            rows,
+            &Device::Cpu,
+        )
+        .unwrap();
+        for spatial in [false, true] {
+            let layers = || bn_layers_with(config, spatial);
+            let start = seeded_varmap(5, DType::F32, &Device::Cpu, |vb| {
+                layers().iter().try_for_each(|f| f(vb.clone()).map(|_| ()))
+            })
+            .unwrap();
+            let reference = copy_of(&start);
+            let one = on_one_device(&layers(), &reference);
+            for _ in 0..2 {
+                one(&x, true).unwrap();
+            }
+            let want = buffers_of(&reference);
+            for chunks in [2, 3, 6, 12] {
+                let varmap = copy_of(&start);
+                let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+                    .chunks(chunks)
+                    .build(layers())
+                    .unwrap();
+                for _ in 0..2 {
+                    pipe.forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+                        loss::cross_entropy(o, y)
+                    })
+                    .unwrap();
+                }
+                let got = buffers_of(&varmap);
+                let diff = max_diff(&got, &want);
+                assert!(
+                    diff < 1e-5,
+                    "{chunks} chunks, spatial {spatial}: running statistics differ by {diff}: {got:?} against {want:?}"
+                );
+            }
+        }
+    });
+}
+
+#[test]
+fn batch_norm_buffers_are_not_reported_as_untrained() {
+    within(60, || {
+        let varmap = bn_init(0.1, false);
+        let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+            .chunks(2)
+            .build(bn_layers(0.1, false))
+            .unwrap();
+        let (x, y) = data(4);
+        let step = pipe
+            .forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+                loss::cross_entropy(o, y)
+            })
+            .unwrap();
+        assert!(
+            step.vars_without_grad().is_empty(),
+            "{:?}",
+            step.vars_without_grad()
+        );
+        // A parameter that really gets no gradient is still named.
+        let varmap = bn_init(0.1, false);
+        let mut layers = bn_layers(0.1, false);
+        layers.push(layer(|vb| {
+            let unused = vb.get(3, "unused")?;
+            Ok(candle_nn::func(move |x| {
+                let _ = &unused;
+                Ok(x.clone())
+            }))
+        }));
+        let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+            .build(layers)
+            .unwrap();
+        let step = pipe
+            .forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+                loss::cross_entropy(o, y)
+            })
+            .unwrap();
+        assert_eq!(step.vars_without_grad(), ["unused".to_string()]);
+    });
+}
+
+#[test]
+fn a_drop_in_forward_that_fails_after_the_stages_leaves_the_buffers_untouched() {
+    within(60, || {
+        let varmap = bn_init(0.1, false);
+        let before = buffers_of(&varmap);
+        let mut layers = bn_layers(0.1, false);
+        // Each micro-batch's output becomes a scalar: the stages succeed,
+        // but the outputs of several micro-batches cannot be concatenated.
+        layers.push(layer(|_| Ok(candle_nn::func(|x| x.sum_all()))));
+        let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+            .chunks(2)
+            .build(layers)
+            .unwrap();
+        let (x, _) = data(4);
+        assert!(pipe.forward(&x).is_err());
+        assert_eq!(
+            buffers_of(&varmap),
+            before,
+            "a failed forward changed the buffers"
+        );
+        // One micro-batch needs no concatenation: that forward commits.
+        pipe.forward(&x.narrow(0, 0, 1).unwrap()).unwrap();
+        assert_ne!(buffers_of(&varmap), before);
     });
 }
 

@@ -33,6 +33,7 @@
 //! ```
 
 use std::io::{self, Write};
+#[cfg(feature = "mpi")]
 use std::panic::{self, PanicHookInfo};
 use std::process::ExitCode;
 use std::sync::Mutex;
@@ -132,6 +133,7 @@ pub fn exit_code<E: Into<anyhow::Error>>(result: Result<(), E>) -> ExitCode {
     }
 }
 
+#[cfg(feature = "mpi")]
 /// Prints a failure of [`run`](super::run) as a report and remembers it.
 pub(super) fn eprint_from_run(text: &str) {
     eprint_report(text);
@@ -140,12 +142,18 @@ pub(super) fn eprint_from_run(text: &str) {
     }
 }
 
+/// A panic hook, as `std::panic::take_hook` returns it.
+#[cfg(feature = "mpi")]
+type PanicHook = Box<dyn Fn(&PanicHookInfo<'_>) + Sync + Send + 'static>;
+
+#[cfg(feature = "mpi")]
 /// The panic hook in force while [`run`](super::run) runs a rank under
 /// MPI; the one before it comes back when dropped.
 pub(super) struct RankPanicHook {
-    previous: Option<Box<dyn Fn(&PanicHookInfo<'_>) + Sync + Send + 'static>>,
+    previous: Option<PanicHook>,
 }
 
+#[cfg(feature = "mpi")]
 impl RankPanicHook {
     /// Replaces the panic hook with one that prints each panic (thread,
     /// place, message, and the backtrace when `RUST_BACKTRACE` asks for
@@ -162,6 +170,7 @@ impl RankPanicHook {
     }
 }
 
+#[cfg(feature = "mpi")]
 impl Drop for RankPanicHook {
     fn drop(&mut self) {
         // set_hook panics on a panicking thread; the rank's hook then
@@ -175,12 +184,14 @@ impl Drop for RankPanicHook {
     }
 }
 
+#[cfg(feature = "mpi")]
 impl std::fmt::Debug for RankPanicHook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RankPanicHook").finish_non_exhaustive()
     }
 }
 
+#[cfg(feature = "mpi")]
 /// What the standard panic hook prints, as one text.
 fn panic_text(info: &PanicHookInfo<'_>) -> String {
     let thread = std::thread::current();
@@ -200,6 +211,8 @@ fn panic_text(info: &PanicHookInfo<'_>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(feature = "mpi")]
+    use std::panic;
 
     /// A stream that records each call it gets.
     #[derive(Default)]
@@ -243,6 +256,7 @@ mod tests {
         assert_eq!(prefixed_lines("", "a\n"), "a\n");
     }
 
+    #[cfg(feature = "mpi")]
     #[test]
     fn a_panic_reads_as_the_standard_hook_would_print_it() {
         // Other tests of this binary may panic meanwhile: their panics go

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::{Init, VarBuilder, VarMap};
 
-use super::LayerFactory;
+use super::{build_layer, LayerFactory};
 use crate::error::{Error, Result};
 use crate::lock::lock;
 use crate::shared_backend::SharedBackend;
@@ -138,10 +138,7 @@ fn parameter_bytes(layers: &[LayerFactory], dtype: DType) -> Result<Vec<f64>> {
                 dtype,
                 Device::Cpu,
             );
-            factory(vb).map_err(|source| Error::LayerBuild {
-                layer: index,
-                source,
-            })?;
+            build_layer(factory, index, vb)?;
             let created = std::mem::take(&mut *lock(&counter.created));
             Ok(created
                 .into_iter()
@@ -198,13 +195,11 @@ fn layer_times(
         // One layer at a time, in a scratch VarMap: the model never exists
         // whole on one device.
         let scratch = VarMap::new();
-        let layer =
-            factory(VarBuilder::from_varmap(&scratch, dtype, device)).map_err(|source| {
-                Error::LayerBuild {
-                    layer: index,
-                    source,
-                }
-            })?;
+        let layer = build_layer(
+            factory,
+            index,
+            VarBuilder::from_varmap(&scratch, dtype, device),
+        )?;
         let leaf = Var::from_tensor(&input.detach())?;
         let mut fastest = Duration::MAX;
         let mut output = None;

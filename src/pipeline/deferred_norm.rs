@@ -5,25 +5,31 @@
 //! A BatchNorm in training normalises each micro-batch by its own
 //! statistics (as in every pipeline), and would also fold each
 //! micro-batch's statistics into its running mean and variance, one
-//! momentum update per micro-batch. Instead, the stage records the mean and
-//! the sum of squared deviations of the layer's input, micro-batch by
-//! micro-batch, merges them exactly (Chan's parallel formula, in f64), and
-//! at the end of the step lets the layer make one update from a two-row
-//! input with the whole batch's mean and unbiased variance: the layer's own
-//! momentum and formula, so nothing about the layer needs to be known.
+//! momentum update per micro-batch. Instead, the stage records the count,
+//! the mean and the sum of squared deviations of the layer's input,
+//! micro-batch by micro-batch, merges them exactly (Chan's parallel
+//! formula, in f64), and at the end of the step lets the layer make one
+//! update from a synthetic input with the whole batch's mean and unbiased
+//! variance: the layer's own momentum and formula, so nothing about the
+//! layer needs to be known. The synthetic input is two rows when the
+//! layer's update depends on its input's mean and variance only (candle's
+//! usual `BatchNorm`), and as many values per channel as the whole batch
+//! had when it depends on their count too (`remove_mean: false`, whose
+//! running variance is the mean square times `n / (n - 1)`).
 //!
 //! That works when the layer's input is what the BatchNorm normalises
-//! (the BatchNorm is a layer of its own). The first time a layer updates
-//! buffers, the stage checks it: the layer's real update must equal the
-//! one two-row inputs give (with two patterns across channels). A layer
-//! that fails the check (a block with a BatchNorm inside, a norm with
+//! (the BatchNorm is a layer of its own). On a layer's first training
+//! forward, the stage checks which of the two holds, on a probe of its
+//! own (three rows shaped like the layer's input, with channel means away
+//! from zero, so that neither a one-row micro-batch nor a two-row one,
+//! which any two-row input reproduces exactly, decides it): the layer's
+//! real update of the probe must equal the one a synthetic input with the
+//! probe's statistics gives (with two patterns across channels). A layer
+//! that fails both (a block with a BatchNorm inside, a norm with yet
 //! another formula) keeps its per micro-batch updates, with a warning. The
-//! check is made once per layer, on its first training micro-batch with at
-//! least two values per channel; until then its updates are per
-//! micro-batch. Two
-//! layers sharing one norm's buffers are deferred together, in layer order,
-//! as on one device; if only one of them passes the check, the deferral
-//! wins.
+//! check leaves the buffers as they were. Two layers sharing one norm's
+//! buffers are deferred together, in layer order, as on one device; if
+//! only one of them passes the check, the deferral wins.
 
 use std::cell::Cell;
 
@@ -39,9 +45,22 @@ pub(crate) struct NormUse {
     /// Indices of `running_mean` and `running_var` in the stage's buffers.
     mean: usize,
     var: usize,
-    /// Whether the deferral is exact for this layer (unknown until its
-    /// first training forward on at least two values per channel).
-    deferrable: Cell<Option<bool>>,
+    /// How the deferral is exact for this layer, if it is (unknown until
+    /// its first training forward).
+    deferral: Cell<Option<Deferral>>,
+}
+
+/// What input makes a layer's one deferred update.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Deferral {
+    /// Two rows with the batch's mean and unbiased variance: the update
+    /// depends on those only.
+    TwoRows,
+    /// As many values per channel as the batch had, with its mean and
+    /// unbiased variance: the update depends on the count too.
+    SameCount,
+    /// None: the layer's updates stay per micro-batch.
+    No,
 }
 
 impl NormUse {
@@ -67,7 +86,7 @@ impl NormUse {
                             layer,
                             mean,
                             var,
-                            deferrable: Cell::new(None),
+                            deferral: Cell::new(None),
                         });
                     }
                 }
@@ -127,30 +146,80 @@ impl Moments {
         &self.m2 / (self.count - 1.0)
     }
 
-    /// Two rows whose per-channel mean is `self.mean` and whose unbiased
-    /// variance is `self.unbiased_var()`, shaped `(2, C, 1, …)` for a layer
-    /// that takes inputs of `rank` dimensions. `alternate` flips the
-    /// spread of every other channel: the same per-channel moments, another
-    /// pattern across channels (only a layer that mixes channels before its
-    /// norm can tell the two apart).
-    fn two_rows(&self, rank: usize, like: &Tensor, alternate: bool) -> candle_core::Result<Tensor> {
-        let mut half_spread = (self.unbiased_var()? / 2.0)?.sqrt()?;
+    /// The number of values per channel that `deferral` synthesises.
+    fn synthetic_count(&self, deferral: Deferral) -> usize {
+        match deferral {
+            Deferral::SameCount => self.count as usize,
+            Deferral::TwoRows | Deferral::No => 2,
+        }
+    }
+
+    /// `count` rows whose per-channel mean is `self.mean` and whose
+    /// unbiased variance is `self.unbiased_var()`, shaped `(count, C, 1,
+    /// …)` for a layer that takes inputs of `rank` dimensions. `alternate`
+    /// flips the spread of every other channel: the same per-channel
+    /// moments, another pattern across channels (only a layer that mixes
+    /// channels before its norm can tell the two apart).
+    fn rows(
+        &self,
+        count: usize,
+        rank: usize,
+        like: &Tensor,
+        alternate: bool,
+    ) -> candle_core::Result<Tensor> {
+        let mut spread = self.unbiased_var()?.sqrt()?;
         if alternate {
-            let channels = half_spread.dim(0)?;
+            let channels = spread.dim(0)?;
             let signs: Vec<f64> = (0..channels)
                 .map(|c| if c % 2 == 0 { 1.0 } else { -1.0 })
                 .collect();
-            let signs = Tensor::new(signs, half_spread.device())?;
-            half_spread = (half_spread * signs)?;
+            let signs = Tensor::new(signs, spread.device())?;
+            spread = (spread * signs)?;
         }
-        let rows = Tensor::stack(
-            &[(&self.mean + &half_spread)?, (&self.mean - &half_spread)?],
-            0,
-        )?;
+        let pattern = Tensor::new(unit_pattern(count), spread.device())?.unsqueeze(1)?;
+        let rows = pattern
+            .broadcast_mul(&spread.unsqueeze(0)?)?
+            .broadcast_add(&self.mean.unsqueeze(0)?)?;
         let mut shape = rows.dims().to_vec();
         shape.resize(rank.max(2), 1);
         rows.reshape(shape)?.to_dtype(like.dtype())
     }
+}
+
+/// `count` numbers with mean 0 and unbiased variance 1 (0 for one number):
+/// `±a` alternating, with a 0 last when `count` is odd.
+fn unit_pattern(count: usize) -> Vec<f64> {
+    let paired = count - count % 2;
+    let a = if count.is_multiple_of(2) && count > 0 {
+        ((count as f64 - 1.0) / count as f64).sqrt()
+    } else {
+        1.0
+    };
+    let mut pattern: Vec<f64> = (0..paired)
+        .map(|i| if i % 2 == 0 { a } else { -a })
+        .collect();
+    pattern.resize(count, 0.0);
+    pattern
+}
+
+/// The rows of the check: three rows shaped like `x` past dimension 0,
+/// with per-channel means away from zero and no two values alike, in
+/// `x`'s dtype and device.
+fn probe(x: &Tensor) -> candle_core::Result<Tensor> {
+    let mut dims = x.dims().to_vec();
+    dims[0] = 3;
+    let channels = dims[1].max(1);
+    let count: usize = dims.iter().product();
+    let inner = (count / 3 / channels).max(1);
+    let values: Vec<f64> = (0..count)
+        .map(|k| {
+            let channel = (k / inner) % channels;
+            1.5 + 0.25 * channel as f64 + 2.0 * (k as f64 * 0.618 + 0.3).sin()
+        })
+        .collect();
+    Tensor::from_vec(values, dims, &candle_core::Device::Cpu)?
+        .to_dtype(x.dtype())?
+        .to_device(x.device())
 }
 
 /// One step's record of the stage's BatchNorm layers.
@@ -187,7 +256,9 @@ impl NormStep {
 }
 
 /// The training forward of layer `k`, which updates BatchNorm buffers:
-/// records its input's moments for the deferred update.
+/// records its input's moments for the deferred update (checking first,
+/// on the layer's first training forward, whether and how it can be
+/// deferred).
 pub(crate) fn forward_layer(
     stage: &Stage,
     k: usize,
@@ -197,21 +268,29 @@ pub(crate) fn forward_layer(
     let uses: Vec<usize> = (0..stage.norms.len())
         .filter(|&i| stage.norms[i].layer == k)
         .collect();
-    // A layer about to be checked updates from the start values, so that
-    // its update can be compared with the two-row ones.
-    let values_per_channel = match x.dims() {
-        [_, channels, ..] if *channels > 0 => x.elem_count() / channels,
-        _ => 0,
-    };
     for &i in &uses {
-        if stage.norms[i].deferrable.get().is_none() && values_per_channel >= 2 {
-            step.rewind(stage, &stage.norms[i])?;
+        let u = &stage.norms[i];
+        if u.deferral.get().is_none() {
+            let channels = stage.buffers[u.mean].local.elem_count();
+            if x.rank() < 2 || x.dim(1)? != channels {
+                not_deferrable(stage, u, "its input has no dimension 1 of that size");
+                continue;
+            }
+            let deferral = check(stage, u, x)?;
+            u.deferral.set(Some(deferral));
+            if deferral == Deferral::No {
+                not_deferrable(
+                    stage,
+                    u,
+                    "its update is not the one of its input's statistics",
+                );
+            }
         }
     }
     let output = stage.layers[k].forward_t(x, true)?;
     for &i in &uses {
         let u = &stage.norms[i];
-        if u.deferrable.get() == Some(false) {
+        if u.deferral.get() == Some(Deferral::No) {
             continue;
         }
         let channels = stage.buffers[u.mean].local.elem_count();
@@ -219,18 +298,6 @@ pub(crate) fn forward_layer(
             not_deferrable(stage, u, "its input has no dimension 1 of that size");
             continue;
         };
-        if u.deferrable.get().is_none() && moments.count >= 2.0 {
-            if check(stage, u, x.rank(), &moments, step)? {
-                u.deferrable.set(Some(true));
-            } else {
-                not_deferrable(
-                    stage,
-                    u,
-                    "its update is not the one of its input's statistics",
-                );
-                continue;
-            }
-        }
         step.moments[i] = Some(match step.moments[i].take() {
             Some((earlier, _)) => (earlier.merge(moments)?, x.rank()),
             None => (moments, x.rank()),
@@ -240,7 +307,7 @@ pub(crate) fn forward_layer(
 }
 
 fn not_deferrable(stage: &Stage, u: &NormUse, why: &str) {
-    u.deferrable.set(Some(false));
+    u.deferral.set(Some(Deferral::No));
     tracing::warn!(
         "pipeline: layer {} updates `{}` but {why}; its running statistics follow the micro-batches (a BatchNorm as a layer of its own gets them over the whole batch)",
         stage.first + u.layer,
@@ -248,48 +315,71 @@ fn not_deferrable(stage: &Stage, u: &NormUse, why: &str) {
     );
 }
 
-/// Whether layer `u`'s real update (just made from the start values) is
-/// the one two-row inputs with `moments` give, with two patterns across
-/// channels (a two-row micro-batch is itself such an input, so one pattern
-/// could match a layer that mixes channels by chance). Leaves every buffer
-/// as the real update left it.
-fn check(
-    stage: &Stage,
-    u: &NormUse,
-    rank: usize,
-    moments: &Moments,
-    step: &NormStep,
-) -> candle_core::Result<bool> {
+/// How layer `u`, whose inputs are shaped like `x`, can be deferred: its
+/// real update of a [`probe`] is compared with the updates synthetic
+/// inputs with the probe's statistics give, two rows first, then as many
+/// values per channel as the probe has; each with two patterns across
+/// channels (one pattern could match a layer that mixes channels by
+/// chance). Leaves every buffer as it was.
+fn check(stage: &Stage, u: &NormUse, x: &Tensor) -> candle_core::Result<Deferral> {
     let (mean, var) = (&stage.buffers[u.mean].local, &stage.buffers[u.var].local);
+    let channels = mean.elem_count();
+    if x.rank() < 2 || x.dim(1)? != channels {
+        return Ok(Deferral::No);
+    }
+    let probe = probe(x)?;
+    let Some(moments) = Moments::of(&probe, channels)? else {
+        return Ok(Deferral::No);
+    };
     // The layer may update other buffers too (a block with two norms).
-    let real: Vec<Tensor> = stage
+    let before: Vec<Tensor> = stage
         .buffers
         .iter()
         .map(|b| b.local.as_tensor().copy())
         .collect::<candle_core::Result<_>>()?;
-    let mut agree = true;
-    for alternate in [false, true] {
-        step.rewind(stage, u)?;
-        let ran = moments
-            .two_rows(rank, mean.as_tensor(), alternate)
-            .and_then(|rows| stage.layers[u.layer].forward_t(&rows, true));
-        let synthetic = (mean.as_tensor().copy()?, var.as_tensor().copy()?);
-        for (buffer, value) in stage.buffers.iter().zip(&real) {
+    let restore = || -> candle_core::Result<()> {
+        for (buffer, value) in stage.buffers.iter().zip(&before) {
             buffer.local.set(value)?;
         }
-        agree = agree
-            && ran.is_ok()
-            && close(u, moments, step, (&real[u.mean], &real[u.var]), &synthetic)?;
+        Ok(())
+    };
+    let update_of = |input: &Tensor| -> candle_core::Result<Option<(Tensor, Tensor)>> {
+        let ran = stage.layers[u.layer].forward_t(input, true);
+        let update = (mean.as_tensor().copy()?, var.as_tensor().copy()?);
+        restore()?;
+        Ok(ran.ok().map(|_| update))
+    };
+    let Some(real) = update_of(&probe)? else {
+        return Ok(Deferral::No);
+    };
+    let start = (&before[u.mean], &before[u.var]);
+    for deferral in [Deferral::TwoRows, Deferral::SameCount] {
+        let mut agree = true;
+        for alternate in [false, true] {
+            let rows = moments.rows(
+                moments.synthetic_count(deferral),
+                x.rank(),
+                mean.as_tensor(),
+                alternate,
+            )?;
+            agree = agree
+                && match update_of(&rows)? {
+                    Some(synthetic) => close(&moments, start, (&real.0, &real.1), &synthetic)?,
+                    None => false,
+                };
+        }
+        if agree {
+            return Ok(deferral);
+        }
     }
-    Ok(agree)
+    Ok(Deferral::No)
 }
 
 /// Whether two updates of `u`'s buffers agree within the rounding of
 /// their dtype.
 fn close(
-    u: &NormUse,
     moments: &Moments,
-    step: &NormStep,
+    start: (&Tensor, &Tensor),
     real: (&Tensor, &Tensor),
     synthetic: &(Tensor, Tensor),
 ) -> candle_core::Result<bool> {
@@ -303,7 +393,7 @@ fn close(
         f64s(&moments.mean)?,
         f64s(&moments.unbiased_var()?.sqrt()?)?,
     );
-    let (start_mean, start_var) = (f64s(&step.start[u.mean])?, f64s(&step.start[u.var])?);
+    let (start_mean, start_var) = (f64s(start.0)?, f64s(start.1)?);
     let near = |a: f64, b: f64, scale: f64| {
         (a.is_nan() && b.is_nan()) || a == b || (a - b).abs() <= tolerance * (scale + 1e-12)
     };
@@ -329,7 +419,7 @@ pub(crate) fn finish(
     step: &mut NormStep,
 ) -> candle_core::Result<Vec<(candle_core::Var, Tensor)>> {
     let deferred: Vec<(usize, (Moments, usize))> = (0..stage.norms.len())
-        .filter(|&i| stage.norms[i].deferrable.get() == Some(true))
+        .filter(|&i| matches!(stage.norms[i].deferral.get(), Some(d) if d != Deferral::No))
         .filter_map(|i| step.moments[i].take().map(|m| (i, m)))
         // One micro-batch: the layer's own update already is the batch's.
         .filter(|(_, (m, _))| m.parts > 1)
@@ -339,7 +429,8 @@ pub(crate) fn finish(
     }
     for (i, (moments, rank)) in &deferred {
         let u = &stage.norms[*i];
-        let rows = moments.two_rows(*rank, stage.buffers[u.mean].local.as_tensor(), false)?;
+        let count = moments.synthetic_count(u.deferral.get().unwrap_or(Deferral::TwoRows));
+        let rows = moments.rows(count, *rank, stage.buffers[u.mean].local.as_tensor(), false)?;
         stage.layers[u.layer].forward_t(&rows, true)?;
     }
     stage

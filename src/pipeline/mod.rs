@@ -110,6 +110,27 @@ where
     Arc::new(move |vb| Ok(Box::new(factory(vb)?) as Box<dyn ModuleT>))
 }
 
+/// Runs the factory of layer `index`: its error, or its panic, becomes
+/// [`Error::LayerBuild`] naming the layer. Every place that builds layers
+/// (the stages, and the balances that measure them) goes through here.
+pub(crate) fn build_layer(
+    factory: &LayerFactory,
+    index: usize,
+    vb: VarBuilder,
+) -> Result<Box<dyn ModuleT>> {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    let built = catch_unwind(AssertUnwindSafe(|| factory(vb))).unwrap_or_else(|payload| {
+        Err(candle_core::Error::Msg(format!(
+            "the layer factory panicked: {}",
+            crate::panic_message::panic_message(payload.as_ref())
+        )))
+    });
+    built.map_err(|source| Error::LayerBuild {
+        layer: index,
+        source,
+    })
+}
+
 /// A model split into stages across devices, pipelined over micro-batches.
 /// See the [module docs](self).
 pub struct Pipeline {
@@ -141,6 +162,14 @@ impl std::fmt::Debug for Pipeline {
             .field("timeout", &self.timeout)
             .finish()
     }
+}
+
+/// A step whose stages all succeeded, not yet committed.
+struct RanStep {
+    /// Each stage's results, in stage order.
+    outputs: Vec<StageOutput>,
+    /// From the start of the step to the end of its last stage.
+    time: Duration,
 }
 
 /// Settings of a [`Pipeline`], one at a time; [`build`](Self::build) makes it.
@@ -246,20 +275,24 @@ impl Pipeline {
         let _step = lock(&self.step);
         let inputs = self.micro_batches(x)?;
         let count = inputs.len();
-        let outputs = self.run_step(inputs, None, train)?;
-        let mut last = outputs.into_iter().last().unwrap_or_default().outputs;
+        let step = self.run_step(inputs, None, train)?;
+        let last = step
+            .outputs
+            .last()
+            .map(|o| o.outputs.as_slice())
+            .unwrap_or_default();
         if last.len() != count {
             return Err(Error::Candle(candle_core::Error::Msg(format!(
                 "the last stage returned {} outputs for {count} micro-batches",
                 last.len()
             ))));
         }
-        if last.len() == 1 {
-            if let Some(only) = last.pop() {
-                return Ok(only);
-            }
-        }
-        Ok(Tensor::cat(&last, 0)?)
+        let output = match last {
+            [only] => only.clone(),
+            _ => Tensor::cat(last, 0)?,
+        };
+        self.commit(&step)?;
+        Ok(output)
     }
 
     /// The fast path: splits `x` and `y` into micro-batches, computes
@@ -306,9 +339,10 @@ impl Pipeline {
             targets,
             shares,
         };
-        let outputs = self.run_step(inputs, Some(loss), true)?;
+        let step = self.run_step(inputs, Some(loss), true)?;
+        let outputs = &step.outputs;
         let mut grads = GradStore::default();
-        for (vars, output) in self.stage_vars.iter().zip(&outputs) {
+        for (vars, output) in self.stage_vars.iter().zip(outputs) {
             for ((_, var), grad) in vars.iter().zip(&output.grads) {
                 let Some(grad) = grad else { continue };
                 // A variable of several stages (tied) gets the sum.
@@ -327,6 +361,7 @@ impl Pipeline {
         for l in losses.iter().skip(1) {
             loss = (loss + l)?;
         }
+        self.commit(&step)?;
         let without_grad = self.no_grad.check("Pipeline", &self.params, &grads);
         Ok(Step {
             loss,
@@ -368,12 +403,13 @@ impl Pipeline {
     }
 
     /// One step on every stage: their channels, their work, their results.
+    /// The stages' buffers are not committed here: see [`commit`](Self::commit).
     fn run_step(
         &self,
         inputs: Vec<Tensor>,
         loss: Option<TrainLoss>,
         train: bool,
-    ) -> Result<Vec<StageOutput>> {
+    ) -> Result<RanStep> {
         let stages = self.devices.len();
         let chunks = inputs.len();
         let board: Board = Arc::new((0..stages).map(|_| Mutex::new(Doing::NotStarted)).collect());
@@ -432,18 +468,32 @@ impl Pipeline {
             .pool
             .run(jobs, self.timeout)
             .map_err(|failure| self.stage_error(failure, &board))?;
-        // Every stage succeeded: now the buffers may change.
-        for output in &outputs {
+        Ok(RanStep {
+            outputs,
+            time: started.elapsed(),
+        })
+    }
+
+    /// The end of a step that succeeded as a whole (its caller's work on
+    /// the stages' results included): the buffers' new values go into the
+    /// `VarMap` (all converted first, so that none changes unless all can),
+    /// and the step's timings are recorded.
+    fn commit(&self, step: &RanStep) -> Result<()> {
+        let mut updates = Vec::new();
+        for output in &step.outputs {
             for (var, value) in &output.buffers {
-                var.set(&crate::device_copy::to_device(value, var.device())?)?;
+                updates.push((var, crate::device_copy::to_device(value, var.device())?));
             }
         }
+        for (var, value) in updates {
+            var.set(&value)?;
+        }
         *lock(&self.timings) = PipelineTimings {
-            step: started.elapsed(),
-            busy: outputs.iter().map(|o| o.busy).collect(),
-            peak_saved_bytes: outputs.iter().map(|o| o.peak_saved_bytes).collect(),
+            step: step.time,
+            busy: step.outputs.iter().map(|o| o.busy).collect(),
+            peak_saved_bytes: step.outputs.iter().map(|o| o.peak_saved_bytes).collect(),
         };
-        Ok(outputs)
+        Ok(())
     }
 
     /// The error naming the stage that failed, or that held the step up.
@@ -653,13 +703,19 @@ impl PipelineBuilder {
             copied_vars.extend(copied.into_iter().map(|(var, device)| (stage, var, device)));
         }
         refuse_buffers_of_two_stages(&stage_buffers, balance.iter().sum(), &balance)?;
+        // Buffers (BatchNorm's running statistics) get no gradient by
+        // design: they are not parameters to report as untrained.
+        let params = sorted_vars(&self.varmap)
+            .into_iter()
+            .filter(|(name, _)| !stage_buffers.iter().flatten().any(|b| b == name))
+            .collect();
         Ok(Pipeline {
             pool,
             devices: self.devices,
             balance,
             stage_vars,
             copied_vars,
-            params: sorted_vars(&self.varmap),
+            params,
             chunks,
             schedule: self.schedule,
             timeout: self.timeout,

@@ -85,7 +85,6 @@ pub(crate) fn build_stage(
     first: usize,
     factories: &[super::LayerFactory],
 ) -> crate::Result<Stage> {
-    use std::panic::{catch_unwind, AssertUnwindSafe};
     let backend = Arc::new(StageBackend {
         varmap: varmap.clone(),
         mirrors: Mutex::new(HashMap::new()),
@@ -100,13 +99,7 @@ pub(crate) fn build_stage(
             dtype,
             device.clone(),
         );
-        let built = catch_unwind(AssertUnwindSafe(|| factory(vb))).unwrap_or_else(|payload| {
-            Err(candle_core::Error::Msg(format!(
-                "the layer factory panicked: {}",
-                crate::panic_message::panic_message(payload.as_ref())
-            )))
-        });
-        layers.push(built.map_err(|source| crate::Error::LayerBuild { layer, source })?);
+        layers.push(super::build_layer(factory, layer, vb)?);
         used_by_layer.push(std::mem::take(&mut *lock(&backend.used)));
     }
     let mut names: Vec<String> = used_by_layer.iter().flatten().cloned().collect();
