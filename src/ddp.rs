@@ -119,7 +119,10 @@ impl std::fmt::Debug for DdpConfig {
 /// Where the time of the latest synchronised backward went.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct DdpTimings {
-    /// The local backward pass.
+    /// The local backward pass. Around a
+    /// [`Pipeline`](crate::pipeline::Pipeline), whose forwards and
+    /// backwards interleave, the whole of its
+    /// [`forward_backward`](crate::DistributedDataParallel::forward_backward).
     pub backward: Duration,
     /// Packing, all-reducing and unpacking the gradient buckets.
     pub all_reduce: Duration,
@@ -327,9 +330,10 @@ impl<M> DistributedDataParallel<M> {
         // may have joined with stale statistics: PyTorch takes the highest
         // rank still training (`_find_common_rank(rank, True)`).
         let buffer_root = if self.joining {
-            let active = self.active_flags(true)?;
-            self.active_ranks = active.iter().filter(|&&a| a).count();
-            highest(&active).unwrap_or(0)
+            let flags = self.step_flags(true, self.syncing)?;
+            self.active_ranks = flags.active_ranks();
+            flags.agreed_sync()?;
+            highest(&flags.active).unwrap_or(0)
         } else {
             0
         };
@@ -354,6 +358,12 @@ impl<M> DistributedDataParallel<M> {
         let grads = loss.backward()?;
         self.timings.backward = start.elapsed();
         self.synchronise(&grads)
+    }
+
+    /// Records the time of this rank's local backward (for a pipeline,
+    /// its fused forward and backward) in [`last_timings`](Self::last_timings).
+    pub(crate) fn record_backward(&mut self, time: std::time::Duration) {
+        self.timings.backward = time;
     }
 
     /// What [`backward`](Self::backward) does once this rank's gradients
@@ -469,22 +479,45 @@ impl<M> DistributedDataParallel<M> {
     /// rank's slot holds `mine`), so the count and the highest such rank
     /// come from the same collective.
     fn active_flags(&self, mine: bool) -> Result<Vec<bool>> {
+        self.rank_flags(&[mine]).map(|mut sets| sets.remove(0))
+    }
+
+    /// The per-step exchange inside a join (PyTorch's join hook exchanges
+    /// the same): which ranks still train, and which of them synchronise
+    /// this step's gradients. Joined ranks answer `(false, false)`.
+    fn step_flags(&self, active: bool, syncing: bool) -> Result<StepFlags> {
+        let mut sets = self.rank_flags(&[active, active && syncing])?;
+        let syncing = sets.pop().unwrap_or_default();
+        let active = sets.pop().unwrap_or_default();
+        Ok(StepFlags { active, syncing })
+    }
+
+    /// One all-reduce of one one-hot vector per entry of `mine` (this
+    /// rank's slot of vector `k` holds `mine[k]`): for each, which ranks
+    /// answered `true`.
+    fn rank_flags(&self, mine: &[bool]) -> Result<Vec<Vec<bool>>> {
         let world = self.pg.world_size();
-        let mut slots = vec![0f32; world];
-        if let Some(slot) = slots.get_mut(self.pg.rank()) {
-            *slot = if mine { 1.0 } else { 0.0 };
+        let mut slots = vec![0f32; world * mine.len()];
+        for (k, &flag) in mine.iter().enumerate() {
+            if let Some(slot) = slots.get_mut(k * world + self.pg.rank()) {
+                *slot = if flag { 1.0 } else { 0.0 };
+            }
         }
-        let flags = Tensor::from_vec(slots, world, &Device::Cpu)?;
+        let flags = Tensor::from_vec(slots, world * mine.len(), &Device::Cpu)?;
         let total = self.comm(self.pg.all_reduce(&flags, ReduceOp::Sum))?;
         let total = total.to_vec1::<f32>()?;
         // A `ProcessGroup` implementation may be the user's: check its answer.
-        if total.len() != world {
+        if total.len() != world * mine.len() {
             return Err(Error::Candle(candle_core::Error::Msg(format!(
-                "all_reduce of the {world} join flags returned {} values",
+                "all_reduce of the {} join flags returned {} values",
+                world * mine.len(),
                 total.len()
             ))));
         }
-        Ok(total.iter().map(|&f| f > 0.5).collect())
+        Ok(total
+            .chunks(world.max(1))
+            .map(|set| set.iter().map(|&f| f > 0.5).collect())
+            .collect())
     }
 
     /// Every rank takes the model of the last rank to join (the largest
@@ -501,15 +534,19 @@ impl<M> DistributedDataParallel<M> {
     fn shadow_until_all_joined(&mut self) -> Result<bool> {
         let mut last_joiner = true;
         loop {
-            let active = self.active_flags(false)?;
-            self.active_ranks = active.iter().filter(|&&a| a).count();
-            let Some(buffer_root) = highest(&active) else {
+            let flags = self.step_flags(false, false)?;
+            self.active_ranks = flags.active_ranks();
+            let Some(buffer_root) = highest(&flags.active) else {
                 return Ok(last_joiner);
             };
             last_joiner = false;
+            let synchronised = flags.agreed_sync()?;
             self.sync_buffers(buffer_root)?;
-            let zeros = self.params.iter().map(|_| None).collect();
-            self.all_reduce_grads(zeros)?;
+            // A step inside no_sync has no all-reduce to answer.
+            if synchronised {
+                let zeros = self.params.iter().map(|_| None).collect();
+                self.all_reduce_grads(zeros)?;
+            }
         }
     }
 
@@ -657,6 +694,41 @@ impl<M> DistributedDataParallel<M> {
 /// The highest rank whose flag is set.
 fn highest(flags: &[bool]) -> Option<usize> {
     flags.iter().rposition(|&f| f)
+}
+
+/// What every rank said at the start of a step inside a join.
+#[derive(Debug)]
+struct StepFlags {
+    /// Per rank: still training.
+    active: Vec<bool>,
+    /// Per rank: still training, and synchronising this step.
+    syncing: Vec<bool>,
+}
+
+impl StepFlags {
+    fn active_ranks(&self) -> usize {
+        self.active.iter().filter(|&&a| a).count()
+    }
+
+    /// Whether the step synchronises; an error when the ranks still
+    /// training disagree (every rank sees the same flags, so every rank
+    /// fails the step alike, and none waits for a collective that another
+    /// skips).
+    fn agreed_sync(&self) -> Result<bool> {
+        let ranks = |want: bool| -> Vec<usize> {
+            (0..self.active.len())
+                .filter(|&r| self.active[r] && self.syncing[r] == want)
+                .collect()
+        };
+        let (syncing, not_syncing) = (ranks(true), ranks(false));
+        if !syncing.is_empty() && !not_syncing.is_empty() {
+            return Err(Error::JoinSyncMismatch {
+                syncing,
+                not_syncing,
+            });
+        }
+        Ok(!syncing.is_empty())
+    }
 }
 
 fn verify_same_vars(pg: &dyn ProcessGroup, vars: &[(String, Var)]) -> Result<()> {

@@ -212,6 +212,18 @@ pub enum Error {
         detail: String,
     },
 
+    /// Inside [`join`](crate::DistributedDataParallel::join), the ranks
+    /// still training disagreed on whether this step synchronises: some
+    /// called [`no_sync`](crate::DistributedDataParallel::no_sync), some
+    /// did not. Every rank of the group returns this error for the step.
+    #[error("inside join, rank(s) {not_syncing:?} ran this step inside no_sync while rank(s) {syncing:?} synchronise it: the ranks still training must agree (call no_sync on all of them or none)")]
+    JoinSyncMismatch {
+        /// The ranks still training that synchronise this step.
+        syncing: Vec<usize>,
+        /// The ranks still training inside `no_sync`.
+        not_syncing: Vec<usize>,
+    },
+
     /// An error on one rank, outside any collective.
     #[error("on rank {rank}: {source}")]
     Rank {

@@ -483,6 +483,98 @@ fn join_lets_a_rank_run_out_of_data_and_divides_by_the_initial_world_size() {
     }
 }
 
+/// Rank 0 has 2 batches, rank 1 has 4, both accumulating over pairs with
+/// `no_sync`: after rank 0 joined, it answers rank 1's synchronised steps
+/// only, and the result is one device's training.
+#[test]
+fn a_joined_rank_skips_the_all_reduce_of_a_step_inside_no_sync() {
+    let init = init_mlp();
+    let data = batches(4, 4);
+    let ranks = within(60, {
+        let (init, data) = (init.clone(), data.clone());
+        move || {
+            spawn_with(2, bounded(), |ctx| {
+                join_accumulating(&ctx, &init, &data[..])
+            })
+        }
+    })
+    .unwrap();
+    assert!(identical(&ranks[0], &ranks[1]));
+
+    // One device: each pair's update is the mean of its losses over the
+    // ranks that had the data, divided by the initial world size.
+    let varmap = varmap_from(&init);
+    let net = Mlp::new(
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+        SIZES,
+    )
+    .unwrap();
+    let mut sgd = SGD::new(varmap.all_vars(), 0.1).unwrap();
+    let rank_loss = |step: usize, r: usize| {
+        let (x, y) = &data[step];
+        loss::cross_entropy(
+            &net.forward(&x.narrow(0, r * 2, 2).unwrap()).unwrap(),
+            &y.narrow(0, r * 2, 2).unwrap(),
+        )
+        .unwrap()
+    };
+    for pair in [0, 2] {
+        let ranks: &[usize] = if pair == 0 { &[0, 1] } else { &[1] };
+        let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu).unwrap();
+        for &r in ranks {
+            for step in [pair, pair + 1] {
+                loss = (loss + rank_loss(step, r)).unwrap();
+            }
+        }
+        sgd.backward_step(&(loss / 4.).unwrap()).unwrap();
+    }
+    let diff = max_rel_diff(&ranks[0], &snapshot(&varmap));
+    assert!(diff < 1e-5, "{diff}");
+}
+
+#[test]
+fn ranks_that_disagree_on_no_sync_inside_join_fail_the_step_alike() {
+    let data = batches(1, 4);
+    let said = within(60, move || {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tx = std::sync::Mutex::new(tx);
+        // Rank 0 runs its step inside no_sync, rank 1 does not. Each rank
+        // sends its own error (the launcher returns only one).
+        let _ = spawn_with(2, bounded(), |ctx| {
+            let varmap = VarMap::new();
+            let mut ddp = mlp_ddp(&ctx, &varmap, DdpConfig::default())?;
+            let (x, y) = &data[0];
+            let result = ddp.join(|ddp| {
+                let mut step = |ddp: &mut DistributedDataParallel<Mlp>| {
+                    let loss = loss::cross_entropy(&ddp.forward(x)?, y)?;
+                    ddp.backward(&loss).map(|_| ())
+                };
+                match ctx.rank {
+                    0 => ddp.no_sync(&mut step),
+                    _ => step(ddp),
+                }
+            });
+            let text = match &result {
+                Ok(()) => "ok".to_string(),
+                Err(e @ candle_dp::Error::JoinSyncMismatch { .. }) => e.to_string(),
+                Err(other) => format!("another error: {other}"),
+            };
+            tx.lock().unwrap().send((ctx.rank, text)).unwrap();
+            Ok(())
+        });
+        let mut said: Vec<(usize, String)> = rx.try_iter().collect();
+        said.sort();
+        said
+    });
+    assert_eq!(said.len(), 2, "{said:?}");
+    for (rank, text) in said {
+        assert!(
+            text.starts_with("inside join, rank(s) [0] ran this step inside no_sync while rank(s) [1] synchronise it"),
+            "rank {rank}: {text}"
+        );
+    }
+}
+
 #[test]
 fn uneven_inputs_without_join_end_with_an_error_naming_the_rank_that_left() {
     let data = batches(4, 4);

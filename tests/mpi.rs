@@ -88,6 +88,7 @@ fn scenario_by_name(name: &str, ctx: RankContext, out: &Path) -> anyhow::Result<
         "no_sync" => no_sync(&ctx, &input()?)?,
         "join_initial" => join(&ctx, &input()?, JoinDivisor::InitialWorldSize)?,
         "join_active" => join(&ctx, &input()?, JoinDivisor::ActiveRanks)?,
+        "join_no_sync" => join_accumulating(&ctx, &init_of(&input()?), &batches(&input()?))?,
         "hook_fp16" => hooked(&ctx, &input()?, CommHook::Fp16Compress)?,
         "hook_bf16" => hooked(&ctx, &input()?, CommHook::Bf16Compress)?,
         "buffers" => buffers(&ctx, &input()?)?,
@@ -949,12 +950,16 @@ fn a_pipeline_in_each_of_2_and_3_processes_matches_single_device_training() {
 fn no_sync_join_hooks_and_buffer_broadcast_behave_as_on_threads() {
     let input = training_input(12);
     type Scenario = fn(&RankContext, &Tensors) -> anyhow::Result<Tensors>;
-    let scenarios: [(&str, Scenario); 6] = [
+    let scenarios: [(&str, Scenario); 7] = [
         ("no_sync", no_sync),
         ("join_initial", |c, i| {
             join(c, i, JoinDivisor::InitialWorldSize)
         }),
         ("join_active", |c, i| join(c, i, JoinDivisor::ActiveRanks)),
+        // Ranks that joined skip the all-reduce of a step inside no_sync.
+        ("join_no_sync", |c, i| {
+            join_accumulating(c, &init_of(i), &batches(i))
+        }),
         ("hook_fp16", |c, i| hooked(c, i, CommHook::Fp16Compress)),
         ("hook_bf16", |c, i| hooked(c, i, CommHook::Bf16Compress)),
         ("buffers", buffers),

@@ -268,6 +268,12 @@ fn a_pipeline_in_each_ddp_rank_trains_like_one_device_on_the_global_batch() {
                             let l = loss::cross_entropy(&out, &y)?;
                             ddp.backward_step(&l, &mut sgd)?;
                         }
+                        // Both paths say where the step's time went.
+                        let timings = ddp.last_timings();
+                        anyhow::ensure!(
+                            !timings.backward.is_zero() && !timings.all_reduce.is_zero(),
+                            "{path}: {timings:?}"
+                        );
                     }
                     Ok(values(&varmap))
                 })

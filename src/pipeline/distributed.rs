@@ -63,7 +63,9 @@ impl DistributedDataParallel<Pipeline> {
         F: Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
     {
         self.pre_forward()?;
+        let start = std::time::Instant::now();
         let step = self.module().forward_backward(x, y, reduction, loss_fn)?;
+        self.record_backward(start.elapsed());
         let grads = self.synchronise(&step.grads)?;
         let without_grad = if self.is_syncing() {
             self.vars_without_grad().to_vec()

@@ -298,3 +298,37 @@ pub fn within<T: Send + 'static>(seconds: u64, f: impl FnOnce() -> T + Send + 's
         Err(_) => panic!("did not finish within {seconds} s: it hangs"),
     }
 }
+
+/// Gradient accumulation inside `join`: rank r trains on the first
+/// `2 + 2r` batches of `data` (rows `2r..2r + 2` of each), SGD 0.1 from
+/// `init`, each pair of batches accumulated into one update (the first of
+/// the pair inside `no_sync`, each loss halved). The ranks that joined
+/// must skip the all-reduce of a step inside `no_sync`.
+pub fn join_accumulating(
+    ctx: &candle_dp::launch::RankContext,
+    init: &HashMap<String, Tensor>,
+    data: &[(Tensor, Tensor)],
+) -> anyhow::Result<HashMap<String, Tensor>> {
+    use candle_nn::Optimizer;
+    let varmap = varmap_from(init);
+    let mut ddp = mlp_ddp(ctx, &varmap, candle_dp::DdpConfig::default())?;
+    let mut sgd = candle_nn::SGD::new(varmap.all_vars(), 0.1)?;
+    let mine = &data[..(2 + 2 * ctx.rank).min(data.len())];
+    let rows = ctx.rank * 2;
+    ddp.join(|ddp| {
+        for (step, (x, y)) in mine.iter().enumerate() {
+            let (x, y) = (x.narrow(0, rows, 2)?, y.narrow(0, rows, 2)?);
+            let mut train = |ddp: &mut candle_dp::DistributedDataParallel<Mlp>| {
+                let loss = (candle_nn::loss::cross_entropy(&ddp.forward(&x)?, &y)? / 2.)?;
+                ddp.backward_step(&loss, &mut sgd)
+            };
+            if step % 2 == 0 {
+                ddp.no_sync(&mut train)?;
+            } else {
+                train(ddp)?;
+            }
+        }
+        Ok(())
+    })?;
+    Ok(snapshot(&varmap))
+}
