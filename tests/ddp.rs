@@ -533,6 +533,7 @@ fn a_joined_rank_skips_the_all_reduce_of_a_step_inside_no_sync() {
 }
 
 #[test]
+#[allow(clippy::result_large_err)] // the closures return candle_dp::Result, as join requires
 fn ranks_that_disagree_on_no_sync_inside_join_fail_the_step_alike() {
     let data = batches(1, 4);
     let said = within(60, move || {
@@ -545,12 +546,12 @@ fn ranks_that_disagree_on_no_sync_inside_join_fail_the_step_alike() {
             let mut ddp = mlp_ddp(&ctx, &varmap, DdpConfig::default())?;
             let (x, y) = &data[0];
             let result = ddp.join(|ddp| {
-                let mut step = |ddp: &mut DistributedDataParallel<Mlp>| {
+                let step = |ddp: &mut DistributedDataParallel<Mlp>| {
                     let loss = loss::cross_entropy(&ddp.forward(x)?, y)?;
                     ddp.backward(&loss).map(|_| ())
                 };
                 match ctx.rank {
-                    0 => ddp.no_sync(&mut step),
+                    0 => ddp.no_sync(step),
                     _ => step(ddp),
                 }
             });

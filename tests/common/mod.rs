@@ -304,6 +304,7 @@ pub fn within<T: Send + 'static>(seconds: u64, f: impl FnOnce() -> T + Send + 's
 /// `init`, each pair of batches accumulated into one update (the first of
 /// the pair inside `no_sync`, each loss halved). The ranks that joined
 /// must skip the all-reduce of a step inside `no_sync`.
+#[allow(clippy::result_large_err)] // the closures return candle_dp::Result, as join requires
 pub fn join_accumulating(
     ctx: &candle_dp::launch::RankContext,
     init: &HashMap<String, Tensor>,
