@@ -224,6 +224,11 @@ pub enum Error {
         not_syncing: Vec<usize>,
     },
 
+    /// An optimizer state that does not fit the optimizer it is loaded
+    /// into (see [`StatefulOptimizer`](crate::optim::StatefulOptimizer)).
+    #[error("optimizer state: {0}")]
+    OptimizerState(String),
+
     /// An error on one rank, outside any collective.
     #[error("on rank {rank}: {source}")]
     Rank {

@@ -87,6 +87,7 @@ pub mod launch;
 pub mod loader;
 mod lock;
 mod no_grad;
+pub mod optim;
 mod panic_message;
 pub mod pipeline;
 pub mod reduce;

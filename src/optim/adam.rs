@@ -1,0 +1,444 @@
+//! Adam and AdamW (`torch.optim.Adam`, `torch.optim.AdamW`): one
+//! implementation, the weight decay added to the gradient (Adam) or
+//! applied to the parameter (AdamW, decoupled).
+
+use std::collections::BTreeMap;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+use candle_nn::{Optimizer, VarMap};
+
+use super::element::{checked_grads, host_values, typed, write_back, Buffer, Element};
+use super::state::{by_position, invalid, named_vars, scalar_value, setting, sort_entries};
+use super::{OptimizerState, StatefulOptimizer};
+use crate::error::Result;
+
+/// [`Adam`]'s settings; the defaults are PyTorch's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamConfig {
+    /// Learning rate (default 1e-3).
+    pub lr: f64,
+    /// Decay of the first moment (default 0.9).
+    pub beta1: f64,
+    /// Decay of the second moment (default 0.999).
+    pub beta2: f64,
+    /// Added to the denominator (default 1e-8).
+    pub eps: f64,
+    /// L2 penalty added to the gradient (default 0).
+    pub weight_decay: f64,
+    /// Normalise by the largest second moment so far (AMSGrad).
+    pub amsgrad: bool,
+    /// Maximise the objective instead of minimising it.
+    pub maximize: bool,
+}
+
+impl Default for AdamConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            amsgrad: false,
+            maximize: false,
+        }
+    }
+}
+
+/// [`AdamW`]'s settings: [`AdamConfig`]'s fields, with PyTorch's AdamW
+/// default weight decay (1e-2), applied to the parameter.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWConfig {
+    /// Learning rate (default 1e-3).
+    pub lr: f64,
+    /// Decay of the first moment (default 0.9).
+    pub beta1: f64,
+    /// Decay of the second moment (default 0.999).
+    pub beta2: f64,
+    /// Added to the denominator (default 1e-8).
+    pub eps: f64,
+    /// Decoupled weight decay: `p *= 1 - lr * weight_decay` (default 1e-2).
+    pub weight_decay: f64,
+    /// Normalise by the largest second moment so far (AMSGrad).
+    pub amsgrad: bool,
+    /// Maximise the objective instead of minimising it.
+    pub maximize: bool,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        Self {
+            weight_decay: 1e-2,
+            ..AdamWConfig::from(AdamConfig::default())
+        }
+    }
+}
+
+impl From<AdamConfig> for AdamWConfig {
+    fn from(c: AdamConfig) -> Self {
+        Self {
+            lr: c.lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            weight_decay: c.weight_decay,
+            amsgrad: c.amsgrad,
+            maximize: c.maximize,
+        }
+    }
+}
+
+impl From<AdamWConfig> for AdamConfig {
+    fn from(c: AdamWConfig) -> Self {
+        Self {
+            lr: c.lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            weight_decay: c.weight_decay,
+            amsgrad: c.amsgrad,
+            maximize: c.maximize,
+        }
+    }
+}
+
+/// `torch.optim.Adam`: for each parameter with a gradient `g`, counting
+/// its own steps `t`: `g += weight_decay * p`; `m = lerp(m, g, 1 - beta1)`;
+/// `v = beta2 * v + (1 - beta2) * g * g`; `p -= lr / (1 - beta1^t) * m /
+/// (sqrt(v) / sqrt(1 - beta2^t) + eps)` (with `amsgrad`, `v`'s running
+/// maximum in the denominator). State per parameter: `step`, `exp_avg`,
+/// `exp_avg_sq`, and `max_exp_avg_sq` with `amsgrad`.
+#[derive(Debug)]
+pub struct Adam(AdamCore);
+
+/// `torch.optim.AdamW`: [`Adam`] with the weight decay applied to the
+/// parameter before the update (`p *= 1 - lr * weight_decay`) instead of
+/// added to the gradient.
+#[derive(Debug)]
+pub struct AdamW(AdamCore);
+
+/// What Adam and AdamW share: everything but where the decay goes.
+#[derive(Debug)]
+struct AdamCore {
+    params: Vec<(String, Var)>,
+    config: AdamConfig,
+    decoupled: bool,
+    slots: Vec<Option<Moments>>,
+    steps: u64,
+}
+
+/// One parameter's state.
+#[derive(Debug, Clone)]
+struct Moments {
+    /// The parameter's own step count (PyTorch's per-parameter `step`).
+    step: f64,
+    exp_avg: Buffer,
+    exp_avg_sq: Buffer,
+    max_exp_avg_sq: Option<Buffer>,
+}
+
+/// The state slots: (name, whether it is one number).
+const SLOTS: [(&str, bool); 4] = [
+    ("step", true),
+    ("exp_avg", false),
+    ("exp_avg_sq", false),
+    ("max_exp_avg_sq", false),
+];
+
+const SETTINGS: [&str; 7] = [
+    "lr",
+    "beta1",
+    "beta2",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "maximize",
+];
+
+impl AdamConfig {
+    /// PyTorch's checks of the constructor.
+    fn check(&self, name: &str) -> candle_core::Result<()> {
+        let bad = |what: String| Err(candle_core::Error::Msg(format!("{name}: {what}")));
+        for (setting, value) in [
+            ("lr", self.lr),
+            ("eps", self.eps),
+            ("weight_decay", self.weight_decay),
+        ] {
+            if !(value >= 0.0) {
+                return bad(format!("invalid {setting} {value}: it must be at least 0"));
+            }
+        }
+        for (setting, value) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&value) {
+                return bad(format!("invalid {setting} {value}: it must be in [0, 1)"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl AdamCore {
+    fn new(
+        params: Vec<(String, Var)>,
+        config: AdamConfig,
+        decoupled: bool,
+    ) -> candle_core::Result<Self> {
+        config.check(Self::kind_of(decoupled))?;
+        Ok(Self {
+            slots: params.iter().map(|_| None).collect(),
+            params,
+            config,
+            decoupled,
+            steps: 0,
+        })
+    }
+
+    fn kind_of(decoupled: bool) -> &'static str {
+        if decoupled {
+            "adamw"
+        } else {
+            "adam"
+        }
+    }
+
+    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        let todo = checked_grads(&self.params, grads)?;
+        for (i, grad) in todo {
+            match self.params[i].1.dtype() {
+                DType::F64 => self.update::<f64>(i, &grad)?,
+                _ => self.update::<f32>(i, &grad)?,
+            }
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    fn update<T: Element>(&mut self, i: usize, grad: &Tensor) -> candle_core::Result<()> {
+        let c = self.config;
+        let (name, var) = &self.params[i];
+        let mut p: Vec<T> = host_values(var.as_tensor())?;
+        let mut g: Vec<T> = host_values(grad)?;
+        let n = p.len();
+        let state = self.slots[i].get_or_insert_with(|| Moments {
+            step: 0.0,
+            exp_avg: T::into_buffer(vec![T::of(0.0); n]),
+            exp_avg_sq: T::into_buffer(vec![T::of(0.0); n]),
+            max_exp_avg_sq: c.amsgrad.then(|| T::into_buffer(vec![T::of(0.0); n])),
+        });
+        if c.maximize {
+            g.iter_mut().for_each(|x| *x = -*x);
+        }
+        state.step += 1.0;
+        if c.weight_decay != 0.0 {
+            if self.decoupled {
+                let keep = T::of(1.0 - c.lr * c.weight_decay);
+                p.iter_mut().for_each(|p| *p = *p * keep);
+            } else {
+                let wd = T::of(c.weight_decay);
+                g.iter_mut().zip(&p).for_each(|(g, &p)| *g = p.fma(wd, *g));
+            }
+        }
+        let Moments {
+            step,
+            exp_avg,
+            exp_avg_sq,
+            max_exp_avg_sq,
+        } = state;
+        let m = typed::<T>(exp_avg, name, "exp_avg")?;
+        let v = typed::<T>(exp_avg_sq, name, "exp_avg_sq")?;
+        // exp_avg.lerp_(g, 1 - beta1): ATen's vectorised lerp, two forms.
+        let w = T::of(1.0 - c.beta1);
+        let small = w < T::of(0.5) && -w < T::of(0.5);
+        for (m, &g) in m.iter_mut().zip(&g) {
+            let diff = g - *m;
+            *m = if small {
+                w.fma(diff, *m)
+            } else {
+                (w - T::of(1.0)).fma(diff, g)
+            };
+        }
+        // exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        let (beta2, rest) = (T::of(c.beta2), T::of(1.0 - c.beta2));
+        for (v, &g) in v.iter_mut().zip(&g) {
+            *v = *v * beta2 + rest * g * g;
+        }
+        let step_size = c.lr / (1.0 - c.beta1.powf(*step));
+        let bc2_sqrt = T::of((1.0 - c.beta2.powf(*step)).powf(0.5));
+        let (eps, minus_step) = (T::of(c.eps), T::of(-step_size));
+        let second: &[T] = match max_exp_avg_sq {
+            Some(max) => {
+                let max = typed::<T>(max, name, "max_exp_avg_sq")?;
+                for (max, &v) in max.iter_mut().zip(v.iter()) {
+                    // torch.maximum: NaN wins.
+                    if v.is_nan() || v > *max {
+                        *max = v;
+                    }
+                }
+                max
+            }
+            None => v,
+        };
+        // p.addcdiv_(m, sqrt(v) / sqrt(bc2) + eps, value=-step_size)
+        for ((p, &m), &v) in p.iter_mut().zip(m.iter()).zip(second) {
+            *p = *p + minus_step * m / (v.sqrt() / bc2_sqrt + eps);
+        }
+        write_back(var, p)
+    }
+
+    fn state(&self) -> Result<OptimizerState> {
+        let c = &self.config;
+        let mut tensors = BTreeMap::new();
+        for ((name, var), slots) in self.params.iter().zip(&self.slots) {
+            let Some(s) = slots else { continue };
+            tensors.insert(
+                format!("{name}.step"),
+                Tensor::new(s.step, &candle_core::Device::Cpu)?,
+            );
+            tensors.insert(format!("{name}.exp_avg"), s.exp_avg.to_tensor(var.shape())?);
+            tensors.insert(
+                format!("{name}.exp_avg_sq"),
+                s.exp_avg_sq.to_tensor(var.shape())?,
+            );
+            if let Some(max) = &s.max_exp_avg_sq {
+                tensors.insert(
+                    format!("{name}.max_exp_avg_sq"),
+                    max.to_tensor(var.shape())?,
+                );
+            }
+        }
+        let flag = |b: bool| f64::from(u8::from(b));
+        Ok(OptimizerState {
+            kind: Self::kind_of(self.decoupled).into(),
+            steps: self.steps,
+            settings: BTreeMap::from([
+                ("lr".into(), c.lr),
+                ("beta1".into(), c.beta1),
+                ("beta2".into(), c.beta2),
+                ("eps".into(), c.eps),
+                ("weight_decay".into(), c.weight_decay),
+                ("amsgrad".into(), flag(c.amsgrad)),
+                ("maximize".into(), flag(c.maximize)),
+            ]),
+            tensors,
+        })
+    }
+
+    fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
+        let kind = Self::kind_of(self.decoupled);
+        let entries = sort_entries(state, kind, &self.params, &SLOTS, &SETTINGS)?;
+        let c = self.config;
+        let flag =
+            |name: &str, current: bool| setting(state, name, f64::from(u8::from(current))) != 0.0;
+        let config = AdamConfig {
+            lr: setting(state, "lr", c.lr),
+            beta1: setting(state, "beta1", c.beta1),
+            beta2: setting(state, "beta2", c.beta2),
+            eps: setting(state, "eps", c.eps),
+            weight_decay: setting(state, "weight_decay", c.weight_decay),
+            amsgrad: flag("amsgrad", c.amsgrad),
+            maximize: flag("maximize", c.maximize),
+        };
+        config.check(kind).map_err(|e| invalid(e.to_string()))?;
+        let mut slots = Vec::with_capacity(self.params.len());
+        for ((name, var), entry) in self.params.iter().zip(&entries) {
+            if entry.is_empty() {
+                slots.push(None);
+                continue;
+            }
+            let needed: &[&str] = if config.amsgrad {
+                &["step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+            } else {
+                &["step", "exp_avg", "exp_avg_sq"]
+            };
+            if let Some(missing) = needed.iter().find(|s| !entry.contains_key(**s)) {
+                return Err(invalid(format!(
+                    "parameter `{name}` has state but no `{missing}`"
+                )));
+            }
+            let buffer = |slot: &str| Buffer::from_tensor(&entry[slot], var.dtype());
+            slots.push(Some(Moments {
+                step: scalar_value(&entry["step"])?,
+                exp_avg: buffer("exp_avg")?,
+                exp_avg_sq: buffer("exp_avg_sq")?,
+                max_exp_avg_sq: config
+                    .amsgrad
+                    .then(|| buffer("max_exp_avg_sq"))
+                    .transpose()?,
+            }));
+        }
+        self.config = config;
+        self.slots = slots;
+        self.steps = state.steps;
+        Ok(())
+    }
+}
+
+macro_rules! adam_variant {
+    ($name:ident, $config:ident, $decoupled:expr) => {
+        impl $name {
+            /// Over every variable of `varmap`, each state named after its
+            /// variable.
+            ///
+            /// # Errors
+            ///
+            /// A setting PyTorch refuses (a negative rate, a beta outside
+            /// `[0, 1)`).
+            pub fn from_varmap(varmap: &VarMap, config: $config) -> candle_core::Result<Self> {
+                Self::new_named(named_vars(varmap), config)
+            }
+
+            /// Over `params`, each state named after its entry's name.
+            ///
+            /// # Errors
+            ///
+            /// As [`from_varmap`](Self::from_varmap).
+            pub fn new_named(
+                params: Vec<(String, Var)>,
+                config: $config,
+            ) -> candle_core::Result<Self> {
+                Ok(Self(AdamCore::new(params, config.into(), $decoupled)?))
+            }
+
+            /// The settings in force.
+            pub fn config(&self) -> $config {
+                self.0.config.into()
+            }
+        }
+
+        impl Optimizer for $name {
+            type Config = $config;
+
+            /// Over `vars`, their state named by position (see the
+            /// [module docs](super)).
+            fn new(vars: Vec<Var>, config: $config) -> candle_core::Result<Self> {
+                Self::new_named(by_position(vars), config)
+            }
+
+            fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+                self.0.step(grads)
+            }
+
+            fn learning_rate(&self) -> f64 {
+                self.0.config.lr
+            }
+
+            fn set_learning_rate(&mut self, lr: f64) {
+                self.0.config.lr = lr;
+            }
+        }
+
+        impl StatefulOptimizer for $name {
+            fn state(&self) -> Result<OptimizerState> {
+                self.0.state()
+            }
+
+            fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
+                self.0.load_state(state)
+            }
+        }
+    };
+}
+
+adam_variant!(Adam, AdamConfig, false);
+adam_variant!(AdamW, AdamWConfig, true);

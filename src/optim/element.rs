@@ -1,0 +1,161 @@
+//! The element types an optimizer updates (f32, f64), their state buffers
+//! on the host, and reading and writing a parameter's values.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Shape, Tensor, Var};
+
+/// A float type whose arithmetic the update kernels spell out.
+pub(crate) trait Element:
+    candle_core::WithDType
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+    + std::ops::Neg<Output = Self>
+{
+    /// `self * a + b`, rounded once (ATen's vectorised `fmadd`).
+    fn fma(self, a: Self, b: Self) -> Self;
+    fn sqrt(self) -> Self;
+    fn is_nan(self) -> bool;
+    /// A Python scalar as PyTorch applies it to a tensor of this dtype.
+    fn of(x: f64) -> Self;
+    /// The state buffer that holds this type, if `buffer` does.
+    fn buffer_mut(buffer: &mut Buffer) -> Option<&mut Vec<Self>>;
+    fn into_buffer(values: Vec<Self>) -> Buffer;
+}
+
+impl Element for f32 {
+    fn fma(self, a: Self, b: Self) -> Self {
+        self.mul_add(a, b)
+    }
+    fn sqrt(self) -> Self {
+        f32::sqrt(self)
+    }
+    fn is_nan(self) -> bool {
+        f32::is_nan(self)
+    }
+    fn of(x: f64) -> Self {
+        x as f32
+    }
+    fn buffer_mut(buffer: &mut Buffer) -> Option<&mut Vec<Self>> {
+        match buffer {
+            Buffer::F32(v) => Some(v),
+            Buffer::F64(_) => None,
+        }
+    }
+    fn into_buffer(values: Vec<Self>) -> Buffer {
+        Buffer::F32(values)
+    }
+}
+
+impl Element for f64 {
+    fn fma(self, a: Self, b: Self) -> Self {
+        self.mul_add(a, b)
+    }
+    fn sqrt(self) -> Self {
+        f64::sqrt(self)
+    }
+    fn is_nan(self) -> bool {
+        f64::is_nan(self)
+    }
+    fn of(x: f64) -> Self {
+        x
+    }
+    fn buffer_mut(buffer: &mut Buffer) -> Option<&mut Vec<Self>> {
+        match buffer {
+            Buffer::F64(v) => Some(v),
+            Buffer::F32(_) => None,
+        }
+    }
+    fn into_buffer(values: Vec<Self>) -> Buffer {
+        Buffer::F64(values)
+    }
+}
+
+/// One state slot of one parameter (a moment, a momentum buffer), on the
+/// host, in the parameter's dtype.
+#[derive(Debug, Clone)]
+pub(crate) enum Buffer {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+impl Buffer {
+    /// The buffer as a tensor of `shape` on the CPU.
+    pub(crate) fn to_tensor(&self, shape: &Shape) -> candle_core::Result<Tensor> {
+        match self {
+            Buffer::F32(v) => Tensor::from_slice(v, shape, &Device::Cpu),
+            Buffer::F64(v) => Tensor::from_slice(v, shape, &Device::Cpu),
+        }
+    }
+
+    /// A buffer from `tensor`, converted to `dtype`.
+    pub(crate) fn from_tensor(tensor: &Tensor, dtype: DType) -> candle_core::Result<Buffer> {
+        let flat = tensor.flatten_all()?.to_dtype(dtype)?;
+        Ok(match dtype {
+            DType::F64 => Buffer::F64(flat.to_vec1()?),
+            _ => Buffer::F32(flat.to_dtype(DType::F32)?.to_vec1()?),
+        })
+    }
+}
+
+/// The values of `tensor` as a flat host vector.
+pub(crate) fn host_values<T: Element>(tensor: &Tensor) -> candle_core::Result<Vec<T>> {
+    tensor.flatten_all()?.to_dtype(T::DTYPE)?.to_vec1::<T>()
+}
+
+/// Sets `var` (on its device, in its shape) to `values`.
+pub(crate) fn write_back<T: Element>(var: &Var, values: Vec<T>) -> candle_core::Result<()> {
+    let tensor = Tensor::from_vec(values, var.shape(), &Device::Cpu)?.to_device(var.device())?;
+    var.set(&tensor)
+}
+
+/// The error for a parameter whose dtype the optimizers do not update.
+pub(crate) fn unsupported_dtype(name: &str, dtype: DType) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "parameter `{name}` is {dtype:?}: candle_dp's optimizers update f32 and f64 parameters (keep an f32 master copy for lower precisions)"
+    ))
+}
+
+/// The state buffer `slot` of a parameter of type `T`, which `state`
+/// loaded or an earlier step made in that type.
+pub(crate) fn typed<'a, T: Element>(
+    buffer: &'a mut Buffer,
+    name: &str,
+    slot: &str,
+) -> candle_core::Result<&'a mut Vec<T>> {
+    T::buffer_mut(buffer).ok_or_else(|| {
+        candle_core::Error::Msg(format!(
+            "the `{slot}` state of parameter `{name}` is not {:?} as the parameter is",
+            T::DTYPE
+        ))
+    })
+}
+
+/// The gradients of `params` in `grads`, by parameter index, once every
+/// one of them is known to fit (an f32 or f64 parameter, a gradient of its
+/// shape): a step either updates every parameter or none.
+pub(crate) fn checked_grads(
+    params: &[(String, Var)],
+    grads: &GradStore,
+) -> candle_core::Result<Vec<(usize, Tensor)>> {
+    let mut todo = Vec::new();
+    for (i, (name, var)) in params.iter().enumerate() {
+        let Some(grad) = grads.get(var.as_tensor()) else {
+            continue;
+        };
+        if !matches!(var.dtype(), DType::F32 | DType::F64) {
+            return Err(unsupported_dtype(name, var.dtype()));
+        }
+        if grad.dims() != var.dims() {
+            return Err(candle_core::Error::Msg(format!(
+                "the gradient of parameter `{name}` has shape {:?}, the parameter {:?}",
+                grad.dims(),
+                var.dims()
+            )));
+        }
+        todo.push((i, grad.clone()));
+    }
+    Ok(todo)
+}

@@ -1,0 +1,56 @@
+//! Optimizers whose state can be saved and loaded: [`Sgd`] (momentum,
+//! dampening, Nesterov, weight decay), [`Adam`] and [`AdamW`] (bias
+//! correction, `amsgrad`), with PyTorch's formulas, defaults and rounding.
+//!
+//! candle-nn's `AdamW` keeps its moments and step count private, so a
+//! candle program cannot resume AdamW training exactly. These implement
+//! candle-nn's [`Optimizer`](candle_nn::Optimizer) trait (drop-in wherever
+//! candle's are used) and [`StatefulOptimizer`]: their state is a set of
+//! named tensors and settings, [`OptimizerState`], to save with the rest of
+//! a training state and to load into a fresh optimizer.
+//!
+//! **Exactness.** Each element is updated as PyTorch's single-tensor CPU
+//! path updates it (`torch/optim/sgd.py`, `adam.py`): the same operations in
+//! the same order, each Python scalar rounded to the parameter's dtype once,
+//! `lerp` and `add(alpha=…)` as fused multiply-adds, the bias corrections in
+//! f64 with `pow`. `tests/optim.rs` pins every option against real PyTorch
+//! (`scripts/gen_optim_reference.py`). As in PyTorch, a parameter without a
+//! gradient in a step is skipped: no state, no decay, no step counted.
+//!
+//! **Names.** [`Sgd::from_varmap`] (and the others') names each parameter's
+//! state after its variable (`l1.weight.exp_avg`), which is what a
+//! checkpoint needs. Through `Optimizer::new(vars, ..)` the parameters are
+//! named by position (`0.exp_avg`, as PyTorch numbers them), so a state
+//! loads back only into the same variables in the same order (note that
+//! `VarMap::all_vars` does not promise an order).
+//!
+//! Parameters may be f32 or f64, on any device (the update runs on the
+//! host: a parameter on a GPU is copied there and back).
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
+//! use candle_nn::{linear, Module, Optimizer, VarBuilder, VarMap};
+//!
+//! # fn main() -> anyhow::Result<()> {
+//! let varmap = VarMap::new();
+//! let model = linear(4, 2, VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+//! let mut opt = AdamW::from_varmap(&varmap, AdamWConfig::default())?;
+//! let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+//! opt.backward_step(&model.forward(&x)?.sum_all()?)?;
+//!
+//! let state = opt.state()?; // `weight.exp_avg`, `weight.step`, ... and the settings
+//! let mut resumed = AdamW::from_varmap(&varmap, AdamWConfig::default())?;
+//! resumed.load_state(&state)?; // continues exactly where `opt` is
+//! # Ok(())
+//! # }
+//! ```
+
+mod adam;
+mod element;
+mod sgd;
+mod state;
+
+pub use adam::{Adam, AdamConfig, AdamW, AdamWConfig};
+pub use sgd::{Sgd, SgdConfig};
+pub use state::{OptimizerState, StatefulOptimizer};

@@ -1,0 +1,256 @@
+//! Stochastic gradient descent with momentum, dampening, Nesterov momentum
+//! and weight decay: `torch.optim.SGD`.
+
+use std::collections::BTreeMap;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Var};
+use candle_nn::{Optimizer, VarMap};
+
+use super::element::{checked_grads, host_values, typed, write_back, Buffer, Element};
+use super::state::{by_position, invalid, named_vars, setting, sort_entries};
+use super::{OptimizerState, StatefulOptimizer};
+use crate::error::Result;
+
+/// [`Sgd`]'s settings; the defaults are PyTorch's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SgdConfig {
+    /// Learning rate (default 1e-3).
+    pub lr: f64,
+    /// Momentum factor (default 0: none).
+    pub momentum: f64,
+    /// Dampening of the momentum's new gradient (default 0).
+    pub dampening: f64,
+    /// L2 penalty added to the gradient (default 0).
+    pub weight_decay: f64,
+    /// Nesterov momentum (needs `momentum > 0` and `dampening == 0`).
+    pub nesterov: bool,
+    /// Maximise the objective instead of minimising it.
+    pub maximize: bool,
+}
+
+impl Default for SgdConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-3,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+            maximize: false,
+        }
+    }
+}
+
+impl SgdConfig {
+    /// PyTorch's checks of the constructor.
+    fn check(&self) -> candle_core::Result<()> {
+        let bad = |what: String| Err(candle_core::Error::Msg(format!("SGD: {what}")));
+        for (name, value) in [
+            ("lr", self.lr),
+            ("momentum", self.momentum),
+            ("weight_decay", self.weight_decay),
+        ] {
+            if !(value >= 0.0) {
+                return bad(format!("invalid {name} {value}: it must be at least 0"));
+            }
+        }
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            return bad(format!(
+                "Nesterov momentum needs momentum > 0 and dampening 0 (momentum {}, dampening {})",
+                self.momentum, self.dampening
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `torch.optim.SGD`: for each parameter with a gradient `g`,
+/// `g += weight_decay * p`; with momentum, `buf = momentum * buf + (1 -
+/// dampening) * g` (the first step: `buf = g`), then `g = g + momentum *
+/// buf` (Nesterov) or `g = buf`; `p -= lr * g`. State: each parameter's
+/// `momentum_buffer` (with momentum only).
+#[derive(Debug)]
+pub struct Sgd {
+    params: Vec<(String, Var)>,
+    config: SgdConfig,
+    momentum_buffers: Vec<Option<Buffer>>,
+    steps: u64,
+}
+
+impl Sgd {
+    /// Over every variable of `varmap`, each state named after its variable.
+    ///
+    /// # Errors
+    ///
+    /// A setting PyTorch refuses (a negative rate, Nesterov without
+    /// momentum or with dampening).
+    pub fn from_varmap(varmap: &VarMap, config: SgdConfig) -> candle_core::Result<Self> {
+        Self::new_named(named_vars(varmap), config)
+    }
+
+    /// Over `params`, each state named after its entry's name.
+    ///
+    /// # Errors
+    ///
+    /// As [`from_varmap`](Self::from_varmap).
+    pub fn new_named(params: Vec<(String, Var)>, config: SgdConfig) -> candle_core::Result<Self> {
+        config.check()?;
+        Ok(Self {
+            momentum_buffers: params.iter().map(|_| None).collect(),
+            params,
+            config,
+            steps: 0,
+        })
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &SgdConfig {
+        &self.config
+    }
+
+    fn update<T: Element>(
+        &mut self,
+        i: usize,
+        grad: &candle_core::Tensor,
+    ) -> candle_core::Result<()> {
+        let c = self.config;
+        let (name, var) = &self.params[i];
+        let mut p: Vec<T> = host_values(var.as_tensor())?;
+        let mut g: Vec<T> = host_values(grad)?;
+        if c.maximize {
+            g.iter_mut().for_each(|x| *x = -*x);
+        }
+        if c.weight_decay != 0.0 {
+            let wd = T::of(c.weight_decay);
+            g.iter_mut().zip(&p).for_each(|(g, &p)| *g = p.fma(wd, *g));
+        }
+        if c.momentum != 0.0 {
+            let mu = T::of(c.momentum);
+            let keep = T::of(1.0 - c.dampening);
+            let buf = match &mut self.momentum_buffers[i] {
+                slot @ None => slot.insert(T::into_buffer(g.clone())),
+                Some(buffer) => {
+                    let b = typed::<T>(buffer, name, "momentum_buffer")?;
+                    b.iter_mut()
+                        .zip(&g)
+                        .for_each(|(b, &g)| *b = g.fma(keep, *b * mu));
+                    buffer
+                }
+            };
+            let b = typed::<T>(buf, name, "momentum_buffer")?;
+            if c.nesterov {
+                g.iter_mut()
+                    .zip(b.iter())
+                    .for_each(|(g, &b)| *g = b.fma(mu, *g));
+            } else {
+                g.clone_from(b);
+            }
+        }
+        let minus_lr = T::of(-c.lr);
+        p.iter_mut()
+            .zip(&g)
+            .for_each(|(p, &g)| *p = g.fma(minus_lr, *p));
+        write_back(var, p)
+    }
+}
+
+impl Optimizer for Sgd {
+    type Config = SgdConfig;
+
+    /// Over `vars`, their state named by position (see the
+    /// [module docs](super)).
+    fn new(vars: Vec<Var>, config: SgdConfig) -> candle_core::Result<Self> {
+        Self::new_named(by_position(vars), config)
+    }
+
+    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        let todo = checked_grads(&self.params, grads)?;
+        for (i, grad) in todo {
+            match self.params[i].1.dtype() {
+                DType::F64 => self.update::<f64>(i, &grad)?,
+                _ => self.update::<f32>(i, &grad)?,
+            }
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.config.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.config.lr = lr;
+    }
+}
+
+impl StatefulOptimizer for Sgd {
+    fn state(&self) -> Result<OptimizerState> {
+        let c = &self.config;
+        let mut tensors = BTreeMap::new();
+        for ((name, var), buffer) in self.params.iter().zip(&self.momentum_buffers) {
+            if let Some(buffer) = buffer {
+                tensors.insert(
+                    format!("{name}.momentum_buffer"),
+                    buffer.to_tensor(var.shape())?,
+                );
+            }
+        }
+        Ok(OptimizerState {
+            kind: "sgd".into(),
+            steps: self.steps,
+            settings: BTreeMap::from([
+                ("lr".into(), c.lr),
+                ("momentum".into(), c.momentum),
+                ("dampening".into(), c.dampening),
+                ("weight_decay".into(), c.weight_decay),
+                ("nesterov".into(), f64::from(u8::from(c.nesterov))),
+                ("maximize".into(), f64::from(u8::from(c.maximize))),
+            ]),
+            tensors,
+        })
+    }
+
+    fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
+        let entries = sort_entries(
+            state,
+            "sgd",
+            &self.params,
+            &[("momentum_buffer", false)],
+            &[
+                "lr",
+                "momentum",
+                "dampening",
+                "weight_decay",
+                "nesterov",
+                "maximize",
+            ],
+        )?;
+        let c = self.config;
+        let config = SgdConfig {
+            lr: setting(state, "lr", c.lr),
+            momentum: setting(state, "momentum", c.momentum),
+            dampening: setting(state, "dampening", c.dampening),
+            weight_decay: setting(state, "weight_decay", c.weight_decay),
+            nesterov: setting(state, "nesterov", f64::from(u8::from(c.nesterov))) != 0.0,
+            maximize: setting(state, "maximize", f64::from(u8::from(c.maximize))) != 0.0,
+        };
+        config.check().map_err(|e| invalid(e.to_string()))?;
+        let buffers = self
+            .params
+            .iter()
+            .zip(&entries)
+            .map(|((_, var), slots)| {
+                slots
+                    .get("momentum_buffer")
+                    .map(|t| Buffer::from_tensor(t, var.dtype()))
+                    .transpose()
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        self.config = config;
+        self.momentum_buffers = buffers;
+        self.steps = state.steps;
+        Ok(())
+    }
+}

@@ -1,0 +1,147 @@
+//! An optimizer's state as named tensors and settings, and the checks that
+//! make loading it all-or-nothing.
+
+use std::collections::{BTreeMap, HashMap};
+
+use candle_core::{Tensor, Var};
+use candle_nn::VarMap;
+
+use crate::error::{Error, Result};
+use crate::vars::sorted_vars;
+
+/// Everything an optimizer needs to continue exactly: its kind, the number
+/// of steps taken, its settings and its per-parameter tensors.
+#[derive(Debug, Clone, Default)]
+pub struct OptimizerState {
+    /// Which optimizer made it: `"sgd"`, `"adam"` or `"adamw"`.
+    pub kind: String,
+    /// The number of `step` calls so far.
+    pub steps: u64,
+    /// The settings by name (`lr`, `momentum`, `beta1`, `amsgrad` as 0 or
+    /// 1, …), as PyTorch's `param_groups` holds them; loading restores
+    /// them, as PyTorch's `load_state_dict` does.
+    pub settings: BTreeMap<String, f64>,
+    /// `"<parameter>.<slot>"` → tensor (`l1.weight.exp_avg`,
+    /// `l1.weight.step`), for the parameters that have state: a parameter
+    /// that never had a gradient has none, as in PyTorch.
+    pub tensors: BTreeMap<String, Tensor>,
+}
+
+/// An optimizer whose state can be taken and restored: a fresh optimizer
+/// over the same variables that loads [`state`](Self::state) continues
+/// exactly as the original would have.
+pub trait StatefulOptimizer: candle_nn::Optimizer {
+    /// A copy of the state (tensors on the CPU).
+    ///
+    /// # Errors
+    ///
+    /// A tensor that cannot be made (out of memory).
+    fn state(&self) -> Result<OptimizerState>;
+
+    /// Replaces the state with `state`; nothing changes unless all of it
+    /// fits.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::OptimizerState`] when `state` is another kind's, names a
+    /// parameter or slot this optimizer does not have, has a tensor of the
+    /// wrong shape, or an unknown setting.
+    fn load_state(&mut self, state: &OptimizerState) -> Result<()>;
+}
+
+/// The variables of `varmap`, named and sorted by name.
+pub(crate) fn named_vars(varmap: &VarMap) -> Vec<(String, Var)> {
+    sorted_vars(varmap)
+}
+
+/// `vars` named by position, as PyTorch numbers an optimizer's parameters.
+pub(crate) fn by_position(vars: Vec<Var>) -> Vec<(String, Var)> {
+    vars.into_iter()
+        .enumerate()
+        .map(|(i, var)| (i.to_string(), var))
+        .collect()
+}
+
+/// The error of a state that does not fit.
+pub(crate) fn invalid(reason: impl Into<String>) -> Error {
+    Error::OptimizerState(reason.into())
+}
+
+/// Checks that `state` is of `kind` and sorts its tensors by parameter:
+/// for each of `params`, its entries by slot. Every entry must name a
+/// parameter and one of `slots` (`(slot, whether it is a scalar)`), with
+/// the parameter's shape (a scalar slot: one value). Every setting must be
+/// one of `settings`.
+pub(crate) fn sort_entries(
+    state: &OptimizerState,
+    kind: &str,
+    params: &[(String, Var)],
+    slots: &[(&str, bool)],
+    settings: &[&str],
+) -> Result<Vec<HashMap<String, Tensor>>> {
+    if state.kind != kind {
+        return Err(invalid(format!(
+            "the state is of a `{}` optimizer, this one is `{kind}`",
+            state.kind
+        )));
+    }
+    if let Some(unknown) = state
+        .settings
+        .keys()
+        .find(|k| !settings.contains(&k.as_str()))
+    {
+        return Err(invalid(format!(
+            "unknown setting `{unknown}` for `{kind}` (known: {settings:?})"
+        )));
+    }
+    let index: HashMap<&str, usize> = params
+        .iter()
+        .enumerate()
+        .map(|(i, (name, _))| (name.as_str(), i))
+        .collect();
+    let mut sorted = vec![HashMap::new(); params.len()];
+    for (key, tensor) in &state.tensors {
+        let found = slots.iter().find_map(|&(slot, scalar)| {
+            let name = key.strip_suffix(slot)?.strip_suffix('.')?;
+            Some((*index.get(name)?, slot, scalar))
+        });
+        let Some((i, slot, scalar)) = found else {
+            return Err(invalid(format!(
+                "`{key}` names no parameter and slot of this `{kind}` optimizer (parameters such as `{}`, slots {:?})",
+                params.first().map_or("", |(n, _)| n.as_str()),
+                slots.iter().map(|(s, _)| *s).collect::<Vec<_>>()
+            )));
+        };
+        let (name, var) = &params[i];
+        let fits = if scalar {
+            tensor.elem_count() == 1
+        } else {
+            tensor.dims() == var.dims()
+        };
+        if !fits {
+            return Err(invalid(format!(
+                "the `{slot}` state of parameter `{name}` has shape {:?}, the parameter {:?}",
+                tensor.dims(),
+                var.dims()
+            )));
+        }
+        sorted[i].insert(slot.to_string(), tensor.clone());
+    }
+    Ok(sorted)
+}
+
+/// A setting of `state`, or `current` when the state does not have it.
+pub(crate) fn setting(state: &OptimizerState, name: &str, current: f64) -> f64 {
+    state.settings.get(name).copied().unwrap_or(current)
+}
+
+/// A scalar state tensor's value.
+pub(crate) fn scalar_value(tensor: &Tensor) -> Result<f64> {
+    Ok(tensor
+        .flatten_all()?
+        .to_dtype(candle_core::DType::F64)?
+        .to_vec1::<f64>()?
+        .first()
+        .copied()
+        .unwrap_or(0.0))
+}

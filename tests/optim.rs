@@ -1,0 +1,378 @@
+//! candle_dp's optimizers against real PyTorch (`tests/data/optim_reference.safetensors`,
+//! made by `scripts/gen_optim_reference.py`): every option of SGD, Adam and
+//! AdamW over 25 steps, parameters of several shapes, one of which misses
+//! its gradient in some steps; their state, its names, and an exact resume.
+
+use std::collections::{BTreeMap, HashMap};
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_dp::optim::{
+    Adam, AdamConfig, AdamW, AdamWConfig, OptimizerState, Sgd, SgdConfig, StatefulOptimizer,
+};
+use candle_nn::Optimizer;
+
+const FIXTURE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/data/optim_reference.safetensors"
+);
+const PARAMS: [&str; 7] = ["a", "b", "c", "d", "e", "f", "skip"];
+const STEPS: usize = 25;
+
+struct Fixture {
+    tensors: HashMap<String, Tensor>,
+    /// run -> (optimizer, settings)
+    runs: BTreeMap<String, (String, BTreeMap<String, serde_json::Value>)>,
+}
+
+fn fixture() -> Fixture {
+    let bytes = std::fs::read(FIXTURE).unwrap();
+    let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let runs = metadata.metadata().as_ref().unwrap()["runs"].clone();
+    Fixture {
+        tensors: candle_core::safetensors::load(FIXTURE, &Device::Cpu).unwrap(),
+        runs: serde_json::from_str(&runs).unwrap(),
+    }
+}
+
+/// One of the three optimizers, behind one type for the tests.
+enum Any {
+    Sgd(Sgd),
+    Adam(Adam),
+    AdamW(AdamW),
+}
+
+impl Any {
+    fn new(kind: &str, s: &BTreeMap<String, serde_json::Value>, params: Vec<(String, Var)>) -> Any {
+        let f = |k: &str, d: f64| s.get(k).map_or(d, |v| v.as_f64().unwrap());
+        let b = |k: &str| s.get(k).is_some_and(|v| v.as_bool().unwrap());
+        match kind {
+            "sgd" => {
+                let d = SgdConfig::default();
+                Any::Sgd(
+                    Sgd::new_named(
+                        params,
+                        SgdConfig {
+                            lr: f("lr", d.lr),
+                            momentum: f("momentum", d.momentum),
+                            dampening: f("dampening", d.dampening),
+                            weight_decay: f("weight_decay", d.weight_decay),
+                            nesterov: b("nesterov"),
+                            maximize: b("maximize"),
+                        },
+                    )
+                    .unwrap(),
+                )
+            }
+            "adam" => {
+                let d = AdamConfig::default();
+                Any::Adam(
+                    Adam::new_named(
+                        params,
+                        AdamConfig {
+                            lr: f("lr", d.lr),
+                            beta1: f("beta1", d.beta1),
+                            beta2: f("beta2", d.beta2),
+                            eps: f("eps", d.eps),
+                            weight_decay: f("weight_decay", d.weight_decay),
+                            amsgrad: b("amsgrad"),
+                            maximize: b("maximize"),
+                        },
+                    )
+                    .unwrap(),
+                )
+            }
+            _ => {
+                let d = AdamWConfig::default();
+                Any::AdamW(
+                    AdamW::new_named(
+                        params,
+                        AdamWConfig {
+                            lr: f("lr", d.lr),
+                            beta1: f("beta1", d.beta1),
+                            beta2: f("beta2", d.beta2),
+                            eps: f("eps", d.eps),
+                            weight_decay: f("weight_decay", d.weight_decay),
+                            amsgrad: b("amsgrad"),
+                            maximize: b("maximize"),
+                        },
+                    )
+                    .unwrap(),
+                )
+            }
+        }
+    }
+
+    fn step(&mut self, grads: &GradStore) {
+        match self {
+            Any::Sgd(o) => o.step(grads),
+            Any::Adam(o) => o.step(grads),
+            Any::AdamW(o) => o.step(grads),
+        }
+        .unwrap()
+    }
+
+    fn state(&self) -> OptimizerState {
+        match self {
+            Any::Sgd(o) => o.state(),
+            Any::Adam(o) => o.state(),
+            Any::AdamW(o) => o.state(),
+        }
+        .unwrap()
+    }
+
+    fn load_state(&mut self, state: &OptimizerState) -> candle_dp::Result<()> {
+        match self {
+            Any::Sgd(o) => o.load_state(state),
+            Any::Adam(o) => o.load_state(state),
+            Any::AdamW(o) => o.load_state(state),
+        }
+    }
+}
+
+/// Fresh variables holding `values[name]` for every parameter.
+fn params_from(values: &HashMap<String, Tensor>) -> Vec<(String, Var)> {
+    PARAMS
+        .iter()
+        .map(|n| (n.to_string(), Var::from_tensor(&values[*n]).unwrap()))
+        .collect()
+}
+
+fn init(fx: &Fixture) -> HashMap<String, Tensor> {
+    PARAMS
+        .iter()
+        .map(|n| (n.to_string(), fx.tensors[&format!("init.{n}")].clone()))
+        .collect()
+}
+
+/// Steps `from..to` of the fixture's gradients.
+fn run_steps(fx: &Fixture, opt: &mut Any, params: &[(String, Var)], from: usize, to: usize) {
+    for step in from..to {
+        let mut grads = GradStore::default();
+        for (name, var) in params {
+            if let Some(g) = fx.tensors.get(&format!("grad.{step}.{name}")) {
+                grads.insert(var.as_tensor(), g.clone());
+            }
+        }
+        opt.step(&grads);
+    }
+}
+
+fn values(params: &[(String, Var)]) -> HashMap<String, Tensor> {
+    params
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().copy().unwrap()))
+        .collect()
+}
+
+/// The largest |got - want| / max(|want|, 1e-3) over every element.
+fn rel_diff(got: &Tensor, want: &Tensor) -> f64 {
+    let g = got
+        .flatten_all()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap();
+    let w = want
+        .flatten_all()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap();
+    assert_eq!(g.len(), w.len());
+    g.iter()
+        .zip(&w)
+        .map(|(g, w)| (g - w).abs() / w.abs().max(1e-3))
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn sgd_adam_and_adamw_follow_pytorch_for_25_steps_with_every_option() {
+    let fx = fixture();
+    let mut worst = Vec::new();
+    for (run, (kind, settings)) in &fx.runs {
+        let params = params_from(&init(&fx));
+        let mut opt = Any::new(kind, settings, params.clone());
+        run_steps(&fx, &mut opt, &params, 0, STEPS);
+        let mut run_worst = 0f64;
+        for (name, var) in &params {
+            let want = &fx.tensors[&format!("{run}.final.{name}")];
+            let d = rel_diff(var.as_tensor(), want);
+            assert!(
+                d <= 1e-6,
+                "{run}: parameter `{name}` differs by {d:e} (relative)"
+            );
+            run_worst = run_worst.max(d);
+        }
+        // The state: PyTorch's names and values.
+        let state = opt.state();
+        let prefix = format!("{run}.state.");
+        let want: BTreeMap<&str, &Tensor> = fx
+            .tensors
+            .iter()
+            .filter_map(|(k, t)| Some((k.strip_prefix(&prefix)?, t)))
+            .collect();
+        let got: Vec<&str> = state.tensors.keys().map(String::as_str).collect();
+        assert_eq!(
+            got,
+            want.keys().copied().collect::<Vec<_>>(),
+            "{run}: state names"
+        );
+        for (key, tensor) in &state.tensors {
+            let d = rel_diff(tensor, want[key.as_str()]);
+            assert!(d <= 1e-6, "{run}: state `{key}` differs by {d:e}");
+        }
+        assert_eq!(state.steps, STEPS as u64, "{run}");
+        worst.push(format!("{run} {run_worst:.1e}"));
+    }
+    assert_eq!(fx.runs.len(), 14, "every run of the fixture is checked");
+    println!("largest relative difference per run: {}", worst.join(", "));
+}
+
+#[test]
+fn a_state_loaded_into_a_fresh_optimizer_continues_bit_for_bit() {
+    let fx = fixture();
+    for (run, (kind, settings)) in &fx.runs {
+        let params = params_from(&init(&fx));
+        let mut straight = Any::new(kind, settings, params.clone());
+        run_steps(&fx, &mut straight, &params, 0, STEPS);
+        let want = values(&params);
+
+        // Killed after step 12 (after `skip` missed two gradients): the
+        // parameters and the optimizer's state are all that survive.
+        let first = params_from(&init(&fx));
+        let mut before = Any::new(kind, settings, first.clone());
+        run_steps(&fx, &mut before, &first, 0, 12);
+        let saved_values = values(&first);
+        let saved_state = before.state();
+        drop(before);
+
+        // A fresh optimizer with other settings: load restores them too.
+        let resumed = params_from(&saved_values);
+        let mut after = Any::new(kind, &BTreeMap::new(), resumed.clone());
+        after.load_state(&saved_state).unwrap();
+        run_steps(&fx, &mut after, &resumed, 12, STEPS);
+        for (name, var) in &resumed {
+            let (got, want) = (var.as_tensor(), &want[name]);
+            let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(bits(got), bits(want), "{run}: `{name}` after resuming");
+        }
+    }
+}
+
+#[test]
+fn a_state_that_does_not_fit_is_refused_and_changes_nothing() {
+    let v = || {
+        vec![(
+            "w".to_string(),
+            Var::ones((2, 3), DType::F32, &Device::Cpu).unwrap(),
+        )]
+    };
+    let mut adam = Adam::new_named(v(), AdamConfig::default()).unwrap();
+    let params = v();
+    let mut grads = GradStore::default();
+    grads.insert(
+        params[0].1.as_tensor(),
+        Tensor::ones((2, 3), DType::F32, &Device::Cpu).unwrap(),
+    );
+    let mut sgd = Sgd::new_named(
+        params,
+        SgdConfig {
+            momentum: 0.9,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    sgd.step(&grads).unwrap();
+    let sgd_state = sgd.state().unwrap();
+    let before = adam.state().unwrap();
+
+    let err = adam.load_state(&sgd_state).unwrap_err().to_string();
+    assert!(err.contains("`sgd` optimizer, this one is `adam`"), "{err}");
+
+    let mut wrong_shape = sgd_state.clone();
+    wrong_shape.tensors.insert(
+        "w.momentum_buffer".into(),
+        Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap(),
+    );
+    let err = sgd.load_state(&wrong_shape).unwrap_err().to_string();
+    assert!(
+        err.contains("parameter `w` has shape [5], the parameter [2, 3]"),
+        "{err}"
+    );
+
+    let mut unknown = sgd_state.clone();
+    unknown.tensors.insert(
+        "v.momentum_buffer".into(),
+        Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap(),
+    );
+    let err = sgd.load_state(&unknown).unwrap_err().to_string();
+    assert!(
+        err.contains("`v.momentum_buffer` names no parameter"),
+        "{err}"
+    );
+
+    let mut setting = sgd_state.clone();
+    setting.settings.insert("betas".into(), 0.9);
+    let err = sgd.load_state(&setting).unwrap_err().to_string();
+    assert!(err.contains("unknown setting `betas`"), "{err}");
+
+    // Nothing changed: the same states as before the refused loads.
+    assert_eq!(
+        format!("{:?}", adam.state().unwrap().settings),
+        format!("{:?}", before.settings)
+    );
+    assert!(adam.state().unwrap().tensors.is_empty());
+    assert_eq!(sgd.state().unwrap().tensors.len(), 1);
+}
+
+#[test]
+fn settings_pytorch_refuses_are_refused() {
+    let v = vec![Var::ones(2, DType::F32, &Device::Cpu).unwrap()];
+    let nesterov = SgdConfig {
+        nesterov: true,
+        ..Default::default()
+    };
+    let err = Sgd::new(v.clone(), nesterov).unwrap_err().to_string();
+    assert!(
+        err.contains("Nesterov momentum needs momentum > 0"),
+        "{err}"
+    );
+    let beta = AdamWConfig {
+        beta2: 1.0,
+        ..Default::default()
+    };
+    let err = AdamW::new(v.clone(), beta).unwrap_err().to_string();
+    assert!(err.contains("invalid beta2 1"), "{err}");
+    let lr = AdamConfig {
+        lr: -1.0,
+        ..Default::default()
+    };
+    assert!(Adam::new(v, lr).is_err());
+}
+
+#[test]
+fn an_f16_parameter_is_refused_naming_it_before_any_update() {
+    let a = Var::ones(2, DType::F32, &Device::Cpu).unwrap();
+    let h = Var::ones(2, DType::F16, &Device::Cpu).unwrap();
+    let params = vec![("a".to_string(), a.clone()), ("h".to_string(), h.clone())];
+    let mut opt = AdamW::new_named(params, AdamWConfig::default()).unwrap();
+    let mut grads = GradStore::default();
+    grads.insert(
+        a.as_tensor(),
+        Tensor::ones(2, DType::F32, &Device::Cpu).unwrap(),
+    );
+    grads.insert(
+        h.as_tensor(),
+        Tensor::ones(2, DType::F16, &Device::Cpu).unwrap(),
+    );
+    let err = opt.step(&grads).unwrap_err().to_string();
+    assert!(err.contains("parameter `h` is F16"), "{err}");
+    assert_eq!(
+        a.as_tensor().to_vec1::<f32>().unwrap(),
+        [1.0, 1.0],
+        "a was not updated"
+    );
+}
