@@ -184,6 +184,10 @@ pub struct DistributedDataParallel<M> {
     syncing: bool,
     /// Inside `join`: every forward first counts the ranks still training.
     joining: bool,
+    /// Inside `join`: whether the step whose forward ran last synchronises,
+    /// as every rank agreed at that forward (the joined ranks act on it, so
+    /// its backward must too, as PyTorch's reducer is prepared at forward).
+    join_step_syncs: Option<bool>,
     /// Ranks that took part in the current step (set by a joining forward).
     active_ranks: usize,
     timings: DdpTimings,
@@ -273,6 +277,7 @@ impl<M> DistributedDataParallel<M> {
             accumulated: None,
             syncing: true,
             joining: false,
+            join_step_syncs: None,
             no_grad: NoGradCheck::default(),
             without_grad: Vec::new(),
             timings: DdpTimings::default(),
@@ -291,9 +296,13 @@ impl<M> DistributedDataParallel<M> {
         &self.module
     }
 
-    /// Whether backward passes synchronise (false inside `no_sync`).
+    /// Whether the next backward synchronises: false inside `no_sync`;
+    /// inside `join`, what the ranks agreed at the step's forward.
     pub(crate) fn is_syncing(&self) -> bool {
-        self.syncing
+        match (self.joining, self.join_step_syncs) {
+            (true, Some(agreed)) => agreed,
+            _ => self.syncing,
+        }
     }
 
     /// This rank's process group.
@@ -332,7 +341,7 @@ impl<M> DistributedDataParallel<M> {
         let buffer_root = if self.joining {
             let flags = self.step_flags(true, self.syncing)?;
             self.active_ranks = flags.active_ranks();
-            flags.agreed_sync()?;
+            self.join_step_syncs = Some(flags.agreed_sync()?);
             highest(&flags.active).unwrap_or(0)
         } else {
             0
@@ -382,7 +391,7 @@ impl<M> DistributedDataParallel<M> {
                 })
                 .collect::<candle_core::Result<_>>()?,
         };
-        if !self.syncing {
+        if !self.is_syncing() {
             self.accumulated = Some(local);
             return Ok(GradStore::default());
         }
@@ -417,7 +426,7 @@ impl<M> DistributedDataParallel<M> {
     /// [`backward`](Self::backward) then `optimizer.step` (skipped inside
     /// `no_sync`).
     pub fn backward_step<O: Optimizer>(&mut self, loss: &Tensor, optimizer: &mut O) -> Result<()> {
-        let syncing = self.syncing;
+        let syncing = self.is_syncing();
         let grads = self.backward(loss)?;
         if syncing {
             optimizer.step(&grads)?;
@@ -440,7 +449,11 @@ impl<M> DistributedDataParallel<M> {
 
     /// Runs a training loop that may run out of data before the other
     /// ranks' (PyTorch's `Join`): every rank must call `join`; inside, each
-    /// step is one forward and one synchronised backward. When this rank's
+    /// step is one forward and one backward, synchronised or, with gradient
+    /// accumulation, inside [`no_sync`](Self::no_sync) on every rank still
+    /// training (whether a step synchronises is agreed at its forward: the
+    /// ranks that joined answer its all-reduce or skip it; ranks that
+    /// disagree get [`Error::JoinSyncMismatch`]). When this rank's
     /// `f` returns, it keeps answering the others' collectives with zero
     /// gradients (divided per [`DdpConfig::join_divisor`]) until every rank
     /// is done. Then, as in PyTorch, every rank takes the parameters (and,
@@ -458,6 +471,7 @@ impl<M> DistributedDataParallel<M> {
             Ok(result) => result,
             Err(payload) => {
                 self.joining = false;
+                self.join_step_syncs = None;
                 self.active_ranks = self.pg.world_size();
                 panic::resume_unwind(payload)
             }
@@ -469,6 +483,7 @@ impl<M> DistributedDataParallel<M> {
             Err(_) => Ok(()),
         };
         self.joining = false;
+        self.join_step_syncs = None;
         self.active_ranks = self.pg.world_size();
         let value = result?;
         shadowed?;

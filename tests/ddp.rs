@@ -532,6 +532,35 @@ fn a_joined_rank_skips_the_all_reduce_of_a_step_inside_no_sync() {
     assert!(diff < 1e-5, "{diff}");
 }
 
+/// Inside `join`, whether a step synchronises is decided at its forward
+/// (the joined ranks act on it then): a backward moved into `no_sync`
+/// after a synchronised forward still synchronises, as in PyTorch, instead
+/// of leaving the joined rank waiting in an all-reduce.
+#[test]
+#[allow(clippy::result_large_err)] // the closures return candle_dp::Result, as join requires
+fn inside_join_a_step_synchronises_as_agreed_at_its_forward() {
+    let data = batches(2, 4);
+    let ranks = within(60, move || {
+        spawn_with(2, bounded(), |ctx| {
+            let varmap = VarMap::new();
+            let mut ddp = mlp_ddp(&ctx, &varmap, DdpConfig::default())?;
+            let mine = &data[..1 + ctx.rank];
+            let mut reduced = Vec::new();
+            ddp.join(|ddp| {
+                for (x, y) in mine {
+                    let loss = loss::cross_entropy(&ddp.forward(x)?, y)?;
+                    let grads = ddp.no_sync(|ddp| ddp.backward(&loss))?;
+                    reduced.push(ddp.params().iter().all(|(_, v)| grads.get(v).is_some()));
+                }
+                Ok(())
+            })?;
+            Ok(reduced)
+        })
+    })
+    .unwrap();
+    assert_eq!(ranks, [vec![true], vec![true, true]]);
+}
+
 #[test]
 #[allow(clippy::result_large_err)] // the closures return candle_dp::Result, as join requires
 fn ranks_that_disagree_on_no_sync_inside_join_fail_the_step_alike() {

@@ -370,6 +370,26 @@ fn a_layer_factory_that_panics_or_fails_is_named_under_every_balance() {
             );
         }
     }
+    // Balance::Time also runs each layer: one that panics there is named.
+    let mut broken = layers();
+    broken[2] = layer(|_| {
+        Ok(candle_nn::func(|_| -> candle_core::Result<Tensor> {
+            panic!("forward blew up")
+        }))
+    });
+    let sample = Tensor::randn(0f32, 1., (4, 6), &Device::Cpu).unwrap();
+    let err = within(60, move || {
+        Pipeline::builder(&VarMap::new(), DType::F32, &cpu_devices(3))
+            .balance(Balance::Time { sample })
+            .build(broken)
+            .map(|_| ())
+    })
+    .unwrap_err();
+    assert!(
+        matches!(err, Error::LayerBuild { layer: 2, .. })
+            && err.to_string().contains("forward blew up"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -773,49 +793,61 @@ fn batch_norm_buffers_are_untouched_by_a_failed_step() {
 
 #[test]
 fn a_layer_with_a_batch_norm_inside_keeps_per_micro_batch_statistics() {
-    within(60, || {
-        // Linear and BatchNorm in one layer: its input is not what the
-        // norm sees, so its statistics cannot be deferred; they must be
-        // exactly the per-micro-batch updates, not something made up.
-        let block = || {
-            layer(|vb| {
-                // Same width in and out: only the check can tell.
-                let lin = linear(4, 4, vb.pp("lin"))?;
-                let bn = candle_nn::batch_norm(4, 1e-5, vb.pp("bn"))?;
-                Ok(candle_nn::func_t(move |x, train| {
-                    candle_nn::ModuleT::forward_t(&bn, &lin.forward(x)?, train)
-                }))
+    // Linear and BatchNorm in one layer, or a ReLU before the norm (the
+    // identity on inputs that are all positive): the layer's input is not
+    // what the norm sees, so its statistics cannot be deferred; they must
+    // be exactly the per-micro-batch updates, not something made up.
+    // Widths 4 and 5 (no two-row input can tell; the check's own probe can).
+    type Block = fn() -> LayerFactory;
+    let linear_then_norm: Block = || {
+        layer(|vb| {
+            let lin = linear(4, 4, vb.pp("lin"))?;
+            let bn = candle_nn::batch_norm(4, 1e-5, vb.pp("bn"))?;
+            Ok(candle_nn::func_t(move |x, train| {
+                candle_nn::ModuleT::forward_t(&bn, &lin.forward(x)?, train)
+            }))
+        })
+    };
+    let relu_then_norm: Block = || {
+        layer(|vb| {
+            let bn = candle_nn::batch_norm(5, 1e-5, vb.pp("bn"))?;
+            Ok(candle_nn::func_t(move |x, train| {
+                candle_nn::ModuleT::forward_t(&bn, &x.relu()?, train)
+            }))
+        })
+    };
+    for (width, block) in [(4, linear_then_norm), (5, relu_then_norm)] {
+        within(60, move || {
+            let layers = || {
+                vec![
+                    layer(move |vb| linear(6, width, vb.pp("in"))),
+                    block(),
+                    layer(move |vb| linear(width, 3, vb.pp("out"))),
+                ]
+            };
+            let start = seeded_varmap(3, DType::F32, &Device::Cpu, |vb| {
+                layers().iter().try_for_each(|f| f(vb.clone()).map(|_| ()))
             })
-        };
-        let layers = || {
-            vec![
-                layer(|vb| linear(6, 4, vb.pp("in"))),
-                block(),
-                layer(|vb| linear(4, 3, vb.pp("out"))),
-            ]
-        };
-        let start = seeded_varmap(3, DType::F32, &Device::Cpu, |vb| {
-            layers().iter().try_for_each(|f| f(vb.clone()).map(|_| ()))
-        })
-        .unwrap();
-        let (x, y) = data(6);
-        let reference = copy_of(&start);
-        let one = on_one_device(&layers(), &reference);
-        for m in 0..3 {
-            one(&x.narrow(0, 2 * m, 2).unwrap(), true).unwrap();
-        }
-        let varmap = copy_of(&start);
-        let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
-            .chunks(3)
-            .build(layers())
             .unwrap();
-        pipe.forward_backward(&x, &y, LossReduction::Mean, |o, y| {
-            loss::cross_entropy(o, y)
-        })
-        .unwrap();
-        let diff = max_diff(&buffers_of(&varmap), &buffers_of(&reference));
-        assert!(diff < 1e-6, "{diff}");
-    });
+            let (x, y) = data(6);
+            let reference = copy_of(&start);
+            let one = on_one_device(&layers(), &reference);
+            for m in 0..3 {
+                one(&x.narrow(0, 2 * m, 2).unwrap(), true).unwrap();
+            }
+            let varmap = copy_of(&start);
+            let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+                .chunks(3)
+                .build(layers())
+                .unwrap();
+            pipe.forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+                loss::cross_entropy(o, y)
+            })
+            .unwrap();
+            let diff = max_diff(&buffers_of(&varmap), &buffers_of(&reference));
+            assert!(diff < 1e-6, "width {width}: {diff}");
+        });
+    }
 }
 
 #[test]

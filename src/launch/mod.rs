@@ -228,7 +228,9 @@ fn env_number(variables: &[&str]) -> Option<usize> {
 /// Every rank's failure is also printed to standard error by `run` itself,
 /// as whole lines prefixed with the rank (see [`report`]): a failing rank's
 /// before the others learn of it, so that `mpirun` cannot end it first; a
-/// panic, while `f` runs, as one such report too.
+/// panic, while `f` runs, as one such report too (candle-dp's panic hook
+/// is in force while `f` runs; the one you had is back when `run`
+/// returns).
 ///
 /// # Errors
 ///

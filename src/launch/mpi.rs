@@ -23,7 +23,7 @@ where
         world_size: pg.world_size(),
         pg: Arc::clone(&pg) as Arc<dyn ProcessGroup>,
     };
-    let panic_hook = RankPanicHook::install();
+    let panic_hook = RankPanicHook::install(rank);
     // Unwind safety: after a panic only the group's failure state is used.
     let outcome = panic::catch_unwind(AssertUnwindSafe(|| f(ctx)));
     drop(panic_hook);

@@ -157,10 +157,12 @@ pub(super) struct RankPanicHook {
 impl RankPanicHook {
     /// Replaces the panic hook with one that prints each panic (thread,
     /// place, message, and the backtrace when `RUST_BACKTRACE` asks for
-    /// one) as one report with this process's [`line_prefix`].
-    pub(super) fn install() -> Self {
+    /// one) as one report, its lines prefixed with `rank`. It does not
+    /// call the hook it replaces, which would print the panic again, in
+    /// pieces; that hook is back once `run` returns.
+    pub(super) fn install(rank: usize) -> Self {
         let previous = panic::take_hook();
-        let prefix = line_prefix();
+        let prefix = format!("[rank {rank}] ");
         panic::set_hook(Box::new(move |info| {
             let _ = write_report(&mut io::stderr().lock(), &prefix, &panic_text(info));
         }));

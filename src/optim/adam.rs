@@ -165,7 +165,7 @@ impl AdamConfig {
             ("eps", self.eps),
             ("weight_decay", self.weight_decay),
         ] {
-            if !(value >= 0.0) {
+            if value.is_nan() || value < 0.0 {
                 return bad(format!("invalid {setting} {value}: it must be at least 0"));
             }
         }
@@ -233,7 +233,7 @@ impl AdamCore {
         if c.weight_decay != 0.0 {
             if self.decoupled {
                 let keep = T::of(1.0 - c.lr * c.weight_decay);
-                p.iter_mut().for_each(|p| *p = *p * keep);
+                p.iter_mut().for_each(|p| *p *= keep);
             } else {
                 let wd = T::of(c.weight_decay);
                 g.iter_mut().zip(&p).for_each(|(g, &p)| *g = p.fma(wd, *g));
@@ -281,7 +281,7 @@ impl AdamCore {
         };
         // p.addcdiv_(m, sqrt(v) / sqrt(bc2) + eps, value=-step_size)
         for ((p, &m), &v) in p.iter_mut().zip(m.iter()).zip(second) {
-            *p = *p + minus_step * m / (v.sqrt() / bc2_sqrt + eps);
+            *p += minus_step * m / (v.sqrt() / bc2_sqrt + eps);
         }
         write_back(var, p)
     }

@@ -13,6 +13,8 @@ pub(crate) trait Element:
     + std::ops::Mul<Output = Self>
     + std::ops::Div<Output = Self>
     + std::ops::Neg<Output = Self>
+    + std::ops::AddAssign
+    + std::ops::MulAssign
 {
     /// `self * a + b`, rounded once (ATen's vectorised `fmadd`).
     fn fma(self, a: Self, b: Self) -> Self;

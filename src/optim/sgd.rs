@@ -51,7 +51,7 @@ impl SgdConfig {
             ("momentum", self.momentum),
             ("weight_decay", self.weight_decay),
         ] {
-            if !(value >= 0.0) {
+            if value.is_nan() || value < 0.0 {
                 return bad(format!("invalid {name} {value}: it must be at least 0"));
             }
         }

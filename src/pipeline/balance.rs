@@ -205,8 +205,25 @@ fn layer_times(
         let mut output = None;
         for _ in 0..3 {
             let start = Instant::now();
-            let out = layer.forward_t(leaf.as_tensor(), true)?;
-            out.sum_all()?.backward()?;
+            // Named like a factory's failure: a layer that cannot run on
+            // the sample fails `build`, and no panic escapes it.
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let out = layer.forward_t(leaf.as_tensor(), true)?;
+                out.sum_all()?.backward()?;
+                Ok(out)
+            }))
+            .unwrap_or_else(|payload| {
+                Err(candle_core::Error::Msg(format!(
+                    "panicked: {}",
+                    crate::panic_message::panic_message(payload.as_ref())
+                )))
+            });
+            let out = ran.map_err(|e| Error::LayerBuild {
+                layer: index,
+                source: candle_core::Error::Msg(format!(
+                    "timing its forward and backward on the sample (Balance::Time) failed: {e}"
+                )),
+            })?;
             fastest = fastest.min(start.elapsed());
             output = Some(out);
         }

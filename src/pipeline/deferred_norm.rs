@@ -20,9 +20,10 @@
 //! That works when the layer's input is what the BatchNorm normalises
 //! (the BatchNorm is a layer of its own). On a layer's first training
 //! forward, the stage checks which of the two holds, on a probe of its
-//! own (three rows shaped like the layer's input, with channel means away
-//! from zero, so that neither a one-row micro-batch nor a two-row one,
-//! which any two-row input reproduces exactly, decides it): the layer's
+//! own (three rows shaped like the layer's input, negative and positive in
+//! every channel, with channel means away from zero, so that neither a
+//! one-row micro-batch nor a two-row one, which any two-row input
+//! reproduces exactly, decides it): the layer's
 //! real update of the probe must equal the one a synthetic input with the
 //! probe's statistics gives (with two patterns across channels). A layer
 //! that fails both (a block with a BatchNorm inside, a norm with yet
@@ -202,19 +203,24 @@ fn unit_pattern(count: usize) -> Vec<f64> {
     pattern
 }
 
-/// The rows of the check: three rows shaped like `x` past dimension 0,
-/// with per-channel means away from zero and no two values alike, in
-/// `x`'s dtype and device.
+/// The rows of the check: three rows shaped like `x` past dimension 0, in
+/// `x`'s dtype and device. In every channel the first row is negative and
+/// the last positive (a layer that clips or rectifies before its norm, a
+/// ReLU, cannot pass for the identity), the mean is away from zero (an
+/// update that depends on the count shows), and no two values are alike.
 fn probe(x: &Tensor) -> candle_core::Result<Tensor> {
+    const ROWS: [f64; 3] = [-1.0, 0.5, 2.5];
     let mut dims = x.dims().to_vec();
-    dims[0] = 3;
+    dims[0] = ROWS.len();
     let channels = dims[1].max(1);
     let count: usize = dims.iter().product();
-    let inner = (count / 3 / channels).max(1);
+    let per_row = (count / ROWS.len()).max(1);
+    let inner = (per_row / channels).max(1);
     let values: Vec<f64> = (0..count)
         .map(|k| {
-            let channel = (k / inner) % channels;
-            1.5 + 0.25 * channel as f64 + 2.0 * (k as f64 * 0.618 + 0.3).sin()
+            let (row, channel) = (k / per_row, (k / inner) % channels);
+            let jitter = 0.3 * (k as f64 * 0.618 + 0.3).sin();
+            (ROWS[row.min(ROWS.len() - 1)] + jitter) * (1.0 + 0.05 * channel as f64)
         })
         .collect();
     Tensor::from_vec(values, dims, &candle_core::Device::Cpu)?
@@ -344,7 +350,12 @@ fn check(stage: &Stage, u: &NormUse, x: &Tensor) -> candle_core::Result<Deferral
         Ok(())
     };
     let update_of = |input: &Tensor| -> candle_core::Result<Option<(Tensor, Tensor)>> {
-        let ran = stage.layers[u.layer].forward_t(input, true);
+        // A layer that panics on the probe is not deferred (and not
+        // probed again), rather than failing every step.
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            stage.layers[u.layer].forward_t(input, true)
+        }))
+        .unwrap_or_else(|_| Err(candle_core::Error::Msg("panicked".into())));
         let update = (mean.as_tensor().copy()?, var.as_tensor().copy()?);
         restore()?;
         Ok(ran.ok().map(|_| update))
