@@ -413,3 +413,49 @@ proptest! {
         prop_assert_eq!(all, expected);
     }
 }
+
+/// A resumed epoch: `skip_batches(k)` yields exactly the batches after the
+/// first `k` of a full pass, with or without prefetch, even batches or a
+/// sampler's shard, and loads none of the skipped samples.
+#[test]
+fn skip_batches_yields_the_rest_of_a_pass_without_loading_the_skipped_ones() {
+    let ys = |loader: &Loader| -> Vec<Vec<f32>> {
+        loader
+            .iter()
+            .map(|b| {
+                b.unwrap()[1]
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            })
+            .collect()
+    };
+    for prefetch in [0, 2] {
+        for even in [false, true] {
+            let indices = DistributedSampler::new(23, 2, 1).unwrap().seed(4).indices();
+            let make = || {
+                Loader::new(Arc::new(Counting::new(23)), 3)
+                    .unwrap()
+                    .indices(indices.clone())
+                    .even_batches(even)
+                    .prefetch(prefetch)
+            };
+            let full = ys(&make());
+            for k in [0, 1, 2, full.len(), full.len() + 5] {
+                let dataset = Arc::new(Counting::new(23));
+                let loader = Loader::new(dataset.clone(), 3)
+                    .unwrap()
+                    .indices(indices.clone())
+                    .even_batches(even)
+                    .prefetch(prefetch)
+                    .skip_batches(k);
+                let rest = ys(&loader);
+                let case = format!("prefetch {prefetch}, even {even}, skip {k}");
+                assert_eq!(rest, full[k.min(full.len())..], "{case}");
+                let loaded: usize = rest.iter().map(Vec::len).sum();
+                assert_eq!(dataset.gets.load(Ordering::SeqCst), loaded, "{case}");
+            }
+        }
+    }
+}

@@ -33,6 +33,7 @@ pub struct Loader {
     num_batches: Option<usize>,
     indices: Option<Arc<[usize]>>,
     prefetch: usize,
+    skip: usize,
 }
 
 impl fmt::Debug for Loader {
@@ -45,6 +46,7 @@ impl fmt::Debug for Loader {
             .field("num_batches", &self.num_batches)
             .field("num_indices", &self.num_indices())
             .field("prefetch", &self.prefetch)
+            .field("skip", &self.skip)
             .finish()
     }
 }
@@ -65,6 +67,7 @@ impl Loader {
             num_batches: None,
             indices: None,
             prefetch: 0,
+            skip: 0,
         })
     }
 
@@ -132,6 +135,32 @@ impl Loader {
         self
     }
 
+    /// Starts every pass at batch `k`, skipping the batches before it
+    /// without loading them (Accelerate's `skip_first_batches`): a run
+    /// resumed in the middle of an epoch continues with the batch it had
+    /// not trained on. The batches keep their contents and numbers; a
+    /// pass yields `len() - k` of them (none when `k >= len()`).
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use candle_core::{Device, Tensor};
+    /// # use candle_dp::loader::{Loader, TensorDataset};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let y = Tensor::arange(0u32, 7, &Device::Cpu)?;
+    /// let loader = Loader::new(Arc::new(TensorDataset::new(vec![y])?), 2)?.skip_batches(2);
+    /// let ys: Vec<Vec<u32>> = loader
+    ///     .iter()
+    ///     .map(|b| Ok(b?[0].to_vec1::<u32>()?))
+    ///     .collect::<Result<_, Box<dyn std::error::Error>>>()?;
+    /// assert_eq!(ys, vec![vec![4, 5], vec![6]]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn skip_batches(mut self, k: usize) -> Self {
+        self.skip = k;
+        self
+    }
+
     /// The batch size.
     pub fn batch_size(&self) -> usize {
         self.batch_size
@@ -162,11 +191,13 @@ impl Loader {
                 None => Indices::Range(self.dataset.len()),
             },
             batch_size: self.batch_size,
+            first: self.skip.min(self.len()),
             num_batches: self.len(),
             cycle: self.even_batches || self.num_batches.is_some(),
         };
-        let state = if self.prefetch == 0 || plan.num_batches == 0 {
-            State::Inline { plan, next: 0 }
+        let state = if self.prefetch == 0 || plan.num_batches == plan.first {
+            let next = plan.first;
+            State::Inline { plan, next }
         } else {
             match Prefetcher::spawn(plan, self.prefetch) {
                 Ok(prefetcher) => State::Prefetch(prefetcher),

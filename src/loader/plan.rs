@@ -37,6 +37,9 @@ pub(super) struct Plan {
     pub(super) dataset: Arc<dyn Dataset>,
     pub(super) indices: Indices,
     pub(super) batch_size: usize,
+    /// The first batch of the pass (a resumed epoch skips the ones before
+    /// it without loading them).
+    pub(super) first: usize,
     pub(super) num_batches: usize,
     /// Full batches, positions taken modulo the number of indices.
     pub(super) cycle: bool,

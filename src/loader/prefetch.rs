@@ -32,11 +32,11 @@ impl Prefetcher {
     pub(super) fn spawn(plan: Plan, depth: usize) -> Result<Self, LoaderError> {
         // A channel deeper than the pass is never used, and a huge depth
         // (`prefetch(usize::MAX)`) could not be allocated.
-        let depth = depth.min(plan.num_batches).max(1);
+        let depth = depth.min(plan.num_batches - plan.first).max(1);
         let (batch_tx, batch_rx) = channel::bounded(depth);
         let (exited_tx, exited_rx) = channel::bounded::<()>(0);
         let stop = Arc::new(AtomicBool::new(false));
-        let remaining = plan.num_batches;
+        let remaining = plan.num_batches - plan.first;
         let thread_stop = Arc::clone(&stop);
         let handle = std::thread::Builder::new()
             .name("candle-dp-prefetch".into())
@@ -100,7 +100,7 @@ fn prefetch_worker(
     stop: Arc<AtomicBool>,
     _exited: Sender<()>,
 ) {
-    for batch in 0..plan.num_batches {
+    for batch in plan.first..plan.num_batches {
         if stop.load(Ordering::Relaxed) {
             return;
         }
