@@ -229,6 +229,18 @@ pub enum Error {
     #[error("optimizer state: {0}")]
     OptimizerState(String),
 
+    /// The ranks found different training states to resume from (see
+    /// [`check_ranks_agree`](crate::training_state::check_ranks_agree)).
+    #[error("rank {rank} would resume from {}, rank 0 from {}: every rank must resume from the same state (is the checkpoint directory shared by all of them?)", describe_step(*step), describe_step(*rank0_step))]
+    ResumeMismatch {
+        /// The first rank that differs from rank 0.
+        rank: usize,
+        /// Its step (`None`: it found no state).
+        step: Option<u64>,
+        /// Rank 0's step.
+        rank0_step: Option<u64>,
+    },
+
     /// An error on one rank, outside any collective.
     #[error("on rank {rank}: {source}")]
     Rank {
@@ -312,3 +324,11 @@ pub enum Error {
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// A resume point in an error message.
+fn describe_step(step: Option<u64>) -> String {
+    match step {
+        Some(step) => format!("the state of step {step}"),
+        None => "scratch (no state found)".into(),
+    }
+}

@@ -95,6 +95,7 @@ pub mod sampler;
 mod scatter_gather;
 mod seeded_init;
 mod shared_backend;
+pub mod training_state;
 mod vars;
 mod worker_pool;
 

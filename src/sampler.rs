@@ -161,6 +161,11 @@ impl DistributedSampler {
         self.epoch
     }
 
+    /// The base seed (see [`seed`](Self::seed)).
+    pub fn base_seed(&self) -> u64 {
+        self.seed
+    }
+
     /// This sampler's rank.
     pub fn rank(&self) -> usize {
         self.rank

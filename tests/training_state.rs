@@ -1,0 +1,278 @@
+//! Whole-run checkpoints: what a state holds, which one is found after a
+//! crash (damaged and partial ones skipped), how many are kept, and ranks
+//! that would resume from different states.
+// Closures here return `candle_dp::Result` as the API requires.
+#![allow(clippy::result_large_err)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor};
+use candle_dp::comm::GroupOptions;
+use candle_dp::launch::spawn_with;
+use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
+use candle_dp::sampler::DistributedSampler;
+use candle_dp::training_state::{
+    check_ranks_agree, Progress, SamplerState, StateDir, TrainingState,
+};
+use candle_dp::Error;
+use candle_nn::{batch_norm, linear, Optimizer, VarBuilder, VarMap};
+use common::*;
+
+/// A fresh, empty directory under the system's temporary one.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("candle_dp_states_{name}_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// A model with a buffer (BatchNorm), its variables seeded.
+fn model() -> VarMap {
+    candle_dp::seeded_varmap(7, DType::F32, &Device::Cpu, |vb: VarBuilder| {
+        linear(3, 4, vb.pp("l"))?;
+        batch_norm(4, 1e-5, vb.pp("bn"))?;
+        Ok(())
+    })
+    .unwrap()
+}
+
+/// One AdamW step on every parameter (buffers get no gradient).
+fn trained(varmap: &VarMap) -> AdamW {
+    let mut opt = AdamW::from_varmap(varmap, AdamWConfig::default()).unwrap();
+    let data = varmap.data().lock().unwrap();
+    let loss = data["l.weight"].as_tensor().sum_all().unwrap();
+    drop(data);
+    opt.backward_step(&loss).unwrap();
+    opt
+}
+
+fn state_at(step: u64, opt: &AdamW) -> TrainingState {
+    TrainingState {
+        progress: Progress {
+            epoch: step / 10,
+            batch: step % 10,
+            step,
+        },
+        optimizer: Some(opt.state().unwrap()),
+        sampler: Some(SamplerState {
+            seed: 9,
+            epoch: step / 10,
+        }),
+        metadata: BTreeMap::from([("run".to_string(), "test".to_string())]),
+    }
+}
+
+fn bytes(varmap: &VarMap) -> BTreeMap<String, Vec<f32>> {
+    varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(n, v)| {
+            (
+                n.clone(),
+                v.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_saved_state_restores_the_model_buffers_optimizer_progress_and_sampler() {
+    let dir = scratch("roundtrip");
+    let states = StateDir::new(&dir).unwrap();
+    assert!(
+        states.latest().unwrap().is_none(),
+        "an empty directory has no state"
+    );
+    let varmap = model();
+    // A buffer away from its initial value: buffers are saved too.
+    varmap.data().lock().unwrap()["bn.running_mean"]
+        .set(&Tensor::new(&[0.5f32, -1., 2., 3.], &Device::Cpu).unwrap())
+        .unwrap();
+    let opt = trained(&varmap);
+    states.save(&varmap, &state_at(23, &opt)).unwrap();
+
+    let fresh = model();
+    let mut resumed = AdamW::from_varmap(&fresh, AdamWConfig::default()).unwrap();
+    let saved = states.latest().unwrap().unwrap();
+    saved.restore(&fresh, Some(&mut resumed)).unwrap();
+    assert_eq!(bytes(&fresh), bytes(&varmap));
+    assert_eq!(
+        format!(
+            "{:?}",
+            resumed.state().unwrap().tensors.keys().collect::<Vec<_>>()
+        ),
+        format!(
+            "{:?}",
+            opt.state().unwrap().tensors.keys().collect::<Vec<_>>()
+        )
+    );
+    assert_eq!(resumed.state().unwrap().steps, 1);
+    let s = &saved.state;
+    assert_eq!(
+        s.progress,
+        Progress {
+            epoch: 2,
+            batch: 3,
+            step: 23
+        }
+    );
+    assert_eq!(s.metadata["run"], "test");
+    let mut sampler = DistributedSampler::new(10, 2, 1).unwrap().seed(9);
+    s.sampler.unwrap().apply_to(&mut sampler).unwrap();
+    assert_eq!(sampler.epoch(), 2);
+    let mut other_seed = DistributedSampler::new(10, 2, 1).unwrap().seed(8);
+    let err = s.sampler.unwrap().apply_to(&mut other_seed).unwrap_err();
+    assert!(
+        err.to_string().contains("saved with sampler seed 9"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_newest_complete_state_is_found_and_damaged_or_partial_ones_are_skipped() {
+    let dir = scratch("damaged");
+    let states = StateDir::new(&dir).unwrap().keep(5);
+    let varmap = model();
+    let opt = trained(&varmap);
+    let mut paths = Vec::new();
+    for step in [10, 20, 30] {
+        paths.push(states.save(&varmap, &state_at(step, &opt)).unwrap());
+    }
+    assert_eq!(states.latest().unwrap().unwrap().state.progress.step, 30);
+
+    // One byte of the newest model flipped: skipped, the one before is used.
+    let model_file = paths[2].join("model.safetensors");
+    let mut data = std::fs::read(&model_file).unwrap();
+    let last = data.len() - 1;
+    data[last] ^= 0x40;
+    std::fs::write(&model_file, data).unwrap();
+    assert_eq!(states.latest().unwrap().unwrap().state.progress.step, 20);
+
+    // A save that stopped before its manifest: skipped too.
+    std::fs::remove_file(paths[1].join("MANIFEST.json")).unwrap();
+    assert_eq!(states.latest().unwrap().unwrap().state.progress.step, 10);
+
+    // A truncated optimizer file.
+    let opt_file = paths[0].join("optimizer.safetensors");
+    let len = std::fs::metadata(&opt_file).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&opt_file)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    assert!(states.latest().unwrap().is_none(), "no state checks out");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn only_the_newest_states_are_kept_and_crashed_saves_are_cleared() {
+    let dir = scratch("keep");
+    let states = StateDir::new(&dir).unwrap().keep(2);
+    let varmap = model();
+    let opt = trained(&varmap);
+    // What a save killed midway leaves: a temporary folder.
+    std::fs::create_dir_all(dir.join(".tmp-state-000000000099-1-0")).unwrap();
+    for step in 1..=5 {
+        states.save(&varmap, &state_at(step, &opt)).unwrap();
+    }
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert!(names[0].starts_with("state-000000000004-"), "{names:?}");
+    assert!(names[1].starts_with("state-000000000005-"), "{names:?}");
+    // Saving the same step again (a resumed run) makes a newer state.
+    states.save(&varmap, &state_at(5, &opt)).unwrap();
+    let latest = states.latest().unwrap().unwrap();
+    let latest_name = latest
+        .path
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        latest_name.starts_with("state-000000000005-"),
+        "{latest_name}"
+    );
+    assert_ne!(
+        latest_name, names[1],
+        "a new folder, not the old one rewritten"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_restore_that_does_not_fit_changes_neither_the_model_nor_the_optimizer() {
+    let dir = scratch("misfit");
+    let states = StateDir::new(&dir).unwrap();
+    let varmap = model();
+    let opt = trained(&varmap);
+    states.save(&varmap, &state_at(1, &opt)).unwrap();
+
+    // Another model: the same parameter names for the optimizer, a
+    // variable of another shape.
+    let other = candle_dp::seeded_varmap(7, DType::F32, &Device::Cpu, |vb: VarBuilder| {
+        linear(3, 4, vb.pp("l"))?;
+        batch_norm(5, 1e-5, vb.pp("bn"))?;
+        Ok(())
+    })
+    .unwrap();
+    let mut fresh = AdamW::from_varmap(&other, AdamWConfig::default()).unwrap();
+    let before = bytes(&other);
+    let err = states
+        .latest()
+        .unwrap()
+        .unwrap()
+        .restore(&other, Some(&mut fresh))
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::Checkpoint(_) | Error::OptimizerState(_)),
+        "{err}"
+    );
+    assert_eq!(bytes(&other), before);
+    assert!(
+        fresh.state().unwrap().tensors.is_empty(),
+        "the optimizer kept its own state"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn ranks_that_would_resume_from_different_states_fail_naming_the_rank() {
+    let options = GroupOptions {
+        timeout: Some(Duration::from_secs(20)),
+        ..Default::default()
+    };
+    let first = options.clone();
+    let results = within(60, move || {
+        spawn_with(3, first, |ctx| {
+            let step = if ctx.rank == 2 { None } else { Some(40) };
+            Ok(check_ranks_agree(ctx.pg.as_ref(), step).map_err(|e| e.to_string()))
+        })
+        .unwrap()
+    });
+    for (rank, result) in results.iter().enumerate() {
+        let err = result.as_ref().unwrap_err();
+        assert!(
+            err.contains("rank 2 would resume from scratch (no state found), rank 0 from the state of step 40"),
+            "rank {rank}: {err}"
+        );
+    }
+    let agreed = within(60, move || {
+        spawn_with(2, options, |ctx| {
+            Ok(check_ranks_agree(ctx.pg.as_ref(), Some(7)).is_ok())
+        })
+        .unwrap()
+    });
+    assert_eq!(agreed, [true, true]);
+}
