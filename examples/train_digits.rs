@@ -34,11 +34,14 @@ use candle_dp::checkpoint::{self, Prefix};
 use candle_dp::comm::GroupOptions;
 use candle_dp::launch::{self, Backend};
 use candle_dp::loader::{Loader, TensorDataset};
+use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
 use candle_dp::sampler::DistributedSampler;
+use candle_dp::training_state::{
+    check_ranks_agree, Progress, SamplerState, StateDir, TrainingState,
+};
 use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParallel, LossReduction};
 use candle_nn::{
-    conv2d, linear, loss, AdamW, Conv2d, Conv2dConfig, Linear, Optimizer, ParamsAdamW, VarBuilder,
-    VarMap,
+    conv2d, linear, loss, Conv2d, Conv2dConfig, Linear, Optimizer, VarBuilder, VarMap,
 };
 use clap::{Parser, ValueEnum};
 use datasets::{load_digits, load_mnist, shuffled_indices, LabelledImages};
@@ -177,6 +180,24 @@ struct Args {
     /// Writes the loss and held-out accuracy per epoch of every run here (SVG).
     #[arg(long, value_name = "FILE", default_value = "target/train_digits.svg")]
     chart: PathBuf,
+    /// Saves the whole training state (weights, optimizer, progress) of the
+    /// run into this directory, to continue with `--resume` after a crash.
+    #[arg(long, value_name = "DIR")]
+    checkpoint_dir: Option<PathBuf>,
+    /// Saves a state every N optimizer steps [default: at the end of every
+    /// epoch].
+    #[arg(long, value_name = "N", requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
+    checkpoint_every: Option<u64>,
+    /// How many of the newest states to keep.
+    #[arg(long, value_name = "K", default_value_t = 3, requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
+    keep: u64,
+    /// Continues from the newest complete state in `--checkpoint-dir`
+    /// (from scratch, saying so, when there is none).
+    #[arg(long, requires = "checkpoint_dir")]
+    resume: bool,
+    /// Skips the one-device comparison run (dp and ddp).
+    #[arg(long)]
+    no_reference: bool,
 }
 
 impl Args {
@@ -267,6 +288,7 @@ fn train(
     init: &VarMap,
     train: &LabelledImages,
     test: &LabelledImages,
+    checkpoints: Option<&Checkpoints>,
 ) -> Result<Outcome> {
     let varmap = copy_varmap(init)?;
     let factory = args.net(train);
@@ -282,9 +304,15 @@ fn train(
     };
     let single = factory(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
     let mut opt = adamw(&varmap, args.lr)?;
+    let from = match checkpoints {
+        Some(c) => c.resume(&varmap, &mut opt, true)?.map(|(p, _)| p),
+        None => None,
+    }
+    .unwrap_or_default();
 
     let steps_per_epoch = train.len().div_ceil(args.batch());
     let bar = progress_bar((args.epochs * steps_per_epoch) as u64)?;
+    bar.set_position(from.step);
     bar.set_prefix(if replicas > 0 {
         format!("DP x{replicas}")
     } else {
@@ -294,9 +322,16 @@ fn train(
     let (mut samples, mut last_loss) = (0, f32::NAN);
     let mut log = EpochLog::default();
     let start = Instant::now();
-    for epoch in 0..args.epochs {
+    let mut step = from.step;
+    for epoch in from.epoch as usize..args.epochs {
         let order = shuffled_indices(train.len(), args.seed + 1 + epoch as u64);
-        for batch in order.chunks(args.batch()) {
+        // A resumed epoch continues with the batch it had not trained on.
+        let skip = if epoch as u64 == from.epoch {
+            from.batch as usize
+        } else {
+            0
+        };
+        for (index, batch) in order.chunks(args.batch()).enumerate().skip(skip) {
             let b = train.select(batch)?;
             let loss = match &dp {
                 Some(dp) if args.fast_backward() => {
@@ -324,6 +359,15 @@ fn train(
             last_loss = loss.to_scalar::<f32>()?;
             log.losses.push(last_loss);
             bar.inc(1);
+            step += 1;
+            if let Some(c) = checkpoints {
+                let progress = Progress {
+                    epoch: epoch as u64,
+                    batch: index as u64 + 1,
+                    step,
+                };
+                c.after_step(&varmap, &opt, progress, steps_per_epoch as u64, None)?;
+            }
         }
         bar.set_message(format!("epoch {} loss {last_loss:.4}", epoch + 1));
         log.end_epoch(&single, test)?;
@@ -350,6 +394,7 @@ fn train_ddp(
     init: &VarMap,
     train: &LabelledImages,
     test: &LabelledImages,
+    checkpoints: Option<&Checkpoints>,
 ) -> Result<Option<Outcome>> {
     let dataset = Arc::new(TensorDataset::new(vec![
         train.images.clone(),
@@ -369,26 +414,47 @@ fn train_ddp(
         .build(net.clone())?;
         let mut opt = adamw(&varmap, args.lr)?;
         let mut sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
+        // Every rank reads the state itself; all must resume from the same.
+        let resumed = match checkpoints {
+            Some(c) => c.resume(&varmap, &mut opt, rank == 0)?,
+            None => None,
+        };
+        if checkpoints.is_some_and(|c| c.resume) {
+            check_ranks_agree(ctx.pg.as_ref(), resumed.map(|(p, _)| p.step))?;
+        }
+        let (from, sampler_state) = resumed.unwrap_or_default();
+        if let Some(saved) = sampler_state {
+            saved.apply_to(&mut sampler)?;
+        }
         // Timed from here, as the other runs: MPI's start-up is not training.
         let start = Instant::now();
+        let batches = sampler.len().div_ceil(per_rank) as u64;
         let bar = if rank == 0 {
-            let steps = sampler.len().div_ceil(per_rank) * args.epochs;
-            let bar = progress_bar(steps as u64)?;
+            let bar = progress_bar(batches * args.epochs as u64)?;
             bar.set_prefix(format!("DDP x{world}"));
+            bar.set_position(from.step);
             bar
         } else {
             ProgressBar::hidden()
         };
+        let mut step = from.step;
         let (mut samples, mut last_loss) = (0, f32::NAN);
         let mut log = EpochLog::default();
         // Shares the trained variables: evaluates the model as it is.
         let model = net(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
-        for epoch in 0..args.epochs {
+        for epoch in from.epoch as usize..args.epochs {
             sampler.set_epoch(epoch as u64);
+            // A resumed epoch continues with the batch it had not trained on.
+            let skip = if epoch as u64 == from.epoch {
+                from.batch
+            } else {
+                0
+            };
             let loader = Loader::new(dataset.clone(), per_rank)?
                 .indices(sampler.indices())
-                .prefetch(2);
-            for batch in &loader {
+                .prefetch(2)
+                .skip_batches(skip as usize);
+            for (index, batch) in (skip..).zip(&loader) {
                 let batch = batch?;
                 let loss = loss::cross_entropy(&ddp.forward(&batch[0])?, &batch[1])?;
                 ddp.backward_step(&loss, &mut opt)?;
@@ -396,6 +462,17 @@ fn train_ddp(
                 last_loss = loss.to_scalar::<f32>()?;
                 log.losses.push(last_loss);
                 bar.inc(1);
+                step += 1;
+                // One writer: the state is the same on every rank.
+                if let (Some(c), 0) = (checkpoints, rank) {
+                    let progress = Progress {
+                        epoch: epoch as u64,
+                        batch: index + 1,
+                        step,
+                    };
+                    let position = Some(SamplerState::from(&sampler));
+                    c.after_step(&varmap, &opt, progress, batches, position)?;
+                }
             }
             bar.set_message(format!("epoch {} loss {last_loss:.4}", epoch + 1));
             if rank == 0 {
@@ -423,14 +500,108 @@ fn train_ddp(
     Ok(ranks.into_iter().flatten().next())
 }
 
+/// candle-dp's AdamW (PyTorch's formulas; its state can be saved).
 fn adamw(varmap: &VarMap, lr: f64) -> Result<AdamW> {
-    Ok(AdamW::new(
-        varmap.all_vars(),
-        ParamsAdamW {
+    Ok(AdamW::from_varmap(
+        varmap,
+        AdamWConfig {
             lr,
             ..Default::default()
         },
     )?)
+}
+
+/// Where the states of the run go, and when.
+struct Checkpoints {
+    states: StateDir,
+    every: Option<u64>,
+    resume: bool,
+}
+
+impl Checkpoints {
+    fn of(args: &Args) -> Result<Option<Checkpoints>> {
+        let Some(dir) = &args.checkpoint_dir else {
+            return Ok(None);
+        };
+        Ok(Some(Checkpoints {
+            states: StateDir::new(dir)?.keep(args.keep as usize),
+            every: args.checkpoint_every,
+            resume: args.resume,
+        }))
+    }
+
+    /// Restores the newest state into `varmap` and `opt` when resuming, and
+    /// says where the run continues (the start for a fresh run).
+    /// `None`: a fresh start.
+    fn resume(
+        &self,
+        varmap: &VarMap,
+        opt: &mut AdamW,
+        speaks: bool,
+    ) -> Result<Option<(Progress, Option<SamplerState>)>> {
+        if !self.resume {
+            return Ok(None);
+        }
+        let Some(saved) = self.states.latest()? else {
+            if speaks {
+                eprintln!(
+                    "no complete training state in {}: starting from scratch",
+                    self.states.path().display()
+                );
+            }
+            return Ok(None);
+        };
+        saved.restore(varmap, Some(opt))?;
+        let p = saved.state.progress;
+        if speaks {
+            eprintln!(
+                "resuming from {}: epoch {}, batch {}, step {}",
+                saved.path.display(),
+                p.epoch + 1,
+                p.batch,
+                p.step
+            );
+        }
+        Ok(Some((p, saved.state.sampler)))
+    }
+
+    /// After the step that left the run at `progress` (`batches` in its
+    /// epoch): saves a state when one is due.
+    fn after_step(
+        &self,
+        varmap: &VarMap,
+        opt: &AdamW,
+        progress: Progress,
+        batches: u64,
+        sampler: Option<SamplerState>,
+    ) -> Result<()> {
+        let end_of_epoch = progress.batch >= batches;
+        let due = match self.every {
+            Some(n) => progress.step % n == 0,
+            None => end_of_epoch,
+        };
+        if !due {
+            return Ok(());
+        }
+        // A state at the end of an epoch continues with the next one.
+        let progress = if end_of_epoch {
+            Progress {
+                epoch: progress.epoch + 1,
+                batch: 0,
+                step: progress.step,
+            }
+        } else {
+            progress
+        };
+        let state = TrainingState {
+            progress,
+            optimizer: Some(opt.state()?),
+            sampler,
+            ..Default::default()
+        };
+        self.states.save(varmap, &state)?;
+        Ok(())
+    }
 }
 
 fn progress_bar(steps: u64) -> Result<ProgressBar> {
@@ -529,38 +700,64 @@ fn run(args: Args) -> Result<()> {
     // process), so they can be compared.
     let init = seeded_varmap(args.seed, DType::F32, &Device::Cpu, args.net(&train_set))?;
 
+    // The states of the run that is saved: the parallel one, or the one
+    // device run of `--strategy single`.
+    let checkpoints = Checkpoints::of(&args)?;
     let parallel = match args.strategy {
         Strategy::Dp => Some((
             format!("DataParallel, {} CPU replicas", args.replicas),
-            train(&args, args.replicas(), &init, &train_set, &test_set)?,
+            train(
+                &args,
+                args.replicas(),
+                &init,
+                &train_set,
+                &test_set,
+                checkpoints.as_ref(),
+            )?,
         )),
         Strategy::Ddp => {
             let label = match Backend::from_env() {
                 Backend::Threads => format!("DDP, {} thread ranks", args.replicas),
                 Backend::Mpi { .. } => format!("DDP, {} MPI processes", Backend::world_size()),
             };
-            match train_ddp(&args, &init, &train_set, &test_set)? {
+            match train_ddp(&args, &init, &train_set, &test_set, checkpoints.as_ref())? {
                 Some(outcome) => Some((label, outcome)),
                 None => return Ok(()), // not rank 0
             }
         }
         Strategy::Single => None,
     };
-    let one = train(&args, 0, &init, &train_set, &test_set)?;
+    let one = match (&parallel, args.no_reference) {
+        (Some(_), true) => None,
+        (Some(_), false) => Some(train(&args, 0, &init, &train_set, &test_set, None)?),
+        (None, _) => Some(train(
+            &args,
+            0,
+            &init,
+            &train_set,
+            &test_set,
+            checkpoints.as_ref(),
+        )?),
+    };
+    // Every run, the saved one first: the parallel run, or the one device.
+    let mut runs: Vec<(String, &Outcome)> = Vec::new();
+    if let Some((label, outcome)) = &parallel {
+        runs.push((label.clone(), outcome));
+    }
+    if let Some(outcome) = &one {
+        runs.push(("one device".to_string(), outcome));
+    }
     // DDP's rank 0 saved its own.
-    if let (Some(path), false) = (&args.save, args.strategy == Strategy::Ddp) {
-        let saved = parallel.as_ref().map_or(&one, |(_, outcome)| outcome);
+    if let (Some(path), false, Some((_, saved))) =
+        (&args.save, args.strategy == Strategy::Ddp, runs.first())
+    {
         checkpoint::save(&saved.varmap, path, Prefix::None)?;
     }
 
     println!();
     println!("| run | final loss | held-out accuracy | train time (s) | samples/s |");
     println!("|---|---|---|---|---|");
-    let mut runs = vec![("one device".to_string(), &one)];
-    if let Some((label, outcome)) = &parallel {
-        runs.insert(0, (label.clone(), outcome));
-    }
-    for (label, o) in runs {
+    for (label, o) in &runs {
         println!(
             "| {label} | {:.4} | {:.2}% | {:.2} | {:.0} |",
             o.last_loss,
@@ -569,7 +766,7 @@ fn run(args: Args) -> Result<()> {
             o.samples as f64 / o.seconds
         );
     }
-    if let Some((_, p)) = &parallel {
+    if let (Some((_, p)), Some(one)) = (&parallel, &one) {
         println!();
         println!("speed-up over one device: {:.2}x", one.seconds / p.seconds);
         let max_diff = sorted_weights(&p.varmap)
@@ -589,10 +786,10 @@ fn run(args: Args) -> Result<()> {
     if let Some(path) = &args.save {
         println!("weights saved to {}", path.display());
     }
-    let mut curves = vec![("one device".to_string(), one.history.as_slice())];
-    if let Some((label, outcome)) = &parallel {
-        curves.insert(0, (label.clone(), outcome.history.as_slice()));
-    }
+    let curves: Vec<(String, &[(f32, f64)])> = runs
+        .iter()
+        .map(|(label, o)| (label.clone(), o.history.as_slice()))
+        .collect();
     chart(&args.chart, &curves)?;
     println!("loss and accuracy per epoch: {}", args.chart.display());
     Ok(())
