@@ -577,7 +577,7 @@ impl Checkpoints {
     ) -> Result<()> {
         let end_of_epoch = progress.batch >= batches;
         let due = match self.every {
-            Some(n) => progress.step % n == 0,
+            Some(n) => progress.step.is_multiple_of(n),
             None => end_of_epoch,
         };
         if !due {
