@@ -4,7 +4,8 @@
 //!
 //! ```text
 //! cargo run --release --example pipeline -- [--stages 2] [--chunks 4] [--schedule 1f1b|gpipe]
-//!     [--epochs 5] [--batch 64] [--seed 1]
+//!     [--epochs 5] [--batch 64] [--seed 1] [--save FILE]
+//!     [--checkpoint-dir DIR [--checkpoint-every N] [--resume]] [--no-reference]
 //! ```
 //!
 //! The model is a list of layer factories; each stage builds only its own
@@ -21,13 +22,21 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[path = "common/datasets.rs"]
 mod datasets;
 
+#[path = "common/checkpoints.rs"]
+mod checkpoints;
+
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
+use candle_dp::checkpoint::{self, Prefix};
+use candle_dp::optim::{AdamW, AdamWConfig};
 use candle_dp::pipeline::{layer, LayerFactory, Pipeline, Schedule};
+use candle_dp::training_state::Progress;
 use candle_dp::{cpu_devices, seeded_varmap, LossReduction};
-use candle_nn::{linear, loss, Activation, AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_nn::{linear, loss, Activation, Optimizer, VarBuilder, VarMap};
+use checkpoints::Checkpoints;
 use clap::{Parser, ValueEnum};
 use datasets::{load_digits, shuffled_indices, LabelledImages};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -57,6 +66,22 @@ struct Args {
     /// Initial weights and data order.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Writes the pipeline's trained weights (safetensors) here.
+    #[arg(long, value_name = "FILE")]
+    save: Option<PathBuf>,
+    /// Saves the whole training state of the pipeline run into this
+    /// directory, to continue with `--resume` after a crash.
+    #[arg(long, value_name = "DIR")]
+    checkpoint_dir: Option<PathBuf>,
+    /// Saves a state every N steps [default: at the end of every epoch].
+    #[arg(long, value_name = "N", requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
+    checkpoint_every: Option<u64>,
+    /// Continues from the newest complete state in `--checkpoint-dir`.
+    #[arg(long, requires = "checkpoint_dir")]
+    resume: bool,
+    /// Skips the one-device comparison run.
+    #[arg(long)]
+    no_reference: bool,
 }
 
 /// The model as a list of layers: 64 -> 128 -> 128 -> 64 -> 10.
@@ -73,9 +98,9 @@ fn layers() -> Vec<LayerFactory> {
 }
 
 fn adamw(varmap: &VarMap) -> Result<AdamW> {
-    Ok(AdamW::new(
-        varmap.all_vars(),
-        ParamsAdamW {
+    Ok(AdamW::from_varmap(
+        varmap,
+        AdamWConfig {
             lr: 3e-3,
             ..Default::default()
         },
@@ -143,19 +168,49 @@ fn run(args: Args) -> Result<()> {
         pipe.schedule()
     );
     let mut opt = adamw(&varmap)?;
+    let checkpoints = Checkpoints::new(
+        args.checkpoint_dir.as_deref(),
+        args.checkpoint_every,
+        3,
+        args.resume,
+    )?;
+    // The stages' variables are the VarMap's: a restored state is theirs.
+    let from = match &checkpoints {
+        Some(c) => c.resume(&varmap, &mut opt, true)?.map(|(p, _)| p),
+        None => None,
+    }
+    .unwrap_or_default();
     let test_x = test.images.flatten_from(1)?;
     let mut bubble = Vec::new();
     let start = std::time::Instant::now();
-    for epoch in 0..args.epochs {
+    let mut step_count = from.step;
+    for epoch in from.epoch as usize..args.epochs {
         let mut losses = Vec::new();
-        for (x, y) in batches(&train, args.batch, epoch, args.seed)? {
+        let all = batches(&train, args.batch, epoch, args.seed)?;
+        let per_epoch = all.len() as u64;
+        // A resumed epoch continues with the batch it had not trained on.
+        let skip = if epoch as u64 == from.epoch {
+            from.batch as usize
+        } else {
+            0
+        };
+        for (index, (x, y)) in all.into_iter().enumerate().skip(skip) {
             let step = pipe.forward_backward(&x, &y, LossReduction::Mean, loss::cross_entropy)?;
             opt.step(&step.grads)?;
             losses.push(step.loss.to_scalar::<f32>()?);
             bubble.push(pipe.last_timings().bubble());
+            step_count += 1;
+            if let Some(c) = &checkpoints {
+                let progress = Progress {
+                    epoch: epoch as u64,
+                    batch: index as u64 + 1,
+                    step: step_count,
+                };
+                c.after_step(&varmap, &opt, progress, per_epoch, None)?;
+            }
         }
         let acc = accuracy(&pipe.forward_t(&test_x, false)?, &test.labels)?;
-        let mean = losses.iter().sum::<f32>() / losses.len() as f32;
+        let mean = losses.iter().sum::<f32>() / losses.len().max(1) as f32;
         println!(
             "epoch {epoch}: loss {mean:.4}, held-out accuracy {:.2}%",
             acc * 100.0
@@ -164,6 +219,13 @@ fn run(args: Args) -> Result<()> {
     let pipe_seconds = start.elapsed().as_secs_f64();
     bubble.sort_by(f64::total_cmp);
     let median_bubble = bubble.get(bubble.len() / 2).copied().unwrap_or(0.0);
+    if let Some(path) = &args.save {
+        checkpoint::save(&varmap, path, Prefix::None)?;
+        println!("weights saved to {}", path.display());
+    }
+    if args.no_reference {
+        return Ok(());
+    }
 
     // The same training on one device: plain candle.
     let reference = init()?;

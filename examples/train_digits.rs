@@ -22,6 +22,9 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[path = "common/datasets.rs"]
 mod datasets;
 
+#[path = "common/checkpoints.rs"]
+mod checkpoints;
+
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -34,15 +37,14 @@ use candle_dp::checkpoint::{self, Prefix};
 use candle_dp::comm::GroupOptions;
 use candle_dp::launch::{self, Backend};
 use candle_dp::loader::{Loader, TensorDataset};
-use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
+use candle_dp::optim::{AdamW, AdamWConfig};
 use candle_dp::sampler::DistributedSampler;
-use candle_dp::training_state::{
-    check_ranks_agree, Progress, SamplerState, StateDir, TrainingState,
-};
+use candle_dp::training_state::{check_ranks_agree, Progress, SamplerState};
 use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParallel, LossReduction};
 use candle_nn::{
     conv2d, linear, loss, Conv2d, Conv2dConfig, Linear, Optimizer, VarBuilder, VarMap,
 };
+use checkpoints::Checkpoints;
 use clap::{Parser, ValueEnum};
 use datasets::{load_digits, load_mnist, shuffled_indices, LabelledImages};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -511,99 +513,6 @@ fn adamw(varmap: &VarMap, lr: f64) -> Result<AdamW> {
     )?)
 }
 
-/// Where the states of the run go, and when.
-struct Checkpoints {
-    states: StateDir,
-    every: Option<u64>,
-    resume: bool,
-}
-
-impl Checkpoints {
-    fn of(args: &Args) -> Result<Option<Checkpoints>> {
-        let Some(dir) = &args.checkpoint_dir else {
-            return Ok(None);
-        };
-        Ok(Some(Checkpoints {
-            states: StateDir::new(dir)?.keep(args.keep as usize),
-            every: args.checkpoint_every,
-            resume: args.resume,
-        }))
-    }
-
-    /// Restores the newest state into `varmap` and `opt` when resuming, and
-    /// says where the run continues (the start for a fresh run).
-    /// `None`: a fresh start.
-    fn resume(
-        &self,
-        varmap: &VarMap,
-        opt: &mut AdamW,
-        speaks: bool,
-    ) -> Result<Option<(Progress, Option<SamplerState>)>> {
-        if !self.resume {
-            return Ok(None);
-        }
-        let Some(saved) = self.states.latest()? else {
-            if speaks {
-                eprintln!(
-                    "no complete training state in {}: starting from scratch",
-                    self.states.path().display()
-                );
-            }
-            return Ok(None);
-        };
-        saved.restore(varmap, Some(opt))?;
-        let p = saved.state.progress;
-        if speaks {
-            eprintln!(
-                "resuming from {}: epoch {}, batch {}, step {}",
-                saved.path.display(),
-                p.epoch + 1,
-                p.batch,
-                p.step
-            );
-        }
-        Ok(Some((p, saved.state.sampler)))
-    }
-
-    /// After the step that left the run at `progress` (`batches` in its
-    /// epoch): saves a state when one is due.
-    fn after_step(
-        &self,
-        varmap: &VarMap,
-        opt: &AdamW,
-        progress: Progress,
-        batches: u64,
-        sampler: Option<SamplerState>,
-    ) -> Result<()> {
-        let end_of_epoch = progress.batch >= batches;
-        let due = match self.every {
-            Some(n) => progress.step.is_multiple_of(n),
-            None => end_of_epoch,
-        };
-        if !due {
-            return Ok(());
-        }
-        // A state at the end of an epoch continues with the next one.
-        let progress = if end_of_epoch {
-            Progress {
-                epoch: progress.epoch + 1,
-                batch: 0,
-                step: progress.step,
-            }
-        } else {
-            progress
-        };
-        let state = TrainingState {
-            progress,
-            optimizer: Some(opt.state()?),
-            sampler,
-            ..Default::default()
-        };
-        self.states.save(varmap, &state)?;
-        Ok(())
-    }
-}
-
 fn progress_bar(steps: u64) -> Result<ProgressBar> {
     let bar = ProgressBar::new(steps);
     bar.set_style(
@@ -702,7 +611,12 @@ fn run(args: Args) -> Result<()> {
 
     // The states of the run that is saved: the parallel one, or the one
     // device run of `--strategy single`.
-    let checkpoints = Checkpoints::of(&args)?;
+    let checkpoints = Checkpoints::new(
+        args.checkpoint_dir.as_deref(),
+        args.checkpoint_every,
+        args.keep as usize,
+        args.resume,
+    )?;
     let parallel = match args.strategy {
         Strategy::Dp => Some((
             format!("DataParallel, {} CPU replicas", args.replicas),
