@@ -1225,6 +1225,76 @@ fn train_digits_on_threads_and_on_mpi_processes_saves_the_same_weights() {
     );
 }
 
+/// The main job under `mpirun -np 2`, killed five times (one rank with
+/// SIGKILL, which ends the job: at pseudo-random moments, and rank 0 in
+/// the middle of a save) and resumed with `--resume` each time, saves the
+/// same bytes as an uninterrupted run.
+#[test]
+fn train_digits_under_mpirun_killed_five_times_resumes_to_the_same_bytes() {
+    use common::killing::{example, fractions, ranks_of, run_and_kill, KillAt};
+    let exe = example("train_digits");
+    let dir = tempdir::Dir::new("resume");
+    let states = dir.path().join("states");
+    let job = |states: &Path, save: &Path| {
+        let mut command = mpirun_command(2, &exe, None);
+        command
+            .args(["--strategy", "ddp", "--epochs", "3", "--seed", "3"])
+            .args(["--checkpoint-every", "2", "--resume", "--chart"])
+            .arg(dir.path().join("chart.svg"))
+            .arg("--checkpoint-dir")
+            .arg(states)
+            .arg("--save")
+            .arg(save);
+        command
+    };
+    let (straight, resumed) = (
+        dir.path().join("straight.safetensors"),
+        dir.path().join("resumed.safetensors"),
+    );
+    let start = Instant::now();
+    let output = run_bounded(
+        job(&dir.path().join("straight-states"), &straight),
+        "mpirun",
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let window = start.elapsed().div_f64(6.0);
+    let mut report = Vec::new();
+    for (i, fraction) in fractions(11, 5).into_iter().enumerate() {
+        // Rank 0 writes the states: it is the one killed inside a save.
+        let (at, victim) = if i == 2 {
+            (KillAt::DuringSave, 0)
+        } else {
+            (KillAt::After(window.mul_f64(fraction)), 1)
+        };
+        let killed = run_and_kill(job(&states, &resumed), at, &states, |child| {
+            ranks_of(child.id())
+                .into_iter()
+                .find(|(_, rank)| *rank == Some(victim))
+                .map(|(pid, _)| pid)
+        });
+        report.push(format!("rank {victim} {at:?}: {killed:?}"));
+    }
+    let output = run_bounded(job(&states, &resumed), "mpirun --resume");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        std::fs::read(&resumed).unwrap() == std::fs::read(&straight).unwrap(),
+        "the resumed job saved other weights; kills: {report:#?}"
+    );
+    assert!(
+        report.iter().any(|r| r.contains("resumed: Some(")),
+        "no run resumed from a saved state: {report:#?}"
+    );
+    println!("mpirun -np 2: same bytes after 5 kills: {report:#?}");
+}
+
 /// A directory removed when dropped.
 mod tempdir {
     use std::path::{Path, PathBuf};

@@ -1,6 +1,8 @@
 //! Models and helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod killing;
+
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Module, ModuleT, Result, Tensor};

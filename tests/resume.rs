@@ -1,0 +1,139 @@
+//! A killed job resumes to the same bytes. The main job (`train_digits`,
+//! DataParallel and DDP on thread ranks) and the pipeline example are
+//! killed with SIGKILL at pseudo-random moments and while a save is under
+//! way, restarted with `--resume` each time, and finally run to the end:
+//! their saved weights equal an uninterrupted run's byte for byte. (Under
+//! `mpirun`: `tests/mpi.rs`.)
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use common::killing::{example, fractions, run_and_kill, run_to_end, KillAt};
+
+/// Kills `job` at each of `kills` (restarting it with `--resume` each
+/// time), then lets it finish; returns the bytes it saved, after checking
+/// them against an uninterrupted run's. `job(dir, save)` is the command
+/// with its checkpoint directory and weights file.
+fn resumes_to_the_same_bytes(name: &str, job: impl Fn(&Path, &Path) -> Command, kills: usize) {
+    let root = std::env::temp_dir().join(format!("candle_dp_resume_{name}_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let (straight, resumed) = (
+        root.join("straight.safetensors"),
+        root.join("resumed.safetensors"),
+    );
+    let start = Instant::now();
+    run_to_end(job(&root.join("straight-states"), &straight), name);
+    let whole = start.elapsed();
+
+    // Kill points: pseudo-random moments within the first 1/(kills + 1) of
+    // a whole run's time (so that every restart still has work left), and
+    // (every third) the first save under way.
+    let states = root.join("states");
+    let mut report = Vec::new();
+    let window = whole.div_f64((kills + 1) as f64);
+    for (i, fraction) in fractions(name.len() as u64, kills).into_iter().enumerate() {
+        let at = if i % 3 == 2 {
+            KillAt::DuringSave
+        } else {
+            KillAt::After(window.mul_f64(fraction))
+        };
+        let killed = run_and_kill(job(&states, &resumed), at, &states, |child| {
+            Some(child.id())
+        });
+        report.push(format!("{at:?}: {killed:?}"));
+    }
+    run_to_end(job(&states, &resumed), name);
+    let (want, got) = (
+        std::fs::read(&straight).unwrap(),
+        std::fs::read(&resumed).unwrap(),
+    );
+    assert!(
+        got == want,
+        "{name}: the resumed run saved other weights than the uninterrupted one; kills: {report:#?}"
+    );
+    println!("{name}: same bytes after {kills} kills: {report:#?}");
+    assert!(
+        report.iter().any(|r| r.contains("resumed: Some(")),
+        "{name}: no run resumed from a saved state: {report:#?}"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// `train_digits` with checkpoints every 2 steps, resuming.
+fn train_digits(strategy: &'static str) -> impl Fn(&Path, &Path) -> Command {
+    move |states, save| {
+        let mut command = Command::new(example("train_digits"));
+        command
+            .args([
+                "--strategy",
+                strategy,
+                "--epochs",
+                "3",
+                "--seed",
+                "3",
+                "--no-reference",
+            ])
+            .args(["--checkpoint-every", "2", "--resume"])
+            .arg("--checkpoint-dir")
+            .arg(states)
+            .arg("--save")
+            .arg(save)
+            .arg("--chart")
+            .arg(states.with_extension("svg"));
+        command
+    }
+}
+
+#[test]
+fn data_parallel_killed_five_times_resumes_to_the_same_bytes() {
+    resumes_to_the_same_bytes("dp", train_digits("dp"), 5);
+}
+
+#[test]
+fn ddp_on_thread_ranks_killed_five_times_resumes_to_the_same_bytes() {
+    resumes_to_the_same_bytes("ddp", train_digits("ddp"), 5);
+}
+
+#[test]
+fn a_pipeline_killed_five_times_resumes_to_the_same_bytes() {
+    resumes_to_the_same_bytes(
+        "pipeline",
+        |states, save| {
+            let mut command = Command::new(example("pipeline"));
+            command
+                .args([
+                    "--epochs",
+                    "3",
+                    "--no-reference",
+                    "--checkpoint-every",
+                    "2",
+                    "--resume",
+                ])
+                .arg("--checkpoint-dir")
+                .arg(states)
+                .arg("--save")
+                .arg(save);
+            command
+        },
+        5,
+    );
+}
+
+/// `--resume` on an empty directory says so and trains from scratch.
+#[test]
+fn resume_without_a_state_says_so_and_starts_from_scratch() {
+    let root = std::env::temp_dir().join(format!("candle_dp_resume_empty_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let output = train_digits("single")(&root.join("states"), &root.join("w.safetensors"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(stderr.contains("no complete training state in"), "{stderr}");
+    assert!(stderr.contains("starting from scratch"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&root);
+}
