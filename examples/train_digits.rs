@@ -200,6 +200,20 @@ struct Args {
     /// Skips the one-device comparison run (dp and ddp).
     #[arg(long)]
     no_reference: bool,
+    /// How long a DDP rank waits in a collective for the others before the
+    /// job fails: seconds, or `none` [default: 1800, or CANDLE_DP_TIMEOUT].
+    #[arg(long, value_name = "SECONDS", value_parser = timeout_arg)]
+    timeout: Option<Timeout>,
+}
+
+/// A `--timeout`: `None` is no limit.
+#[derive(Clone, Copy, Debug)]
+struct Timeout(Option<std::time::Duration>);
+
+fn timeout_arg(value: &str) -> std::result::Result<Timeout, String> {
+    candle_dp::comm::parse_timeout(Some(value))
+        .map(Timeout)
+        .map_err(|e| e.replace("CANDLE_DP_TIMEOUT=", "--timeout "))
 }
 
 impl Args {
@@ -403,7 +417,11 @@ fn train_ddp(
         train.labels.clone(),
     ])?);
     let net = args.net(train);
-    let ranks = launch::run(args.replicas(), GroupOptions::default(), |ctx| {
+    let mut options = GroupOptions::default();
+    if let Some(Timeout(timeout)) = args.timeout {
+        options.timeout = timeout;
+    }
+    let ranks = launch::run(args.replicas(), options, |ctx| {
         let (rank, world) = (ctx.rank, ctx.world_size);
         let per_rank = (args.batch() / world).max(1);
         let varmap = copy_varmap(init)?;

@@ -60,6 +60,11 @@
 //! pipelines micro-batches through them (GPipe or 1F1B): model parallelism
 //! for models too large for one device.
 //!
+//! [`optim`] has SGD, Adam and AdamW with PyTorch's formulas and a state
+//! that can be saved, and [`training_state`] saves a whole run (weights,
+//! optimizer, progress, sampler) atomically, so that a killed job resumes
+//! to the same bytes, with any of the above.
+//!
 //! **CPU threads.** Several CPU replicas or thread ranks share the cores by
 //! themselves: each gets its own rayon pool of `cores / workers` threads,
 //! and candle's process-wide elementwise pool is left empty

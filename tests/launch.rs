@@ -416,3 +416,63 @@ fn an_abort_in_the_middle_of_large_all_reduces_gives_each_rank_the_sum_or_the_fa
         }
     }
 }
+
+#[test]
+#[ignore = "run by the_default_timeout_is_30_minutes_or_what_candle_dp_timeout_says in a child process"]
+fn print_the_default_timeout() {
+    // What a group built with the defaults has (spawn uses them).
+    let ranks = spawn(2, |ctx| Ok(ctx.pg.timeout())).unwrap();
+    println!(
+        "default timeout: {:?}, ranks: {ranks:?}",
+        candle_dp::comm::GroupOptions::default().timeout
+    );
+}
+
+/// No wait is unbounded unless asked: a group built with the defaults has
+/// PyTorch's 30 minutes, or what `CANDLE_DP_TIMEOUT` says (seconds or
+/// `none`); a value that is neither is reported and the default used.
+#[test]
+fn the_default_timeout_is_30_minutes_or_what_candle_dp_timeout_says() {
+    let cases = [
+        (
+            None,
+            "default timeout: Some(1800s), ranks: [Some(1800s), Some(1800s)]",
+        ),
+        (
+            Some("7"),
+            "default timeout: Some(7s), ranks: [Some(7s), Some(7s)]",
+        ),
+        (Some("none"), "default timeout: None, ranks: [None, None]"),
+        (
+            Some("soon"),
+            "default timeout: Some(1800s), ranks: [Some(1800s), Some(1800s)]",
+        ),
+    ];
+    for (value, expected) in cases {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap());
+        child.args([
+            "--ignored",
+            "--exact",
+            "print_the_default_timeout",
+            "--nocapture",
+        ]);
+        match value {
+            Some(v) => child.env("CANDLE_DP_TIMEOUT", v),
+            None => child.env_remove("CANDLE_DP_TIMEOUT"),
+        };
+        let output = child.output().unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr),
+        );
+        assert!(stdout.contains(expected), "{value:?}: {stdout}{stderr}");
+        if value == Some("soon") {
+            assert!(
+                stderr.contains(
+                    "CANDLE_DP_TIMEOUT=\"soon\" is neither a positive number of seconds nor `none`"
+                ),
+                "{stderr}"
+            );
+        }
+    }
+}

@@ -36,6 +36,7 @@ mod protocol;
 mod ring;
 mod shared_output;
 mod thread_group;
+mod timeout;
 
 use std::fmt;
 use std::time::Duration;
@@ -50,6 +51,7 @@ pub use mpi_group::{MpiGroup, MpiInitError};
 #[cfg(feature = "nccl")]
 pub use nccl_group::NcclGroup;
 pub use thread_group::{GroupOptions, ThreadGroup, ThreadRank, DEFAULT_RING_THRESHOLD_BYTES};
+pub use timeout::{parse_timeout, DEFAULT_TIMEOUT, TIMEOUT_VARIABLE};
 
 /// How [`ProcessGroup::all_reduce`] and [`ProcessGroup::reduce`] combine the
 /// ranks' values, element by element.

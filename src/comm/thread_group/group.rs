@@ -31,8 +31,10 @@ pub const DEFAULT_RING_THRESHOLD_BYTES: usize = 64 * 1024;
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupOptions {
-    /// The initial timeout of every rank (see [`ProcessGroup::set_timeout`]).
-    /// Default: none.
+    /// The initial timeout of every rank (see [`ProcessGroup::set_timeout`]);
+    /// `None`: no limit. Default: [`DEFAULT_TIMEOUT`](crate::comm::DEFAULT_TIMEOUT),
+    /// 30 minutes as in PyTorch, or what the environment variable
+    /// [`CANDLE_DP_TIMEOUT`](crate::comm::TIMEOUT_VARIABLE) says.
     pub timeout: Option<Duration>,
     /// Reductions of buffers at least this large (in bytes) use the ring
     /// algorithm; smaller ones are sent to every rank in one step and reduced
@@ -44,7 +46,7 @@ pub struct GroupOptions {
 impl Default for GroupOptions {
     fn default() -> Self {
         GroupOptions {
-            timeout: None,
+            timeout: crate::comm::timeout::timeout_from_env(),
             ring_threshold_bytes: DEFAULT_RING_THRESHOLD_BYTES,
         }
     }
