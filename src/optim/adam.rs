@@ -5,10 +5,10 @@
 use std::collections::BTreeMap;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor, Var};
+use candle_core::{Tensor, Var};
 use candle_nn::{Optimizer, VarMap};
 
-use super::element::{checked_grads, host_values, typed, write_back, Buffer, Element};
+use super::element::{host_values, step_each, typed, write_back, Buffer, Element, PerParameter};
 use super::state::{by_position, invalid, named_vars, scalar_value, setting, sort_entries};
 use super::{OptimizerState, StatefulOptimizer};
 use crate::error::Result;
@@ -203,90 +203,9 @@ impl AdamCore {
     }
 
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
-        let todo = checked_grads(&self.params, grads)?;
-        for (i, grad) in todo {
-            match self.params[i].1.dtype() {
-                DType::F64 => self.update::<f64>(i, &grad)?,
-                _ => self.update::<f32>(i, &grad)?,
-            }
-        }
+        step_each(self, grads)?;
         self.steps += 1;
         Ok(())
-    }
-
-    fn update<T: Element>(&mut self, i: usize, grad: &Tensor) -> candle_core::Result<()> {
-        let c = self.config;
-        let (name, var) = &self.params[i];
-        let mut p: Vec<T> = host_values(var.as_tensor())?;
-        let mut g: Vec<T> = host_values(grad)?;
-        let n = p.len();
-        let state = self.slots[i].get_or_insert_with(|| Moments {
-            step: 0.0,
-            exp_avg: T::into_buffer(vec![T::of(0.0); n]),
-            exp_avg_sq: T::into_buffer(vec![T::of(0.0); n]),
-            max_exp_avg_sq: c.amsgrad.then(|| T::into_buffer(vec![T::of(0.0); n])),
-        });
-        if c.maximize {
-            g.iter_mut().for_each(|x| *x = -*x);
-        }
-        state.step += 1.0;
-        if c.weight_decay != 0.0 {
-            if self.decoupled {
-                let keep = T::of(1.0 - c.lr * c.weight_decay);
-                p.iter_mut().for_each(|p| *p *= keep);
-            } else {
-                let wd = T::of(c.weight_decay);
-                g.iter_mut().zip(&p).for_each(|(g, &p)| *g = p.fma(wd, *g));
-            }
-        }
-        let Moments {
-            step,
-            exp_avg,
-            exp_avg_sq,
-            max_exp_avg_sq,
-        } = state;
-        let m = typed::<T>(exp_avg, name, "exp_avg")?;
-        let v = typed::<T>(exp_avg_sq, name, "exp_avg_sq")?;
-        // exp_avg.lerp_(g, 1 - beta1): ATen's vectorised lerp, two forms.
-        let w = T::of(1.0 - c.beta1);
-        let small = w < T::of(0.5) && -w < T::of(0.5);
-        for (m, &g) in m.iter_mut().zip(&g) {
-            let diff = g - *m;
-            *m = if small {
-                w.fma(diff, *m)
-            } else {
-                (w - T::of(1.0)).fma(diff, g)
-            };
-        }
-        // exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2): ATen's
-        // addcmul kernel, `v + (value * g) * g`, is compiled into a fused
-        // multiply-add (measured: a plain add differs from PyTorch by an
-        // ulp here and there).
-        let (beta2, rest) = (T::of(c.beta2), T::of(1.0 - c.beta2));
-        for (v, &g) in v.iter_mut().zip(&g) {
-            *v = (rest * g).fma(g, *v * beta2);
-        }
-        let step_size = c.lr / (1.0 - c.beta1.powf(*step));
-        let bc2_sqrt = T::of((1.0 - c.beta2.powf(*step)).powf(0.5));
-        let (eps, minus_step) = (T::of(c.eps), T::of(-step_size));
-        let second: &[T] = match max_exp_avg_sq {
-            Some(max) => {
-                let max = typed::<T>(max, name, "max_exp_avg_sq")?;
-                for (max, &v) in max.iter_mut().zip(v.iter()) {
-                    // torch.maximum: NaN wins.
-                    if v.is_nan() || v > *max {
-                        *max = v;
-                    }
-                }
-                max
-            }
-            None => v,
-        };
-        // p.addcdiv_(m, sqrt(v) / sqrt(bc2) + eps, value=-step_size)
-        for ((p, &m), &v) in p.iter_mut().zip(m.iter()).zip(second) {
-            *p += minus_step * m / (v.sqrt() / bc2_sqrt + eps);
-        }
-        write_back(var, p)
     }
 
     fn state(&self) -> Result<OptimizerState> {
@@ -374,6 +293,87 @@ impl AdamCore {
         self.slots = slots;
         self.steps = state.steps;
         Ok(())
+    }
+}
+
+impl PerParameter for AdamCore {
+    fn params(&self) -> &[(String, Var)] {
+        &self.params
+    }
+
+    fn update<T: Element>(&mut self, i: usize, grad: &Tensor) -> candle_core::Result<()> {
+        let c = self.config;
+        let (name, var) = &self.params[i];
+        let mut p: Vec<T> = host_values(var.as_tensor())?;
+        let mut g: Vec<T> = host_values(grad)?;
+        let n = p.len();
+        let state = self.slots[i].get_or_insert_with(|| Moments {
+            step: 0.0,
+            exp_avg: T::into_buffer(vec![T::of(0.0); n]),
+            exp_avg_sq: T::into_buffer(vec![T::of(0.0); n]),
+            max_exp_avg_sq: c.amsgrad.then(|| T::into_buffer(vec![T::of(0.0); n])),
+        });
+        if c.maximize {
+            g.iter_mut().for_each(|x| *x = -*x);
+        }
+        state.step += 1.0;
+        if c.weight_decay != 0.0 {
+            if self.decoupled {
+                let keep = T::of(1.0 - c.lr * c.weight_decay);
+                p.iter_mut().for_each(|p| *p *= keep);
+            } else {
+                let wd = T::of(c.weight_decay);
+                g.iter_mut().zip(&p).for_each(|(g, &p)| *g = p.fma(wd, *g));
+            }
+        }
+        let Moments {
+            step,
+            exp_avg,
+            exp_avg_sq,
+            max_exp_avg_sq,
+        } = state;
+        let m = typed::<T>(exp_avg, name, "exp_avg")?;
+        let v = typed::<T>(exp_avg_sq, name, "exp_avg_sq")?;
+        // exp_avg.lerp_(g, 1 - beta1): ATen's vectorised lerp, two forms.
+        let w = T::of(1.0 - c.beta1);
+        let small = w < T::of(0.5) && -w < T::of(0.5);
+        for (m, &g) in m.iter_mut().zip(&g) {
+            let diff = g - *m;
+            *m = if small {
+                w.fma(diff, *m)
+            } else {
+                (w - T::of(1.0)).fma(diff, g)
+            };
+        }
+        // exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2): ATen's
+        // addcmul kernel, `v + (value * g) * g`, is compiled into a fused
+        // multiply-add (measured: a plain add differs from PyTorch by an
+        // ulp here and there).
+        let (beta2, rest) = (T::of(c.beta2), T::of(1.0 - c.beta2));
+        for (v, &g) in v.iter_mut().zip(&g) {
+            *v = (rest * g).fma(g, *v * beta2);
+        }
+        let step_size = c.lr / (1.0 - c.beta1.powf(*step));
+        let bc2_sqrt = T::of((1.0 - c.beta2.powf(*step)).powf(0.5));
+        let (eps, minus_step) = (T::of(c.eps), T::of(-step_size));
+        let second: &[T] = match max_exp_avg_sq {
+            Some(max) => {
+                let max = typed::<T>(max, name, "max_exp_avg_sq")?;
+                for (max, &v) in max.iter_mut().zip(v.iter()) {
+                    // torch.maximum: NaN wins.
+                    if v.is_nan() || v > *max {
+                        *max = v;
+                    }
+                }
+                max
+            }
+            None => v,
+        };
+        // p.addcdiv_(m, sqrt(v) / sqrt(bc2) + eps, value=-step_size)
+        for ((p, &m), &v) in p.iter_mut().zip(m.iter()).zip(second) {
+            *p += minus_step * m / (v.sqrt() / bc2_sqrt + eps);
+        }
+        write_back(var, p)
     }
 }
 

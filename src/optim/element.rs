@@ -161,3 +161,27 @@ pub(crate) fn checked_grads(
     }
     Ok(todo)
 }
+
+/// An optimizer that updates each parameter on its own, in the
+/// parameter's element type.
+pub(crate) trait PerParameter {
+    /// The parameters, named.
+    fn params(&self) -> &[(String, Var)];
+    /// Updates parameter `i` with `grad` (checked to fit), in type `T`.
+    fn update<T: Element>(&mut self, i: usize, grad: &Tensor) -> candle_core::Result<()>;
+}
+
+/// One optimizer step: every parameter with a gradient in `grads`
+/// updated, once all of them are known to fit (else none).
+pub(crate) fn step_each<O: PerParameter>(
+    optimizer: &mut O,
+    grads: &GradStore,
+) -> candle_core::Result<()> {
+    for (i, grad) in checked_grads(optimizer.params(), grads)? {
+        match optimizer.params()[i].1.dtype() {
+            DType::F64 => optimizer.update::<f64>(i, &grad)?,
+            _ => optimizer.update::<f32>(i, &grad)?,
+        }
+    }
+    Ok(())
+}

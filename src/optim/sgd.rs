@@ -4,10 +4,10 @@
 use std::collections::BTreeMap;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Var};
+use candle_core::Var;
 use candle_nn::{Optimizer, VarMap};
 
-use super::element::{checked_grads, host_values, typed, write_back, Buffer, Element};
+use super::element::{host_values, step_each, typed, write_back, Buffer, Element, PerParameter};
 use super::state::{by_position, invalid, named_vars, setting, sort_entries};
 use super::{OptimizerState, StatefulOptimizer};
 use crate::error::Result;
@@ -108,6 +108,12 @@ impl Sgd {
     pub fn config(&self) -> &SgdConfig {
         &self.config
     }
+}
+
+impl PerParameter for Sgd {
+    fn params(&self) -> &[(String, Var)] {
+        &self.params
+    }
 
     fn update<T: Element>(
         &mut self,
@@ -165,13 +171,7 @@ impl Optimizer for Sgd {
     }
 
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
-        let todo = checked_grads(&self.params, grads)?;
-        for (i, grad) in todo {
-            match self.params[i].1.dtype() {
-                DType::F64 => self.update::<f64>(i, &grad)?,
-                _ => self.update::<f32>(i, &grad)?,
-            }
-        }
+        step_each(self, grads)?;
         self.steps += 1;
         Ok(())
     }
