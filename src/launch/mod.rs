@@ -26,6 +26,8 @@
 #[cfg(feature = "nccl")]
 mod gpus;
 #[cfg(feature = "mpi")]
+mod launcher;
+#[cfg(feature = "mpi")]
 mod mpi;
 pub mod report;
 mod threads;

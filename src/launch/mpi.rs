@@ -4,9 +4,10 @@
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 
+use super::launcher::Launcher;
 use super::report::{self, RankPanicHook};
 use super::{LaunchError, RankContext};
-use crate::comm::{Failure, GroupOptions, MpiGroup, ProcessGroup};
+use crate::comm::{Failure, FailureCause, GroupOptions, MpiGroup, ProcessGroup};
 use crate::panic_message::panic_message;
 
 /// Runs `f` on this process's rank and returns its result, or the failure
@@ -52,12 +53,28 @@ where
     let failure = pg.failure();
     // Leaves even if the value holds a handle; finalizes MPI when healthy.
     pg.leave();
+    let timed_out = matches!(
+        failure,
+        Some(Failure {
+            cause: FailureCause::TimedOut { .. },
+            ..
+        })
+    );
     let result = outcome_of(rank, outcome, failure);
     if let Err(error) = &result {
         let text = report::one_line(error);
         if own_report.as_ref() != Some(&text) {
             report::eprint_from_run(&text);
         }
+    }
+    // A timeout may be a machine gone from the network, which Open MPI's
+    // launcher never notices: end it, so that nothing outlives the job.
+    if let (true, Some(launcher)) = (timed_out, Launcher::parent()) {
+        report::eprint_report(&format!(
+            "rank {rank} ends its {}: the group timed out, and Open MPI's launcher does not end a job whose machines it cannot reach",
+            launcher.name()
+        ));
+        launcher.end();
     }
     result
 }

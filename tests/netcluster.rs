@@ -1,0 +1,191 @@
+//! Several machines, simulated (`scripts/netcluster.sh`): ranks in
+//! separate network namespaces, over TCP only. The main job trains to the
+//! same bytes as on thread ranks; a machine cut off mid-training ends every
+//! rank, the cut-off one included, within the group's timeout, naming the
+//! rank that did not arrive, and leaves no process behind.
+//!
+//! Needs root (network namespaces), Open MPI and the `mpi` feature; where
+//! namespaces cannot be made, each test prints why and passes without
+//! running (as CI does not promise them).
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::killing::example;
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/netcluster.sh")
+}
+
+/// `None` when a cluster can be made here, else why not.
+fn unavailable() -> Option<String> {
+    let output = Command::new("bash").arg(script()).arg("check").output();
+    match output {
+        Ok(o) if o.status.success() => None,
+        Ok(o) => Some(String::from_utf8_lossy(&o.stdout).trim().to_string()),
+        Err(e) => Some(format!("cannot run {}: {e}", script().display())),
+    }
+}
+
+/// Runs the script (bounded by `limit`), returning its output and how
+/// long it took.
+fn cluster(args: &[&str], program: &[&std::ffi::OsStr], limit: Duration) -> (Output, Duration) {
+    let start = Instant::now();
+    let mut child = Command::new("bash")
+        .arg(script())
+        .arg("run")
+        .args(args)
+        .arg("--")
+        .args(program)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            // SIGTERM: the script tears the cluster down.
+            let _ = Command::new("kill").arg(child.id().to_string()).status();
+            let output = child.wait_with_output().unwrap();
+            panic!(
+                "the cluster ran past {limit:?}:\n{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (child.wait_with_output().unwrap(), start.elapsed())
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// The main job's weights on 2 "machines" x 1 and x 2 processes equal
+/// those of as many thread ranks, byte for byte.
+#[test]
+fn train_digits_on_two_simulated_machines_saves_the_same_weights_as_thread_ranks() {
+    if let Some(why) = unavailable() {
+        println!("skipped: {why}");
+        return;
+    }
+    let exe = example("train_digits");
+    let dir = std::env::temp_dir().join(format!("candle_dp_netcluster_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for per_machine in [1, 2] {
+        let ranks = 2 * per_machine;
+        let save = |name: &str| dir.join(format!("{name}-{ranks}.safetensors"));
+        let args = |file: &Path| {
+            let mut args: Vec<std::ffi::OsString> = [
+                "--strategy",
+                "ddp",
+                "--epochs",
+                "2",
+                "--seed",
+                "5",
+                "--no-reference",
+            ]
+            .iter()
+            .map(Into::into)
+            .collect();
+            args.extend(["--replicas".into(), ranks.to_string().into()]);
+            args.extend(["--chart".into(), dir.join("chart.svg").into_os_string()]);
+            args.extend(["--save".into(), file.as_os_str().to_owned()]);
+            args
+        };
+        let threads = Command::new(&exe)
+            .args(args(&save("threads")))
+            .output()
+            .unwrap();
+        assert!(threads.status.success(), "{}", text(&threads));
+        let mut program = vec![exe.as_os_str()];
+        let cluster_args = args(&save("cluster"));
+        program.extend(cluster_args.iter().map(|a| a.as_os_str()));
+        let per = per_machine.to_string();
+        let (output, took) = cluster(
+            &["--machines", "2", "--per-machine", &per],
+            &program,
+            Duration::from_secs(240),
+        );
+        assert!(output.status.success(), "{}", text(&output));
+        assert!(
+            !text(&output).contains("still running at teardown"),
+            "{}",
+            text(&output)
+        );
+        let (a, b) = (
+            std::fs::read(save("threads")).unwrap(),
+            std::fs::read(save("cluster")).unwrap(),
+        );
+        assert!(
+            a == b,
+            "2 machines x {per_machine}: other weights than {ranks} thread ranks"
+        );
+        println!("2 machines x {per_machine}: same bytes as {ranks} thread ranks ({took:?})");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Machine 2's link goes down in the middle of training: every rank ends
+/// within the timeout (5 s here) with an error naming the rank that did
+/// not arrive, mpirun exits with a failure, and no process is left on
+/// either machine.
+#[test]
+fn a_machine_cut_off_mid_training_ends_every_rank_within_the_timeout_naming_it() {
+    if let Some(why) = unavailable() {
+        println!("skipped: {why}");
+        return;
+    }
+    let exe = example("train_digits");
+    let dir = std::env::temp_dir().join(format!("candle_dp_partition_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let chart = dir.join("chart.svg");
+    let program = [
+        exe.as_os_str(),
+        "--strategy".as_ref(),
+        "ddp".as_ref(),
+        "--epochs".as_ref(),
+        "200".as_ref(),
+        "--timeout".as_ref(),
+        "5".as_ref(),
+        "--no-reference".as_ref(),
+        "--chart".as_ref(),
+        chart.as_os_str(),
+    ];
+    let cut_after = 4;
+    let (output, took) = cluster(
+        &[
+            "--machines",
+            "2",
+            "--cut",
+            "2",
+            "--cut-after",
+            "4",
+            "--wait-empty",
+            "20",
+        ],
+        &program,
+        Duration::from_secs(120),
+    );
+    let said = text(&output);
+    assert!(!output.status.success(), "the job ended well:\n{said}");
+    assert!(said.contains("machine 2 cut off"), "{said}");
+    assert!(
+        said.contains("[rank 0]") && said.contains("rank(s) [1] did not arrive"),
+        "rank 0 does not name rank 1:\n{said}"
+    );
+    assert!(
+        !said.contains("still running at teardown"),
+        "a process outlived the job:\n{said}"
+    );
+    println!("partition: the job ended {took:?} after its start (cut at +{cut_after} s):\n{said}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
