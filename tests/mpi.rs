@@ -946,6 +946,60 @@ fn a_pipeline_in_each_of_2_and_3_processes_matches_single_device_training() {
     }
 }
 
+/// The same on 2 simulated machines (`scripts/netcluster.sh`: network
+/// namespaces, TCP only) x 1 and x 2 processes; skipped, saying why, where
+/// namespaces cannot be made.
+#[test]
+fn a_pipeline_in_each_rank_on_two_simulated_machines_matches_thread_ranks() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/netcluster.sh");
+    let check = Command::new("bash")
+        .arg(&script)
+        .arg("check")
+        .output()
+        .unwrap();
+    if !check.status.success() {
+        println!("skipped: {}", String::from_utf8_lossy(&check.stdout).trim());
+        return;
+    }
+    let input = training_input(12);
+    for per_machine in [1, 2] {
+        let np = 2 * per_machine;
+        let dir = tempdir::Dir::new("cluster_pipeline");
+        candle_core::safetensors::save(&input, dir.path().join("input.safetensors")).unwrap();
+        let mut command = Command::new("bash");
+        command
+            .arg(&script)
+            .args([
+                "run",
+                "--machines",
+                "2",
+                "--per-machine",
+                &per_machine.to_string(),
+            ])
+            .args(["--export", SCENARIO, "--export", OUT_DIR, "--"])
+            .arg(std::env::current_exe().unwrap())
+            .args([
+                "--ignored",
+                "--exact",
+                "mpi_worker",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(SCENARIO, "pipeline_ddp")
+            .env(OUT_DIR, dir.path());
+        let output = run_bounded(command, "pipeline_ddp on 2 simulated machines");
+        let job = Job { output, dir };
+        assert!(job.output.status.success(), "{}", job.text());
+        let threads = on_threads(np, |ctx| pipeline_ddp(ctx, &input));
+        for (rank, expected) in threads.iter().enumerate() {
+            assert!(
+                identical(&job.rank(rank), expected),
+                "2 machines x {per_machine}, rank {rank}: processes and threads differ"
+            );
+        }
+    }
+}
+
 #[test]
 fn no_sync_join_hooks_and_buffer_broadcast_behave_as_on_threads() {
     let input = training_input(12);
