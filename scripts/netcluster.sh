@@ -12,13 +12,20 @@
 #   scripts/netcluster.sh check
 #       exits 0 when network namespaces can be made here, else prints why
 #       and exits 1 (the tests skip then)
+#   scripts/netcluster.sh bandwidth [MIB]
+#       the link's speed: MIB (default 1024) MiB sent over TCP from machine
+#       1 to machine 2, in GB/s (python3; the veth's own speed, as this
+#       kernel has no traffic shaping)
 #   scripts/netcluster.sh run [--machines N] [--per-machine P]
-#           [--cut M --cut-after SECONDS] [--mca NAME VALUE]... [--export VAR]...
+#           [--cut M --cut-after SECONDS [--restore-after T]]
+#           [--mca NAME VALUE]... [--export VAR]... [--wait-empty S]
 #           -- PROGRAM ARGS...
 #       runs PROGRAM as N*P ranks, P per machine (rank r on machine
 #       r % N + 1), and exits with mpirun's status; with --cut, machine M's
-#       link goes down SECONDS after the start (a network partition);
-#       --export passes an environment variable to every rank (mpirun -x);
+#       link goes down SECONDS after the start (a network partition), and
+#       with --restore-after T comes back T seconds after the start;
+#       --export passes an environment variable, if set, to every rank
+#       (mpirun -x);
 #       --wait-empty S: after mpirun, how long the machines' processes may
 #       take to end before the teardown reports them and kills them (10)
 #
@@ -37,6 +44,7 @@ MACHINES=2
 PER_MACHINE=1
 CUT=""
 CUT_AFTER=""
+RESTORE_AFTER=""
 WAIT_EMPTY=10
 MCA=()
 
@@ -123,9 +131,14 @@ run() {
     up
     local np=$((MACHINES * PER_MACHINE))
     local cutter=""
+    local restorer=""
     if [ -n "$CUT" ]; then
         (sleep "$CUT_AFTER"; ip link set "${TAG}v$CUT" down; echo "netcluster: machine $CUT cut off at +${CUT_AFTER}s" >&2) &
         cutter=$!
+        if [ -n "$RESTORE_AFTER" ]; then
+            (sleep "$RESTORE_AFTER"; ip link set "${TAG}v$CUT" up; echo "netcluster: machine $CUT back at +${RESTORE_AFTER}s" >&2) &
+            restorer=$!
+        fi
     fi
     local status=0
     ip netns exec "$(ns 1)" unshare --uts sh -c 'hostname node1; exec "$@"' sh \
@@ -133,7 +146,7 @@ run() {
         --mca plm_rsh_agent "$AGENT" --mca btl tcp,self \
         --mca btl_tcp_if_include "$NET.0/24" --mca oob_tcp_if_include "$NET.0/24" \
         "${MCA[@]}" "$@" || status=$?
-    if [ -n "$cutter" ]; then kill "$cutter" 2>/dev/null || true; fi
+    for p in $cutter $restorer; do kill "$p" 2>/dev/null || true; done
     # A machine's processes may end after mpirun (a cut-off rank ends on
     # its own timeout): give them WAIT_EMPTY seconds before the teardown
     # reports and kills what is left.
@@ -145,12 +158,44 @@ run() {
     return "$status"
 }
 
+bandwidth() {
+    local mib=${1:-1024}
+    up
+    local port=5201
+    ip netns exec "$(ns 2)" python3 -c '
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(1); c, _ = s.accept()
+n = 0
+while True:
+    b = c.recv(1 << 20)
+    if not b: break
+    n += len(b)
+print(n)' "$port" >"$WORK/received" &
+    local receiver=$!
+    sleep 0.5
+    ip netns exec "$(ns 1)" python3 -c '
+import socket, sys, time
+mib, host, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+c = socket.create_connection((host, port)); block = b"x" * (1 << 20)
+start = time.perf_counter()
+for _ in range(mib): c.sendall(block)
+c.shutdown(socket.SHUT_WR); c.recv(1)
+took = time.perf_counter() - start
+print(f"{mib} MiB from machine 1 to machine 2 in {took:.3f} s: {mib * 1048576 / took / 1e9:.2f} GB/s")' "$mib" "$NET.2" "$port"
+    wait "$receiver"
+}
+
 command=${1:-}
 [ -n "$command" ] || die "usage: $0 check | run [options] -- PROGRAM ARGS..."
 shift
 case "$command" in
     check)
         check
+        ;;
+    bandwidth)
+        trap teardown EXIT
+        bandwidth "$@"
         ;;
     run)
         while [ $# -gt 0 ]; do
@@ -159,8 +204,9 @@ case "$command" in
                 --per-machine) PER_MACHINE=$2; shift 2 ;;
                 --cut) CUT=$2; shift 2 ;;
                 --cut-after) CUT_AFTER=$2; shift 2 ;;
+                --restore-after) RESTORE_AFTER=$2; shift 2 ;;
                 --mca) MCA+=(--mca "$2" "$3"); shift 3 ;;
-                --export) MCA+=(-x "$2"); shift 2 ;;
+                --export) if [ -n "${!2+set}" ]; then MCA+=(-x "$2"); fi; shift 2 ;;
                 --wait-empty) WAIT_EMPTY=$2; shift 2 ;;
                 --) shift; break ;;
                 *) die "unknown option $1" ;;

@@ -99,6 +99,11 @@ struct Args {
     /// step's backward (0: warm, the same tensors call after call).
     #[arg(long, value_name = "MIB", default_value_t = 0)]
     cold_mib: usize,
+    /// Runs the MPI processes on simulated machines instead, one process
+    /// each (`scripts/netcluster.sh`: network namespaces, TCP only; as
+    /// root): the all-reduce and DDP on MPI over a network.
+    #[arg(long)]
+    simulated_machines: bool,
     /// Internal: run one all-reduce measurement (JSON) in this process.
     #[arg(long, hide = true, value_name = "SPEC")]
     all_reduce_child: Option<String>,
@@ -136,6 +141,9 @@ fn run(args: Args) -> Result<()> {
             println!("{}", serde_json::to_string(&times)?);
         }
         return Ok(());
+    }
+    if args.simulated_machines {
+        SIMULATED_MACHINES.store(true, std::sync::atomic::Ordering::Relaxed);
     }
     let quick = args.quick;
     let out_dir = &args.out;
@@ -227,9 +235,31 @@ fn run_in_child(spec: &Spec) -> Result<Measured> {
     child_answer(cmd, &spec.label())
 }
 
+/// Whether the MPI processes run on simulated machines (`--simulated-machines`).
+static SIMULATED_MACHINES: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
 /// `mpirun -np N` of this binary: as root too, more ranks than cores
-/// allowed, processes left unbound (they size their own threads).
+/// allowed, processes left unbound (they size their own threads). With
+/// `--simulated-machines`, N machines of `scripts/netcluster.sh`, one
+/// process each, over TCP.
 fn mpirun_this(np: usize) -> Result<Command> {
+    if SIMULATED_MACHINES.load(std::sync::atomic::Ordering::Relaxed) {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/netcluster.sh");
+        let mut cluster = Command::new("bash");
+        cluster
+            .arg(script)
+            .args(["run", "--machines", &np.to_string(), "--per-machine", "1"])
+            .args([
+                "--export",
+                "RAYON_NUM_THREADS",
+                "--export",
+                "CANDLE_NUM_THREADS",
+            ])
+            .args(["--mca", "hwloc_base_binding_policy", "none", "--"])
+            .arg(std::env::current_exe()?);
+        return Ok(cluster);
+    }
     let mut mpirun = Command::new("mpirun");
     mpirun
         .args([
