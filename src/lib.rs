@@ -71,6 +71,11 @@
 //! (`CANDLE_NUM_THREADS=1`, unless set) so they do not take turns on it.
 //! Under `mpirun`, each process takes its share of the machine's cores.
 //!
+//! **The manual.** The repository's `docs/` folder has a page per topic
+//! (getting started, DataParallel, DDP, MPI and several machines,
+//! checkpoints, GPUs, pipelines, performance, guarantees and limitations,
+//! architecture); its `README.md` is the front page.
+//!
 //! **Features.** `avx512` (default): `gemm`'s AVX-512 matmul kernels, chosen
 //! at run time only on CPUs that have AVX-512F. `mpi`: `MpiGroup`. `cuda`:
 //! candle's CUDA backend. `mimalloc`: the allocator of the examples.
