@@ -202,7 +202,12 @@ fn run(args: Args) -> Result<()> {
     println!("{table}");
     std::fs::write(out_dir.join("bench.md"), &table)?;
     std::fs::write(out_dir.join("bench.csv"), csv(&rows))?;
-    chart(&rows, &out_dir.join("bench.svg"))?;
+    chart(
+        &rows,
+        torch.as_deref(),
+        &format!("candle-dp benchmark: {}, {}", machine(), today()),
+        &out_dir.join("bench.svg"),
+    )?;
     println!(
         "wrote {}: bench.md, bench.csv, bench.svg",
         out_dir.display()
@@ -282,4 +287,28 @@ fn child_answer<T: serde::de::DeserializeOwned>(mut cmd: Command, label: &str) -
     let line = String::from_utf8(out.stdout)?;
     serde_json::from_str(line.lines().last().context("child printed nothing")?)
         .context("child output")
+}
+
+/// The CPU (or GPU) the benchmark ran on, for the chart's title.
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines().find_map(|l| {
+                l.strip_prefix("model name")
+                    .map(|v| v.trim_start_matches([' ', '\t', ':']).trim().to_string())
+            })
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    format!("{cpu}, {} cores", cores())
+}
+
+/// Today's date (UTC), as `date` prints it.
+fn today() -> String {
+    Command::new("date")
+        .args(["-u", "+%Y-%m-%d"])
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map_or_else(|| "date unknown".into(), |d| d.trim().to_string())
 }

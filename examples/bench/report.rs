@@ -362,8 +362,92 @@ pub fn csv(rows: &[Row]) -> String {
     s
 }
 
-/// Samples/s per configuration, one panel row per (model, batch).
-pub fn chart(rows: &[Row], path: &Path) -> Result<()> {
+/// A bar's family: its colour and its legend entry.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Family {
+    OneDevice,
+    DataParallel,
+    DdpThreads,
+    DdpMpi,
+    PyTorch,
+}
+
+impl Family {
+    const ALL: [Family; 5] = [
+        Family::OneDevice,
+        Family::DataParallel,
+        Family::DdpThreads,
+        Family::DdpMpi,
+        Family::PyTorch,
+    ];
+
+    fn of(kind: Kind) -> Family {
+        match kind {
+            Kind::Single => Family::OneDevice,
+            Kind::DpFast | Kind::DpFromloss | Kind::DpDropin => Family::DataParallel,
+            Kind::Ddp => Family::DdpThreads,
+            Kind::DdpMpi => Family::DdpMpi,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Family::OneDevice => "one device",
+            Family::DataParallel => "DataParallel",
+            Family::DdpThreads => "DDP, thread ranks",
+            Family::DdpMpi => "DDP, MPI processes",
+            Family::PyTorch => "PyTorch",
+        }
+    }
+
+    fn color(self) -> plotters::style::RGBColor {
+        use plotters::style::RGBColor;
+        match self {
+            Family::OneDevice => RGBColor(110, 110, 110),
+            Family::DataParallel => RGBColor(46, 125, 50),
+            Family::DdpThreads => RGBColor(21, 101, 192),
+            Family::DdpMpi => RGBColor(106, 27, 154),
+            Family::PyTorch => RGBColor(230, 81, 0),
+        }
+    }
+}
+
+/// One bar of the chart.
+struct Bar {
+    label: String,
+    samples_per_s: f64,
+    family: Family,
+}
+
+/// PyTorch's runs of `bench_torch.py`'s CSV for `model` at `batch`.
+fn torch_bars(torch: &str, model: Model, batch: usize) -> Vec<Bar> {
+    let name = match model {
+        Model::Mlp => "MLP 784-1024-1024-10",
+        Model::MlpWide => "MLP 784-4096-4096-10",
+        Model::Conv => "conv",
+    };
+    torch
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            let same = f.get(1) == Some(&name) && f.get(2) == Some(&batch.to_string().as_str());
+            same.then(|| {
+                Some(Bar {
+                    label: (*f.first()?).to_string(),
+                    samples_per_s: f.get(5)?.parse().ok()?,
+                    family: Family::PyTorch,
+                })
+            })
+            .flatten()
+        })
+        .collect()
+}
+
+/// Samples/s of every configuration, one panel per model and global batch,
+/// one colour per family (PyTorch's runs from `torch` included), each bar
+/// with its value; `title` names the machine and the date.
+pub fn chart(rows: &[Row], torch: Option<&str>, title: &str, path: &Path) -> Result<()> {
     use plotters::prelude::*;
     let mut groups: Vec<(Model, usize)> = Vec::new();
     for r in rows {
@@ -372,48 +456,82 @@ pub fn chart(rows: &[Row], path: &Path) -> Result<()> {
             groups.push(key);
         }
     }
-    let height = 260 * groups.len() as u32;
-    let root = SVGBackend::new(path, (1000, height.max(260))).into_drawing_area();
+    let panels: Vec<(String, Vec<Bar>)> = groups
+        .iter()
+        .map(|&(model, batch)| {
+            let mut bars: Vec<Bar> = rows
+                .iter()
+                .filter(|r| r.spec.model == model && r.spec.batch == batch)
+                .map(|r| Bar {
+                    label: r.spec.label(),
+                    samples_per_s: r.samples_per_s,
+                    family: Family::of(r.spec.kind),
+                })
+                .collect();
+            bars.extend(
+                torch
+                    .map(|t| torch_bars(t, model, batch))
+                    .unwrap_or_default(),
+            );
+            (format!("{model}, global batch {batch}: samples/s"), bars)
+        })
+        .collect();
+    let heights: Vec<u32> = panels
+        .iter()
+        .map(|(_, b)| 60 + 22 * b.len() as u32)
+        .collect();
+    let total = 70 + heights.iter().sum::<u32>();
+    let root = SVGBackend::new(path, (1000, total)).into_drawing_area();
     root.fill(&WHITE)?;
-    for (area, (model, batch)) in root.split_evenly((groups.len(), 1)).iter().zip(&groups) {
-        let group: Vec<&Row> = rows
-            .iter()
-            .filter(|r| r.spec.model == *model && r.spec.batch == *batch)
-            .collect();
-        let max = group.iter().map(|r| r.samples_per_s).fold(0.0, f64::max) * 1.15;
-        let mut chart = ChartBuilder::on(area)
-            .caption(
-                format!("{model}, global batch {batch}: samples/s"),
-                ("sans-serif", 16),
-            )
+    let (header, mut rest) = root.split_vertically(70);
+    header.draw(&Text::new(title, (10, 8), ("sans-serif", 18).into_font()))?;
+    // The legend: one swatch per family.
+    for (i, family) in Family::ALL.iter().enumerate() {
+        let x = 10 + 190 * i as i32;
+        header.draw(&Rectangle::new(
+            [(x, 40), (x + 14, 54)],
+            family.color().filled(),
+        ))?;
+        header.draw(&Text::new(
+            family.name(),
+            (x + 20, 40),
+            ("sans-serif", 14).into_font(),
+        ))?;
+    }
+    for ((caption, bars), height) in panels.iter().zip(&heights) {
+        let (area, below) = rest.split_vertically(*height);
+        rest = below;
+        let max = bars.iter().map(|b| b.samples_per_s).fold(0.0, f64::max) * 1.18;
+        let mut chart = ChartBuilder::on(&area)
+            .caption(caption, ("sans-serif", 16))
             .margin(8)
             .x_label_area_size(20)
-            .y_label_area_size(200)
-            .build_cartesian_2d(0.0..max.max(1.0), (0..group.len()).into_segmented())?;
+            .y_label_area_size(220)
+            .build_cartesian_2d(0.0..max.max(1.0), (0..bars.len()).into_segmented())?;
         chart
             .configure_mesh()
-            .y_labels(group.len())
+            .y_labels(bars.len())
             .y_label_formatter(&|v| match v {
                 SegmentValue::CenterOf(i) => {
-                    group.get(*i).map_or(String::new(), |r| r.spec.label())
+                    bars.get(*i).map_or(String::new(), |b| b.label.clone())
                 }
                 _ => String::new(),
             })
             .draw()?;
-        chart.draw_series(group.iter().enumerate().map(|(i, r)| {
-            let color = if r.spec.kind == Kind::Single {
-                BLUE.mix(0.6)
-            } else if r.spec.kind == Kind::Ddp {
-                RED.mix(0.6)
-            } else {
-                GREEN.mix(0.6)
-            };
+        chart.draw_series(bars.iter().enumerate().map(|(i, b)| {
             Rectangle::new(
                 [
                     (0.0, SegmentValue::Exact(i)),
-                    (r.samples_per_s, SegmentValue::Exact(i + 1)),
+                    (b.samples_per_s, SegmentValue::Exact(i + 1)),
                 ],
-                color.filled(),
+                b.family.color().mix(0.85).filled(),
+            )
+        }))?;
+        chart.draw_series(bars.iter().enumerate().map(|(i, b)| {
+            Text::new(
+                format!("{:.0}", b.samples_per_s),
+                (b.samples_per_s + max * 0.01, SegmentValue::CenterOf(i)),
+                ("sans-serif", 13).into_font(),
             )
         }))?;
     }
