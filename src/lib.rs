@@ -105,12 +105,14 @@ pub mod sampler;
 mod scatter_gather;
 mod seeded_init;
 mod shared_backend;
+mod step;
 pub mod training_state;
 mod vars;
 mod worker_pool;
 
 pub use buffers::{is_batch_norm_buffer, BufferPredicate};
-pub use data_parallel::{DataParallel, DataParallelBuilder, LossReduction, Step, StepTimings};
+pub use data_parallel::{DataParallel, DataParallelBuilder, StepTimings};
+pub use step::{LossReduction, Step};
 pub use ddp::{CommHook, DdpConfig, DdpTimings, DistributedDataParallel, JoinDivisor};
 pub use ddp_builder::DdpBuilder;
 pub use device_label::device_label;

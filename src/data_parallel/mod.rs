@@ -31,7 +31,6 @@ use crate::worker_pool::Cancel;
 use replicas::Replicas;
 use timings::StepRecorder;
 
-pub use backward::{LossReduction, Step};
 pub use builder::DataParallelBuilder;
 pub use timings::StepTimings;
 

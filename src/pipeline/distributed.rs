@@ -10,7 +10,8 @@
 
 use crate::error::Result;
 use crate::pipeline::Pipeline;
-use crate::{DistributedDataParallel, LossReduction, Step};
+use crate::step::{LossReduction, Step};
+use crate::DistributedDataParallel;
 use candle_core::{ModuleT, Tensor};
 
 impl DistributedDataParallel<Pipeline> {

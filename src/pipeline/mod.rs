@@ -87,7 +87,8 @@ use crate::lock::lock;
 use crate::no_grad::NoGradCheck;
 use crate::vars::sorted_vars;
 use crate::worker_pool::{Failure, NoAnswer, WorkerFailure, WorkerPool};
-use crate::{chunk_sizes, LossReduction, Step};
+use crate::chunk_sizes;
+use crate::step::{LossReduction, Step};
 use stage::{Board, Doing, Links, LossFn, Stage, StageFailure, StageOutput, StageWork, TrainLoss};
 
 /// Builds one layer of a pipeline from a `VarBuilder` on its stage's device.
