@@ -112,7 +112,6 @@ mod worker_pool;
 
 pub use buffers::{is_batch_norm_buffer, BufferPredicate};
 pub use data_parallel::{DataParallel, DataParallelBuilder, StepTimings};
-pub use step::{LossReduction, Step};
 pub use ddp::{CommHook, DdpConfig, DdpTimings, DistributedDataParallel, JoinDivisor};
 pub use ddp_builder::DdpBuilder;
 pub use device_label::device_label;
@@ -120,6 +119,7 @@ pub use error::{Error, Result};
 pub use scatter_gather::{
     chunk_sizes, gather, scatter, Gather, Replicated, Scatter, ScatterPlan, Split,
 };
+pub use step::{LossReduction, Step};
 
 pub use seeded_init::seeded_varmap;
 

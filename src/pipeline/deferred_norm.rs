@@ -34,9 +34,18 @@
 
 use std::cell::Cell;
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, ModuleT, Tensor};
 
-use super::stage::{Stage, StageVar};
+use super::stage_var::StageVar;
+
+/// What the deferral reads of a stage: its layers, the global index of the
+/// first, its buffers and the layers that update them.
+pub(crate) struct NormLayers<'a> {
+    pub(crate) layers: &'a [Box<dyn ModuleT>],
+    pub(crate) first: usize,
+    pub(crate) buffers: &'a [StageVar],
+    pub(crate) norms: &'a [NormUse],
+}
 
 /// A layer that updates a pair of BatchNorm buffers.
 #[derive(Debug)]
@@ -239,7 +248,7 @@ pub(crate) struct NormStep {
 
 impl NormStep {
     /// Records the buffers' values (after the stage's refresh).
-    pub(crate) fn start(stage: &Stage) -> candle_core::Result<NormStep> {
+    pub(crate) fn start(stage: &NormLayers<'_>) -> candle_core::Result<NormStep> {
         Ok(NormStep {
             start: stage
                 .buffers
@@ -251,7 +260,7 @@ impl NormStep {
     }
 
     /// Puts the buffers of `u` back to their values at the start.
-    fn rewind(&self, stage: &Stage, u: &NormUse) -> candle_core::Result<()> {
+    fn rewind(&self, stage: &NormLayers<'_>, u: &NormUse) -> candle_core::Result<()> {
         for i in [u.mean, u.var] {
             if let (Some(buffer), Some(start)) = (stage.buffers.get(i), self.start.get(i)) {
                 buffer.local.set(start)?;
@@ -266,7 +275,7 @@ impl NormStep {
 /// on the layer's first training forward, whether and how it can be
 /// deferred).
 pub(crate) fn forward_layer(
-    stage: &Stage,
+    stage: &NormLayers<'_>,
     k: usize,
     x: &Tensor,
     step: &mut NormStep,
@@ -312,7 +321,7 @@ pub(crate) fn forward_layer(
     Ok(output)
 }
 
-fn not_deferrable(stage: &Stage, u: &NormUse, why: &str) {
+fn not_deferrable(stage: &NormLayers<'_>, u: &NormUse, why: &str) {
     u.deferral.set(Some(Deferral::No));
     tracing::warn!(
         "pipeline: layer {} updates `{}` but {why}; its running statistics follow the micro-batches (a BatchNorm as a layer of its own gets them over the whole batch)",
@@ -327,7 +336,7 @@ fn not_deferrable(stage: &Stage, u: &NormUse, why: &str) {
 /// values per channel as the probe has; each with two patterns across
 /// channels (one pattern could match a layer that mixes channels by
 /// chance). Leaves every buffer as it was.
-fn check(stage: &Stage, u: &NormUse, x: &Tensor) -> candle_core::Result<Deferral> {
+fn check(stage: &NormLayers<'_>, u: &NormUse, x: &Tensor) -> candle_core::Result<Deferral> {
     let (mean, var) = (&stage.buffers[u.mean].local, &stage.buffers[u.var].local);
     let channels = mean.elem_count();
     if x.rank() < 2 || x.dim(1)? != channels {
@@ -426,7 +435,7 @@ fn close(
 /// order), then every buffer's new value with the `VarMap` variable it
 /// belongs to, for the caller to commit once every stage has succeeded.
 pub(crate) fn finish(
-    stage: &Stage,
+    stage: &NormLayers<'_>,
     step: &mut NormStep,
 ) -> candle_core::Result<Vec<(candle_core::Var, Tensor)>> {
     let deferred: Vec<(usize, (Moments, usize))> = (0..stage.norms.len())

@@ -67,6 +67,7 @@ mod distributed;
 mod schedule;
 mod stage;
 mod stage_build;
+mod stage_var;
 mod timings;
 
 use std::sync::{Arc, Mutex};
@@ -81,14 +82,14 @@ pub use balance::Balance;
 pub use schedule::Schedule;
 pub use timings::PipelineTimings;
 
+use crate::chunk_sizes;
 use crate::device_label::device_label;
 use crate::error::{Error, Result};
 use crate::lock::lock;
 use crate::no_grad::NoGradCheck;
+use crate::step::{LossReduction, Step};
 use crate::vars::sorted_vars;
 use crate::worker_pool::{Failure, NoAnswer, WorkerFailure, WorkerPool};
-use crate::chunk_sizes;
-use crate::step::{LossReduction, Step};
 use stage::{Board, Doing, Links, LossFn, Stage, StageFailure, StageOutput, StageWork, TrainLoss};
 
 /// Builds one layer of a pipeline from a `VarBuilder` on its stage's device.

@@ -9,8 +9,9 @@ use candle_core::{Device, Tensor, Var};
 use candle_nn::ModuleT;
 use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 
-use super::deferred_norm::{self, NormStep, NormUse};
+use super::deferred_norm::{self, NormLayers, NormStep, NormUse};
 use super::schedule::Op;
+use super::stage_var::StageVar;
 use crate::device_copy::{self as copy, copy_into};
 use crate::lock::lock;
 use crate::worker_pool::Cancel;
@@ -28,22 +29,6 @@ const POLL: Duration = Duration::from_millis(20);
 /// abandoned before it reports the neighbour itself.
 const GONE_GRACE: Duration = Duration::from_secs(5);
 
-/// A variable a stage's layers use: the `VarMap`'s own (`local` is
-/// `master`), or a stage-local mirror of it (see `stage_build`).
-pub(crate) struct StageVar {
-    pub(crate) name: String,
-    /// What the layers use.
-    pub(crate) local: Var,
-    /// The `VarMap`'s variable.
-    pub(crate) master: Var,
-}
-
-impl StageVar {
-    pub(crate) fn is_mirror(&self) -> bool {
-        self.local.as_tensor().id() != self.master.as_tensor().id()
-    }
-}
-
 /// The layers of one stage, built on its worker (they need not be `Send`).
 pub(crate) struct Stage {
     pub(crate) layers: Vec<Box<dyn ModuleT>>,
@@ -58,6 +43,16 @@ pub(crate) struct Stage {
 }
 
 impl Stage {
+    /// What the BatchNorm deferral reads of this stage.
+    fn norm_layers(&self) -> NormLayers<'_> {
+        NormLayers {
+            layers: &self.layers,
+            first: self.first,
+            buffers: &self.buffers,
+            norms: &self.norms,
+        }
+    }
+
     /// Copies the `VarMap`'s current values into the mirrors (one device
     /// copy each, see [`copy_into`]).
     fn refresh(&self) -> candle_core::Result<()> {
@@ -79,7 +74,7 @@ impl Stage {
         for (k, layer) in self.layers.iter().enumerate() {
             h = match norms.as_deref_mut() {
                 Some(step) if train && self.norms.iter().any(|u| u.layer == k) => {
-                    deferred_norm::forward_layer(self, k, &h, step)?
+                    deferred_norm::forward_layer(&self.norm_layers(), k, &h, step)?
                 }
                 _ => layer.forward_t(&h, train)?,
             };
@@ -226,7 +221,7 @@ impl StageWork {
         };
         stage.refresh().map_err(setup)?;
         let mut norms = if self.train && !stage.norms.is_empty() {
-            Some(NormStep::start(stage).map_err(setup)?)
+            Some(NormStep::start(&stage.norm_layers()).map_err(setup)?)
         } else {
             None
         };
@@ -303,7 +298,7 @@ impl StageWork {
             let last = chunks.saturating_sub(1);
             self.set(Some((Phase::Forward, last)));
             let committed = match norms.as_mut() {
-                Some(step) => deferred_norm::finish(stage, step),
+                Some(step) => deferred_norm::finish(&stage.norm_layers(), step),
                 None => stage
                     .buffers
                     .iter()

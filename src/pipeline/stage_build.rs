@@ -16,7 +16,8 @@ use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::{Init, VarBuilder, VarMap};
 
 use super::deferred_norm::NormUse;
-use super::stage::{Stage, StageVar};
+use super::stage::Stage;
+use super::stage_var::StageVar;
 use crate::buffers::is_batch_norm_buffer;
 use crate::lock::lock;
 use crate::shared_backend::SharedBackend;
