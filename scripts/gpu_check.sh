@@ -36,7 +36,8 @@
 # PyPI (checked 2026-11-24: `cargo clippy --features cuda --all-targets`
 # passes with it on a machine without a GPU; a first build takes about 9
 # minutes on 2 cores, most of it candle's kernels):
-#   python3 -m venv /work/cudaenv && /work/cudaenv/bin/pip install "nvidia-cuda-nvcc==13.*"
+#   python3 -m venv /work/cudaenv && /work/cudaenv/bin/pip install "nvidia-cuda-nvcc==13.*" "nvidia-cuda-cccl==13.*"
+#   (nvidia-cuda-cccl: the headers nvcc 13.x includes, such as <nv/target>; checked 2026-11-25)
 #   export PATH=/work/cudaenv/lib/python3.11/site-packages/nvidia/cu13/bin:$PATH
 #   export CUDA_COMPUTE_CAP=90        # H100 / H200; no GPU to ask on a build machine
 #   export CUDARC_CUDA_VERSION=13040  # cudarc 0.19.10 knows CUDA up to 13.4, the wheel is 13.5
