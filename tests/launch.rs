@@ -6,6 +6,8 @@
 //! timeouts): a rank left waiting would end with a `Timeout` error, which the
 //! tests reject, rather than hang.
 
+mod common;
+
 use std::sync::Mutex;
 use std::thread;
 use std::time::Duration;
@@ -460,7 +462,7 @@ fn the_default_timeout_is_30_minutes_or_what_candle_dp_timeout_says() {
             Some(v) => child.env("CANDLE_DP_TIMEOUT", v),
             None => child.env_remove("CANDLE_DP_TIMEOUT"),
         };
-        let output = child.output().unwrap();
+        let output = common::killing::bounded_output(child, std::time::Duration::from_secs(60));
         let (stdout, stderr) = (
             String::from_utf8_lossy(&output.stdout),
             String::from_utf8_lossy(&output.stderr),

@@ -952,11 +952,9 @@ fn a_pipeline_in_each_of_2_and_3_processes_matches_single_device_training() {
 #[test]
 fn a_pipeline_in_each_rank_on_two_simulated_machines_matches_thread_ranks() {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/netcluster.sh");
-    let check = Command::new("bash")
-        .arg(&script)
-        .arg("check")
-        .output()
-        .unwrap();
+    let mut check = Command::new("bash");
+    check.arg(&script).arg("check");
+    let check = common::killing::bounded_output(check, Duration::from_secs(60));
     if !check.status.success() {
         println!("skipped: {}", String::from_utf8_lossy(&check.stdout).trim());
         return;

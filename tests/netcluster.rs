@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::killing::example;
+use common::killing::{bounded_output, example};
 
 fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/netcluster.sh")
@@ -23,11 +23,12 @@ fn script() -> PathBuf {
 
 /// `None` when a cluster can be made here, else why not.
 fn unavailable() -> Option<String> {
-    let output = Command::new("bash").arg(script()).arg("check").output();
-    match output {
-        Ok(o) if o.status.success() => None,
-        Ok(o) => Some(String::from_utf8_lossy(&o.stdout).trim().to_string()),
-        Err(e) => Some(format!("cannot run {}: {e}", script().display())),
+    let mut check = Command::new("bash");
+    check.arg(script()).arg("check");
+    let output = bounded_output(check, Duration::from_secs(60));
+    match output.status.success() {
+        true => None,
+        false => Some(String::from_utf8_lossy(&output.stdout).trim().to_string()),
     }
 }
 
@@ -101,10 +102,9 @@ fn train_digits_on_two_simulated_machines_saves_the_same_weights_as_thread_ranks
             args.extend(["--save".into(), file.as_os_str().to_owned()]);
             args
         };
-        let threads = Command::new(&exe)
-            .args(args(&save("threads")))
-            .output()
-            .unwrap();
+        let mut threads = Command::new(&exe);
+        threads.args(args(&save("threads")));
+        let threads = bounded_output(threads, Duration::from_secs(240));
         assert!(threads.status.success(), "{}", text(&threads));
         let mut program = vec![exe.as_os_str()];
         let cluster_args = args(&save("cluster"));

@@ -9,9 +9,9 @@ mod common;
 
 use std::path::Path;
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use common::killing::{example, fractions, run_and_kill, run_to_end, KillAt};
+use common::killing::{bounded_output, example, fractions, run_and_kill, run_to_end, KillAt};
 
 /// Kills `job` at each of `kills` (restarting it with `--resume` each
 /// time), then lets it finish; returns the bytes it saved, after checking
@@ -128,9 +128,8 @@ fn a_pipeline_killed_five_times_resumes_to_the_same_bytes() {
 fn resume_without_a_state_says_so_and_starts_from_scratch() {
     let root = std::env::temp_dir().join(format!("candle_dp_resume_empty_{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
-    let output = train_digits("single")(&root.join("states"), &root.join("w.safetensors"))
-        .output()
-        .unwrap();
+    let command = train_digits("single")(&root.join("states"), &root.join("w.safetensors"));
+    let output = bounded_output(command, Duration::from_secs(300));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
     assert!(stderr.contains("no complete training state in"), "{stderr}");
