@@ -66,41 +66,24 @@ impl Any {
                     .unwrap(),
                 )
             }
-            "adam" => {
+            kind => {
+                // Adam and AdamW take the same settings; AdamW's default
+                // weight decay is PyTorch's 1e-2.
+                let default_decay = if kind == "adam" { 0.0 } else { 1e-2 };
                 let d = AdamConfig::default();
-                Any::Adam(
-                    Adam::new_named(
-                        params,
-                        AdamConfig {
-                            lr: f("lr", d.lr),
-                            beta1: f("beta1", d.beta1),
-                            beta2: f("beta2", d.beta2),
-                            eps: f("eps", d.eps),
-                            weight_decay: f("weight_decay", d.weight_decay),
-                            amsgrad: b("amsgrad"),
-                            maximize: b("maximize"),
-                        },
-                    )
-                    .unwrap(),
-                )
-            }
-            _ => {
-                let d = AdamWConfig::default();
-                Any::AdamW(
-                    AdamW::new_named(
-                        params,
-                        AdamWConfig {
-                            lr: f("lr", d.lr),
-                            beta1: f("beta1", d.beta1),
-                            beta2: f("beta2", d.beta2),
-                            eps: f("eps", d.eps),
-                            weight_decay: f("weight_decay", d.weight_decay),
-                            amsgrad: b("amsgrad"),
-                            maximize: b("maximize"),
-                        },
-                    )
-                    .unwrap(),
-                )
+                let config = AdamConfig {
+                    lr: f("lr", d.lr),
+                    beta1: f("beta1", d.beta1),
+                    beta2: f("beta2", d.beta2),
+                    eps: f("eps", d.eps),
+                    weight_decay: f("weight_decay", default_decay),
+                    amsgrad: b("amsgrad"),
+                    maximize: b("maximize"),
+                };
+                match kind {
+                    "adam" => Any::Adam(Adam::new_named(params, config).unwrap()),
+                    _ => Any::AdamW(AdamW::new_named(params, config.into()).unwrap()),
+                }
             }
         }
     }

@@ -9,7 +9,9 @@ use candle_core::{Tensor, Var};
 use candle_nn::{Optimizer, VarMap};
 
 use super::element::{host_values, step_each, typed, write_back, Buffer, Element, PerParameter};
-use super::state::{by_position, invalid, named_vars, scalar_value, setting, sort_entries};
+use super::state::{
+    by_position, check_non_negative, invalid, named_vars, scalar_value, setting, sort_entries,
+};
 use super::{OptimizerState, StatefulOptimizer};
 use crate::error::Result;
 
@@ -160,15 +162,14 @@ impl AdamConfig {
     /// PyTorch's checks of the constructor.
     fn check(&self, name: &str) -> candle_core::Result<()> {
         let bad = |what: String| Err(candle_core::Error::Msg(format!("{name}: {what}")));
-        for (setting, value) in [
-            ("lr", self.lr),
-            ("eps", self.eps),
-            ("weight_decay", self.weight_decay),
-        ] {
-            if value.is_nan() || value < 0.0 {
-                return bad(format!("invalid {setting} {value}: it must be at least 0"));
-            }
-        }
+        check_non_negative(
+            name,
+            &[
+                ("lr", self.lr),
+                ("eps", self.eps),
+                ("weight_decay", self.weight_decay),
+            ],
+        )?;
         for (setting, value) in [("beta1", self.beta1), ("beta2", self.beta2)] {
             if !(0.0..1.0).contains(&value) {
                 return bad(format!("invalid {setting} {value}: it must be in [0, 1)"));

@@ -8,7 +8,7 @@ use candle_core::Var;
 use candle_nn::{Optimizer, VarMap};
 
 use super::element::{host_values, step_each, typed, write_back, Buffer, Element, PerParameter};
-use super::state::{by_position, invalid, named_vars, setting, sort_entries};
+use super::state::{by_position, check_non_negative, invalid, named_vars, setting, sort_entries};
 use super::{OptimizerState, StatefulOptimizer};
 use crate::error::Result;
 
@@ -45,21 +45,19 @@ impl Default for SgdConfig {
 impl SgdConfig {
     /// PyTorch's checks of the constructor.
     fn check(&self) -> candle_core::Result<()> {
-        let bad = |what: String| Err(candle_core::Error::Msg(format!("SGD: {what}")));
-        for (name, value) in [
-            ("lr", self.lr),
-            ("momentum", self.momentum),
-            ("weight_decay", self.weight_decay),
-        ] {
-            if value.is_nan() || value < 0.0 {
-                return bad(format!("invalid {name} {value}: it must be at least 0"));
-            }
-        }
+        check_non_negative(
+            "SGD",
+            &[
+                ("lr", self.lr),
+                ("momentum", self.momentum),
+                ("weight_decay", self.weight_decay),
+            ],
+        )?;
         if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
-            return bad(format!(
-                "Nesterov momentum needs momentum > 0 and dampening 0 (momentum {}, dampening {})",
+            return Err(candle_core::Error::Msg(format!(
+                "SGD: Nesterov momentum needs momentum > 0 and dampening 0 (momentum {}, dampening {})",
                 self.momentum, self.dampening
-            ));
+            )));
         }
         Ok(())
     }

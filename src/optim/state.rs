@@ -145,3 +145,17 @@ pub(crate) fn scalar_value(tensor: &Tensor) -> Result<f64> {
         .copied()
         .unwrap_or(0.0))
 }
+
+/// PyTorch's constructor check of settings that must not be negative: the
+/// first that is (or is NaN), as `"{optimizer}: invalid {name} …"`.
+pub(crate) fn check_non_negative(
+    optimizer: &str,
+    settings: &[(&str, f64)],
+) -> candle_core::Result<()> {
+    match settings.iter().find(|(_, v)| v.is_nan() || *v < 0.0) {
+        Some((name, value)) => Err(candle_core::Error::Msg(format!(
+            "{optimizer}: invalid {name} {value}: it must be at least 0"
+        ))),
+        None => Ok(()),
+    }
+}
