@@ -29,18 +29,28 @@
 #   reference MLP (launch-bound), a wide MLP 784-4096-4096-10 and the conv
 #   net at batch 8192 (compute-bound), one device against DataParallel
 #   (replicas sharing GPU 0) and DDP (two thread ranks, a stream each).
-# OUT gets device.txt (nvidia-smi, topology), tests.txt, and bench/
-# (bench.md, bench.csv, bench.svg). Under 10 minutes on an H100 once built.
+# - the host transfers of a step, counted: each training kind of the
+#   benchmark (MLP, batch 256, 2 replicas or ranks) runs twice under
+#   scripts/cuda_api_count.c (CUPTI's driver-API callbacks), 10 and 30
+#   steps; the difference over 20 steps is the count per step.
+# OUT gets device.txt (nvidia-smi, topology), tests.txt, transfers.md and
+# bench/ (bench.md, bench.csv, bench.svg). Under 10 minutes on an H100
+# once built.
 #
 # Building needs the CUDA compiler. Without a CUDA toolkit it comes from
-# PyPI (checked 2026-11-24: `cargo clippy --features cuda --all-targets`
-# passes with it on a machine without a GPU; a first build takes about 9
-# minutes on 2 cores, most of it candle's kernels):
-#   python3 -m venv /work/cudaenv && /work/cudaenv/bin/pip install "nvidia-cuda-nvcc==13.*" "nvidia-cuda-cccl==13.*"
-#   (nvidia-cuda-cccl: the headers nvcc 13.x includes, such as <nv/target>; checked 2026-11-25)
-#   export PATH=/work/cudaenv/lib/python3.11/site-packages/nvidia/cu13/bin:$PATH
+# PyPI, and its version must not be newer than the GPU machine's driver
+# (nvidia-smi's "CUDA Version"): candle's kernels travel as PTX, which the
+# driver compiles when they are loaded, and a driver for CUDA 13.0 refuses
+# the PTX of nvcc 13.5 (CUDA_ERROR_UNSUPPORTED_PTX_VERSION, seen 2026-11-25
+# on the H100 with driver 580.159.04). Pin every compiler wheel:
+#   python3 -m venv /work/cuda130env && /work/cuda130env/bin/pip install "nvidia-cuda-nvcc==13.0.*" \
+#     "nvidia-cuda-cccl==13.0.*" "nvidia-cuda-runtime==13.0.*" "nvidia-nvvm==13.0.*" "nvidia-cuda-crt==13.0.*"
+#   (nvidia-cuda-cccl: the headers nvcc 13.x includes, such as <nv/target>; nvvm and crt
+#   would otherwise come as the newest 13.x, and nvvm writes the PTX)
+#   export PATH=/work/cuda130env/lib/python3.11/site-packages/nvidia/cu13/bin:$PATH
 #   export CUDA_COMPUTE_CAP=90        # H100 / H200; no GPU to ask on a build machine
-#   export CUDARC_CUDA_VERSION=13040  # cudarc 0.19.10 knows CUDA up to 13.4, the wheel is 13.5
+#   export CUDARC_CUDA_VERSION=13000  # the driver's CUDA version
+#   (a first release build: 7 minutes on 2 cores, most of it candle's kernels)
 # (the cu12 wheel, nvidia-cuda-nvcc-cu12, ships ptxas but no nvcc).
 # Linking (--build-only) also needs the libraries candle links by name:
 # libcuda, libcudart, libcublas, libcublasLt, libcurand, libnvrtc, and
@@ -57,8 +67,16 @@
 #   for l in $W/cu13/lib/lib{cudart,cublas,cublasLt,curand,nvrtc}.so.* $W/nccl/lib/libnccl.so.2; do
 #     b=$(basename $l); ln -sf $l ${b%%.so*}.so; done
 #   export LIBRARY_PATH=/tmp/cuda-link LD_LIBRARY_PATH=$W/cu13/lib:$W/nccl/lib
+# The transfer counter (scripts/cuda_api_count.c) is built where CUPTI's
+# headers are: pip install "nvidia-cuda-cupti==13.*" and
+# export CUPTI_DIR=$W/cu13.
 # At run time the script finds the same libraries in the nvidia-* wheels of
-# the machine's Python (the device machines' torch image has them).
+# the machine's Python (the device machines' torch image has them), after
+# LD_LIBRARY_PATH's own. Two NCCL ranks on one GPU need NCCL 2.30 or later;
+# the device image's is 2.28.9 ("Duplicate GPU detected"), so the run of
+# 2026-11-25 put the nvidia-nccl-cu13 2.32.3 wheel's libnccl.so.2 first in
+# LD_LIBRARY_PATH (268 MB compressed: carried in five parts of 54 MB, one
+# call each, to a machine kept warm between the calls).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -90,15 +108,82 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and "test" in m["target"]["kind"]:
         shutil.copy(m["executable"], os.path.join(bin, m["target"]["name"]))
 ' "$bin"
+    build_counter "$bin"
     # Tests find their data through the path they were built in.
     pwd >"$bin/built-in"
     # Stripped and compressed, each binary is about 6 MB instead of 140:
     # what a device machine's 64 MiB carry takes.
     for f in "$bin"/*; do
-        case "$f" in *.xz | */built-in) continue ;; esac
+        case "$f" in *.xz | *.so | */built-in) continue ;; esac
         strip "$f" && xz -T0 -6 -f "$f"
     done
     ls -l "$bin"
+}
+
+# Builds scripts/cuda_api_count.c into $1, where CUPTI's headers are found:
+# in $CUPTI_DIR (include/, lib/), or beside nvcc (the nvidia-cuda-cupti
+# wheel's or a CUDA toolkit's); without them the transfers are not
+# counted, and the run says so.
+build_counter() {
+    local nvcc_dir dir
+    nvcc_dir=$(dirname "$(command -v nvcc)")
+    for dir in ${CUPTI_DIR:-} "$nvcc_dir/.." "$nvcc_dir/../extras/CUPTI"; do
+        if [ -f "$dir/include/cupti.h" ]; then
+            # The wheel has libcupti.so.N only: link the file itself.
+            local lib
+            lib=$(ls "$dir"/lib*/libcupti.so* | head -1)
+            gcc -shared -fPIC -O2 -I"$dir/include" -o "$1/libcuda_api_count.so" \
+                scripts/cuda_api_count.c "$lib"
+            return
+        fi
+    done
+    echo "gpu_check: no cupti.h beside nvcc: host transfers will not be counted" >&2
+}
+
+# Counts each training kind's CUDA copies per step (see the top), into
+# $2/transfers.md.
+count_transfers() {
+    local bin=$1 out=$2 counts kind replicas steps spec
+    if [ ! -f "$bin/libcuda_api_count.so" ]; then
+        echo "not counted: $bin has no libcuda_api_count.so" >"$out/transfers.md"
+        return 0
+    fi
+    counts=$(mktemp -d)
+    for kind in single dp-fast dp-fromloss dp-dropin ddp ddp-nccl; do
+        replicas=2
+        [ "$kind" = single ] && replicas=1
+        for steps in 10 30; do
+            spec="{\"kind\":\"$kind\",\"model\":\"mlp\",\"batch\":256,\"replicas\":$replicas,\"threads\":1,\"warmup\":3,\"steps\":$steps,\"device\":\"cuda\"}"
+            CUDA_API_COUNT_OUT="$counts/$kind.$steps" LD_PRELOAD="$PWD/$bin/libcuda_api_count.so" \
+                "$bin/bench" --child "$spec" >/dev/null || echo "$kind: failed" >>"$counts/failed"
+        done
+    done
+    python3 - "$counts" >"$out/transfers.md" <<'PY'
+import os, sys
+d = sys.argv[1]
+def read(name):
+    with open(os.path.join(d, name)) as f:
+        return dict(kv.split("=") for kv in f.read().split())
+kinds = ["single", "dp-fast", "dp-fromloss", "dp-dropin", "ddp", "ddp-nccl"]
+cols = ["h2d", "d2h", "d2d", "copy", "memset", "launch", "sync", "alloc", "free"]
+print("CUDA driver calls per training step (all replicas or ranks of the process together),")
+print("MLP 784-1024-1024-10, global batch 256, 2 replicas or ranks on GPU 0, SGD;")
+print("(count after 30 steps - count after 10) / 20, CUPTI driver-API callbacks.")
+print()
+print("| kind | " + " | ".join(cols) + " |")
+print("|---|" + "---:|" * len(cols))
+for k in kinds:
+    try:
+        a, b = read(k + ".10"), read(k + ".30")
+    except (OSError, ValueError):
+        print(f"| {k} | " + " | ".join("n/a" for _ in cols) + " |")
+        continue
+    print(f"| {k} | " + " | ".join(f"{(int(b[c]) - int(a[c])) / 20:g}" for c in cols) + " |")
+if os.path.exists(os.path.join(d, "failed")):
+    print("\nfailed runs:\n" + open(os.path.join(d, "failed")).read())
+PY
+    cat "$out/transfers.md"
+    rm -rf "$counts"
 }
 
 # Unpacks what build() compressed (Python's lzma: no xz needed there).
@@ -127,12 +212,16 @@ run() {
     # Two NCCL ranks on one GPU are refused unless NCCL (2.30+) is told.
     export NCCL_MULTI_RANK_GPU_ENABLE=1
     # CUDA's libraries (cudart, cublas, curand, nvrtc, nccl) from the
-    # nvidia-* wheels, where Python has them.
+    # nvidia-* wheels, where Python has them, after LD_LIBRARY_PATH's own:
+    # a newer libnccl.so.2 put there comes first (NCCL before 2.30 refuses
+    # two ranks on one GPU, "Duplicate GPU detected").
     local wheel_libs
     wheel_libs=$(python3 -c 'import glob, nvidia; print(":".join(d for p in nvidia.__path__ for d in glob.glob(p + "/*/lib")))' 2>/dev/null || true)
     if [ -n "$wheel_libs" ]; then
-        export LD_LIBRARY_PATH="$wheel_libs:${LD_LIBRARY_PATH:-}"
+        export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$wheel_libs"
     fi
+    # NCCL prints its version at its first initialisation.
+    export NCCL_DEBUG=${NCCL_DEBUG:-VERSION}
     unpack "$bin"
     local failed=0
     for t in "${TESTS[@]}"; do
@@ -141,9 +230,11 @@ run() {
             continue
         fi
         echo "== $t" | tee -a "$out/tests.txt"
-        "$bin/$t" --test-threads 1 2>&1 | tee -a "$out/tests.txt" || failed=1
+        # A hung test is a failure, not the end of the machine's time.
+        timeout 300 "$bin/$t" --test-threads 1 2>&1 | tee -a "$out/tests.txt" || failed=1
     done
     if [ -x "$bin/bench" ]; then
+        count_transfers "$bin" "$out"
         "$bin/bench" --device cuda --rounds 2 --steps 20 --out "$out/bench" 2>&1 |
             tee "$out/bench.txt" || failed=1
     fi

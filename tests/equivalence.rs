@@ -22,6 +22,11 @@ enum Path {
 #[derive(Clone, Copy, Debug)]
 enum Opt {
     Sgd,
+    /// SGD at a tenth of `Sgd`'s rate: many steps of a wide model stay
+    /// stable, so that rounding differences between equivalent runs are
+    /// not amplified into different weights.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    SlowSgd,
     AdamW,
 }
 
@@ -70,6 +75,7 @@ impl AnyOpt {
     fn new(opt: Opt, varmap: &VarMap) -> Self {
         match opt {
             Opt::Sgd => AnyOpt::Sgd(SGD::new(varmap.all_vars(), 0.1).unwrap()),
+            Opt::SlowSgd => AnyOpt::Sgd(SGD::new(varmap.all_vars(), 0.01).unwrap()),
             Opt::AdamW => AnyOpt::AdamW(
                 AdamW::new(
                     varmap.all_vars(),
@@ -366,7 +372,11 @@ mod on_gpus {
     fn many_steps_of_a_wide_mlp_on_gpu_replicas_match_one_gpu() {
         within(300, || {
             let d = data_sized(Model::WideMlp, 1024, 40);
-            check_on(&d, Model::WideMlp, Opt::Sgd, 2, gpu_devices, TOLERANCE);
+            // At `Sgd`'s rate these 40 steps are chaotic: on the CPU too,
+            // 2 replicas end 84% away from one device (rounding differences
+            // amplified, measured 2026-11-25); at a tenth of it they stay
+            // within 1.2e-7, so a race shows as a large difference.
+            check_on(&d, Model::WideMlp, Opt::SlowSgd, 2, gpu_devices, TOLERANCE);
         });
     }
 }

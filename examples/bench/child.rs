@@ -66,7 +66,7 @@ pub fn run_child(spec: &Spec) -> Result<Measured> {
     match spec.kind {
         Kind::Single => run_single(spec, first, &x, &y),
         // The same code on thread ranks and, under mpirun, on processes.
-        Kind::Ddp | Kind::DdpMpi => run_ddp(spec, &x, &y),
+        Kind::Ddp | Kind::DdpMpi | Kind::DdpNccl => run_ddp(spec, &x, &y),
         Kind::DpFast | Kind::DpDropin | Kind::DpFromloss => run_dp(spec, &x, &y),
     }
 }
@@ -105,61 +105,92 @@ fn run_single(spec: &Spec, first: Device, x: &Tensor, y: &Tensor) -> Result<Meas
 }
 
 fn run_ddp(spec: &Spec, x: &Tensor, y: &Tensor) -> Result<Measured> {
-    let world = spec.replicas;
-    let per_rank = spec.batch / world;
     let options = GroupOptions {
         timeout: Some(Duration::from_secs(120)),
         ..Default::default()
     };
     // Thread ranks get their share of the cores from `launch`.
-    let mut results = launch::run(world, options, |ctx| -> Result<Measured> {
-        let mut m = Measured::default();
-        let varmap = VarMap::new();
-        let model = spec.model;
-        let device = spec.device(ctx.rank)?;
-        let mut ddp = DistributedDataParallel::new(
-            ctx.process_group(),
-            &varmap,
-            DType::F32,
-            &device,
-            |vb| Net::new(model, vb),
-            DdpConfig::default(),
-        )?;
-        let mut sgd = SGD::new(varmap.all_vars(), 0.01)?;
-        let grad_bytes: usize = varmap
-            .all_vars()
-            .iter()
-            .map(|v| v.elem_count() * v.dtype().size_in_bytes())
-            .sum();
-        m.grad_bytes = Some(grad_bytes);
-        m.memcpy_ms = Some(memcpy_ms(grad_bytes));
-        let (x, y) = (
-            x.narrow(0, ctx.rank * per_rank, per_rank)?
-                .to_device(&device)?,
-            y.narrow(0, ctx.rank * per_rank, per_rank)?
-                .to_device(&device)?,
-        );
-        let devices = [device.clone()];
-        for step in 0..spec.warmup + spec.steps {
-            let t0 = Instant::now();
-            let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
-            let t1 = Instant::now();
-            let grads = ddp.backward(&loss)?;
-            let t2 = Instant::now();
-            sgd.step(&grads)?;
-            spec.sync(&devices)?;
-            if step >= spec.warmup {
-                let t = ddp.last_timings();
-                m.phase("forward", t1 - t0);
-                m.phase("backward", t.backward);
-                m.phase("reduce", t.all_reduce);
-                m.phase("optimizer", t2.elapsed());
-                m.step_ms.push(ms(t0.elapsed()));
-            }
-        }
-        Ok(m)
-    })?;
+    let mut results = match spec.kind {
+        Kind::DdpNccl => run_on_nccl(spec, options, x, y)?,
+        _ => launch::run(spec.replicas, options, |ctx| {
+            let device = spec.device(ctx.rank)?;
+            ddp_rank(spec, ctx, device, x, y)
+        })?,
+    };
     Ok(results.swap_remove(0))
+}
+
+/// DDP on thread ranks reducing with NCCL, a GPU (stream) per rank.
+#[cfg(feature = "nccl")]
+fn run_on_nccl(
+    spec: &Spec,
+    options: GroupOptions,
+    x: &Tensor,
+    y: &Tensor,
+) -> Result<Vec<Measured>> {
+    Ok(launch::run_on_gpus(spec.replicas, options, |ctx, gpu| {
+        ddp_rank(spec, ctx, gpu, x, y)
+    })?)
+}
+
+#[cfg(not(feature = "nccl"))]
+fn run_on_nccl(_: &Spec, _: GroupOptions, _: &Tensor, _: &Tensor) -> Result<Vec<Measured>> {
+    bail!("ddp-nccl needs a build with --features nccl")
+}
+
+/// One DDP rank's training loop, timed.
+fn ddp_rank(
+    spec: &Spec,
+    ctx: launch::RankContext,
+    device: Device,
+    x: &Tensor,
+    y: &Tensor,
+) -> Result<Measured> {
+    let per_rank = spec.batch / spec.replicas;
+    let mut m = Measured::default();
+    let varmap = VarMap::new();
+    let model = spec.model;
+    let mut ddp = DistributedDataParallel::new(
+        ctx.process_group(),
+        &varmap,
+        DType::F32,
+        &device,
+        |vb| Net::new(model, vb),
+        DdpConfig::default(),
+    )?;
+    let mut sgd = SGD::new(varmap.all_vars(), 0.01)?;
+    let grad_bytes: usize = varmap
+        .all_vars()
+        .iter()
+        .map(|v| v.elem_count() * v.dtype().size_in_bytes())
+        .sum();
+    m.grad_bytes = Some(grad_bytes);
+    m.memcpy_ms = Some(memcpy_ms(grad_bytes));
+    let (x, y) = (
+        x.narrow(0, ctx.rank * per_rank, per_rank)?
+            .to_device(&device)?,
+        y.narrow(0, ctx.rank * per_rank, per_rank)?
+            .to_device(&device)?,
+    );
+    let devices = [device.clone()];
+    for step in 0..spec.warmup + spec.steps {
+        let t0 = Instant::now();
+        let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+        let t1 = Instant::now();
+        let grads = ddp.backward(&loss)?;
+        let t2 = Instant::now();
+        sgd.step(&grads)?;
+        spec.sync(&devices)?;
+        if step >= spec.warmup {
+            let t = ddp.last_timings();
+            m.phase("forward", t1 - t0);
+            m.phase("backward", t.backward);
+            m.phase("reduce", t.all_reduce);
+            m.phase("optimizer", t2.elapsed());
+            m.step_ms.push(ms(t0.elapsed()));
+        }
+    }
+    Ok(m)
 }
 
 fn run_dp(spec: &Spec, x: &Tensor, y: &Tensor) -> Result<Measured> {

@@ -205,7 +205,7 @@ fn run(args: Args) -> Result<()> {
     chart(
         &rows,
         torch.as_deref(),
-        &format!("candle-dp benchmark: {}, {}", machine(), today()),
+        &format!("candle-dp benchmark: {}, {}", machine(args.device), today()),
         &out_dir.join("bench.svg"),
     )?;
     println!(
@@ -284,13 +284,19 @@ fn child_answer<T: serde::de::DeserializeOwned>(mut cmd: Command, label: &str) -
     if !out.status.success() {
         bail!("{label} failed: {}", String::from_utf8_lossy(&out.stderr));
     }
-    let line = String::from_utf8(out.stdout)?;
-    serde_json::from_str(line.lines().last().context("child printed nothing")?)
-        .context("child output")
+    // The answer is the last line that parses: libraries may print too
+    // (NCCL its version, with NCCL_DEBUG=VERSION).
+    let stdout = String::from_utf8(out.stdout)?;
+    stdout
+        .lines()
+        .rev()
+        .find_map(|line| serde_json::from_str(line).ok())
+        .with_context(|| format!("{label}: no answer in the child's output:\n{stdout}"))
 }
 
-/// The CPU (or GPU) the benchmark ran on, for the chart's title.
-fn machine() -> String {
+/// The CPU, or the GPU and its host, the benchmark ran on, for the
+/// chart's title.
+fn machine(device: DeviceKind) -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|info| {
@@ -300,7 +306,23 @@ fn machine() -> String {
             })
         })
         .unwrap_or_else(|| "unknown CPU".into());
-    format!("{cpu}, {} cores", cores())
+    let host = format!("{cpu}, {} cores", cores());
+    match device {
+        DeviceKind::Cpu => host,
+        DeviceKind::Cuda => format!("{} (GPU 0), host {host}", gpu_name()),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_name() -> String {
+    candle_core::cuda_backend::cudarc::driver::CudaContext::new(0)
+        .and_then(|ctx| ctx.name())
+        .unwrap_or_else(|e| format!("unknown GPU ({e:?})"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_name() -> String {
+    "no GPU (a build without --features cuda)".into()
 }
 
 /// Today's date (UTC), as `date` prints it.

@@ -23,16 +23,20 @@ pub enum Kind {
     Ddp,
     /// DistributedDataParallel on MPI processes under `mpirun`.
     DdpMpi,
+    /// DistributedDataParallel on thread ranks reducing with NCCL
+    /// (`launch::run_on_gpus`; feature `nccl`).
+    DdpNccl,
 }
 
 impl Kind {
     /// The parallel kinds, in the order the table lists them.
-    pub const PARALLEL: [Kind; 5] = [
+    pub const PARALLEL: [Kind; 6] = [
         Kind::DpFast,
         Kind::DpFromloss,
         Kind::DpDropin,
         Kind::Ddp,
         Kind::DdpMpi,
+        Kind::DdpNccl,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -43,12 +47,13 @@ impl Kind {
             Kind::DpFromloss => "dp-fromloss",
             Kind::Ddp => "ddp",
             Kind::DdpMpi => "ddp-mpi",
+            Kind::DdpNccl => "ddp-nccl",
         }
     }
 
     /// DistributedDataParallel, on threads or processes.
     pub fn is_ddp(self) -> bool {
-        matches!(self, Kind::Ddp | Kind::DdpMpi)
+        matches!(self, Kind::Ddp | Kind::DdpMpi | Kind::DdpNccl)
     }
 }
 
@@ -109,7 +114,8 @@ pub struct Spec {
     pub warmup: usize,
     pub steps: usize,
     /// cpu, or cuda: GPU 0 (DataParallel's replicas share its stream, DDP's
-    /// ranks have a stream each).
+    /// ranks have a stream each, and so do ddp-nccl's, through
+    /// `run_on_gpus`).
     pub device: DeviceKind,
 }
 
@@ -189,6 +195,12 @@ pub fn specs(quick: bool, steps: usize, device: DeviceKind) -> Vec<Spec> {
                     // Processes need the feature, and MPI on this machine.
                     if kind == Kind::DdpMpi
                         && (!cfg!(feature = "mpi") || device != DeviceKind::Cpu || r == 1)
+                    {
+                        continue;
+                    }
+                    // NCCL needs the feature and a GPU.
+                    if kind == Kind::DdpNccl
+                        && (!cfg!(feature = "nccl") || device != DeviceKind::Cuda)
                     {
                         continue;
                     }

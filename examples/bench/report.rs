@@ -385,7 +385,7 @@ impl Family {
         match kind {
             Kind::Single => Family::OneDevice,
             Kind::DpFast | Kind::DpFromloss | Kind::DpDropin => Family::DataParallel,
-            Kind::Ddp => Family::DdpThreads,
+            Kind::Ddp | Kind::DdpNccl => Family::DdpThreads,
             Kind::DdpMpi => Family::DdpMpi,
         }
     }
