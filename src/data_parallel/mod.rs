@@ -12,6 +12,7 @@
 
 mod backward;
 mod builder;
+mod gpu_turns;
 mod replicas;
 mod replicate;
 mod timings;

@@ -10,15 +10,20 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
 
+use super::gpu_turns::{turns, Turn};
 use super::replicate::{build_replica, ReplicaVars};
 use crate::buffers::BufferPredicate;
 use crate::error::{Error, Result};
+use crate::lock::lock;
 use crate::worker_pool::{Cancel, Failure, NoAnswer, WorkerFailure, WorkerPool};
 
 /// What a worker owns: the user's model and the tensors that follow the master.
 pub(super) struct Replica<M> {
     model: M,
     vars: Arc<ReplicaVars>,
+    /// Held for this replica's work where it shares its GPU (see
+    /// `gpu_turns`).
+    turn: Option<Turn>,
 }
 
 /// One replica's share of a forward, and how long its phases took.
@@ -56,6 +61,7 @@ impl<M: 'static> Replicas<M> {
         F: Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
     {
         let varmap = varmap.clone();
+        let turns = turns(devices);
         let (pool, vars) = WorkerPool::start(devices, threads, timeout, move |index, device| {
             let (model, vars) =
                 build_replica(index, &varmap, dtype, device, is_buffer.clone(), &*factory)?;
@@ -63,6 +69,7 @@ impl<M: 'static> Replicas<M> {
             let replica = Replica {
                 model,
                 vars: Arc::clone(&vars),
+                turn: turns.get(index).cloned().flatten(),
             };
             Ok((replica, vars))
         })
@@ -89,7 +96,11 @@ impl<M: 'static> Replicas<M> {
             .into_iter()
             .map(|input| {
                 let work = Arc::clone(&work);
-                move |replica: &mut Replica<M>, cancel: &Cancel| work(replica, input, cancel)
+                move |replica: &mut Replica<M>, cancel: &Cancel| {
+                    let turn = replica.turn.clone();
+                    let _turn = turn.as_deref().map(lock);
+                    work(replica, input, cancel)
+                }
             })
             .collect();
         self.pool.run(jobs, self.timeout).map_err(replica_error)
