@@ -40,6 +40,7 @@ use candle_dp::loader::{Loader, TensorDataset};
 use candle_dp::optim::{AdamW, AdamWConfig};
 use candle_dp::sampler::DistributedSampler;
 use candle_dp::training_state::{check_ranks_agree, Progress, SamplerState};
+use candle_dp::zero::{ZeroOptimizer, ZeroStage};
 use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParallel, LossReduction};
 use candle_nn::{
     conv2d, linear, loss, Conv2d, Conv2dConfig, Linear, Optimizer, VarBuilder, VarMap,
@@ -193,6 +194,11 @@ struct Args {
     /// How many of the newest states to keep.
     #[arg(long, value_name = "K", default_value_t = 3, requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
     keep: u64,
+    /// ZeRO with --strategy ddp: shard the optimizer state (1) or the
+    /// optimizer state and the gradients (2) across the ranks; the weights
+    /// are those of plain DDP, bit for bit.
+    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(1..=2), conflicts_with = "checkpoint_dir")]
+    zero: Option<u8>,
     /// Continues from the newest complete state in `--checkpoint-dir`
     /// (from scratch, saying so, when there is none).
     #[arg(long, requires = "checkpoint_dir")]
@@ -425,14 +431,31 @@ fn train_ddp(
         let (rank, world) = (ctx.rank, ctx.world_size);
         let per_rank = (args.batch() / world).max(1);
         let varmap = copy_varmap(init)?;
-        let mut ddp = DistributedDataParallel::builder(
+        let mut builder = DistributedDataParallel::builder(
             ctx.process_group(),
             &varmap,
             DType::F32,
             &Device::Cpu,
-        )
-        .build(net.clone())?;
+        );
+        let zero = args.zero.and_then(ZeroStage::from_number);
+        if let Some(stage) = zero {
+            builder = builder.zero(stage);
+        }
+        let mut ddp = builder.build(net.clone())?;
         let mut opt = adamw(&varmap, args.lr)?;
+        // With ZeRO, each rank's AdamW holds its own parameters' state.
+        let mut sharded = match zero {
+            Some(_) => Some(ZeroOptimizer::new(&ddp, |mine| {
+                AdamW::new_named(
+                    mine,
+                    AdamWConfig {
+                        lr: args.lr,
+                        ..Default::default()
+                    },
+                )
+            })?),
+            None => None,
+        };
         let mut sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
         // Every rank reads the state itself; all must resume from the same.
         let resumed = match checkpoints {
@@ -477,7 +500,10 @@ fn train_ddp(
             for (index, batch) in (skip..).zip(&loader) {
                 let batch = batch?;
                 let loss = loss::cross_entropy(&ddp.forward(&batch[0])?, &batch[1])?;
-                ddp.backward_step(&loss, &mut opt)?;
+                match &mut sharded {
+                    Some(sharded) => sharded.step(&ddp.backward(&loss)?)?,
+                    None => ddp.backward_step(&loss, &mut opt)?,
+                }
                 samples += batch[0].dim(0)?;
                 last_loss = loss.to_scalar::<f32>()?;
                 log.losses.push(last_loss);
@@ -585,6 +611,9 @@ fn run(args: Args) -> Result<()> {
     if mpi && args.strategy != Strategy::Ddp {
         bail!("under mpirun, use --strategy ddp (dp and single run in one process)");
     }
+    if args.zero.is_some() && args.strategy != Strategy::Ddp {
+        bail!("--zero shards DistributedDataParallel's optimizer: use it with --strategy ddp");
+    }
     // Under MPI every process runs this; only rank 0 speaks.
     let speaks = Backend::process_rank() == 0;
     let (train_set, test_set, name) = load_data(&args)?;
@@ -648,9 +677,13 @@ fn run(args: Args) -> Result<()> {
             )?,
         )),
         Strategy::Ddp => {
+            let ddp = match args.zero {
+                Some(stage) => format!("DDP with ZeRO stage {stage}"),
+                None => "DDP".to_string(),
+            };
             let label = match Backend::from_env() {
-                Backend::Threads => format!("DDP, {} thread ranks", args.replicas),
-                Backend::Mpi { .. } => format!("DDP, {} MPI processes", Backend::world_size()),
+                Backend::Threads => format!("{ddp}, {} thread ranks", args.replicas),
+                Backend::Mpi { .. } => format!("{ddp}, {} MPI processes", Backend::world_size()),
             };
             match train_ddp(&args, &init, &train_set, &test_set, checkpoints.as_ref())? {
                 Some(outcome) => Some((label, outcome)),

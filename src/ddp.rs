@@ -45,6 +45,7 @@ use crate::comm::{all_gather_object, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::no_grad::NoGradCheck;
 use crate::vars::{grads_of, sorted_vars};
+use crate::zero::{Partition, ZeroStage};
 
 /// How a bucket of gradients travels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -89,6 +90,9 @@ pub struct DdpConfig {
     pub join_divisor: JoinDivisor,
     /// Which variables are buffers (default BatchNorm statistics).
     pub is_buffer: BufferPredicate,
+    /// Shard the optimizer state (and gradients) across ranks (default
+    /// none): see [`crate::zero`].
+    pub zero: Option<ZeroStage>,
 }
 
 impl Default for DdpConfig {
@@ -100,6 +104,7 @@ impl Default for DdpConfig {
             comm_hook: CommHook::Average,
             join_divisor: JoinDivisor::InitialWorldSize,
             is_buffer: Arc::new(is_batch_norm_buffer),
+            zero: None,
         }
     }
 }
@@ -112,6 +117,7 @@ impl std::fmt::Debug for DdpConfig {
             .field("broadcast_buffers", &self.broadcast_buffers)
             .field("comm_hook", &self.comm_hook)
             .field("join_divisor", &self.join_divisor)
+            .field("zero", &self.zero)
             .finish_non_exhaustive()
     }
 }
@@ -194,6 +200,8 @@ pub struct DistributedDataParallel<M> {
     no_grad: NoGradCheck,
     /// Parameters without a gradient in the latest synchronised backward.
     without_grad: Vec<String>,
+    /// With ZeRO: which rank owns each parameter.
+    zero_partition: Option<Arc<Partition>>,
 }
 
 impl<M> DistributedDataParallel<M> {
@@ -262,6 +270,14 @@ impl<M> DistributedDataParallel<M> {
         let (buffers, params): (Vec<_>, Vec<_>) = vars
             .into_iter()
             .partition(|(name, _)| (config.is_buffer)(name));
+        let zero_partition = match config.zero {
+            Some(_) => {
+                let partition = Partition::of_vars(&params, pg.world_size());
+                partition.check_agreed(pg.as_ref(), &params)?;
+                Some(Arc::new(partition))
+            }
+            None => None,
+        };
         let ddp = Self {
             buckets: make_buckets(
                 &params,
@@ -281,6 +297,7 @@ impl<M> DistributedDataParallel<M> {
             no_grad: NoGradCheck::default(),
             without_grad: Vec::new(),
             timings: DdpTimings::default(),
+            zero_partition,
         };
         ddp.broadcast_vars(&ddp.params, 0)?;
         // PyTorch leaves buffers rank-local at construction too when they
@@ -294,6 +311,17 @@ impl<M> DistributedDataParallel<M> {
     /// This rank's model.
     pub fn module(&self) -> &M {
         &self.module
+    }
+
+    /// The ZeRO stage this DDP was built with, if any.
+    pub fn zero_stage(&self) -> Option<ZeroStage> {
+        self.config.zero
+    }
+
+    /// With ZeRO, which rank owns each parameter of
+    /// [`params`](Self::params).
+    pub fn zero_partition(&self) -> Option<&Arc<Partition>> {
+        self.zero_partition.as_ref()
     }
 
     /// Whether the next backward synchronises: false inside `no_sync`;
@@ -396,15 +424,24 @@ impl<M> DistributedDataParallel<M> {
             return Ok(GradStore::default());
         }
         let reduce_start = Instant::now();
-        let store = self.all_reduce_grads(local)?;
+        let (store, not_kept) = self.all_reduce_grads(local)?;
         // A failed step must leave the parameters untouched: with a device
         // group, the gradients reach the optimizer only once its
         // collectives completed (a no-op for the host groups).
         self.comm(self.pg.wait_for_device())?;
         self.timings.all_reduce = reduce_start.elapsed();
+        // At ZeRO stage 2 the gradients reduced for other ranks are not
+        // kept here, yet they exist.
+        let checked: Vec<(String, Var)> = self
+            .params
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !not_kept.contains(i))
+            .map(|(_, p)| p.clone())
+            .collect();
         self.without_grad = self
             .no_grad
-            .check("DistributedDataParallel", &self.params, &store);
+            .check("DistributedDataParallel", &checked, &store);
         Ok(store)
     }
 
@@ -464,6 +501,14 @@ impl<M> DistributedDataParallel<M> {
     /// highest rank still training, not from rank 0. If `f` fails, its
     /// error is returned at once.
     pub fn join<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
+        if self.config.zero.is_some() {
+            return Err(Error::Zero(
+                "join is not supported: a rank that ran out of data would not take part in the \
+                 ZeroOptimizer's all-gather of the parameters; give every rank the same number \
+                 of batches (DistributedSampler with drop_last)"
+                    .into(),
+            ));
+        }
         self.joining = true;
         // A panic in `f` ends the join as an error does (state restored),
         // then goes on unwinding.
@@ -572,7 +617,11 @@ impl<M> DistributedDataParallel<M> {
     /// reduces on the GPUs ([`ProcessGroup::reduces_on_device`]), the flags
     /// of all parameters are summed once on the host first, so that no
     /// bucket needs a copy between host and device.
-    fn all_reduce_grads(&self, local: Vec<Option<Tensor>>) -> Result<GradStore> {
+    ///
+    /// Returns the averaged gradients this rank keeps, and the parameters
+    /// whose reduced gradient it did not keep (at ZeRO stage 2, the other
+    /// ranks' parameters).
+    fn all_reduce_grads(&self, local: Vec<Option<Tensor>>) -> Result<(GradStore, Vec<usize>)> {
         let divisor = match self.config.join_divisor {
             JoinDivisor::InitialWorldSize => self.pg.world_size(),
             JoinDivisor::ActiveRanks => self.active_ranks.max(1),
@@ -582,6 +631,7 @@ impl<M> DistributedDataParallel<M> {
             false => None,
         };
         let mut store = GradStore::default();
+        let mut not_kept = Vec::new();
         for bucket in &self.buckets {
             let mut pieces = Vec::with_capacity(bucket.params.len() + 1);
             let mut present = Vec::with_capacity(bucket.params.len());
@@ -613,17 +663,34 @@ impl<M> DistributedDataParallel<M> {
             for (k, &i) in bucket.params.iter().enumerate() {
                 let var = &self.params[i].1;
                 let n = var.elem_count();
-                if flags[k] > 0.0 {
+                if flags[k] > 0.0 && !self.keeps_grad_of(i) {
+                    not_kept.push(i);
+                } else if flags[k] > 0.0 {
+                    // A copy: a view would keep the whole reduced bucket
+                    // alive, other ranks' gradients included.
                     let grad = reduced
                         .narrow(0, offset, n)?
                         .reshape(var.shape())?
                         .to_dtype(var.dtype())?;
+                    let grad = match self.config.zero {
+                        Some(ZeroStage::Two) => grad.copy()?,
+                        _ => grad,
+                    };
                     store.insert(var.as_tensor(), grad);
                 }
                 offset += n;
             }
         }
-        Ok(store)
+        Ok((store, not_kept))
+    }
+
+    /// Whether this rank keeps parameter `i`'s reduced gradient: always,
+    /// but at ZeRO stage 2 only for the parameters it owns.
+    fn keeps_grad_of(&self, i: usize) -> bool {
+        match (&self.zero_partition, self.config.zero) {
+            (Some(partition), Some(ZeroStage::Two)) => partition.owns(self.pg.rank(), i),
+            _ => true,
+        }
     }
 
     /// For each parameter, on how many ranks it has a gradient: one

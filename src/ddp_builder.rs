@@ -11,6 +11,7 @@ use candle_nn::{VarBuilder, VarMap};
 use crate::comm::ProcessGroup;
 use crate::ddp::{CommHook, DdpConfig, DistributedDataParallel, JoinDivisor};
 use crate::error::Result;
+use crate::zero::ZeroStage;
 
 impl<M> DistributedDataParallel<M> {
     /// Starts configuring this rank's [`DistributedDataParallel`] (buckets,
@@ -78,6 +79,14 @@ impl<M> DdpBuilder<M> {
     /// Broadcast buffers from rank 0 before every forward (default on).
     pub fn broadcast_buffers(mut self, broadcast: bool) -> Self {
         self.config.broadcast_buffers = broadcast;
+        self
+    }
+
+    /// Shards the optimizer state (stage 1) and the gradients (stage 2)
+    /// across the ranks: build the optimizer as a
+    /// [`ZeroOptimizer`](crate::zero::ZeroOptimizer). See [`crate::zero`].
+    pub fn zero(mut self, stage: ZeroStage) -> Self {
+        self.config.zero = Some(stage);
         self
     }
 

@@ -229,6 +229,21 @@ pub enum Error {
     #[error("optimizer state: {0}")]
     OptimizerState(String),
 
+    /// Rank `rank` partitioned the parameters for ZeRO differently from
+    /// rank 0 (the ranks' models or settings differ).
+    #[error("ZeRO: rank {rank} owns parameters differently from rank 0: {detail}")]
+    ZeroPartitionMismatch {
+        /// The first rank whose partition differs.
+        rank: usize,
+        /// The first parameter assigned differently.
+        detail: String,
+    },
+
+    /// ZeRO was used in a way it does not support (the message says how
+    /// to use it instead).
+    #[error("ZeRO: {0}")]
+    Zero(String),
+
     /// The ranks found different training states to resume from (see
     /// [`check_ranks_agree`](crate::training_state::check_ranks_agree)).
     #[error("rank {rank} would resume from {}, rank 0 from {}: every rank must resume from the same state (is the checkpoint directory shared by all of them?)", describe_step(*step), describe_step(*rank0_step))]

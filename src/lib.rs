@@ -109,6 +109,7 @@ mod step;
 pub mod training_state;
 mod vars;
 mod worker_pool;
+pub mod zero;
 
 pub use buffers::{is_batch_norm_buffer, BufferPredicate};
 pub use data_parallel::{DataParallel, DataParallelBuilder, StepTimings};

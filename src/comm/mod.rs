@@ -34,6 +34,7 @@ mod nccl_group;
 mod op;
 mod protocol;
 mod ring;
+mod shards;
 mod shared_output;
 mod thread_group;
 mod timeout;
@@ -362,6 +363,58 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
     /// Returns every rank's tensor, in rank order, on every rank.
     fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>>;
 
+    /// Reduces `tensor` (flattened) across ranks with `op` and gives rank
+    /// `r` only its piece: the `counts[r]` elements after the first
+    /// `counts[..r]` (MPI's `MPI_Reduce_scatter`, PyTorch's
+    /// `reduce_scatter_tensor` with pieces of any size). Every rank passes
+    /// the same `counts`, one per rank, adding up to the tensor's size.
+    ///
+    /// **Bitwise:** each rank's piece equals the same slice of
+    /// [`all_reduce`](ProcessGroup::all_reduce)'s result for the same
+    /// tensors, on every group; this default computes that all-reduce and
+    /// keeps the piece (a group may do less work, never give other bytes).
+    /// ZeRO relies on it to train to DDP's very weights.
+    ///
+    /// Counts that are not one per rank, do not add up, or differ between
+    /// ranks give every rank [`CommError::InvalidInput`] naming the rank.
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use candle_dp::comm::{ProcessGroup, ReduceOp};
+    /// use candle_dp::launch::spawn;
+    ///
+    /// let pieces = spawn(2, |ctx| {
+    ///     let x = Tensor::new(&[1f32, 2., 3.], &Device::Cpu)?;
+    ///     Ok(ctx.pg.reduce_scatter(&x, ReduceOp::Sum, &[2, 1])?.to_vec1::<f32>()?)
+    /// })?;
+    /// assert_eq!(pieces, vec![vec![2., 4.], vec![6.]]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp, counts: &[usize]) -> Result<Tensor> {
+        shards::reduce_scatter_by_all_reduce(self, tensor, op, counts)
+    }
+
+    /// Every rank's tensor (the same dtype and shape on every rank),
+    /// flattened and concatenated in rank order into one 1-D tensor, on
+    /// every rank: the all-gather into one flat buffer that ZeRO uses to
+    /// share the parameters each rank updated.
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use candle_dp::comm::ProcessGroup;
+    /// use candle_dp::launch::spawn;
+    ///
+    /// let all = spawn(2, |ctx| {
+    ///     let x = Tensor::new(&[ctx.rank as f32; 2], &Device::Cpu)?;
+    ///     Ok(ctx.pg.all_gather_into(&x)?.to_vec1::<f32>()?)
+    /// })?;
+    /// assert_eq!(all[1], [0., 0., 1., 1.]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    fn all_gather_into(&self, tensor: &Tensor) -> Result<Tensor> {
+        shards::all_gather_into_by_all_gather(self, tensor)
+    }
+
     /// Returns every rank's tensor, in rank order, on `root` (`Some`); the
     /// other ranks get `None`.
     fn gather(&self, tensor: &Tensor, root: usize) -> Result<Option<Vec<Tensor>>>;
@@ -436,8 +489,8 @@ pub(crate) fn all_reduce_concat_copied<P: ProcessGroup + ?Sized>(
 /// assert_eq!(names[1], vec!["worker-0".to_string(), "worker-1".to_string()]);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub fn all_gather_object<T: Serialize + DeserializeOwned>(
-    pg: &dyn ProcessGroup,
+pub fn all_gather_object<T: Serialize + DeserializeOwned, P: ProcessGroup + ?Sized>(
+    pg: &P,
     value: &T,
 ) -> Result<Vec<T>> {
     // Each rank's bytes start with a tag, so that a rank whose value does

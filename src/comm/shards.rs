@@ -1,0 +1,102 @@
+//! The collectives of sharded training (ZeRO), on any group:
+//! [`ProcessGroup::reduce_scatter`] through the group's all-reduce, and
+//! [`ProcessGroup::all_gather_into`] through its all-gather. Each rank's
+//! shard is therefore bitwise the same slice of the all-reduce's result,
+//! which is what lets ZeRO train to DDP's very bytes.
+
+use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
+
+use super::{all_gather_object, CommError, ProcessGroup, ReduceOp, Result};
+
+/// [`ProcessGroup::reduce_scatter`] as an all-reduce of the whole tensor,
+/// of which this rank keeps its piece (a copy, so the whole result is
+/// freed at once).
+pub(crate) fn reduce_scatter_by_all_reduce<P: ProcessGroup + ?Sized>(
+    pg: &P,
+    tensor: &Tensor,
+    op: ReduceOp,
+    counts: &[usize],
+) -> Result<Tensor> {
+    const OP: &str = "reduce_scatter";
+    let rank = pg.rank();
+    // Every rank must split the result the same way (a rank whose counts
+    // differ would silently keep another slice), and into pieces that add
+    // up to its tensor: checked on every rank from every rank's counts, so
+    // all give the same error and the group stays usable.
+    let mine = Split {
+        elements: tensor.elem_count() as u64,
+        counts: counts.iter().map(|&c| c as u64).collect(),
+    };
+    let splits = all_gather_object(pg, &mine)?;
+    if let Some((culprit, reason)) = first_bad_split(&splits) {
+        return Err(CommError::InvalidInput {
+            rank,
+            op: OP,
+            culprit,
+            reason,
+        });
+    }
+    let flat = tensor
+        .flatten_all()
+        .map_err(|source| tensor_error(rank, OP, source))?;
+    let reduced = pg.all_reduce(&flat, op)?;
+    let start: usize = counts[..rank].iter().sum();
+    reduced
+        .narrow(0, start, counts[rank])
+        .and_then(|piece| piece.copy())
+        .map_err(|source| tensor_error(rank, OP, source))
+}
+
+/// One rank's request of a reduce-scatter.
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct Split {
+    elements: u64,
+    counts: Vec<u64>,
+}
+
+/// The first rank whose split cannot be used, and why.
+fn first_bad_split(splits: &[Split]) -> Option<(usize, String)> {
+    let world = splits.len();
+    splits.iter().enumerate().find_map(|(r, split)| {
+        let sum: u64 = split.counts.iter().sum();
+        if split.counts.len() != world {
+            Some(format!(
+                "{} counts for a world of {world}",
+                split.counts.len()
+            ))
+        } else if sum != split.elements {
+            Some(format!(
+                "the counts sum to {sum} but the tensor has {} elements",
+                split.elements
+            ))
+        } else if split.counts != splits[0].counts {
+            Some(format!(
+                "counts {:?}, where rank 0 passes {:?}",
+                split.counts, splits[0].counts
+            ))
+        } else {
+            None
+        }
+        .map(|reason| (r, reason))
+    })
+}
+
+/// [`ProcessGroup::all_gather_into`] as an all-gather, concatenated.
+pub(crate) fn all_gather_into_by_all_gather<P: ProcessGroup + ?Sized>(
+    pg: &P,
+    tensor: &Tensor,
+) -> Result<Tensor> {
+    let rank = pg.rank();
+    let pieces = pg.all_gather(tensor)?;
+    pieces
+        .iter()
+        .map(Tensor::flatten_all)
+        .collect::<candle_core::Result<Vec<_>>>()
+        .and_then(|flat| Tensor::cat(&flat, 0))
+        .map_err(|source| tensor_error(rank, "all_gather_into", source))
+}
+
+fn tensor_error(rank: usize, op: &'static str, source: candle_core::Error) -> CommError {
+    CommError::Tensor { rank, op, source }
+}

@@ -1,0 +1,346 @@
+//! [`ZeroOptimizer`]: any optimizer, run by each rank on the parameters it
+//! owns, the updated parameters then shared with every rank.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+
+use super::{Partition, ZeroStage};
+use crate::comm::ProcessGroup;
+use crate::ddp::DistributedDataParallel;
+use crate::error::{Error, Result};
+use crate::optim::{OptimizerState, StatefulOptimizer};
+
+/// An optimizer sharded across the ranks of a
+/// [`DistributedDataParallel`] built with [`zero`](crate::DdpBuilder::zero)
+/// (ZeRO stage 1 or 2; PyTorch's `ZeroRedundancyOptimizer`, DeepSpeed's
+/// stages 1-2): each rank builds its optimizer over the parameters it owns
+/// ([`Partition`]), so it holds their optimizer state only, and
+/// [`step`](Self::step) updates them, then all-gathers every rank's updated
+/// parameters into every rank's model.
+///
+/// **Exact.** With an optimizer that updates each parameter from its own
+/// gradient and state (SGD, Adam, AdamW: candle's and the crate's), the
+/// weights are bitwise those of DDP with the same optimizer over all
+/// parameters: the gradients are DDP's, each update is the one DDP's
+/// optimizer would make, and the all-gather copies. An optimizer that
+/// couples parameters (a global gradient norm, LAMB's trust ratio across
+/// layers) would see only this rank's.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_dp::launch::spawn;
+/// use candle_dp::optim::{AdamW, AdamWConfig};
+/// use candle_dp::zero::{ZeroOptimizer, ZeroStage};
+/// use candle_dp::DistributedDataParallel;
+/// use candle_nn::{linear, Module, VarMap};
+///
+/// spawn(2, |ctx| {
+///     let varmap = VarMap::new();
+///     let mut ddp = DistributedDataParallel::builder(ctx.process_group(), &varmap, DType::F32, &Device::Cpu)
+///         .zero(ZeroStage::Two)
+///         .build(|vb| linear(4, 2, vb))?;
+///     // Each rank's AdamW holds the state of the parameters it owns only.
+///     let mut opt = ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, AdamWConfig::default()))?;
+///     let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+///     let loss = ddp.forward(&x)?.sum_all()?;
+///     let grads = ddp.backward(&loss)?; // stage 2: this rank's parameters' gradients only
+///     opt.step(&grads)?;
+///     Ok(())
+/// })?;
+/// # Ok::<(), anyhow::Error>(())
+/// ```
+pub struct ZeroOptimizer<O> {
+    inner: O,
+    pg: Arc<dyn ProcessGroup>,
+    stage: ZeroStage,
+    params: Vec<(String, Var)>,
+    partition: Arc<Partition>,
+    groups: Vec<GatherGroup>,
+}
+
+/// Parameters of one dtype and device, all-gathered as one flat buffer.
+struct GatherGroup {
+    dtype: DType,
+    device: Device,
+    /// Indices into the parameters, in their order.
+    members: Vec<usize>,
+    /// Elements each rank sends: the most any rank owns in this group (the
+    /// others pad with zeros).
+    padded: usize,
+}
+
+impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
+    /// Builds this rank's optimizer with `make`, given the parameters this
+    /// rank owns (named, in the model's order: pass them to the crate's
+    /// optimizers' `new_named`, or their `Var`s to any candle optimizer).
+    /// Every rank must call it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Zero`] if `ddp` was not built with
+    /// [`zero`](crate::DdpBuilder::zero); `make`'s error.
+    pub fn new<M, F>(ddp: &DistributedDataParallel<M>, make: F) -> Result<Self>
+    where
+        F: FnOnce(Vec<(String, Var)>) -> candle_core::Result<O>,
+    {
+        let (stage, partition) = match (ddp.zero_stage(), ddp.zero_partition()) {
+            (Some(stage), Some(partition)) => (stage, Arc::clone(partition)),
+            _ => {
+                return Err(Error::Zero(
+                    "this DistributedDataParallel shards nothing: build it with \
+                     DistributedDataParallel::builder(..).zero(ZeroStage::One) (or Two)"
+                        .into(),
+                ))
+            }
+        };
+        let pg = Arc::clone(ddp.process_group());
+        let params = ddp.params().to_vec();
+        let rank = pg.rank();
+        let owned: Vec<(String, Var)> = params
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| partition.owns(rank, i))
+            .map(|(_, p)| p.clone())
+            .collect();
+        let inner = make(owned)?;
+        let groups = gather_groups(&params, &partition);
+        Ok(Self {
+            inner,
+            pg,
+            stage,
+            params,
+            partition,
+            groups,
+        })
+    }
+
+    /// Updates this rank's parameters from `grads` (DDP's averaged
+    /// gradients: at stage 2 only this rank's parameters have one), then
+    /// gives every rank every other rank's updated parameters. Every rank
+    /// must call it. If the update or the exchange fails, this rank's
+    /// parameters are put back as they were (the optimizer's own state is
+    /// not: resume from a checkpoint, as after any failed collective).
+    pub fn step(&mut self, grads: &GradStore) -> Result<()> {
+        let rank = self.pg.rank();
+        let mine: Vec<&Var> = self
+            .owned_indices(rank)
+            .map(|i| &self.params[i].1)
+            .collect();
+        let before = mine
+            .iter()
+            .map(|v| v.as_tensor().copy())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let result = self
+            .inner
+            .step(grads)
+            .map_err(Error::from)
+            .and_then(|()| self.share_updates());
+        if result.is_err() {
+            let mine: Vec<&Var> = self
+                .owned_indices(rank)
+                .map(|i| &self.params[i].1)
+                .collect();
+            for (var, old) in mine.iter().zip(&before) {
+                // Best effort: the error being returned says what failed.
+                let _ = var.set(old);
+            }
+        }
+        result
+    }
+
+    /// Every rank sends the parameters it owns, group by group, and takes
+    /// the others' from the flat all-gathered buffer.
+    fn share_updates(&self) -> Result<()> {
+        let rank = self.pg.rank();
+        let owners = self.partition.owners();
+        for group in &self.groups {
+            let mut pieces = Vec::new();
+            let mut sent = 0;
+            for &i in group.members.iter().filter(|&&i| owners[i] == rank) {
+                let var = &self.params[i].1;
+                pieces.push(var.as_tensor().flatten_all()?);
+                sent += var.elem_count();
+            }
+            if sent < group.padded {
+                pieces.push(Tensor::zeros(
+                    group.padded - sent,
+                    group.dtype,
+                    &group.device,
+                )?);
+            }
+            let flat = Tensor::cat(&pieces, 0)?;
+            let all = self.pg.all_gather_into(&flat)?;
+            for owner in 0..self.partition.world_size() {
+                let mut offset = owner * group.padded;
+                for &i in group.members.iter().filter(|&&i| owners[i] == owner) {
+                    let var = &self.params[i].1;
+                    let n = var.elem_count();
+                    if owner != rank {
+                        var.set(&all.narrow(0, offset, n)?.reshape(var.shape())?)?;
+                    }
+                    offset += n;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn owned_indices(&self, rank: usize) -> impl Iterator<Item = usize> + '_ {
+        (0..self.params.len()).filter(move |&i| self.partition.owns(rank, i))
+    }
+
+    /// The optimizer over this rank's parameters.
+    pub fn inner(&self) -> &O {
+        &self.inner
+    }
+
+    /// The optimizer over this rank's parameters, to change its settings
+    /// (a learning-rate schedule).
+    pub fn inner_mut(&mut self) -> &mut O {
+        &mut self.inner
+    }
+
+    /// The stage the DDP was built with.
+    pub fn stage(&self) -> ZeroStage {
+        self.stage
+    }
+
+    /// Which rank owns which parameter.
+    pub fn partition(&self) -> &Partition {
+        &self.partition
+    }
+
+    /// The names of the parameters this rank owns.
+    pub fn owned_names(&self) -> Vec<&str> {
+        self.owned_indices(self.pg.rank())
+            .map(|i| self.params[i].0.as_str())
+            .collect()
+    }
+}
+
+impl<O: StatefulOptimizer> ZeroOptimizer<O> {
+    /// This rank's shard of the optimizer state: the entries of the
+    /// parameters it owns. Save one per rank; [`load_shards`](Self::load_shards)
+    /// takes them back.
+    pub fn shard_state(&self) -> Result<OptimizerState> {
+        self.inner.state()
+    }
+
+    /// Loads the state saved as shards by every rank of a run (all of
+    /// them, in any order), on any number of ranks: this rank keeps the
+    /// entries of the parameters it owns now, so a run resumed on another
+    /// world size re-partitions the state.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::OptimizerState`] when the shards are of different
+    /// optimizers, steps or settings, when two shards hold one parameter,
+    /// or (from the optimizer) when an entry does not fit; nothing is
+    /// loaded then.
+    pub fn load_shards(&mut self, shards: &[OptimizerState]) -> Result<()> {
+        let Some(first) = shards.first() else {
+            return Err(Error::OptimizerState("no shards to load".into()));
+        };
+        let mut merged = OptimizerState {
+            kind: first.kind.clone(),
+            steps: first.steps,
+            settings: first.settings.clone(),
+            tensors: Default::default(),
+        };
+        let owned: BTreeSet<&str> = self.owned_names().into_iter().collect();
+        let mut seen = BTreeSet::new();
+        for (k, shard) in shards.iter().enumerate() {
+            if shard.kind != first.kind
+                || shard.steps != first.steps
+                || shard.settings != first.settings
+            {
+                return Err(Error::OptimizerState(format!(
+                    "shard {k} is of {} after {} steps with settings {:?}, shard 0 of {} after {} steps with {:?}: the shards are not of one run",
+                    shard.kind, shard.steps, shard.settings, first.kind, first.steps, first.settings
+                )));
+            }
+            for (key, tensor) in &shard.tensors {
+                if !seen.insert(key.clone()) {
+                    return Err(Error::OptimizerState(format!(
+                        "`{key}` is in two shards: the shards are not of one run"
+                    )));
+                }
+                let param = key.rsplit_once('.').map_or(key.as_str(), |(p, _)| p);
+                if owned.contains(param) {
+                    merged.tensors.insert(key.clone(), tensor.clone());
+                }
+            }
+        }
+        self.inner.load_state(&merged)
+    }
+
+    /// Bytes of optimizer state this rank holds.
+    pub fn state_bytes(&self) -> Result<usize> {
+        Ok(self
+            .inner
+            .state()?
+            .tensors
+            .values()
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum())
+    }
+}
+
+impl<O> fmt::Debug for ZeroOptimizer<O> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ZeroOptimizer")
+            .field("stage", &self.stage)
+            .field("rank", &self.pg.rank())
+            .field("partition", &self.partition)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The parameters by dtype and device, in order of first appearance (the
+/// same on every rank), with each group's padded share.
+fn gather_groups(params: &[(String, Var)], partition: &Partition) -> Vec<GatherGroup> {
+    let mut groups: Vec<GatherGroup> = Vec::new();
+    for (i, (_, var)) in params.iter().enumerate() {
+        let found = groups
+            .iter_mut()
+            .find(|g| g.dtype == var.dtype() && g.device.same_device(var.device()));
+        match found {
+            Some(group) => group.members.push(i),
+            None => groups.push(GatherGroup {
+                dtype: var.dtype(),
+                device: var.device().clone(),
+                members: vec![i],
+                padded: 0,
+            }),
+        }
+    }
+    let owners = partition.owners();
+    for group in &mut groups {
+        group.padded = (0..partition.world_size())
+            .map(|r| {
+                group
+                    .members
+                    .iter()
+                    .filter(|&&i| owners[i] == r)
+                    .map(|&i| params[i].1.elem_count())
+                    .sum::<usize>()
+            })
+            .max()
+            .unwrap_or(0);
+    }
+    groups
+}
+
+/// Bytes of the gradients `grads` holds: after a ZeRO stage 2 step, this
+/// rank's parameters' only.
+pub fn grad_bytes(grads: &GradStore) -> usize {
+    grads
+        .get_ids()
+        .filter_map(|id| grads.get_id(*id))
+        .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+        .sum()
+}

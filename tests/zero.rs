@@ -1,0 +1,559 @@
+//! ZeRO: the reduce-scatter and flat all-gather collectives, and stages 1
+//! and 2 on DDP trained to DDP's very bytes on 1-4 thread ranks, with
+//! parameters that do not divide by the world size and worlds larger than
+//! the number of parameters; the shards of the optimizer state saved and
+//! loaded on the same and another world size; what ZeRO refuses.
+
+mod common;
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_dp::comm::{CommError, ReduceOp};
+use candle_dp::launch::{spawn, RankContext};
+use candle_dp::optim::{AdamW, AdamWConfig, OptimizerState, StatefulOptimizer};
+use candle_dp::zero::{grad_bytes, Partition, ZeroOptimizer, ZeroStage};
+use candle_dp::{DistributedDataParallel, Error};
+use candle_nn::{linear, loss, Linear, Optimizer, VarBuilder, VarMap, SGD};
+use common::*;
+
+/// Deterministic, varied values (not multiples of powers of two, so that
+/// summation order shows in the bits).
+fn values(n: usize, seed: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i * 7919 + seed * 104_729) % 1000) as f32 / 37.0).sin() * 3.3)
+        .collect()
+}
+
+#[test]
+fn reduce_scatter_pieces_are_bitwise_slices_of_the_all_reduce() {
+    for world in 1..=4 {
+        // 1031 elements: prime, so no piece size divides it evenly.
+        let n = 1031;
+        let results = spawn(world, move |ctx| {
+            let x = Tensor::new(values(n, ctx.rank), &Device::Cpu)?;
+            // Uneven pieces, the last rank's the largest.
+            let mut counts: Vec<usize> = (0..world).map(|r| n / world - r).collect();
+            let rest = n - counts.iter().sum::<usize>();
+            counts[world - 1] += rest;
+            let mut out = Vec::new();
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                let full = ctx.pg.all_reduce(&x, op)?.to_vec1::<f32>()?;
+                let piece = ctx.pg.reduce_scatter(&x, op, &counts)?.to_vec1::<f32>()?;
+                let start: usize = counts[..ctx.rank].iter().sum();
+                let want = &full[start..start + counts[ctx.rank]];
+                out.push(
+                    piece.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                        == want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                );
+            }
+            Ok(out)
+        })
+        .unwrap();
+        for (rank, ok) in results.iter().enumerate() {
+            assert_eq!(ok, &vec![true; 3], "world {world}, rank {rank}");
+        }
+    }
+}
+
+#[test]
+fn all_gather_into_concatenates_every_rank_in_rank_order() {
+    let results = spawn(3, |ctx| {
+        let x = Tensor::new(&[[ctx.rank as f32, 10. + ctx.rank as f32]], &Device::Cpu)?;
+        Ok(ctx.pg.all_gather_into(&x)?.to_vec1::<f32>()?)
+    })
+    .unwrap();
+    for got in results {
+        assert_eq!(got, [0., 10., 1., 11., 2., 12.]);
+    }
+}
+
+#[test]
+fn reduce_scatter_counts_that_differ_name_the_rank_on_every_rank_and_the_group_goes_on() {
+    within(60, || {
+        let results = spawn(2, |ctx| {
+            let x = Tensor::new(&[1f32, 2., 3., 4.], &Device::Cpu)?;
+            let counts: &[usize] = if ctx.rank == 1 { &[1, 3] } else { &[2, 2] };
+            let err = ctx
+                .pg
+                .reduce_scatter(&x, ReduceOp::Sum, counts)
+                .unwrap_err();
+            let ok = ctx.pg.all_reduce(&x, ReduceOp::Sum)?.to_vec1::<f32>()?;
+            Ok((
+                err.to_string(),
+                matches!(err, CommError::InvalidInput { culprit: 1, .. }),
+                ok,
+            ))
+        })
+        .unwrap();
+        for (message, names_rank_1, after) in results {
+            assert!(names_rank_1, "{message}");
+            assert!(message.contains("[1, 3]"), "{message}");
+            assert_eq!(after, [2., 4., 6., 8.], "the group still works");
+        }
+    });
+}
+
+#[test]
+fn reduce_scatter_counts_that_do_not_add_up_are_an_error_on_every_rank() {
+    within(60, || {
+        let results = spawn(2, |ctx| {
+            let x = Tensor::new(&[1f32, 2., 3.], &Device::Cpu)?;
+            Ok(ctx
+                .pg
+                .reduce_scatter(&x, ReduceOp::Sum, &[2, 2])
+                .unwrap_err()
+                .to_string())
+        })
+        .unwrap();
+        for message in results {
+            assert!(
+                message.contains("sum to 4 but the tensor has 3"),
+                "{message}"
+            );
+        }
+    });
+}
+
+/// An MLP 5-7-3 and a lone 1x1 parameter: sizes 35, 7, 21, 3 and 1
+/// elements, none of which divides evenly among 2-4 ranks.
+struct Net {
+    l1: Linear,
+    l2: Linear,
+    scale: Tensor,
+}
+
+impl Net {
+    fn new(vb: VarBuilder) -> candle_core::Result<Self> {
+        Ok(Self {
+            l1: linear(5, 7, vb.pp("l1"))?,
+            l2: linear(7, 3, vb.pp("l2"))?,
+            scale: vb.get_with_hints(1, "scale", candle_nn::Init::Const(1.0))?,
+        })
+    }
+}
+
+impl Module for Net {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.l2
+            .forward(&self.l1.forward(x)?.tanh()?)?
+            .broadcast_mul(&self.scale)
+    }
+}
+
+/// Tiny: two parameters (4 and 2 elements), so that 3 and 4 ranks
+/// outnumber them.
+struct Tiny {
+    l: Linear,
+}
+
+impl Module for Tiny {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.l.forward(x)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Opt {
+    CandleSgd,
+    AdamW,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Model {
+    Net,
+    Tiny,
+}
+
+/// Each rank's batches: 4 steps of 3 rows.
+fn batches(model: Model, rank: usize) -> Vec<(Tensor, Tensor)> {
+    let (inputs, classes) = match model {
+        Model::Net => (5, 3),
+        Model::Tiny => (2, 2),
+    };
+    (0..4)
+        .map(|step| {
+            let x = Tensor::new(values(3 * inputs, 31 * rank + step), &Device::Cpu)
+                .and_then(|t| t.reshape((3, inputs)))
+                .unwrap();
+            let y = Tensor::new(
+                (0..3)
+                    .map(|i| ((i + step + rank) % classes) as u32)
+                    .collect::<Vec<_>>(),
+                &Device::Cpu,
+            )
+            .unwrap();
+            (x, y)
+        })
+        .collect()
+}
+
+/// Either model, behind one type.
+enum AnyNet {
+    Net(Net),
+    Tiny(Tiny),
+}
+
+impl Module for AnyNet {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            AnyNet::Net(n) => n.forward(x),
+            AnyNet::Tiny(t) => t.forward(x),
+        }
+    }
+}
+
+fn build(model: Model, vb: VarBuilder) -> candle_core::Result<AnyNet> {
+    Ok(match model {
+        Model::Net => AnyNet::Net(Net::new(vb)?),
+        Model::Tiny => AnyNet::Tiny(Tiny {
+            l: linear(2, 2, vb.pp("l"))?,
+        }),
+    })
+}
+
+/// Initial values of `model`, drawn once so that every run starts from
+/// them.
+fn init_of(model: Model) -> HashMap<String, Tensor> {
+    let varmap = VarMap::new();
+    build(
+        model,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )
+    .unwrap();
+    snapshot(&varmap)
+}
+
+type StepFn = Box<dyn FnMut(&mut DistributedDataParallel<AnyNet>, &Tensor) -> anyhow::Result<()>>;
+
+/// `world` thread ranks train `model` from `init` with DDP (`zero: None`)
+/// or ZeRO; rank 0's trained variables.
+fn train(
+    model: Model,
+    init: &HashMap<String, Tensor>,
+    opt: Opt,
+    world: usize,
+    zero: Option<ZeroStage>,
+) -> HashMap<String, Tensor> {
+    let init = init.clone();
+    let mut ranks = spawn(world, move |ctx| {
+        let varmap = varmap_from(&init);
+        let mut builder = DistributedDataParallel::builder(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+        );
+        if let Some(stage) = zero {
+            builder = builder.zero(stage);
+        }
+        let mut ddp = builder.build(|vb| build(model, vb))?;
+        let adamw = AdamWConfig {
+            lr: 0.05,
+            ..Default::default()
+        };
+        let mut step: StepFn = match (zero, opt) {
+            (None, Opt::CandleSgd) => {
+                let mut o = SGD::new(varmap.all_vars(), 0.1)?;
+                Box::new(move |ddp, loss| Ok(ddp.backward_step(loss, &mut o)?))
+            }
+            (None, Opt::AdamW) => {
+                let mut o = AdamW::from_varmap(&varmap, adamw)?;
+                Box::new(move |ddp, loss| Ok(ddp.backward_step(loss, &mut o)?))
+            }
+            (Some(_), Opt::CandleSgd) => {
+                let mut o = ZeroOptimizer::new(&ddp, |mine| {
+                    SGD::new(mine.into_iter().map(|(_, v)| v).collect(), 0.1)
+                })?;
+                Box::new(move |ddp, loss| Ok(o.step(&ddp.backward(loss)?)?))
+            }
+            (Some(_), Opt::AdamW) => {
+                let mut o = ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, adamw))?;
+                Box::new(move |ddp, loss| Ok(o.step(&ddp.backward(loss)?)?))
+            }
+        };
+        for (x, y) in batches(model, ctx.rank) {
+            let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+            step(&mut ddp, &loss)?;
+        }
+        // Every rank holds the same weights.
+        let mine = snapshot(&varmap);
+        let flat: std::collections::BTreeMap<String, Vec<u32>> = mine
+            .iter()
+            .map(|(k, t)| {
+                let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                (k.clone(), v.iter().map(|x| x.to_bits()).collect())
+            })
+            .collect();
+        let all = candle_dp::comm::all_gather_object(ctx.pg.as_ref(), &flat)?;
+        anyhow::ensure!(
+            all.iter().all(|w| w == &all[0]),
+            "ranks hold different weights"
+        );
+        Ok(mine)
+    })
+    .unwrap();
+    ranks.swap_remove(0)
+}
+
+#[test]
+fn zero_stages_1_and_2_train_to_the_bytes_of_ddp_on_1_to_4_ranks() {
+    within(300, || {
+        for model in [Model::Net, Model::Tiny] {
+            let init = init_of(model);
+            for opt in [Opt::CandleSgd, Opt::AdamW] {
+                for world in 1..=4 {
+                    let ddp = train(model, &init, opt, world, None);
+                    assert!(
+                        max_rel_diff(&ddp, &init) > 1e-4,
+                        "training moved the weights"
+                    );
+                    for stage in [ZeroStage::One, ZeroStage::Two] {
+                        let zero = train(model, &init, opt, world, Some(stage));
+                        assert!(
+                            identical(&zero, &ddp),
+                            "{model:?} {opt:?} {world} ranks {stage:?}: {}",
+                            diff_report(&zero, &ddp)
+                        );
+                    }
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn stage_2_keeps_only_the_owned_gradients_and_stage_1_all_of_them() {
+    within(120, || {
+        for (stage, world) in [
+            (ZeroStage::One, 3),
+            (ZeroStage::Two, 3),
+            (ZeroStage::Two, 4),
+        ] {
+            let kept = spawn(world, move |ctx| {
+                let varmap = VarMap::new();
+                let mut ddp = DistributedDataParallel::builder(
+                    ctx.process_group(),
+                    &varmap,
+                    DType::F32,
+                    &Device::Cpu,
+                )
+                .zero(stage)
+                .build(Net::new)?;
+                let (x, y) = batches(Model::Net, ctx.rank).remove(0);
+                let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+                let grads = ddp.backward(&loss)?;
+                let partition = ddp.zero_partition().unwrap().clone();
+                let all: usize = ddp.params().iter().map(|(_, v)| v.elem_count() * 4).sum();
+                Ok((
+                    grad_bytes(&grads),
+                    partition.bytes_of(ctx.rank),
+                    all,
+                    ddp.vars_without_grad().len(),
+                ))
+            })
+            .unwrap();
+            for (rank, (held, owned, all, without)) in kept.into_iter().enumerate() {
+                let want = if stage == ZeroStage::Two { owned } else { all };
+                assert_eq!(held, want, "{stage:?} on {world} ranks, rank {rank}");
+                assert_eq!(without, 0, "every parameter got a gradient somewhere");
+            }
+        }
+    });
+}
+
+/// `world` ranks train `steps` steps of `Net` with ZeRO stage 2 and AdamW,
+/// from `shards` if given; the weights of rank 0 and every rank's shard.
+fn zero_adamw_run(
+    world: usize,
+    steps: std::ops::Range<usize>,
+    init: HashMap<String, Tensor>,
+    shards: Option<Vec<OptimizerState>>,
+) -> (HashMap<String, Tensor>, Vec<OptimizerState>) {
+    let ranks = spawn(world, move |ctx: RankContext| {
+        let varmap = varmap_from(&init);
+        let mut ddp = DistributedDataParallel::builder(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+        )
+        .zero(ZeroStage::Two)
+        .build(Net::new)?;
+        let mut opt =
+            ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, AdamWConfig::default()))?;
+        if let Some(shards) = &shards {
+            opt.load_shards(shards)?;
+        }
+        for step in steps.clone() {
+            // The same global batch at every world size: rank r takes rows r, r + world, ...
+            let (x, y) = batches(Model::Net, step % 2).remove(step % 4);
+            let rows: Vec<u32> = (ctx.rank..3)
+                .step_by(ctx.world_size)
+                .map(|r| r as u32)
+                .collect();
+            if rows.is_empty() {
+                anyhow::bail!("more ranks than rows");
+            }
+            let rows = Tensor::new(rows, &Device::Cpu)?;
+            let (x, y) = (x.index_select(&rows, 0)?, y.index_select(&rows, 0)?);
+            let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+            let grads = ddp.backward(&loss)?;
+            opt.step(&grads)?;
+        }
+        Ok((snapshot(&varmap), opt.shard_state()?))
+    })
+    .unwrap();
+    let weights = ranks[0].0.clone();
+    (weights, ranks.into_iter().map(|(_, s)| s).collect())
+}
+
+#[test]
+fn shards_of_the_optimizer_state_resume_exactly_and_repartition_on_another_world_size() {
+    within(120, || {
+        let init = init_of(Model::Net);
+        // Uninterrupted: 6 steps on 3 ranks.
+        let (whole, _) = zero_adamw_run(3, 0..6, init.clone(), None);
+        // 3 steps, saved as shards, then 3 more from them on 3 ranks.
+        let (half, shards) = zero_adamw_run(3, 0..3, init, None);
+        let (resumed, _) = zero_adamw_run(3, 3..6, half.clone(), Some(shards.clone()));
+        assert!(
+            identical(&resumed, &whole),
+            "{}",
+            diff_report(&resumed, &whole)
+        );
+        // On 2 ranks: each keeps the entries of the parameters it owns now,
+        // and together they hold exactly the saved state.
+        let (_, repartitioned) = zero_adamw_run(2, 3..3, half, Some(shards.clone()));
+        let entries = |states: &[OptimizerState]| {
+            let mut all: Vec<(String, Vec<f32>)> = states
+                .iter()
+                .flat_map(|s| s.tensors.iter())
+                .map(|(k, t)| {
+                    (
+                        k.clone(),
+                        t.flatten_all()
+                            .unwrap()
+                            .to_dtype(DType::F32)
+                            .unwrap()
+                            .to_vec1()
+                            .unwrap(),
+                    )
+                })
+                .collect();
+            all.sort_by(|a, b| a.0.cmp(&b.0));
+            all
+        };
+        assert_eq!(entries(&repartitioned), entries(&shards));
+        assert!(!entries(&shards).is_empty());
+    });
+}
+
+#[test]
+fn shards_of_different_runs_are_refused_and_nothing_is_loaded() {
+    let results = spawn(2, |ctx| {
+        let varmap = VarMap::new();
+        let ddp = DistributedDataParallel::builder(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+        )
+        .zero(ZeroStage::One)
+        .build(Net::new)?;
+        let mut opt =
+            ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, AdamWConfig::default()))?;
+        let mut a = opt.shard_state()?;
+        a.steps = 3;
+        let mut b = opt.shard_state()?;
+        b.steps = 4;
+        let err = opt.load_shards(&[a, b]).unwrap_err();
+        Ok((err.to_string(), opt.inner().state()?.steps))
+    })
+    .unwrap();
+    for (message, steps) in results {
+        assert!(message.contains("not of one run"), "{message}");
+        assert_eq!(steps, 0, "nothing loaded");
+    }
+}
+
+#[test]
+fn a_zero_optimizer_over_a_ddp_without_zero_is_refused() {
+    let results = spawn(1, |ctx| {
+        let varmap = VarMap::new();
+        let ddp = DistributedDataParallel::builder(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+        )
+        .build(Net::new)?;
+        Ok(
+            ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, AdamWConfig::default()))
+                .unwrap_err(),
+        )
+    })
+    .unwrap();
+    assert!(
+        matches!(&results[0], Error::Zero(m) if m.contains(".zero(ZeroStage::One)")),
+        "{}",
+        results[0]
+    );
+}
+
+#[test]
+#[allow(clippy::result_large_err)] // the closure returns candle_dp::Result, as join requires
+fn join_with_zero_is_refused_with_the_reason() {
+    let results = spawn(2, |ctx| {
+        let varmap = VarMap::new();
+        let mut ddp = DistributedDataParallel::builder(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+        )
+        .zero(ZeroStage::Two)
+        .build(Net::new)?;
+        Ok(ddp.join(|_| Ok(())).unwrap_err())
+    })
+    .unwrap();
+    for err in results {
+        assert!(
+            matches!(&err, Error::Zero(m) if m.contains("all-gather")),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn ranks_that_partition_differently_are_named() {
+    let results = spawn(3, |ctx| {
+        // Rank 2 sees the parameters in another order of sizes.
+        let sizes: &[usize] = if ctx.rank == 2 {
+            &[4, 2, 3]
+        } else {
+            &[2, 3, 4]
+        };
+        let params: Vec<(String, Var)> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                (
+                    format!("p{i}"),
+                    Var::zeros(n, DType::F32, &Device::Cpu).unwrap(),
+                )
+            })
+            .collect();
+        let partition = Partition::of_vars(&params, 3);
+        Ok(partition
+            .check_agreed(ctx.pg.as_ref(), &params)
+            .unwrap_err())
+    })
+    .unwrap();
+    for err in results {
+        assert!(
+            matches!(&err, Error::ZeroPartitionMismatch { rank: 2, detail } if detail.contains("p0")),
+            "{err}"
+        );
+    }
+}
