@@ -223,6 +223,19 @@ fn collectives(ctx: &RankContext) -> anyhow::Result<Tensors> {
                 format!("all_gather {dtype:?} {n}"),
                 r,
             )?;
+            // ZeRO's: uneven pieces of a reduction, and the flat all-gather.
+            let mut counts = vec![n / (world + 1); world];
+            counts[world - 1] = n - n / (world + 1) * (world - 1);
+            for op in [ReduceOp::Sum, ReduceOp::Avg] {
+                let r = pg
+                    .reduce_scatter(&x, op, &counts)
+                    .map_err(|e| e.to_string());
+                let label = format!("reduce_scatter {op} {dtype:?} {n}");
+                record(&mut results, &mut errors, label, r)?;
+            }
+            let r = pg.all_gather_into(&x).map_err(|e| e.to_string());
+            let label = format!("all_gather_into {dtype:?} {n}");
+            record(&mut results, &mut errors, label, r)?;
         }
     }
     // NaN wins in max and min, on both paths.
@@ -1275,6 +1288,61 @@ fn train_digits_on_threads_and_on_mpi_processes_saves_the_same_weights() {
         saved("threads.safetensors") == saved("mpi.safetensors"),
         "threads and processes saved different weights"
     );
+}
+
+/// ZeRO stages 1 and 2 under `mpirun -np 2` (`train_digits --zero`) train
+/// to the bytes of plain DDP on 2 thread ranks.
+#[test]
+fn train_digits_with_zero_under_mpirun_saves_the_bytes_of_plain_ddp() {
+    let example = common::killing::example("train_digits");
+    let dir = tempdir::Dir::new("train_digits_zero");
+    let args = |file: &str, zero: Option<&str>| {
+        let path = dir.path().join(file);
+        let mut args: Vec<std::ffi::OsString> = [
+            "--strategy",
+            "ddp",
+            "--epochs",
+            "2",
+            "--seed",
+            "3",
+            "--no-reference",
+        ]
+        .map(Into::into)
+        .into();
+        if let Some(stage) = zero {
+            args.extend(["--zero".into(), stage.into()]);
+        }
+        args.extend(["--save".into(), path.into_os_string()]);
+        args
+    };
+    let mut plain = Command::new(&example);
+    plain.args(args("ddp.safetensors", None));
+    let mut outputs = vec![("plain DDP on threads", run_bounded(plain, "plain DDP"))];
+    for stage in ["1", "2"] {
+        let mut zero = mpirun_command(2, &example, None);
+        zero.args(args(&format!("zero{stage}.safetensors"), Some(stage)));
+        outputs.push(("ZeRO under mpirun", run_bounded(zero, "ZeRO under mpirun")));
+    }
+    for (what, output) in &outputs {
+        assert!(
+            output.status.success(),
+            "{what}: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let printed = String::from_utf8_lossy(&outputs[2].1.stdout);
+    assert!(
+        printed.contains("| DDP with ZeRO stage 2, 2 MPI processes |"),
+        "{printed}"
+    );
+    let saved = |file: &str| std::fs::read(dir.path().join(file)).unwrap();
+    for stage in ["1", "2"] {
+        assert!(
+            saved(&format!("zero{stage}.safetensors")) == saved("ddp.safetensors"),
+            "ZeRO stage {stage} under mpirun saved other weights than DDP"
+        );
+    }
 }
 
 /// The main job under `mpirun -np 2`, killed five times (one rank with
