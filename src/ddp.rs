@@ -666,14 +666,16 @@ impl<M> DistributedDataParallel<M> {
                 if flags[k] > 0.0 && !self.keeps_grad_of(i) {
                     not_kept.push(i);
                 } else if flags[k] > 0.0 {
-                    // A copy: a view would keep the whole reduced bucket
-                    // alive, other ranks' gradients included.
                     let grad = reduced
                         .narrow(0, offset, n)?
                         .reshape(var.shape())?
                         .to_dtype(var.dtype())?;
+                    // At stage 2, a copy of just these elements: a view
+                    // would keep the whole reduced bucket alive, other
+                    // ranks' gradients included (and `copy` would clone
+                    // the whole bucket).
                     let grad = match self.config.zero {
-                        Some(ZeroStage::Two) => grad.copy()?,
+                        Some(ZeroStage::Two) => grad.force_contiguous()?,
                         _ => grad,
                     };
                     store.insert(var.as_tensor(), grad);

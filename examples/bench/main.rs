@@ -7,11 +7,13 @@
 //!     [--device cpu|cuda] [--torch-csv scripts-output.csv]    (--help for details)
 //! cargo run --release --example bench -- --pipeline --out bench-out   (model parallelism)
 //! cargo run --release --features mpi --example bench -- --all-reduce --out bench-out
+//! cargo run --release --features mpi --example bench -- --zero --out bench-out
 //! ```
 //!
 //! `--pipeline` measures the pipeline instead (see `pipeline.rs`) and
 //! writes `pipeline.md`; `--all-reduce` measures DDP's gradient
-//! all-reduce alone (see `all_reduce.rs`) and writes `all_reduce.md`.
+//! all-reduce alone (see `all_reduce.rs`) and writes `all_reduce.md`;
+//! `--zero` measures ZeRO against DDP (see `zero.rs`) and writes `zero.md`.
 //!
 //! `--torch-csv` reads the CSV written by `scripts/bench_torch.py --csv` (run
 //! just before or after, on the same machine) and adds the ratios to
@@ -48,6 +50,7 @@ mod pipeline;
 mod plan;
 mod report;
 mod stats;
+mod zero;
 
 use std::path::PathBuf;
 use std::process::{Command, ExitCode};
@@ -110,6 +113,14 @@ struct Args {
     /// Internal: run one configuration (JSON) in this process.
     #[arg(long, hide = true, value_name = "SPEC")]
     child: Option<String>,
+    /// Measure ZeRO instead: DDP against ZeRO stages 1 and 2 (AdamW) on
+    /// thread ranks and MPI processes, with the bytes each rank holds, and
+    /// a run under a per-rank memory budget (writes zero.md).
+    #[arg(long)]
+    zero: bool,
+    /// Internal: run one ZeRO configuration (JSON) in this process.
+    #[arg(long, hide = true, value_name = "SPEC")]
+    zero_child: Option<String>,
     /// Internal: run one pipeline configuration (JSON) in this process.
     #[arg(long, hide = true, value_name = "SPEC")]
     pipeline_child: Option<String>,
@@ -135,6 +146,14 @@ fn run(args: Args) -> Result<()> {
         println!("{}", serde_json::to_string(&pipeline::run_child(&spec)?)?);
         return Ok(());
     }
+    if let Some(child) = &args.zero_child {
+        let spec: zero::ZeroSpec = serde_json::from_str(child).context("a ZeRO spec")?;
+        // Under mpirun every rank gets here; rank 0 reports.
+        if let Some(measured) = zero::run_child(&spec)? {
+            println!("{}", serde_json::to_string(&measured)?);
+        }
+        return Ok(());
+    }
     if let Some(child) = &args.all_reduce_child {
         let spec = serde_json::from_str(child).context("an all-reduce spec")?;
         if let Some(times) = all_reduce::run_child(spec)? {
@@ -155,6 +174,15 @@ fn run(args: Args) -> Result<()> {
         println!("{report}");
         std::fs::write(out_dir.join("all_reduce.md"), &report)?;
         println!("wrote {}", out_dir.join("all_reduce.md").display());
+        return Ok(());
+    }
+    if args.zero {
+        let steps = args.steps.unwrap_or(if quick { 5 } else { 10 });
+        let rounds = args.rounds.unwrap_or(if quick { 1 } else { 2 });
+        let report = zero::run(quick, steps, rounds)?;
+        println!("{report}");
+        std::fs::write(out_dir.join("zero.md"), &report)?;
+        println!("wrote {}", out_dir.join("zero.md").display());
         return Ok(());
     }
     if args.pipeline {

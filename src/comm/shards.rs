@@ -44,7 +44,8 @@ pub(crate) fn reduce_scatter_by_all_reduce<P: ProcessGroup + ?Sized>(
     let start: usize = counts[..rank].iter().sum();
     reduced
         .narrow(0, start, counts[rank])
-        .and_then(|piece| piece.copy())
+        // Just the piece (`copy` would clone the whole result).
+        .and_then(|piece| piece.force_contiguous())
         .map_err(|source| tensor_error(rank, OP, source))
 }
 

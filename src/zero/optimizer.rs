@@ -152,8 +152,9 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
         result
     }
 
-    /// Every rank sends the parameters it owns, group by group, and takes
-    /// the others' from the flat all-gathered buffer.
+    /// Every rank sends the parameters it owns, group by group, as one
+    /// flat buffer (padded to the largest rank's share), and takes the
+    /// others' from theirs.
     fn share_updates(&self) -> Result<()> {
         let rank = self.pg.rank();
         let owners = self.partition.owners();
@@ -173,14 +174,16 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
                 )?);
             }
             let flat = Tensor::cat(&pieces, 0)?;
-            let all = self.pg.all_gather_into(&flat)?;
-            for owner in 0..self.partition.world_size() {
-                let mut offset = owner * group.padded;
+            // Each rank's piece as it came (all_gather_into would copy them
+            // all into one buffer first).
+            let all = self.pg.all_gather(&flat)?;
+            for (owner, piece) in all.iter().enumerate() {
+                let mut offset = 0;
                 for &i in group.members.iter().filter(|&&i| owners[i] == owner) {
                     let var = &self.params[i].1;
                     let n = var.elem_count();
                     if owner != rank {
-                        var.set(&all.narrow(0, offset, n)?.reshape(var.shape())?)?;
+                        var.set(&piece.narrow(0, offset, n)?.reshape(var.shape())?)?;
                     }
                     offset += n;
                 }

@@ -1,0 +1,433 @@
+//! The ZeRO part of the benchmark (`--zero`): DDP against ZeRO stages 1 and
+//! 2, all with the crate's AdamW, on thread ranks and (feature `mpi`) MPI
+//! processes: the step, its optimizer phase, and the bytes each rank holds
+//! after a step (parameters, gradients, optimizer state), measured from
+//! the tensors held. Then a run under a per-rank memory budget that DDP
+//! cannot meet and stage 2 can, trained against one device.
+//!
+//! Each configuration runs in its own child process (this binary with
+//! `--zero-child`), under `mpirun` for the MPI rows.
+
+use std::fmt::Write as _;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Module, Tensor};
+use candle_dp::comm::{all_gather_object, GroupOptions};
+use candle_dp::launch;
+use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
+use candle_dp::zero::{grad_bytes, ZeroOptimizer, ZeroStage};
+use candle_dp::{seeded_varmap, DistributedDataParallel};
+use candle_nn::{linear, loss, Linear, Optimizer, VarBuilder};
+use serde::{Deserialize, Serialize};
+
+use crate::plan::cores;
+use crate::stats::median;
+
+/// One configuration, sent to its child process as JSON.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ZeroSpec {
+    /// `None`: plain DDP.
+    pub stage: Option<u8>,
+    pub world: usize,
+    pub mpi: bool,
+    pub hidden: usize,
+    pub batch: usize,
+    pub warmup: usize,
+    pub steps: usize,
+    /// Also train one device on the global batch and compare.
+    pub against_one_device: bool,
+    /// AdamW's epsilon.
+    pub eps: f64,
+}
+
+impl ZeroSpec {
+    fn label(&self) -> String {
+        let zero = match self.stage {
+            None => "ddp".to_string(),
+            Some(s) => format!("ddp-zero{s}"),
+        };
+        let on = if self.mpi {
+            "MPI processes"
+        } else {
+            "thread ranks"
+        };
+        format!("{zero} x{} ({on})", self.world)
+    }
+}
+
+/// What a child measured. Bytes: the most any rank holds.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ZeroMeasured {
+    pub step_ms: Vec<f64>,
+    pub optimizer_ms: Vec<f64>,
+    pub param_bytes: usize,
+    pub grad_bytes: usize,
+    pub state_bytes: usize,
+    /// FNV-1a of the final weights' bits: equal hashes, equal bytes.
+    pub weights_hash: u64,
+    /// Largest relative weight difference from one device, if measured.
+    pub vs_one_device: Option<f64>,
+}
+
+/// A deep MLP: 784-hidden, then `DEPTH` layers hidden-hidden, then
+/// hidden-10. ZeRO owns whole parameters, so a rank's share cannot fall
+/// below the largest one: many layers of similar size let it approach 1/N.
+struct Mlp {
+    layers: Vec<Linear>,
+}
+
+const DEPTH: usize = 6;
+
+impl Mlp {
+    fn new(vb: VarBuilder, hidden: usize) -> candle_core::Result<Self> {
+        let mut layers = vec![linear(784, hidden, vb.pp("in"))?];
+        for i in 0..DEPTH {
+            layers.push(linear(hidden, hidden, vb.pp(format!("h{i}")))?);
+        }
+        layers.push(linear(hidden, 10, vb.pp("out"))?);
+        Ok(Self { layers })
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let last = self.layers.len() - 1;
+        self.layers
+            .iter()
+            .enumerate()
+            .try_fold(x.clone(), |h, (i, l)| {
+                let h = l.forward(&h)?;
+                if i < last {
+                    h.relu()
+                } else {
+                    Ok(h)
+                }
+            })
+    }
+}
+
+/// The global batch: deterministic inputs and labels.
+fn global_batch(batch: usize) -> Result<(Tensor, Tensor)> {
+    let x: Vec<f32> = (0..batch * 784)
+        .map(|i| ((i * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    let y: Vec<u32> = (0..batch as u32).map(|i| i % 10).collect();
+    Ok((
+        Tensor::from_vec(x, (batch, 784), &Device::Cpu)?,
+        Tensor::from_vec(y, batch, &Device::Cpu)?,
+    ))
+}
+
+fn adamw(eps: f64) -> AdamWConfig {
+    AdamWConfig {
+        lr: 1e-3,
+        eps,
+        ..Default::default()
+    }
+}
+
+const SEED: u64 = 7;
+
+fn bytes_of<'a>(tensors: impl Iterator<Item = &'a Tensor>) -> usize {
+    tensors
+        .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+        .sum()
+}
+
+/// Runs one configuration in this process (the child side).
+pub fn run_child(spec: &ZeroSpec) -> Result<Option<ZeroMeasured>> {
+    let options = GroupOptions {
+        timeout: Some(Duration::from_secs(300)),
+        ..Default::default()
+    };
+    let per_rank = spec.batch / spec.world;
+    let (x, y) = global_batch(spec.batch)?;
+    type Answer = Option<(ZeroMeasured, Vec<(String, Tensor)>)>;
+    let ranks = launch::run(spec.world, options, |ctx| -> Result<Answer> {
+        let hidden = spec.hidden;
+        let varmap = seeded_varmap(SEED, DType::F32, &Device::Cpu, |vb| Mlp::new(vb, hidden))?;
+        let mut builder = DistributedDataParallel::builder(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+        );
+        let stage = spec.stage.and_then(ZeroStage::from_number);
+        if let Some(stage) = stage {
+            builder = builder.zero(stage);
+        }
+        let mut ddp = builder.build(|vb| Mlp::new(vb, hidden))?;
+        let mut whole = match stage {
+            None => Some(AdamW::from_varmap(&varmap, adamw(spec.eps))?),
+            Some(_) => None,
+        };
+        let mut sharded = match stage {
+            Some(_) => Some(ZeroOptimizer::new(&ddp, |mine| {
+                AdamW::new_named(mine, adamw(spec.eps))
+            })?),
+            None => None,
+        };
+        let rows = x.narrow(0, ctx.rank * per_rank, per_rank)?;
+        let labels = y.narrow(0, ctx.rank * per_rank, per_rank)?;
+        let mut m = ZeroMeasured::default();
+        let mut held = GradStore::default();
+        for step in 0..spec.warmup + spec.steps {
+            let t0 = Instant::now();
+            let loss = loss::cross_entropy(&ddp.forward(&rows)?, &labels)?;
+            let grads = ddp.backward(&loss)?;
+            let t1 = Instant::now();
+            match (&mut whole, &mut sharded) {
+                (Some(opt), _) => opt.step(&grads)?,
+                (_, Some(opt)) => opt.step(&grads)?,
+                _ => unreachable!("one optimizer is built"),
+            }
+            if step >= spec.warmup {
+                m.optimizer_ms.push(t1.elapsed().as_secs_f64() * 1e3);
+                m.step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+            held = grads;
+        }
+        let params = ddp.params();
+        let state = match (&whole, &sharded) {
+            (Some(opt), _) => bytes_of(opt.state()?.tensors.values()),
+            (_, Some(opt)) => opt.state_bytes()?,
+            _ => 0,
+        };
+        let mine = (
+            bytes_of(params.iter().map(|(_, v)| v.as_tensor())),
+            grad_bytes(&held),
+            state,
+        );
+        let all = all_gather_object(ctx.pg.as_ref(), &mine)?;
+        m.param_bytes = all.iter().map(|b| b.0).max().unwrap_or(0);
+        m.grad_bytes = all.iter().map(|b| b.1).max().unwrap_or(0);
+        m.state_bytes = all.iter().map(|b| b.2).max().unwrap_or(0);
+        m.weights_hash = hash_weights(params)?;
+        if ctx.rank != 0 {
+            return Ok(None);
+        }
+        let weights = match spec.against_one_device {
+            true => params
+                .iter()
+                .map(|(n, v)| Ok((n.clone(), v.as_tensor().copy()?)))
+                .collect::<candle_core::Result<Vec<_>>>()?,
+            false => Vec::new(),
+        };
+        Ok(Some((m, weights)))
+    })?;
+    let Some((mut measured, weights)) = ranks.into_iter().flatten().next() else {
+        return Ok(None);
+    };
+    if spec.against_one_device {
+        measured.vs_one_device = Some(one_device_difference(spec, &x, &y, &weights)?);
+    }
+    Ok(Some(measured))
+}
+
+/// FNV-1a over every parameter's bits, in name order.
+fn hash_weights(params: &[(String, candle_core::Var)]) -> Result<u64> {
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for (_, var) in params {
+        for v in var.as_tensor().flatten_all()?.to_vec1::<f32>()? {
+            for byte in v.to_bits().to_le_bytes() {
+                hash = (hash ^ byte as u64).wrapping_mul(0x100_0000_01b3);
+            }
+        }
+    }
+    Ok(hash)
+}
+
+/// Trains one device on the global batch as the ranks did and returns the
+/// largest relative difference of `weights` (the ranks', sorted by name)
+/// from its own (`max|a-b| / max|b|` per tensor).
+fn one_device_difference(
+    spec: &ZeroSpec,
+    x: &Tensor,
+    y: &Tensor,
+    weights: &[(String, Tensor)],
+) -> Result<f64> {
+    let hidden = spec.hidden;
+    let varmap = seeded_varmap(SEED, DType::F32, &Device::Cpu, |vb| Mlp::new(vb, hidden))?;
+    let model = Mlp::new(
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+        hidden,
+    )?;
+    let mut opt = AdamW::from_varmap(&varmap, adamw(spec.eps))?;
+    for _ in 0..spec.warmup + spec.steps {
+        opt.backward_step(&loss::cross_entropy(&model.forward(x)?, y)?)?;
+    }
+    let one = varmap
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .clone();
+    let mut worst = 0f64;
+    for (name, a) in weights {
+        let b = one
+            .get(name)
+            .ok_or_else(|| anyhow::anyhow!("{name}: not on one device"))?
+            .as_tensor();
+        let scale = b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6) as f64;
+        let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()? as f64;
+        anyhow::ensure!(diff.is_finite(), "{name}: not finite");
+        worst = worst.max(diff / scale);
+    }
+    anyhow::ensure!(
+        weights.len() == one.len(),
+        "the ranks and one device trained different variables"
+    );
+    Ok(worst)
+}
+
+/// Every configuration of a `--zero` run.
+fn specs(quick: bool, steps: usize) -> Vec<ZeroSpec> {
+    let worlds: &[usize] = if quick { &[2] } else { &[2, 4] };
+    let mut out = Vec::new();
+    let spec = |stage, world, mpi| ZeroSpec {
+        stage,
+        world,
+        mpi,
+        hidden: 512,
+        batch: 256,
+        warmup: 3,
+        steps,
+        against_one_device: false,
+        eps: 1e-8,
+    };
+    for &world in worlds {
+        for stage in [None, Some(1), Some(2)] {
+            out.push(spec(stage, world, false));
+        }
+    }
+    if cfg!(feature = "mpi") {
+        for stage in [None, Some(1), Some(2)] {
+            out.push(spec(stage, 2, true));
+        }
+    }
+    out
+}
+
+/// Runs every configuration `rounds` times in child processes and writes
+/// the report (zero.md).
+pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
+    let specs = specs(quick, steps);
+    let mut measured: Vec<ZeroMeasured> = vec![ZeroMeasured::default(); specs.len()];
+    for _ in 0..rounds {
+        for (spec, m) in specs.iter().zip(&mut measured) {
+            let got = run_in_child(spec)?;
+            m.step_ms.extend(got.step_ms);
+            m.optimizer_ms.extend(got.optimizer_ms);
+            (m.param_bytes, m.grad_bytes, m.state_bytes) =
+                (got.param_bytes, got.grad_bytes, got.state_bytes);
+            m.weights_hash = got.weights_hash;
+        }
+    }
+    let mut s = String::from(
+        "## ZeRO against DDP (AdamW, MLP 784-512, 6 x 512-512, 512-10: 2.0M parameters; global batch 256)\n\n\
+         Bytes are the most any rank holds after a step, summed over the tensors it \
+         keeps: parameters, the gradients the step returned, the optimizer's state.\n\n\
+         | config | median ms/step | optimizer ms | parameters MB | gradients MB | optimizer state MB | weights = DDP's |\n\
+         |---|---:|---:|---:|---:|---:|---|\n",
+    );
+    for (spec, m) in specs.iter().zip(&measured) {
+        let ddp = specs
+            .iter()
+            .zip(&measured)
+            .find(|(s, _)| s.stage.is_none() && s.world == spec.world && s.mpi == spec.mpi)
+            .map(|(_, d)| d.weights_hash);
+        let same = match (spec.stage, ddp) {
+            (None, _) => "(DDP)".to_string(),
+            (Some(_), Some(h)) if h == m.weights_hash => "yes, bit for bit".to_string(),
+            (Some(_), Some(_)) => "NO".to_string(),
+            (Some(_), None) => String::new(),
+        };
+        writeln!(
+            s,
+            "| {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {same} |",
+            spec.label(),
+            median(&m.step_ms),
+            median(&m.optimizer_ms),
+            m.param_bytes as f64 / 1e6,
+            m.grad_bytes as f64 / 1e6,
+            m.state_bytes as f64 / 1e6,
+        )?;
+    }
+    s += &budget_run(&specs, &measured, steps)?;
+    Ok(s)
+}
+
+/// A per-rank budget between stage 2's bytes and DDP's at the largest
+/// world: stage 2 trains under it, and against one device.
+fn budget_run(specs: &[ZeroSpec], measured: &[ZeroMeasured], steps: usize) -> Result<String> {
+    let world = specs.iter().map(|s| s.world).max().unwrap_or(2);
+    let total = |stage: Option<u8>| {
+        specs
+            .iter()
+            .zip(measured)
+            .find(|(s, _)| s.stage == stage && s.world == world && !s.mpi)
+            .map(|(_, m)| m.param_bytes + m.grad_bytes + m.state_bytes)
+    };
+    let (Some(ddp), Some(zero2)) = (total(None), total(Some(2))) else {
+        return Ok(String::new());
+    };
+    let budget = (ddp + zero2) / 2;
+    let spec = |eps| ZeroSpec {
+        stage: Some(2),
+        world,
+        mpi: false,
+        hidden: 512,
+        batch: 256,
+        warmup: 3,
+        steps,
+        against_one_device: true,
+        eps,
+    };
+    let default_eps = run_in_child(&spec(1e-8))?;
+    let large_eps = run_in_child(&spec(1e-3))?;
+    let fits = |bytes: usize| {
+        if bytes <= budget {
+            "fits"
+        } else {
+            "does not fit"
+        }
+    };
+    let mut s = String::new();
+    writeln!(
+        s,
+        "\n## Under a per-rank budget of {:.1} MB ({world} thread ranks)\n\n\
+         DDP holds {:.1} MB per rank ({}); ZeRO stage 2 holds {:.1} MB ({}). \
+         Stage 2 trained {} steps there. Its weights are DDP's bit for bit (above), and \
+         differ from one device's (the global batch, AdamW) by {:.2e} at most, relative to \
+         each tensor's largest value: AdamW's first updates are +-lr whatever a gradient's \
+         size, so a gradient element that rounding leaves near zero with either sign moves by \
+         2 lr between the runs. With eps 1e-3 instead of 1e-8 (such gradients then give \
+         small updates) the difference is {:.2e}.",
+        budget as f64 / 1e6,
+        ddp as f64 / 1e6,
+        fits(ddp),
+        zero2 as f64 / 1e6,
+        fits(zero2),
+        3 + steps,
+        default_eps.vs_one_device.unwrap_or(f64::NAN),
+        large_eps.vs_one_device.unwrap_or(f64::NAN),
+    )?;
+    Ok(s)
+}
+
+fn run_in_child(spec: &ZeroSpec) -> Result<ZeroMeasured> {
+    let mut cmd = if spec.mpi {
+        crate::mpirun_this(spec.world)?
+    } else {
+        Command::new(std::env::current_exe()?)
+    };
+    cmd.arg("--zero-child").arg(serde_json::to_string(spec)?);
+    if spec.mpi {
+        let threads = (cores() / spec.world).max(1).to_string();
+        cmd.env("RAYON_NUM_THREADS", &threads);
+        cmd.env("CANDLE_NUM_THREADS", &threads);
+    }
+    crate::child_answer(cmd, &spec.label())
+}
