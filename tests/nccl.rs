@@ -246,3 +246,105 @@ fn run_on_gpus_gives_every_rank_a_gpu_and_a_group_that_reduces_there() {
         assert_eq!(results, vec![vec![3.0], vec![3.0]]);
     })
 }
+
+/// ZeRO on NCCL: the reduce-scatter's pieces are bitwise slices of the
+/// NCCL all-reduce, the flat all-gather is every rank's tensor in order,
+/// and ZeRO stage 2 with candle's AdamW trains to the bytes of DDP on NCCL.
+#[test]
+fn zero_on_nccl_matches_its_all_reduce_and_ddp_bit_for_bit() {
+    within(180, move || {
+        let init = {
+            let varmap = VarMap::new();
+            Mlp::new(
+                VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+                DDP_SIZES,
+            )
+            .unwrap();
+            snapshot(&varmap)
+        };
+        let train = move |zero: Option<candle_dp::zero::ZeroStage>| {
+            let init = init.clone();
+            spawn_with(2, bounded(), move |ctx| {
+                let device = gpu(ctx.rank);
+                let pg: Arc<dyn ProcessGroup> =
+                    Arc::new(NcclGroup::new(ctx.process_group(), &device)?);
+                // The collectives first.
+                let x = Tensor::new(&[1.5f32, -2.25, 3.0, 0.125, 7.0], &Device::Cpu)?
+                    .affine(ctx.rank as f64 + 1.0, 0.3)?
+                    .to_device(&device)?;
+                let full = values(&pg.all_reduce(&x, ReduceOp::Sum)?);
+                let piece = values(&pg.reduce_scatter(&x, ReduceOp::Sum, &[2, 3])?);
+                let start = if ctx.rank == 0 { 0 } else { 2 };
+                anyhow::ensure!(
+                    piece
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .eq(full[start..start + piece.len()].iter().map(|v| v.to_bits())),
+                    "reduce_scatter {piece:?} is not a slice of {full:?}"
+                );
+                let gathered = values(&pg.all_gather_into(&x)?);
+                let all: Vec<f32> = pg.all_gather(&x)?.iter().flat_map(values).collect();
+                anyhow::ensure!(
+                    gathered == all,
+                    "all_gather_into {gathered:?}, all_gather {all:?}"
+                );
+                // Then training.
+                let moved = init
+                    .iter()
+                    .map(|(n, t)| Ok((n.clone(), t.to_device(&device)?)))
+                    .collect::<candle_core::Result<_>>()?;
+                let varmap = varmap_from(&moved);
+                let mut builder =
+                    DistributedDataParallel::builder(pg, &varmap, DType::F32, &device);
+                if let Some(stage) = zero {
+                    builder = builder.zero(stage);
+                }
+                let mut ddp = builder.build(|vb| Mlp::new(vb, DDP_SIZES))?;
+                let params = candle_nn::ParamsAdamW {
+                    lr: 0.01,
+                    ..Default::default()
+                };
+                let mut whole = candle_nn::AdamW::new(varmap.all_vars(), params.clone())?;
+                let mut sharded = match zero {
+                    Some(_) => Some(candle_dp::zero::ZeroOptimizer::new(&ddp, |mine| {
+                        candle_nn::AdamW::new(mine.into_iter().map(|(_, v)| v).collect(), params)
+                    })?),
+                    None => None,
+                };
+                for s in 0..5u32 {
+                    let x = Tensor::new(
+                        (0..4 * DDP_SIZES.0)
+                            .map(|i| {
+                                ((i as u32 * 37 + s * 11 + ctx.rank as u32 * 5) % 17) as f32 / 8.0
+                                    - 1.0
+                            })
+                            .collect::<Vec<_>>(),
+                        &device,
+                    )?
+                    .reshape((4, DDP_SIZES.0))?;
+                    let y = Tensor::new(vec![s % 5, 1, 2, 3], &device)?;
+                    let l = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+                    let grads = ddp.backward(&l)?;
+                    match &mut sharded {
+                        Some(opt) => opt.step(&grads)?,
+                        None => whole.step(&grads)?,
+                    }
+                }
+                Ok(snapshot(&varmap))
+            })
+            .unwrap()
+        };
+        let ddp = train(None);
+        let zero = train(Some(candle_dp::zero::ZeroStage::Two));
+        assert!(identical(&ddp[0], &ddp[1]), "the DDP ranks drifted apart");
+        assert!(
+            identical(&zero[0], &zero[1]),
+            "the ZeRO ranks drifted apart"
+        );
+        assert!(
+            identical(&zero[0], &ddp[0]),
+            "{}",
+            diff_report(&zero[0], &ddp[0])
+        );
+    })
+}

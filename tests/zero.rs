@@ -557,3 +557,99 @@ fn ranks_that_partition_differently_are_named() {
         );
     }
 }
+
+/// What a DDP setting does in `as_in_ddp`'s runs.
+#[derive(Clone, Copy, Debug)]
+enum Setting {
+    /// Every other backward inside `no_sync` (accumulated).
+    NoSync,
+    /// Buckets reduced in bf16.
+    Bf16Hook,
+    /// A BatchNorm model: its buffers broadcast from rank 0 every forward.
+    Buffers,
+}
+
+/// 3 thread ranks, 6 backward passes of `setting` with AdamW: DDP's or
+/// ZeRO's weights and buffers (rank 0's).
+fn with_setting(
+    setting: Setting,
+    zero: Option<ZeroStage>,
+    init: HashMap<String, Tensor>,
+) -> HashMap<String, Tensor> {
+    let mut ranks = spawn(3, move |ctx| {
+        let varmap = varmap_from(&init);
+        let mut builder = DistributedDataParallel::builder(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+        );
+        if let Setting::Bf16Hook = setting {
+            builder = builder.comm_hook(candle_dp::CommHook::Bf16Compress);
+        }
+        if let Some(stage) = zero {
+            builder = builder.zero(stage);
+        }
+        let mut ddp = builder.build(BnNet::new)?;
+        let config = AdamWConfig {
+            lr: 0.02,
+            ..Default::default()
+        };
+        let mut whole = AdamW::from_varmap(&varmap, config)?;
+        let mut sharded = match zero {
+            Some(_) => Some(ZeroOptimizer::new(&ddp, |mine| {
+                AdamW::new_named(mine, config)
+            })?),
+            None => None,
+        };
+        for step in 0..6 {
+            let x =
+                Tensor::new(values(4 * 12, 5 * ctx.rank + step), &Device::Cpu)?.reshape((4, 12))?;
+            let y = Tensor::new(vec![(step % 4) as u32, 1, 2, 3], &Device::Cpu)?;
+            let accumulate = matches!(setting, Setting::NoSync) && step % 2 == 0;
+            let grads = if accumulate {
+                ddp.no_sync(|d| -> anyhow::Result<_> {
+                    let loss = loss::cross_entropy(&d.forward_t(&x, true)?, &y)?;
+                    Ok(d.backward(&loss)?)
+                })?
+            } else {
+                let loss = loss::cross_entropy(&ddp.forward_t(&x, true)?, &y)?;
+                ddp.backward(&loss)?
+            };
+            if accumulate {
+                continue;
+            }
+            match &mut sharded {
+                Some(opt) => opt.step(&grads)?,
+                None => whole.step(&grads)?,
+            }
+        }
+        Ok(snapshot(&varmap))
+    })
+    .unwrap();
+    ranks.swap_remove(0)
+}
+
+#[test]
+fn no_sync_comm_hooks_and_buffers_with_zero_give_the_bytes_of_ddp() {
+    within(120, || {
+        let varmap = VarMap::new();
+        BnNet::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)).unwrap();
+        let init = snapshot(&varmap);
+        for setting in [Setting::NoSync, Setting::Bf16Hook, Setting::Buffers] {
+            let ddp = with_setting(setting, None, init.clone());
+            assert!(
+                max_rel_diff(&ddp, &init) > 1e-4,
+                "{setting:?}: training moved the weights"
+            );
+            for stage in [ZeroStage::One, ZeroStage::Two] {
+                let zero = with_setting(setting, Some(stage), init.clone());
+                assert!(
+                    identical(&zero, &ddp),
+                    "{setting:?} {stage:?}: {}",
+                    diff_report(&zero, &ddp)
+                );
+            }
+        }
+    });
+}
