@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! cargo run --release --example pipeline -- [--stages 2] [--chunks 4] [--schedule 1f1b|gpipe]
+//!     [--checkpoint never|except-last|always]
 //!     [--epochs 5] [--batch 64] [--seed 1] [--save FILE]
 //!     [--checkpoint-dir DIR [--checkpoint-every N] [--resume]] [--no-reference]
 //! ```
@@ -29,7 +30,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
 use candle_dp::optim::{AdamW, AdamWConfig};
-use candle_dp::pipeline::{layer, LayerFactory, Pipeline, Schedule};
+use candle_dp::pipeline::{layer, Checkpoint, LayerFactory, Pipeline, Schedule};
 use candle_dp::training_state::Progress;
 use candle_dp::{cpu_devices, seeded_varmap, LossReduction};
 use candle_nn::{linear, loss, Activation, Optimizer, VarBuilder, VarMap};
@@ -38,6 +39,17 @@ use clap::{Parser, ValueEnum};
 use datasets::{load_digits, shuffled_indices, LabelledImages};
 use std::path::PathBuf;
 use std::process::ExitCode;
+
+/// Which micro-batches a stage recomputes before their backward.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Recompute {
+    /// Keep every micro-batch's activations.
+    Never,
+    /// Recompute all but the last micro-batch (torchgpipe's default).
+    ExceptLast,
+    /// Recompute every micro-batch: the least memory.
+    Always,
+}
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Sched {
@@ -58,6 +70,10 @@ struct Args {
     chunks: usize,
     #[arg(long, value_enum, default_value_t = Sched::OneFOneB)]
     schedule: Sched,
+    /// Activation checkpointing: recompute each stage's forward before its
+    /// backward instead of keeping its activations.
+    #[arg(long, value_enum, default_value_t = Recompute::Never)]
+    checkpoint: Recompute,
     #[arg(long, default_value_t = 5)]
     epochs: usize,
     /// Rows per batch.
@@ -156,12 +172,18 @@ fn run(args: Args) -> Result<()> {
         Sched::Gpipe => Schedule::GPipe,
         Sched::OneFOneB => Schedule::OneFOneB,
     };
+    let checkpoint = match args.checkpoint {
+        Recompute::Never => Checkpoint::Never,
+        Recompute::ExceptLast => Checkpoint::ExceptLast,
+        Recompute::Always => Checkpoint::Always,
+    };
     let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(args.stages))
         .chunks(args.chunks)
         .schedule(schedule)
+        .checkpoint(checkpoint)
         .build(layers())?;
     println!(
-        "pipeline: {} stages (layers per stage {:?}), {} micro-batches, {:?}",
+        "pipeline: {} stages (layers per stage {:?}), {} micro-batches, {:?}, checkpoint {checkpoint:?}",
         args.stages,
         pipe.balance(),
         pipe.chunks(),
@@ -182,6 +204,8 @@ fn run(args: Args) -> Result<()> {
     .unwrap_or_default();
     let test_x = test.images.flatten_from(1)?;
     let mut bubble = Vec::new();
+    // Per stage, the most activation bytes held for the backward in any step.
+    let mut peak_saved = vec![0usize; args.stages];
     let start = std::time::Instant::now();
     let mut step_count = from.step;
     for epoch in from.epoch as usize..args.epochs {
@@ -198,7 +222,11 @@ fn run(args: Args) -> Result<()> {
             let step = pipe.forward_backward(&x, &y, LossReduction::Mean, loss::cross_entropy)?;
             opt.step(&step.grads)?;
             losses.push(step.loss.to_scalar::<f32>()?);
-            bubble.push(pipe.last_timings().bubble());
+            let timings = pipe.last_timings();
+            bubble.push(timings.bubble());
+            for (peak, step) in peak_saved.iter_mut().zip(&timings.peak_saved_bytes) {
+                *peak = (*peak).max(*step);
+            }
             step_count += 1;
             if let Some(c) = &checkpoints {
                 let progress = Progress {
@@ -219,6 +247,14 @@ fn run(args: Args) -> Result<()> {
     let pipe_seconds = start.elapsed().as_secs_f64();
     bubble.sort_by(f64::total_cmp);
     let median_bubble = bubble.get(bubble.len() / 2).copied().unwrap_or(0.0);
+    let peak_kib: Vec<String> = peak_saved
+        .iter()
+        .map(|b| format!("{:.1}", *b as f64 / 1024.0))
+        .collect();
+    println!(
+        "peak activation KiB held for the backward, per stage: [{}]",
+        peak_kib.join(", ")
+    );
     if let Some(path) = &args.save {
         checkpoint::save(&varmap, path, Prefix::None)?;
         println!("weights saved to {}", path.display());

@@ -1108,3 +1108,238 @@ fn a_stage_on_the_per_thread_default_stream_is_refused() {
         "{err}"
     );
 }
+
+/// Bits of every value of `t`.
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f32::to_bits)
+        .collect()
+}
+
+/// Two training steps of `layers()` from `start`: each step's loss and
+/// gradients (bits, by name), then the variables and buffers after them.
+#[allow(clippy::too_many_arguments)]
+fn two_steps(
+    start: &VarMap,
+    layers: fn() -> Vec<LayerFactory>,
+    stages: usize,
+    chunks: usize,
+    schedule: Schedule,
+    checkpoint: candle_dp::pipeline::Checkpoint,
+    x: &Tensor,
+    y: &Tensor,
+) -> Vec<(String, Vec<u32>)> {
+    let varmap = copy_of(start);
+    let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(stages))
+        .chunks(chunks)
+        .schedule(schedule)
+        .checkpoint(checkpoint)
+        .timeout(Duration::from_secs(60))
+        .build(layers())
+        .unwrap();
+    let mut got = Vec::new();
+    for step in 0..2 {
+        let s = pipe
+            .forward_backward(x, y, LossReduction::Mean, loss::cross_entropy)
+            .unwrap();
+        got.push((format!("loss {step}"), bits(&s.loss)));
+        let mut names: Vec<(String, candle_core::Var)> =
+            varmap.data().lock().unwrap().clone().into_iter().collect();
+        names.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, var) in &names {
+            if let Some(g) = s.grads.get(var.as_tensor()) {
+                got.push((format!("grad {name} {step}"), bits(g)));
+            }
+            // Plain SGD, so that the second step starts elsewhere.
+            if let Some(g) = s.grads.get(var.as_tensor()) {
+                var.set(&(var.as_tensor() - (g * 0.1).unwrap()).unwrap())
+                    .unwrap();
+            }
+        }
+        for (name, var) in &names {
+            got.push((format!("value {name} {step}"), bits(var.as_tensor())));
+        }
+    }
+    got
+}
+
+#[test]
+fn checkpointing_gives_the_losses_gradients_and_batch_norm_statistics_of_never_bit_for_bit() {
+    use candle_dp::pipeline::Checkpoint;
+    within(300, || {
+        // A deferred BatchNorm (its own layer), and one inside a block,
+        // whose updates stay per micro-batch: a recomputation must count
+        // neither twice.
+        let deferred: fn() -> Vec<LayerFactory> = || bn_layers(0.3, false);
+        let inside: fn() -> Vec<LayerFactory> = || {
+            vec![
+                layer(|vb| linear(6, 4, vb.pp("in"))),
+                layer(|vb| {
+                    let lin = linear(4, 4, vb.pp("lin"))?;
+                    let bn = candle_nn::batch_norm(4, 1e-5, vb.pp("bn"))?;
+                    Ok(candle_nn::func_t(move |x, train| {
+                        candle_nn::ModuleT::forward_t(&bn, &lin.forward(x)?, train)
+                    }))
+                }),
+                layer(|_| Ok(Activation::Relu)),
+                layer(|vb| linear(4, 3, vb.pp("out"))),
+            ]
+        };
+        let (x, y) = data(10);
+        for (name, layers) in [("deferred", deferred), ("inside a block", inside)] {
+            let start = seeded_varmap(9, DType::F32, &Device::Cpu, |vb| {
+                layers().iter().try_for_each(|f| f(vb.clone()).map(|_| ()))
+            })
+            .unwrap();
+            for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+                for (stages, chunks) in [(1, 3), (2, 1), (2, 4), (3, 5)] {
+                    let never = two_steps(
+                        &start,
+                        layers,
+                        stages,
+                        chunks,
+                        schedule,
+                        Checkpoint::Never,
+                        &x,
+                        &y,
+                    );
+                    for mode in [Checkpoint::ExceptLast, Checkpoint::Always] {
+                        let got = two_steps(&start, layers, stages, chunks, schedule, mode, &x, &y);
+                        for ((what, a), (_, b)) in got.iter().zip(&never) {
+                            assert!(
+                                a == b,
+                                "{name}, {schedule:?}, {stages} stages, {chunks} micro-batches, {mode:?}: {what} differs"
+                            );
+                        }
+                        assert_eq!(got.len(), never.len());
+                    }
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn a_tied_weight_and_the_drop_in_path_are_unchanged_by_checkpointing() {
+    use candle_dp::pipeline::Checkpoint;
+    let tied = || layer(|vb| Ok(linear_no_bias(vb.get((4, 4), "w")?)));
+    let x = Tensor::randn(0f32, 1., (5, 4), &Device::Cpu).unwrap();
+    let y = Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap();
+    let start = VarMap::new();
+    start
+        .get(
+            (4, 4),
+            "w",
+            candle_nn::init::DEFAULT_KAIMING_NORMAL,
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+    let run = |checkpoint| {
+        let varmap = copy_of(&start);
+        let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+            .balance(Balance::Explicit(vec![2, 1]))
+            .chunks(3)
+            .checkpoint(checkpoint)
+            .build(vec![tied(), layer(|_| Ok(Activation::Relu)), tied()])
+            .unwrap();
+        let w = varmap.data().lock().unwrap()["w"].clone();
+        let step = pipe
+            .forward_backward(&x, &y, LossReduction::Sum, |out, _| out.sum_all())
+            .unwrap();
+        let fast = bits(step.grads.get(w.as_tensor()).unwrap());
+        // The drop-in path keeps its graph: checkpointing leaves it alone.
+        let dropin = pipe
+            .forward(&x)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        (fast, bits(dropin.get(w.as_tensor()).unwrap()))
+    };
+    let never = run(Checkpoint::Never);
+    assert_eq!(run(Checkpoint::Always), never);
+    assert_eq!(run(Checkpoint::ExceptLast), never);
+}
+
+#[test]
+fn a_dropout_layer_fails_a_checkpointed_step_named_and_changes_nothing() {
+    use candle_dp::pipeline::Checkpoint;
+    let layers = || {
+        vec![
+            layer(|vb| linear(6, 10, vb.pp("l1"))),
+            layer(|_| Ok(candle_nn::Dropout::new(0.5))),
+            layer(|vb| linear(10, 3, vb.pp("l2"))),
+        ]
+    };
+    let (x, y) = data(8);
+    within(60, move || {
+        let varmap = VarMap::new();
+        let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+            .balance(Balance::Explicit(vec![1, 2]))
+            .chunks(2)
+            .checkpoint(Checkpoint::Always)
+            .build(layers())
+            .unwrap();
+        let before = values(&varmap);
+        let err = pipe
+            .forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+                loss::cross_entropy(o, y)
+            })
+            .unwrap_err();
+        let message = err.to_string();
+        assert!(
+            matches!(err, Error::Stage { stage: 1, .. })
+                && message.contains("layer 1 gives another output")
+                && message.contains("Checkpoint::Never"),
+            "{message}"
+        );
+        assert_eq!(values(&varmap), before, "nothing trained");
+        // Without checkpointing the same pipeline trains.
+        let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+            .balance(Balance::Explicit(vec![1, 2]))
+            .chunks(2)
+            .build(layers())
+            .unwrap();
+        pipe.forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+            loss::cross_entropy(o, y)
+        })
+        .unwrap();
+    });
+}
+
+#[test]
+fn checkpointing_lowers_each_stages_peak_of_saved_activations() {
+    use candle_dp::pipeline::Checkpoint;
+    let start = init();
+    let (x, y) = data(16);
+    let peaks = |checkpoint| {
+        let varmap = copy_of(&start);
+        let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+            .chunks(4)
+            .schedule(Schedule::GPipe)
+            .checkpoint(checkpoint)
+            .build(layers())
+            .unwrap();
+        pipe.forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+            loss::cross_entropy(o, y)
+        })
+        .unwrap();
+        pipe.last_timings().peak_saved_bytes
+    };
+    let never = peaks(Checkpoint::Never);
+    let always = peaks(Checkpoint::Always);
+    for (stage, (a, n)) in always.iter().zip(&never).enumerate() {
+        assert!(
+            a < n,
+            "stage {stage}: {a} bytes with Always, {n} with Never"
+        );
+    }
+}

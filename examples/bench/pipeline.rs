@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_dp::pipeline::{layer, Balance, LayerFactory, Pipeline, Schedule};
+use candle_dp::pipeline::{layer, Balance, Checkpoint, LayerFactory, Pipeline, Schedule};
 use candle_dp::{cpu_devices, seeded_varmap, LossReduction};
 use candle_nn::{linear, loss, Activation, AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
 use serde::{Deserialize, Serialize};
@@ -32,6 +32,10 @@ pub struct PipeSpec {
     pub depth: usize,
     pub batch: usize,
     pub steps: usize,
+    /// Activation checkpointing: 0 never, 1 all micro-batches but the
+    /// last, 2 always.
+    #[serde(default)]
+    pub checkpoint: u8,
 }
 
 impl PipeSpec {
@@ -40,9 +44,14 @@ impl PipeSpec {
             None => "one device".into(),
             Some(_) if self.chunks == 1 => "naive model parallel (1 micro-batch)".into(),
             Some(_) => format!(
-                "{} {} micro-batches",
+                "{} {} micro-batches{}",
                 if self.gpipe { "GPipe" } else { "1F1B" },
-                self.chunks
+                self.chunks,
+                match self.checkpoint {
+                    0 => "",
+                    1 => ", checkpoint except-last",
+                    _ => ", checkpoint always",
+                }
             ),
         }
     }
@@ -131,6 +140,11 @@ pub fn run_child(spec: &PipeSpec) -> Result<PipeMeasured> {
                 } else {
                     Schedule::OneFOneB
                 })
+                .checkpoint(match spec.checkpoint {
+                    0 => Checkpoint::Never,
+                    1 => Checkpoint::ExceptLast,
+                    _ => Checkpoint::Always,
+                })
                 .build(layers(spec.width, spec.depth))?;
             for step in 0..=spec.steps {
                 let start = Instant::now();
@@ -169,7 +183,7 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
         (768, 8, 1024, 2)
     };
     let chunk_counts: &[usize] = if quick { &[1, 4] } else { &[1, 2, 4, 8, 16] };
-    let spec = |stages, chunks, gpipe| PipeSpec {
+    let spec = |stages, chunks, gpipe, checkpoint| PipeSpec {
         stages,
         chunks,
         gpipe,
@@ -177,12 +191,19 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
         depth,
         batch: rows,
         steps,
+        checkpoint,
     };
-    let mut specs = vec![spec(None, 1, false)];
+    let mut specs = vec![spec(None, 1, false, 0)];
     for &chunks in chunk_counts {
-        specs.push(spec(Some(stages), chunks, true));
+        specs.push(spec(Some(stages), chunks, true, 0));
         if chunks > 1 {
-            specs.push(spec(Some(stages), chunks, false));
+            specs.push(spec(Some(stages), chunks, false, 0));
+        }
+    }
+    // Activation checkpointing, both schedules, at 4 micro-batches.
+    for gpipe in [true, false] {
+        for checkpoint in [1, 2] {
+            specs.push(spec(Some(stages), 4, gpipe, checkpoint));
         }
     }
     let mut measured = vec![PipeMeasured::default(); specs.len()];
@@ -198,7 +219,7 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
     let single_ms = median(&measured[0].step_ms);
     let mut md = format!(
         "## Pipeline: MLP {width}x{depth} layers + head, batch {rows}, {stages} CPU stages ({} cores), SGD\n\n\
-         | configuration | samples/s | vs one device | bubble measured | bubble (S-1)/(m+S-1) | peak saved activations per stage (KiB) |\n\
+         | configuration | samples/s | vs one device | bubble measured | bubble (S-1)/(m+S-1) | peak activations held for the backward per stage (KiB) |\n\
          |---|---:|---:|---:|---:|---|\n",
         cores()
     );

@@ -64,6 +64,7 @@
 mod balance;
 mod deferred_norm;
 mod distributed;
+mod recompute;
 mod schedule;
 mod stage;
 mod stage_build;
@@ -79,6 +80,7 @@ use candle_nn::{VarBuilder, VarMap};
 use crossbeam::channel;
 
 pub use balance::Balance;
+pub use recompute::Checkpoint;
 pub use schedule::Schedule;
 pub use timings::PipelineTimings;
 
@@ -146,6 +148,7 @@ pub struct Pipeline {
     params: Vec<(String, Var)>,
     chunks: usize,
     schedule: Schedule,
+    checkpoint: Checkpoint,
     timeout: Option<Duration>,
     no_grad: NoGradCheck,
     timings: Mutex<PipelineTimings>,
@@ -161,6 +164,7 @@ impl std::fmt::Debug for Pipeline {
             .field("balance", &self.balance)
             .field("chunks", &self.chunks)
             .field("schedule", &self.schedule)
+            .field("checkpoint", &self.checkpoint)
             .field("timeout", &self.timeout)
             .finish()
     }
@@ -182,6 +186,7 @@ pub struct PipelineBuilder {
     balance: Balance,
     chunks: Option<usize>,
     schedule: Schedule,
+    checkpoint: Checkpoint,
     timeout: Option<Duration>,
     threads_per_stage: Option<usize>,
 }
@@ -197,6 +202,7 @@ impl std::fmt::Debug for PipelineBuilder {
             .field("balance", &self.balance)
             .field("chunks", &self.chunks)
             .field("schedule", &self.schedule)
+            .field("checkpoint", &self.checkpoint)
             .field("timeout", &self.timeout)
             .finish()
     }
@@ -213,6 +219,7 @@ impl Pipeline {
             balance: Balance::Uniform,
             chunks: None,
             schedule: Schedule::default(),
+            checkpoint: Checkpoint::default(),
             timeout: None,
             threads_per_stage: None,
         }
@@ -458,6 +465,7 @@ impl Pipeline {
                         None
                     },
                     train: training || train,
+                    checkpoint: self.checkpoint,
                     computing_since: std::cell::Cell::new(None),
                     busy: std::cell::Cell::new(Duration::ZERO),
                 };
@@ -597,6 +605,15 @@ impl PipelineBuilder {
         self
     }
 
+    /// Which micro-batches [`Pipeline::forward_backward`] recomputes
+    /// before their backward instead of keeping their activations (default
+    /// [`Checkpoint::Never`]). The drop-in path keeps its graph whole: the
+    /// caller's `backward` needs it.
+    pub fn checkpoint(mut self, checkpoint: Checkpoint) -> Self {
+        self.checkpoint = checkpoint;
+        self
+    }
+
     /// Longest time a step (and building each stage) may take before it
     /// fails with [`Error::StageTimeout`] naming the stage that was
     /// computing (default: no limit; `Duration::MAX` is no limit too).
@@ -720,6 +737,7 @@ impl PipelineBuilder {
             params,
             chunks,
             schedule: self.schedule,
+            checkpoint: self.checkpoint,
             timeout: self.timeout,
             no_grad: NoGradCheck::default(),
             timings: Mutex::new(PipelineTimings::default()),

@@ -10,6 +10,7 @@ use candle_nn::ModuleT;
 use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 
 use super::deferred_norm::{self, NormLayers, NormStep, NormUse};
+use super::recompute::{self, Checkpoint};
 use super::schedule::Op;
 use super::stage_var::StageVar;
 use crate::device_copy::{self as copy, copy_into};
@@ -18,6 +19,21 @@ use crate::worker_pool::Cancel;
 
 /// A tensor for micro-batch `m`, between neighbouring stages.
 pub(crate) type Message = (usize, Tensor);
+
+/// What a training stage keeps of a micro-batch's forward for its
+/// backward.
+enum Saved {
+    /// The output, with the graph of its activations.
+    Graph { leaf: Option<Var>, output: Tensor },
+    /// The input only (activation checkpointing): the forward runs again
+    /// before the backward. `check`: the first output, kept (detached) for
+    /// the step's first recomputation to be compared with.
+    Input {
+        leaf: Option<Var>,
+        input: Tensor,
+        check: Option<Tensor>,
+    },
+}
 
 /// The loss of one micro-batch: `(output, targets)`.
 pub(crate) type LossFn = dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync;
@@ -148,8 +164,8 @@ pub(crate) struct StageOutput {
     pub(crate) buffers: Vec<(Var, Tensor)>,
     /// Time spent computing (not waiting for a neighbour).
     pub(crate) busy: Duration,
-    /// The most bytes of micro-batch activations (stage inputs and
-    /// outputs) held for the backward at once.
+    /// The most bytes of micro-batch activations held for the backward at
+    /// once (see `saved_size`).
     pub(crate) peak_saved_bytes: usize,
     /// The weighted micro-batch losses (last stage, training).
     pub(crate) losses: Vec<Tensor>,
@@ -173,6 +189,9 @@ pub(crate) struct StageWork {
     pub(crate) loss: Option<TrainLoss>,
     /// The train flag of the layers' `forward_t` (true when training).
     pub(crate) train: bool,
+    /// Which micro-batches a training step recomputes before their
+    /// backward instead of keeping their activations.
+    pub(crate) checkpoint: Checkpoint,
     /// When the current computation began, and the time computed so far.
     pub(crate) computing_since: Cell<Option<Instant>>,
     pub(crate) busy: Cell<Duration>,
@@ -231,12 +250,14 @@ impl StageWork {
             .iter()
             .filter(|op| matches!(op, Op::Forward(_)))
             .count();
-        let mut saved: Vec<Option<(Option<Var>, Tensor)>> = (0..chunks).map(|_| None).collect();
+        let mut saved: Vec<Option<Saved>> = (0..chunks).map(|_| None).collect();
+        // Each step compares its first recomputation with the forward it
+        // replaces.
+        let mut check_next = true;
         let mut out = StageOutput {
             grads: vec![None; stage.vars.len()],
             ..StageOutput::default()
         };
-        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         for &op in &self.ops {
             // Stage 0 never waits on a neighbour: stop here once the step
             // is abandoned, so no work (or BatchNorm update) outlives it.
@@ -252,12 +273,22 @@ impl StageWork {
             }
             match op {
                 Op::Forward(m) => {
-                    let (leaf, output) = self.forward(stage, m, norms.as_mut(), cancel)?;
+                    let (leaf, input, output) = self.forward(stage, m, norms.as_mut(), cancel)?;
                     if self.training {
-                        saved_bytes += bytes(&output) + leaf.as_ref().map_or(0, |l| bytes(l));
+                        let keep = if self.checkpoint.applies(m, chunks) {
+                            let check = check_next.then(|| output.detach());
+                            check_next = false;
+                            Saved::Input { leaf, input, check }
+                        } else {
+                            Saved::Graph {
+                                leaf,
+                                output: output.clone(),
+                            }
+                        };
+                        saved_bytes += saved_size(&keep);
                         peak_saved_bytes = peak_saved_bytes.max(saved_bytes);
                         if let Some(slot) = saved.get_mut(m) {
-                            *slot = Some((leaf, output.clone()));
+                            *slot = Some(keep);
                         }
                     }
                     match &self.links.to_next {
@@ -276,7 +307,7 @@ impl StageWork {
                     }
                 }
                 Op::Backward(m) => {
-                    let Some((leaf, output)) = saved.get_mut(m).and_then(Option::take) else {
+                    let Some(kept) = saved.get_mut(m).and_then(Option::take) else {
                         return Err(StageFailure {
                             micro_batch: m,
                             phase: Phase::Backward,
@@ -285,8 +316,14 @@ impl StageWork {
                             )),
                         });
                     };
-                    saved_bytes = saved_bytes
-                        .saturating_sub(bytes(&output) + leaf.as_ref().map_or(0, |l| bytes(l)));
+                    saved_bytes = saved_bytes.saturating_sub(saved_size(&kept));
+                    let (leaf, output) = match kept {
+                        Saved::Graph { leaf, output } => (leaf, output),
+                        Saved::Input { leaf, input, check } => {
+                            let output = self.recompute(stage, m, &input, check.as_ref())?;
+                            (leaf, output)
+                        }
+                    };
                     self.backward(stage, m, leaf, output, &mut out, cancel)?;
                 }
             }
@@ -323,7 +360,7 @@ impl StageWork {
         m: usize,
         norms: Option<&mut NormStep>,
         cancel: &Cancel,
-    ) -> Result<(Option<Var>, Tensor), StageFailure> {
+    ) -> Result<(Option<Var>, Tensor, Tensor), StageFailure> {
         let fail = |phase| {
             move |source| StageFailure {
                 micro_batch: m,
@@ -350,15 +387,22 @@ impl StageWork {
             }
             _ => None,
         };
-        let x = leaf.as_ref().map_or(&input, Var::as_tensor);
+        let x = leaf.as_ref().map_or(&input, Var::as_tensor).clone();
         let output = stage
-            .forward(x, self.train, norms)
+            .forward(&x, self.train, norms)
             .map_err(fail(Phase::Forward))?;
+        let output = self.weighted_loss(m, output)?;
+        Ok((leaf, x, output))
+    }
+
+    /// On the last stage of a training step, micro-batch `m`'s loss times
+    /// its share; elsewhere `output` itself.
+    fn weighted_loss(&self, m: usize, output: Tensor) -> Result<Tensor, StageFailure> {
         let Some(loss) = &self.loss else {
-            return Ok((leaf, output));
+            return Ok(output);
         };
         self.set(Some((Phase::Loss, m)));
-        let weighted = (|| {
+        (|| {
             let target = loss.targets.get(m).ok_or_else(|| {
                 candle_core::Error::Msg(format!("no targets for micro-batch {m}"))
             })?;
@@ -369,8 +413,57 @@ impl StageWork {
             let share = loss.shares.get(m).copied().unwrap_or(1.0);
             value.reshape(())?.affine(share, 0.)
         })()
-        .map_err(fail(Phase::Loss))?;
-        Ok((leaf, weighted))
+        .map_err(|source| StageFailure {
+            micro_batch: m,
+            phase: Phase::Loss,
+            source,
+        })
+    }
+
+    /// Runs micro-batch `m`'s forward again from its saved input, leaving
+    /// the buffers as they were, and checks it against the first output
+    /// when one was kept: a layer that gives another output on the same
+    /// input (Dropout) fails the step, named.
+    fn recompute(
+        &self,
+        stage: &Stage,
+        m: usize,
+        input: &Tensor,
+        check: Option<&Tensor>,
+    ) -> Result<Tensor, StageFailure> {
+        let fail = |source| StageFailure {
+            micro_batch: m,
+            phase: Phase::Backward,
+            source,
+        };
+        self.set(Some((Phase::Backward, m)));
+        let saved = recompute::save_buffers(&stage.buffers).map_err(fail)?;
+        let output = stage.forward(input, self.train, None);
+        recompute::restore_buffers(&stage.buffers, &saved).map_err(fail)?;
+        let output = self.weighted_loss(m, output.map_err(fail)?)?;
+        let Some(first) = check else {
+            return Ok(output);
+        };
+        if recompute::same_bits(&output, first).map_err(fail)? {
+            return Ok(output);
+        }
+        let layer =
+            recompute::first_unrepeatable_layer(&stage.layers, &stage.buffers, input, self.train)
+                .map_err(fail)?;
+        let what = match layer {
+            Some(k) => format!(
+                "layer {} gives another output each time it runs on the same input (it draws \
+                 random numbers, as Dropout does)",
+                stage.first + k
+            ),
+            None => "the stage's forward gave another output when it ran again".to_string(),
+        };
+        Err(fail(candle_core::Error::Msg(format!(
+            "{what}: recomputing it for the backward ({:?}) would give the gradients of \
+             another forward than the one the loss saw; build the pipeline with \
+             Checkpoint::Never, or make the layer deterministic",
+            self.checkpoint
+        ))))
     }
 
     fn backward(
@@ -463,5 +556,26 @@ impl StageWork {
                 }
             }
         }
+    }
+}
+
+/// Bytes of activations a saved forward holds: its input, and the tensors
+/// of the graph behind its output (the output included; the variables,
+/// which are the model's, not; a view counts its elements, as if it were a
+/// copy), or with activation checkpointing its input and the output kept
+/// to check the recomputation.
+fn saved_size(saved: &Saved) -> usize {
+    let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+    match saved {
+        Saved::Graph { leaf, output } => {
+            let graph: usize = output
+                .sorted_nodes()
+                .into_iter()
+                .filter(|t| !t.is_variable())
+                .map(bytes)
+                .sum();
+            graph.max(bytes(output)) + leaf.as_ref().map_or(0, |l| bytes(l))
+        }
+        Saved::Input { input, check, .. } => bytes(input) + check.as_ref().map_or(0, bytes),
     }
 }

@@ -25,8 +25,9 @@ pub struct PipelineTimings {
     /// not waiting for a neighbour.
     pub busy: Vec<Duration>,
     /// Per stage, the most bytes of micro-batch activations held at once
-    /// for the backward (each stage's input and output per micro-batch;
-    /// the layers' own intermediate tensors come on top, in proportion).
+    /// for the backward: per micro-batch, the stage's input and the
+    /// tensors of the autograd graph behind its output (views counted as
+    /// copies), or with [`Checkpoint`](super::Checkpoint) the input only.
     /// GPipe holds every micro-batch, 1F1B at most `stages - stage`.
     pub peak_saved_bytes: Vec<usize>,
 }
