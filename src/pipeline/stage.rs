@@ -559,23 +559,45 @@ impl StageWork {
     }
 }
 
-/// Bytes of activations a saved forward holds: its input, and the tensors
-/// of the graph behind its output (the output included; the variables,
-/// which are the model's, not; a view counts its elements, as if it were a
-/// copy), or with activation checkpointing its input and the output kept
-/// to check the recomputation.
+/// Bytes of activations a saved forward holds: its input, and the storage
+/// of the tensors of the graph behind its output (the output included),
+/// each storage once: a view (a transposed weight, a reshaped activation)
+/// adds nothing to what it views, and the variables' own storage, the
+/// model's, is not counted. With activation checkpointing: its input and
+/// the output kept to check the recomputation.
 fn saved_size(saved: &Saved) -> usize {
     let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
     match saved {
         Saved::Graph { leaf, output } => {
-            let graph: usize = output
-                .sorted_nodes()
-                .into_iter()
-                .filter(|t| !t.is_variable())
-                .map(bytes)
-                .sum();
-            graph.max(bytes(output)) + leaf.as_ref().map_or(0, |l| bytes(l))
+            graph_bytes(output) + leaf.as_ref().map_or(0, |l| bytes(l))
         }
         Saved::Input { input, check, .. } => bytes(input) + check.as_ref().map_or(0, bytes),
     }
+}
+
+/// See [`saved_size`]: the graph's storages, each counted once at the
+/// largest extent any of its tensors reaches.
+fn graph_bytes(output: &Tensor) -> usize {
+    use std::collections::{HashMap, HashSet};
+    let storage_of = |t: &Tensor| {
+        let (storage, layout) = t.storage_and_layout();
+        let address = &*storage as *const candle_core::Storage as usize;
+        let extent = (layout.start_offset() + t.elem_count()) * t.dtype().size_in_bytes();
+        (address, extent)
+    };
+    let nodes = output.sorted_nodes();
+    let variables: HashSet<usize> = nodes
+        .iter()
+        .filter(|t| t.is_variable())
+        .map(|t| storage_of(t).0)
+        .collect();
+    let mut storages: HashMap<usize, usize> = HashMap::new();
+    for t in nodes.iter().filter(|t| !t.is_variable()).chain([&output]) {
+        let (address, extent) = storage_of(t);
+        if !variables.contains(&address) {
+            let size = storages.entry(address).or_default();
+            *size = (*size).max(extent);
+        }
+    }
+    storages.values().sum()
 }
