@@ -149,19 +149,22 @@ fn a_rank_that_never_arrives_is_named_within_the_timeout() {
     })
 }
 
+/// Fresh initial values of the MLP of `DDP_SIZES`, on the CPU.
+fn mlp_init() -> std::collections::HashMap<String, Tensor> {
+    let varmap = VarMap::new();
+    Mlp::new(
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+        DDP_SIZES,
+    )
+    .unwrap();
+    snapshot(&varmap)
+}
+
 #[test]
 fn ddp_on_nccl_matches_one_gpu_and_the_ranks_agree_bitwise() {
     // NCCL's initialisation has no timeout of its own.
     within(180, move || {
-        let init = {
-            let varmap = VarMap::new();
-            Mlp::new(
-                VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
-                DDP_SIZES,
-            )
-            .unwrap();
-            snapshot(&varmap)
-        };
+        let init = mlp_init();
         let data: Vec<(Tensor, Tensor)> = (0..8)
             .map(|s| {
                 let x = Tensor::randn(0f32, 1., (8, DDP_SIZES.0), &Device::Cpu).unwrap();
@@ -253,15 +256,7 @@ fn run_on_gpus_gives_every_rank_a_gpu_and_a_group_that_reduces_there() {
 #[test]
 fn zero_on_nccl_matches_its_all_reduce_and_ddp_bit_for_bit() {
     within(180, move || {
-        let init = {
-            let varmap = VarMap::new();
-            Mlp::new(
-                VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
-                DDP_SIZES,
-            )
-            .unwrap();
-            snapshot(&varmap)
-        };
+        let init = mlp_init();
         let train = move |zero: Option<candle_dp::zero::ZeroStage>| {
             let init = init.clone();
             spawn_with(2, bounded(), move |ctx| {

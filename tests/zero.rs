@@ -362,6 +362,21 @@ fn stage_2_keeps_only_the_owned_gradients_and_stage_1_all_of_them() {
     });
 }
 
+/// This rank's DDP of `Net` over `varmap` with ZeRO `stage` and, over the
+/// parameters it owns, the crate's AdamW.
+fn net_with_zero(
+    ctx: &RankContext,
+    varmap: &VarMap,
+    stage: ZeroStage,
+) -> anyhow::Result<(DistributedDataParallel<Net>, ZeroOptimizer<AdamW>)> {
+    let ddp =
+        DistributedDataParallel::builder(ctx.process_group(), varmap, DType::F32, &Device::Cpu)
+            .zero(stage)
+            .build(Net::new)?;
+    let opt = ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, AdamWConfig::default()))?;
+    Ok((ddp, opt))
+}
+
 /// `world` ranks train `steps` steps of `Net` with ZeRO stage 2 and AdamW,
 /// from `shards` if given; the weights of rank 0 and every rank's shard.
 fn zero_adamw_run(
@@ -372,16 +387,7 @@ fn zero_adamw_run(
 ) -> (HashMap<String, Tensor>, Vec<OptimizerState>) {
     let ranks = spawn(world, move |ctx: RankContext| {
         let varmap = varmap_from(&init);
-        let mut ddp = DistributedDataParallel::builder(
-            ctx.process_group(),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-        )
-        .zero(ZeroStage::Two)
-        .build(Net::new)?;
-        let mut opt =
-            ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, AdamWConfig::default()))?;
+        let (mut ddp, mut opt) = net_with_zero(&ctx, &varmap, ZeroStage::Two)?;
         if let Some(shards) = &shards {
             opt.load_shards(shards)?;
         }
@@ -453,16 +459,7 @@ fn shards_of_the_optimizer_state_resume_exactly_and_repartition_on_another_world
 fn shards_of_different_runs_are_refused_and_nothing_is_loaded() {
     let results = spawn(2, |ctx| {
         let varmap = VarMap::new();
-        let ddp = DistributedDataParallel::builder(
-            ctx.process_group(),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-        )
-        .zero(ZeroStage::One)
-        .build(Net::new)?;
-        let mut opt =
-            ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, AdamWConfig::default()))?;
+        let (_ddp, mut opt) = net_with_zero(&ctx, &varmap, ZeroStage::One)?;
         let mut a = opt.shard_state()?;
         a.steps = 3;
         let mut b = opt.shard_state()?;
