@@ -1227,46 +1227,48 @@ fn checkpointing_gives_the_losses_gradients_and_batch_norm_statistics_of_never_b
 
 #[test]
 fn a_tied_weight_and_the_drop_in_path_are_unchanged_by_checkpointing() {
-    use candle_dp::pipeline::Checkpoint;
-    let tied = || layer(|vb| Ok(linear_no_bias(vb.get((4, 4), "w")?)));
-    let x = Tensor::randn(0f32, 1., (5, 4), &Device::Cpu).unwrap();
-    let y = Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap();
-    let start = VarMap::new();
-    start
-        .get(
-            (4, 4),
-            "w",
-            candle_nn::init::DEFAULT_KAIMING_NORMAL,
-            DType::F32,
-            &Device::Cpu,
-        )
-        .unwrap();
-    let run = |checkpoint| {
-        let varmap = copy_of(&start);
-        let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
-            .balance(Balance::Explicit(vec![2, 1]))
-            .chunks(3)
-            .checkpoint(checkpoint)
-            .build(vec![tied(), layer(|_| Ok(Activation::Relu)), tied()])
+    within(120, || {
+        use candle_dp::pipeline::Checkpoint;
+        let tied = || layer(|vb| Ok(linear_no_bias(vb.get((4, 4), "w")?)));
+        let x = Tensor::randn(0f32, 1., (5, 4), &Device::Cpu).unwrap();
+        let y = Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap();
+        let start = VarMap::new();
+        start
+            .get(
+                (4, 4),
+                "w",
+                candle_nn::init::DEFAULT_KAIMING_NORMAL,
+                DType::F32,
+                &Device::Cpu,
+            )
             .unwrap();
-        let w = varmap.data().lock().unwrap()["w"].clone();
-        let step = pipe
-            .forward_backward(&x, &y, LossReduction::Sum, |out, _| out.sum_all())
-            .unwrap();
-        let fast = bits(step.grads.get(w.as_tensor()).unwrap());
-        // The drop-in path keeps its graph: checkpointing leaves it alone.
-        let dropin = pipe
-            .forward(&x)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        (fast, bits(dropin.get(w.as_tensor()).unwrap()))
-    };
-    let never = run(Checkpoint::Never);
-    assert_eq!(run(Checkpoint::Always), never);
-    assert_eq!(run(Checkpoint::ExceptLast), never);
+        let run = |checkpoint| {
+            let varmap = copy_of(&start);
+            let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+                .balance(Balance::Explicit(vec![2, 1]))
+                .chunks(3)
+                .checkpoint(checkpoint)
+                .build(vec![tied(), layer(|_| Ok(Activation::Relu)), tied()])
+                .unwrap();
+            let w = varmap.data().lock().unwrap()["w"].clone();
+            let step = pipe
+                .forward_backward(&x, &y, LossReduction::Sum, |out, _| out.sum_all())
+                .unwrap();
+            let fast = bits(step.grads.get(w.as_tensor()).unwrap());
+            // The drop-in path keeps its graph: checkpointing leaves it alone.
+            let dropin = pipe
+                .forward(&x)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            (fast, bits(dropin.get(w.as_tensor()).unwrap()))
+        };
+        let never = run(Checkpoint::Never);
+        assert_eq!(run(Checkpoint::Always), never);
+        assert_eq!(run(Checkpoint::ExceptLast), never);
+    });
 }
 
 #[test]
@@ -1317,29 +1319,31 @@ fn a_dropout_layer_fails_a_checkpointed_step_named_and_changes_nothing() {
 
 #[test]
 fn checkpointing_lowers_each_stages_peak_of_saved_activations() {
-    use candle_dp::pipeline::Checkpoint;
-    let start = init();
-    let (x, y) = data(16);
-    let peaks = |checkpoint| {
-        let varmap = copy_of(&start);
-        let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
-            .chunks(4)
-            .schedule(Schedule::GPipe)
-            .checkpoint(checkpoint)
-            .build(layers())
+    within(120, || {
+        use candle_dp::pipeline::Checkpoint;
+        let start = init();
+        let (x, y) = data(16);
+        let peaks = |checkpoint| {
+            let varmap = copy_of(&start);
+            let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+                .chunks(4)
+                .schedule(Schedule::GPipe)
+                .checkpoint(checkpoint)
+                .build(layers())
+                .unwrap();
+            pipe.forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+                loss::cross_entropy(o, y)
+            })
             .unwrap();
-        pipe.forward_backward(&x, &y, LossReduction::Mean, |o, y| {
-            loss::cross_entropy(o, y)
-        })
-        .unwrap();
-        pipe.last_timings().peak_saved_bytes
-    };
-    let never = peaks(Checkpoint::Never);
-    let always = peaks(Checkpoint::Always);
-    for (stage, (a, n)) in always.iter().zip(&never).enumerate() {
-        assert!(
-            a < n,
-            "stage {stage}: {a} bytes with Always, {n} with Never"
-        );
-    }
+            pipe.last_timings().peak_saved_bytes
+        };
+        let never = peaks(Checkpoint::Never);
+        let always = peaks(Checkpoint::Always);
+        for (stage, (a, n)) in always.iter().zip(&never).enumerate() {
+            assert!(
+                a < n,
+                "stage {stage}: {a} bytes with Always, {n} with Never"
+            );
+        }
+    });
 }

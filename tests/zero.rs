@@ -27,45 +27,49 @@ fn values(n: usize, seed: usize) -> Vec<f32> {
 
 #[test]
 fn reduce_scatter_pieces_are_bitwise_slices_of_the_all_reduce() {
-    for world in 1..=4 {
-        // 1031 elements: prime, so no piece size divides it evenly.
-        let n = 1031;
-        let results = spawn(world, move |ctx| {
-            let x = Tensor::new(values(n, ctx.rank), &Device::Cpu)?;
-            // Uneven pieces, the last rank's the largest.
-            let mut counts: Vec<usize> = (0..world).map(|r| n / world - r).collect();
-            let rest = n - counts.iter().sum::<usize>();
-            counts[world - 1] += rest;
-            let mut out = Vec::new();
-            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
-                let full = ctx.pg.all_reduce(&x, op)?.to_vec1::<f32>()?;
-                let piece = ctx.pg.reduce_scatter(&x, op, &counts)?.to_vec1::<f32>()?;
-                let start: usize = counts[..ctx.rank].iter().sum();
-                let want = &full[start..start + counts[ctx.rank]];
-                out.push(
-                    piece.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-                        == want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                );
+    within(120, || {
+        for world in 1..=4 {
+            // 1031 elements: prime, so no piece size divides it evenly.
+            let n = 1031;
+            let results = spawn(world, move |ctx| {
+                let x = Tensor::new(values(n, ctx.rank), &Device::Cpu)?;
+                // Uneven pieces, the last rank's the largest.
+                let mut counts: Vec<usize> = (0..world).map(|r| n / world - r).collect();
+                let rest = n - counts.iter().sum::<usize>();
+                counts[world - 1] += rest;
+                let mut out = Vec::new();
+                for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                    let full = ctx.pg.all_reduce(&x, op)?.to_vec1::<f32>()?;
+                    let piece = ctx.pg.reduce_scatter(&x, op, &counts)?.to_vec1::<f32>()?;
+                    let start: usize = counts[..ctx.rank].iter().sum();
+                    let want = &full[start..start + counts[ctx.rank]];
+                    out.push(
+                        piece.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                            == want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    );
+                }
+                Ok(out)
+            })
+            .unwrap();
+            for (rank, ok) in results.iter().enumerate() {
+                assert_eq!(ok, &vec![true; 3], "world {world}, rank {rank}");
             }
-            Ok(out)
-        })
-        .unwrap();
-        for (rank, ok) in results.iter().enumerate() {
-            assert_eq!(ok, &vec![true; 3], "world {world}, rank {rank}");
         }
-    }
+    });
 }
 
 #[test]
 fn all_gather_into_concatenates_every_rank_in_rank_order() {
-    let results = spawn(3, |ctx| {
-        let x = Tensor::new(&[[ctx.rank as f32, 10. + ctx.rank as f32]], &Device::Cpu)?;
-        Ok(ctx.pg.all_gather_into(&x)?.to_vec1::<f32>()?)
-    })
-    .unwrap();
-    for got in results {
-        assert_eq!(got, [0., 10., 1., 11., 2., 12.]);
-    }
+    within(120, || {
+        let results = spawn(3, |ctx| {
+            let x = Tensor::new(&[[ctx.rank as f32, 10. + ctx.rank as f32]], &Device::Cpu)?;
+            Ok(ctx.pg.all_gather_into(&x)?.to_vec1::<f32>()?)
+        })
+        .unwrap();
+        for got in results {
+            assert_eq!(got, [0., 10., 1., 11., 2., 12.]);
+        }
+    });
 }
 
 #[test]
@@ -457,102 +461,110 @@ fn shards_of_the_optimizer_state_resume_exactly_and_repartition_on_another_world
 
 #[test]
 fn shards_of_different_runs_are_refused_and_nothing_is_loaded() {
-    let results = spawn(2, |ctx| {
-        let varmap = VarMap::new();
-        let (_ddp, mut opt) = net_with_zero(&ctx, &varmap, ZeroStage::One)?;
-        let mut a = opt.shard_state()?;
-        a.steps = 3;
-        let mut b = opt.shard_state()?;
-        b.steps = 4;
-        let err = opt.load_shards(&[a, b]).unwrap_err();
-        Ok((err.to_string(), opt.inner().state()?.steps))
-    })
-    .unwrap();
-    for (message, steps) in results {
-        assert!(message.contains("not of one run"), "{message}");
-        assert_eq!(steps, 0, "nothing loaded");
-    }
+    within(120, || {
+        let results = spawn(2, |ctx| {
+            let varmap = VarMap::new();
+            let (_ddp, mut opt) = net_with_zero(&ctx, &varmap, ZeroStage::One)?;
+            let mut a = opt.shard_state()?;
+            a.steps = 3;
+            let mut b = opt.shard_state()?;
+            b.steps = 4;
+            let err = opt.load_shards(&[a, b]).unwrap_err();
+            Ok((err.to_string(), opt.inner().state()?.steps))
+        })
+        .unwrap();
+        for (message, steps) in results {
+            assert!(message.contains("not of one run"), "{message}");
+            assert_eq!(steps, 0, "nothing loaded");
+        }
+    });
 }
 
 #[test]
 fn a_zero_optimizer_over_a_ddp_without_zero_is_refused() {
-    let results = spawn(1, |ctx| {
-        let varmap = VarMap::new();
-        let ddp = DistributedDataParallel::builder(
-            ctx.process_group(),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-        )
-        .build(Net::new)?;
-        Ok(
-            ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, AdamWConfig::default()))
-                .unwrap_err(),
-        )
-    })
-    .unwrap();
-    assert!(
-        matches!(&results[0], Error::Zero(m) if m.contains(".zero(ZeroStage::One)")),
-        "{}",
-        results[0]
-    );
+    within(120, || {
+        let results = spawn(1, |ctx| {
+            let varmap = VarMap::new();
+            let ddp = DistributedDataParallel::builder(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+            )
+            .build(Net::new)?;
+            Ok(
+                ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, AdamWConfig::default()))
+                    .unwrap_err(),
+            )
+        })
+        .unwrap();
+        assert!(
+            matches!(&results[0], Error::Zero(m) if m.contains(".zero(ZeroStage::One)")),
+            "{}",
+            results[0]
+        );
+    });
 }
 
 #[test]
 #[allow(clippy::result_large_err)] // the closure returns candle_dp::Result, as join requires
 fn join_with_zero_is_refused_with_the_reason() {
-    let results = spawn(2, |ctx| {
-        let varmap = VarMap::new();
-        let mut ddp = DistributedDataParallel::builder(
-            ctx.process_group(),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-        )
-        .zero(ZeroStage::Two)
-        .build(Net::new)?;
-        Ok(ddp.join(|_| Ok(())).unwrap_err())
-    })
-    .unwrap();
-    for err in results {
-        assert!(
-            matches!(&err, Error::Zero(m) if m.contains("all-gather")),
-            "{err}"
-        );
-    }
+    within(120, || {
+        let results = spawn(2, |ctx| {
+            let varmap = VarMap::new();
+            let mut ddp = DistributedDataParallel::builder(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+            )
+            .zero(ZeroStage::Two)
+            .build(Net::new)?;
+            Ok(ddp.join(|_| Ok(())).unwrap_err())
+        })
+        .unwrap();
+        for err in results {
+            assert!(
+                matches!(&err, Error::Zero(m) if m.contains("all-gather")),
+                "{err}"
+            );
+        }
+    });
 }
 
 #[test]
 fn ranks_that_partition_differently_are_named() {
-    let results = spawn(3, |ctx| {
-        // Rank 2 sees the parameters in another order of sizes.
-        let sizes: &[usize] = if ctx.rank == 2 {
-            &[4, 2, 3]
-        } else {
-            &[2, 3, 4]
-        };
-        let params: Vec<(String, Var)> = sizes
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| {
-                (
-                    format!("p{i}"),
-                    Var::zeros(n, DType::F32, &Device::Cpu).unwrap(),
-                )
-            })
-            .collect();
-        let partition = Partition::of_vars(&params, 3);
-        Ok(partition
-            .check_agreed(ctx.pg.as_ref(), &params)
-            .unwrap_err())
-    })
-    .unwrap();
-    for err in results {
-        assert!(
-            matches!(&err, Error::ZeroPartitionMismatch { rank: 2, detail } if detail.contains("p0")),
-            "{err}"
-        );
-    }
+    within(120, || {
+        let results = spawn(3, |ctx| {
+            // Rank 2 sees the parameters in another order of sizes.
+            let sizes: &[usize] = if ctx.rank == 2 {
+                &[4, 2, 3]
+            } else {
+                &[2, 3, 4]
+            };
+            let params: Vec<(String, Var)> = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    (
+                        format!("p{i}"),
+                        Var::zeros(n, DType::F32, &Device::Cpu).unwrap(),
+                    )
+                })
+                .collect();
+            let partition = Partition::of_vars(&params, 3);
+            Ok(partition
+                .check_agreed(ctx.pg.as_ref(), &params)
+                .unwrap_err())
+        })
+        .unwrap();
+        for err in results {
+            assert!(
+                matches!(&err, Error::ZeroPartitionMismatch { rank: 2, detail } if detail.contains("p0")),
+                "{err}"
+            );
+        }
+    });
 }
 
 /// What a DDP setting does in `as_in_ddp`'s runs.
