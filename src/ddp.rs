@@ -462,7 +462,22 @@ impl<M> DistributedDataParallel<M> {
 
     /// [`backward`](Self::backward) then `optimizer.step` (skipped inside
     /// `no_sync`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Zero`] at ZeRO stage 2, before anything runs: each rank
+    /// keeps only its own parameters' gradients, so an optimizer over all
+    /// of them would update a part and let the ranks drift apart; use
+    /// [`ZeroOptimizer::step`](crate::zero::ZeroOptimizer::step).
     pub fn backward_step<O: Optimizer>(&mut self, loss: &Tensor, optimizer: &mut O) -> Result<()> {
+        if self.config.zero == Some(ZeroStage::Two) {
+            return Err(Error::Zero(
+                "backward_step with an optimizer over every parameter at stage 2, where a rank \
+                 keeps only its own parameters' gradients: step a ZeroOptimizer with \
+                 ddp.backward(&loss)'s gradients instead"
+                    .into(),
+            ));
+        }
         let syncing = self.is_syncing();
         let grads = self.backward(loss)?;
         if syncing {

@@ -1290,13 +1290,14 @@ fn train_digits_on_threads_and_on_mpi_processes_saves_the_same_weights() {
     );
 }
 
-/// ZeRO stages 1 and 2 under `mpirun -np 2` (`train_digits --zero`) train
-/// to the bytes of plain DDP on 2 thread ranks.
+/// ZeRO under `mpirun` (`train_digits --zero`) trains to the bytes of
+/// plain DDP on as many thread ranks: stage 2 on 1 to 4 processes, stage 1
+/// on 2.
 #[test]
 fn train_digits_with_zero_under_mpirun_saves_the_bytes_of_plain_ddp() {
     let example = common::killing::example("train_digits");
     let dir = tempdir::Dir::new("train_digits_zero");
-    let args = |file: &str, zero: Option<&str>| {
+    let args = |file: &str, ranks: usize, zero: Option<&str>| {
         let path = dir.path().join(file);
         let mut args: Vec<std::ffi::OsString> = [
             "--strategy",
@@ -1306,41 +1307,48 @@ fn train_digits_with_zero_under_mpirun_saves_the_bytes_of_plain_ddp() {
             "--seed",
             "3",
             "--no-reference",
+            "--replicas",
         ]
         .map(Into::into)
         .into();
+        args.push(ranks.to_string().into());
         if let Some(stage) = zero {
             args.extend(["--zero".into(), stage.into()]);
         }
         args.extend(["--save".into(), path.into_os_string()]);
         args
     };
-    let mut plain = Command::new(&example);
-    plain.args(args("ddp.safetensors", None));
-    let mut outputs = vec![("plain DDP on threads", run_bounded(plain, "plain DDP"))];
-    for stage in ["1", "2"] {
-        let mut zero = mpirun_command(2, &example, None);
-        zero.args(args(&format!("zero{stage}.safetensors"), Some(stage)));
-        outputs.push(("ZeRO under mpirun", run_bounded(zero, "ZeRO under mpirun")));
-    }
-    for (what, output) in &outputs {
+    let succeeded = |what: &str, output: &std::process::Output| {
         assert!(
             output.status.success(),
             "{what}: {}{}",
             String::from_utf8_lossy(&output.stdout),
             String::from_utf8_lossy(&output.stderr)
         );
-    }
-    let printed = String::from_utf8_lossy(&outputs[2].1.stdout);
-    assert!(
-        printed.contains("| DDP with ZeRO stage 2, 2 MPI processes |"),
-        "{printed}"
-    );
+    };
     let saved = |file: &str| std::fs::read(dir.path().join(file)).unwrap();
-    for stage in ["1", "2"] {
+    for (ranks, stage) in [(1, "2"), (2, "1"), (2, "2"), (3, "2"), (4, "2")] {
+        let plain_file = format!("ddp{ranks}.safetensors");
+        if !dir.path().join(&plain_file).exists() {
+            let mut plain = Command::new(&example);
+            plain.args(args(&plain_file, ranks, None));
+            succeeded("plain DDP on threads", &run_bounded(plain, "plain DDP"));
+        }
+        let zero_file = format!("zero{stage}-{ranks}.safetensors");
+        let mut zero = mpirun_command(ranks, &example, None);
+        zero.args(args(&zero_file, ranks, Some(stage)));
+        let output = run_bounded(zero, "ZeRO under mpirun");
+        succeeded("ZeRO under mpirun", &output);
+        let printed = String::from_utf8_lossy(&output.stdout);
         assert!(
-            saved(&format!("zero{stage}.safetensors")) == saved("ddp.safetensors"),
-            "ZeRO stage {stage} under mpirun saved other weights than DDP"
+            printed.contains(&format!(
+                "| DDP with ZeRO stage {stage}, {ranks} MPI processes |"
+            )),
+            "{printed}"
+        );
+        assert!(
+            saved(&zero_file) == saved(&plain_file),
+            "ZeRO stage {stage} on {ranks} MPI processes saved other weights than DDP on {ranks} thread ranks"
         );
     }
 }

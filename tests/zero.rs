@@ -167,12 +167,13 @@ enum Opt {
 enum Model {
     Net,
     Tiny,
+    Mixed,
 }
 
 /// Each rank's batches: 4 steps of 3 rows.
 fn batches(model: Model, rank: usize) -> Vec<(Tensor, Tensor)> {
     let (inputs, classes) = match model {
-        Model::Net => (5, 3),
+        Model::Net | Model::Mixed => (5, 3),
         Model::Tiny => (2, 2),
     };
     (0..4)
@@ -192,10 +193,26 @@ fn batches(model: Model, rank: usize) -> Vec<(Tensor, Tensor)> {
         .collect()
 }
 
+/// `Net` and an f64 scale: two dtypes, so two buckets and two
+/// all-gathers.
+struct Mixed {
+    net: Net,
+    scale64: Tensor,
+}
+
+impl Module for Mixed {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.net
+            .forward(x)?
+            .broadcast_mul(&self.scale64.to_dtype(DType::F32)?)
+    }
+}
+
 /// Either model, behind one type.
 enum AnyNet {
     Net(Net),
     Tiny(Tiny),
+    Mixed(Mixed),
 }
 
 impl Module for AnyNet {
@@ -203,6 +220,7 @@ impl Module for AnyNet {
         match self {
             AnyNet::Net(n) => n.forward(x),
             AnyNet::Tiny(t) => t.forward(x),
+            AnyNet::Mixed(m) => m.forward(x),
         }
     }
 }
@@ -212,6 +230,15 @@ fn build(model: Model, vb: VarBuilder) -> candle_core::Result<AnyNet> {
         Model::Net => AnyNet::Net(Net::new(vb)?),
         Model::Tiny => AnyNet::Tiny(Tiny {
             l: linear(2, 2, vb.pp("l"))?,
+        }),
+        Model::Mixed => AnyNet::Mixed(Mixed {
+            net: Net::new(vb.clone())?,
+            scale64: vb.get_with_hints_dtype(
+                (1, 3),
+                "scale64",
+                candle_nn::Init::Const(0.5),
+                DType::F64,
+            )?,
         }),
     })
 }
@@ -303,7 +330,7 @@ fn train(
 #[test]
 fn zero_stages_1_and_2_train_to_the_bytes_of_ddp_on_1_to_4_ranks() {
     within(300, || {
-        for model in [Model::Net, Model::Tiny] {
+        for model in [Model::Net, Model::Tiny, Model::Mixed] {
             let init = init_of(model);
             for opt in [Opt::CandleSgd, Opt::AdamW] {
                 for world in 1..=4 {
@@ -659,6 +686,159 @@ fn no_sync_comm_hooks_and_buffers_with_zero_give_the_bytes_of_ddp() {
                     diff_report(&zero, &ddp)
                 );
             }
+        }
+    });
+}
+
+/// `Net` and a bf16 parameter, which the crate's AdamW refuses: the step of
+/// the one rank that owns it fails.
+struct WithBf16 {
+    net: Net,
+    half: Tensor,
+}
+
+impl Module for WithBf16 {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.net
+            .forward(x)?
+            .broadcast_add(&self.half.to_dtype(DType::F32)?)
+    }
+}
+
+#[test]
+fn a_rank_whose_optimizer_step_fails_is_named_on_every_rank_and_no_parameter_changes() {
+    within(120, || {
+        let results = spawn(3, |ctx| {
+            let varmap = VarMap::new();
+            let mut ddp = DistributedDataParallel::builder(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+            )
+            .zero(ZeroStage::Two)
+            .build(|vb| {
+                Ok(WithBf16 {
+                    net: Net::new(vb.clone())?,
+                    half: vb.get_with_hints_dtype(
+                        3,
+                        "half",
+                        candle_nn::Init::Const(0.),
+                        DType::BF16,
+                    )?,
+                })
+            })?;
+            let names: Vec<String> = ddp.params().iter().map(|(n, _)| n.clone()).collect();
+            let owner = names
+                .iter()
+                .position(|n| n == "half")
+                .map(|i| ddp.zero_partition().unwrap().owners()[i]);
+            let mut opt =
+                ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, AdamWConfig::default()))?;
+            let before = snapshot(&varmap);
+            let (x, y) = batches(Model::Net, ctx.rank).remove(0);
+            let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+            let grads = ddp.backward(&loss)?;
+            let err = opt.step(&grads).unwrap_err();
+            Ok((
+                err.to_string(),
+                owner,
+                identical_bits(&snapshot(&varmap), &before),
+            ))
+        })
+        .unwrap();
+        for (rank, (message, owner, unchanged)) in results.into_iter().enumerate() {
+            let owner = owner.expect("the bf16 parameter has an owner");
+            assert!(
+                message.contains(&format!("the optimizer step of rank {owner} failed")),
+                "rank {rank}: {message}"
+            );
+            assert!(
+                unchanged,
+                "rank {rank}: a parameter changed in the failed step"
+            );
+        }
+    });
+}
+
+/// Whether two snapshots hold the same bits (any dtype).
+fn identical_bits(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> bool {
+    let bits = |t: &Tensor| -> Vec<u64> {
+        t.flatten_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap()
+            .into_iter()
+            .map(f64::to_bits)
+            .collect()
+    };
+    a.len() == b.len()
+        && a.iter()
+            .all(|(n, t)| b.get(n).is_some_and(|u| bits(t) == bits(u)))
+}
+
+#[test]
+fn shards_named_by_position_are_refused_rather_than_dropped() {
+    within(60, || {
+        let results = spawn(1, |ctx| {
+            let varmap = VarMap::new();
+            let ddp = DistributedDataParallel::builder(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+            )
+            .zero(ZeroStage::One)
+            .build(Net::new)?;
+            // Built through candle's Optimizer::new: state named by position.
+            let mut opt = ZeroOptimizer::new(&ddp, |mine| {
+                <AdamW as Optimizer>::new(
+                    mine.into_iter().map(|(_, v)| v).collect(),
+                    AdamWConfig::default(),
+                )
+            })?;
+            let (x, y) = batches(Model::Net, 0).remove(0);
+            let mut ddp = ddp;
+            let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+            opt.step(&ddp.backward(&loss)?)?;
+            let shard = opt.shard_state()?;
+            Ok(opt.load_shards(&[shard]).unwrap_err().to_string())
+        })
+        .unwrap();
+        assert!(
+            results[0].contains("names no parameter of this model"),
+            "{}",
+            results[0]
+        );
+    });
+}
+
+#[test]
+fn backward_step_with_a_plain_optimizer_is_refused_at_stage_2() {
+    within(60, || {
+        let results = spawn(2, |ctx| {
+            let varmap = VarMap::new();
+            let mut ddp = DistributedDataParallel::builder(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+            )
+            .zero(ZeroStage::Two)
+            .build(Net::new)?;
+            let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
+            let (x, y) = batches(Model::Net, ctx.rank).remove(0);
+            let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+            Ok(ddp.backward_step(&loss, &mut sgd).unwrap_err())
+        })
+        .unwrap();
+        for err in results {
+            assert!(
+                matches!(&err, Error::Zero(m) if m.contains("ZeroOptimizer")),
+                "{err}"
+            );
         }
     });
 }

@@ -316,14 +316,19 @@ impl StageWork {
                             )),
                         });
                     };
-                    saved_bytes = saved_bytes.saturating_sub(saved_size(&kept));
+                    let size = saved_size(&kept);
                     let (leaf, output) = match kept {
                         Saved::Graph { leaf, output } => (leaf, output),
                         Saved::Input { leaf, input, check } => {
                             let output = self.recompute(stage, m, &input, check.as_ref())?;
+                            // The recomputed graph lives through this
+                            // micro-batch's backward, beside what is saved.
+                            peak_saved_bytes =
+                                peak_saved_bytes.max(saved_bytes + graph_bytes(&output));
                             (leaf, output)
                         }
                     };
+                    saved_bytes = saved_bytes.saturating_sub(size);
                     self.backward(stage, m, leaf, output, &mut out, cancel)?;
                 }
             }

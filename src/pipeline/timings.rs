@@ -25,10 +25,13 @@ pub struct PipelineTimings {
     /// not waiting for a neighbour.
     pub busy: Vec<Duration>,
     /// Per stage, the most bytes of micro-batch activations held at once
-    /// for the backward: per micro-batch, the stage's input and the
-    /// tensors of the autograd graph behind its output (views counted as
-    /// copies), or with [`Checkpoint`](super::Checkpoint) the input only.
-    /// GPipe holds every micro-batch, 1F1B at most `stages - stage`.
+    /// for the backward: per saved micro-batch, the stage's input and the
+    /// storage of the autograd graph behind its output (each storage
+    /// once: views and the weights add nothing); with
+    /// [`Checkpoint`](super::Checkpoint), a recomputed micro-batch's input
+    /// (and, once per step, the output kept to check the recomputation)
+    /// until its backward, then its recomputed graph during it. GPipe holds
+    /// every micro-batch, 1F1B at most `stages - stage`.
     pub peak_saved_bytes: Vec<usize>,
 }
 

@@ -9,7 +9,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::{Partition, ZeroStage};
-use crate::comm::ProcessGroup;
+use crate::comm::{all_gather_object, ProcessGroup};
 use crate::ddp::DistributedDataParallel;
 use crate::error::{Error, Result};
 use crate::optim::{OptimizerState, StatefulOptimizer};
@@ -121,32 +121,51 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
     /// Updates this rank's parameters from `grads` (DDP's averaged
     /// gradients: at stage 2 only this rank's parameters have one), then
     /// gives every rank every other rank's updated parameters. Every rank
-    /// must call it. If the update or the exchange fails, this rank's
-    /// parameters are put back as they were (the optimizer's own state is
-    /// not: resume from a checkpoint, as after any failed collective).
+    /// must call it.
+    ///
+    /// # Errors
+    ///
+    /// If any rank's update fails, every rank returns [`Error::Zero`]
+    /// naming it, with every parameter as before the step (the ranks agree
+    /// on the updates' outcome before they exchange anything). If the
+    /// exchange fails, this rank's parameters are put back and no other
+    /// rank's value has been written. The optimizer's own state is not
+    /// rolled back: resume from a checkpoint, as after any failed
+    /// collective.
     pub fn step(&mut self, grads: &GradStore) -> Result<()> {
         let rank = self.pg.rank();
-        let mine: Vec<&Var> = self
-            .owned_indices(rank)
-            .map(|i| &self.params[i].1)
-            .collect();
+        let mine: Vec<usize> = self.owned_indices(rank).collect();
         let before = mine
             .iter()
-            .map(|v| v.as_tensor().copy())
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let result = self
-            .inner
-            .step(grads)
-            .map_err(Error::from)
-            .and_then(|()| self.share_updates());
+            .map(|&i| self.params[i].1.as_tensor().copy())
+            .collect::<candle_core::Result<Vec<_>>>();
+        let updated = match &before {
+            Ok(_) => self.inner.step(grads).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        // A rank whose update failed must not leave the others waiting in
+        // the exchange: all learn every rank's outcome first.
+        let outcomes = all_gather_object(self.pg.as_ref(), &updated.err());
+        let result = match outcomes {
+            Err(e) => Err(Error::from(e)),
+            Ok(outcomes) => match outcomes
+                .iter()
+                .enumerate()
+                .find_map(|(r, failed)| failed.as_ref().map(|why| (r, why)))
+            {
+                Some((culprit, why)) => Err(Error::Zero(format!(
+                    "the optimizer step of rank {culprit} failed: {why}; every rank's parameters \
+                     are as before the step"
+                ))),
+                None => self.share_updates(),
+            },
+        };
         if result.is_err() {
-            let mine: Vec<&Var> = self
-                .owned_indices(rank)
-                .map(|i| &self.params[i].1)
-                .collect();
-            for (var, old) in mine.iter().zip(&before) {
-                // Best effort: the error being returned says what failed.
-                let _ = var.set(old);
+            if let Ok(before) = &before {
+                for (&i, old) in mine.iter().zip(before) {
+                    // Best effort: the error being returned says what failed.
+                    let _ = self.params[i].1.set(old);
+                }
             }
         }
         result
@@ -154,10 +173,12 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
 
     /// Every rank sends the parameters it owns, group by group, as one
     /// flat buffer (padded to the largest rank's share), and takes the
-    /// others' from theirs.
+    /// others' from theirs: every group is exchanged (and, on a GPU group,
+    /// completed) before any parameter is written.
     fn share_updates(&self) -> Result<()> {
         let rank = self.pg.rank();
         let owners = self.partition.owners();
+        let mut writes: Vec<(usize, Tensor)> = Vec::new();
         for group in &self.groups {
             let mut pieces = Vec::new();
             let mut sent = 0;
@@ -183,11 +204,15 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
                     let var = &self.params[i].1;
                     let n = var.elem_count();
                     if owner != rank {
-                        var.set(&piece.narrow(0, offset, n)?.reshape(var.shape())?)?;
+                        writes.push((i, piece.narrow(0, offset, n)?.reshape(var.shape())?));
                     }
                     offset += n;
                 }
             }
+        }
+        self.pg.wait_for_device()?;
+        for (i, value) in writes {
+            self.params[i].1.set(&value)?;
         }
         Ok(())
     }
@@ -255,6 +280,7 @@ impl<O: StatefulOptimizer> ZeroOptimizer<O> {
             tensors: Default::default(),
         };
         let owned: BTreeSet<&str> = self.owned_names().into_iter().collect();
+        let all: BTreeSet<&str> = self.params.iter().map(|(n, _)| n.as_str()).collect();
         let mut seen = BTreeSet::new();
         for (k, shard) in shards.iter().enumerate() {
             if shard.kind != first.kind
@@ -273,6 +299,13 @@ impl<O: StatefulOptimizer> ZeroOptimizer<O> {
                     )));
                 }
                 let param = key.rsplit_once('.').map_or(key.as_str(), |(p, _)| p);
+                if !all.contains(param) {
+                    return Err(Error::OptimizerState(format!(
+                        "`{key}` names no parameter of this model: the shards must come from \
+                         optimizers that name their state after the parameters (the crate's \
+                         `new_named`), not by position, to be re-partitioned"
+                    )));
+                }
                 if owned.contains(param) {
                     merged.tensors.insert(key.clone(), tensor.clone());
                 }
