@@ -398,7 +398,9 @@ fn budget_run(specs: &[ZeroSpec], measured: &[ZeroMeasured], steps: usize) -> Re
     writeln!(
         s,
         "\n## Under a per-rank budget of {:.1} MB ({world} thread ranks)\n\n\
-         DDP holds {:.1} MB per rank ({}); ZeRO stage 2 holds {:.1} MB ({}). \
+         After a step, DDP holds {:.1} MB per rank ({}); ZeRO stage 2 holds {:.1} MB ({}); \
+         during a step both hold more (candle computes every gradient before they are \
+         reduced, and ZeRO's exchange holds the gathered parameters while it writes them). \
          Stage 2 trained {} steps there. Its weights are DDP's bit for bit (above), and \
          differ from one device's (the global batch, AdamW) by {:.2e} at most, relative to \
          each tensor's largest value: AdamW's first updates are +-lr whatever a gradient's \
