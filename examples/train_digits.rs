@@ -31,15 +31,17 @@ use std::time::Instant;
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
 use candle_dp::comm::GroupOptions;
 use candle_dp::launch::{self, Backend};
 use candle_dp::loader::{Loader, TensorDataset};
-use candle_dp::optim::{AdamW, AdamWConfig};
+use candle_dp::optim::{AdamW, AdamWConfig, OptimizerState};
 use candle_dp::sampler::DistributedSampler;
-use candle_dp::training_state::{check_ranks_agree, Progress, SamplerState};
+use candle_dp::training_state::{
+    check_ranks_agree, Progress, SamplerState, StateDir, TrainingState,
+};
 use candle_dp::zero::{ZeroOptimizer, ZeroStage};
 use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParallel, LossReduction};
 use candle_nn::{
@@ -197,7 +199,7 @@ struct Args {
     /// ZeRO with --strategy ddp: shard the optimizer state (1) or the
     /// optimizer state and the gradients (2) across the ranks; the weights
     /// are those of plain DDP, bit for bit.
-    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(1..=2), conflicts_with = "checkpoint_dir")]
+    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(1..=2))]
     zero: Option<u8>,
     /// Continues from the newest complete state in `--checkpoint-dir`
     /// (from scratch, saying so, when there is none).
@@ -458,9 +460,24 @@ fn train_ddp(
         };
         let mut sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
         // Every rank reads the state itself; all must resume from the same.
-        let resumed = match checkpoints {
-            Some(c) => c.resume(&varmap, &mut opt, rank == 0)?,
-            None => None,
+        // With ZeRO the state holds the weights, and each rank's shard of the
+        // optimizer's state is in a folder of that rank's.
+        let resumed = match (checkpoints, &mut sharded) {
+            (Some(c), Some(sharded)) => {
+                let resumed = c.resume_with(&varmap, None::<&mut AdamW>, rank == 0)?;
+                if let Some((p, _)) = &resumed {
+                    sharded.load_shards(&zero_shards_at(c.path(), p.step)?)?;
+                }
+                resumed
+            }
+            (Some(c), None) => c.resume(&varmap, &mut opt, rank == 0)?,
+            (None, _) => None,
+        };
+        let shard_dir = match (checkpoints, &sharded) {
+            (Some(c), Some(_)) => {
+                Some(StateDir::new(zero_shard_dir(c.path(), rank))?.keep(c.keep()))
+            }
+            _ => None,
         };
         if checkpoints.is_some_and(|c| c.resume) {
             check_ranks_agree(ctx.pg.as_ref(), resumed.map(|(p, _)| p.step))?;
@@ -509,15 +526,37 @@ fn train_ddp(
                 log.losses.push(last_loss);
                 bar.inc(1);
                 step += 1;
-                // One writer: the state is the same on every rank.
-                if let (Some(c), 0) = (checkpoints, rank) {
+                if let Some(c) = checkpoints {
                     let progress = Progress {
                         epoch: epoch as u64,
                         batch: index + 1,
                         step,
                     };
                     let position = Some(SamplerState::from(&sampler));
-                    c.after_step(&varmap, &opt, progress, batches, position)?;
+                    match (&sharded, &shard_dir, c.due(progress, batches)) {
+                        // ZeRO: every rank saves its shard; the state that
+                        // names the step is written once all shards are.
+                        (Some(sharded), Some(dir), Some(due)) => {
+                            let shard = TrainingState {
+                                progress: due,
+                                optimizer: Some(sharded.shard_state()?),
+                                // How many shards make this step's state.
+                                metadata: [("world".to_string(), world.to_string())].into(),
+                                ..Default::default()
+                            };
+                            dir.save(&VarMap::new(), &shard)?;
+                            ctx.pg.barrier()?;
+                            if rank == 0 {
+                                c.save(&varmap, None, due, position)?;
+                            }
+                        }
+                        (Some(_), _, _) => {}
+                        // One writer: the state is the same on every rank.
+                        (None, _, _) if rank == 0 => {
+                            c.after_step(&varmap, &opt, progress, batches, position)?
+                        }
+                        (None, _, _) => {}
+                    }
                 }
             }
             bar.set_message(format!("epoch {} loss {last_loss:.4}", epoch + 1));
@@ -544,6 +583,39 @@ fn train_ddp(
         }))
     })?;
     Ok(ranks.into_iter().flatten().next())
+}
+
+/// Where rank `rank` of a ZeRO run keeps its shards of the optimizer's
+/// state, inside the checkpoint directory.
+fn zero_shard_dir(checkpoints: &std::path::Path, rank: usize) -> PathBuf {
+    checkpoints.join("zero-shards").join(format!("rank-{rank}"))
+}
+
+/// Every rank's shard saved at `step` (by however many ranks the run that
+/// saved them had: each shard says how many there are), for
+/// `ZeroOptimizer::load_shards`.
+fn zero_shards_at(checkpoints: &std::path::Path, step: u64) -> Result<Vec<OptimizerState>> {
+    let shard = |rank: usize| -> Result<TrainingState> {
+        let dir = zero_shard_dir(checkpoints, rank);
+        let saved = StateDir::new(&dir)?
+            .at_step(step)?
+            .with_context(|| format!("{}: no ZeRO shard saved at step {step}", dir.display()))?;
+        Ok(saved.state)
+    };
+    let first = shard(0)?;
+    let world: usize = first
+        .metadata
+        .get("world")
+        .and_then(|w| w.parse().ok())
+        .context("the ZeRO shard of rank 0 does not say how many shards its step has")?;
+    std::iter::once(Ok(first))
+        .chain((1..world).map(shard))
+        .map(|state| {
+            state?
+                .optimizer
+                .with_context(|| format!("a ZeRO shard at step {step} holds no optimizer state"))
+        })
+        .collect()
 }
 
 /// candle-dp's AdamW (PyTorch's formulas; its state can be saved).

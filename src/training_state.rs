@@ -305,6 +305,31 @@ impl StateDir {
         Ok(None)
     }
 
+    /// The newest complete state saved at `step`, if any (a damaged one is
+    /// skipped, as by [`latest`](Self::latest)): for states saved in
+    /// several directories that must be read at one step, such as each
+    /// rank's shard of a sharded optimizer's state.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Checkpoint`] when the directory cannot be listed.
+    pub fn at_step(&self, step: u64) -> Result<Option<SavedState>> {
+        for (_, _, path) in self
+            .states()?
+            .into_iter()
+            .rev()
+            .filter(|(s, _, _)| *s == step)
+        {
+            match read_state(&path) {
+                Ok(state) => return Ok(Some(SavedState { path, state })),
+                Err(reason) => {
+                    tracing::warn!("skipping the training state {}: {reason}", path.display())
+                }
+            }
+        }
+        Ok(None)
+    }
+
     /// The complete-looking states (named `state-<step>-<n>`), oldest
     /// first: (step, n, path).
     fn states(&self) -> Result<Vec<(u64, u64, PathBuf)>> {

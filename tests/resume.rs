@@ -136,3 +136,19 @@ fn resume_without_a_state_says_so_and_starts_from_scratch() {
     assert!(stderr.contains("starting from scratch"), "{stderr}");
     let _ = std::fs::remove_dir_all(&root);
 }
+
+#[test]
+fn ddp_with_zero_stage_2_killed_five_times_resumes_to_the_same_bytes() {
+    // Each rank saves its shard of AdamW's state; the state naming the
+    // step is written once all are.
+    let job = train_digits("ddp");
+    resumes_to_the_same_bytes(
+        "zero",
+        move |states, save| {
+            let mut command = job(states, save);
+            command.args(["--zero", "2", "--replicas", "3"]);
+            command
+        },
+        5,
+    );
+}

@@ -2,13 +2,14 @@
 //! and where a resumed run continues.
 
 use anyhow::Result;
-use candle_dp::optim::StatefulOptimizer;
+use candle_dp::optim::{OptimizerState, StatefulOptimizer};
 use candle_dp::training_state::{Progress, SamplerState, StateDir, TrainingState};
 use candle_nn::VarMap;
 
 /// Where the states of the run go, and when.
 pub struct Checkpoints {
     states: StateDir,
+    keep: usize,
     every: Option<u64>,
     /// Whether the run continues from the newest state.
     pub resume: bool,
@@ -28,6 +29,7 @@ impl Checkpoints {
         };
         Ok(Some(Checkpoints {
             states: StateDir::new(dir)?.keep(keep),
+            keep,
             every,
             resume,
         }))
@@ -42,6 +44,18 @@ impl Checkpoints {
         opt: &mut O,
         speaks: bool,
     ) -> Result<Option<(Progress, Option<SamplerState>)>> {
+        self.resume_with(varmap, Some(opt), speaks)
+    }
+
+    /// [`resume`](Self::resume), the optimizer's state restored only when
+    /// one is given (`None`: the model's variables only, as for a sharded
+    /// optimizer whose state is restored from its shards).
+    pub fn resume_with<O: StatefulOptimizer>(
+        &self,
+        varmap: &VarMap,
+        opt: Option<&mut O>,
+        speaks: bool,
+    ) -> Result<Option<(Progress, Option<SamplerState>)>> {
         if !self.resume {
             return Ok(None);
         }
@@ -54,7 +68,7 @@ impl Checkpoints {
             }
             return Ok(None);
         };
-        saved.restore(varmap, Some(opt))?;
+        saved.restore(varmap, opt)?;
         let p = saved.state.progress;
         if speaks {
             eprintln!(
@@ -78,16 +92,25 @@ impl Checkpoints {
         batches: u64,
         sampler: Option<SamplerState>,
     ) -> Result<()> {
+        if let Some(progress) = self.due(progress, batches) {
+            self.save(varmap, Some(opt.state()?), progress, sampler)?;
+        }
+        Ok(())
+    }
+
+    /// Whether a state is due after the step that left the run at
+    /// `progress`, and the progress to save then (a state at the end of
+    /// an epoch continues with the next one).
+    pub fn due(&self, progress: Progress, batches: u64) -> Option<Progress> {
         let end_of_epoch = progress.batch >= batches;
         let due = match self.every {
             Some(n) => progress.step.is_multiple_of(n),
             None => end_of_epoch,
         };
         if !due {
-            return Ok(());
+            return None;
         }
-        // A state at the end of an epoch continues with the next one.
-        let progress = if end_of_epoch {
+        Some(if end_of_epoch {
             Progress {
                 epoch: progress.epoch + 1,
                 batch: 0,
@@ -95,14 +118,36 @@ impl Checkpoints {
             }
         } else {
             progress
-        };
+        })
+    }
+
+    /// Saves a state of the run at `progress`.
+    pub fn save(
+        &self,
+        varmap: &VarMap,
+        optimizer: Option<OptimizerState>,
+        progress: Progress,
+        sampler: Option<SamplerState>,
+    ) -> Result<()> {
         let state = TrainingState {
             progress,
-            optimizer: Some(opt.state()?),
+            optimizer,
             sampler,
             ..Default::default()
         };
         self.states.save(varmap, &state)?;
         Ok(())
+    }
+
+    #[allow(dead_code)] // for train_digits' ZeRO shards: the pipeline example does not use it
+    /// The folder of the states.
+    pub fn path(&self) -> &std::path::Path {
+        self.states.path()
+    }
+
+    #[allow(dead_code)] // for train_digits' ZeRO shards: the pipeline example does not use it
+    /// How many states are kept.
+    pub fn keep(&self) -> usize {
+        self.keep
     }
 }
