@@ -400,12 +400,22 @@ fn net_with_zero(
     varmap: &VarMap,
     stage: ZeroStage,
 ) -> anyhow::Result<(DistributedDataParallel<Net>, ZeroOptimizer<AdamW>)> {
-    let ddp =
-        DistributedDataParallel::builder(ctx.process_group(), varmap, DType::F32, &Device::Cpu)
-            .zero(stage)
-            .build(Net::new)?;
+    let ddp = net_ddp(ctx, varmap, stage)?;
     let opt = ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, AdamWConfig::default()))?;
     Ok((ddp, opt))
+}
+
+/// This rank's DDP of `Net` over `varmap` with ZeRO `stage`.
+fn net_ddp(
+    ctx: &RankContext,
+    varmap: &VarMap,
+    stage: ZeroStage,
+) -> anyhow::Result<DistributedDataParallel<Net>> {
+    Ok(
+        DistributedDataParallel::builder(ctx.process_group(), varmap, DType::F32, &Device::Cpu)
+            .zero(stage)
+            .build(Net::new)?,
+    )
 }
 
 /// `world` ranks train `steps` steps of `Net` with ZeRO stage 2 and AdamW,
@@ -539,14 +549,7 @@ fn join_with_zero_is_refused_with_the_reason() {
     within(120, || {
         let results = spawn(2, |ctx| {
             let varmap = VarMap::new();
-            let mut ddp = DistributedDataParallel::builder(
-                ctx.process_group(),
-                &varmap,
-                DType::F32,
-                &Device::Cpu,
-            )
-            .zero(ZeroStage::Two)
-            .build(Net::new)?;
+            let mut ddp = net_ddp(&ctx, &varmap, ZeroStage::Two)?;
             Ok(ddp.join(|_| Ok(())).unwrap_err())
         })
         .unwrap();
@@ -784,14 +787,7 @@ fn shards_named_by_position_are_refused_rather_than_dropped() {
     within(60, || {
         let results = spawn(1, |ctx| {
             let varmap = VarMap::new();
-            let ddp = DistributedDataParallel::builder(
-                ctx.process_group(),
-                &varmap,
-                DType::F32,
-                &Device::Cpu,
-            )
-            .zero(ZeroStage::One)
-            .build(Net::new)?;
+            let ddp = net_ddp(&ctx, &varmap, ZeroStage::One)?;
             // Built through candle's Optimizer::new: state named by position.
             let mut opt = ZeroOptimizer::new(&ddp, |mine| {
                 <AdamW as Optimizer>::new(
@@ -820,14 +816,7 @@ fn backward_step_with_a_plain_optimizer_is_refused_at_stage_2() {
     within(60, || {
         let results = spawn(2, |ctx| {
             let varmap = VarMap::new();
-            let mut ddp = DistributedDataParallel::builder(
-                ctx.process_group(),
-                &varmap,
-                DType::F32,
-                &Device::Cpu,
-            )
-            .zero(ZeroStage::Two)
-            .build(Net::new)?;
+            let mut ddp = net_ddp(&ctx, &varmap, ZeroStage::Two)?;
             let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
             let (x, y) = batches(Model::Net, ctx.rank).remove(0);
             let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
