@@ -193,18 +193,32 @@ fn batches(model: Model, rank: usize) -> Vec<(Tensor, Tensor)> {
         .collect()
 }
 
-/// `Net` and an f64 scale: two dtypes, so two buckets and two
-/// all-gathers.
+/// `Net` times a `(1, 3)` scale of another dtype (initially 0.5): two
+/// dtypes, so two buckets and two all-gathers.
 struct Mixed {
     net: Net,
-    scale64: Tensor,
+    scale: Tensor,
+}
+
+impl Mixed {
+    fn new(vb: VarBuilder, dtype: DType) -> candle_core::Result<Self> {
+        Ok(Self {
+            net: Net::new(vb.clone())?,
+            scale: vb.get_with_hints_dtype(
+                (1, 3),
+                "mixed_scale",
+                candle_nn::Init::Const(0.5),
+                dtype,
+            )?,
+        })
+    }
 }
 
 impl Module for Mixed {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         self.net
             .forward(x)?
-            .broadcast_mul(&self.scale64.to_dtype(DType::F32)?)
+            .broadcast_mul(&self.scale.to_dtype(DType::F32)?)
     }
 }
 
@@ -231,15 +245,7 @@ fn build(model: Model, vb: VarBuilder) -> candle_core::Result<AnyNet> {
         Model::Tiny => AnyNet::Tiny(Tiny {
             l: linear(2, 2, vb.pp("l"))?,
         }),
-        Model::Mixed => AnyNet::Mixed(Mixed {
-            net: Net::new(vb.clone())?,
-            scale64: vb.get_with_hints_dtype(
-                (1, 3),
-                "scale64",
-                candle_nn::Init::Const(0.5),
-                DType::F64,
-            )?,
-        }),
+        Model::Mixed => AnyNet::Mixed(Mixed::new(vb, DType::F64)?),
     })
 }
 
@@ -693,21 +699,6 @@ fn no_sync_comm_hooks_and_buffers_with_zero_give_the_bytes_of_ddp() {
     });
 }
 
-/// `Net` and a bf16 parameter, which the crate's AdamW refuses: the step of
-/// the one rank that owns it fails.
-struct WithBf16 {
-    net: Net,
-    half: Tensor,
-}
-
-impl Module for WithBf16 {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.net
-            .forward(x)?
-            .broadcast_add(&self.half.to_dtype(DType::F32)?)
-    }
-}
-
 #[test]
 fn a_rank_whose_optimizer_step_fails_is_named_on_every_rank_and_no_parameter_changes() {
     within(120, || {
@@ -720,21 +711,13 @@ fn a_rank_whose_optimizer_step_fails_is_named_on_every_rank_and_no_parameter_cha
                 &Device::Cpu,
             )
             .zero(ZeroStage::Two)
-            .build(|vb| {
-                Ok(WithBf16 {
-                    net: Net::new(vb.clone())?,
-                    half: vb.get_with_hints_dtype(
-                        3,
-                        "half",
-                        candle_nn::Init::Const(0.),
-                        DType::BF16,
-                    )?,
-                })
-            })?;
+            // A bf16 scale, which the crate's AdamW refuses: the step of
+            // the one rank that owns it fails.
+            .build(|vb| Mixed::new(vb, DType::BF16))?;
             let names: Vec<String> = ddp.params().iter().map(|(n, _)| n.clone()).collect();
             let owner = names
                 .iter()
-                .position(|n| n == "half")
+                .position(|n| n == "mixed_scale")
                 .map(|i| ddp.zero_partition().unwrap().owners()[i]);
             let mut opt =
                 ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, AdamWConfig::default()))?;
