@@ -63,6 +63,7 @@
 
 mod balance;
 mod deferred_norm;
+mod device_work;
 mod distributed;
 mod recompute;
 mod schedule;
@@ -92,7 +93,8 @@ use crate::no_grad::NoGradCheck;
 use crate::step::{LossReduction, Step};
 use crate::vars::sorted_vars;
 use crate::worker_pool::{Failure, NoAnswer, WorkerFailure, WorkerPool};
-use stage::{Board, Doing, Links, LossFn, Stage, StageFailure, StageOutput, StageWork, TrainLoss};
+use device_work::{DeviceFailure, DeviceOutput, DeviceWork};
+use stage::{Board, Doing, Links, LossFn, Stage, StageOutput, StageWork, TrainLoss};
 
 /// Builds one layer of a pipeline from a `VarBuilder` on its stage's device.
 pub type LayerFactory =
@@ -138,8 +140,10 @@ pub(crate) fn build_layer(
 /// A model split into stages across devices, pipelined over micro-batches.
 /// See the [module docs](self).
 pub struct Pipeline {
-    pool: WorkerPool<Stage>,
+    /// One worker per device, holding that device's stages.
+    pool: WorkerPool<Vec<Stage>>,
     devices: Vec<Device>,
+    /// Layers per stage; stage `k` runs on device `k % devices.len()`.
     balance: Vec<usize>,
     stage_vars: Vec<Vec<(String, Var)>>,
     /// Trainable variables a stage uses through a copy (they live on
@@ -174,6 +178,9 @@ impl std::fmt::Debug for Pipeline {
 struct RanStep {
     /// Each stage's results, in stage order.
     outputs: Vec<StageOutput>,
+    /// Per device, the time it computed and its peak of saved activations.
+    busy: Vec<Duration>,
+    peak_saved_bytes: Vec<usize>,
     /// From the start of the step to the end of its last stage.
     time: Duration,
 }
@@ -419,7 +426,8 @@ impl Pipeline {
         loss: Option<TrainLoss>,
         train: bool,
     ) -> Result<RanStep> {
-        let stages = self.devices.len();
+        let devices = self.devices.len();
+        let stages = self.balance.len();
         let chunks = inputs.len();
         let board: Board = Arc::new((0..stages).map(|_| Mutex::new(Doing::NotStarted)).collect());
         let mut links: Vec<Links> = (0..stages).map(|_| Links::default()).collect();
@@ -433,53 +441,74 @@ impl Pipeline {
                 links[s - 1].grad_from_next = Some(grad_rx);
             }
         }
+        // Each taken once, by its stage's work.
+        let mut links: Vec<Option<Links>> = links.into_iter().map(Some).collect();
         let started = std::time::Instant::now();
         let mut inputs = Some(inputs);
         let mut loss = loss;
         let training = loss.is_some();
-        let jobs: Vec<_> = links
-            .into_iter()
-            .enumerate()
-            .map(|(index, links)| {
-                let ops = if training {
-                    self.schedule.ops(index, stages, chunks)
-                } else {
-                    (0..chunks).map(schedule::Op::Forward).collect()
-                };
-                let work = StageWork {
-                    index,
-                    ops,
-                    device: self.devices[index].clone(),
-                    inputs: if index == 0 {
-                        inputs.take().unwrap_or_default()
+        let mut stage_work = |index: usize| StageWork {
+            index,
+            chunks,
+            device: self.devices[index % devices].clone(),
+            inputs: if index == 0 {
+                inputs.take().unwrap_or_default()
+            } else {
+                Vec::new()
+            },
+            links: links
+                .get_mut(index)
+                .and_then(Option::take)
+                .unwrap_or_default(),
+            board: Arc::clone(&board),
+            training,
+            // Only the last stage computes the loss.
+            loss: if index + 1 == stages {
+                loss.take()
+            } else {
+                None
+            },
+            train: training || train,
+            checkpoint: self.checkpoint,
+            computing_since: std::cell::Cell::new(None),
+            busy: std::cell::Cell::new(Duration::ZERO),
+        };
+        let jobs: Vec<_> = (0..devices)
+            .map(|device| {
+                let work = DeviceWork {
+                    stages: (device..stages)
+                        .step_by(devices)
+                        .map(&mut stage_work)
+                        .collect(),
+                    tasks: if training {
+                        self.schedule.tasks(device, devices, chunks)
                     } else {
-                        Vec::new()
+                        self.schedule.forward_tasks(device, devices, chunks)
                     },
-                    links,
-                    board: Arc::clone(&board),
-                    training,
-                    // Only the last stage computes the loss.
-                    loss: if index + 1 == stages {
-                        loss.take()
-                    } else {
-                        None
-                    },
-                    train: training || train,
-                    checkpoint: self.checkpoint,
-                    computing_since: std::cell::Cell::new(None),
-                    busy: std::cell::Cell::new(Duration::ZERO),
                 };
-                move |stage: &mut Stage, cancel: &crate::worker_pool::Cancel| {
-                    work.run(stage, cancel)
+                move |held: &mut Vec<Stage>, cancel: &crate::worker_pool::Cancel| {
+                    work.run(held, cancel)
                 }
             })
             .collect();
-        let outputs = self
+        let per_device: Vec<DeviceOutput> = self
             .pool
             .run(jobs, self.timeout)
             .map_err(|failure| self.stage_error(failure, &board))?;
+        let busy = per_device.iter().map(|d| d.busy).collect();
+        let peak_saved_bytes = per_device.iter().map(|d| d.peak_saved_bytes).collect();
+        // Back in stage order: device d holds stages d, d + devices, ...
+        let mut held: Vec<_> = per_device
+            .into_iter()
+            .map(|d| d.stages.into_iter())
+            .collect();
+        let outputs = (0..stages)
+            .map(|k| held[k % devices].next().unwrap_or_default())
+            .collect();
         Ok(RanStep {
             outputs,
+            busy,
+            peak_saved_bytes,
             time: started.elapsed(),
         })
     }
@@ -500,14 +529,14 @@ impl Pipeline {
         }
         *lock(&self.timings) = PipelineTimings {
             step: step.time,
-            busy: step.outputs.iter().map(|o| o.busy).collect(),
-            peak_saved_bytes: step.outputs.iter().map(|o| o.peak_saved_bytes).collect(),
+            busy: step.busy.clone(),
+            peak_saved_bytes: step.peak_saved_bytes.clone(),
         };
         Ok(())
     }
 
     /// The error naming the stage that failed, or that held the step up.
-    fn stage_error(&self, failure: WorkerFailure<StageFailure>, board: &Board) -> Error {
+    fn stage_error(&self, failure: WorkerFailure<DeviceFailure>, board: &Board) -> Error {
         let doing = |stage: usize| board.get(stage).map(|slot| *lock(slot));
         let computing = |stage: usize| match doing(stage) {
             Some(Doing::Computing {
@@ -529,22 +558,22 @@ impl Pipeline {
             }
         };
         match failure.failure {
-            Failure::Error(f) => Error::Stage {
-                stage: failure.worker,
+            Failure::Error(DeviceFailure { stage, failure: f }) => Error::Stage {
+                stage,
                 device: failure.device,
                 micro_batch: f.micro_batch,
                 phase: f.phase.name(),
                 source: Box::new(f.source),
             },
             Failure::Panic(message) => stage_error(
-                failure.worker,
+                self.stage_computing_on(failure.worker, board),
                 candle_core::Error::Msg(format!("panicked: {message}")),
             ),
             Failure::NoAnswer(NoAnswer::Timeout(timeout)) => {
                 // A stage whose worker is still stuck in an earlier step
                 // has held this one up from its start; else the stage
                 // computing for the longest, not the ones waiting for it.
-                let stages = 0..self.devices.len();
+                let stages = 0..self.balance.len();
                 let longest = stages
                     .clone()
                     .filter_map(|s| computing(s).map(|(_, _, since)| (s, since)))
@@ -571,15 +600,29 @@ impl Pipeline {
                 }
             }
             Failure::NoAnswer(why) => stage_error(
-                failure.worker,
+                self.stage_computing_on(failure.worker, board),
                 candle_core::Error::Msg(format!("its worker did not answer: {why:?}")),
             ),
         }
     }
 
+    /// The stage of device `device` that was computing (its first stage
+    /// when none was).
+    fn stage_computing_on(&self, device: usize, board: &Board) -> usize {
+        (device..self.balance.len())
+            .step_by(self.devices.len().max(1))
+            .find(|&s| {
+                board
+                    .get(s)
+                    .is_some_and(|slot| matches!(*lock(slot), Doing::Computing { .. }))
+            })
+            .unwrap_or(device)
+    }
+
+    /// The label of the device of `stage`.
     fn label(&self, stage: usize) -> String {
         self.devices
-            .get(stage)
+            .get(stage % self.devices.len().max(1))
             .map_or_else(|| "?".into(), device_label)
     }
 }
@@ -633,7 +676,16 @@ impl PipelineBuilder {
     /// worker, in order (variables created in `varmap` on the stage's
     /// device, or reused when they exist).
     pub fn build(self, layers: Vec<LayerFactory>) -> Result<Pipeline> {
-        let stages = self.devices.len();
+        let devices = self.devices.len();
+        let per_device = self.schedule.stages_per_device();
+        if per_device == 0 {
+            return Err(Error::InvalidBalance {
+                layers: layers.len(),
+                stages: 0,
+                reason: format!("{:?} needs at least 1 stage per device", self.schedule),
+            });
+        }
+        let stages = devices.saturating_mul(per_device);
         let first = self.devices.first().ok_or(Error::NoDevices)?.clone();
         let roles: Vec<crate::cuda_setup::Role> = self
             .devices
@@ -642,7 +694,7 @@ impl PipelineBuilder {
             .map(|(i, d)| ("stage", i, d))
             .collect();
         crate::cuda_setup::prepare(&roles)?;
-        let chunks = self.chunks.unwrap_or(2 * stages);
+        let chunks = self.chunks.unwrap_or(2 * devices);
         if chunks == 0 {
             return Err(Error::InvalidBalance {
                 layers: layers.len(),
@@ -655,8 +707,8 @@ impl PipelineBuilder {
         let balance =
             balance::layers_per_stage(&self.balance, &layers, stages, self.dtype, &first)?;
         let threads = self.threads_per_stage.unwrap_or_else(|| {
-            if cpu_stages == stages {
-                crate::cpu_threads::threads_per_worker(stages)
+            if cpu_stages == devices {
+                crate::cpu_threads::threads_per_worker(devices)
             } else {
                 1
             }
@@ -678,22 +730,34 @@ impl PipelineBuilder {
             self.timeout,
             move |index, device| {
                 let (sizes, starts) = &*plan;
-                let range = starts[index]..starts[index] + sizes[index];
-                let stage =
-                    stage_build::build_stage(&varmap, dtype, device, range.start, &layers[range])?;
-                let vars = stage
-                    .vars
-                    .iter()
-                    .map(|v| (v.name.clone(), v.master.clone()))
-                    .collect::<Vec<_>>();
-                let buffers = stage.buffers.iter().map(|b| b.name.clone()).collect();
-                let copied = stage
-                    .vars
-                    .iter()
-                    .filter(|v| v.is_mirror())
-                    .map(|v| (v.name.clone(), device_label(v.master.device())))
-                    .collect::<Vec<_>>();
-                Ok::<_, Error>((stage, (vars, buffers, copied)))
+                // Device `index` holds stages index, index + devices, ...
+                let mut held = Vec::new();
+                let mut lists = Vec::new();
+                for k in (index..sizes.len()).step_by(devices) {
+                    let range = starts[k]..starts[k] + sizes[k];
+                    let stage = stage_build::build_stage(
+                        &varmap,
+                        dtype,
+                        device,
+                        range.start,
+                        &layers[range],
+                    )?;
+                    let vars = stage
+                        .vars
+                        .iter()
+                        .map(|v| (v.name.clone(), v.master.clone()))
+                        .collect::<Vec<_>>();
+                    let buffers = stage.buffers.iter().map(|b| b.name.clone()).collect();
+                    let copied = stage
+                        .vars
+                        .iter()
+                        .filter(|v| v.is_mirror())
+                        .map(|v| (v.name.clone(), device_label(v.master.device())))
+                        .collect::<Vec<_>>();
+                    held.push(stage);
+                    lists.push((vars, buffers, copied));
+                }
+                Ok::<_, Error>((held, lists))
             },
         )
         .map_err(|failure| match failure.failure {
@@ -716,7 +780,10 @@ impl PipelineBuilder {
         let mut stage_vars = Vec::with_capacity(stages);
         let mut stage_buffers: Vec<Vec<String>> = Vec::with_capacity(stages);
         let mut copied_vars = Vec::new();
-        for (stage, (vars, buffers, copied)) in stage_lists.into_iter().enumerate() {
+        // Back in stage order, as the step's results are.
+        let mut by_device: Vec<_> = stage_lists.into_iter().map(Vec::into_iter).collect();
+        let stage_lists = (0..stages).filter_map(|k| by_device.get_mut(k % devices)?.next());
+        for (stage, (vars, buffers, copied)) in stage_lists.enumerate() {
             stage_vars.push(vars);
             stage_buffers.push(buffers);
             copied_vars.extend(copied.into_iter().map(|(var, device)| (stage, var, device)));

@@ -162,21 +162,29 @@ pub(crate) struct StageOutput {
     /// The buffers' new values, with their `VarMap` variables (training
     /// forwards), to commit when every stage has succeeded.
     pub(crate) buffers: Vec<(Var, Tensor)>,
-    /// Time spent computing (not waiting for a neighbour).
-    pub(crate) busy: Duration,
-    /// The most bytes of micro-batch activations held for the backward at
-    /// once (see `saved_size`).
-    pub(crate) peak_saved_bytes: usize,
     /// The weighted micro-batch losses (last stage, training).
     pub(crate) losses: Vec<Tensor>,
     /// The micro-batch outputs (last stage, forward only).
     pub(crate) outputs: Vec<Tensor>,
 }
 
+/// What a stage holds between the ops of a step.
+pub(crate) struct StageRun {
+    norms: Option<NormStep>,
+    /// Per micro-batch, what its forward kept for its backward.
+    saved: Vec<Option<Saved>>,
+    /// The bytes of `saved` (see [`saved_size`]).
+    pub(crate) saved_bytes: usize,
+    /// Whether the next recomputation is the step's first, to be checked.
+    check_next: bool,
+    out: StageOutput,
+}
+
 /// One stage's part of a step.
 pub(crate) struct StageWork {
     pub(crate) index: usize,
-    pub(crate) ops: Vec<Op>,
+    /// The micro-batches of the step.
+    pub(crate) chunks: usize,
     pub(crate) device: Device,
     /// Stage 0: the micro-batches of the input.
     pub(crate) inputs: Vec<Tensor>,
@@ -229,9 +237,9 @@ impl StageWork {
         }
     }
 
-    /// Runs the stage's ops: a training step, or forwards whose graph
-    /// stays connected across stages (the drop-in path).
-    pub(crate) fn run(self, stage: &Stage, cancel: &Cancel) -> Result<StageOutput, StageFailure> {
+    /// Starts the stage's part of a step: its mirrors refreshed, its
+    /// BatchNorm deferral begun.
+    pub(crate) fn start(&self, stage: &Stage) -> Result<StageRun, StageFailure> {
         self.set(None);
         let setup = |source| StageFailure {
             micro_batch: 0,
@@ -239,105 +247,124 @@ impl StageWork {
             source,
         };
         stage.refresh().map_err(setup)?;
-        let mut norms = if self.train && !stage.norms.is_empty() {
+        let norms = if self.train && !stage.norms.is_empty() {
             Some(NormStep::start(&stage.norm_layers()).map_err(setup)?)
         } else {
             None
         };
-        let (mut saved_bytes, mut peak_saved_bytes) = (0usize, 0usize);
-        let chunks = self
-            .ops
-            .iter()
-            .filter(|op| matches!(op, Op::Forward(_)))
-            .count();
-        let mut saved: Vec<Option<Saved>> = (0..chunks).map(|_| None).collect();
-        // Each step compares its first recomputation with the forward it
-        // replaces.
-        let mut check_next = true;
-        let mut out = StageOutput {
-            grads: vec![None; stage.vars.len()],
-            ..StageOutput::default()
-        };
-        for &op in &self.ops {
-            // Stage 0 never waits on a neighbour: stop here once the step
-            // is abandoned, so no work (or BatchNorm update) outlives it.
-            if cancel.is_cancelled() {
-                let m = match op {
-                    Op::Forward(m) | Op::Backward(m) => m,
-                };
-                return Err(StageFailure {
-                    micro_batch: m,
-                    phase: Phase::Forward,
-                    source: candle_core::Error::Msg("step abandoned: another stage failed".into()),
-                });
-            }
-            match op {
-                Op::Forward(m) => {
-                    let (leaf, input, output) = self.forward(stage, m, norms.as_mut(), cancel)?;
-                    if self.training {
-                        let keep = if self.checkpoint.applies(m, chunks) {
-                            let check = check_next.then(|| output.detach());
-                            check_next = false;
-                            Saved::Input { leaf, input, check }
+        Ok(StageRun {
+            norms,
+            saved: (0..self.chunks).map(|_| None).collect(),
+            saved_bytes: 0,
+            check_next: true,
+            out: StageOutput {
+                grads: vec![None; stage.vars.len()],
+                ..StageOutput::default()
+            },
+        })
+    }
+
+    /// Runs one op of the stage: a forward (kept for the backward in a
+    /// training step, or sent on with its graph on the drop-in path) or a
+    /// backward. Returns the most bytes of activations the stage held
+    /// during it (see [`saved_size`]).
+    pub(crate) fn run_op(
+        &self,
+        stage: &Stage,
+        run: &mut StageRun,
+        op: Op,
+        cancel: &Cancel,
+    ) -> Result<usize, StageFailure> {
+        // Stage 0 never waits on a neighbour: stop here once the step is
+        // abandoned, so no work (or BatchNorm update) outlives it.
+        if cancel.is_cancelled() {
+            let m = match op {
+                Op::Forward(m) | Op::Backward(m) => m,
+            };
+            return Err(StageFailure {
+                micro_batch: m,
+                phase: Phase::Forward,
+                source: candle_core::Error::Msg("step abandoned: another stage failed".into()),
+            });
+        }
+        let mut peak = run.saved_bytes;
+        match op {
+            Op::Forward(m) => {
+                let (leaf, input, output) = self.forward(stage, m, run.norms.as_mut(), cancel)?;
+                if self.training {
+                    let keep = if self.checkpoint.applies(m, self.chunks) {
+                        // Each step compares its first recomputation with
+                        // the forward it replaces.
+                        let check = run.check_next.then(|| output.detach());
+                        run.check_next = false;
+                        Saved::Input { leaf, input, check }
+                    } else {
+                        Saved::Graph {
+                            leaf,
+                            output: output.clone(),
+                        }
+                    };
+                    run.saved_bytes += saved_size(&keep);
+                    peak = run.saved_bytes;
+                    if let Some(slot) = run.saved.get_mut(m) {
+                        *slot = Some(keep);
+                    }
+                }
+                match &self.links.to_next {
+                    Some(next) => {
+                        let message = if self.training {
+                            output.detach()
                         } else {
-                            Saved::Graph {
-                                leaf,
-                                output: output.clone(),
-                            }
+                            output
                         };
-                        saved_bytes += saved_size(&keep);
-                        peak_saved_bytes = peak_saved_bytes.max(saved_bytes);
-                        if let Some(slot) = saved.get_mut(m) {
-                            *slot = Some(keep);
-                        }
+                        // The neighbour may be gone after a failure: the
+                        // step is being abandoned, its error comes first.
+                        let _ = next.send((m, message));
                     }
-                    match &self.links.to_next {
-                        Some(next) => {
-                            let message = if self.training {
-                                output.detach()
-                            } else {
-                                output
-                            };
-                            // The neighbour may be gone after a failure: the
-                            // step is being abandoned, its error comes first.
-                            let _ = next.send((m, message));
-                        }
-                        None if !self.training => out.outputs.push(output),
-                        None => {}
+                    None if !self.training => run.out.outputs.push(output),
+                    None => {}
+                }
+            }
+            Op::Backward(m) => {
+                let Some(kept) = run.saved.get_mut(m).and_then(Option::take) else {
+                    return Err(StageFailure {
+                        micro_batch: m,
+                        phase: Phase::Backward,
+                        source: candle_core::Error::Msg(format!(
+                            "no saved forward for micro-batch {m}"
+                        )),
+                    });
+                };
+                let size = saved_size(&kept);
+                let (leaf, output) = match kept {
+                    Saved::Graph { leaf, output } => (leaf, output),
+                    Saved::Input { leaf, input, check } => {
+                        let output = self.recompute(stage, m, &input, check.as_ref())?;
+                        // The recomputed graph lives through this
+                        // micro-batch's backward, beside what is saved.
+                        peak = run.saved_bytes + graph_bytes(&output);
+                        (leaf, output)
                     }
-                }
-                Op::Backward(m) => {
-                    let Some(kept) = saved.get_mut(m).and_then(Option::take) else {
-                        return Err(StageFailure {
-                            micro_batch: m,
-                            phase: Phase::Backward,
-                            source: candle_core::Error::Msg(format!(
-                                "no saved forward for micro-batch {m}"
-                            )),
-                        });
-                    };
-                    let size = saved_size(&kept);
-                    let (leaf, output) = match kept {
-                        Saved::Graph { leaf, output } => (leaf, output),
-                        Saved::Input { leaf, input, check } => {
-                            let output = self.recompute(stage, m, &input, check.as_ref())?;
-                            // The recomputed graph lives through this
-                            // micro-batch's backward, beside what is saved.
-                            peak_saved_bytes =
-                                peak_saved_bytes.max(saved_bytes + graph_bytes(&output));
-                            (leaf, output)
-                        }
-                    };
-                    saved_bytes = saved_bytes.saturating_sub(size);
-                    self.backward(stage, m, leaf, output, &mut out, cancel)?;
-                }
+                };
+                run.saved_bytes = run.saved_bytes.saturating_sub(size);
+                self.backward(stage, m, leaf, output, &mut run.out, cancel)?;
             }
         }
-        // A training forward's buffers (updated by the layers on the
-        // stage's copies) go back with the output, to be committed once
-        // every stage has succeeded.
+        // Waiting from here: the time of the device's next op, maybe of
+        // another of its stages, is not this stage's.
+        self.set(None);
+        Ok(peak)
+    }
+
+    /// Ends the stage's part of a step: a training forward's buffers
+    /// (updated by the layers on the stage's copies) go back with the
+    /// output, to be committed once every stage has succeeded.
+    pub(crate) fn finish(&self, stage: &Stage, run: StageRun) -> Result<StageOutput, StageFailure> {
+        let StageRun {
+            mut norms, mut out, ..
+        } = run;
         if self.train && !stage.buffers.is_empty() {
-            let last = chunks.saturating_sub(1);
+            let last = self.chunks.saturating_sub(1);
             self.set(Some((Phase::Forward, last)));
             let committed = match norms.as_mut() {
                 Some(step) => deferred_norm::finish(&stage.norm_layers(), step),
@@ -354,9 +381,12 @@ impl StageWork {
             })?;
         }
         self.set(None);
-        out.busy = self.busy.get();
-        out.peak_saved_bytes = peak_saved_bytes;
         Ok(out)
+    }
+
+    /// The time the stage spent computing so far.
+    pub(crate) fn busy(&self) -> Duration {
+        self.busy.get()
     }
 
     fn forward(
