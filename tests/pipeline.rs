@@ -1353,3 +1353,268 @@ fn checkpointing_lowers_each_stages_peak_of_saved_activations() {
         }
     });
 }
+
+// ------------------------------------------------------ interleaved 1F1B
+
+fn interleaved(stages_per_device: usize) -> Schedule {
+    Schedule::Interleaved1F1B { stages_per_device }
+}
+
+/// Devices and stages per device whose stages fit the 6 layers of
+/// [`layers`] (and the 7 of [`bn_layers`]).
+const INTERLEAVINGS: [(usize, usize); 5] = [(1, 2), (1, 3), (2, 2), (2, 3), (3, 2)];
+
+#[test]
+fn interleaved_stages_give_the_bits_of_one_f_one_b_over_as_many_devices_and_match_one_device() {
+    use candle_dp::pipeline::Checkpoint;
+    within(300, || {
+        let start = init();
+        let (x, y) = data(13);
+        let reference = copy_of(&start);
+        let model = single(VarBuilder::from_varmap(
+            &reference,
+            DType::F32,
+            &Device::Cpu,
+        ))
+        .unwrap();
+        let l = loss::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
+        let want = grads_by_name(&reference, &l.backward().unwrap());
+        for (devices, per_device) in INTERLEAVINGS {
+            for chunks in 1..=13 {
+                let what = format!("{devices} devices x {per_device}, {chunks} micro-batches");
+                let stages = devices * per_device;
+                let flat = two_steps(
+                    &start,
+                    layers,
+                    stages,
+                    chunks,
+                    Schedule::OneFOneB,
+                    Checkpoint::Never,
+                    &x,
+                    &y,
+                );
+                let got = two_steps(
+                    &start,
+                    layers,
+                    devices,
+                    chunks,
+                    interleaved(per_device),
+                    Checkpoint::Never,
+                    &x,
+                    &y,
+                );
+                assert_eq!(got.len(), flat.len(), "{what}");
+                for ((name, a), (_, b)) in got.iter().zip(&flat) {
+                    assert!(
+                        a == b,
+                        "{what}: {name} differs from 1F1B on {stages} devices"
+                    );
+                }
+                // Against one device, on both paths.
+                let varmap = copy_of(&start);
+                let pipe = pipeline(&varmap, devices, chunks, interleaved(per_device));
+                assert_eq!(pipe.balance().len(), stages, "{what}");
+                let step = pipe
+                    .forward_backward(&x, &y, LossReduction::Mean, loss::cross_entropy)
+                    .unwrap();
+                let diff = max_diff(&grads_by_name(&varmap, &step.grads), &want);
+                assert!(diff < 1e-5, "{what}: {diff}");
+                let timings = pipe.last_timings();
+                assert_eq!(timings.busy.len(), devices, "{what}: busy per device");
+                assert_eq!(timings.peak_saved_bytes.len(), devices, "{what}");
+                let out = pipe.forward(&x).unwrap();
+                let l = loss::cross_entropy(&out, &y).unwrap();
+                let diff = max_diff(&grads_by_name(&varmap, &l.backward().unwrap()), &want);
+                assert!(diff < 1e-5, "{what}, drop-in: {diff}");
+            }
+        }
+    });
+}
+
+#[test]
+fn interleaved_stages_keep_batch_norm_statistics_and_checkpointing_exact() {
+    use candle_dp::pipeline::Checkpoint;
+    within(300, || {
+        let deferred: fn() -> Vec<LayerFactory> = || bn_layers(0.3, false);
+        let (x, y) = data(10);
+        let start = seeded_varmap(9, DType::F32, &Device::Cpu, |vb| {
+            deferred()
+                .iter()
+                .try_for_each(|f| f(vb.clone()).map(|_| ()))
+        })
+        .unwrap();
+        for (devices, per_device) in INTERLEAVINGS {
+            for chunks in [1, 3, 4, 7] {
+                let flat = two_steps(
+                    &start,
+                    deferred,
+                    devices * per_device,
+                    chunks,
+                    Schedule::OneFOneB,
+                    Checkpoint::Never,
+                    &x,
+                    &y,
+                );
+                for mode in [
+                    Checkpoint::Never,
+                    Checkpoint::ExceptLast,
+                    Checkpoint::Always,
+                ] {
+                    let got = two_steps(
+                        &start,
+                        deferred,
+                        devices,
+                        chunks,
+                        interleaved(per_device),
+                        mode,
+                        &x,
+                        &y,
+                    );
+                    assert_eq!(got.len(), flat.len());
+                    for ((name, a), (_, b)) in got.iter().zip(&flat) {
+                        assert!(
+                            a == b,
+                            "{devices} devices x {per_device}, {chunks} micro-batches, {mode:?}: {name} differs"
+                        );
+                    }
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn a_weight_tied_across_two_stages_of_one_device_gets_the_sum_of_its_gradients() {
+    within(60, || {
+        // Stages 0 and 2 (both on device 0 of 2) use the same `w`.
+        let tied = || layer(|vb| Ok(linear_no_bias(vb.get((4, 4), "w")?)));
+        let relu = || layer(|_| Ok(Activation::Relu));
+        let x = Tensor::randn(0f32, 1., (5, 4), &Device::Cpu).unwrap();
+        let y = Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap();
+        let start = VarMap::new();
+        start
+            .get(
+                (4, 4),
+                "w",
+                candle_nn::init::DEFAULT_KAIMING_NORMAL,
+                DType::F32,
+                &Device::Cpu,
+            )
+            .unwrap();
+        let grad = |devices: usize, schedule: Schedule| {
+            let varmap = copy_of(&start);
+            let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(devices))
+                .schedule(schedule)
+                .chunks(3)
+                .build(vec![tied(), relu(), tied(), relu()])
+                .unwrap();
+            let step = pipe
+                .forward_backward(&x, &y, LossReduction::Sum, |out, _| out.sum_all())
+                .unwrap();
+            let w = varmap.data().lock().unwrap()["w"].clone();
+            bits(step.grads.get(w.as_tensor()).unwrap())
+        };
+        let got = grad(2, interleaved(2));
+        assert_eq!(got, grad(4, Schedule::OneFOneB));
+        let w = start.data().lock().unwrap()["w"].as_tensor().clone();
+        let lin = linear_no_bias(w.clone());
+        let h = lin.forward(&x).unwrap().relu().unwrap();
+        let out = lin.forward(&h).unwrap().relu().unwrap().sum_all().unwrap();
+        let want = out.backward().unwrap();
+        let want: Vec<f32> = want
+            .get(&w)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let got: Vec<f32> = got.into_iter().map(f32::from_bits).collect();
+        let diff = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(diff < 1e-5, "{diff}");
+    });
+}
+
+#[test]
+fn a_failing_panicking_or_stuck_interleaved_stage_is_named_with_its_device() {
+    for mode in ["error", "panic", "stuck"] {
+        let err = within(60, move || {
+            let varmap = VarMap::new();
+            // Stage 2 of 4 (device 0 of 2) gets micro-batch 1's 99s.
+            let x = Tensor::zeros((6, 4), DType::F32, &Device::Cpu).unwrap();
+            let y = Tensor::new(&[0u32, 1, 0, 1, 0, 1], &Device::Cpu).unwrap();
+            let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+                .schedule(interleaved(2))
+                .chunks(3)
+                .timeout(Duration::from_millis(1500))
+                .build(vec![
+                    layer(|_| Ok(Activation::Relu)),
+                    layer(|_| Ok(Activation::Relu)),
+                    layer(move |_| Ok(Faulty { mode })),
+                    layer(|vb| linear(4, 2, vb.pp("b"))),
+                ])
+                .unwrap();
+            let marked = Tensor::cat(
+                &[
+                    x.narrow(0, 0, 2).unwrap(),
+                    Tensor::full(99f32, (2, 4), &Device::Cpu).unwrap(),
+                    x.narrow(0, 4, 2).unwrap(),
+                ],
+                0,
+            )
+            .unwrap();
+            pipe.forward_backward(&marked, &y, LossReduction::Mean, loss::cross_entropy)
+                .map(|_| ())
+                .unwrap_err()
+        });
+        let message = err.to_string();
+        match (mode, &err) {
+            ("stuck", Error::StageTimeout { stage, doing, .. }) => {
+                assert_eq!(*stage, 2, "{message}");
+                assert!(doing.contains("forward of micro-batch 1"), "{message}");
+            }
+            (
+                _,
+                Error::Stage {
+                    stage,
+                    micro_batch,
+                    phase,
+                    device,
+                    ..
+                },
+            ) if mode != "stuck" => {
+                assert_eq!(
+                    (*stage, *micro_batch, *phase),
+                    (2, 1, "forward"),
+                    "{message}"
+                );
+                assert_eq!(device, &candle_dp::device_label(&cpu_devices(2)[0]));
+            }
+            _ => panic!("{mode}: unexpected {message}"),
+        }
+    }
+}
+
+#[test]
+fn an_interleaving_without_a_layer_for_every_stage_or_with_no_stage_is_refused() {
+    let build = |per_device| {
+        Pipeline::builder(&VarMap::new(), DType::F32, &cpu_devices(2))
+            .schedule(interleaved(per_device))
+            .build(layers())
+    };
+    // 2 devices x 4 stages = 8 stages for 6 layers.
+    let err = build(4).unwrap_err();
+    assert!(
+        matches!(&err, Error::InvalidBalance { stages: 8, reason, .. } if reason.contains("at least one layer")),
+        "{err}"
+    );
+    let err = build(0).unwrap_err();
+    assert!(
+        matches!(&err, Error::InvalidBalance { reason, .. } if reason.contains("at least 1 stage per device")),
+        "{err}"
+    );
+    assert!(build(3).is_ok());
+}
