@@ -3,7 +3,8 @@
 //! device, and the largest weight difference between the two.
 //!
 //! ```text
-//! cargo run --release --example pipeline -- [--stages 2] [--chunks 4] [--schedule 1f1b|gpipe]
+//! cargo run --release --example pipeline -- [--stages 2] [--chunks 4]
+//!     [--schedule 1f1b|gpipe|interleaved [--stages-per-device 2]]
 //!     [--checkpoint never|except-last|always]
 //!     [--epochs 5] [--batch 64] [--seed 1] [--save FILE]
 //!     [--checkpoint-dir DIR [--checkpoint-every N] [--resume]] [--no-reference]
@@ -56,13 +57,16 @@ enum Sched {
     Gpipe,
     #[value(name = "1f1b")]
     OneFOneB,
+    /// Interleaved 1F1B: each device holds `--stages-per-device` stages.
+    Interleaved,
 }
 
 /// Trains an MLP on the bundled 8x8 digits with a pipeline, then on one
 /// device, and compares.
 #[derive(Parser, Debug)]
 struct Args {
-    /// Pipeline stages (one per CPU "device").
+    /// Pipeline devices (CPU "devices"): one stage each, or
+    /// `--stages-per-device` with `--schedule interleaved`.
     #[arg(long, default_value_t = 2)]
     stages: usize,
     /// Micro-batches per batch.
@@ -70,6 +74,9 @@ struct Args {
     chunks: usize,
     #[arg(long, value_enum, default_value_t = Sched::OneFOneB)]
     schedule: Sched,
+    /// Stages per device of the interleaved schedule (Megatron's v).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..))]
+    stages_per_device: u16,
     /// Activation checkpointing: recompute each stage's forward before its
     /// backward instead of keeping its activations.
     #[arg(long, value_enum, default_value_t = Recompute::Never)]
@@ -171,6 +178,9 @@ fn run(args: Args) -> Result<()> {
     let schedule = match args.schedule {
         Sched::Gpipe => Schedule::GPipe,
         Sched::OneFOneB => Schedule::OneFOneB,
+        Sched::Interleaved => Schedule::Interleaved1F1B {
+            stages_per_device: args.stages_per_device.into(),
+        },
     };
     let checkpoint = match args.checkpoint {
         Recompute::Never => Checkpoint::Never,
@@ -183,7 +193,7 @@ fn run(args: Args) -> Result<()> {
         .checkpoint(checkpoint)
         .build(layers())?;
     println!(
-        "pipeline: {} stages (layers per stage {:?}), {} micro-batches, {:?}, checkpoint {checkpoint:?}",
+        "pipeline: {} devices (layers per stage {:?}), {} micro-batches, {:?}, checkpoint {checkpoint:?}",
         args.stages,
         pipe.balance(),
         pipe.chunks(),
@@ -204,7 +214,7 @@ fn run(args: Args) -> Result<()> {
     .unwrap_or_default();
     let test_x = test.images.flatten_from(1)?;
     let mut bubble = Vec::new();
-    // Per stage, the most activation bytes held for the backward in any step.
+    // Per device, the most activation bytes held for the backward in any step.
     let mut peak_saved = vec![0usize; args.stages];
     let start = std::time::Instant::now();
     let mut step_count = from.step;
@@ -252,7 +262,7 @@ fn run(args: Args) -> Result<()> {
         .map(|b| format!("{:.1}", *b as f64 / 1024.0))
         .collect();
     println!(
-        "peak activation KiB held for the backward, per stage: [{}]",
+        "peak activation KiB held for the backward, per device: [{}]",
         peak_kib.join(", ")
     );
     if let Some(path) = &args.save {
@@ -302,10 +312,11 @@ fn run(args: Args) -> Result<()> {
     println!(
         "one device: held-out accuracy {:.2}%\n\
          pipeline training took {pipe_seconds:.2} s; median measured bubble {median_bubble:.2} \
-         (ideal (S-1)/(m+S-1) = {:.2})\n\
+         (ideal (S-1)/(v*m+S-1) = {:.2})\n\
          largest weight difference, pipeline vs one device: {diff:.2e}",
         one_acc * 100.0,
-        (args.stages - 1) as f64 / (pipe.chunks() + args.stages - 1) as f64,
+        (args.stages - 1) as f64
+            / (schedule.stages_per_device() * pipe.chunks() + args.stages - 1) as f64,
     );
     Ok(())
 }

@@ -1,7 +1,8 @@
 //! The pipeline part of the benchmark (`--pipeline`): one device against
-//! naive model parallelism (one micro-batch) and GPipe and 1F1B at 2 to 16
-//! micro-batches, on an MLP whose stages are all compute; then a run under
-//! a per-device memory budget that one device cannot meet.
+//! naive model parallelism (one micro-batch), GPipe and 1F1B at 2 to 16
+//! micro-batches, activation checkpointing and interleaved 1F1B (2 and 3
+//! stages per device), on an MLP whose stages are all compute; then a run
+//! under a per-device memory budget that one device cannot meet.
 //!
 //! Each configuration runs in its own child process (this binary with
 //! `--pipeline-child`): the pipeline sizes candle's thread pools for its
@@ -36,6 +37,13 @@ pub struct PipeSpec {
     /// last, 2 always.
     #[serde(default)]
     pub checkpoint: u8,
+    /// Stages per device: above 1, interleaved 1F1B.
+    #[serde(default = "one")]
+    pub stages_per_device: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl PipeSpec {
@@ -45,7 +53,11 @@ impl PipeSpec {
             Some(_) if self.chunks == 1 => "naive model parallel (1 micro-batch)".into(),
             Some(_) => format!(
                 "{} {} micro-batches{}",
-                if self.gpipe { "GPipe" } else { "1F1B" },
+                match (self.gpipe, self.stages_per_device) {
+                    (true, _) => "GPipe".to_string(),
+                    (false, 1) => "1F1B".to_string(),
+                    (false, v) => format!("interleaved 1F1B, {v} stages per device,"),
+                },
                 self.chunks,
                 match self.checkpoint {
                     0 => "",
@@ -133,12 +145,17 @@ pub fn run_child(spec: &PipeSpec) -> Result<PipeMeasured> {
             }
         }
         Some(stages) => {
+            // Stages of equal work (the relus weigh nothing), so that the
+            // bubble measured is the schedule's, not an uneven split's.
             let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(stages))
+                .balance(Balance::ParameterBytes)
                 .chunks(spec.chunks)
-                .schedule(if spec.gpipe {
-                    Schedule::GPipe
-                } else {
-                    Schedule::OneFOneB
+                .schedule(match (spec.gpipe, spec.stages_per_device) {
+                    (true, _) => Schedule::GPipe,
+                    (false, 1) => Schedule::OneFOneB,
+                    (false, v) => Schedule::Interleaved1F1B {
+                        stages_per_device: v,
+                    },
                 })
                 .checkpoint(match spec.checkpoint {
                     0 => Checkpoint::Never,
@@ -180,7 +197,8 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
     let (width, depth, rows, stages) = if quick {
         (256, 4, 256, 2)
     } else {
-        (768, 8, 1024, 2)
+        // 12 blocks: 2, 4 and 6 stages (interleaved) of equal work.
+        (768, 12, 1024, 2)
     };
     let chunk_counts: &[usize] = if quick { &[1, 4] } else { &[1, 2, 4, 8, 16] };
     let spec = |stages, chunks, gpipe, checkpoint| PipeSpec {
@@ -192,6 +210,7 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
         batch: rows,
         steps,
         checkpoint,
+        stages_per_device: 1,
     };
     let mut specs = vec![spec(None, 1, false, 0)];
     for &chunks in chunk_counts {
@@ -206,6 +225,18 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
             specs.push(spec(Some(stages), 4, gpipe, checkpoint));
         }
     }
+    // Interleaved 1F1B beside the 1F1B rows of the same micro-batches.
+    let interleavings: &[(usize, usize)] = if quick {
+        &[(2, 4)]
+    } else {
+        &[(2, 2), (2, 4), (2, 8), (3, 4), (3, 8)]
+    };
+    for &(per_device, chunks) in interleavings {
+        specs.push(PipeSpec {
+            stages_per_device: per_device,
+            ..spec(Some(stages), chunks, false, 0)
+        });
+    }
     let mut measured = vec![PipeMeasured::default(); specs.len()];
     for round in 0..rounds {
         for (s, m) in specs.iter().zip(measured.iter_mut()) {
@@ -218,8 +249,9 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
     }
     let single_ms = median(&measured[0].step_ms);
     let mut md = format!(
-        "## Pipeline: MLP {width}x{depth} layers + head, batch {rows}, {stages} CPU stages ({} cores), SGD\n\n\
-         | configuration | samples/s | vs one device | bubble measured | bubble (S-1)/(m+S-1) | peak activations held for the backward per stage (KiB) |\n\
+        "## Pipeline: MLP {width}x{depth} layers + head, batch {rows}, {stages} CPU devices ({} cores), SGD\n\n\
+         S devices, m micro-batches, v stages per device (1 unless interleaved).\n\n\
+         | configuration | samples/s | vs one device | bubble measured | bubble (S-1)/(v·m+S-1) | peak activations held for the backward per device (KiB) |\n\
          |---|---:|---:|---:|---:|---|\n",
         cores()
     );
@@ -230,7 +262,10 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
             None => ("-".into(), "-".into(), "-".into()),
             Some(k) => (
                 format!("{:.2}", median(&m.bubble)),
-                format!("{:.2}", (k - 1) as f64 / (s.chunks + k - 1) as f64),
+                format!(
+                    "{:.2}",
+                    (k - 1) as f64 / (s.stages_per_device * s.chunks + k - 1) as f64
+                ),
                 m.peak_saved_bytes
                     .iter()
                     .map(|b| format!("{}", b / 1024))

@@ -36,7 +36,8 @@ pub enum Schedule {
     /// `2(S-1-d) + (v-1)·r` forwards ahead (`r`: the micro-batches of a
     /// round, about `S`). Micro-batches go in rounds of at least `S` (fewer
     /// only when `m < S`), as PyTorch's do, but any `m` works, where
-    /// PyTorch needs `m` to be a multiple of its round. With
+    /// PyTorch needs `m` to be a multiple of its number of rounds
+    /// (`m / S` rounded down: 13 micro-batches on 4 devices fail). With
     /// `stages_per_device: 1` it is [`Schedule::OneFOneB`].
     Interleaved1F1B {
         /// Stages per device (Megatron's `v`, PyTorch's local stages).
