@@ -219,12 +219,6 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
             specs.push(spec(Some(stages), chunks, false, 0));
         }
     }
-    // Activation checkpointing, both schedules, at 4 micro-batches.
-    for gpipe in [true, false] {
-        for checkpoint in [1, 2] {
-            specs.push(spec(Some(stages), 4, gpipe, checkpoint));
-        }
-    }
     // Interleaved 1F1B beside the 1F1B rows of the same micro-batches.
     let interleavings: &[(usize, usize)] = if quick {
         &[(2, 4)]
@@ -236,6 +230,15 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
             stages_per_device: per_device,
             ..spec(Some(stages), chunks, false, 0)
         });
+    }
+    // Activation checkpointing, every schedule, at 4 micro-batches.
+    for (gpipe, per_device) in [(true, 1), (false, 1), (false, 2)] {
+        for checkpoint in [1, 2] {
+            specs.push(PipeSpec {
+                stages_per_device: per_device,
+                ..spec(Some(stages), 4, gpipe, checkpoint)
+            });
+        }
     }
     let mut measured = vec![PipeMeasured::default(); specs.len()];
     for round in 0..rounds {

@@ -104,3 +104,50 @@ impl DeviceWork {
         })
     }
 }
+
+/// The stages of device `device` of `devices`, in a pipeline of `stages`:
+/// `device`, `device + devices`, ...
+pub(crate) fn stages_of(
+    device: usize,
+    devices: usize,
+    stages: usize,
+) -> impl Iterator<Item = usize> {
+    (device..stages).step_by(devices.max(1))
+}
+
+/// Per-device lists (each in the order of [`stages_of`]) put back in the
+/// pipeline's stage order; an error naming the device whose list is short.
+pub(crate) fn in_stage_order<T>(per_device: Vec<Vec<T>>, stages: usize) -> crate::Result<Vec<T>> {
+    let devices = per_device.len();
+    let mut lists: Vec<_> = per_device.into_iter().map(Vec::into_iter).collect();
+    (0..stages)
+        .map(|k| {
+            lists
+                .get_mut(k % devices.max(1))
+                .and_then(Iterator::next)
+                .ok_or_else(|| {
+                    crate::Error::Candle(candle_core::Error::Msg(format!(
+                        "device {} gave no result for pipeline stage {k}",
+                        k % devices.max(1)
+                    )))
+                })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_device_lists_go_back_in_stage_order_and_a_short_one_is_named() {
+        let per_device = vec![vec![0, 2, 4], vec![1, 3, 5]];
+        assert_eq!(
+            in_stage_order(per_device, 6).ok(),
+            Some(vec![0, 1, 2, 3, 4, 5])
+        );
+        assert_eq!(stages_of(1, 2, 6).collect::<Vec<_>>(), vec![1, 3, 5]);
+        let err = in_stage_order(vec![vec![0, 2], vec![1]], 4).unwrap_err();
+        assert!(err.to_string().contains("device 1"), "{err}");
+    }
+}

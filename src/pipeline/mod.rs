@@ -3,19 +3,21 @@
 //!
 //! The model is an ordered list of layers, each built by its own factory
 //! from a `VarBuilder` on its stage's device, so the whole model never
-//! exists on one device. The layers are split into contiguous stages (one
-//! per device) by a [`Balance`]; each stage lives on a persistent worker
-//! (the crate's worker pool, as `DataParallel`'s replicas do). A step splits
-//! the batch into `chunks` micro-batches (`torch.chunk` sizes) that flow
-//! through the stages in a [`Schedule`] (GPipe or 1F1B).
+//! exists on one device. The layers are split into contiguous stages by a
+//! [`Balance`]: one per device, or several with
+//! [`Schedule::Interleaved1F1B`] (stage `k` on device `k % devices`). Each
+//! device's stages live on its persistent worker (the crate's worker pool,
+//! as `DataParallel`'s replicas do). A step splits the batch into `chunks`
+//! micro-batches (`torch.chunk` sizes) that flow through the stages in a
+//! [`Schedule`] (GPipe, 1F1B or interleaved 1F1B).
 //!
 //! Two ways to train, as with [`DataParallel`](crate::DataParallel):
 //! - **drop-in**: [`Pipeline::forward`] returns the output with its graph
 //!   spanning every stage; `loss.backward()` (or `opt.backward_step`) walks
 //!   it, serially, on the calling thread;
 //! - **fast**: [`Pipeline::forward_backward`] computes the loss of each
-//!   micro-batch on the last stage and runs each stage's backward on its own
-//!   worker, overlapping the stages. The gradients, accumulated in
+//!   micro-batch on the last stage and runs each stage's backward on its
+//!   device's worker, overlapping the devices. The gradients, accumulated in
 //!   micro-batch order, come back in one `GradStore` for any candle
 //!   optimizer. With [`LossReduction::Mean`] each micro-batch's loss is
 //!   weighted by its share of the rows, so the gradients equal the full
@@ -72,6 +74,7 @@ mod stage_build;
 mod stage_var;
 mod timings;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -216,8 +219,9 @@ impl std::fmt::Debug for PipelineBuilder {
 }
 
 impl Pipeline {
-    /// Starts configuring a pipeline whose stage `i` runs on `devices[i]`,
-    /// with its variables in `varmap`.
+    /// Starts configuring a pipeline over `devices`, with its variables in
+    /// `varmap`: stage `k` runs on `devices[k % devices.len()]` (one stage
+    /// per device unless the schedule is interleaved).
     pub fn builder(varmap: &VarMap, dtype: DType, devices: &[Device]) -> PipelineBuilder {
         PipelineBuilder {
             varmap: varmap.clone(),
@@ -232,12 +236,12 @@ impl Pipeline {
         }
     }
 
-    /// The stages' devices.
+    /// The pipeline's devices.
     pub fn devices(&self) -> &[Device] {
         &self.devices
     }
 
-    /// The number of layers of each stage.
+    /// The number of layers of each stage, in stage order.
     pub fn balance(&self) -> &[usize] {
         &self.balance
     }
@@ -262,7 +266,8 @@ impl Pipeline {
             .collect()
     }
 
-    /// Where the time of the latest successful step went, stage by stage.
+    /// Where the time and activation memory of the latest successful step
+    /// went, device by device.
     pub fn last_timings(&self) -> PipelineTimings {
         lock(&self.timings).clone()
     }
@@ -313,7 +318,7 @@ impl Pipeline {
 
     /// The fast path: splits `x` and `y` into micro-batches, computes
     /// `loss_fn(output, targets)` of each on the last stage and runs each
-    /// stage's backward on its own worker, in the configured schedule.
+    /// stage's backward on its device's worker, in the configured schedule.
     /// Returns the loss (the sum of the weighted micro-batch losses, on the
     /// last stage's device) and the gradients of every variable.
     pub fn forward_backward<F>(
@@ -476,8 +481,7 @@ impl Pipeline {
         let jobs: Vec<_> = (0..devices)
             .map(|device| {
                 let work = DeviceWork {
-                    stages: (device..stages)
-                        .step_by(devices)
+                    stages: device_work::stages_of(device, devices, stages)
                         .map(&mut stage_work)
                         .collect(),
                     tasks: if training {
@@ -497,14 +501,10 @@ impl Pipeline {
             .map_err(|failure| self.stage_error(failure, &board))?;
         let busy = per_device.iter().map(|d| d.busy).collect();
         let peak_saved_bytes = per_device.iter().map(|d| d.peak_saved_bytes).collect();
-        // Back in stage order: device d holds stages d, d + devices, ...
-        let mut held: Vec<_> = per_device
-            .into_iter()
-            .map(|d| d.stages.into_iter())
-            .collect();
-        let outputs = (0..stages)
-            .map(|k| held[k % devices].next().unwrap_or_default())
-            .collect();
+        let outputs = device_work::in_stage_order(
+            per_device.into_iter().map(|d| d.stages).collect(),
+            stages,
+        )?;
         Ok(RanStep {
             outputs,
             busy,
@@ -634,9 +634,9 @@ impl PipelineBuilder {
         self
     }
 
-    /// Micro-batches per step (default: twice the number of stages, so the
-    /// idle fraction (S-1)/(chunks+S-1) stays near a third or below; 1 is
-    /// plain model parallelism, no overlap).
+    /// Micro-batches per step (default: twice the number of devices, so
+    /// the idle fraction (S-1)/(chunks+S-1) of `S` devices stays near a
+    /// third or below; 1 is plain model parallelism, no overlap).
     pub fn chunks(mut self, chunks: usize) -> Self {
         self.chunks = Some(chunks);
         self
@@ -657,7 +657,7 @@ impl PipelineBuilder {
         self
     }
 
-    /// Longest time a step (and building each stage) may take before it
+    /// Longest time a step (and building each device's stages) may take before it
     /// fails with [`Error::StageTimeout`] naming the stage that was
     /// computing (default: no limit; `Duration::MAX` is no limit too).
     pub fn timeout(mut self, timeout: Duration) -> Self {
@@ -665,8 +665,8 @@ impl PipelineBuilder {
         self
     }
 
-    /// Threads of each stage's rayon pool (default: on CPU the cores shared
-    /// between the CPU stages, on GPUs 1).
+    /// Threads of each device's worker (its rayon pool; default: on CPU the
+    /// cores shared between the CPU devices, on GPUs 1).
     pub fn threads_per_stage(mut self, threads: usize) -> Self {
         self.threads_per_stage = Some(threads.max(1));
         self
@@ -724,16 +724,22 @@ impl PipelineBuilder {
         let layers = Arc::new(layers);
         let (varmap, dtype) = (self.varmap.clone(), self.dtype);
         let plan = Arc::new((balance.clone(), starts));
+        // Per device, the stage it is building: what a failure names.
+        let building: Arc<Vec<AtomicUsize>> =
+            Arc::new((0..devices).map(AtomicUsize::new).collect());
+        let now_building = Arc::clone(&building);
         let (pool, stage_lists) = WorkerPool::start(
             &self.devices,
             threads,
             self.timeout,
             move |index, device| {
                 let (sizes, starts) = &*plan;
-                // Device `index` holds stages index, index + devices, ...
                 let mut held = Vec::new();
                 let mut lists = Vec::new();
-                for k in (index..sizes.len()).step_by(devices) {
+                for k in device_work::stages_of(index, devices, sizes.len()) {
+                    if let Some(slot) = now_building.get(index) {
+                        slot.store(k, Ordering::Relaxed);
+                    }
                     let range = starts[k]..starts[k] + sizes[k];
                     let stage = stage_build::build_stage(
                         &varmap,
@@ -760,30 +766,35 @@ impl PipelineBuilder {
                 Ok::<_, Error>((held, lists))
             },
         )
-        .map_err(|failure| match failure.failure {
-            Failure::Error(e) => e,
-            Failure::Panic(message) => Error::Candle(candle_core::Error::Msg(format!(
-                "building pipeline stage {} on {} panicked: {message}",
-                failure.worker, failure.device
-            ))),
-            Failure::NoAnswer(NoAnswer::Timeout(timeout)) => Error::StageTimeout {
-                stage: failure.worker,
-                device: failure.device,
-                doing: ", building its layers".into(),
-                timeout,
-            },
-            Failure::NoAnswer(why) => Error::Candle(candle_core::Error::Msg(format!(
-                "pipeline stage {} on {} could not start: {why:?}",
-                failure.worker, failure.device
-            ))),
+        .map_err(|failure| {
+            let stage = building
+                .get(failure.worker)
+                .map_or(failure.worker, |slot| slot.load(Ordering::Relaxed));
+            match failure.failure {
+                Failure::Error(e) => e,
+                Failure::Panic(message) => Error::Candle(candle_core::Error::Msg(format!(
+                    "building pipeline stage {stage} on {} panicked: {message}",
+                    failure.device
+                ))),
+                Failure::NoAnswer(NoAnswer::Timeout(timeout)) => Error::StageTimeout {
+                    stage,
+                    device: failure.device,
+                    doing: ", building its layers".into(),
+                    timeout,
+                },
+                Failure::NoAnswer(why) => Error::Candle(candle_core::Error::Msg(format!(
+                    "pipeline stage {stage} on {} could not start: {why:?}",
+                    failure.device
+                ))),
+            }
         })?;
         let mut stage_vars = Vec::with_capacity(stages);
         let mut stage_buffers: Vec<Vec<String>> = Vec::with_capacity(stages);
         let mut copied_vars = Vec::new();
-        // Back in stage order, as the step's results are.
-        let mut by_device: Vec<_> = stage_lists.into_iter().map(Vec::into_iter).collect();
-        let stage_lists = (0..stages).filter_map(|k| by_device.get_mut(k % devices)?.next());
-        for (stage, (vars, buffers, copied)) in stage_lists.enumerate() {
+        for (stage, (vars, buffers, copied)) in device_work::in_stage_order(stage_lists, stages)?
+            .into_iter()
+            .enumerate()
+        {
             stage_vars.push(vars);
             stage_buffers.push(buffers);
             copied_vars.extend(copied.into_iter().map(|(var, device)| (stage, var, device)));

@@ -2,8 +2,9 @@
 
 use std::time::Duration;
 
-/// The latest successful step of a [`Pipeline`](super::Pipeline), stage by
-/// stage: the figures behind the pipeline's benchmark.
+/// The latest successful step of a [`Pipeline`](super::Pipeline), device by
+/// device (one stage each, unless the schedule is interleaved): the figures
+/// behind the pipeline's benchmark.
 ///
 /// ```
 /// use std::time::Duration;
@@ -21,24 +22,26 @@ pub struct PipelineTimings {
     /// Wall time of the step, from the split into micro-batches to the
     /// last stage's answer.
     pub step: Duration,
-    /// Per stage, the time spent computing (forwards, losses, backwards),
-    /// not waiting for a neighbour.
+    /// Per device, the time spent computing (forwards, losses, backwards of
+    /// its stages), not waiting for a neighbour.
     pub busy: Vec<Duration>,
-    /// Per stage, the most bytes of micro-batch activations held at once
+    /// Per device, the most bytes of micro-batch activations its stages held at once
     /// for the backward: per saved micro-batch, the stage's input and the
     /// storage of the autograd graph behind its output (each storage
     /// once: views and the weights add nothing); with
     /// [`Checkpoint`](super::Checkpoint), a recomputed micro-batch's input
     /// (and, once per step, the output kept to check the recomputation)
     /// until its backward, then its recomputed graph during it. GPipe holds
-    /// every micro-batch, 1F1B at most `stages - stage`.
+    /// every micro-batch, 1F1B at most `devices - device`.
     pub peak_saved_bytes: Vec<usize>,
 }
 
 impl PipelineTimings {
-    /// The measured bubble: the fraction of the stages' time spent idle,
-    /// `1 - sum(busy) / (stages * step)`. With equal stages and free
-    /// communication it is `(stages - 1) / (chunks + stages - 1)`.
+    /// The measured bubble: the fraction of the devices' time spent idle,
+    /// `1 - sum(busy) / (devices * step)`. With stages of equal work and
+    /// free communication it is `(S - 1) / (v * m + S - 1)` for `S`
+    /// devices, `m` micro-batches and `v` stages per device (1 unless
+    /// interleaved), once `m >= S`.
     pub fn bubble(&self) -> f64 {
         let total = self.step.as_secs_f64() * self.busy.len() as f64;
         if total <= 0.0 {
