@@ -62,6 +62,12 @@ impl DeviceWork {
                 },
             });
         }
+        // The device's job has begun for all its stages at once: a timeout
+        // while the first one starts must not call the others stuck in an
+        // earlier step.
+        for work in &self.stages {
+            work.set(None);
+        }
         let mut runs = Vec::with_capacity(self.stages.len());
         for (work, stage) in self.stages.iter().zip(held) {
             runs.push(work.start(stage).map_err(at(work))?);

@@ -216,7 +216,7 @@ pub(crate) struct TrainLoss {
 impl StageWork {
     /// Marks the stage computing `phase` of micro-batch `m`, or waiting
     /// (`None`), and keeps count of the time it computes.
-    fn set(&self, doing: Option<(Phase, usize)>) {
+    pub(crate) fn set(&self, doing: Option<(Phase, usize)>) {
         let now = Instant::now();
         if let Some(since) = self.computing_since.take() {
             self.busy.set(self.busy.get() + now.duration_since(since));
