@@ -104,6 +104,21 @@ fn max_diff(a: &HashMap<String, Vec<f32>>, b: &HashMap<String, Vec<f32>>) -> f32
         .fold(0., f32::max)
 }
 
+/// The gradients (by name) and the loss of one step of [`single`] from
+/// `start` (left unchanged) on `x`, `y`.
+fn one_device_step(start: &VarMap, x: &Tensor, y: &Tensor) -> (HashMap<String, Vec<f32>>, f32) {
+    let reference = copy_of(start);
+    let model = single(VarBuilder::from_varmap(
+        &reference,
+        DType::F32,
+        &Device::Cpu,
+    ))
+    .unwrap();
+    let l = loss::cross_entropy(&model.forward(x).unwrap(), y).unwrap();
+    let grads = grads_by_name(&reference, &l.backward().unwrap());
+    (grads, l.to_scalar::<f32>().unwrap())
+}
+
 fn pipeline(varmap: &VarMap, stages: usize, chunks: usize, schedule: Schedule) -> Pipeline {
     Pipeline::builder(varmap, DType::F32, &cpu_devices(stages))
         .chunks(chunks)
@@ -118,16 +133,7 @@ fn pipeline_gradients_equal_one_device_for_1_to_3_stages_and_1_to_13_micro_batch
     within(300, || {
         let start = init();
         let (x, y) = data(13);
-        let reference = copy_of(&start);
-        let model = single(VarBuilder::from_varmap(
-            &reference,
-            DType::F32,
-            &Device::Cpu,
-        ))
-        .unwrap();
-        let l = loss::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
-        let want = grads_by_name(&reference, &l.backward().unwrap());
-        let want_loss = l.to_scalar::<f32>().unwrap();
+        let (want, want_loss) = one_device_step(&start, &x, &y);
         for stages in 1..=3 {
             for chunks in 1..=13 {
                 let varmap = copy_of(&start);
@@ -464,6 +470,20 @@ impl Module for Faulty {
     }
 }
 
+/// `x` (6 rows of 4) with rows 2 and 3, micro-batch 1 of 3, set to 99:
+/// what [`Faulty`] fails on.
+fn marked(x: &Tensor) -> Tensor {
+    Tensor::cat(
+        &[
+            x.narrow(0, 0, 2).unwrap(),
+            Tensor::full(99f32, (2, 4), &Device::Cpu).unwrap(),
+            x.narrow(0, 4, 2).unwrap(),
+        ],
+        0,
+    )
+    .unwrap()
+}
+
 #[test]
 fn a_failing_panicking_or_stuck_stage_is_named_with_its_micro_batch_and_phase() {
     for mode in ["error", "panic", "stuck"] {
@@ -481,15 +501,7 @@ fn a_failing_panicking_or_stuck_stage_is_named_with_its_micro_batch_and_phase() 
                     layer(|vb| linear(4, 2, vb.pp("b"))),
                 ])
                 .unwrap();
-            let marked = Tensor::cat(
-                &[
-                    x.narrow(0, 0, 2).unwrap(),
-                    Tensor::full(99f32, (2, 4), &Device::Cpu).unwrap(),
-                    x.narrow(0, 4, 2).unwrap(),
-                ],
-                0,
-            )
-            .unwrap();
+            let marked = marked(&x);
             let step = |x: &Tensor| {
                 pipe.forward_backward(x, &y, LossReduction::Mean, loss::cross_entropy)
                     .map(|_| ())
@@ -1225,6 +1237,22 @@ fn checkpointing_gives_the_losses_gradients_and_batch_norm_statistics_of_never_b
     });
 }
 
+/// A `VarMap` of one 4x4 weight `w`, the tied weight of the tests that
+/// share it between stages.
+fn tied_start() -> VarMap {
+    let start = VarMap::new();
+    start
+        .get(
+            (4, 4),
+            "w",
+            candle_nn::init::DEFAULT_KAIMING_NORMAL,
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+    start
+}
+
 #[test]
 fn a_tied_weight_and_the_drop_in_path_are_unchanged_by_checkpointing() {
     within(120, || {
@@ -1232,16 +1260,7 @@ fn a_tied_weight_and_the_drop_in_path_are_unchanged_by_checkpointing() {
         let tied = || layer(|vb| Ok(linear_no_bias(vb.get((4, 4), "w")?)));
         let x = Tensor::randn(0f32, 1., (5, 4), &Device::Cpu).unwrap();
         let y = Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap();
-        let start = VarMap::new();
-        start
-            .get(
-                (4, 4),
-                "w",
-                candle_nn::init::DEFAULT_KAIMING_NORMAL,
-                DType::F32,
-                &Device::Cpu,
-            )
-            .unwrap();
+        let start = tied_start();
         let run = |checkpoint| {
             let varmap = copy_of(&start);
             let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
@@ -1370,15 +1389,7 @@ fn interleaved_stages_give_the_bits_of_one_f_one_b_over_as_many_devices_and_matc
     within(300, || {
         let start = init();
         let (x, y) = data(13);
-        let reference = copy_of(&start);
-        let model = single(VarBuilder::from_varmap(
-            &reference,
-            DType::F32,
-            &Device::Cpu,
-        ))
-        .unwrap();
-        let l = loss::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
-        let want = grads_by_name(&reference, &l.backward().unwrap());
+        let (want, _) = one_device_step(&start, &x, &y);
         for (devices, per_device) in INTERLEAVINGS {
             for chunks in 1..=13 {
                 let what = format!("{devices} devices x {per_device}, {chunks} micro-batches");
@@ -1491,16 +1502,7 @@ fn a_weight_tied_across_two_stages_of_one_device_gets_the_sum_of_its_gradients()
         let relu = || layer(|_| Ok(Activation::Relu));
         let x = Tensor::randn(0f32, 1., (5, 4), &Device::Cpu).unwrap();
         let y = Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap();
-        let start = VarMap::new();
-        start
-            .get(
-                (4, 4),
-                "w",
-                candle_nn::init::DEFAULT_KAIMING_NORMAL,
-                DType::F32,
-                &Device::Cpu,
-            )
-            .unwrap();
+        let start = tied_start();
         let grad = |devices: usize, schedule: Schedule| {
             let varmap = copy_of(&start);
             let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(devices))
@@ -1557,15 +1559,7 @@ fn a_failing_panicking_or_stuck_interleaved_stage_is_named_with_its_device() {
                     layer(|vb| linear(4, 2, vb.pp("b"))),
                 ])
                 .unwrap();
-            let marked = Tensor::cat(
-                &[
-                    x.narrow(0, 0, 2).unwrap(),
-                    Tensor::full(99f32, (2, 4), &Device::Cpu).unwrap(),
-                    x.narrow(0, 4, 2).unwrap(),
-                ],
-                0,
-            )
-            .unwrap();
+            let marked = marked(&x);
             pipe.forward_backward(&marked, &y, LossReduction::Mean, loss::cross_entropy)
                 .map(|_| ())
                 .unwrap_err()

@@ -78,7 +78,7 @@ impl Schedule {
     pub(crate) fn tasks(self, device: usize, devices: usize, chunks: usize) -> Vec<Task> {
         let per_device = self.stages_per_device().max(1);
         let rounds = rounds(chunks, devices);
-        let forwards = forward_order(device, devices, per_device, &rounds);
+        let forwards = order(device, devices, per_device, &rounds, false);
         let downstream = devices.saturating_sub(device + 1);
         let warmup = match self {
             Schedule::GPipe => forwards.len(),
@@ -95,7 +95,7 @@ impl Schedule {
         };
         one_forward_one_backward(
             forwards,
-            backward_order(device, devices, per_device, &rounds),
+            order(device, devices, per_device, &rounds, true),
             warmup,
         )
     }
@@ -104,7 +104,7 @@ impl Schedule {
     /// (the drop-in path): its forwards in the training order.
     pub(crate) fn forward_tasks(self, device: usize, devices: usize, chunks: usize) -> Vec<Task> {
         let per_device = self.stages_per_device().max(1);
-        forward_order(device, devices, per_device, &rounds(chunks, devices))
+        order(device, devices, per_device, &rounds(chunks, devices), false)
     }
 }
 
@@ -126,42 +126,32 @@ fn rounds(chunks: usize, devices: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
-/// A device's forwards: round by round, its stages in model order, the
-/// round's micro-batches in order.
-fn forward_order(
+/// A device's forwards, or its backwards: round by round, its stages in
+/// model order (in reverse for the backwards), the round's micro-batches
+/// in order.
+fn order(
     device: usize,
     devices: usize,
     per_device: usize,
     rounds: &[Range<usize>],
+    backwards: bool,
 ) -> Vec<Task> {
     let mut tasks = Vec::new();
     for round in rounds {
-        for chunk in 0..per_device {
+        for step in 0..per_device {
+            let chunk = if backwards {
+                per_device - 1 - step
+            } else {
+                step
+            };
             let stage = chunk * devices + device;
             tasks.extend(round.clone().map(|m| Task {
                 stage,
-                op: Op::Forward(m),
-            }));
-        }
-    }
-    tasks
-}
-
-/// A device's backwards: round by round, its stages in reverse model
-/// order, the round's micro-batches in order.
-fn backward_order(
-    device: usize,
-    devices: usize,
-    per_device: usize,
-    rounds: &[Range<usize>],
-) -> Vec<Task> {
-    let mut tasks = Vec::new();
-    for round in rounds {
-        for chunk in (0..per_device).rev() {
-            let stage = chunk * devices + device;
-            tasks.extend(round.clone().map(|m| Task {
-                stage,
-                op: Op::Backward(m),
+                op: if backwards {
+                    Op::Backward(m)
+                } else {
+                    Op::Forward(m)
+                },
             }));
         }
     }
@@ -188,6 +178,7 @@ fn one_forward_one_backward(forwards: Vec<Task>, backwards: Vec<Task>, warmup: u
 mod tests {
     use super::*;
     use std::collections::HashMap;
+    use std::ops::RangeInclusive;
     use Op::{Backward as B, Forward as F};
 
     fn ops(schedule: Schedule, device: usize, devices: usize, chunks: usize) -> Vec<Op> {
@@ -212,6 +203,25 @@ mod tests {
             }
         }
         peak
+    }
+
+    /// Every `(devices, chunks, v, interleaved schedule)` of the ranges.
+    fn grid(
+        devices: RangeInclusive<usize>,
+        chunks: RangeInclusive<usize>,
+        per_device: RangeInclusive<usize>,
+    ) -> impl Iterator<Item = (usize, usize, usize, Schedule)> {
+        devices.flat_map(move |d| {
+            let per_device = per_device.clone();
+            chunks.clone().flat_map(move |m| {
+                per_device.clone().map(move |v| {
+                    let schedule = Schedule::Interleaved1F1B {
+                        stages_per_device: v,
+                    };
+                    (d, m, v, schedule)
+                })
+            })
+        })
     }
 
     /// Runs every device's tasks in their order, each as soon as what it
@@ -346,54 +356,44 @@ mod tests {
 
     #[test]
     fn every_schedule_runs_each_stage_in_micro_batch_order_without_deadlock() {
-        for devices in 1..=4 {
-            for chunks in 1..=13 {
-                for per_device in 1..=3 {
-                    let mut schedules = vec![Schedule::Interleaved1F1B {
-                        stages_per_device: per_device,
-                    }];
-                    if per_device == 1 {
-                        schedules.extend([Schedule::GPipe, Schedule::OneFOneB]);
-                    }
-                    for schedule in schedules {
-                        let what = format!("{schedule:?}, {devices} devices, {chunks} chunks");
-                        for device in 0..devices {
-                            let tasks = schedule.tasks(device, devices, chunks);
-                            assert_eq!(tasks.len(), 2 * chunks * per_device, "{what}");
-                            for chunk in 0..per_device {
-                                let stage = chunk * devices + device;
-                                let of_stage = |forward: bool| -> Vec<usize> {
-                                    tasks
-                                        .iter()
-                                        .filter(|t| t.stage == stage)
-                                        .filter_map(|t| match (t.op, forward) {
-                                            (F(m), true) | (B(m), false) => Some(m),
-                                            _ => None,
-                                        })
-                                        .collect()
-                                };
-                                // Backwards in order: the same gradient sums
-                                // as every other schedule, bit for bit.
-                                assert_eq!(of_stage(true), (0..chunks).collect::<Vec<_>>());
-                                assert_eq!(of_stage(false), (0..chunks).collect::<Vec<_>>());
-                            }
-                            let forwards = schedule.forward_tasks(device, devices, chunks);
-                            let in_training: Vec<Task> = tasks
+        for (devices, chunks, per_device, interleaved) in grid(1..=4, 1..=13, 1..=3) {
+            let mut schedules = vec![interleaved];
+            if per_device == 1 {
+                schedules.extend([Schedule::GPipe, Schedule::OneFOneB]);
+            }
+            for schedule in schedules {
+                let what = format!("{schedule:?}, {devices} devices, {chunks} chunks");
+                for device in 0..devices {
+                    let tasks = schedule.tasks(device, devices, chunks);
+                    assert_eq!(tasks.len(), 2 * chunks * per_device, "{what}");
+                    for chunk in 0..per_device {
+                        let stage = chunk * devices + device;
+                        let of_stage = |forward: bool| -> Vec<usize> {
+                            tasks
                                 .iter()
-                                .copied()
-                                .filter(|t| matches!(t.op, F(_)))
-                                .collect();
-                            assert_eq!(forwards, in_training, "{what}");
-                        }
-                        assert!(
-                            simulate(schedule, devices, chunks, 1, 2).is_some(),
-                            "{what}"
-                        );
-                        assert!(
-                            simulate(schedule, devices, chunks, 1, 1).is_some(),
-                            "{what}"
-                        );
+                                .filter(|t| t.stage == stage)
+                                .filter_map(|t| match (t.op, forward) {
+                                    (F(m), true) | (B(m), false) => Some(m),
+                                    _ => None,
+                                })
+                                .collect()
+                        };
+                        // Backwards in order: the same gradient sums as
+                        // every other schedule, bit for bit.
+                        assert_eq!(of_stage(true), (0..chunks).collect::<Vec<_>>());
+                        assert_eq!(of_stage(false), (0..chunks).collect::<Vec<_>>());
                     }
+                    let forwards = schedule.forward_tasks(device, devices, chunks);
+                    let in_training: Vec<Task> = tasks
+                        .iter()
+                        .copied()
+                        .filter(|t| matches!(t.op, F(_)))
+                        .collect();
+                    assert_eq!(forwards, in_training, "{what}");
+                }
+                for backward in [1, 2] {
+                    let done = simulate(schedule, devices, chunks, 1, backward);
+                    assert!(done.is_some(), "{what}");
                 }
             }
         }
@@ -401,18 +401,11 @@ mod tests {
 
     #[test]
     fn no_interleaved_order_deadlocks_up_to_8_devices_32_micro_batches_and_4_stages_per_device() {
-        for devices in 1..=8 {
-            for chunks in 1..=32 {
-                for per_device in 1..=4 {
-                    let schedule = Schedule::Interleaved1F1B {
-                        stages_per_device: per_device,
-                    };
-                    assert!(
-                        simulate(schedule, devices, chunks, 1, 2).is_some(),
-                        "{devices} devices, {chunks} chunks, v = {per_device}"
-                    );
-                }
-            }
+        for (devices, chunks, v, schedule) in grid(1..=8, 1..=32, 1..=4) {
+            assert!(
+                simulate(schedule, devices, chunks, 1, 2).is_some(),
+                "{devices} devices, {chunks} chunks, v = {v}"
+            );
         }
     }
 
@@ -436,40 +429,29 @@ mod tests {
     #[test]
     fn interleaving_reaches_the_bubble_of_the_formula_once_there_are_as_many_micro_batches_as_devices(
     ) {
-        for devices in 1..=4 {
-            for chunks in devices..=13 {
-                for per_device in 1..=3 {
-                    let schedule = Schedule::Interleaved1F1B {
-                        stages_per_device: per_device,
-                    };
-                    // A backward costs twice a forward (Megatron's
-                    // assumption), communication is free.
-                    let bubble = simulate(schedule, devices, chunks, 1, 2).unwrap_or(1.0);
-                    let formula = (devices - 1) as f64 / (per_device * chunks + devices - 1) as f64;
-                    assert!(
-                        (bubble - formula).abs() < 1e-12,
-                        "{devices} devices, {chunks} chunks, v = {per_device}: {bubble} vs {formula}"
-                    );
-                }
+        for (devices, chunks, v, schedule) in grid(1..=4, 1..=13, 1..=3) {
+            if chunks < devices {
+                continue;
             }
+            // A backward costs twice a forward (Megatron's assumption),
+            // communication is free.
+            let bubble = simulate(schedule, devices, chunks, 1, 2).unwrap_or(1.0);
+            let formula = (devices - 1) as f64 / (v * chunks + devices - 1) as f64;
+            assert!(
+                (bubble - formula).abs() < 1e-12,
+                "{devices} devices, {chunks} chunks, v = {v}: {bubble} vs {formula}"
+            );
         }
     }
 
     #[test]
     fn interleaving_holds_at_most_its_warm_up_plus_one_micro_batch_stages() {
-        for devices in 1..=4 {
-            for chunks in 1..=13 {
-                for per_device in 2..=3 {
-                    let schedule = Schedule::Interleaved1F1B {
-                        stages_per_device: per_device,
-                    };
-                    let round = rounds(chunks, devices)[0].len();
-                    for device in 0..devices {
-                        let warmup = 2 * (devices - 1 - device) + (per_device - 1) * round;
-                        let peak = peak_in_flight(&schedule.tasks(device, devices, chunks));
-                        assert_eq!(peak, (warmup + 1).min(chunks * per_device));
-                    }
-                }
+        for (devices, chunks, v, schedule) in grid(1..=4, 1..=13, 2..=3) {
+            let round = rounds(chunks, devices)[0].len();
+            for device in 0..devices {
+                let warmup = 2 * (devices - 1 - device) + (v - 1) * round;
+                let peak = peak_in_flight(&schedule.tasks(device, devices, chunks));
+                assert_eq!(peak, (warmup + 1).min(chunks * v));
             }
         }
     }
