@@ -19,7 +19,11 @@ impl DistributedDataParallel<Pipeline> {
     /// rank's batch, then one all-reduce of its gradients: the returned
     /// `Step` holds this rank's loss and the gradients averaged over the
     /// ranks (plus what [`no_sync`](Self::no_sync) accumulated; inside
-    /// `no_sync`, an empty store), for any candle optimizer.
+    /// `no_sync`, an empty store), for any candle optimizer. At ZeRO stage
+    /// 2 ([`DdpConfig::zero`](crate::DdpConfig::zero)) the store holds only
+    /// this rank's own parameters' gradients, as
+    /// [`backward`](Self::backward)'s does there: step a
+    /// [`ZeroOptimizer`](crate::zero::ZeroOptimizer) with it.
     ///
     /// ```
     /// use candle_core::{DType, Device, Tensor};
