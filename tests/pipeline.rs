@@ -294,6 +294,70 @@ fn a_pipeline_in_each_ddp_rank_trains_like_one_device_on_the_global_batch() {
 }
 
 #[test]
+fn an_interleaved_pipeline_in_each_zero_rank_trains_like_one_device_on_the_global_batch() {
+    within(120, || {
+        use candle_dp::launch::spawn_with;
+        use candle_dp::zero::{ZeroOptimizer, ZeroStage};
+        use candle_dp::{DdpConfig, DistributedDataParallel};
+        use candle_nn::Optimizer;
+        let start = init();
+        let batches: Vec<(Tensor, Tensor)> = (0..3).map(|_| data(12)).collect();
+        let reference = copy_of(&start);
+        let model = single(VarBuilder::from_varmap(
+            &reference,
+            DType::F32,
+            &Device::Cpu,
+        ))
+        .unwrap();
+        let mut sgd = candle_nn::SGD::new(reference.all_vars(), 0.2).unwrap();
+        for (x, y) in &batches {
+            let l = loss::cross_entropy(&model.forward(x).unwrap(), y).unwrap();
+            sgd.backward_step(&l).unwrap();
+        }
+        let want = values(&reference);
+        let world = 2;
+        for stage in [ZeroStage::One, ZeroStage::Two] {
+            let options = candle_dp::comm::GroupOptions {
+                timeout: Some(Duration::from_secs(30)),
+                ..Default::default()
+            };
+            let ranks = spawn_with(world, options, |ctx| {
+                let varmap = copy_of(&start);
+                // 2 devices, 2 stages each, per rank.
+                let pipe = pipeline(&varmap, 2, 3, interleaved(2));
+                let ddp = DistributedDataParallel::from_module(
+                    ctx.process_group(),
+                    &varmap,
+                    pipe,
+                    DdpConfig {
+                        zero: Some(stage),
+                        ..DdpConfig::default()
+                    },
+                )?;
+                let mut ddp = ddp;
+                let mut opt = ZeroOptimizer::new(&ddp, |owned| {
+                    candle_nn::SGD::new(owned.into_iter().map(|(_, v)| v).collect(), 0.2)
+                })?;
+                for (x, y) in &batches {
+                    let b = x.dim(0)? / world;
+                    let x = x.narrow(0, ctx.rank * b, b)?;
+                    let y = y.narrow(0, ctx.rank * b, b)?;
+                    let step =
+                        ddp.forward_backward(&x, &y, LossReduction::Mean, loss::cross_entropy)?;
+                    opt.step(&step.grads)?;
+                }
+                Ok(values(&varmap))
+            })
+            .unwrap();
+            for (rank, got) in ranks.iter().enumerate() {
+                let diff = max_diff(got, &want);
+                assert!(diff < 1e-5, "{stage:?}, rank {rank}: {diff}");
+            }
+        }
+    });
+}
+
+#[test]
 fn balances_split_the_layers_as_asked() {
     let build = |balance: Balance| {
         Pipeline::builder(&VarMap::new(), DType::F32, &cpu_devices(3))
