@@ -21,7 +21,9 @@
 #   devices and two streams of one GPU refused (tests/errors.rs,
 #   tests/pipeline.rs); scatter moving
 #   only each replica's rows (tests/scatter_gather.rs); a pipeline with a CPU
-#   and a GPU stage sharing a weight (tests/pipeline.rs); `NcclGroup` on two
+#   and a GPU stage sharing a weight, and an interleaved one whose
+#   stages alternate between the CPU and the GPU (tests/pipeline.rs);
+#   `NcclGroup` on two
 #   thread ranks: collectives against the host group's, agreed errors, a
 #   lost rank named, DDP on NCCL against one GPU (tests/nccl.rs; on a
 #   one-GPU machine both ranks share it, NCCL_MULTI_RANK_GPU_ENABLE=1);

@@ -1113,6 +1113,42 @@ fn a_weight_tied_across_a_cpu_and_a_gpu_stage_gets_the_sum_of_its_gradients() {
     });
 }
 
+/// Needs a GPU: stages 0 and 2 on the CPU, 1 and 3 on the GPU, so every
+/// message between stages crosses devices, both ways, twice per
+/// micro-batch; the gradients are one device's.
+#[cfg(feature = "cuda")]
+#[test]
+fn an_interleaved_pipeline_over_a_cpu_and_a_gpu_matches_one_device() {
+    within(120, || {
+        let gpu = Device::new_cuda_with_stream(0).unwrap();
+        let start = init();
+        let (x, y) = data(13);
+        let (want, want_loss) = one_device_step(&start, &x, &y);
+        for chunks in [1, 2, 5] {
+            let varmap = copy_of(&start);
+            let pipe = Pipeline::builder(&varmap, DType::F32, &[Device::Cpu, gpu.clone()])
+                .schedule(interleaved(2))
+                .chunks(chunks)
+                .timeout(Duration::from_secs(60))
+                .build(layers())
+                .unwrap();
+            let step = pipe
+                .forward_backward(&x, &y, LossReduction::Mean, loss::cross_entropy)
+                .unwrap();
+            let got: HashMap<String, Vec<f32>> = grads_by_name(&varmap, &step.grads);
+            let diff = max_diff(&got, &want);
+            assert!(diff < 1e-4, "{chunks} micro-batches: {diff}");
+            let l = step
+                .loss
+                .to_device(&Device::Cpu)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!((l - want_loss).abs() < 1e-4, "loss {l} vs {want_loss}");
+        }
+    });
+}
+
 /// A layer that keeps the mean of its input in a `running_mean` of its own
 /// (no `running_var`: not a BatchNorm pair).
 struct MeanTracker {
