@@ -254,8 +254,8 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
     let mut md = format!(
         "## Pipeline: MLP {width}x{depth} layers + head, batch {rows}, {stages} CPU devices ({} cores), SGD\n\n\
          S devices, m micro-batches, v stages per device (1 unless interleaved).\n\n\
-         | configuration | samples/s | vs one device | bubble measured | bubble (S-1)/(v·m+S-1) | peak activations held for the backward per device (KiB) |\n\
-         |---|---:|---:|---:|---:|---|\n",
+         | configuration | ms/step | samples/s | vs one device | bubble measured | bubble (S-1)/(v·m+S-1) | peak activations held for the backward per device (KiB) |\n\
+         |---|---:|---:|---:|---:|---:|---|\n",
         cores()
     );
     for (s, m) in specs.iter().zip(&measured) {
@@ -278,7 +278,7 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
         };
         let _ = writeln!(
             md,
-            "| {} | {rate:.0} | {:.2}x | {bubble} | {ideal} | {peaks} |",
+            "| {} | {ms:.1} | {rate:.0} | {:.2}x | {bubble} | {ideal} | {peaks} |",
             s.label(),
             single_ms / ms
         );
