@@ -18,7 +18,7 @@
 //! code run outside the workers later in the same process (a single-device
 //! run, the optimizer on DataParallel's master) gets the same settings. Processes started together on one
 //! machine by `mpirun` divide its cores the same way
-//! ([`share_cpu_with_local_processes`]).
+//! (`share_cpu_with_local_processes`, feature `mpi`).
 
 use std::sync::Once;
 

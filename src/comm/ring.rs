@@ -17,7 +17,7 @@
 //!
 //! **Who reduces what.** In an all-reduce, rank `r` reduces chunk `r` into
 //! one result buffer that all ranks fill together and then share
-//! ([`SharedOutput`]): the data is read and written once in all. In a
+//! ([`SharedOutput`](super::shared_output::SharedOutput)): the data is read and written once in all. In a
 //! reduce to one root, with two ranks the root reduces every chunk itself,
 //! straight into its result (reading both inputs and writing once, where
 //! splitting the work would add a copy of half the buffer); with more, rank
