@@ -12,7 +12,7 @@ use crate::panic_message::panic_message;
 
 /// Runs `f` on this process's rank and returns its result, or the failure
 /// that stopped it (see [`run`](super::run)), printed as a
-/// [`report`](super::report) too.
+/// [`report`] too.
 pub(super) fn run<T, F>(options: GroupOptions, f: F) -> Result<T, LaunchError>
 where
     F: Fn(RankContext) -> anyhow::Result<T>,
