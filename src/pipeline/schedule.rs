@@ -37,8 +37,9 @@ pub enum Schedule {
     /// round, about `S`). Micro-batches go in rounds of at least `S` (fewer
     /// only when `m < S`), as PyTorch's do, but any `m` works, where
     /// PyTorch needs `m` to be a multiple of its number of rounds
-    /// (`m / S` rounded down: 13 micro-batches on 4 devices fail). With
-    /// `stages_per_device: 1` it is [`Schedule::OneFOneB`].
+    /// (`m / S` rounded down: 13 micro-batches on 4 devices fail); where
+    /// PyTorch accepts `m`, each device runs PyTorch's order, task for
+    /// task. With `stages_per_device: 1` it is [`Schedule::OneFOneB`].
     Interleaved1F1B {
         /// Stages per device (Megatron's `v`, PyTorch's local stages).
         stages_per_device: usize,
@@ -407,6 +408,69 @@ mod tests {
                 "{devices} devices, {chunks} chunks, v = {v}"
             );
         }
+    }
+
+    /// PyTorch's `ScheduleInterleaved1F1B` order for one rank, restated
+    /// from its formulas (`_calculate_single_rank_operations`, its no-op
+    /// padding left out): `None` where PyTorch refuses `chunks`.
+    fn pytorch_interleaved(
+        device: usize,
+        devices: usize,
+        v: usize,
+        chunks: usize,
+    ) -> Option<Vec<Task>> {
+        let rounds = (chunks / devices).max(1);
+        if !chunks.is_multiple_of(rounds) {
+            return None;
+        }
+        let per_round = chunks / rounds;
+        let warmup = ((v - 1) * per_round + 2 * (devices - 1 - device)).min(chunks * v);
+        let both = chunks * v - warmup;
+        let forward_stage = |op: usize| ((op / per_round) % v) * devices + device;
+        let backward_stage =
+            |op: usize| (v - 1 - ((op - warmup) / per_round) % v) * devices + device;
+        let (mut forwards, mut backwards) = (HashMap::new(), HashMap::new());
+        let next = |counts: &mut HashMap<usize, usize>, stage: usize| {
+            let m = counts.entry(stage).or_insert(0);
+            *m += 1;
+            *m - 1
+        };
+        let mut tasks = Vec::new();
+        for op in 0..warmup + both + warmup {
+            if op < warmup + both {
+                let stage = forward_stage(op);
+                let m = next(&mut forwards, stage);
+                tasks.push(Task { stage, op: F(m) });
+            }
+            if op >= warmup {
+                let stage = backward_stage(op);
+                let m = next(&mut backwards, stage);
+                tasks.push(Task { stage, op: B(m) });
+            }
+        }
+        Some(tasks)
+    }
+
+    #[test]
+    fn interleaving_is_pytorchs_order_whenever_pytorch_accepts_the_micro_batches() {
+        let mut compared = 0;
+        for (devices, chunks, v, schedule) in grid(1..=4, 1..=13, 2..=3) {
+            for device in 0..devices {
+                let Some(want) = pytorch_interleaved(device, devices, v, chunks) else {
+                    continue;
+                };
+                assert_eq!(
+                    schedule.tasks(device, devices, chunks),
+                    want,
+                    "device {device} of {devices}, {chunks} chunks, v = {v}"
+                );
+                compared += 1;
+            }
+        }
+        // Of the grid's 260 device orders, PyTorch refuses 68 (13
+        // micro-batches on 4 devices among them).
+        assert_eq!(compared, 192);
+        assert!(pytorch_interleaved(0, 4, 2, 13).is_none());
     }
 
     #[test]
