@@ -217,6 +217,32 @@ fn values(v: &VarMap) -> HashMap<String, Vec<f32>> {
         .collect()
 }
 
+/// The values after SGD (lr 0.2) on one device from `start` over `batches`.
+fn sgd_on_one_device(start: &VarMap, batches: &[(Tensor, Tensor)]) -> HashMap<String, Vec<f32>> {
+    use candle_nn::Optimizer;
+    let reference = copy_of(start);
+    let model = single(VarBuilder::from_varmap(
+        &reference,
+        DType::F32,
+        &Device::Cpu,
+    ))
+    .unwrap();
+    let mut sgd = candle_nn::SGD::new(reference.all_vars(), 0.2).unwrap();
+    for (x, y) in batches {
+        let l = loss::cross_entropy(&model.forward(x).unwrap(), y).unwrap();
+        sgd.backward_step(&l).unwrap();
+    }
+    values(&reference)
+}
+
+/// Thread-rank group options whose collectives give up after 30 s.
+fn bounded_group() -> candle_dp::comm::GroupOptions {
+    candle_dp::comm::GroupOptions {
+        timeout: Some(Duration::from_secs(30)),
+        ..Default::default()
+    }
+}
+
 #[test]
 fn a_pipeline_in_each_ddp_rank_trains_like_one_device_on_the_global_batch() {
     within(120, || {
@@ -225,25 +251,10 @@ fn a_pipeline_in_each_ddp_rank_trains_like_one_device_on_the_global_batch() {
         use candle_nn::Optimizer;
         let start = init();
         let batches: Vec<(Tensor, Tensor)> = (0..3).map(|_| data(12)).collect();
-        let reference = copy_of(&start);
-        let model = single(VarBuilder::from_varmap(
-            &reference,
-            DType::F32,
-            &Device::Cpu,
-        ))
-        .unwrap();
-        let mut sgd = candle_nn::SGD::new(reference.all_vars(), 0.2).unwrap();
-        for (x, y) in &batches {
-            let l = loss::cross_entropy(&model.forward(x).unwrap(), y).unwrap();
-            sgd.backward_step(&l).unwrap();
-        }
-        let want = values(&reference);
+        let want = sgd_on_one_device(&start, &batches);
         for world in [2, 3] {
             for path in ["fast", "drop-in"] {
-                let options = candle_dp::comm::GroupOptions {
-                    timeout: Some(Duration::from_secs(30)),
-                    ..Default::default()
-                };
+                let options = bounded_group();
                 let ranks = spawn_with(world, options, |ctx| {
                     // Ranks other than 0 start elsewhere: DDP copies rank 0's.
                     let varmap = if ctx.rank == 0 {
@@ -302,25 +313,10 @@ fn an_interleaved_pipeline_in_each_zero_rank_trains_like_one_device_on_the_globa
         use candle_nn::Optimizer;
         let start = init();
         let batches: Vec<(Tensor, Tensor)> = (0..3).map(|_| data(12)).collect();
-        let reference = copy_of(&start);
-        let model = single(VarBuilder::from_varmap(
-            &reference,
-            DType::F32,
-            &Device::Cpu,
-        ))
-        .unwrap();
-        let mut sgd = candle_nn::SGD::new(reference.all_vars(), 0.2).unwrap();
-        for (x, y) in &batches {
-            let l = loss::cross_entropy(&model.forward(x).unwrap(), y).unwrap();
-            sgd.backward_step(&l).unwrap();
-        }
-        let want = values(&reference);
+        let want = sgd_on_one_device(&start, &batches);
         let world = 2;
         for stage in [ZeroStage::One, ZeroStage::Two] {
-            let options = candle_dp::comm::GroupOptions {
-                timeout: Some(Duration::from_secs(30)),
-                ..Default::default()
-            };
+            let options = bounded_group();
             let ranks = spawn_with(world, options, |ctx| {
                 let varmap = copy_of(&start);
                 // 2 devices, 2 stages each, per rank.
