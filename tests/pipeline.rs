@@ -321,7 +321,7 @@ fn an_interleaved_pipeline_in_each_zero_rank_trains_like_one_device_on_the_globa
                 let varmap = copy_of(&start);
                 // 2 devices, 2 stages each, per rank.
                 let pipe = pipeline(&varmap, 2, 3, interleaved(2));
-                let ddp = DistributedDataParallel::from_module(
+                let mut ddp = DistributedDataParallel::from_module(
                     ctx.process_group(),
                     &varmap,
                     pipe,
@@ -330,7 +330,6 @@ fn an_interleaved_pipeline_in_each_zero_rank_trains_like_one_device_on_the_globa
                         ..DdpConfig::default()
                     },
                 )?;
-                let mut ddp = ddp;
                 let mut opt = ZeroOptimizer::new(&ddp, |owned| {
                     candle_nn::SGD::new(owned.into_iter().map(|(_, v)| v).collect(), 0.2)
                 })?;
