@@ -26,20 +26,22 @@ pub enum Schedule {
     /// Interleaved 1F1B (Megatron-LM's virtual stages; PyTorch's
     /// `ScheduleInterleaved1F1B`): the layers are split into
     /// `devices × stages_per_device` stages and stage `k` runs on device
-    /// `k % devices`, so each device holds `stages_per_device` non-adjacent
-    /// chunks of the model. A micro-batch crosses every device
+    /// `k % devices`, so each device holds `stages_per_device` chunks of the
+    /// model (non-adjacent with 2 devices or more). A micro-batch crosses every device
     /// `stages_per_device` times, each time doing a smaller share of the
     /// work, so the idle bubble falls from `(S-1)/(m+S-1)` to
     /// `(S-1)/(v·m+S-1)` (`S` devices, `m` micro-batches, `v` stages per
     /// device; reached once `m >= S`), at the price of more messages and
     /// of more activations held: device `d` runs
-    /// `2(S-1-d) + (v-1)·r` forwards ahead (`r`: the micro-batches of a
-    /// round, about `S`). Micro-batches go in rounds of at least `S` (fewer
+    /// `2(S-1-d) + (v-1)·r` forwards ahead, at most all `v·m` (`r`: the
+    /// micro-batches of a round, `S` to `2S-1` once `m >= S`). Micro-batches go in rounds of at least `S` (fewer
     /// only when `m < S`), as PyTorch's do, but any `m` works, where
     /// PyTorch needs `m` to be a multiple of its number of rounds
-    /// (`m / S` rounded down: 13 micro-batches on 4 devices fail); where
-    /// PyTorch accepts `m`, each device runs PyTorch's order, task for
-    /// task. With `stages_per_device: 1` it is [`Schedule::OneFOneB`].
+    /// (`m / S` rounded down: 13 micro-batches on 4 devices fail); with 2
+    /// or more stages per device, where PyTorch accepts `m`, each device
+    /// runs PyTorch's order, task for task. With `stages_per_device: 1` it
+    /// is [`Schedule::OneFOneB`] (whose warm-up is half PyTorch's
+    /// interleaved one).
     Interleaved1F1B {
         /// Stages per device (Megatron's `v`, PyTorch's local stages).
         stages_per_device: usize,

@@ -19,26 +19,28 @@ use std::time::Duration;
 /// ```
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PipelineTimings {
-    /// Wall time of the step, from the split into micro-batches to the
-    /// last stage's answer.
+    /// Wall time of the step on the devices: from the start of their work
+    /// to the last device's answer.
     pub step: Duration,
     /// Per device, the time spent computing (forwards, losses, backwards of
     /// its stages), not waiting for a neighbour.
     pub busy: Vec<Duration>,
-    /// Per device, the most bytes of micro-batch activations its stages held at once
-    /// for the backward: per saved micro-batch, the stage's input and the
+    /// Per device, the most bytes of micro-batch activations its stages
+    /// held at once for the backward: per saved micro-batch, the stage's
+    /// input and the
     /// storage of the autograd graph behind its output (each storage
     /// once: views and the weights add nothing); with
     /// [`Checkpoint`](super::Checkpoint), a recomputed micro-batch's input
     /// (and, once per step, the output kept to check the recomputation)
     /// until its backward, then its recomputed graph during it. GPipe holds
-    /// every micro-batch, 1F1B at most `devices - device`.
+    /// every micro-batch, 1F1B at most `min(chunks, devices - device)`.
     pub peak_saved_bytes: Vec<usize>,
 }
 
 impl PipelineTimings {
     /// The measured bubble: the fraction of the devices' time spent idle,
-    /// `1 - sum(busy) / (devices * step)`. With stages of equal work and
+    /// `1 - sum(busy) / (devices * step)`, at least 0 (0 for a step of no
+    /// time). With stages of equal work and
     /// free communication it is `(S - 1) / (v * m + S - 1)` for `S`
     /// devices, `m` micro-batches and `v` stages per device (1 unless
     /// interleaved), once `m >= S`.
