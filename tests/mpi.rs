@@ -820,18 +820,7 @@ fn assert_bitwise_equal(got: &Tensors, expected: &Tensors, what: &str) {
     };
     assert_eq!(got_names, names, "{what}: different results");
     for name in names {
-        let bits = |t: &Tensor| -> Vec<u64> {
-            t.flatten_all()
-                .unwrap()
-                .to_dtype(DType::F64)
-                .unwrap()
-                .to_vec1::<f64>()
-                .unwrap()
-                .iter()
-                .map(|x| if x.is_nan() { u64::MAX } else { x.to_bits() })
-                .collect()
-        };
-        let (g, e) = (bits(&got[name]), bits(&expected[name]));
+        let (g, e) = (common::bits(&got[name]), common::bits(&expected[name]));
         if g != e && name == "messages" {
             let text = |t: &Tensor| String::from_utf8(t.to_vec1::<u8>().unwrap()).unwrap();
             assert_eq!(text(&got[name]), text(&expected[name]), "{what}: messages");

@@ -333,6 +333,22 @@ fn train(
     ranks.swap_remove(0)
 }
 
+/// Asserts that `run` at ZeRO stages 1 and 2 ends with `ddp`'s bytes.
+fn assert_both_stages_give(
+    ddp: &HashMap<String, Tensor>,
+    what: &str,
+    run: impl Fn(ZeroStage) -> HashMap<String, Tensor>,
+) {
+    for stage in [ZeroStage::One, ZeroStage::Two] {
+        let zero = run(stage);
+        assert!(
+            identical(&zero, ddp),
+            "{what} {stage:?}: {}",
+            diff_report(&zero, ddp)
+        );
+    }
+}
+
 #[test]
 fn zero_stages_1_and_2_train_to_the_bytes_of_ddp_on_1_to_4_ranks() {
     within(300, || {
@@ -345,14 +361,10 @@ fn zero_stages_1_and_2_train_to_the_bytes_of_ddp_on_1_to_4_ranks() {
                         max_rel_diff(&ddp, &init) > 1e-4,
                         "training moved the weights"
                     );
-                    for stage in [ZeroStage::One, ZeroStage::Two] {
-                        let zero = train(model, &init, opt, world, Some(stage));
-                        assert!(
-                            identical(&zero, &ddp),
-                            "{model:?} {opt:?} {world} ranks {stage:?}: {}",
-                            diff_report(&zero, &ddp)
-                        );
-                    }
+                    let what = format!("{model:?} {opt:?} {world} ranks");
+                    assert_both_stages_give(&ddp, &what, |stage| {
+                        train(model, &init, opt, world, Some(stage))
+                    });
                 }
             }
         }
@@ -687,14 +699,9 @@ fn no_sync_comm_hooks_and_buffers_with_zero_give_the_bytes_of_ddp() {
                 max_rel_diff(&ddp, &init) > 1e-4,
                 "{setting:?}: training moved the weights"
             );
-            for stage in [ZeroStage::One, ZeroStage::Two] {
-                let zero = with_setting(setting, Some(stage), init.clone());
-                assert!(
-                    identical(&zero, &ddp),
-                    "{setting:?} {stage:?}: {}",
-                    diff_report(&zero, &ddp)
-                );
-            }
+            assert_both_stages_give(&ddp, &format!("{setting:?}"), |stage| {
+                with_setting(setting, Some(stage), init.clone())
+            });
         }
     });
 }
@@ -749,17 +756,6 @@ fn a_rank_whose_optimizer_step_fails_is_named_on_every_rank_and_no_parameter_cha
 
 /// Whether two snapshots hold the same bits (any dtype).
 fn identical_bits(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> bool {
-    let bits = |t: &Tensor| -> Vec<u64> {
-        t.flatten_all()
-            .unwrap()
-            .to_dtype(DType::F64)
-            .unwrap()
-            .to_vec1::<f64>()
-            .unwrap()
-            .into_iter()
-            .map(f64::to_bits)
-            .collect()
-    };
     a.len() == b.len()
         && a.iter()
             .all(|(n, t)| b.get(n).is_some_and(|u| bits(t) == bits(u)))

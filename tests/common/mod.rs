@@ -154,6 +154,20 @@ pub fn identical(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> bo
         })
 }
 
+/// The bits of every value of `t` (any dtype, widened to f64 exactly;
+/// every NaN as one pattern), for bitwise comparisons.
+pub fn bits(t: &Tensor) -> Vec<u64> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap()
+        .iter()
+        .map(|x| if x.is_nan() { u64::MAX } else { x.to_bits() })
+        .collect()
+}
+
 /// Largest absolute elementwise difference of two tensors.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b)
