@@ -8,9 +8,12 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use candle_core::{DType, Device, Module, Tensor};
+use candle_dp::launch::spawn_with;
 use candle_dp::pipeline::{layer, Balance, LayerFactory, Pipeline, Schedule};
-use candle_dp::{cpu_devices, seeded_varmap, Error, LossReduction};
-use candle_nn::{linear, loss, Activation, VarBuilder, VarMap};
+use candle_dp::{
+    cpu_devices, seeded_varmap, DdpConfig, DistributedDataParallel, Error, LossReduction,
+};
+use candle_nn::{linear, loss, Activation, Optimizer, VarBuilder, VarMap};
 
 /// Runs `f` on a thread; fails the test if it takes longer than `seconds`.
 fn within<T: Send + 'static>(seconds: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
@@ -176,7 +179,6 @@ fn pipeline_gradients_equal_one_device_for_1_to_3_stages_and_1_to_13_micro_batch
 #[test]
 fn pipeline_training_follows_one_device_training_step_for_step() {
     within(120, || {
-        use candle_nn::Optimizer;
         let start = init();
         let (x, y) = data(24);
         let reference = copy_of(&start);
@@ -219,7 +221,6 @@ fn values(v: &VarMap) -> HashMap<String, Vec<f32>> {
 
 /// The values after SGD (lr 0.2) on one device from `start` over `batches`.
 fn sgd_on_one_device(start: &VarMap, batches: &[(Tensor, Tensor)]) -> HashMap<String, Vec<f32>> {
-    use candle_nn::Optimizer;
     let reference = copy_of(start);
     let model = single(VarBuilder::from_varmap(
         &reference,
@@ -246,9 +247,6 @@ fn bounded_group() -> candle_dp::comm::GroupOptions {
 #[test]
 fn a_pipeline_in_each_ddp_rank_trains_like_one_device_on_the_global_batch() {
     within(120, || {
-        use candle_dp::launch::spawn_with;
-        use candle_dp::{DdpConfig, DistributedDataParallel};
-        use candle_nn::Optimizer;
         let start = init();
         let batches: Vec<(Tensor, Tensor)> = (0..3).map(|_| data(12)).collect();
         let want = sgd_on_one_device(&start, &batches);
@@ -307,10 +305,7 @@ fn a_pipeline_in_each_ddp_rank_trains_like_one_device_on_the_global_batch() {
 #[test]
 fn an_interleaved_pipeline_in_each_zero_rank_trains_like_one_device_on_the_global_batch() {
     within(120, || {
-        use candle_dp::launch::spawn_with;
         use candle_dp::zero::{ZeroOptimizer, ZeroStage};
-        use candle_dp::{DdpConfig, DistributedDataParallel};
-        use candle_nn::Optimizer;
         let start = init();
         let batches: Vec<(Tensor, Tensor)> = (0..3).map(|_| data(12)).collect();
         let want = sgd_on_one_device(&start, &batches);
