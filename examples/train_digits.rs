@@ -537,11 +537,11 @@ fn train_ddp(
                         // ZeRO: every rank saves its shard; the state that
                         // names the step is written once all shards are.
                         (Some(sharded), Some(dir), Some(due)) => {
+                            // The shard records its rank and how many
+                            // shards make this step's state.
                             let shard = TrainingState {
                                 progress: due,
                                 optimizer: Some(sharded.shard_state()?),
-                                // How many shards make this step's state.
-                                metadata: [("world".to_string(), world.to_string())].into(),
                                 ..Default::default()
                             };
                             dir.save(&VarMap::new(), &shard)?;
@@ -592,30 +592,22 @@ fn zero_shard_dir(checkpoints: &std::path::Path, rank: usize) -> PathBuf {
 }
 
 /// Every rank's shard saved at `step` (by however many ranks the run that
-/// saved them had: each shard says how many there are), for
-/// `ZeroOptimizer::load_shards`.
+/// saved them had: each shard records it), for
+/// `ZeroOptimizer::load_shards`, which checks that the set is complete.
 fn zero_shards_at(checkpoints: &std::path::Path, step: u64) -> Result<Vec<OptimizerState>> {
-    let shard = |rank: usize| -> Result<TrainingState> {
+    let shard = |rank: usize| -> Result<OptimizerState> {
         let dir = zero_shard_dir(checkpoints, rank);
-        let saved = StateDir::new(&dir)?
+        StateDir::new(&dir)?
             .at_step(step)?
-            .with_context(|| format!("{}: no ZeRO shard saved at step {step}", dir.display()))?;
-        Ok(saved.state)
+            .and_then(|saved| saved.state.optimizer)
+            .with_context(|| format!("{}: no ZeRO shard saved at step {step}", dir.display()))
     };
     let first = shard(0)?;
-    let world: usize = first
-        .metadata
-        .get("world")
-        .and_then(|w| w.parse().ok())
-        .context("the ZeRO shard of rank 0 does not say how many shards its step has")?;
-    std::iter::once(Ok(first))
-        .chain((1..world).map(shard))
-        .map(|state| {
-            state?
-                .optimizer
-                .with_context(|| format!("a ZeRO shard at step {step} holds no optimizer state"))
-        })
-        .collect()
+    let world = first
+        .shard
+        .context("the ZeRO shard of rank 0 does not record how many shards its step has")?
+        .world_size;
+    std::iter::once(Ok(first)).chain((1..world).map(shard)).collect()
 }
 
 /// candle-dp's AdamW (PyTorch's formulas; its state can be saved).

@@ -1,7 +1,7 @@
 """Reference runs of PyTorch's SGD, Adam and AdamW (CPU, float32).
 
 Writes tests/data/optim_reference.safetensors (see tests/data/FIXTURES.md),
-which tests/optim.rs reproduces with candle_dp::optim.
+which tests/suite/optim.rs reproduces with candle_dp::optim.
 
 Parameters (shapes chosen so that both ATen's 16-wide vector loop and its
 scalar tail run): a [5], b [3, 7], c [33], d [4, 4, 3], e [] (one number),

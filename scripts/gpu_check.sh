@@ -16,16 +16,16 @@
 #   DataParallel on GPU replicas (sharing GPU 0, or one GPU per replica
 #   where the machine has several) for every backward path against one GPU,
 #   40 steps of a wide MLP that would expose a missing ordering between
-#   streams (tests/equivalence.rs); replicas in another dtype with a 0-dim
-#   parameter and BatchNorm buffers (tests/hardening.rs); per-thread-stream
-#   devices and two streams of one GPU refused (tests/errors.rs,
-#   tests/pipeline.rs); scatter moving
-#   only each replica's rows (tests/scatter_gather.rs); a pipeline with a CPU
+#   streams (tests/suite/equivalence.rs); replicas in another dtype with a 0-dim
+#   parameter and BatchNorm buffers (tests/suite/hardening.rs); per-thread-stream
+#   devices and two streams of one GPU refused (tests/suite/errors.rs,
+#   tests/suite/pipeline.rs); scatter moving
+#   only each replica's rows (tests/suite/scatter_gather.rs); a pipeline with a CPU
 #   and a GPU stage sharing a weight, and an interleaved one whose
-#   stages alternate between the CPU and the GPU (tests/pipeline.rs);
+#   stages alternate between the CPU and the GPU (tests/suite/pipeline.rs);
 #   `NcclGroup` on two
 #   thread ranks: collectives against the host group's, agreed errors, a
-#   lost rank named, DDP on NCCL against one GPU (tests/nccl.rs; on a
+#   lost rank named, DDP on NCCL against one GPU (tests/suite/nccl.rs; on a
 #   one-GPU machine both ranks share it, NCCL_MULTI_RANK_GPU_ENABLE=1);
 # - the training benchmark on the GPU (`bench --device cuda`): the
 #   reference MLP (launch-bound), a wide MLP 784-4096-4096-10 and the conv
@@ -82,6 +82,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The subjects of tests/suite (one test binary) with CUDA tests: each runs
+# as `suite --test-threads 1 <subject>::`.
 TESTS=(equivalence hardening errors pipeline scatter_gather nccl)
 FEATURES=nccl # implies cuda
 
@@ -95,8 +97,7 @@ usage() {
 build() {
     local bin=$1
     mkdir -p "$bin"
-    local test_args=()
-    for t in "${TESTS[@]}"; do test_args+=(--test "$t"); done
+    local test_args=(--test suite)
     cargo build --release --features "$FEATURES" --example bench
     cp target/release/examples/bench "$bin/bench"
     # The test executables' paths, from cargo's JSON messages.
@@ -227,13 +228,13 @@ run() {
     unpack "$bin"
     local failed=0
     for t in "${TESTS[@]}"; do
-        if [ ! -x "$bin/$t" ]; then
-            echo "== $t: not in $bin, not run" | tee -a "$out/tests.txt"
+        if [ ! -x "$bin/suite" ]; then
+            echo "== $t: no test binary suite in $bin, not run" | tee -a "$out/tests.txt"
             continue
         fi
         echo "== $t" | tee -a "$out/tests.txt"
         # A hung test is a failure, not the end of the machine's time.
-        timeout 300 "$bin/$t" --test-threads 1 2>&1 | tee -a "$out/tests.txt" || failed=1
+        timeout 300 "$bin/suite" --test-threads 1 "$t::" 2>&1 | tee -a "$out/tests.txt" || failed=1
     done
     if [ -x "$bin/bench" ]; then
         count_transfers "$bin" "$out"

@@ -13,7 +13,8 @@
 //!   identical on every rank, and all-reduces them through a [`CommHook`]
 //!   (plain average, or fp16 / bf16 compression);
 //! - [`no_sync`](DistributedDataParallel::no_sync) accumulates gradients
-//!   locally; the next synchronised backward reduces the accumulated sum;
+//!   locally (decided at each step's forward, as in PyTorch); the next
+//!   synchronised backward reduces the accumulated sum;
 //! - buffers (BatchNorm statistics) are broadcast from rank 0 before every
 //!   forward unless [`DdpConfig::broadcast_buffers`] is off (inside
 //!   [`join`](DistributedDataParallel::join), from the highest rank still
@@ -190,10 +191,11 @@ pub struct DistributedDataParallel<M> {
     syncing: bool,
     /// Inside `join`: every forward first counts the ranks still training.
     joining: bool,
-    /// Inside `join`: whether the step whose forward ran last synchronises,
-    /// as every rank agreed at that forward (the joined ranks act on it, so
-    /// its backward must too, as PyTorch's reducer is prepared at forward).
-    join_step_syncs: Option<bool>,
+    /// Whether the step whose forward ran last synchronises, decided at
+    /// that forward as PyTorch's reducer is prepared there: `no_sync` as it
+    /// was then (inside `join`, what every rank agreed, which the joined
+    /// ranks act on). `None` before the first forward.
+    step_syncs: Option<bool>,
     /// Ranks that took part in the current step (set by a joining forward).
     active_ranks: usize,
     timings: DdpTimings,
@@ -293,7 +295,7 @@ impl<M> DistributedDataParallel<M> {
             accumulated: None,
             syncing: true,
             joining: false,
-            join_step_syncs: None,
+            step_syncs: None,
             no_grad: NoGradCheck::default(),
             without_grad: Vec::new(),
             timings: DdpTimings::default(),
@@ -324,13 +326,11 @@ impl<M> DistributedDataParallel<M> {
         self.zero_partition.as_ref()
     }
 
-    /// Whether the next backward synchronises: false inside `no_sync`;
-    /// inside `join`, what the ranks agreed at the step's forward.
+    /// Whether the next backward synchronises, as decided at the latest
+    /// forward (see [`no_sync`](Self::no_sync)); before any forward,
+    /// whether `no_sync` is on now.
     pub(crate) fn is_syncing(&self) -> bool {
-        match (self.joining, self.join_step_syncs) {
-            (true, Some(agreed)) => agreed,
-            _ => self.syncing,
-        }
+        self.step_syncs.unwrap_or(self.syncing)
     }
 
     /// This rank's process group.
@@ -369,9 +369,10 @@ impl<M> DistributedDataParallel<M> {
         let buffer_root = if self.joining {
             let flags = self.step_flags(true, self.syncing)?;
             self.active_ranks = flags.active_ranks();
-            self.join_step_syncs = Some(flags.agreed_sync()?);
+            self.step_syncs = Some(flags.agreed_sync()?);
             highest(&flags.active).unwrap_or(0)
         } else {
+            self.step_syncs = Some(self.syncing);
             0
         };
         self.sync_buffers(buffer_root)
@@ -408,7 +409,9 @@ impl<M> DistributedDataParallel<M> {
     /// ranks (or, inside `no_sync`, only accumulates).
     pub(crate) fn synchronise(&mut self, grads: &GradStore) -> Result<GradStore> {
         let local = grads_of(grads, &self.params);
-        let local = match self.accumulated.take() {
+        // What `no_sync` accumulated stays until the all-reduce succeeds:
+        // a failed step loses none of it.
+        let local = match self.accumulated.clone() {
             None => local,
             Some(acc) => acc
                 .into_iter()
@@ -424,11 +427,14 @@ impl<M> DistributedDataParallel<M> {
             return Ok(GradStore::default());
         }
         let reduce_start = Instant::now();
-        let (store, not_kept) = self.all_reduce_grads(local)?;
         // A failed step must leave the parameters untouched: with a device
         // group, the gradients reach the optimizer only once its
         // collectives completed (a no-op for the host groups).
-        self.comm(self.pg.wait_for_device())?;
+        let reduced = self
+            .all_reduce_grads(local)
+            .and_then(|reduced| self.comm(self.pg.wait_for_device()).map(|()| reduced));
+        let (store, not_kept) = reduced?;
+        self.accumulated = None;
         self.timings.all_reduce = reduce_start.elapsed();
         // At ZeRO stage 2 the gradients reduced for other ranks are not
         // kept here, yet they exist.
@@ -487,9 +493,16 @@ impl<M> DistributedDataParallel<M> {
     }
 
     /// Runs `f` with gradient synchronisation off (PyTorch's `no_sync`):
-    /// backward passes inside accumulate locally; the first synchronised
-    /// backward after it reduces the accumulated sum. For gradient
-    /// accumulation over k micro-batches, divide each loss by k.
+    /// steps whose forward runs inside accumulate their gradients locally;
+    /// the first synchronised backward after it reduces the accumulated
+    /// sum. For gradient accumulation over k micro-batches, divide each
+    /// loss by k.
+    ///
+    /// **The forward decides**, as in PyTorch (its reducer is prepared at
+    /// forward), inside [`join`](Self::join) or not: a backward
+    /// synchronises when its step's forward ran outside `no_sync`, wherever
+    /// the backward itself is called. A forward inside `no_sync` whose
+    /// backward runs after it only accumulates.
     pub fn no_sync<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
         let before = std::mem::replace(&mut self.syncing, false);
         // Restored on unwind too: a caught panic must not leave every later
@@ -531,7 +544,7 @@ impl<M> DistributedDataParallel<M> {
             Ok(result) => result,
             Err(payload) => {
                 self.joining = false;
-                self.join_step_syncs = None;
+                self.step_syncs = None;
                 self.active_ranks = self.pg.world_size();
                 panic::resume_unwind(payload)
             }
@@ -543,7 +556,7 @@ impl<M> DistributedDataParallel<M> {
             Err(_) => Ok(()),
         };
         self.joining = false;
-        self.join_step_syncs = None;
+        self.step_syncs = None;
         self.active_ranks = self.pg.world_size();
         let value = result?;
         shadowed?;

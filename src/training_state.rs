@@ -10,12 +10,17 @@
 //! **Crash safety.** A state is written into a hidden temporary folder,
 //! every file flushed to disk; a manifest with each file's size and CRC-32
 //! is written last; then the folder is renamed into place
-//! (`state-<step>-<n>`) and the directory flushed. Loading walks the states
-//! newest first and takes the first whose manifest and files check out; a
-//! damaged or partial one is skipped with a warning naming it. The newest
-//! `keep` states are kept (3 by default), older ones removed only after a
-//! new one is in place: once a state has been written, a kill at any moment
-//! of a later save leaves a loadable one.
+//! (`state-<step>-<n>`, where `n` counts the saves in the directory) and
+//! the directory flushed. **Newest means most recently saved**, whatever
+//! its step: a run rolled back to an earlier step, or restarted in the same
+//! directory, saves states that are newer than the ones of higher steps it
+//! left behind. Loading walks the states newest first and takes the first
+//! whose manifest and files check out; a damaged or partial one is skipped
+//! with a warning naming it. The newest `keep` states are kept (3 by
+//! default), older ones removed only after a new one is in place, and the
+//! state a save has just written is never among them: once a state has
+//! been written, a kill at any moment of a later save leaves a loadable
+//! one.
 //!
 //! ```
 //! use candle_core::{DType, Device};
@@ -46,11 +51,12 @@
 //! # }
 //! ```
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
@@ -59,7 +65,8 @@ use serde::{Deserialize, Serialize};
 use crate::checkpoint::{self, Prefix};
 use crate::comm::{all_gather_object, ProcessGroup};
 use crate::error::{Error, Result};
-use crate::optim::{OptimizerState, StatefulOptimizer};
+use crate::lock::lock;
+use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
 use crate::sampler::DistributedSampler;
 
 /// Where a run is.
@@ -216,6 +223,10 @@ struct OptimizerHeader {
     kind: String,
     steps: u64,
     settings: BTreeMap<String, f64>,
+    /// A sharded optimizer's rank and world size (absent in states saved
+    /// before it was recorded: such a shard is refused by `load_shards`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    shard: Option<ShardOf>,
 }
 
 impl StateDir {
@@ -235,7 +246,8 @@ impl StateDir {
         Ok(Self { dir, keep: 3 })
     }
 
-    /// Keeps the newest `keep` states (at least 1).
+    /// Keeps the `keep` most recently saved states (at least 1), the one
+    /// just saved always among them.
     pub fn keep(mut self, keep: usize) -> Self {
         self.keep = keep.max(1);
         self
@@ -246,10 +258,11 @@ impl StateDir {
         &self.dir
     }
 
-    /// Saves `varmap`'s variables and `state` as a new state, then removes
-    /// the states beyond the newest `keep` and what crashed saves left.
-    /// Returns the new state's folder. Under DDP one rank saves (the state
-    /// is the same on every rank).
+    /// Saves `varmap`'s variables and `state` as a new state, the newest
+    /// in the directory whatever its step, then removes the states saved
+    /// before the newest `keep` and what crashed saves left. Returns the
+    /// new state's folder, which the pruning never removes. Under DDP one
+    /// rank saves (the state is the same on every rank).
     ///
     /// # Errors
     ///
@@ -263,6 +276,7 @@ impl StateDir {
         let temporary = self
             .dir
             .join(format!("{TEMPORARY_PREFIX}{step:012}-{unique}"));
+        let _writing = InProgress::mark(&temporary);
         let result = self.write(&temporary, varmap, state);
         let written = result.and_then(|()| {
             let target = self
@@ -275,7 +289,7 @@ impl StateDir {
         });
         match written {
             Ok(target) => {
-                self.prune(&temporary);
+                self.prune(&target);
                 Ok(target)
             }
             Err(error) => {
@@ -285,7 +299,8 @@ impl StateDir {
         }
     }
 
-    /// The newest complete state, read but not applied (see
+    /// The most recently saved complete state (not the one of the highest
+    /// step: see the [module docs](self)), read but not applied (see
     /// [`SavedState::restore`]); `None` when there is none. A damaged or
     /// partial state is skipped with a `tracing` warning naming it.
     ///
@@ -305,7 +320,7 @@ impl StateDir {
         Ok(None)
     }
 
-    /// The newest complete state saved at `step`, if any (a damaged one is
+    /// The most recently saved complete state of `step`, if any (a damaged one is
     /// skipped, as by [`latest`](Self::latest)): for states saved in
     /// several directories that must be read at one step, such as each
     /// rank's shard of a sharded optimizer's state.
@@ -330,8 +345,9 @@ impl StateDir {
         Ok(None)
     }
 
-    /// The complete-looking states (named `state-<step>-<n>`), oldest
-    /// first: (step, n, path).
+    /// The complete-looking states (named `state-<step>-<n>`) in the order
+    /// they were saved, oldest first (by `n`, the save's number in the
+    /// directory): (step, n, path).
     fn states(&self) -> Result<Vec<(u64, u64, PathBuf)>> {
         let entries = std::fs::read_dir(&self.dir)
             .map_err(|e| failed(&self.dir, "cannot list the directory", &e))?;
@@ -343,7 +359,7 @@ impl StateDir {
                 Some((step.parse().ok()?, n.parse().ok()?, entry.path()))
             })
             .collect();
-        states.sort();
+        states.sort_by_key(|(step, n, _)| (*n, *step));
         Ok(states)
     }
 
@@ -378,6 +394,7 @@ impl StateDir {
                     kind: optimizer.kind.clone(),
                     steps: optimizer.steps,
                     settings: optimizer.settings.clone(),
+                    shard: optimizer.shard,
                 })
             }
             None => None,
@@ -404,13 +421,19 @@ impl StateDir {
         Ok(())
     }
 
-    /// Removes the states beyond the newest `keep` and the temporary
-    /// folders of saves that crashed (not `current`'s). A failure to remove
-    /// is only warned about: the new state is in place.
+    /// Removes the states saved before the newest `keep`, never `current`
+    /// (the state just saved), and the temporary folders of saves that
+    /// crashed (a live process's save in progress is left alone). A
+    /// failure to remove is only warned about: the new state is in place.
     fn prune(&self, current: &Path) {
         let Ok(states) = self.states() else { return };
-        let excess = states.len().saturating_sub(self.keep);
-        for (_, _, path) in states.into_iter().take(excess) {
+        let older: Vec<PathBuf> = states
+            .into_iter()
+            .map(|(_, _, path)| path)
+            .filter(|path| path != current)
+            .collect();
+        let excess = older.len().saturating_sub(self.keep.saturating_sub(1));
+        for path in older.into_iter().take(excess) {
             if let Err(e) = std::fs::remove_dir_all(&path) {
                 tracing::warn!(
                     "could not remove the old training state {}: {e}",
@@ -423,15 +446,56 @@ impl StateDir {
         };
         for entry in entries.flatten() {
             let path = entry.path();
-            let stale = entry
-                .file_name()
-                .to_str()
-                .is_some_and(|name| name.starts_with(TEMPORARY_PREFIX));
-            if stale && path != current {
+            let stale = entry.file_name().to_str().is_some_and(|name| {
+                name.starts_with(TEMPORARY_PREFIX) && !writer_may_be_saving(&path, name)
+            });
+            if stale {
                 let _ = std::fs::remove_dir_all(&path);
             }
         }
         sync_dir(&self.dir);
+    }
+}
+
+/// The temporary folders this process is writing now: another thread's
+/// save into the same directory must not prune them.
+static WRITING: Mutex<BTreeSet<PathBuf>> = Mutex::new(BTreeSet::new());
+
+/// Marks a temporary folder as being written, until dropped.
+struct InProgress(PathBuf);
+
+impl InProgress {
+    fn mark(folder: &Path) -> Self {
+        lock(&WRITING).insert(folder.to_path_buf());
+        Self(folder.to_path_buf())
+    }
+}
+
+impl Drop for InProgress {
+    fn drop(&mut self) {
+        lock(&WRITING).remove(&self.0);
+    }
+}
+
+/// Whether the save that made the temporary folder `name`
+/// (`.tmp-state-<step>-<pid>-<n>`) may still be running: one of this
+/// process's saves in progress, or another process that is alive (Linux's
+/// `/proc` tells; elsewhere any other process counts as alive).
+fn writer_may_be_saving(folder: &Path, name: &str) -> bool {
+    let pid = name
+        .strip_prefix(TEMPORARY_PREFIX)
+        .and_then(|rest| rest.split('-').nth(1))
+        .and_then(|p| p.parse::<u32>().ok());
+    let Some(pid) = pid else {
+        return false;
+    };
+    if pid == std::process::id() {
+        return lock(&WRITING).contains(folder);
+    }
+    if cfg!(target_os = "linux") {
+        Path::new("/proc").join(pid.to_string()).exists()
+    } else {
+        true
     }
 }
 
@@ -497,6 +561,7 @@ fn read_state(folder: &Path) -> std::result::Result<TrainingState, String> {
                 steps: header.steps,
                 settings: header.settings,
                 tensors: tensors.into_iter().collect(),
+                shard: header.shard,
             })
         }
         None => None,

@@ -60,15 +60,24 @@ struct Split {
 fn first_bad_split(splits: &[Split]) -> Option<(usize, String)> {
     let world = splits.len();
     splits.iter().enumerate().find_map(|(r, split)| {
-        let sum: u64 = split.counts.iter().sum();
+        let sum = split
+            .counts
+            .iter()
+            .try_fold(0u64, |sum, &count| sum.checked_add(count));
         if split.counts.len() != world {
             Some(format!(
                 "{} counts for a world of {world}",
                 split.counts.len()
             ))
-        } else if sum != split.elements {
+        } else if sum.is_none() {
             Some(format!(
-                "the counts sum to {sum} but the tensor has {} elements",
+                "the counts {:?} add up to more than any tensor can hold",
+                split.counts
+            ))
+        } else if sum != Some(split.elements) {
+            Some(format!(
+                "the counts sum to {} but the tensor has {} elements",
+                sum.unwrap_or(0),
                 split.elements
             ))
         } else if split.counts != splits[0].counts {

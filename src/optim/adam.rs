@@ -10,7 +10,8 @@ use candle_nn::{Optimizer, VarMap};
 
 use super::element::{host_values, step_each, typed, write_back, Buffer, Element, PerParameter};
 use super::state::{
-    by_position, check_non_negative, invalid, named_vars, scalar_value, setting, sort_entries,
+    by_position, check_finite, check_non_negative, check_unique, flag, invalid, named_vars,
+    scalar_value, setting, sort_entries,
 };
 use super::{OptimizerState, StatefulOptimizer};
 use crate::error::Result;
@@ -162,6 +163,14 @@ impl AdamConfig {
     /// PyTorch's checks of the constructor.
     fn check(&self, name: &str) -> candle_core::Result<()> {
         let bad = |what: String| Err(candle_core::Error::Msg(format!("{name}: {what}")));
+        check_finite(
+            name,
+            &[
+                ("lr", self.lr),
+                ("eps", self.eps),
+                ("weight_decay", self.weight_decay),
+            ],
+        )?;
         check_non_negative(
             name,
             &[
@@ -186,6 +195,7 @@ impl AdamCore {
         decoupled: bool,
     ) -> candle_core::Result<Self> {
         config.check(Self::kind_of(decoupled))?;
+        check_unique(Self::kind_of(decoupled), &params)?;
         Ok(Self {
             slots: params.iter().map(|_| None).collect(),
             params,
@@ -244,6 +254,7 @@ impl AdamCore {
                 ("maximize".into(), flag(c.maximize)),
             ]),
             tensors,
+            shard: None,
         })
     }
 
@@ -251,16 +262,14 @@ impl AdamCore {
         let kind = Self::kind_of(self.decoupled);
         let entries = sort_entries(state, kind, &self.params, &SLOTS, &SETTINGS)?;
         let c = self.config;
-        let flag =
-            |name: &str, current: bool| setting(state, name, f64::from(u8::from(current))) != 0.0;
         let config = AdamConfig {
             lr: setting(state, "lr", c.lr),
             beta1: setting(state, "beta1", c.beta1),
             beta2: setting(state, "beta2", c.beta2),
             eps: setting(state, "eps", c.eps),
             weight_decay: setting(state, "weight_decay", c.weight_decay),
-            amsgrad: flag("amsgrad", c.amsgrad),
-            maximize: flag("maximize", c.maximize),
+            amsgrad: flag(state, "amsgrad", c.amsgrad)?,
+            maximize: flag(state, "maximize", c.maximize)?,
         };
         config.check(kind).map_err(|e| invalid(e.to_string()))?;
         let mut slots = Vec::with_capacity(self.params.len());
@@ -280,8 +289,14 @@ impl AdamCore {
                 )));
             }
             let buffer = |slot: &str| Buffer::from_tensor(&entry[slot], var.dtype());
+            let step = scalar_value(&entry["step"])?;
+            if !(step.is_finite() && step >= 0.0 && step.fract() == 0.0) {
+                return Err(invalid(format!(
+                    "parameter `{name}` has step {step}: a step count is a whole number, at least 0"
+                )));
+            }
             slots.push(Some(Moments {
-                step: scalar_value(&entry["step"])?,
+                step,
                 exp_avg: buffer("exp_avg")?,
                 exp_avg_sq: buffer("exp_avg_sq")?,
                 max_exp_avg_sq: config

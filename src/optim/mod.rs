@@ -14,7 +14,7 @@
 //! the same order, each Python scalar rounded to the parameter's dtype once,
 //! `lerp` and `add(alpha=…)` as fused multiply-adds, the bias corrections in
 //! f64 with `pow`, and `addcmul` as the fused multiply-add its compiled
-//! kernel is. `tests/optim.rs` pins every option against real PyTorch 2.15
+//! kernel is. `tests/suite/optim.rs` pins every option against real PyTorch 2.15
 //! (`scripts/gen_optim_reference.py`, 25 steps): SGD bit for bit; Adam and
 //! AdamW within 1e-6 relative (9.4e-7 at most, measured), not bit for bit,
 //! because PyTorch's `sqrt` of an f32 tensor (in its MKL builds) is not
@@ -60,4 +60,4 @@ mod state;
 
 pub use adam::{Adam, AdamConfig, AdamW, AdamWConfig};
 pub use sgd::{Sgd, SgdConfig};
-pub use state::{OptimizerState, StatefulOptimizer};
+pub use state::{OptimizerState, ShardOf, StatefulOptimizer};

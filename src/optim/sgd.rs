@@ -8,7 +8,10 @@ use candle_core::Var;
 use candle_nn::{Optimizer, VarMap};
 
 use super::element::{host_values, step_each, typed, write_back, Buffer, Element, PerParameter};
-use super::state::{by_position, check_non_negative, invalid, named_vars, setting, sort_entries};
+use super::state::{
+    by_position, check_finite, check_non_negative, check_unique, flag, invalid, named_vars,
+    setting, sort_entries,
+};
 use super::{OptimizerState, StatefulOptimizer};
 use crate::error::Result;
 
@@ -45,6 +48,15 @@ impl Default for SgdConfig {
 impl SgdConfig {
     /// PyTorch's checks of the constructor.
     fn check(&self) -> candle_core::Result<()> {
+        check_finite(
+            "SGD",
+            &[
+                ("lr", self.lr),
+                ("momentum", self.momentum),
+                ("dampening", self.dampening),
+                ("weight_decay", self.weight_decay),
+            ],
+        )?;
         check_non_negative(
             "SGD",
             &[
@@ -94,6 +106,7 @@ impl Sgd {
     /// As [`from_varmap`](Self::from_varmap).
     pub fn new_named(params: Vec<(String, Var)>, config: SgdConfig) -> candle_core::Result<Self> {
         config.check()?;
+        check_unique("SGD", &params)?;
         Ok(Self {
             momentum_buffers: params.iter().map(|_| None).collect(),
             params,
@@ -207,6 +220,7 @@ impl StatefulOptimizer for Sgd {
                 ("maximize".into(), f64::from(u8::from(c.maximize))),
             ]),
             tensors,
+            shard: None,
         })
     }
 
@@ -231,8 +245,8 @@ impl StatefulOptimizer for Sgd {
             momentum: setting(state, "momentum", c.momentum),
             dampening: setting(state, "dampening", c.dampening),
             weight_decay: setting(state, "weight_decay", c.weight_decay),
-            nesterov: setting(state, "nesterov", f64::from(u8::from(c.nesterov))) != 0.0,
-            maximize: setting(state, "maximize", f64::from(u8::from(c.maximize))) != 0.0,
+            nesterov: flag(state, "nesterov", c.nesterov)?,
+            maximize: flag(state, "maximize", c.maximize)?,
         };
         config.check().map_err(|e| invalid(e.to_string()))?;
         let buffers = self

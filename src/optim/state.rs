@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use candle_core::{Tensor, Var};
 use candle_nn::VarMap;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::vars::sorted_vars;
@@ -25,6 +26,23 @@ pub struct OptimizerState {
     /// `l1.weight.step`), for the parameters that have state: a parameter
     /// that never had a gradient has none, as in PyTorch.
     pub tensors: BTreeMap<String, Tensor>,
+    /// `None` for a whole optimizer's state; for one rank's part of a
+    /// sharded one ([`ZeroOptimizer::shard_state`](crate::zero::ZeroOptimizer::shard_state)),
+    /// which rank of how many saved it, so that a resume can tell a
+    /// complete set of shards from an incomplete or mixed one. A shard
+    /// loads only through
+    /// [`ZeroOptimizer::load_shards`](crate::zero::ZeroOptimizer::load_shards),
+    /// with every other rank's.
+    pub shard: Option<ShardOf>,
+}
+
+/// Which part of a sharded optimizer state an [`OptimizerState`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardOf {
+    /// The rank that saved it.
+    pub rank: usize,
+    /// How many ranks (shards) the run that saved it had.
+    pub world_size: usize,
 }
 
 /// An optimizer whose state can be taken and restored: a fresh optimizer
@@ -83,6 +101,13 @@ pub(crate) fn sort_entries(
         return Err(invalid(format!(
             "the state is of a `{}` optimizer, this one is `{kind}`",
             state.kind
+        )));
+    }
+    if let Some(ShardOf { rank, world_size }) = state.shard {
+        return Err(invalid(format!(
+            "the state is rank {rank}'s shard of an optimizer state sharded over {world_size} \
+             ranks: alone it would restart the other ranks' parameters from no state; load \
+             every rank's shard with ZeroOptimizer::load_shards"
         )));
     }
     if let Some(unknown) = state
@@ -144,6 +169,57 @@ pub(crate) fn scalar_value(tensor: &Tensor) -> Result<f64> {
         .first()
         .copied()
         .unwrap_or(0.0))
+}
+
+/// A flag setting of `state` (saved as 0 or 1), or `current` when the
+/// state does not have it.
+///
+/// # Errors
+///
+/// [`Error::OptimizerState`] naming the setting when its value is neither
+/// 0 nor 1.
+pub(crate) fn flag(state: &OptimizerState, name: &str, current: bool) -> Result<bool> {
+    match state.settings.get(name) {
+        None => Ok(current),
+        Some(&0.0) => Ok(false),
+        Some(&1.0) => Ok(true),
+        Some(v) => Err(invalid(format!(
+            "setting `{name}` is {v}: a flag must be 0 or 1"
+        ))),
+    }
+}
+
+/// Refuses two parameters of one name (the state would keep one entry for
+/// both, and a resumed run would differ) and one variable given twice (it
+/// would be updated twice a step), naming them.
+pub(crate) fn check_unique(optimizer: &str, params: &[(String, Var)]) -> candle_core::Result<()> {
+    let mut names = HashMap::new();
+    let mut ids = HashMap::new();
+    for (name, var) in params {
+        if let Some(other) = names.insert(name.as_str(), name) {
+            return Err(candle_core::Error::Msg(format!(
+                "{optimizer}: two parameters are named `{other}`: their states would be saved \
+                 under one name"
+            )));
+        }
+        if let Some(other) = ids.insert(var.id(), name) {
+            return Err(candle_core::Error::Msg(format!(
+                "{optimizer}: parameters `{other}` and `{name}` are the same variable: it would \
+                 be updated twice a step"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a setting that is not a number (NaN, an infinity), naming it.
+pub(crate) fn check_finite(optimizer: &str, settings: &[(&str, f64)]) -> candle_core::Result<()> {
+    match settings.iter().find(|(_, v)| !v.is_finite()) {
+        Some((name, value)) => Err(candle_core::Error::Msg(format!(
+            "{optimizer}: invalid {name} {value}: it must be a finite number"
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// PyTorch's constructor check of settings that must not be negative: the

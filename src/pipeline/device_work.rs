@@ -22,6 +22,8 @@ pub(crate) struct DeviceOutput {
     pub(crate) stages: Vec<StageOutput>,
     /// Time spent computing (not waiting for a neighbour).
     pub(crate) busy: Duration,
+    /// The part of `busy` spent checking recomputations (fingerprints).
+    pub(crate) checking: Duration,
     /// The most bytes of micro-batch activations its stages held for the
     /// backward at once (see `PipelineTimings::peak_saved_bytes`).
     pub(crate) peak_saved_bytes: usize,
@@ -106,6 +108,7 @@ impl DeviceWork {
         Ok(DeviceOutput {
             stages,
             busy: self.stages.iter().map(StageWork::busy).sum(),
+            checking: self.stages.iter().map(StageWork::checking).sum(),
             peak_saved_bytes: peak,
         })
     }

@@ -16,7 +16,9 @@ use candle_core::{ModuleT, Tensor};
 
 impl DistributedDataParallel<Pipeline> {
     /// The pipeline's fast path ([`Pipeline::forward_backward`]) on this
-    /// rank's batch, then one all-reduce of its gradients: the returned
+    /// rank's batch, then one all-reduce of its gradients, then the
+    /// stages' buffers (BatchNorm statistics) committed: if the all-reduce
+    /// fails, the buffers are as before the step. The returned
     /// `Step` holds this rank's loss and the gradients averaged over the
     /// ranks (plus what [`no_sync`](Self::no_sync) accumulated; inside
     /// `no_sync`, an empty store), for any candle optimizer. At ZeRO stage
@@ -69,9 +71,14 @@ impl DistributedDataParallel<Pipeline> {
     {
         self.pre_forward()?;
         let start = std::time::Instant::now();
-        let step = self.module().forward_backward(x, y, reduction, loss_fn)?;
+        let (step, ran) = self
+            .module()
+            .forward_backward_uncommitted(x, y, reduction, loss_fn)?;
         self.record_backward(start.elapsed());
         let grads = self.synchronise(&step.grads)?;
+        // The BatchNorm statistics move only once the all-reduce has
+        // succeeded too: a failed step changes nothing.
+        self.module().commit(&ran)?;
         let without_grad = if self.is_syncing() {
             self.vars_without_grad().to_vec()
         } else {

@@ -183,6 +183,7 @@ struct RanStep {
     outputs: Vec<StageOutput>,
     /// Per device, the time it computed and its peak of saved activations.
     busy: Vec<Duration>,
+    checking: Vec<Duration>,
     peak_saved_bytes: Vec<usize>,
     /// From the start of the step to the end of its last stage.
     time: Duration,
@@ -331,6 +332,25 @@ impl Pipeline {
     where
         F: Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
     {
+        let (step, ran) = self.forward_backward_uncommitted(x, y, reduction, loss_fn)?;
+        self.commit(&ran)?;
+        Ok(step)
+    }
+
+    /// [`forward_backward`](Self::forward_backward) but for the commit of
+    /// the stages' buffers, which the caller makes with
+    /// [`commit`](Self::commit) once the rest of its step (DDP's
+    /// all-reduce) has succeeded too: a failed step changes nothing.
+    fn forward_backward_uncommitted<F>(
+        &self,
+        x: &Tensor,
+        y: &Tensor,
+        reduction: LossReduction,
+        loss_fn: F,
+    ) -> Result<(Step, RanStep)>
+    where
+        F: Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
+    {
         let _step = lock(&self.step);
         let inputs = self.micro_batches(x)?;
         let targets = self.micro_batches(y)?;
@@ -382,13 +402,13 @@ impl Pipeline {
         for l in losses.iter().skip(1) {
             loss = (loss + l)?;
         }
-        self.commit(&step)?;
         let without_grad = self.no_grad.check("Pipeline", &self.params, &grads);
-        Ok(Step {
+        let done = Step {
             loss,
             grads,
             without_grad,
-        })
+        };
+        Ok((done, step))
     }
 
     fn last_device(&self) -> &Device {
@@ -477,6 +497,7 @@ impl Pipeline {
             checkpoint: self.checkpoint,
             computing_since: std::cell::Cell::new(None),
             busy: std::cell::Cell::new(Duration::ZERO),
+            checking: std::cell::Cell::new(Duration::ZERO),
         };
         let jobs: Vec<_> = (0..devices)
             .map(|device| {
@@ -500,6 +521,7 @@ impl Pipeline {
             .run(jobs, self.timeout)
             .map_err(|failure| self.stage_error(failure, &board))?;
         let busy = per_device.iter().map(|d| d.busy).collect();
+        let checking = per_device.iter().map(|d| d.checking).collect();
         let peak_saved_bytes = per_device.iter().map(|d| d.peak_saved_bytes).collect();
         let outputs = device_work::in_stage_order(
             per_device.into_iter().map(|d| d.stages).collect(),
@@ -508,6 +530,7 @@ impl Pipeline {
         Ok(RanStep {
             outputs,
             busy,
+            checking,
             peak_saved_bytes,
             time: started.elapsed(),
         })
@@ -530,6 +553,7 @@ impl Pipeline {
         *lock(&self.timings) = PipelineTimings {
             step: step.time,
             busy: step.busy.clone(),
+            checking: step.checking.clone(),
             peak_saved_bytes: step.peak_saved_bytes.clone(),
         };
         Ok(())

@@ -3,17 +3,27 @@
 //! again just before that micro-batch's backward, instead of keeping the
 //! forward's activations from the forward phase to the backward.
 
-use candle_core::{DType, ModuleT, Tensor};
+use std::time::{Duration, Instant};
+
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 
 use super::stage_var::StageVar;
 
 /// Which micro-batches a stage recomputes in
 /// [`Pipeline::forward_backward`](super::Pipeline::forward_backward)
 /// (torchgpipe's `checkpoint` argument). Gradients, losses and BatchNorm
-/// statistics are bitwise those of [`Checkpoint::Never`]: the recomputed
-/// forward is checked against the first, and a layer that draws random
-/// numbers (Dropout) fails the step naming the layer, never a silently
-/// wrong gradient.
+/// statistics are bitwise those of [`Checkpoint::Never`]: every recomputed
+/// micro-batch is checked, layer by layer, against its first forward (a
+/// CRC-32 of each layer's output, kept from that forward), and a layer
+/// that draws random numbers (Dropout) fails the step naming the layer and
+/// micro-batch, never a silently wrong gradient. What no comparison of
+/// values can see: randomness that leaves every layer's output bit for
+/// bit the same (Dropout over exact zeros, whose backward would still
+/// differ), and a CRC collision (about 1 in 4 billion per layer); keep
+/// random layers out of checkpointed stages. Cost: one CRC pass over each
+/// layer's output in the first forward and in the recomputation of each
+/// checkpointed micro-batch (on a GPU, after a copy to the host), measured
+/// in [`PipelineTimings::checking`](super::PipelineTimings::checking).
 ///
 /// ```
 /// use candle_core::{DType, Device, Tensor};
@@ -77,45 +87,117 @@ pub(crate) fn restore_buffers(buffers: &[StageVar], saved: &[Tensor]) -> candle_
     Ok(())
 }
 
-/// Whether `a` and `b` hold the same values, bit for bit.
-pub(crate) fn same_bits(a: &Tensor, b: &Tensor) -> candle_core::Result<bool> {
-    if a.dims() != b.dims() {
-        return Ok(false);
-    }
-    // f64 holds every f32, f16 and bf16 value exactly.
-    let bits = |t: &Tensor| -> candle_core::Result<Vec<u64>> {
-        Ok(t.flatten_all()?
-            .to_dtype(DType::F64)?
-            .to_vec1::<f64>()?
-            .into_iter()
-            .map(f64::to_bits)
-            .collect())
-    };
-    Ok(bits(a)? == bits(b)?)
+/// What a recomputation is checked against: one layer output's shape,
+/// dtype and a CRC-32 of its bytes. Kept from the first forward of every
+/// recomputed micro-batch, per layer, instead of the outputs themselves
+/// (which would cost the memory checkpointing saves).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Fingerprint {
+    dims: Vec<usize>,
+    dtype: DType,
+    crc32: u32,
 }
 
-/// The first of `layers` whose output differs when it runs twice on the
-/// same input (with the buffers put back in between), following the
-/// forward from `x`: the layer that makes a recomputation differ.
-pub(crate) fn first_unrepeatable_layer(
-    layers: &[Box<dyn ModuleT>],
-    buffers: &[StageVar],
-    x: &Tensor,
-    train: bool,
-) -> candle_core::Result<Option<usize>> {
-    let saved = save_buffers(buffers)?;
-    let mut h = x.clone();
-    for (k, layer) in layers.iter().enumerate() {
-        let first = layer.forward_t(&h, train)?;
-        restore_buffers(buffers, &saved)?;
-        let second = layer.forward_t(&h, train)?;
-        restore_buffers(buffers, &saved)?;
-        if !same_bits(&first, &second)? {
-            return Ok(Some(k));
+/// `t`'s fingerprint. A CPU tensor's bytes are read in place where they
+/// are contiguous; a tensor on another device is copied to the host first.
+pub(crate) fn fingerprint(t: &Tensor) -> candle_core::Result<Fingerprint> {
+    let t = match t.device() {
+        Device::Cpu => t.clone(),
+        _ => t.to_device(&Device::Cpu)?,
+    };
+    let t = if t.is_contiguous() {
+        t
+    } else {
+        t.contiguous()?
+    };
+    let crc32 = {
+        let (storage, layout) = t.storage_and_layout();
+        match (&*storage, layout.contiguous_offsets()) {
+            (Storage::Cpu(cpu), Some((start, end))) => crc_of(cpu, start, end),
+            _ => None,
         }
-        h = first;
+    };
+    let crc32 = match crc32 {
+        Some(crc) => crc,
+        // A dtype without a plain byte layout here (the packed float8 and
+        // smaller kinds): f64 holds each of their values exactly.
+        None => {
+            let wide = t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+            crc32fast::hash(bytemuck::cast_slice(&wide))
+        }
+    };
+    Ok(Fingerprint {
+        dims: t.dims().to_vec(),
+        dtype: t.dtype(),
+        crc32,
+    })
+}
+
+/// The CRC-32 of elements `start..end` of `storage`, for the dtypes whose
+/// elements are plain bytes.
+fn crc_of(storage: &CpuStorage, start: usize, end: usize) -> Option<u32> {
+    fn crc<T: bytemuck::Pod>(values: &[T], start: usize, end: usize) -> Option<u32> {
+        values
+            .get(start..end)
+            .map(|v| crc32fast::hash(bytemuck::cast_slice(v)))
     }
-    Ok(None)
+    match storage {
+        CpuStorage::U8(v) => crc(v, start, end),
+        CpuStorage::U32(v) => crc(v, start, end),
+        CpuStorage::I16(v) => crc(v, start, end),
+        CpuStorage::I32(v) => crc(v, start, end),
+        CpuStorage::I64(v) => crc(v, start, end),
+        CpuStorage::BF16(v) => crc(v, start, end),
+        CpuStorage::F16(v) => crc(v, start, end),
+        CpuStorage::F32(v) => crc(v, start, end),
+        CpuStorage::F64(v) => crc(v, start, end),
+        _ => None,
+    }
+}
+
+/// The fingerprints of one forward of a micro-batch, layer by layer, and
+/// the time taking them cost.
+#[derive(Debug, Default)]
+pub(crate) struct Fingerprints {
+    pub(crate) prints: Vec<Fingerprint>,
+    pub(crate) time: Duration,
+}
+
+impl Fingerprints {
+    /// Adds `t`'s fingerprint.
+    pub(crate) fn record(&mut self, t: &Tensor) -> candle_core::Result<()> {
+        let start = Instant::now();
+        self.prints.push(fingerprint(t)?);
+        self.time += start.elapsed();
+        Ok(())
+    }
+}
+
+/// Why a recomputation was refused, if it was: the first of its
+/// fingerprints (one per layer of the stage, whose first layer has global
+/// index `first`, then the weighted loss on the last stage) that differs
+/// from the first forward's. The layer before it gave the same output, so
+/// this layer ran on the same input: it is the culprit.
+pub(crate) fn mismatch(
+    first_forward: &[Fingerprint],
+    recomputed: &[Fingerprint],
+    first: usize,
+    layers: usize,
+) -> Option<String> {
+    let k = first_forward
+        .iter()
+        .zip(recomputed)
+        .position(|(a, b)| a != b)
+        .or_else(|| (first_forward.len() != recomputed.len()).then_some(0))?;
+    Some(if k < layers {
+        format!(
+            "layer {} gives another output each time it runs on the same input (it draws \
+             random numbers, as Dropout does)",
+            first + k
+        )
+    } else {
+        "the loss function gives another value each time it runs on the same output".into()
+    })
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use candle_nn::ModuleT;
 use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 
 use super::deferred_norm::{self, NormLayers, NormStep, NormUse};
-use super::recompute::{self, Checkpoint};
+use super::recompute::{self, Checkpoint, Fingerprint, Fingerprints};
 use super::schedule::Op;
 use super::stage_var::StageVar;
 use crate::device_copy::{self as copy, copy_into};
@@ -26,12 +26,12 @@ enum Saved {
     /// The output, with the graph of its activations.
     Graph { leaf: Option<Var>, output: Tensor },
     /// The input only (activation checkpointing): the forward runs again
-    /// before the backward. `check`: the first output, kept (detached) for
-    /// the step's first recomputation to be compared with.
+    /// before the backward, and is compared with `prints`, the first
+    /// forward's fingerprints (each layer's output, then the loss).
     Input {
         leaf: Option<Var>,
         input: Tensor,
-        check: Option<Tensor>,
+        prints: Vec<Fingerprint>,
     },
 }
 
@@ -80,11 +80,15 @@ impl Stage {
         Ok(())
     }
 
+    /// The stage's layers on `x`; with `prints`, each layer's output
+    /// fingerprinted (a checkpointed micro-batch's forward and its
+    /// recomputation).
     fn forward(
         &self,
         x: &Tensor,
         train: bool,
         mut norms: Option<&mut NormStep>,
+        mut prints: Option<&mut Fingerprints>,
     ) -> candle_core::Result<Tensor> {
         let mut h = x.clone();
         for (k, layer) in self.layers.iter().enumerate() {
@@ -94,6 +98,9 @@ impl Stage {
                 }
                 _ => layer.forward_t(&h, train)?,
             };
+            if let Some(prints) = prints.as_deref_mut() {
+                prints.record(&h)?;
+            }
         }
         Ok(h)
     }
@@ -175,8 +182,6 @@ pub(crate) struct StageRun {
     saved: Vec<Option<Saved>>,
     /// The bytes of `saved` (see [`saved_size`]).
     pub(crate) saved_bytes: usize,
-    /// Whether the next recomputation is the step's first, to be checked.
-    check_next: bool,
     out: StageOutput,
 }
 
@@ -203,6 +208,8 @@ pub(crate) struct StageWork {
     /// When the current computation began, and the time computed so far.
     pub(crate) computing_since: Cell<Option<Instant>>,
     pub(crate) busy: Cell<Duration>,
+    /// The part of `busy` spent fingerprinting checkpointed forwards.
+    pub(crate) checking: Cell<Duration>,
 }
 
 /// The loss side of a training step (used by the last stage).
@@ -256,7 +263,6 @@ impl StageWork {
             norms,
             saved: (0..self.chunks).map(|_| None).collect(),
             saved_bytes: 0,
-            check_next: true,
             out: StageOutput {
                 grads: vec![None; stage.vars.len()],
                 ..StageOutput::default()
@@ -290,14 +296,17 @@ impl StageWork {
         let mut peak = run.saved_bytes;
         match op {
             Op::Forward(m) => {
-                let (leaf, input, output) = self.forward(stage, m, run.norms.as_mut(), cancel)?;
+                let checkpointed = self.training && self.checkpoint.applies(m, self.chunks);
+                let mut prints = checkpointed.then(Fingerprints::default);
+                let (leaf, input, output) =
+                    self.forward(stage, m, run.norms.as_mut(), prints.as_mut(), cancel)?;
                 if self.training {
-                    let keep = if self.checkpoint.applies(m, self.chunks) {
-                        // Each step compares its first recomputation with
-                        // the forward it replaces.
-                        let check = run.check_next.then(|| output.detach());
-                        run.check_next = false;
-                        Saved::Input { leaf, input, check }
+                    let keep = if let Some(prints) = prints {
+                        Saved::Input {
+                            leaf,
+                            input,
+                            prints: prints.prints,
+                        }
                     } else {
                         Saved::Graph {
                             leaf,
@@ -338,8 +347,12 @@ impl StageWork {
                 let size = saved_size(&kept);
                 let (leaf, output) = match kept {
                     Saved::Graph { leaf, output } => (leaf, output),
-                    Saved::Input { leaf, input, check } => {
-                        let output = self.recompute(stage, m, &input, check.as_ref())?;
+                    Saved::Input {
+                        leaf,
+                        input,
+                        prints,
+                    } => {
+                        let output = self.recompute(stage, m, &input, &prints)?;
                         // The recomputed graph lives through this
                         // micro-batch's backward, beside what is saved.
                         peak = run.saved_bytes + graph_bytes(&output);
@@ -389,11 +402,21 @@ impl StageWork {
         self.busy.get()
     }
 
+    /// The part of [`busy`](Self::busy) spent fingerprinting checkpointed
+    /// forwards and their recomputations.
+    pub(crate) fn checking(&self) -> Duration {
+        self.checking.get()
+    }
+
+    /// Micro-batch `m`'s forward (and, on the last stage, its weighted
+    /// loss), fingerprinted into `prints` when given: returns the stage's
+    /// input leaf, its input and its output.
     fn forward(
         &self,
         stage: &Stage,
         m: usize,
         norms: Option<&mut NormStep>,
+        mut prints: Option<&mut Fingerprints>,
         cancel: &Cancel,
     ) -> Result<(Option<Var>, Tensor, Tensor), StageFailure> {
         let fail = |phase| {
@@ -424,9 +447,15 @@ impl StageWork {
         };
         let x = leaf.as_ref().map_or(&input, Var::as_tensor).clone();
         let output = stage
-            .forward(&x, self.train, norms)
+            .forward(&x, self.train, norms, prints.as_deref_mut())
             .map_err(fail(Phase::Forward))?;
         let output = self.weighted_loss(m, output)?;
+        if let Some(prints) = prints {
+            if self.loss.is_some() {
+                prints.record(&output).map_err(fail(Phase::Loss))?;
+            }
+            self.checking.set(self.checking.get() + prints.time);
+        }
         Ok((leaf, x, output))
     }
 
@@ -456,15 +485,15 @@ impl StageWork {
     }
 
     /// Runs micro-batch `m`'s forward again from its saved input, leaving
-    /// the buffers as they were, and checks it against the first output
-    /// when one was kept: a layer that gives another output on the same
-    /// input (Dropout) fails the step, named.
+    /// the buffers as they were, and checks it layer by layer against the
+    /// first forward's fingerprints: a layer that gives another output on
+    /// the same input (Dropout) fails the step, named with the micro-batch.
     fn recompute(
         &self,
         stage: &Stage,
         m: usize,
         input: &Tensor,
-        check: Option<&Tensor>,
+        first_forward: &[Fingerprint],
     ) -> Result<Tensor, StageFailure> {
         let fail = |source| StageFailure {
             micro_batch: m,
@@ -473,32 +502,28 @@ impl StageWork {
         };
         self.set(Some((Phase::Backward, m)));
         let saved = recompute::save_buffers(&stage.buffers).map_err(fail)?;
-        let output = stage.forward(input, self.train, None);
+        let mut prints = Fingerprints::default();
+        let output = stage.forward(input, self.train, None, Some(&mut prints));
         recompute::restore_buffers(&stage.buffers, &saved).map_err(fail)?;
         let output = self.weighted_loss(m, output.map_err(fail)?)?;
-        let Some(first) = check else {
-            return Ok(output);
-        };
-        if recompute::same_bits(&output, first).map_err(fail)? {
-            return Ok(output);
+        if self.loss.is_some() {
+            prints.record(&output).map_err(fail)?;
         }
-        let layer =
-            recompute::first_unrepeatable_layer(&stage.layers, &stage.buffers, input, self.train)
-                .map_err(fail)?;
-        let what = match layer {
-            Some(k) => format!(
-                "layer {} gives another output each time it runs on the same input (it draws \
-                 random numbers, as Dropout does)",
-                stage.first + k
-            ),
-            None => "the stage's forward gave another output when it ran again".to_string(),
-        };
-        Err(fail(candle_core::Error::Msg(format!(
-            "{what}: recomputing it for the backward ({:?}) would give the gradients of \
-             another forward than the one the loss saw; build the pipeline with \
-             Checkpoint::Never, or make the layer deterministic",
-            self.checkpoint
-        ))))
+        self.checking.set(self.checking.get() + prints.time);
+        match recompute::mismatch(
+            first_forward,
+            &prints.prints,
+            stage.first,
+            stage.layers.len(),
+        ) {
+            None => Ok(output),
+            Some(what) => Err(fail(candle_core::Error::Msg(format!(
+                "{what}: recomputing micro-batch {m} for the backward ({:?}) would give the \
+                 gradients of another forward than the one the loss saw; build the pipeline \
+                 with Checkpoint::Never, or make the layer deterministic",
+                self.checkpoint
+            )))),
+        }
     }
 
     fn backward(
@@ -598,15 +623,15 @@ impl StageWork {
 /// of the tensors of the graph behind its output (the output included),
 /// each storage once: a view (a transposed weight, a reshaped activation)
 /// adds nothing to what it views, and the variables' own storage, the
-/// model's, is not counted. With activation checkpointing: its input and
-/// the output kept to check the recomputation.
+/// model's, is not counted. With activation checkpointing: its input (the
+/// fingerprints kept to check the recomputation are a few bytes a layer).
 fn saved_size(saved: &Saved) -> usize {
     let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
     match saved {
         Saved::Graph { leaf, output } => {
             graph_bytes(output) + leaf.as_ref().map_or(0, |l| bytes(l))
         }
-        Saved::Input { input, check, .. } => bytes(input) + check.as_ref().map_or(0, bytes),
+        Saved::Input { input, .. } => bytes(input),
     }
 }
 

@@ -13,6 +13,7 @@ use std::time::Duration;
 /// let t = PipelineTimings {
 ///     step: Duration::from_millis(100),
 ///     busy: vec![Duration::from_millis(80), Duration::from_millis(60)],
+///     checking: vec![Duration::ZERO; 2],
 ///     peak_saved_bytes: vec![4096, 2048],
 /// };
 /// assert!((t.bubble() - 0.3).abs() < 1e-9);
@@ -25,13 +26,18 @@ pub struct PipelineTimings {
     /// Per device, the time spent computing (forwards, losses, backwards of
     /// its stages), not waiting for a neighbour.
     pub busy: Vec<Duration>,
+    /// Per device, the part of `busy` spent checking activation
+    /// checkpointing's recomputations ([`Checkpoint`](super::Checkpoint)):
+    /// a CRC-32 of each layer's output, in the first forward of every
+    /// recomputed micro-batch and in its recomputation. Zero without
+    /// checkpointing.
+    pub checking: Vec<Duration>,
     /// Per device, the most bytes of micro-batch activations its stages
     /// held at once for the backward: per saved micro-batch, the stage's
     /// input and the
     /// storage of the autograd graph behind its output (each storage
     /// once: views and the weights add nothing); with
     /// [`Checkpoint`](super::Checkpoint), a recomputed micro-batch's input
-    /// (and, once per step, the output kept to check the recomputation)
     /// until its backward, then its recomputed graph during it. GPipe holds
     /// every micro-batch, 1F1B at most `min(chunks, devices - device)`.
     pub peak_saved_bytes: Vec<usize>,

@@ -12,7 +12,7 @@ use super::{Partition, ZeroStage};
 use crate::comm::{all_gather_object, ProcessGroup};
 use crate::ddp::DistributedDataParallel;
 use crate::error::{Error, Result};
-use crate::optim::{OptimizerState, StatefulOptimizer};
+use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
 
 /// An optimizer sharded across the ranks of a
 /// [`DistributedDataParallel`] built with [`zero`](crate::DdpBuilder::zero)
@@ -179,7 +179,9 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
         let rank = self.pg.rank();
         let owners = self.partition.owners();
         let mut writes: Vec<(usize, Tensor)> = Vec::new();
-        for group in &self.groups {
+        // A group whose parameters have no elements (a dtype held only by
+        // an empty parameter) has nothing to share, and no piece to cat.
+        for group in self.groups.iter().filter(|g| g.padded > 0) {
             let mut pieces = Vec::new();
             let mut sent = 0;
             for &i in group.members.iter().filter(|&&i| owners[i] == rank) {
@@ -252,10 +254,16 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
 
 impl<O: StatefulOptimizer> ZeroOptimizer<O> {
     /// This rank's shard of the optimizer state: the entries of the
-    /// parameters it owns. Save one per rank; [`load_shards`](Self::load_shards)
-    /// takes them back.
+    /// parameters it owns, and which rank of how many saved it
+    /// ([`OptimizerState::shard`]). Save one per rank;
+    /// [`load_shards`](Self::load_shards) takes them back.
     pub fn shard_state(&self) -> Result<OptimizerState> {
-        self.inner.state()
+        let mut state = self.inner.state()?;
+        state.shard = Some(ShardOf {
+            rank: self.pg.rank(),
+            world_size: self.pg.world_size(),
+        });
+        Ok(state)
     }
 
     /// Loads the state saved as shards by every rank of a run (all of
@@ -265,19 +273,22 @@ impl<O: StatefulOptimizer> ZeroOptimizer<O> {
     ///
     /// # Errors
     ///
-    /// [`Error::OptimizerState`] when the shards are of different
-    /// optimizers, steps or settings, when two shards hold one parameter,
-    /// or (from the optimizer) when an entry does not fit; nothing is
-    /// loaded then.
+    /// [`Error::OptimizerState`] when the set is not one run's complete
+    /// set (a rank's shard missing or given twice, shards of different
+    /// world sizes, optimizers, steps or settings, one that records no
+    /// rank), when two shards hold one parameter, or (from the optimizer)
+    /// when an entry does not fit; nothing is loaded then.
     pub fn load_shards(&mut self, shards: &[OptimizerState]) -> Result<()> {
         let Some(first) = shards.first() else {
             return Err(Error::OptimizerState("no shards to load".into()));
         };
+        check_complete_set(shards)?;
         let mut merged = OptimizerState {
             kind: first.kind.clone(),
             steps: first.steps,
             settings: first.settings.clone(),
             tensors: Default::default(),
+            shard: None,
         };
         let owned: BTreeSet<&str> = self.owned_names().into_iter().collect();
         let all: BTreeSet<&str> = self.params.iter().map(|(n, _)| n.as_str()).collect();
@@ -333,6 +344,53 @@ impl<O> fmt::Debug for ZeroOptimizer<O> {
             .field("rank", &self.pg.rank())
             .field("partition", &self.partition)
             .finish_non_exhaustive()
+    }
+}
+
+/// Checks that `shards` are every rank's shard of one run, each once:
+/// what each records ([`OptimizerState::shard`]) must name the same world
+/// size and, together, each of its ranks.
+fn check_complete_set(shards: &[OptimizerState]) -> Result<()> {
+    let refuse = |why: String| Err(Error::OptimizerState(why));
+    let mut world = None;
+    let mut ranks = BTreeSet::new();
+    for (k, shard) in shards.iter().enumerate() {
+        let Some(ShardOf { rank, world_size }) = shard.shard else {
+            return refuse(format!(
+                "shard {k} does not record which rank saved it: only states from \
+                 ZeroOptimizer::shard_state can be checked for a complete set"
+            ));
+        };
+        match world {
+            None => world = Some(world_size),
+            Some(w) if w != world_size => {
+                return refuse(format!(
+                    "shard {k} was saved by rank {rank} of {world_size}, shard 0 by a run of {w} \
+                     ranks: the shards are not of one run"
+                ))
+            }
+            Some(_) => {}
+        }
+        if rank >= world_size {
+            return refuse(format!(
+                "shard {k} says it is rank {rank} of {world_size}: there is no such rank"
+            ));
+        }
+        if !ranks.insert(rank) {
+            return refuse(format!(
+                "two shards were saved by rank {rank}: the shards are not of one run"
+            ));
+        }
+    }
+    let world = world.unwrap_or(0);
+    let missing: Vec<usize> = (0..world).filter(|r| !ranks.contains(r)).collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        refuse(format!(
+            "the shards of rank(s) {missing:?} of the {world} that saved the state are missing: \
+             their parameters would restart from no state"
+        ))
     }
 }
 

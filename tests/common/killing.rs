@@ -1,5 +1,5 @@
 //! Killing a training job at chosen moments and resuming it: the harness
-//! of the resume tests (`tests/resume.rs`, and under `mpirun` in
+//! of the resume tests (`tests/suite/resume.rs`, and under `mpirun` in
 //! `tests/mpi.rs`).
 
 use std::path::{Path, PathBuf};

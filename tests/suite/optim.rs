@@ -339,6 +339,88 @@ fn settings_pytorch_refuses_are_refused() {
 }
 
 #[test]
+fn two_parameters_of_one_name_or_one_variable_twice_are_refused_naming_them() {
+    let var = || Var::ones(2, DType::F32, &Device::Cpu).unwrap();
+    let same_name = || vec![("w".to_string(), var()), ("w".to_string(), var())];
+    let err = Sgd::new_named(same_name(), SgdConfig::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("two parameters are named `w`"), "{err}");
+    let err = AdamW::new_named(same_name(), AdamWConfig::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("two parameters are named `w`"), "{err}");
+    let shared = var();
+    let twice = vec![
+        ("a".to_string(), shared.clone()),
+        ("b".to_string(), shared.clone()),
+    ];
+    let err = Adam::new_named(twice, AdamConfig::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("`a` and `b` are the same variable"), "{err}");
+    let err = Sgd::new(vec![shared.clone(), shared], SgdConfig::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("`0` and `1` are the same variable"), "{err}");
+}
+
+#[test]
+fn settings_that_are_not_numbers_or_flags_are_refused_at_construction_and_on_load() {
+    let v = || {
+        vec![(
+            "w".to_string(),
+            Var::ones(2, DType::F32, &Device::Cpu).unwrap(),
+        )]
+    };
+    let dampening = SgdConfig {
+        momentum: 0.9,
+        dampening: f64::NAN,
+        ..Default::default()
+    };
+    let err = Sgd::new_named(v(), dampening).unwrap_err().to_string();
+    assert!(err.contains("invalid dampening NaN"), "{err}");
+    let lr = AdamWConfig {
+        lr: f64::INFINITY,
+        ..Default::default()
+    };
+    let err = AdamW::new_named(v(), lr).unwrap_err().to_string();
+    assert!(err.contains("invalid lr inf"), "{err}");
+
+    // A loaded state: all or nothing, the setting named.
+    let sgd_config = SgdConfig {
+        momentum: 0.9,
+        ..Default::default()
+    };
+    let mut sgd = Sgd::new_named(v(), sgd_config).unwrap();
+    let good = sgd.state().unwrap();
+    let with = |name: &str, value: f64| {
+        let mut state = good.clone();
+        state.settings.insert(name.into(), value);
+        state
+    };
+    for (state, want) in [
+        (
+            with("nesterov", 0.5),
+            "setting `nesterov` is 0.5: a flag must be 0 or 1",
+        ),
+        (with("maximize", 2.0), "setting `maximize` is 2"),
+        (with("dampening", f64::NAN), "invalid dampening NaN"),
+        (with("lr", f64::NEG_INFINITY), "invalid lr -inf"),
+    ] {
+        let err = sgd.load_state(&state).unwrap_err().to_string();
+        assert!(err.contains(want), "{err}");
+        assert_eq!(*sgd.config(), sgd_config, "nothing loaded");
+    }
+    let mut adam = Adam::new_named(v(), AdamConfig::default()).unwrap();
+    let mut amsgrad = adam.state().unwrap();
+    amsgrad.settings.insert("amsgrad".into(), -1.0);
+    let err = adam.load_state(&amsgrad).unwrap_err().to_string();
+    assert!(err.contains("setting `amsgrad` is -1"), "{err}");
+    assert_eq!(adam.config(), AdamConfig::default(), "nothing loaded");
+}
+
+#[test]
 fn an_f16_parameter_is_refused_naming_it_before_any_update() {
     let a = Var::ones(2, DType::F32, &Device::Cpu).unwrap();
     let h = Var::ones(2, DType::F16, &Device::Cpu).unwrap();

@@ -1,7 +1,7 @@
 //! Checkpoints: save with or without the `module.` prefix, load either, and
 //! report what does not match.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_dp::checkpoint::{self, Prefix};

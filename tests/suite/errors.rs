@@ -1,7 +1,7 @@
 //! Bad input and failing replicas give typed errors naming the culprit, and
 //! leave the master variables untouched.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

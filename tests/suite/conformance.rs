@@ -2,7 +2,7 @@
 //! pins, in candle terms (see the README's conformance table for the map
 //! to PyTorch's tests and for what lives in other test files).
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, HashMap};
 

@@ -5,11 +5,9 @@
 // Closures here return `candle_dp::Result` as the API requires.
 #![allow(clippy::result_large_err)]
 
-mod common;
+use crate::common;
 // Example code shared with the examples; each user needs only part of it.
-#[allow(dead_code)]
-#[path = "../examples/common/datasets.rs"]
-mod datasets;
+use crate::example_datasets as datasets;
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};

@@ -1,7 +1,7 @@
 //! The core guarantee: training through DataParallel on R replicas equals
 //! single-device training on the same global batch, for every backward path.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 

@@ -5,7 +5,7 @@
 //! (`scripts/gpu_check.sh`).
 #![cfg(feature = "nccl")]
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

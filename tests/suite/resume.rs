@@ -5,7 +5,7 @@
 //! their saved weights equal an uninterrupted run's byte for byte. (Under
 //! `mpirun`: `tests/mpi.rs`.)
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Command;

@@ -1,9 +1,7 @@
 //! The bundled digits load completely; the MNIST IDX reader reads what it is given.
 
 // Example code shared with the examples; each user needs only part of it.
-#[allow(dead_code)]
-#[path = "../examples/common/datasets.rs"]
-mod datasets;
+use crate::example_datasets as datasets;
 
 use datasets::{load_digits, load_mnist, shuffled_indices};
 

@@ -857,6 +857,101 @@ fn batch_norm_buffers_are_untouched_by_a_failed_step() {
     });
 }
 
+/// A thread rank whose every all-reduce fails (before reaching the other
+/// ranks, so that none waits): what a dead network does to DDP's
+/// gradient reduction.
+#[derive(Debug)]
+struct AllReduceFails(std::sync::Arc<dyn candle_dp::comm::ProcessGroup>);
+
+impl candle_dp::comm::ProcessGroup for AllReduceFails {
+    fn membership(&self) -> &candle_dp::comm::Membership {
+        self.0.membership()
+    }
+    fn all_reduce(
+        &self,
+        _: &Tensor,
+        _: candle_dp::comm::ReduceOp,
+    ) -> candle_dp::comm::Result<Tensor> {
+        Err(candle_dp::comm::CommError::InvalidInput {
+            rank: self.rank(),
+            op: "all_reduce",
+            culprit: self.rank(),
+            reason: "the network is down (test)".into(),
+        })
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> candle_dp::comm::Result<Tensor> {
+        self.0.broadcast(t, root)
+    }
+    fn all_gather(&self, t: &Tensor) -> candle_dp::comm::Result<Vec<Tensor>> {
+        self.0.all_gather(t)
+    }
+    fn gather(&self, t: &Tensor, root: usize) -> candle_dp::comm::Result<Option<Vec<Tensor>>> {
+        self.0.gather(t, root)
+    }
+    fn scatter(&self, ts: Option<&[Tensor]>, root: usize) -> candle_dp::comm::Result<Tensor> {
+        self.0.scatter(ts, root)
+    }
+    fn reduce(
+        &self,
+        t: &Tensor,
+        root: usize,
+        op: candle_dp::comm::ReduceOp,
+    ) -> candle_dp::comm::Result<Option<Tensor>> {
+        self.0.reduce(t, root, op)
+    }
+    fn barrier(&self) -> candle_dp::comm::Result<()> {
+        self.0.barrier()
+    }
+    fn all_gather_bytes(&self, bytes: Vec<u8>) -> candle_dp::comm::Result<Vec<Vec<u8>>> {
+        self.0.all_gather_bytes(bytes)
+    }
+    fn abort(&self, reason: &str) {
+        self.0.abort(reason)
+    }
+    fn failure(&self) -> Option<candle_dp::comm::Failure> {
+        self.0.failure()
+    }
+}
+
+#[test]
+fn a_pipeline_in_ddp_whose_all_reduce_fails_leaves_the_batch_norm_buffers_untouched() {
+    within(60, || {
+        let init = bn_init(0.1, true);
+        let (x, y) = data(8);
+        let ranks = spawn_with(2, bounded_group(), move |mut ctx| {
+            let varmap = copy_of(&init);
+            // Every all-reduce fails: the step's gradients cannot be
+            // averaged (DDP's construction needs none).
+            ctx.pg = std::sync::Arc::new(AllReduceFails(ctx.pg));
+            let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+                .chunks(2)
+                .build(bn_layers(0.1, true))?;
+            let mut ddp = DistributedDataParallel::from_module(
+                ctx.process_group(),
+                &varmap,
+                pipe,
+                DdpConfig::default(),
+            )?;
+            let before = (buffers_of(&varmap), values(&varmap));
+            let (x, y) = (x.narrow(0, 4 * ctx.rank, 4)?, y.narrow(0, 4 * ctx.rank, 4)?);
+            let err = ddp
+                .forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+                    loss::cross_entropy(o, y)
+                })
+                .unwrap_err();
+            anyhow::ensure!(err.to_string().contains("network is down"), "{err}");
+            Ok((before, (buffers_of(&varmap), values(&varmap))))
+        })
+        .unwrap();
+        for (rank, (before, after)) in ranks.into_iter().enumerate() {
+            assert!(
+                before == after,
+                "rank {rank}: the failed step moved the buffers"
+            );
+        }
+    });
+}
+
 #[test]
 fn a_layer_with_a_batch_norm_inside_keeps_per_micro_batch_statistics() {
     // Linear and BatchNorm in one layer, or a ReLU before the norm (the
@@ -1423,6 +1518,112 @@ fn a_dropout_layer_fails_a_checkpointed_step_named_and_changes_nothing() {
             loss::cross_entropy(o, y)
         })
         .unwrap();
+    });
+}
+
+/// Rows of `x` set to zero: a Dropout on them gives the same output
+/// whatever its mask.
+fn zero_rows(x: &Tensor, rows: usize) -> Tensor {
+    let (n, cols) = x.dims2().unwrap();
+    let zeros = Tensor::zeros((rows, cols), x.dtype(), x.device()).unwrap();
+    Tensor::cat(&[&zeros, &x.narrow(0, rows, n - rows).unwrap()], 0).unwrap()
+}
+
+#[test]
+fn every_recomputed_micro_batch_is_checked_not_only_the_first() {
+    use candle_dp::pipeline::Checkpoint;
+    // Micro-batch 0 is all padding (zero rows): the Dropout in front gives
+    // it the same output whatever its mask, so its recomputation matches.
+    // Micro-batch 1's does not, in either mode that recomputes it.
+    let layers = || {
+        vec![
+            layer(|_| Ok(candle_nn::Dropout::new(0.5))),
+            layer(|vb| linear(6, 10, vb.pp("l1"))),
+            layer(|vb| linear(10, 3, vb.pp("l2"))),
+        ]
+    };
+    let (x, y) = data(6);
+    let x = zero_rows(&x, 2);
+    within(60, move || {
+        for (checkpoint, schedule) in [
+            (Checkpoint::Always, Schedule::OneFOneB),
+            (Checkpoint::ExceptLast, Schedule::OneFOneB),
+            (Checkpoint::Always, Schedule::GPipe),
+            (
+                Checkpoint::ExceptLast,
+                Schedule::Interleaved1F1B {
+                    stages_per_device: 1,
+                },
+            ),
+        ] {
+            let varmap = VarMap::new();
+            let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+                .balance(Balance::Explicit(vec![2, 1]))
+                .chunks(3)
+                .schedule(schedule)
+                .checkpoint(checkpoint)
+                .build(layers())
+                .unwrap();
+            let before = values(&varmap);
+            let err = pipe
+                .forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+                    loss::cross_entropy(o, y)
+                })
+                .unwrap_err();
+            let message = err.to_string();
+            assert!(
+                matches!(
+                    err,
+                    Error::Stage {
+                        stage: 0,
+                        micro_batch: 1,
+                        ..
+                    }
+                ) && message.contains("layer 0 gives another output")
+                    && message.contains("micro-batch 1"),
+                "{checkpoint:?}, {schedule:?}: {message}"
+            );
+            assert_eq!(values(&varmap), before, "{checkpoint:?}: nothing trained");
+        }
+    });
+}
+
+#[test]
+fn a_random_layer_whose_output_a_later_layer_hides_is_caught() {
+    use candle_dp::pipeline::Checkpoint;
+    // A zero-initialised projection after the Dropout (as in ReZero or a
+    // LoRA adapter): the stage's output is the bias whatever the mask, but
+    // the projection's weight gradient depends on it.
+    let layers = || {
+        vec![
+            layer(|vb| linear(6, 10, vb.pp("l1"))),
+            layer(|_| Ok(candle_nn::Dropout::new(0.5))),
+            layer(|vb| linear(10, 3, vb.pp("l2"))),
+        ]
+    };
+    let (x, y) = data(8);
+    within(60, move || {
+        let varmap = VarMap::new();
+        let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(1))
+            .chunks(2)
+            .checkpoint(Checkpoint::Always)
+            .build(layers())
+            .unwrap();
+        {
+            let data = varmap.data().lock().unwrap();
+            let w = &data["l2.weight"];
+            w.set(&w.zeros_like().unwrap()).unwrap();
+        }
+        let err = pipe
+            .forward_backward(&x, &y, LossReduction::Mean, |o, y| {
+                loss::cross_entropy(o, y)
+            })
+            .unwrap_err();
+        let message = err.to_string();
+        assert!(
+            message.contains("layer 1 gives another output") && message.contains("micro-batch 0"),
+            "{message}"
+        );
     });
 }
 

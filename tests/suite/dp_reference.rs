@@ -2,7 +2,7 @@
 //! see tests/data/FIXTURES.md): BatchNorm in training mode, replica 0's buffer
 //! updates kept, the others' discarded, gradients summed into the master.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Tensor};
 use candle_dp::{cpu_devices, DataParallel, LossReduction};

@@ -1,7 +1,7 @@
 //! DistributedDataParallel on thread ranks: equivalence with single-device
 //! training, no_sync, buffers, unused parameters, hooks, join, faults.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -559,6 +559,47 @@ fn inside_join_a_step_synchronises_as_agreed_at_its_forward() {
     })
     .unwrap();
     assert_eq!(ranks, [vec![true], vec![true, true]]);
+}
+
+/// Outside `join` the same rule as inside: the forward decides. A
+/// backward moved into `no_sync` after a forward outside it synchronises;
+/// a backward after `no_sync` of a forward inside it only accumulates,
+/// and the next synchronised step reduces the sum.
+#[test]
+#[allow(clippy::result_large_err)] // no_sync's closure returns candle_dp::Result
+fn whether_a_step_synchronises_is_decided_at_its_forward_as_in_pytorch() {
+    let data = batches(3, 4);
+    let ranks = within(60, move || {
+        spawn_with(2, bounded(), |ctx| {
+            let varmap = VarMap::new();
+            let mut ddp = mlp_ddp(&ctx, &varmap, DdpConfig::default())?;
+            let reduced = |grads: &candle_core::backprop::GradStore,
+                           ddp: &DistributedDataParallel<Mlp>| {
+                ddp.params().iter().all(|(_, v)| grads.get(v).is_some())
+            };
+            let (x, y) = &data[0];
+            let loss = loss::cross_entropy(&ddp.forward(x)?, y)?;
+            let grads = ddp.no_sync(|ddp| ddp.backward(&loss))?;
+            let moved_in = reduced(&grads, &ddp);
+
+            let (x, y) = &data[1];
+            let loss = ddp.no_sync(|ddp| -> anyhow::Result<Tensor> {
+                Ok(loss::cross_entropy(&ddp.forward(x)?, y)?)
+            })?;
+            let grads = ddp.backward(&loss)?;
+            let moved_out = reduced(&grads, &ddp);
+            let accumulated_sum = {
+                let (x, y) = &data[2];
+                let loss = loss::cross_entropy(&ddp.forward(x)?, y)?;
+                ddp.backward(&loss)?
+            };
+            Ok((moved_in, moved_out, reduced(&accumulated_sum, &ddp)))
+        })
+    })
+    .unwrap();
+    for (rank, outcome) in ranks.into_iter().enumerate() {
+        assert_eq!(outcome, (true, false, true), "rank {rank}");
+    }
 }
 
 #[test]

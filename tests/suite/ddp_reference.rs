@@ -7,7 +7,7 @@
 // The closure given to `join` returns `candle_dp::Result` as the API requires.
 #![allow(clippy::result_large_err)]
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 // Closures here return `candle_dp::Result` as the API requires.
 #![allow(clippy::result_large_err)]
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -177,8 +177,17 @@ fn only_the_newest_states_are_kept_and_crashed_saves_are_cleared() {
     let states = StateDir::new(&dir).unwrap().keep(2);
     let varmap = model();
     let opt = trained(&varmap);
-    // What a save killed midway leaves: a temporary folder.
-    std::fs::create_dir_all(dir.join(".tmp-state-000000000099-1-0")).unwrap();
+    // What a save killed midway leaves: a temporary folder, named with the
+    // process that wrote it (here one that cannot exist: pids are below
+    // 2^22 on Linux).
+    std::fs::create_dir_all(dir.join(".tmp-state-000000000099-4294967295-0")).unwrap();
+    // Another process's save in progress (this test's parent, alive) is
+    // left alone.
+    let parent = format!(
+        ".tmp-state-000000000098-{}-0",
+        std::os::unix::process::parent_id()
+    );
+    std::fs::create_dir_all(dir.join(&parent)).unwrap();
     for step in 1..=5 {
         states.save(&varmap, &state_at(step, &opt)).unwrap();
     }
@@ -187,7 +196,10 @@ fn only_the_newest_states_are_kept_and_crashed_saves_are_cleared() {
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     names.sort();
-    assert_eq!(names.len(), 2, "{names:?}");
+    assert_eq!(names.len(), 3, "{names:?}");
+    assert_eq!(names[0], parent, "{names:?}");
+    std::fs::remove_dir_all(dir.join(&parent)).unwrap();
+    names.remove(0);
     assert!(names[0].starts_with("state-000000000004-"), "{names:?}");
     assert!(names[1].starts_with("state-000000000005-"), "{names:?}");
     // Saving the same step again (a resumed run) makes a newer state.
@@ -208,6 +220,56 @@ fn only_the_newest_states_are_kept_and_crashed_saves_are_cleared() {
         latest_name, names[1],
         "a new folder, not the old one rewritten"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The step of each state left in `dir`, in the order of their folders'
+/// save numbers.
+fn steps_left(dir: &std::path::Path) -> Vec<u64> {
+    let mut states: Vec<(u64, u64)> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            let (step, n) = name.strip_prefix("state-")?.split_once('-')?;
+            Some((n.parse().unwrap(), step.parse().unwrap()))
+        })
+        .collect();
+    states.sort();
+    states.into_iter().map(|(_, step)| step).collect()
+}
+
+#[test]
+fn a_save_of_an_earlier_step_is_the_newest_state_and_is_never_pruned() {
+    let dir = scratch("rollback");
+    let varmap = model();
+    let opt = trained(&varmap);
+
+    // keep(1): step 30, then step 10 (a rollback, or a restart in the same
+    // folder). The state just written survives its own save.
+    let one = StateDir::new(&dir).unwrap().keep(1);
+    one.save(&varmap, &state_at(30, &opt)).unwrap();
+    let written = one.save(&varmap, &state_at(10, &opt)).unwrap();
+    assert!(
+        written.join("MANIFEST.json").exists(),
+        "{written:?} was pruned"
+    );
+    assert_eq!(steps_left(&dir), [10]);
+    let latest = one.latest().unwrap().unwrap();
+    assert_eq!(
+        (latest.path.as_path(), latest.state.progress.step),
+        (written.as_path(), 10)
+    );
+
+    // keep(2): the states saved last stay, whatever their steps; `latest`
+    // and `at_step` follow the order of the saves.
+    let two = StateDir::new(&dir).unwrap().keep(2);
+    two.save(&varmap, &state_at(50, &opt)).unwrap();
+    two.save(&varmap, &state_at(20, &opt)).unwrap();
+    assert_eq!(steps_left(&dir), [50, 20]);
+    assert_eq!(two.latest().unwrap().unwrap().state.progress.step, 20);
+    let again = two.save(&varmap, &state_at(50, &opt)).unwrap();
+    assert_eq!(steps_left(&dir), [20, 50]);
+    assert_eq!(two.at_step(50).unwrap().unwrap().path, again);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

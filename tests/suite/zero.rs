@@ -4,7 +4,7 @@
 //! the number of parameters; the shards of the optimizer state saved and
 //! loaded on the same and another world size; what ZeRO refuses.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 
@@ -94,6 +94,36 @@ fn reduce_scatter_counts_that_differ_name_the_rank_on_every_rank_and_the_group_g
             assert!(names_rank_1, "{message}");
             assert!(message.contains("[1, 3]"), "{message}");
             assert_eq!(after, [2., 4., 6., 8.], "the group still works");
+        }
+    });
+}
+
+#[test]
+fn reduce_scatter_counts_whose_sum_overflows_are_refused_naming_the_rank_and_the_group_goes_on() {
+    within(60, || {
+        let results = spawn(2, |ctx| {
+            let x = Tensor::new(&[1f32], &Device::Cpu)?;
+            let counts: &[usize] = if ctx.rank == 1 {
+                &[usize::MAX, 2]
+            } else {
+                &[1, 0]
+            };
+            let err = ctx
+                .pg
+                .reduce_scatter(&x, ReduceOp::Sum, counts)
+                .unwrap_err();
+            let ok = ctx.pg.all_reduce(&x, ReduceOp::Sum)?.to_vec1::<f32>()?;
+            Ok((
+                err.to_string(),
+                matches!(err, CommError::InvalidInput { culprit: 1, .. }),
+                ok,
+            ))
+        })
+        .unwrap();
+        for (message, names_rank_1, after) in results {
+            assert!(names_rank_1, "{message}");
+            assert!(message.contains("add up to more than"), "{message}");
+            assert_eq!(after, [2.], "the group still works");
         }
     });
 }
@@ -806,6 +836,148 @@ fn backward_step_with_a_plain_optimizer_is_refused_at_stage_2() {
             assert!(
                 matches!(&err, Error::Zero(m) if m.contains("ZeroOptimizer")),
                 "{err}"
+            );
+        }
+    });
+}
+
+/// `Net` and a zero-element `f64` parameter, alone in its dtype (a group
+/// with nothing to reduce or gather); it joins the loss as its empty sum.
+struct WithEmpty {
+    net: Net,
+    empty: Tensor,
+}
+
+impl Module for WithEmpty {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.net
+            .forward(x)?
+            .broadcast_add(&self.empty.sum_all()?.to_dtype(DType::F32)?)
+    }
+}
+
+/// `world` ranks train `WithEmpty` 3 steps with the crate's SGD (momentum),
+/// under DDP or ZeRO `zero`; rank 0's weights.
+fn train_with_empty(world: usize, zero: Option<ZeroStage>) -> HashMap<String, Tensor> {
+    use candle_dp::optim::{Sgd, SgdConfig};
+    let config = SgdConfig {
+        lr: 0.1,
+        momentum: 0.9,
+        ..Default::default()
+    };
+    let mut ranks = spawn(world, move |ctx| {
+        let make = |vb: VarBuilder| -> candle_core::Result<WithEmpty> {
+            Ok(WithEmpty {
+                net: Net::new(vb.clone())?,
+                empty: vb.get_with_hints_dtype(
+                    0,
+                    "empty",
+                    candle_nn::Init::Const(0.),
+                    DType::F64,
+                )?,
+            })
+        };
+        let varmap =
+            candle_dp::seeded_varmap(3, DType::F32, &Device::Cpu, |vb| make(vb).map(|_| ()))?;
+        let mut builder = DistributedDataParallel::builder(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+        );
+        if let Some(stage) = zero {
+            builder = builder.zero(stage);
+        }
+        let mut ddp = builder.build(make)?;
+        let mut zero_opt = match zero {
+            Some(_) => Some(ZeroOptimizer::new(&ddp, |mine| {
+                Sgd::new_named(mine, config)
+            })?),
+            None => None,
+        };
+        let mut plain = Sgd::from_varmap(&varmap, config)?;
+        for (x, y) in batches(Model::Net, ctx.rank).into_iter().take(3) {
+            let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+            match zero_opt.as_mut() {
+                Some(opt) => opt.step(&ddp.backward(&loss)?)?,
+                None => ddp.backward_step(&loss, &mut plain)?,
+            }
+        }
+        // `identical` reads f32: the empty f64 parameter converts exactly.
+        Ok(snapshot(&varmap)
+            .into_iter()
+            .map(|(name, t)| (name, t.to_dtype(DType::F32).unwrap()))
+            .collect::<HashMap<_, _>>())
+    })
+    .unwrap();
+    ranks.swap_remove(0)
+}
+
+#[test]
+fn a_dtype_group_of_only_an_empty_parameter_trains_to_the_bytes_of_ddp() {
+    within(120, || {
+        for world in [1, 2, 3] {
+            let ddp = train_with_empty(world, None);
+            assert_eq!(ddp["empty"].dims(), [0]);
+            assert_both_stages_give(&ddp, &format!("{world} ranks"), |stage| {
+                train_with_empty(world, Some(stage))
+            });
+        }
+    });
+}
+
+#[test]
+fn an_incomplete_or_mixed_set_of_shards_is_refused_naming_what_is_missing() {
+    within(120, || {
+        let init = init_of(Model::Net);
+        let (_, three) = zero_adamw_run(3, 0..1, init.clone(), None);
+        let (_, two) = zero_adamw_run(2, 0..1, init.clone(), None);
+        assert_eq!(three[2].shard.map(|s| (s.rank, s.world_size)), Some((2, 3)));
+        let unrecorded = {
+            let mut s = three[1].clone();
+            s.shard = None;
+            s
+        };
+        let cases: Vec<(Vec<OptimizerState>, &str)> = vec![
+            (
+                vec![three[0].clone(), three[2].clone()],
+                "rank(s) [1] of the 3 that saved the state are missing",
+            ),
+            (
+                vec![three[0].clone(), two[1].clone(), three[2].clone()],
+                "saved by rank 1 of 2, shard 0 by a run of 3 ranks",
+            ),
+            (
+                vec![three[0].clone(), three[0].clone(), three[2].clone()],
+                "two shards were saved by rank 0",
+            ),
+            (
+                vec![three[0].clone(), unrecorded, three[2].clone()],
+                "shard 1 does not record which rank saved it",
+            ),
+        ];
+        let results = spawn(3, move |ctx| {
+            let varmap = varmap_from(&init);
+            let (_ddp, mut opt) = net_with_zero(&ctx, &varmap, ZeroStage::Two)?;
+            let mut messages = Vec::new();
+            for (shards, _) in &cases {
+                messages.push(opt.load_shards(shards).unwrap_err().to_string());
+            }
+            // A shard alone is refused by the optimizer's own load_state.
+            let alone = opt.inner_mut().load_state(&cases[0].0[0]).unwrap_err();
+            messages.push(alone.to_string());
+            Ok((messages, opt.inner().state()?.steps, cases.clone()))
+        })
+        .unwrap();
+        for (messages, steps, cases) in results {
+            assert_eq!(steps, 0, "nothing loaded");
+            for ((_, want), got) in cases.iter().zip(&messages) {
+                assert!(got.contains(want), "{got}");
+            }
+            assert!(
+                messages[4].contains("rank 0's shard") && messages[4].contains("load_shards"),
+                "{}",
+                messages[4]
             );
         }
     });

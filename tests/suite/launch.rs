@@ -6,7 +6,7 @@
 //! timeouts): a rank left waiting would end with a `Timeout` error, which the
 //! tests reject, rather than hang.
 
-mod common;
+use crate::common;
 
 use std::sync::Mutex;
 use std::thread;
@@ -455,7 +455,7 @@ fn the_default_timeout_is_30_minutes_or_what_candle_dp_timeout_says() {
         child.args([
             "--ignored",
             "--exact",
-            "print_the_default_timeout",
+            "launch::print_the_default_timeout",
             "--nocapture",
         ]);
         match value {

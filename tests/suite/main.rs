@@ -1,0 +1,36 @@
+//! The integration tests, one module per subject, in one test binary:
+//! each binary links candle, and one binary instead of 21 took about a
+//! minute off a clean build of the suite on 2 cores (README, "The two
+//! commands"). `cargo test --test suite pipeline::` runs one subject.
+//!
+//! The MPI tests (`tests/mpi.rs`, `tests/netcluster.rs`) stay binaries of
+//! their own: `mpirun` starts them as the processes of a job.
+
+#[path = "../common/mod.rs"]
+mod common;
+/// The examples' data sets (the digits, MNIST), which two subjects test.
+#[allow(dead_code)]
+#[path = "../../examples/common/datasets.rs"]
+mod example_datasets;
+
+mod checkpoint;
+mod collectives;
+mod conformance;
+mod datasets;
+mod ddp;
+mod ddp_reference;
+mod dp_reference;
+mod equivalence;
+mod errors;
+mod hardening;
+mod launch;
+mod loader;
+mod nccl;
+mod optim;
+mod pipeline;
+mod resume;
+mod sampler;
+mod scatter_gather;
+mod semantics;
+mod training_state;
+mod zero;
