@@ -69,11 +69,13 @@ impl PipeSpec {
     }
 }
 
-/// What a child measured: per-step wall time, bubble and activation peaks.
+/// What a child measured: per-step wall time, bubble, the share of the
+/// devices' busy time spent checking recomputations, activation peaks.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct PipeMeasured {
     pub step_ms: Vec<f64>,
     pub bubble: Vec<f64>,
+    pub check_share: Vec<f64>,
     pub peak_saved_bytes: Vec<usize>,
 }
 
@@ -171,6 +173,12 @@ pub fn run_child(spec: &PipeSpec) -> Result<PipeMeasured> {
                     measured.step_ms.push(start.elapsed().as_secs_f64() * 1e3);
                     let t = pipe.last_timings();
                     measured.bubble.push(t.bubble());
+                    let total = |d: &[std::time::Duration]| {
+                        d.iter().map(std::time::Duration::as_secs_f64).sum::<f64>()
+                    };
+                    measured
+                        .check_share
+                        .push(total(&t.checking) / total(&t.busy).max(f64::MIN_POSITIVE));
                     measured.peak_saved_bytes = t.peak_saved_bytes;
                 }
             }
@@ -247,6 +255,7 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
             let got = run_in_child(s)?;
             m.step_ms.extend(got.step_ms);
             m.bubble.extend(got.bubble);
+            m.check_share.extend(got.check_share);
             m.peak_saved_bytes = got.peak_saved_bytes;
         }
     }
@@ -254,17 +263,21 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
     let mut md = format!(
         "## Pipeline: MLP {width}x{depth} layers + head, batch {rows}, {stages} CPU devices ({} cores), SGD\n\n\
          S devices, m micro-batches, v stages per device (1 unless interleaved).\n\n\
-         | configuration | ms/step | samples/s | vs one device | bubble measured | bubble (S-1)/(v·m+S-1) | peak activations held for the backward per device (KiB) |\n\
-         |---|---:|---:|---:|---:|---:|---|\n",
+         The check column: the share of the devices' busy time spent \
+         fingerprinting checkpointed forwards and their recomputations \
+         (`PipelineTimings::checking`).\n\n\
+         | configuration | ms/step | samples/s | vs one device | bubble measured | bubble (S-1)/(v·m+S-1) | check | peak activations held for the backward per device (KiB) |\n\
+         |---|---:|---:|---:|---:|---:|---:|---|\n",
         cores()
     );
     for (s, m) in specs.iter().zip(&measured) {
         let ms = median(&m.step_ms);
         let rate = rows as f64 / (ms / 1e3);
-        let (bubble, ideal, peaks) = match s.stages {
-            None => ("-".into(), "-".into(), "-".into()),
+        let (bubble, ideal, check, peaks) = match s.stages {
+            None => ("-".into(), "-".into(), "-".into(), "-".into()),
             Some(k) => (
                 format!("{:.2}", median(&m.bubble)),
+                format!("{:.1}%", 100.0 * median(&m.check_share)),
                 format!(
                     "{:.2}",
                     (k - 1) as f64 / (s.stages_per_device * s.chunks + k - 1) as f64
@@ -278,7 +291,7 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
         };
         let _ = writeln!(
             md,
-            "| {} | {ms:.1} | {rate:.0} | {:.2}x | {bubble} | {ideal} | {peaks} |",
+            "| {} | {ms:.1} | {rate:.0} | {:.2}x | {bubble} | {ideal} | {check} | {peaks} |",
             s.label(),
             single_ms / ms
         );
