@@ -607,7 +607,9 @@ fn zero_shards_at(checkpoints: &std::path::Path, step: u64) -> Result<Vec<Optimi
         .shard
         .context("the ZeRO shard of rank 0 does not record how many shards its step has")?
         .world_size;
-    std::iter::once(Ok(first)).chain((1..world).map(shard)).collect()
+    std::iter::once(Ok(first))
+        .chain((1..world).map(shard))
+        .collect()
 }
 
 /// candle-dp's AdamW (PyTorch's formulas; its state can be saved).

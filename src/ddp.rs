@@ -502,7 +502,10 @@ impl<M> DistributedDataParallel<M> {
     /// forward), inside [`join`](Self::join) or not: a backward
     /// synchronises when its step's forward ran outside `no_sync`, wherever
     /// the backward itself is called. A forward inside `no_sync` whose
-    /// backward runs after it only accumulates.
+    /// backward runs after it only accumulates. Every forward decides for
+    /// the next backward, an evaluation forward between a step's forward
+    /// and its backward included (candle has no switch that turns
+    /// gradients off, which is what spares such a forward in PyTorch).
     pub fn no_sync<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
         let before = std::mem::replace(&mut self.syncing, false);
         // Restored on unwind too: a caught panic must not leave every later

@@ -278,18 +278,21 @@ impl StateDir {
             .join(format!("{TEMPORARY_PREFIX}{step:012}-{unique}"));
         let _writing = InProgress::mark(&temporary);
         let result = self.write(&temporary, varmap, state);
+        // This process's saves take turns from numbering the state to the
+        // end of its pruning: two saves must not take one number, nor
+        // prune each other's new state.
+        let _turn = lock(&PLACING);
         let written = result.and_then(|()| {
-            let target = self
-                .dir
-                .join(format!("{STATE_PREFIX}{step:012}-{}", self.next_index()?));
+            let index = self.next_index()?;
+            let target = self.dir.join(format!("{STATE_PREFIX}{step:012}-{index}"));
             std::fs::rename(&temporary, &target)
                 .map_err(|e| failed(&target, "cannot move it into place", &e))?;
             sync_dir(&self.dir);
-            Ok(target)
+            Ok((target, index))
         });
         match written {
-            Ok(target) => {
-                self.prune(&target);
+            Ok((target, index)) => {
+                self.prune(index);
                 Ok(target)
             }
             Err(error) => {
@@ -421,16 +424,17 @@ impl StateDir {
         Ok(())
     }
 
-    /// Removes the states saved before the newest `keep`, never `current`
-    /// (the state just saved), and the temporary folders of saves that
-    /// crashed (a live process's save in progress is left alone). A
-    /// failure to remove is only warned about: the new state is in place.
-    fn prune(&self, current: &Path) {
+    /// Removes the states saved before the newest `keep`, only ever ones
+    /// saved before `current` (the number of the state just saved, which
+    /// stays), and the temporary folders of saves that crashed (a live
+    /// process's save in progress is left alone). A failure to remove is
+    /// only warned about: the new state is in place.
+    fn prune(&self, current: u64) {
         let Ok(states) = self.states() else { return };
         let older: Vec<PathBuf> = states
             .into_iter()
+            .filter(|(_, n, _)| *n < current)
             .map(|(_, _, path)| path)
-            .filter(|path| path != current)
             .collect();
         let excess = older.len().saturating_sub(self.keep.saturating_sub(1));
         for path in older.into_iter().take(excess) {
@@ -445,29 +449,37 @@ impl StateDir {
             return;
         };
         for entry in entries.flatten() {
-            let path = entry.path();
             let stale = entry.file_name().to_str().is_some_and(|name| {
-                name.starts_with(TEMPORARY_PREFIX) && !writer_may_be_saving(&path, name)
+                name.starts_with(TEMPORARY_PREFIX) && !writer_may_be_saving(name)
             });
             if stale {
-                let _ = std::fs::remove_dir_all(&path);
+                let _ = std::fs::remove_dir_all(entry.path());
             }
         }
         sync_dir(&self.dir);
     }
 }
 
-/// The temporary folders this process is writing now: another thread's
-/// save into the same directory must not prune them.
-static WRITING: Mutex<BTreeSet<PathBuf>> = Mutex::new(BTreeSet::new());
+/// The names of the temporary folders this process is writing now
+/// (unique: they hold the process id and a count of its saves): another
+/// thread's save into the same directory, however it spells the
+/// directory's path, must not prune them.
+static WRITING: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+
+/// Held from numbering a state to the end of its pruning (see `save`).
+static PLACING: Mutex<()> = Mutex::new(());
 
 /// Marks a temporary folder as being written, until dropped.
-struct InProgress(PathBuf);
+struct InProgress(String);
 
 impl InProgress {
     fn mark(folder: &Path) -> Self {
-        lock(&WRITING).insert(folder.to_path_buf());
-        Self(folder.to_path_buf())
+        let name = folder
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        lock(&WRITING).insert(name.clone());
+        Self(name)
     }
 }
 
@@ -479,9 +491,11 @@ impl Drop for InProgress {
 
 /// Whether the save that made the temporary folder `name`
 /// (`.tmp-state-<step>-<pid>-<n>`) may still be running: one of this
-/// process's saves in progress, or another process that is alive (Linux's
-/// `/proc` tells; elsewhere any other process counts as alive).
-fn writer_may_be_saving(folder: &Path, name: &str) -> bool {
+/// process's saves in progress, or, on Linux, another process that is
+/// alive (`/proc` tells; a crashed save whose process id was reused stays
+/// until that process ends). Elsewhere another process's folder counts as
+/// left by a crash, as it did before: one process saves into a directory.
+fn writer_may_be_saving(name: &str) -> bool {
     let pid = name
         .strip_prefix(TEMPORARY_PREFIX)
         .and_then(|rest| rest.split('-').nth(1))
@@ -490,13 +504,9 @@ fn writer_may_be_saving(folder: &Path, name: &str) -> bool {
         return false;
     };
     if pid == std::process::id() {
-        return lock(&WRITING).contains(folder);
+        return lock(&WRITING).contains(name);
     }
-    if cfg!(target_os = "linux") {
-        Path::new("/proc").join(pid.to_string()).exists()
-    } else {
-        true
-    }
+    cfg!(target_os = "linux") && Path::new("/proc").join(pid.to_string()).exists()
 }
 
 /// Checks that every rank found the same state to resume from (the step it

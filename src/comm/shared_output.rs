@@ -16,9 +16,8 @@ use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::{Mutex, OnceLock};
 
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Tensor, WithDType};
 
-use super::buffer::Element;
 use crate::lock::lock;
 
 /// `len` elements written by several ranks, each its own range, then turned
@@ -36,12 +35,13 @@ pub(crate) struct SharedOutput<T> {
 
 // SAFETY: `start` points into the `Vec` this value owns and is only written
 // through `chunk_mut`, whose callers promise disjoint ranges; `T` is plain
-// data (`Element`), sendable between threads.
-unsafe impl<T: Element> Send for SharedOutput<T> {}
+// data (candle's `WithDType`: `Copy + Send + Sync + 'static`), sendable
+// between threads.
+unsafe impl<T: WithDType> Send for SharedOutput<T> {}
 // SAFETY: as above; everything else is behind a `Mutex` or `OnceLock`.
-unsafe impl<T: Element> Sync for SharedOutput<T> {}
+unsafe impl<T: WithDType> Sync for SharedOutput<T> {}
 
-impl<T: Element> SharedOutput<T> {
+impl<T: WithDType> SharedOutput<T> {
     /// The number of elements.
     pub(crate) fn len(&self) -> usize {
         self.len
@@ -153,7 +153,7 @@ pub(crate) trait Filled: Send + Sync {
 /// have all finished.
 pub(crate) struct Complete<T>(std::sync::Arc<SharedOutput<T>>);
 
-impl<T: Element> Complete<T> {
+impl<T: WithDType> Complete<T> {
     /// # Safety
     ///
     /// As [`SharedOutput::tensor`]: every element written, every writer done.
@@ -162,7 +162,7 @@ impl<T: Element> Complete<T> {
     }
 }
 
-impl<T: Element> Filled for Complete<T> {
+impl<T: WithDType> Filled for Complete<T> {
     fn to_tensor(&self, dims: &[usize], device: &Device) -> candle_core::Result<Tensor> {
         // SAFETY: `Complete::new`'s promise.
         let tensor = unsafe { self.0.tensor(dims)? };

@@ -63,7 +63,10 @@ pub trait StatefulOptimizer: candle_nn::Optimizer {
     ///
     /// [`Error::OptimizerState`] when `state` is another kind's, names a
     /// parameter or slot this optimizer does not have, has a tensor of the
-    /// wrong shape, or an unknown setting.
+    /// wrong shape, an unknown setting, a setting that is not a finite
+    /// number or a flag that is neither 0 nor 1, or is one rank's shard of
+    /// a sharded state ([`OptimizerState::shard`]: load every shard with
+    /// [`ZeroOptimizer::load_shards`](crate::zero::ZeroOptimizer::load_shards)).
     fn load_state(&mut self, state: &OptimizerState) -> Result<()>;
 }
 

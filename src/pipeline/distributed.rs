@@ -77,7 +77,9 @@ impl DistributedDataParallel<Pipeline> {
         self.record_backward(start.elapsed());
         let grads = self.synchronise(&step.grads)?;
         // The BatchNorm statistics move only once the all-reduce has
-        // succeeded too: a failed step changes nothing.
+        // succeeded too: a failed step changes nothing. (The commit itself
+        // only writes values already converted to each buffer's device
+        // and dtype.)
         self.module().commit(&ran)?;
         let without_grad = if self.is_syncing() {
             self.vars_without_grad().to_vec()

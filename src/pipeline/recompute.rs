@@ -192,7 +192,7 @@ pub(crate) fn mismatch(
     Some(if k < layers {
         format!(
             "layer {} gives another output each time it runs on the same input (it draws \
-             random numbers, as Dropout does)",
+             random numbers, as Dropout does, or reads state that changes between runs)",
             first + k
         )
     } else {

@@ -383,15 +383,21 @@ fn check_complete_set(shards: &[OptimizerState]) -> Result<()> {
         }
     }
     let world = world.unwrap_or(0);
-    let missing: Vec<usize> = (0..world).filter(|r| !ranks.contains(r)).collect();
-    if missing.is_empty() {
-        Ok(())
-    } else {
-        refuse(format!(
-            "the shards of rank(s) {missing:?} of the {world} that saved the state are missing: \
-             their parameters would restart from no state"
-        ))
+    if ranks.len() == world {
+        return Ok(());
     }
+    // At most `shards.len()` ranks are present, so this ends after a few
+    // steps whatever world size a shard claims.
+    let missing: Vec<usize> = (0..world).filter(|r| !ranks.contains(r)).take(8).collect();
+    let more = if world - ranks.len() > missing.len() {
+        format!(" (and {} more)", world - ranks.len() - missing.len())
+    } else {
+        String::new()
+    };
+    refuse(format!(
+        "the shards of rank(s) {missing:?}{more} of the {world} that saved the state are \
+         missing: their parameters would restart from no state"
+    ))
 }
 
 /// The parameters by dtype and device, in order of first appearance (the

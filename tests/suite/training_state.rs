@@ -274,6 +274,31 @@ fn a_save_of_an_earlier_step_is_the_newest_state_and_is_never_pruned() {
 }
 
 #[test]
+fn saves_from_two_threads_into_one_directory_never_lose_every_state() {
+    let dir = scratch("two_writers");
+    let varmap = model();
+    let opt = trained(&varmap);
+    let states = StateDir::new(&dir).unwrap().keep(1);
+    within(120, move || {
+        std::thread::scope(|s| {
+            for writer in 0..2u64 {
+                let (states, varmap, opt) = (&states, &varmap, &opt);
+                s.spawn(move || {
+                    for k in 0..10 {
+                        states
+                            .save(varmap, &state_at(100 * writer + k, opt))
+                            .unwrap();
+                    }
+                });
+            }
+        });
+        assert_eq!(steps_left(states.path()).len(), 1, "keep(1) keeps one");
+        assert!(states.latest().unwrap().is_some());
+        std::fs::remove_dir_all(states.path()).unwrap();
+    });
+}
+
+#[test]
 fn a_restore_that_does_not_fit_changes_neither_the_model_nor_the_optimizer() {
     let dir = scratch("misfit");
     let states = StateDir::new(&dir).unwrap();

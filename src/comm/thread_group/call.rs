@@ -10,11 +10,10 @@ use candle_core::Tensor;
 use crossbeam::channel::{self, Receiver, TryRecvError};
 use crossbeam::select;
 
-use super::collectives::meta;
 use super::group::{Links, ThreadRank};
 use crate::comm::buffer::{Buffer, Input};
 use crate::comm::op::Op;
-use crate::comm::protocol::{self, Body, Envelope, Header, OpSig, Piece, Signature};
+use crate::comm::protocol::{self, Body, Envelope, Header, OpSig, Piece, Signature, TensorMeta};
 use crate::comm::ring::Link;
 use crate::comm::{CommError, Failure, FailureCause, ProcessGroup, Result};
 use crate::lock::lock;
@@ -154,7 +153,7 @@ impl Call<'_> {
         let input = Input::new(tensor);
         let sig = Signature {
             op,
-            meta: meta(tensor),
+            meta: Some(TensorMeta::of(tensor)),
             invalid: invalid.or_else(|| input.as_ref().err().cloned()),
         };
         self.exchange_with_input(sig, |_| None, input.as_ref().ok())

@@ -61,7 +61,7 @@ fn local_copy(tensor: &Tensor) -> Local {
     Buffer::from_tensor(tensor).map(Arc::new)
 }
 
-pub(super) fn meta(tensor: &Tensor) -> Option<TensorMeta> {
+fn meta(tensor: &Tensor) -> Option<TensorMeta> {
     Some(TensorMeta::of(tensor))
 }
 
