@@ -244,6 +244,11 @@ pub enum Error {
     #[error("ZeRO: {0}")]
     Zero(String),
 
+    /// A learning-rate schedule that cannot be built, stepped further, or
+    /// loaded (see [`LrScheduler`](crate::optim::LrScheduler)).
+    #[error("learning-rate schedule: {0}")]
+    LrSchedule(String),
+
     /// The ranks found different training states to resume from (see
     /// [`check_ranks_agree`](crate::training_state::check_ranks_agree)).
     #[error("rank {rank} would resume from {}, rank 0 from {}: every rank must resume from the same state (is the checkpoint directory shared by all of them?)", describe_step(*step), describe_step(*rank0_step))]

@@ -31,6 +31,10 @@
 //! loads back only into the same variables in the same order (note that
 //! `VarMap::all_vars` does not promise an order).
 //!
+//! [`LrScheduler`] gives any candle optimizer PyTorch's learning-rate
+//! schedules (`LinearLR`, `CosineAnnealingLR`, `StepLR`, `ExponentialLR`,
+//! `OneCycleLR`, `SequentialLR`, `LambdaLR`), step for step.
+//!
 //! Parameters may be f32 or f64, on any device (the update runs on the
 //! host: a parameter on a GPU is copied there and back).
 //!
@@ -55,9 +59,11 @@
 
 mod adam;
 mod element;
+mod lr_schedule;
 mod sgd;
 mod state;
 
 pub use adam::{Adam, AdamConfig, AdamW, AdamWConfig};
+pub use lr_schedule::{Anneal, LrLambda, LrScheduler, LrSchedulerState, OneCycleConfig};
 pub use sgd::{Sgd, SgdConfig};
 pub use state::{OptimizerState, ShardOf, StatefulOptimizer};

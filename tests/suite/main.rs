@@ -25,6 +25,7 @@ mod errors;
 mod hardening;
 mod launch;
 mod loader;
+mod lr_schedule;
 mod nccl;
 mod optim;
 mod pipeline;

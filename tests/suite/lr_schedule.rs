@@ -1,0 +1,232 @@
+//! Learning-rate schedules: PyTorch's chainable formulas against their
+//! closed forms, the worked sequences of a warm-up into a cosine and of a
+//! one-cycle schedule, exact resume, refusals, and the rate set on an
+//! optimizer.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Var};
+use candle_dp::optim::{LrScheduler, OneCycleConfig};
+use candle_dp::Error;
+use candle_nn::{Optimizer, SGD};
+
+/// The rate before each of the first `steps` optimizer steps.
+fn rates(mut schedule: LrScheduler, steps: usize) -> Vec<f64> {
+    (0..steps)
+        .map(|_| {
+            let lr = schedule.lr();
+            schedule.step().unwrap();
+            lr
+        })
+        .collect()
+}
+
+/// `|a - b|` relative to `|b|`, absolute where `b` is 0.
+fn rel(a: f64, b: f64) -> f64 {
+    if b == 0.0 {
+        a.abs()
+    } else {
+        ((a - b) / b).abs()
+    }
+}
+
+fn assert_close(got: &[f64], want: &[f64], tolerance: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (k, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            rel(*g, *w) <= tolerance,
+            "{what}, step {k}: {g} against {w} ({:.2e})",
+            rel(*g, *w)
+        );
+    }
+}
+
+#[test]
+fn chainable_rates_follow_the_closed_forms_over_100_steps() {
+    let pi = std::f64::consts::PI;
+    let closed = |f: &dyn Fn(f64) -> f64| (0..100).map(|n| f(n as f64)).collect::<Vec<_>>();
+    let cases: Vec<(LrScheduler, Vec<f64>, &str)> = vec![
+        (
+            // Past T_max the cosine rises again, as PyTorch's.
+            LrScheduler::cosine_annealing(0.5, 30, 0.01).unwrap(),
+            closed(&|n| 0.01 + (0.5 - 0.01) * (1.0 + (pi * n / 30.0).cos()) / 2.0),
+            "cosine",
+        ),
+        (
+            LrScheduler::linear(0.2, 1.0 / 3.0, 1.0, 5).unwrap(),
+            closed(&|n| 0.2 * (1.0 / 3.0 + (1.0 - 1.0 / 3.0) * n.min(5.0) / 5.0)),
+            "linear",
+        ),
+        (
+            LrScheduler::step_lr(0.1, 7, 0.5).unwrap(),
+            closed(&|n| 0.1 * 0.5f64.powf((n / 7.0).floor())),
+            "step",
+        ),
+        (
+            LrScheduler::exponential(0.1, 0.97).unwrap(),
+            closed(&|n| 0.1 * 0.97f64.powf(n)),
+            "exponential",
+        ),
+        (
+            LrScheduler::lambda(0.3, Arc::new(|n| 1.0 / (1.0 + n as f64))).unwrap(),
+            closed(&|n| 0.3 * (1.0 / (1.0 + n))),
+            "lambda",
+        ),
+    ];
+    for (schedule, want, what) in cases {
+        // The recursive forms are running products: they drift from the
+        // closed form by a few ulps a step, about 1e-13 over 100 steps.
+        assert_close(&rates(schedule, 100), &want, 1e-12, what);
+    }
+}
+
+#[test]
+fn a_linear_warm_up_then_a_cosine_gives_pytorchs_sequence() {
+    // PyTorch: SequentialLR([LinearLR(s=0.1, T=4), CosineAnnealingLR(T_max=6)],
+    // milestones=[4]) at base rate 1.0 (its formulas evaluated by hand:
+    // the cosine starts from its closed form at 0, the base rate).
+    let warm_up = LrScheduler::linear(1.0, 0.1, 1.0, 4).unwrap();
+    let cosine = LrScheduler::cosine_annealing(1.0, 6, 0.0).unwrap();
+    let schedule = LrScheduler::sequential(1.0, vec![warm_up, cosine], vec![4]).unwrap();
+    let want = [
+        0.1,
+        0.325,
+        0.55,
+        0.775,
+        1.0,
+        0.933_012_701_892_219_3,
+        0.75,
+        0.5,
+        0.25,
+        0.066_987_298_107_780_7,
+        0.0,
+        0.066_987_298_107_780_7,
+    ];
+    assert_close(&rates(schedule, 12), &want, 1e-12, "warm-up then cosine");
+}
+
+#[test]
+fn one_cycle_with_pytorchs_defaults_rises_falls_and_ends() {
+    let mut schedule = LrScheduler::one_cycle(1.0, 10, OneCycleConfig::default()).unwrap();
+    let mut got = Vec::new();
+    let mut momenta = Vec::new();
+    for _ in 0..10 {
+        got.push(schedule.lr());
+        momenta.push(schedule.momentum().unwrap());
+        schedule.step().unwrap();
+    }
+    // max_lr / 25 up to 1.0 over 3 steps, then down to 4e-6 (a
+    // ten-thousandth of the start) by the last.
+    let want = [
+        0.04,
+        0.52,
+        1.0,
+        0.950_484_632_013_474,
+        0.811_745_653_949_763,
+        0.611_262_021_936_289,
+        0.388_741_978_063_711,
+        0.188_258_346_050_237,
+        0.049_519_367_986_526_3,
+        4e-6,
+    ];
+    assert_close(&got, &want, 1e-12, "one-cycle rates");
+    // The momentum against the rate: 0.95 down to 0.85 at the peak.
+    assert_close(
+        &momenta[..4],
+        &[0.95, 0.90, 0.85, 0.854_951_556_604_879],
+        1e-12,
+        "one-cycle momenta",
+    );
+    // Step total_steps is reached (its rate extrapolates the last phase,
+    // as PyTorch's); one more is an error, and the schedule stays where it
+    // was.
+    let at_end = schedule.lr();
+    assert!(rel(at_end, 0.049_519_367_986_526_2) < 1e-12, "{at_end}");
+    let err = schedule.step().unwrap_err();
+    assert!(
+        matches!(err, Error::LrSchedule(_)) && err.to_string().contains("10 steps"),
+        "{err}"
+    );
+    assert_eq!(schedule.lr(), at_end);
+}
+
+#[test]
+fn a_schedule_resumed_from_its_state_continues_bit_for_bit() {
+    let build = || {
+        let warm_up = LrScheduler::linear(0.01, 0.2, 1.0, 10).unwrap();
+        let cosine = LrScheduler::cosine_annealing(0.01, 50, 1e-4).unwrap();
+        LrScheduler::sequential(0.01, vec![warm_up, cosine], vec![10]).unwrap()
+    };
+    let whole = rates(build(), 80);
+    let mut first = build();
+    for _ in 0..37 {
+        first.step().unwrap();
+    }
+    let saved = serde_json::to_string(&first.state()).unwrap();
+    let mut resumed = build();
+    resumed
+        .load_state(&serde_json::from_str(&saved).unwrap())
+        .unwrap();
+    let rest = rates(resumed, 43);
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&rest), bits(&whole[37..]));
+
+    // A state of another schedule is refused, and nothing changes.
+    let mut cosine = LrScheduler::cosine_annealing(0.01, 50, 1e-4).unwrap();
+    let before = cosine.state();
+    let err = cosine.load_state(&first.state()).unwrap_err();
+    assert!(err.to_string().contains("`sequential` schedule"), "{err}");
+    assert_eq!(cosine.state(), before);
+}
+
+#[test]
+fn schedules_pytorch_refuses_are_refused() {
+    let refused = [
+        LrScheduler::linear(0.1, 0.0, 1.0, 5).map(|_| ()),
+        LrScheduler::linear(0.1, 0.5, 1.5, 5).map(|_| ()),
+        LrScheduler::cosine_annealing(0.1, 0, 0.0).map(|_| ()),
+        LrScheduler::step_lr(0.1, 0, 0.1).map(|_| ()),
+        LrScheduler::one_cycle(1.0, 0, OneCycleConfig::default()).map(|_| ()),
+        LrScheduler::one_cycle(
+            1.0,
+            10,
+            OneCycleConfig {
+                pct_start: 1.5,
+                ..Default::default()
+            },
+        )
+        .map(|_| ()),
+        LrScheduler::exponential(f64::NAN, 0.9).map(|_| ()),
+        LrScheduler::sequential(
+            0.1,
+            vec![LrScheduler::exponential(0.1, 0.9).unwrap()],
+            vec![3],
+        )
+        .map(|_| ()),
+    ];
+    for (k, outcome) in refused.into_iter().enumerate() {
+        assert!(
+            matches!(outcome, Err(Error::LrSchedule(_))),
+            "case {k}: {outcome:?}"
+        );
+    }
+}
+
+#[test]
+fn the_rate_is_set_on_any_candle_optimizer() {
+    let w = Var::ones(3, DType::F32, &Device::Cpu).unwrap();
+    let mut sgd = SGD::new(vec![w], 0.1).unwrap();
+    let mut schedule = LrScheduler::step_lr(sgd.learning_rate(), 2, 0.1).unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..5 {
+        schedule.apply(&mut sgd);
+        seen.push(sgd.learning_rate());
+        schedule.step().unwrap();
+    }
+    assert_close(
+        &seen,
+        &[0.1, 0.1, 0.01, 0.01, 0.001],
+        1e-12,
+        "StepLR on SGD",
+    );
+}
