@@ -277,11 +277,11 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
             None => ("-".into(), "-".into(), "-".into(), "-".into()),
             Some(k) => (
                 format!("{:.2}", median(&m.bubble)),
-                format!("{:.1}%", 100.0 * median(&m.check_share)),
                 format!(
                     "{:.2}",
                     (k - 1) as f64 / (s.stages_per_device * s.chunks + k - 1) as f64
                 ),
+                format!("{:.1}%", 100.0 * median(&m.check_share)),
                 m.peak_saved_bytes
                     .iter()
                     .map(|b| format!("{}", b / 1024))

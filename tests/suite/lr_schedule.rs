@@ -1,4 +1,5 @@
-//! Learning-rate schedules: PyTorch's chainable formulas against their
+//! Learning-rate schedules: real PyTorch's sequences
+//! (`tests/data/lr_reference.json`), the chainable formulas against their
 //! closed forms, the worked sequences of a warm-up into a cosine and of a
 //! one-cycle schedule, exact resume, refusals, and the rate set on an
 //! optimizer.
@@ -39,6 +40,77 @@ fn assert_close(got: &[f64], want: &[f64], tolerance: f64, what: &str) {
             rel(*g, *w)
         );
     }
+}
+
+/// One case of `tests/data/lr_reference.json`.
+#[derive(serde::Deserialize)]
+struct Reference {
+    args: std::collections::BTreeMap<String, f64>,
+    lr: Vec<f64>,
+    momentum: Vec<f64>,
+}
+
+#[test]
+fn pytorchs_schedules_are_reproduced_to_1e_12_over_100_steps() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/lr_reference.json");
+    #[derive(serde::Deserialize)]
+    struct File {
+        torch: String,
+        cases: std::collections::BTreeMap<String, Reference>,
+    }
+    let file: File = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    assert!(file.torch.starts_with("2.15"), "{}", file.torch);
+    let mut worst = 0f64;
+    for (name, case) in &file.cases {
+        let a = |key: &str| case.args[key];
+        let schedule = match name.as_str() {
+            "cosine" => {
+                LrScheduler::cosine_annealing(a("base_lr"), a("T_max") as u64, a("eta_min"))
+            }
+            "linear" => LrScheduler::linear(
+                a("base_lr"),
+                a("start_factor"),
+                a("end_factor"),
+                a("total_iters") as u64,
+            ),
+            "step" => LrScheduler::step_lr(a("base_lr"), a("step_size") as u64, a("gamma")),
+            "exponential" => LrScheduler::exponential(a("base_lr"), a("gamma")),
+            "one_cycle" => LrScheduler::one_cycle(
+                a("max_lr"),
+                a("total_steps") as u64,
+                OneCycleConfig::default(),
+            ),
+            "warmup_cosine" => {
+                let base = a("base_lr");
+                let warm_up =
+                    LrScheduler::linear(base, a("start_factor"), 1.0, a("total_iters") as u64)
+                        .unwrap();
+                let cosine =
+                    LrScheduler::cosine_annealing(base, a("T_max") as u64, a("eta_min")).unwrap();
+                LrScheduler::sequential(base, vec![warm_up, cosine], vec![a("milestone") as u64])
+            }
+            other => panic!("a case this test does not know: {other}"),
+        }
+        .unwrap();
+        let mut schedule = schedule;
+        for (step, (&lr, &momentum)) in case.lr.iter().zip(&case.momentum).enumerate() {
+            let diff = rel(schedule.lr(), lr);
+            worst = worst.max(diff);
+            assert!(
+                diff <= 1e-12,
+                "{name}, step {step}: {} against PyTorch's {lr}",
+                schedule.lr()
+            );
+            if let Some(m) = schedule.momentum() {
+                assert!(
+                    rel(m, momentum) <= 1e-12,
+                    "{name}, step {step}: momentum {m} against {momentum}"
+                );
+            }
+            schedule.step().unwrap();
+        }
+    }
+    eprintln!("largest relative difference from PyTorch 2.15: {worst:.2e}");
 }
 
 #[test]
