@@ -163,22 +163,13 @@ impl AdamConfig {
     /// PyTorch's checks of the constructor.
     fn check(&self, name: &str) -> candle_core::Result<()> {
         let bad = |what: String| Err(candle_core::Error::Msg(format!("{name}: {what}")));
-        check_finite(
-            name,
-            &[
-                ("lr", self.lr),
-                ("eps", self.eps),
-                ("weight_decay", self.weight_decay),
-            ],
-        )?;
-        check_non_negative(
-            name,
-            &[
-                ("lr", self.lr),
-                ("eps", self.eps),
-                ("weight_decay", self.weight_decay),
-            ],
-        )?;
+        let numbers = [
+            ("lr", self.lr),
+            ("eps", self.eps),
+            ("weight_decay", self.weight_decay),
+        ];
+        check_finite(name, &numbers)?;
+        check_non_negative(name, &numbers)?;
         for (setting, value) in [("beta1", self.beta1), ("beta2", self.beta2)] {
             if !(0.0..1.0).contains(&value) {
                 return bad(format!("invalid {setting} {value}: it must be in [0, 1)"));
