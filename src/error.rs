@@ -249,6 +249,11 @@ pub enum Error {
     #[error("learning-rate schedule: {0}")]
     LrSchedule(String),
 
+    /// Gradients that cannot be clipped as asked (see
+    /// [`clip_grad_norm`](crate::optim::clip_grad_norm)).
+    #[error("gradient clipping: {0}")]
+    Clip(String),
+
     /// The ranks found different training states to resume from (see
     /// [`check_ranks_agree`](crate::training_state::check_ranks_agree)).
     #[error("rank {rank} would resume from {}, rank 0 from {}: every rank must resume from the same state (is the checkpoint directory shared by all of them?)", describe_step(*step), describe_step(*rank0_step))]

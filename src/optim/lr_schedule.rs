@@ -403,7 +403,7 @@ impl Anneal {
     }
 }
 
-/// A learning-rate schedule (see the [module docs](self)): build it with
+/// A learning-rate schedule (see [`candle_dp::optim`](crate::optim)): build it with
 /// the optimizer's rate, [`apply`](Self::apply) its [`lr`](Self::lr)
 /// before each optimizer step, [`step`](Self::step) it after.
 #[derive(Clone)]

@@ -33,7 +33,8 @@
 //!
 //! [`LrScheduler`] gives any candle optimizer PyTorch's learning-rate
 //! schedules (`LinearLR`, `CosineAnnealingLR`, `StepLR`, `ExponentialLR`,
-//! `OneCycleLR`, `SequentialLR`, `LambdaLR`), step for step.
+//! `OneCycleLR`, `SequentialLR`, `LambdaLR`), step for step;
+//! [`clip_grad_norm`] is PyTorch's `clip_grad_norm_`.
 //!
 //! Parameters may be f32 or f64, on any device (the update runs on the
 //! host: a parameter on a GPU is copied there and back).
@@ -58,12 +59,14 @@
 //! ```
 
 mod adam;
+pub(crate) mod clip;
 mod element;
 mod lr_schedule;
 mod sgd;
 mod state;
 
 pub use adam::{Adam, AdamConfig, AdamW, AdamWConfig};
+pub use clip::{clip_grad_norm, Clipped};
 pub use lr_schedule::{Anneal, LrLambda, LrScheduler, LrSchedulerState, OneCycleConfig};
 pub use sgd::{Sgd, SgdConfig};
 pub use state::{OptimizerState, ShardOf, StatefulOptimizer};

@@ -223,6 +223,40 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
         (0..self.params.len()).filter(move |&i| self.partition.owns(rank, i))
     }
 
+    /// PyTorch's `clip_grad_norm_` over every rank's gradients, for DDP's
+    /// `grads` at either stage: each rank clips the gradients of the
+    /// parameters it owns (the only ones its optimizer steps) by the
+    /// factor of the total norm of all of them, which one all-reduce of
+    /// one number gives every rank. Every rank must call it, before
+    /// [`step`](Self::step). The total agrees with
+    /// [`clip_grad_norm`](crate::optim::clip_grad_norm) of the whole
+    /// gradients to rounding.
+    ///
+    /// # Errors
+    ///
+    /// As [`clip_grad_norm`](crate::optim::clip_grad_norm), on every rank
+    /// alike; a collective's error.
+    pub fn clip_grad_norm(
+        &self,
+        grads: &mut GradStore,
+        max_norm: f64,
+        norm_type: f64,
+        error_if_nonfinite: bool,
+    ) -> Result<crate::optim::Clipped> {
+        let mine: Vec<Var> = self
+            .owned_indices(self.pg.rank())
+            .map(|i| self.params[i].1.clone())
+            .collect();
+        crate::optim::clip::clip_grad_norm_across(
+            self.pg.as_ref(),
+            grads,
+            &mine,
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+        )
+    }
+
     /// The optimizer over this rank's parameters.
     pub fn inner(&self) -> &O {
         &self.inner

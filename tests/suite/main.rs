@@ -14,6 +14,7 @@ mod common;
 mod example_datasets;
 
 mod checkpoint;
+mod clip;
 mod collectives;
 mod conformance;
 mod datasets;

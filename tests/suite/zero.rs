@@ -982,3 +982,81 @@ fn an_incomplete_or_mixed_set_of_shards_is_refused_naming_what_is_missing() {
         }
     });
 }
+
+/// `world` ranks train `Net` 3 steps with AdamW, the gradients clipped to
+/// a total 2-norm of 0.05 (every step clips): under DDP with the whole
+/// gradients on every rank, or at ZeRO `stage` with the shards' norms
+/// all-reduced; rank 0's weights and each step's factor.
+fn clipped_run(
+    init: &HashMap<String, Tensor>,
+    world: usize,
+    zero: Option<ZeroStage>,
+) -> (HashMap<String, Tensor>, Vec<f64>) {
+    let init = init.clone();
+    let mut ranks = spawn(world, move |ctx| {
+        let varmap = varmap_from(&init);
+        let mut factors = Vec::new();
+        match zero {
+            Some(stage) => {
+                let (mut ddp, mut opt) = net_with_zero(&ctx, &varmap, stage)?;
+                for (x, y) in batches(Model::Net, ctx.rank).into_iter().take(3) {
+                    let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+                    let mut grads = ddp.backward(&loss)?;
+                    factors.push(opt.clip_grad_norm(&mut grads, 0.05, 2.0, true)?.factor);
+                    opt.step(&grads)?;
+                }
+            }
+            None => {
+                let mut ddp = DistributedDataParallel::builder(
+                    ctx.process_group(),
+                    &varmap,
+                    DType::F32,
+                    &Device::Cpu,
+                )
+                .build(Net::new)?;
+                let params: Vec<Var> = ddp.params().iter().map(|(_, v)| v.clone()).collect();
+                let mut opt = AdamW::new_named(ddp.params().to_vec(), AdamWConfig::default())?;
+                for (x, y) in batches(Model::Net, ctx.rank).into_iter().take(3) {
+                    let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+                    let mut grads = ddp.backward(&loss)?;
+                    let clipped =
+                        candle_dp::optim::clip_grad_norm(&mut grads, &params, 0.05, 2.0, true)?;
+                    factors.push(clipped.factor);
+                    opt.step(&grads)?;
+                }
+            }
+        }
+        Ok((snapshot(&varmap), factors))
+    })
+    .unwrap();
+    ranks.swap_remove(0)
+}
+
+#[test]
+fn clipping_over_zero_shards_takes_one_all_reduce_and_trains_like_ddp() {
+    within(120, || {
+        let init = init_of(Model::Net);
+        for world in [2, 3] {
+            let (ddp, ddp_factors) = clipped_run(&init, world, None);
+            assert!(
+                ddp_factors.iter().all(|&f| f < 1.0),
+                "every step clips: {ddp_factors:?}"
+            );
+            for stage in [ZeroStage::One, ZeroStage::Two] {
+                let (zero, factors) = clipped_run(&init, world, Some(stage));
+                for (a, b) in factors.iter().zip(&ddp_factors) {
+                    assert!(
+                        (a - b).abs() <= 1e-6 * b,
+                        "{world} ranks, {stage:?}: factor {a} against {b}"
+                    );
+                }
+                let diff = max_rel_diff(&zero, &ddp);
+                assert!(
+                    diff < 1e-5,
+                    "{world} ranks, {stage:?}: {diff}\n{}",
+                    diff_report(&zero, &ddp)
+                );
+            }
+        }
+    });
+}
