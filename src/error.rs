@@ -254,6 +254,11 @@ pub enum Error {
     #[error("gradient clipping: {0}")]
     Clip(String),
 
+    /// A loss scaler misused or given settings it cannot work with (see
+    /// [`GradScaler`](crate::optim::GradScaler)).
+    #[error("gradient scaler: {0}")]
+    GradScaler(String),
+
     /// The ranks found different training states to resume from (see
     /// [`check_ranks_agree`](crate::training_state::check_ranks_agree)).
     #[error("rank {rank} would resume from {}, rank 0 from {}: every rank must resume from the same state (is the checkpoint directory shared by all of them?)", describe_step(*step), describe_step(*rank0_step))]

@@ -34,7 +34,8 @@
 //! [`LrScheduler`] gives any candle optimizer PyTorch's learning-rate
 //! schedules (`LinearLR`, `CosineAnnealingLR`, `StepLR`, `ExponentialLR`,
 //! `OneCycleLR`, `SequentialLR`, `LambdaLR`), step for step;
-//! [`clip_grad_norm`] is PyTorch's `clip_grad_norm_`.
+//! [`clip_grad_norm`] is PyTorch's `clip_grad_norm_`; [`GradScaler`] is its
+//! dynamic loss scaling for f16 training.
 //!
 //! Parameters may be f32 or f64, on any device (the update runs on the
 //! host: a parameter on a GPU is copied there and back).
@@ -61,12 +62,14 @@
 mod adam;
 pub(crate) mod clip;
 mod element;
+mod grad_scaler;
 mod lr_schedule;
 mod sgd;
 mod state;
 
 pub use adam::{Adam, AdamConfig, AdamW, AdamWConfig};
 pub use clip::{clip_grad_norm, Clipped};
+pub use grad_scaler::{GradScaler, GradScalerConfig, GradScalerState};
 pub use lr_schedule::{Anneal, LrLambda, LrScheduler, LrSchedulerState, OneCycleConfig};
 pub use sgd::{Sgd, SgdConfig};
 pub use state::{OptimizerState, ShardOf, StatefulOptimizer};

@@ -23,6 +23,7 @@ mod ddp_reference;
 mod dp_reference;
 mod equivalence;
 mod errors;
+mod grad_scaler;
 mod hardening;
 mod launch;
 mod loader;
