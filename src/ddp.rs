@@ -45,6 +45,8 @@ use crate::buffers::{is_batch_norm_buffer, BufferPredicate};
 use crate::comm::{all_gather_object, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::no_grad::NoGradCheck;
+use crate::precision::{build_in_precision, cast_input, MixedPrecision};
+use crate::replicate::ReplicaVars;
 use crate::vars::{grads_of, sorted_vars};
 use crate::zero::{Partition, ZeroStage};
 
@@ -94,6 +96,12 @@ pub struct DdpConfig {
     /// Shard the optimizer state (and gradients) across ranks (default
     /// none): see [`crate::zero`].
     pub zero: Option<ZeroStage>,
+    /// Compute in a low dtype over the master variables, and reduce the
+    /// buckets in the policy's reduce dtype (default none): see
+    /// [`crate::precision`]. Applies to models built by
+    /// [`DistributedDataParallel::new`], not to
+    /// [`from_module`](DistributedDataParallel::from_module).
+    pub mixed_precision: Option<MixedPrecision>,
 }
 
 impl Default for DdpConfig {
@@ -106,6 +114,7 @@ impl Default for DdpConfig {
             join_divisor: JoinDivisor::InitialWorldSize,
             is_buffer: Arc::new(is_batch_norm_buffer),
             zero: None,
+            mixed_precision: None,
         }
     }
 }
@@ -119,6 +128,7 @@ impl std::fmt::Debug for DdpConfig {
             .field("comm_hook", &self.comm_hook)
             .field("join_divisor", &self.join_divisor)
             .field("zero", &self.zero)
+            .field("mixed_precision", &self.mixed_precision)
             .finish_non_exhaustive()
     }
 }
@@ -204,6 +214,9 @@ pub struct DistributedDataParallel<M> {
     without_grad: Vec<String>,
     /// With ZeRO: which rank owns each parameter.
     zero_partition: Option<Arc<Partition>>,
+    /// With mixed precision: the module's low-precision copies of the
+    /// variables, refreshed before every forward.
+    copies: Option<ReplicaVars>,
 }
 
 impl<M> DistributedDataParallel<M> {
@@ -224,12 +237,28 @@ impl<M> DistributedDataParallel<M> {
         F: FnOnce(VarBuilder) -> candle_core::Result<M>,
     {
         let rank = pg.rank();
-        let module =
-            factory(VarBuilder::from_varmap(varmap, dtype, device)).map_err(|e| Error::Rank {
-                rank,
-                source: Box::new(Error::Candle(e)),
-            })?;
-        Self::from_module(pg, varmap, module, config)
+        let in_rank = |e: Error| Error::Rank {
+            rank,
+            source: Box::new(e),
+        };
+        let Some(policy) = config.mixed_precision.clone() else {
+            let module = factory(VarBuilder::from_varmap(varmap, dtype, device))
+                .map_err(|e| in_rank(Error::Candle(e)))?;
+            return Self::from_module(pg, varmap, module, config);
+        };
+        let (module, copies) = build_in_precision(
+            rank,
+            varmap,
+            dtype,
+            device,
+            &policy,
+            config.is_buffer.clone(),
+            factory,
+        )
+        .map_err(in_rank)?;
+        let mut ddp = Self::wrap(pg, varmap, module, config)?;
+        ddp.copies = Some(copies);
+        Ok(ddp)
     }
 
     /// Wraps a `module` already built from `varmap` (its variables may lie
@@ -261,7 +290,30 @@ impl<M> DistributedDataParallel<M> {
     /// })?;
     /// # Ok::<(), anyhow::Error>(())
     /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::MixedPrecision`] with [`DdpConfig::mixed_precision`] set: the
+    /// module was built without the policy (use [`new`](Self::new)).
     pub fn from_module(
+        pg: Arc<dyn ProcessGroup>,
+        varmap: &VarMap,
+        module: M,
+        config: DdpConfig,
+    ) -> Result<Self> {
+        if config.mixed_precision.is_some() {
+            return Err(Error::MixedPrecision(
+                "from_module wraps a module already built, in its own dtype: build it with \
+                 DistributedDataParallel::new (or the builder) to apply the policy"
+                    .into(),
+            ));
+        }
+        Self::wrap(pg, varmap, module, config)
+    }
+
+    /// What `new` and `from_module` share: the checks, the buckets and the
+    /// first broadcasts.
+    fn wrap(
         pg: Arc<dyn ProcessGroup>,
         varmap: &VarMap,
         module: M,
@@ -285,6 +337,10 @@ impl<M> DistributedDataParallel<M> {
                 &params,
                 config.first_bucket_cap_bytes,
                 config.bucket_cap_bytes,
+                |name, var| match &config.mixed_precision {
+                    Some(policy) => policy.reduce_dtype_of(name, var.dtype()),
+                    None => var.dtype(),
+                },
             ),
             module,
             active_ranks: pg.world_size(),
@@ -300,6 +356,7 @@ impl<M> DistributedDataParallel<M> {
             without_grad: Vec::new(),
             timings: DdpTimings::default(),
             zero_partition,
+            copies: None,
         };
         ddp.broadcast_vars(&ddp.params, 0)?;
         // PyTorch leaves buffers rank-local at construction too when they
@@ -350,7 +407,9 @@ impl<M> DistributedDataParallel<M> {
         M: Module,
     {
         self.pre_forward()?;
-        Ok(self.module.forward(x)?)
+        let out = self.module.forward(&self.input(x)?)?;
+        self.commit_buffers()?;
+        Ok(out)
     }
 
     /// [`forward`](Self::forward) for a [`ModuleT`] (train / eval flag).
@@ -359,7 +418,29 @@ impl<M> DistributedDataParallel<M> {
         M: ModuleT,
     {
         self.pre_forward()?;
-        Ok(self.module.forward_t(x, train)?)
+        let out = self.module.forward_t(&self.input(x)?, train)?;
+        if train {
+            self.commit_buffers()?;
+        }
+        Ok(out)
+    }
+
+    /// With mixed precision, a floating-point input in the compute dtype.
+    fn input(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(match &self.config.mixed_precision {
+            Some(policy) => cast_input(x, policy.param_dtype)?,
+            None => x.clone(),
+        })
+    }
+
+    /// With mixed precision, the buffers the forward updated in its copies
+    /// go back to the master variables (which the next forward's broadcast
+    /// reads).
+    fn commit_buffers(&self) -> Result<()> {
+        if let Some(copies) = &self.copies {
+            copies.commit_buffers()?;
+        }
+        Ok(())
     }
 
     pub(crate) fn pre_forward(&mut self) -> Result<()> {
@@ -375,7 +456,13 @@ impl<M> DistributedDataParallel<M> {
             self.step_syncs = Some(self.syncing);
             0
         };
-        self.sync_buffers(buffer_root)
+        self.sync_buffers(buffer_root)?;
+        // The masters may have changed since the last forward (a step, a
+        // load, a join's final broadcast): the copies follow them.
+        if let Some(copies) = &self.copies {
+            copies.refresh()?;
+        }
+        Ok(())
     }
 
     /// Broadcasts the buffers from `root` when the configuration asks for it.
@@ -913,15 +1000,21 @@ fn verify_same_vars(pg: &dyn ProcessGroup, vars: &[(String, Var)]) -> Result<()>
 
 /// Groups consecutive same-dtype parameters into buckets of at most the cap
 /// (a parameter larger than the cap gets a bucket of its own).
-fn make_buckets(params: &[(String, Var)], first_cap: usize, cap: usize) -> Vec<Bucket> {
+fn make_buckets(
+    params: &[(String, Var)],
+    first_cap: usize,
+    cap: usize,
+    reduce_dtype: impl Fn(&str, &Var) -> DType,
+) -> Vec<Bucket> {
     let mut buckets: Vec<Bucket> = Vec::new();
     let mut bytes = 0;
-    for (i, (_, var)) in params.iter().enumerate() {
-        let size = var.elem_count() * var.dtype().size_in_bytes();
+    for (i, (name, var)) in params.iter().enumerate() {
+        let dtype = reduce_dtype(name, var);
+        let size = var.elem_count() * dtype.size_in_bytes();
         let limit = if buckets.len() <= 1 { first_cap } else { cap };
         match buckets.last_mut() {
             Some(b)
-                if b.dtype == var.dtype()
+                if b.dtype == dtype
                     && params[b.params[0]].1.device().same_device(var.device())
                     && bytes + size <= limit =>
             {
@@ -931,7 +1024,7 @@ fn make_buckets(params: &[(String, Var)], first_cap: usize, cap: usize) -> Vec<B
             _ => {
                 buckets.push(Bucket {
                     params: vec![i],
-                    dtype: var.dtype(),
+                    dtype,
                 });
                 bytes = size;
             }

@@ -11,6 +11,7 @@ use candle_nn::{VarBuilder, VarMap};
 use crate::comm::ProcessGroup;
 use crate::ddp::{CommHook, DdpConfig, DistributedDataParallel, JoinDivisor};
 use crate::error::Result;
+use crate::precision::MixedPrecision;
 use crate::zero::ZeroStage;
 
 impl<M> DistributedDataParallel<M> {
@@ -109,6 +110,15 @@ impl<M> DdpBuilder<M> {
     /// [`DataParallelBuilder::buffers`](crate::DataParallelBuilder::buffers).
     pub fn buffers(mut self, is_buffer: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
         self.config.is_buffer = Arc::new(is_buffer);
+        self
+    }
+
+    /// Mixed precision (see [`crate::precision`]): the master variables in
+    /// the builder's dtype (f32), the model computing on copies in
+    /// `policy.param_dtype`, the buckets reduced in `policy.reduce_dtype`,
+    /// the gradients handed to the optimizer in the masters' dtype.
+    pub fn mixed_precision(mut self, policy: MixedPrecision) -> Self {
+        self.config.mixed_precision = Some(policy);
         self
     }
 

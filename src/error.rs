@@ -259,6 +259,11 @@ pub enum Error {
     #[error("gradient scaler: {0}")]
     GradScaler(String),
 
+    /// A mixed-precision policy that cannot apply (see
+    /// [`MixedPrecision`](crate::precision::MixedPrecision)).
+    #[error("mixed precision: {0}")]
+    MixedPrecision(String),
+
     /// The ranks found different training states to resume from (see
     /// [`check_ranks_agree`](crate::training_state::check_ranks_agree)).
     #[error("rank {rank} would resume from {}, rank 0 from {}: every rank must resume from the same state (is the checkpoint directory shared by all of them?)", describe_step(*step), describe_step(*rank0_step))]

@@ -10,13 +10,14 @@ use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
 
 use super::replicas::Replicas;
-use super::replicate::build_master;
 use super::timings::StepRecorder;
 use super::DataParallel;
 use crate::buffers::{is_batch_norm_buffer, BufferPredicate};
 use crate::device_label::device_label;
 use crate::error::{Error, Result};
 use crate::no_grad::NoGradCheck;
+use crate::precision::MixedPrecision;
+use crate::replicate::{build_master, CopyOptions};
 use crate::vars::sorted_vars;
 
 impl<M: 'static> DataParallel<M> {
@@ -43,6 +44,7 @@ impl<M: 'static> DataParallel<M> {
             threads_per_replica: None,
             timeout: None,
             is_buffer: Arc::new(is_batch_norm_buffer),
+            mixed_precision: None,
         }
     }
 }
@@ -58,6 +60,7 @@ pub struct DataParallelBuilder<M> {
     threads_per_replica: Option<usize>,
     timeout: Option<Duration>,
     is_buffer: BufferPredicate,
+    mixed_precision: Option<MixedPrecision>,
 }
 
 impl<M> fmt::Debug for DataParallelBuilder<M> {
@@ -69,6 +72,7 @@ impl<M> fmt::Debug for DataParallelBuilder<M> {
             .field("dim", &self.dim)
             .field("threads_per_replica", &self.threads_per_replica)
             .field("timeout", &self.timeout)
+            .field("mixed_precision", &self.mixed_precision)
             .finish_non_exhaustive()
     }
 }
@@ -109,6 +113,20 @@ impl<M: 'static> DataParallelBuilder<M> {
     /// back to the master after each successful step.
     pub fn buffers(mut self, is_buffer: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
         self.is_buffer = Arc::new(is_buffer);
+        self
+    }
+
+    /// Mixed precision (see [`crate::precision`]): the master variables stay
+    /// in the builder's dtype (f32), the replicas compute on copies in
+    /// `policy.param_dtype`, and the gradients reach the master in its dtype,
+    /// summed there. [`forward`](DataParallel::forward) converts a
+    /// floating-point input to the compute dtype; with
+    /// [`forward_backward`](DataParallel::forward_backward) the closure
+    /// gets the scattered input as given (convert it there, and the model's
+    /// output to f32 before the loss). `policy.reduce_dtype` does not apply:
+    /// the replicas' gradients are summed in the master's dtype.
+    pub fn mixed_precision(mut self, policy: MixedPrecision) -> Self {
+        self.mixed_precision = Some(policy);
         self
     }
 
@@ -178,9 +196,20 @@ impl<M: 'static> DataParallelBuilder<M> {
         crate::cpu_threads::share_cpu_between(self.devices.iter().filter(|d| d.is_cpu()).count());
         let factory = Arc::new(factory);
         self.build_master_bounded(&first, &factory)?;
+        let (replica_dtype, options) = match &self.mixed_precision {
+            Some(policy) => {
+                policy.check()?;
+                let options = CopyOptions {
+                    keep_master_dtype: policy.keep_full_precision.clone(),
+                    create_in: None,
+                };
+                (policy.param_dtype, options)
+            }
+            None => (self.dtype, CopyOptions::default()),
+        };
         let replicas = Replicas::start(
             &self.varmap,
-            self.dtype,
+            (replica_dtype, options),
             &self.devices,
             self.threads(),
             self.timeout,
@@ -202,6 +231,7 @@ impl<M: 'static> DataParallelBuilder<M> {
             last_forward: Mutex::new(None),
             timings: StepRecorder::default(),
             step: Mutex::new(()),
+            compute_dtype: self.mixed_precision.map(|p| p.param_dtype),
         })
     }
 

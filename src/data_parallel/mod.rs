@@ -14,7 +14,6 @@ mod backward;
 mod builder;
 mod gpu_turns;
 mod replicas;
-mod replicate;
 mod timings;
 
 use std::fmt;
@@ -86,6 +85,8 @@ pub struct DataParallel<M: 'static> {
     no_grad: NoGradCheck,
     /// The parameters without a gradient in the latest parallel backward.
     without_grad: Mutex<Vec<String>>,
+    /// With mixed precision, the replicas' dtype.
+    compute_dtype: Option<candle_core::DType>,
 }
 
 /// What [`DataParallel::backward`] needs from the forward it differentiates.
@@ -133,7 +134,22 @@ impl<M: 'static> DataParallel<M> {
     where
         M: Module,
     {
-        self.forward_saved(input.clone(), |model: &M, x: Tensor| model.forward(&x))
+        let input = self.in_compute_dtype(input)?;
+        self.forward_saved(input, |model: &M, x: Tensor| model.forward(&x))
+    }
+
+    /// With mixed precision, a floating-point input in the compute dtype.
+    fn in_compute_dtype(&self, input: &Tensor) -> Result<Tensor> {
+        Ok(match self.compute_dtype {
+            Some(dtype) => crate::precision::cast_input(input, dtype)?,
+            None => input.clone(),
+        })
+    }
+
+    /// The dtype the replicas compute in, when it differs by a
+    /// mixed-precision policy from the master's.
+    pub fn compute_dtype(&self) -> Option<candle_core::DType> {
+        self.compute_dtype
     }
 
     /// Like [`forward`](Self::forward) for a [`ModuleT`] (train / eval flag,
@@ -142,7 +158,8 @@ impl<M: 'static> DataParallel<M> {
     where
         M: ModuleT,
     {
-        self.forward_saved(input.clone(), move |model: &M, x: Tensor| {
+        let input = self.in_compute_dtype(input)?;
+        self.forward_saved(input, move |model: &M, x: Tensor| {
             model.forward_t(&x, train)
         })
     }

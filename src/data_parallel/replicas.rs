@@ -11,10 +11,10 @@ use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
 
 use super::gpu_turns::{turns, Turn};
-use super::replicate::{build_replica, ReplicaVars};
 use crate::buffers::BufferPredicate;
 use crate::error::{Error, Result};
 use crate::lock::lock;
+use crate::replicate::{build_replica, CopyOptions, ReplicaVars};
 use crate::worker_pool::{Cancel, Failure, NoAnswer, WorkerFailure, WorkerPool};
 
 /// What a worker owns: the user's model and the tensors that follow the master.
@@ -47,10 +47,11 @@ pub(super) struct Replicas<M> {
 impl<M: 'static> Replicas<M> {
     /// Starts one worker per device (`threads` threads each) and builds
     /// replica `i` there from `factory`, tied to the master's variables in
-    /// `varmap`. With a `timeout`, each build must finish within it.
+    /// `varmap`, in `dtype` (differing from the master as `options` say).
+    /// With a `timeout`, each build must finish within it.
     pub(super) fn start<F>(
         varmap: &VarMap,
-        dtype: DType,
+        (dtype, options): (DType, CopyOptions),
         devices: &[Device],
         threads: usize,
         timeout: Option<Duration>,
@@ -63,8 +64,15 @@ impl<M: 'static> Replicas<M> {
         let varmap = varmap.clone();
         let turns = turns(devices);
         let (pool, vars) = WorkerPool::start(devices, threads, timeout, move |index, device| {
-            let (model, vars) =
-                build_replica(index, &varmap, dtype, device, is_buffer.clone(), &*factory)?;
+            let (model, vars) = build_replica(
+                index,
+                &varmap,
+                dtype,
+                device,
+                is_buffer.clone(),
+                options.clone(),
+                &*factory,
+            )?;
             let vars = Arc::new(vars);
             let replica = Replica {
                 model,

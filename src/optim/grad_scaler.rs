@@ -95,7 +95,7 @@ enum Stage {
 /// let x = Tensor::ones((2, 4), DType::F32, &Device::Cpu)?;
 /// let loss = model.forward(&x)?.sqr()?.mean_all()?;
 /// let mut grads = scaler.scale(&loss)?.backward()?; // gradients times 65536
-/// let stepped = scaler.step(&mut grads, &params, |g| Ok(opt.step(g)?))?;
+/// let stepped = scaler.step(&mut grads, &params, |g| opt.step(g))?;
 /// scaler.update()?;
 /// assert!(stepped && scaler.scale_factor() == 65536.0);
 /// # Ok(())
@@ -284,17 +284,19 @@ impl GradScaler {
 
     /// Unscales the gradients (unless [`unscale`](Self::unscale) already
     /// did this step), then runs `apply` (the optimizer's step) only if no
-    /// gradient was infinite or NaN. Returns whether it stepped.
+    /// gradient was infinite or NaN. Returns whether it stepped. `apply`
+    /// is any optimizer's step: `|g| opt.step(g)` for a candle `Optimizer`,
+    /// `|g| zero.step(g)` for a [`ZeroOptimizer`](crate::zero::ZeroOptimizer).
     ///
     /// # Errors
     ///
     /// [`Error::GradScaler`] when called twice before
     /// [`update`](Self::update); `unscale`'s and `apply`'s errors.
-    pub fn step(
+    pub fn step<E: Into<Error>>(
         &mut self,
         grads: &mut GradStore,
         params: &[Var],
-        apply: impl FnOnce(&GradStore) -> Result<()>,
+        apply: impl FnOnce(&GradStore) -> std::result::Result<(), E>,
     ) -> Result<bool> {
         if let Stage::Stepped { .. } = self.stage {
             return Err(Error::GradScaler(
@@ -306,7 +308,7 @@ impl GradScaler {
         }
         let found_inf = matches!(self.stage, Stage::Unscaled { found_inf: true });
         if !found_inf {
-            apply(grads)?;
+            apply(grads).map_err(Into::into)?;
         }
         self.stage = Stage::Stepped { found_inf };
         Ok(!found_inf)

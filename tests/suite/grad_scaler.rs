@@ -100,9 +100,7 @@ fn replay(run: &Run, from: usize, w: &Var, opt: &mut Sgd, scaler: &mut GradScale
                 "{what}: total norm {a} vs {b}"
             );
         }
-        let stepped = scaler
-            .step(&mut grads, &params, |g| Ok(opt.step(g)?))
-            .unwrap();
+        let stepped = scaler.step(&mut grads, &params, |g| opt.step(g)).unwrap();
         scaler.update().unwrap();
         assert_eq!(stepped, step.stepped, "{what}: stepped");
         assert_eq!(
@@ -169,11 +167,13 @@ fn a_scaler_resumed_from_its_saved_state_continues_as_pytorchs() {
             let loss = w.as_tensor().mul(&x).unwrap().sum_all().unwrap();
             let mut grads = scaler.scale(&loss).unwrap().backward().unwrap();
             if let Some(max_norm) = run.clip {
-                scaler.unscale(&mut grads, &[w.clone()]).unwrap();
-                clip_grad_norm(&mut grads, &[w.clone()], max_norm, 2.0, false).unwrap();
+                scaler
+                    .unscale(&mut grads, std::slice::from_ref(&w))
+                    .unwrap();
+                clip_grad_norm(&mut grads, std::slice::from_ref(&w), max_norm, 2.0, false).unwrap();
             }
             scaler
-                .step(&mut grads, &[w.clone()], |g| Ok(opt.step(g)?))
+                .step(&mut grads, std::slice::from_ref(&w), |g| opt.step(g))
                 .unwrap();
             scaler.update().unwrap();
         }
@@ -219,8 +219,8 @@ fn an_inf_on_one_ranks_gradients_skips_the_step_on_every_rank() {
             let x = Tensor::new(&[if bad { f32::INFINITY } else { 1. }, 1.], &Device::Cpu)?;
             let loss = w.as_tensor().mul(&x)?.sum_all()?;
             let mut grads = scaler.scale(&loss)?.backward()?;
-            scaler.unscale_across(&mut grads, &[w.clone()], ctx.pg.as_ref())?;
-            let stepped = scaler.step(&mut grads, &[w.clone()], |g| Ok(opt.step(g)?))?;
+            scaler.unscale_across(&mut grads, std::slice::from_ref(&w), ctx.pg.as_ref())?;
+            let stepped = scaler.step(&mut grads, std::slice::from_ref(&w), |g| opt.step(g))?;
             scaler.update()?;
             seen.push((stepped, scaler.scale_factor()));
         }
@@ -259,8 +259,12 @@ fn a_misused_scaler_says_what_is_wrong_and_changes_nothing() {
     scaler.unscale(&mut grads, &params).unwrap();
     let e = scaler.unscale(&mut grads, &params).unwrap_err();
     assert!(message(e).contains("already called"));
-    scaler.step(&mut grads, &params, |_| Ok(())).unwrap();
-    let e = scaler.step(&mut grads, &params, |_| Ok(())).unwrap_err();
+    scaler
+        .step(&mut grads, &params, |_| candle_core::Result::Ok(()))
+        .unwrap();
+    let e = scaler
+        .step(&mut grads, &params, |_| candle_core::Result::Ok(()))
+        .unwrap_err();
     assert!(message(e).contains("step was already called"));
     let e = scaler.unscale(&mut grads, &params).unwrap_err();
     assert!(message(e).contains("after step"));
@@ -282,7 +286,9 @@ fn a_misused_scaler_says_what_is_wrong_and_changes_nothing() {
         .unwrap()
         .to_vec1::<f32>()
         .unwrap();
-    let e = scaler.unscale(&mut grads, &[h.clone()]).unwrap_err();
+    let e = scaler
+        .unscale(&mut grads, std::slice::from_ref(&h))
+        .unwrap_err();
     assert!(message(e).contains("f16"));
     let after = grads
         .get(h.as_tensor())
@@ -368,9 +374,9 @@ fn a_disabled_scaler_passes_the_loss_and_every_step_through() {
     let mut grads = scaled.backward().unwrap();
     let mut ran = false;
     let stepped = scaler
-        .step(&mut grads, &[w.clone()], |_| {
+        .step(&mut grads, std::slice::from_ref(&w), |_| {
             ran = true;
-            Ok(())
+            candle_core::Result::Ok(())
         })
         .unwrap();
     scaler.update().unwrap();

@@ -31,6 +31,7 @@ mod lr_schedule;
 mod nccl;
 mod optim;
 mod pipeline;
+mod precision;
 mod resume;
 mod sampler;
 mod scatter_gather;

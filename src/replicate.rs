@@ -122,11 +122,25 @@ fn converted(from: &Var, like: &Tensor) -> candle_core::Result<Tensor> {
     )
 }
 
+/// How a copy of the model differs from its master, beyond its device and
+/// dtype.
+#[derive(Clone, Default)]
+pub(crate) struct CopyOptions {
+    /// Variables that stay in the master's dtype (a mixed-precision
+    /// policy's norms): shared with the master on its device.
+    pub(crate) keep_master_dtype: Option<BufferPredicate>,
+    /// Creates a variable the varmap lacks, in this dtype, from the
+    /// factory's initialiser (a mixed-precision model built in one call);
+    /// without it such a variable is an error.
+    pub(crate) create_in: Option<DType>,
+}
+
 /// A `VarBuilder` backend that hands a replica the master's variables.
 struct ReplicaBackend {
     replica: usize,
     varmap: VarMap,
     is_buffer: BufferPredicate,
+    options: CopyOptions,
     vars: Mutex<ReplicaVars>,
 }
 
@@ -168,6 +182,10 @@ impl ReplicaBackend {
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
+        let dtype = match &self.options.keep_master_dtype {
+            Some(keep) if keep(name) => master.dtype(),
+            _ => dtype,
+        };
         let mut vars = lock(&self.vars);
         if (self.is_buffer)(name) {
             // A detached source makes `Var::from_tensor` copy the storage.
@@ -190,10 +208,15 @@ impl candle_nn::var_builder::SimpleBackend for ReplicaBackend {
         &self,
         s: Shape,
         name: &str,
-        _h: Init,
+        init: Init,
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
+        if let Some(master_dtype) = self.options.create_in {
+            if !lock(self.varmap.data()).contains_key(name) {
+                self.varmap.get(s.clone(), name, init, master_dtype, dev)?;
+            }
+        }
         let master = self.master_var(name, Some(&s), dev)?;
         self.tensor_for(master, name, dtype, dev)
     }
@@ -215,12 +238,14 @@ pub(crate) fn build_replica<M>(
     dtype: DType,
     device: &Device,
     is_buffer: BufferPredicate,
-    factory: &dyn Fn(VarBuilder) -> candle_core::Result<M>,
+    options: CopyOptions,
+    factory: impl FnOnce(VarBuilder) -> candle_core::Result<M>,
 ) -> Result<(M, ReplicaVars)> {
     let backend = Arc::new(ReplicaBackend {
         replica,
         varmap: varmap.clone(),
         is_buffer,
+        options,
         vars: Mutex::new(ReplicaVars::default()),
     });
     let vb = VarBuilder::from_backend(
