@@ -93,6 +93,7 @@ use crate::device_label::device_label;
 use crate::error::{Error, Result};
 use crate::lock::lock;
 use crate::no_grad::NoGradCheck;
+use crate::precision::MixedPrecision;
 use crate::step::{LossReduction, Step};
 use crate::vars::sorted_vars;
 use crate::worker_pool::{Failure, NoAnswer, WorkerFailure, WorkerPool};
@@ -161,6 +162,8 @@ pub struct Pipeline {
     timings: Mutex<PipelineTimings>,
     /// One step at a time: the stages' channels belong to one step.
     step: Mutex<()>,
+    /// With mixed precision, the dtype the stages compute in.
+    compute_dtype: Option<DType>,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -200,6 +203,7 @@ pub struct PipelineBuilder {
     checkpoint: Checkpoint,
     timeout: Option<Duration>,
     threads_per_stage: Option<usize>,
+    mixed_precision: Option<MixedPrecision>,
 }
 
 impl std::fmt::Debug for PipelineBuilder {
@@ -215,6 +219,7 @@ impl std::fmt::Debug for PipelineBuilder {
             .field("schedule", &self.schedule)
             .field("checkpoint", &self.checkpoint)
             .field("timeout", &self.timeout)
+            .field("mixed_precision", &self.mixed_precision)
             .finish()
     }
 }
@@ -234,6 +239,7 @@ impl Pipeline {
             checkpoint: Checkpoint::default(),
             timeout: None,
             threads_per_stage: None,
+            mixed_precision: None,
         }
     }
 
@@ -287,6 +293,13 @@ impl Pipeline {
     /// across devices): only [`forward_backward`](Self::forward_backward)
     /// routes that stage's gradient back.
     pub fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        if train && self.compute_dtype.is_some() {
+            return Err(Error::MixedPrecision(
+                "the drop-in forward in training: the stages compute on low-precision copies \
+                 whose gradients only forward_backward carries to the f32 variables"
+                    .into(),
+            ));
+        }
         if let (true, Some((stage, var, device))) = (train, self.copied_vars.first()) {
             return Err(Error::DropInWithCopiedVar {
                 stage: *stage,
@@ -295,7 +308,7 @@ impl Pipeline {
             });
         }
         let _step = lock(&self.step);
-        let inputs = self.micro_batches(x)?;
+        let inputs = self.micro_batches(&self.input(x)?)?;
         let count = inputs.len();
         let step = self.run_step(inputs, None, train)?;
         let last = step
@@ -352,7 +365,7 @@ impl Pipeline {
         F: Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
     {
         let _step = lock(&self.step);
-        let inputs = self.micro_batches(x)?;
+        let inputs = self.micro_batches(&self.input(x)?)?;
         let targets = self.micro_batches(y)?;
         if targets
             .iter()
@@ -416,6 +429,14 @@ impl Pipeline {
     }
 
     /// `x` in `torch.chunk` micro-batches along dim 0.
+    /// With mixed precision, a floating-point input in the compute dtype.
+    fn input(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self.compute_dtype {
+            Some(dtype) => crate::precision::cast_input(x, dtype)?,
+            None => x.clone(),
+        })
+    }
+
     fn micro_batches(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         let rows = x
             .dims()
@@ -544,7 +565,9 @@ impl Pipeline {
         let mut updates = Vec::new();
         for output in &step.outputs {
             for (var, value) in &output.buffers {
-                updates.push((var, crate::device_copy::to_device(value, var.device())?));
+                // A mixed-precision stage's buffers are in the compute dtype.
+                let value = crate::device_copy::to_device(value, var.device())?;
+                updates.push((var, value.to_dtype(var.dtype())?));
             }
         }
         for (var, value) in updates {
@@ -672,6 +695,19 @@ impl PipelineBuilder {
         self
     }
 
+    /// Mixed precision (see [`crate::precision`]): the variables stay in
+    /// the builder's dtype (f32), each stage computes on its own copies in
+    /// `policy.param_dtype` (refreshed at the start of every step), a
+    /// floating-point input is converted to it, and the gradients come back
+    /// in the variables' dtype, summed over the micro-batches there. The
+    /// loss function gets the last stage's output in the compute dtype:
+    /// convert it to f32 there. Training goes through
+    /// [`Pipeline::forward_backward`] only.
+    pub fn mixed_precision(mut self, policy: MixedPrecision) -> Self {
+        self.mixed_precision = Some(policy);
+        self
+    }
+
     /// Which micro-batches [`Pipeline::forward_backward`] recomputes
     /// before their backward instead of keeping their activations (default
     /// [`Checkpoint::Never`]). The drop-in path keeps its graph whole: the
@@ -746,7 +782,11 @@ impl PipelineBuilder {
             })
             .collect();
         let layers = Arc::new(layers);
+        if let Some(policy) = &self.mixed_precision {
+            policy.check()?;
+        }
         let (varmap, dtype) = (self.varmap.clone(), self.dtype);
+        let precision = self.mixed_precision.clone();
         let plan = Arc::new((balance.clone(), starts));
         // Per device, the stage it is building: what a failure names.
         let building: Arc<Vec<AtomicUsize>> =
@@ -768,6 +808,7 @@ impl PipelineBuilder {
                     let stage = stage_build::build_stage(
                         &varmap,
                         dtype,
+                        precision.as_ref(),
                         device,
                         range.start,
                         &layers[range],
@@ -781,7 +822,7 @@ impl PipelineBuilder {
                     let copied = stage
                         .vars
                         .iter()
-                        .filter(|v| v.is_mirror())
+                        .filter(|v| !v.master.device().same_device(device))
                         .map(|v| (v.name.clone(), device_label(v.master.device())))
                         .collect::<Vec<_>>();
                     held.push(stage);
@@ -844,6 +885,7 @@ impl PipelineBuilder {
             no_grad: NoGradCheck::default(),
             timings: Mutex::new(PipelineTimings::default()),
             step: Mutex::new(()),
+            compute_dtype: self.mixed_precision.map(|p| p.param_dtype),
         })
     }
 }

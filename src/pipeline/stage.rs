@@ -74,7 +74,8 @@ impl Stage {
     fn refresh(&self) -> candle_core::Result<()> {
         for v in self.vars.iter().chain(&self.buffers) {
             if v.is_mirror() {
-                copy_into(v.local.as_tensor(), &v.master.as_detached_tensor())?;
+                let value = v.master.as_detached_tensor().to_dtype(v.local.dtype())?;
+                copy_into(v.local.as_tensor(), &value)?;
             }
         }
         Ok(())
@@ -562,7 +563,10 @@ impl StageWork {
         for (var, acc) in stage.vars.iter().zip(out.grads.iter_mut()) {
             if let Some(g) = grads.get(var.local.as_tensor()) {
                 // A mirror's gradient goes to its variable's device.
-                let g = copy::to_device(g, var.master.device()).map_err(fail)?;
+                // Under mixed precision it is widened to the variable's dtype.
+                let g = copy::to_device(g, var.master.device())
+                    .and_then(|g| g.to_dtype(var.master.dtype()))
+                    .map_err(fail)?;
                 *acc = Some(match acc.take() {
                     Some(sum) => (sum + g).map_err(fail)?,
                     None => g,

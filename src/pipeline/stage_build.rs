@@ -7,7 +7,9 @@
 //!   across devices): its gradient is moved back and summed with the other
 //!   stages';
 //! - it is a BatchNorm buffer: the layer updates the copy, and the
-//!   `VarMap` gets the new value only when the whole step succeeds.
+//!   `VarMap` gets the new value only when the whole step succeeds;
+//! - under mixed precision, a variable the policy does not keep in f32: the
+//!   mirror is in the compute dtype, its gradient widened on the way back.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -20,6 +22,7 @@ use super::stage::Stage;
 use super::stage_var::StageVar;
 use crate::buffers::is_batch_norm_buffer;
 use crate::lock::lock;
+use crate::precision::MixedPrecision;
 use crate::shared_backend::SharedBackend;
 
 /// A `VarBuilder` backend for one stage: the model's `VarMap` (variables
@@ -27,6 +30,11 @@ use crate::shared_backend::SharedBackend;
 /// recording which variables each layer uses.
 struct StageBackend {
     varmap: VarMap,
+    /// The dtype variables are created in (the layers' is the compute
+    /// dtype under mixed precision).
+    master_dtype: DType,
+    /// Mixed precision: which dtype a variable's copy computes in.
+    precision: Option<MixedPrecision>,
     /// Mirrors by name, so that every layer of the stage shares one.
     mirrors: Mutex<HashMap<String, Var>>,
     /// The names used by the layer being built.
@@ -38,7 +46,14 @@ impl StageBackend {
     /// `VarMap`'s variable `tensor`.
     fn hand_out(&self, name: &str, tensor: Tensor, dev: &Device) -> candle_core::Result<Tensor> {
         lock(&self.used).push(name.to_string());
-        if !is_batch_norm_buffer(name) && tensor.device().same_device(dev) {
+        let dtype = match &self.precision {
+            Some(policy) if !policy.keeps(name) => policy.param_dtype,
+            _ => tensor.dtype(),
+        };
+        if !is_batch_norm_buffer(name)
+            && tensor.device().same_device(dev)
+            && dtype == tensor.dtype()
+        {
             return Ok(tensor);
         }
         let mut mirrors = lock(&self.mirrors);
@@ -46,7 +61,8 @@ impl StageBackend {
             return Ok(mirror.as_tensor().clone());
         }
         // `detach` drops the variable mark, so `from_tensor` copies.
-        let mirror = Var::from_tensor(&crate::device_copy::to_device(&tensor, dev)?.detach())?;
+        let value = crate::device_copy::to_device(&tensor, dev)?.to_dtype(dtype)?;
+        let mirror = Var::from_tensor(&value.detach())?;
         mirrors.insert(name.to_string(), mirror.clone());
         Ok(mirror.as_tensor().clone())
     }
@@ -58,10 +74,10 @@ impl candle_nn::var_builder::SimpleBackend for StageBackend {
         shape: Shape,
         name: &str,
         init: Init,
-        dtype: DType,
+        _: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
-        let tensor = self.varmap.get(shape, name, init, dtype, dev)?;
+        let tensor = self.varmap.get(shape, name, init, self.master_dtype, dev)?;
         self.hand_out(name, tensor, dev)
     }
 
@@ -82,12 +98,15 @@ impl candle_nn::var_builder::SimpleBackend for StageBackend {
 pub(crate) fn build_stage(
     varmap: &VarMap,
     dtype: DType,
+    precision: Option<&MixedPrecision>,
     device: &Device,
     first: usize,
     factories: &[super::LayerFactory],
 ) -> crate::Result<Stage> {
     let backend = Arc::new(StageBackend {
         varmap: varmap.clone(),
+        master_dtype: dtype,
+        precision: precision.cloned(),
         mirrors: Mutex::new(HashMap::new()),
         used: Mutex::new(Vec::new()),
     });
@@ -97,7 +116,7 @@ pub(crate) fn build_stage(
         let layer = first + offset;
         let vb = VarBuilder::from_backend(
             Box::new(SharedBackend(backend.clone())),
-            dtype,
+            precision.map_or(dtype, |p| p.param_dtype),
             device.clone(),
         );
         layers.push(super::build_layer(factory, layer, vb)?);

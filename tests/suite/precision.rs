@@ -468,3 +468,53 @@ fn sorted_vars(varmap: &VarMap) -> Vec<candle_core::Var> {
     named.sort_by(|a, b| a.0.cmp(&b.0));
     named.into_iter().map(|(_, v)| v).collect()
 }
+
+/// `STEPS` steps of a two-stage pipeline of the same MLP in `chunks`
+/// micro-batches under `policy`.
+fn pipeline(chunks: usize, policy: MixedPrecision) -> HashMap<String, Tensor> {
+    use candle_dp::pipeline::{layer, Pipeline};
+    let varmap = copy_of(&init());
+    let (i, h, o) = SIZES;
+    let layers = vec![
+        layer(move |vb| linear(i, h, vb.pp("l1"))),
+        layer(|_| Ok(candle_nn::Activation::Relu)),
+        layer(move |vb| linear(h, o, vb.pp("l2"))),
+    ];
+    let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+        .chunks(chunks)
+        .mixed_precision(policy)
+        .build(layers)
+        .unwrap();
+    let mut opt = sgd(&varmap);
+    for t in 0..STEPS {
+        let (x, y) = batch(t);
+        let step = pipe
+            .forward_backward(&x, &y, LossReduction::Mean, loss_of)
+            .unwrap();
+        opt.step(&step.grads).unwrap();
+    }
+    // The drop-in path cannot carry the copies' gradients: refused.
+    let e = pipe.forward(&batch(0).0).unwrap_err();
+    assert!(matches!(e, Error::MixedPrecision(_)), "{e}");
+    snapshot(&varmap)
+}
+
+#[test]
+fn a_bf16_pipeline_in_one_micro_batch_trains_to_the_bits_of_one_device_in_bf16() {
+    assert!(identical(
+        &pipeline(1, MixedPrecision::bf16()),
+        &single(MixedPrecision::bf16())
+    ));
+}
+
+#[test]
+fn a_bf16_pipeline_in_micro_batches_matches_one_device_in_bf16() {
+    let gap = difference_over_change(
+        &pipeline(4, MixedPrecision::bf16()),
+        &single(MixedPrecision::bf16()),
+    );
+    assert!(
+        gap <= 0.02,
+        "pipeline of 4 micro-batches vs one device: {gap}"
+    );
+}
