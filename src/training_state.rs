@@ -3,8 +3,9 @@
 //!
 //! A [`TrainingState`] is the model's variables (buffers included), the
 //! optimizer's [`OptimizerState`], where the run is ([`Progress`]: epoch,
-//! batch within it, global step), the sampler's seed and epoch, and
-//! metadata of your own. [`StateDir::save`] writes one into a directory of
+//! batch within it, global step), the sampler's seed and epoch, the
+//! learning-rate schedule's and the loss scaler's positions, and metadata
+//! of your own. [`StateDir::save`] writes one into a directory of
 //! states; [`StateDir::latest`] finds the newest complete one.
 //!
 //! **Crash safety.** A state is written into a hidden temporary folder,
@@ -66,6 +67,7 @@ use crate::checkpoint::{self, Prefix};
 use crate::comm::{all_gather_object, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::lock::lock;
+use crate::optim::{GradScalerState, LrSchedulerState};
 use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
 use crate::sampler::DistributedSampler;
 
@@ -128,6 +130,10 @@ pub struct TrainingState {
     pub optimizer: Option<OptimizerState>,
     /// The sampler's position, if the run uses one.
     pub sampler: Option<SamplerState>,
+    /// The learning-rate schedule's position, if the run has one.
+    pub lr_scheduler: Option<LrSchedulerState>,
+    /// The loss scaler's scale and growth tracker, if the run has one.
+    pub grad_scaler: Option<GradScalerState>,
     /// Anything else the run wants back (strings by name).
     pub metadata: BTreeMap<String, String>,
 }
@@ -212,6 +218,11 @@ struct Manifest {
 struct Small {
     progress: Progress,
     sampler: Option<SamplerState>,
+    /// Absent from states saved before schedules and scalers were kept.
+    #[serde(default)]
+    lr_scheduler: Option<LrSchedulerState>,
+    #[serde(default)]
+    grad_scaler: Option<GradScalerState>,
     metadata: BTreeMap<String, String>,
     /// The optimizer's kind, steps and settings (its tensors are in
     /// `optimizer.safetensors`).
@@ -405,6 +416,8 @@ impl StateDir {
         let small = Small {
             progress: state.progress,
             sampler: state.sampler,
+            lr_scheduler: state.lr_scheduler.clone(),
+            grad_scaler: state.grad_scaler,
             metadata: state.metadata.clone(),
             optimizer: header,
         };
@@ -580,6 +593,8 @@ fn read_state(folder: &Path) -> std::result::Result<TrainingState, String> {
         progress: small.progress,
         optimizer,
         sampler: small.sampler,
+        lr_scheduler: small.lr_scheduler,
+        grad_scaler: small.grad_scaler,
         metadata: small.metadata,
     })
 }

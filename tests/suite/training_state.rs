@@ -13,7 +13,7 @@ use std::time::Duration;
 use candle_core::{DType, Device, Tensor};
 use candle_dp::comm::GroupOptions;
 use candle_dp::launch::spawn_with;
-use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
+use candle_dp::optim::{AdamW, AdamWConfig, GradScalerState, LrScheduler, StatefulOptimizer};
 use candle_dp::sampler::DistributedSampler;
 use candle_dp::training_state::{
     check_ranks_agree, Progress, SamplerState, StateDir, TrainingState,
@@ -61,8 +61,27 @@ fn state_at(step: u64, opt: &AdamW) -> TrainingState {
             seed: 9,
             epoch: step / 10,
         }),
+        lr_scheduler: Some(schedule_after(step).state()),
+        grad_scaler: Some(GradScalerState {
+            scale: 3.0 * 2f32.powi(-(step as i32 % 20)),
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+            growth_tracker: step % 7,
+        }),
         metadata: BTreeMap::from([("run".to_string(), "test".to_string())]),
     }
+}
+
+/// Warm-up then cosine, after `steps` steps: rates no decimal writes short.
+fn schedule_after(steps: u64) -> LrScheduler {
+    let warmup = LrScheduler::linear(3e-3, 0.1, 1.0, 5).unwrap();
+    let cosine = LrScheduler::cosine_annealing(3e-3, 40, 1e-5).unwrap();
+    let mut schedule = LrScheduler::sequential(3e-3, vec![warmup, cosine], vec![5]).unwrap();
+    for _ in 0..steps {
+        schedule.step().unwrap();
+    }
+    schedule
 }
 
 fn bytes(varmap: &VarMap) -> BTreeMap<String, Vec<f32>> {
@@ -122,6 +141,20 @@ fn a_saved_state_restores_the_model_buffers_optimizer_progress_and_sampler() {
         }
     );
     assert_eq!(s.metadata["run"], "test");
+    // The schedule and the scaler come back to the bit.
+    let written = state_at(23, &opt);
+    assert_eq!(s.lr_scheduler, written.lr_scheduler);
+    assert_eq!(s.grad_scaler, written.grad_scaler);
+    let mut schedule = schedule_after(0);
+    schedule
+        .load_state(s.lr_scheduler.as_ref().unwrap())
+        .unwrap();
+    let (mut a, mut b) = (schedule, schedule_after(23));
+    for _ in 0..30 {
+        assert_eq!(a.lr().to_bits(), b.lr().to_bits());
+        a.step().unwrap();
+        b.step().unwrap();
+    }
     let mut sampler = DistributedSampler::new(10, 2, 1).unwrap().seed(9);
     s.sampler.unwrap().apply_to(&mut sampler).unwrap();
     assert_eq!(sampler.epoch(), 2);
