@@ -257,6 +257,17 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
         )
     }
 
+    /// The parameters this rank owns (the ones its optimizer steps, whose
+    /// gradients it keeps at stage 2): what
+    /// [`GradScaler::unscale_across`](crate::optim::GradScaler::unscale_across)
+    /// takes on every rank, so that an inf in any rank's gradients skips
+    /// every rank's step.
+    pub fn owned_params(&self) -> Vec<Var> {
+        self.owned_indices(self.pg.rank())
+            .map(|i| self.params[i].1.clone())
+            .collect()
+    }
+
     /// The optimizer over this rank's parameters.
     pub fn inner(&self) -> &O {
         &self.inner

@@ -32,6 +32,7 @@ mod nccl;
 mod optim;
 mod pipeline;
 mod precision;
+mod recipe;
 mod resume;
 mod sampler;
 mod scatter_gather;
