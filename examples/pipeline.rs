@@ -208,7 +208,7 @@ fn run(args: Args) -> Result<()> {
     )?;
     // The stages' variables are the VarMap's: a restored state is theirs.
     let from = match &checkpoints {
-        Some(c) => c.resume(&varmap, &mut opt, true)?.map(|(p, _)| p),
+        Some(c) => c.resume(&varmap, &mut opt, true)?.map(|s| s.progress),
         None => None,
     }
     .unwrap_or_default();
@@ -244,7 +244,7 @@ fn run(args: Args) -> Result<()> {
                     batch: index as u64 + 1,
                     step: step_count,
                 };
-                c.after_step(&varmap, &opt, progress, per_epoch, None)?;
+                c.after_step(&varmap, &opt, progress, per_epoch, None, (None, None))?;
             }
         }
         let acc = accuracy(&pipe.forward_t(&test_x, false)?, &test.labels)?;

@@ -25,6 +25,9 @@ mod datasets;
 #[path = "common/checkpoints.rs"]
 mod checkpoints;
 
+#[path = "common/recipe.rs"]
+mod recipe;
+
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -38,19 +41,19 @@ use candle_dp::comm::GroupOptions;
 use candle_dp::launch::{self, Backend};
 use candle_dp::loader::{Loader, TensorDataset};
 use candle_dp::optim::{AdamW, AdamWConfig, OptimizerState};
+use candle_dp::precision::MixedPrecisionModel;
 use candle_dp::sampler::DistributedSampler;
 use candle_dp::training_state::{
     check_ranks_agree, Progress, SamplerState, StateDir, TrainingState,
 };
 use candle_dp::zero::{ZeroOptimizer, ZeroStage};
 use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParallel, LossReduction};
-use candle_nn::{
-    conv2d, linear, loss, Conv2d, Conv2dConfig, Linear, Optimizer, VarBuilder, VarMap,
-};
+use candle_nn::{conv2d, linear, loss, Conv2d, Conv2dConfig, Linear, VarBuilder, VarMap};
 use checkpoints::Checkpoints;
 use clap::{Parser, ValueEnum};
 use datasets::{load_digits, load_mnist, shuffled_indices, LabelledImages};
 use indicatif::{ProgressBar, ProgressStyle};
+use recipe::{Precision, Recipe, Schedule};
 
 /// The user's model: plain candle code, unaware of data parallelism.
 enum Net {
@@ -212,6 +215,28 @@ struct Args {
     /// job fails: seconds, or `none` [default: 1800, or CANDLE_DP_TIMEOUT].
     #[arg(long, value_name = "SECONDS", value_parser = timeout_arg)]
     timeout: Option<Timeout>,
+    /// The dtype of the forward and backward; the weights, the gradients
+    /// the optimizer sees and its state stay in f32 (f16 adds dynamic loss
+    /// scaling).
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    precision: Precision,
+    /// Clips the total 2-norm of the gradients to X before each step.
+    #[arg(long, value_name = "X", value_parser = positive)]
+    clip_grad_norm: Option<f64>,
+    /// The learning rate over the run.
+    #[arg(long, value_enum, default_value_t = Schedule::Constant)]
+    lr_schedule: Schedule,
+    /// Warm-up steps of `--lr-schedule warmup-cosine` [default: 5% of the
+    /// run's steps, at least 1].
+    #[arg(long, value_name = "N")]
+    warmup_steps: Option<u64>,
+}
+
+fn positive(value: &str) -> std::result::Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!("{value} is not a positive number")),
+    }
 }
 
 /// A `--timeout`: `None` is no limit.
@@ -252,6 +277,48 @@ impl Args {
     fn fast_backward(&self) -> bool {
         self.backward == Backward::Fast
     }
+
+    /// The precision, clipping and schedule of a run of `total_steps`.
+    fn recipe(&self, total_steps: u64) -> Result<Recipe> {
+        let warmup = self.warmup_steps.unwrap_or((total_steps / 20).max(1));
+        Recipe::new(
+            self.precision,
+            self.clip_grad_norm,
+            self.lr_schedule,
+            self.lr,
+            warmup,
+            total_steps,
+        )
+    }
+}
+
+/// `net` computing in `args.precision` over `varmap`'s f32 variables.
+fn in_precision(
+    args: &Args,
+    varmap: &VarMap,
+    net: impl FnOnce(VarBuilder) -> candle_core::Result<Net>,
+) -> Result<MixedPrecisionModel<Net>> {
+    Ok(MixedPrecisionModel::new(
+        varmap,
+        DType::F32,
+        &Device::Cpu,
+        args.precision.policy(),
+        net,
+    )?)
+}
+
+/// The mean cross-entropy of low-precision logits, computed in f32.
+fn loss_of(logits: &Tensor, labels: &Tensor) -> candle_core::Result<Tensor> {
+    loss::cross_entropy(&logits.to_dtype(DType::F32)?, labels)
+}
+
+/// The variables of `varmap` sorted by name (buffers get no gradient and
+/// are skipped by the scaler and the clipping).
+fn params_of(varmap: &VarMap) -> Vec<candle_core::Var> {
+    let data = varmap.data().lock().expect("lock");
+    let mut named: Vec<_> = data.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named.into_iter().map(|(_, v)| v).collect()
 }
 
 /// Train and held-out sets.
@@ -284,6 +351,8 @@ struct Outcome {
     history: Vec<(f32, f64)>,
     /// The trained weights.
     varmap: VarMap,
+    /// Steps the f16 loss scaler skipped.
+    skipped: u64,
 }
 
 /// The losses of one epoch, and its held-out accuracy, outside the timing.
@@ -295,7 +364,7 @@ struct EpochLog {
 }
 
 impl EpochLog {
-    fn end_epoch(&mut self, model: &Net, test: &LabelledImages) -> Result<()> {
+    fn end_epoch(&mut self, model: &MixedPrecisionModel<Net>, test: &LabelledImages) -> Result<()> {
         let start = Instant::now();
         let mean = self.losses.iter().sum::<f32>() / self.losses.len().max(1) as f32;
         self.losses.clear();
@@ -317,24 +386,28 @@ fn train(
     let varmap = copy_varmap(init)?;
     let factory = args.net(train);
     let dp = if replicas > 0 {
-        Some(DataParallel::new(
-            &varmap,
-            DType::F32,
-            &cpu_devices(replicas),
-            factory.clone(),
-        )?)
+        Some(
+            DataParallel::builder(&varmap, DType::F32, &cpu_devices(replicas))
+                .mixed_precision(args.precision.policy())
+                .build(factory.clone())?,
+        )
     } else {
         None
     };
-    let single = factory(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+    let single = in_precision(args, &varmap, factory)?;
+    let params = params_of(&varmap);
     let mut opt = adamw(&varmap, args.lr)?;
-    let from = match checkpoints {
-        Some(c) => c.resume(&varmap, &mut opt, true)?.map(|(p, _)| p),
-        None => None,
-    }
-    .unwrap_or_default();
-
     let steps_per_epoch = train.len().div_ceil(args.batch());
+    let mut recipe = args.recipe((args.epochs * steps_per_epoch) as u64)?;
+    let from = match checkpoints {
+        Some(c) => c.resume(&varmap, &mut opt, true)?,
+        None => None,
+    };
+    if let Some(state) = &from {
+        recipe.resume(state)?;
+    }
+    let from = from.map(|s| s.progress).unwrap_or_default();
+
     let bar = progress_bar((args.epochs * steps_per_epoch) as u64)?;
     bar.set_position(from.step);
     bar.set_prefix(if replicas > 0 {
@@ -357,28 +430,35 @@ fn train(
         };
         for (index, batch) in order.chunks(args.batch()).enumerate().skip(skip) {
             let b = train.select(batch)?;
-            let loss = match &dp {
+            recipe.before_step(&mut opt);
+            let (loss, mut grads) = match &dp {
                 Some(dp) if args.fast_backward() => {
-                    // Each replica: forward, loss on its rows, backward; gradients summed.
+                    // Each replica: forward, loss on its rows (scaled for
+                    // f16), backward; gradients summed.
+                    let (factor, dtype) = (recipe.loss_factor(), args.precision.dtype());
                     let step = dp.forward_backward(
                         (b.images, b.labels),
                         LossReduction::Mean,
-                        |m, (x, y)| loss::cross_entropy(&m.forward(&x)?, &y),
+                        move |m, (x, y)| {
+                            let loss = loss_of(&m.forward(&x.to_dtype(dtype)?)?, &y)?;
+                            loss.affine(f64::from(factor), 0.0)
+                        },
                     )?;
-                    opt.step(&step.grads)?;
-                    step.loss
+                    let loss = step.loss.affine(1.0 / f64::from(factor), 0.0)?;
+                    (loss, step.grads)
                 }
                 Some(dp) => {
-                    let loss = loss::cross_entropy(&dp.forward(&b.images)?, &b.labels)?;
-                    opt.backward_step(&loss)?;
-                    loss
+                    let loss = loss_of(&dp.forward(&b.images)?, &b.labels)?;
+                    let grads = recipe.scale(&loss)?.backward()?;
+                    (loss, grads)
                 }
                 None => {
-                    let loss = loss::cross_entropy(&single.forward(&b.images)?, &b.labels)?;
-                    opt.backward_step(&loss)?;
-                    loss
+                    let loss = loss_of(&single.forward(&b.images)?, &b.labels)?;
+                    let grads = recipe.scale(&loss)?.backward()?;
+                    (loss, grads)
                 }
             };
+            recipe.finish(&mut grads, &params, &mut opt)?;
             samples += batch.len();
             last_loss = loss.to_scalar::<f32>()?;
             log.losses.push(last_loss);
@@ -390,7 +470,8 @@ fn train(
                     batch: index as u64 + 1,
                     step,
                 };
-                c.after_step(&varmap, &opt, progress, steps_per_epoch as u64, None)?;
+                let at = recipe.state();
+                c.after_step(&varmap, &opt, progress, steps_per_epoch as u64, None, at)?;
             }
         }
         bar.set_message(format!("epoch {} loss {last_loss:.4}", epoch + 1));
@@ -406,6 +487,7 @@ fn train(
         accuracy: accuracy(&single, test)?,
         history: log.history,
         varmap,
+        skipped: recipe.skipped,
     })
 }
 
@@ -438,7 +520,8 @@ fn train_ddp(
             &varmap,
             DType::F32,
             &Device::Cpu,
-        );
+        )
+        .mixed_precision(args.precision.policy());
         let zero = args.zero.and_then(ZeroStage::from_number);
         if let Some(stage) = zero {
             builder = builder.zero(stage);
@@ -465,8 +548,9 @@ fn train_ddp(
         let resumed = match (checkpoints, &mut sharded) {
             (Some(c), Some(sharded)) => {
                 let resumed = c.resume_with(&varmap, None::<&mut AdamW>, rank == 0)?;
-                if let Some((p, _)) = &resumed {
-                    sharded.load_shards(&zero_shards_at(c.path(), p.step)?)?;
+                if let Some(state) = &resumed {
+                    let step = state.progress.step;
+                    sharded.load_shards(&zero_shards_at(c.path(), step)?)?;
                 }
                 resumed
             }
@@ -480,15 +564,24 @@ fn train_ddp(
             _ => None,
         };
         if checkpoints.is_some_and(|c| c.resume) {
-            check_ranks_agree(ctx.pg.as_ref(), resumed.map(|(p, _)| p.step))?;
+            let step = resumed.as_ref().map(|s| s.progress.step);
+            check_ranks_agree(ctx.pg.as_ref(), step)?;
         }
-        let (from, sampler_state) = resumed.unwrap_or_default();
-        if let Some(saved) = sampler_state {
-            saved.apply_to(&mut sampler)?;
-        }
+        let batches = sampler.len().div_ceil(per_rank) as u64;
+        let mut recipe = args.recipe(batches * args.epochs as u64)?;
+        let params: Vec<_> = ddp.params().iter().map(|(_, v)| v.clone()).collect();
+        let from = match &resumed {
+            Some(state) => {
+                recipe.resume(state)?;
+                if let Some(saved) = state.sampler {
+                    saved.apply_to(&mut sampler)?;
+                }
+                state.progress
+            }
+            None => Default::default(),
+        };
         // Timed from here, as the other runs: MPI's start-up is not training.
         let start = Instant::now();
-        let batches = sampler.len().div_ceil(per_rank) as u64;
         let bar = if rank == 0 {
             let bar = progress_bar(batches * args.epochs as u64)?;
             bar.set_prefix(format!("DDP x{world}"));
@@ -501,7 +594,7 @@ fn train_ddp(
         let (mut samples, mut last_loss) = (0, f32::NAN);
         let mut log = EpochLog::default();
         // Shares the trained variables: evaluates the model as it is.
-        let model = net(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+        let model = in_precision(args, &varmap, net.clone())?;
         for epoch in from.epoch as usize..args.epochs {
             sampler.set_epoch(epoch as u64);
             // A resumed epoch continues with the batch it had not trained on.
@@ -516,11 +609,16 @@ fn train_ddp(
                 .skip_batches(skip as usize);
             for (index, batch) in (skip..).zip(&loader) {
                 let batch = batch?;
-                let loss = loss::cross_entropy(&ddp.forward(&batch[0])?, &batch[1])?;
                 match &mut sharded {
-                    Some(sharded) => sharded.step(&ddp.backward(&loss)?)?,
-                    None => ddp.backward_step(&loss, &mut opt)?,
+                    Some(sharded) => recipe.before_step(sharded.inner_mut()),
+                    None => recipe.before_step(&mut opt),
                 }
+                let loss = loss_of(&ddp.forward(&batch[0])?, &batch[1])?;
+                let mut grads = ddp.backward(&recipe.scale(&loss)?)?;
+                match &mut sharded {
+                    Some(sharded) => recipe.finish_zero(&mut grads, sharded, ctx.pg.as_ref())?,
+                    None => recipe.finish(&mut grads, &params, &mut opt)?,
+                };
                 samples += batch[0].dim(0)?;
                 last_loss = loss.to_scalar::<f32>()?;
                 log.losses.push(last_loss);
@@ -547,14 +645,19 @@ fn train_ddp(
                             dir.save(&VarMap::new(), &shard)?;
                             ctx.pg.barrier()?;
                             if rank == 0 {
-                                c.save(&varmap, None, due, position)?;
+                                c.save(&varmap, None, due, position, recipe.state())?;
                             }
                         }
                         (Some(_), _, _) => {}
                         // One writer: the state is the same on every rank.
-                        (None, _, _) if rank == 0 => {
-                            c.after_step(&varmap, &opt, progress, batches, position)?
-                        }
+                        (None, _, _) if rank == 0 => c.after_step(
+                            &varmap,
+                            &opt,
+                            progress,
+                            batches,
+                            position,
+                            recipe.state(),
+                        )?,
                         (None, _, _) => {}
                     }
                 }
@@ -580,6 +683,7 @@ fn train_ddp(
             accuracy: accuracy(&model, test)?,
             history: log.history,
             varmap,
+            skipped: recipe.skipped,
         }))
     })?;
     Ok(ranks.into_iter().flatten().next())
@@ -632,7 +736,7 @@ fn progress_bar(steps: u64) -> Result<ProgressBar> {
     Ok(bar)
 }
 
-fn accuracy(model: &Net, test: &LabelledImages) -> Result<f64> {
+fn accuracy(model: &MixedPrecisionModel<Net>, test: &LabelledImages) -> Result<f64> {
     let predictions = model.forward(&test.images)?.argmax(1)?;
     let correct = predictions
         .eq(&test.labels)?
@@ -680,6 +784,12 @@ fn run(args: Args) -> Result<()> {
     if args.zero.is_some() && args.strategy != Strategy::Ddp {
         bail!("--zero shards DistributedDataParallel's optimizer: use it with --strategy ddp");
     }
+    if args.precision == Precision::Bf16 && args.model == Model::Conv {
+        bail!(
+            "--precision bf16 with the conv net: candle 0.11's CPU convolution has no bf16 \
+             kernel; use --model mlp, or --precision f16"
+        );
+    }
     // Under MPI every process runs this; only rank 0 speaks.
     let speaks = Backend::process_rank() == 0;
     let (train_set, test_set, name) = load_data(&args)?;
@@ -705,9 +815,16 @@ fn run(args: Args) -> Result<()> {
                 )
             }
         };
+        let clip = match args.clip_grad_norm {
+            Some(x) => format!(", gradients clipped to norm {x}"),
+            None => String::new(),
+        };
         println!(
-            "model: {model}, AdamW lr {}, global batch {}, {} epochs, {} backward, seed {}",
+            "model: {model}, AdamW lr {} ({:?}{clip}), {:?}, global batch {}, {} epochs, {} \
+             backward, seed {}",
             args.lr,
+            args.lr_schedule,
+            args.precision,
             args.batch,
             args.epochs,
             match args.backward {
@@ -813,6 +930,14 @@ fn run(args: Args) -> Result<()> {
             "same init; DDP's sampler orders the data its own way"
         };
         println!("largest weight difference from the one-device run: {max_diff:.3e} ({note})");
+    }
+    for (label, o) in &runs {
+        if o.skipped > 0 {
+            println!(
+                "{label}: the f16 loss scaler skipped {} steps (gradients past f16's range)",
+                o.skipped
+            );
+        }
     }
     if let Some(path) = &args.save {
         println!("weights saved to {}", path.display());

@@ -2,9 +2,13 @@
 //! and where a resumed run continues.
 
 use anyhow::Result;
-use candle_dp::optim::{OptimizerState, StatefulOptimizer};
+use candle_dp::optim::{GradScalerState, LrSchedulerState, OptimizerState, StatefulOptimizer};
 use candle_dp::training_state::{Progress, SamplerState, StateDir, TrainingState};
 use candle_nn::VarMap;
+
+/// The learning-rate schedule's and the loss scaler's positions, when the
+/// run has them.
+pub type Recipe = (Option<LrSchedulerState>, Option<GradScalerState>);
 
 /// Where the states of the run go, and when.
 pub struct Checkpoints {
@@ -36,14 +40,14 @@ impl Checkpoints {
     }
 
     /// Restores the newest state into `varmap` and `opt` when resuming, and
-    /// says where the run continues (the start for a fresh run).
-    /// `None`: a fresh start.
+    /// returns it (where the run continues, the sampler's position, the
+    /// schedule's and the scaler's). `None`: a fresh start.
     pub fn resume<O: StatefulOptimizer>(
         &self,
         varmap: &VarMap,
         opt: &mut O,
         speaks: bool,
-    ) -> Result<Option<(Progress, Option<SamplerState>)>> {
+    ) -> Result<Option<TrainingState>> {
         self.resume_with(varmap, Some(opt), speaks)
     }
 
@@ -55,7 +59,7 @@ impl Checkpoints {
         varmap: &VarMap,
         opt: Option<&mut O>,
         speaks: bool,
-    ) -> Result<Option<(Progress, Option<SamplerState>)>> {
+    ) -> Result<Option<TrainingState>> {
         if !self.resume {
             return Ok(None);
         }
@@ -79,7 +83,7 @@ impl Checkpoints {
                 p.step
             );
         }
-        Ok(Some((p, saved.state.sampler)))
+        Ok(Some(saved.state))
     }
 
     /// After the step that left the run at `progress` (`batches` in its
@@ -91,9 +95,10 @@ impl Checkpoints {
         progress: Progress,
         batches: u64,
         sampler: Option<SamplerState>,
+        recipe: Recipe,
     ) -> Result<()> {
         if let Some(progress) = self.due(progress, batches) {
-            self.save(varmap, Some(opt.state()?), progress, sampler)?;
+            self.save(varmap, Some(opt.state()?), progress, sampler, recipe)?;
         }
         Ok(())
     }
@@ -128,11 +133,14 @@ impl Checkpoints {
         optimizer: Option<OptimizerState>,
         progress: Progress,
         sampler: Option<SamplerState>,
+        (lr_scheduler, grad_scaler): Recipe,
     ) -> Result<()> {
         let state = TrainingState {
             progress,
             optimizer,
             sampler,
+            lr_scheduler,
+            grad_scaler,
             ..Default::default()
         };
         self.states.save(varmap, &state)?;

@@ -152,3 +152,37 @@ fn ddp_with_zero_stage_2_killed_five_times_resumes_to_the_same_bytes() {
         5,
     );
 }
+
+/// With f16 (its loss scale), clipping and a warm-up + cosine schedule,
+/// under ZeRO-2 on 2 thread ranks: the scale, its growth tracker and the
+/// schedule's position are in the saved state and come back exactly.
+#[test]
+fn f16_zero_training_with_clipping_and_a_schedule_killed_resumes_to_the_same_bytes() {
+    let job = train_digits("ddp");
+    resumes_to_the_same_bytes(
+        "f16",
+        move |states, save| {
+            let mut command = job(states, save);
+            command.args(["--zero", "2", "--model", "mlp", "--precision", "f16"]);
+            command.args(["--clip-grad-norm", "0.5", "--lr-schedule", "warmup-cosine"]);
+            command
+        },
+        3,
+    );
+}
+
+/// The same with bf16 on DataParallel.
+#[test]
+fn bf16_data_parallel_with_a_schedule_killed_resumes_to_the_same_bytes() {
+    let job = train_digits("dp");
+    resumes_to_the_same_bytes(
+        "bf16",
+        move |states, save| {
+            let mut command = job(states, save);
+            command.args(["--model", "mlp", "--precision", "bf16"]);
+            command.args(["--clip-grad-norm", "1", "--lr-schedule", "warmup-cosine"]);
+            command
+        },
+        3,
+    );
+}
