@@ -8,6 +8,7 @@
 //! cargo run --release --example bench -- --pipeline --out bench-out   (model parallelism)
 //! cargo run --release --features mpi --example bench -- --all-reduce --out bench-out
 //! cargo run --release --features mpi --example bench -- --zero --out bench-out
+//! cargo run --release --example bench -- --precision --out bench-out
 //! ```
 //!
 //! `--pipeline` measures the pipeline instead (see `pipeline.rs`) and
@@ -43,11 +44,18 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+// The system allocator, counted for `--precision`'s memory column.
+#[cfg(not(feature = "mimalloc"))]
+#[global_allocator]
+static GLOBAL: alloc_count::Counting = alloc_count::Counting;
+
 mod all_reduce;
+mod alloc_count;
 mod child;
 mod net;
 mod pipeline;
 mod plan;
+mod precision;
 mod report;
 mod stats;
 mod zero;
@@ -121,6 +129,15 @@ struct Args {
     /// Internal: run one ZeRO configuration (JSON) in this process.
     #[arg(long, hide = true, value_name = "SPEC")]
     zero_child: Option<String>,
+    /// Measure mixed precision instead: f32, bf16 and f16 (with a
+    /// GradScaler) on one device and DDP thread ranks: step time, the
+    /// memory a step allocates, the weights against f32's (writes
+    /// precision.md).
+    #[arg(long)]
+    precision: bool,
+    /// Internal: run one mixed-precision configuration (JSON) in this process.
+    #[arg(long, hide = true, value_name = "SPEC")]
+    precision_child: Option<String>,
     /// Internal: run one pipeline configuration (JSON) in this process.
     #[arg(long, hide = true, value_name = "SPEC")]
     pipeline_child: Option<String>,
@@ -144,6 +161,12 @@ fn run(args: Args) -> Result<()> {
     if let Some(child) = &args.pipeline_child {
         let spec: pipeline::PipeSpec = serde_json::from_str(child).context("a pipeline spec")?;
         println!("{}", serde_json::to_string(&pipeline::run_child(&spec)?)?);
+        return Ok(());
+    }
+    if let Some(child) = &args.precision_child {
+        let spec: precision::PrecisionSpec =
+            serde_json::from_str(child).context("a precision spec")?;
+        println!("{}", serde_json::to_string(&precision::run_child(&spec)?)?);
         return Ok(());
     }
     if let Some(child) = &args.zero_child {
@@ -183,6 +206,15 @@ fn run(args: Args) -> Result<()> {
         println!("{report}");
         std::fs::write(out_dir.join("zero.md"), &report)?;
         println!("wrote {}", out_dir.join("zero.md").display());
+        return Ok(());
+    }
+    if args.precision {
+        let steps = args.steps.unwrap_or(if quick { 3 } else { 10 });
+        let rounds = args.rounds.unwrap_or(if quick { 1 } else { 2 });
+        let report = precision::run(quick, steps, rounds, out_dir)?;
+        println!("{report}");
+        std::fs::write(out_dir.join("precision.md"), &report)?;
+        println!("wrote {}", out_dir.join("precision.md").display());
         return Ok(());
     }
     if args.pipeline {
