@@ -815,16 +815,21 @@ fn run(args: Args) -> Result<()> {
                 )
             }
         };
-        let clip = match args.clip_grad_norm {
-            Some(x) => format!(", gradients clipped to norm {x}"),
-            None => String::new(),
-        };
+        let mut recipe = String::new();
+        if args.lr_schedule == Schedule::WarmupCosine {
+            recipe += " with warm-up and cosine decay";
+        }
+        if let Some(x) = args.clip_grad_norm {
+            recipe += &format!(", gradients clipped to norm {x}");
+        }
+        match args.precision {
+            Precision::F32 => {}
+            Precision::Bf16 => recipe += ", bf16 compute",
+            Precision::F16 => recipe += ", f16 compute with loss scaling",
+        }
         println!(
-            "model: {model}, AdamW lr {} ({:?}{clip}), {:?}, global batch {}, {} epochs, {} \
-             backward, seed {}",
+            "model: {model}, AdamW lr {}{recipe}, global batch {}, {} epochs, {} backward, seed {}",
             args.lr,
-            args.lr_schedule,
-            args.precision,
             args.batch,
             args.epochs,
             match args.backward {
