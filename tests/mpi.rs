@@ -1342,6 +1342,60 @@ fn train_digits_with_zero_under_mpirun_saves_the_bytes_of_plain_ddp() {
     }
 }
 
+/// The training recipe under `mpirun`: f16 with its loss scaler, gradient
+/// clipping and a warm-up + cosine schedule, at ZeRO stage 2 on 2 MPI
+/// processes, saves the bytes of the same run on 2 thread ranks (the scaler's
+/// check of every rank's shard is one all-reduce on either group).
+#[test]
+fn train_digits_in_f16_with_clipping_and_a_schedule_under_mpirun_saves_the_bytes_of_threads() {
+    let example = common::killing::example("train_digits");
+    let dir = tempdir::Dir::new("train_digits_f16");
+    let args = |file: &str| {
+        let path = dir.path().join(file);
+        let mut args: Vec<std::ffi::OsString> = [
+            "--strategy",
+            "ddp",
+            "--zero",
+            "2",
+            "--model",
+            "mlp",
+            "--epochs",
+            "2",
+            "--no-reference",
+            "--precision",
+            "f16",
+            "--clip-grad-norm",
+            "0.5",
+            "--lr-schedule",
+            "warmup-cosine",
+            "--save",
+        ]
+        .map(Into::into)
+        .into();
+        args.push(path.into_os_string());
+        args
+    };
+    let mut threads = Command::new(&example);
+    threads.args(args("threads.safetensors"));
+    let threads = run_bounded(threads, "f16 on threads");
+    let mut processes = mpirun_command(2, &example, None);
+    processes.args(args("mpi.safetensors"));
+    let processes = run_bounded(processes, "f16 under mpirun");
+    for (what, output) in [("threads", &threads), ("mpirun", &processes)] {
+        assert!(
+            output.status.success(),
+            "{what}: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let saved = |file: &str| std::fs::read(dir.path().join(file)).unwrap();
+    assert!(
+        saved("threads.safetensors") == saved("mpi.safetensors"),
+        "threads and processes saved different weights"
+    );
+}
+
 /// The main job under `mpirun -np 2`, killed five times (one rank with
 /// SIGKILL, which ends the job: at pseudo-random moments, and rank 0 in
 /// the middle of a save) and resumed with `--resume` each time, saves the
