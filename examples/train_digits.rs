@@ -34,13 +34,13 @@ use std::time::Instant;
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
 use candle_dp::comm::GroupOptions;
 use candle_dp::launch::{self, Backend};
 use candle_dp::loader::{Loader, TensorDataset};
-use candle_dp::optim::{AdamW, AdamWConfig, OptimizerState};
+use candle_dp::optim::{AdamW, AdamWConfig};
 use candle_dp::precision::MixedPrecisionModel;
 use candle_dp::sampler::DistributedSampler;
 use candle_dp::training_state::{
@@ -550,7 +550,7 @@ fn train_ddp(
                 let resumed = c.resume_with(&varmap, None::<&mut AdamW>, rank == 0)?;
                 if let Some(state) = &resumed {
                     let step = state.progress.step;
-                    sharded.load_shards(&zero_shards_at(c.path(), step)?)?;
+                    sharded.load_shards(&c.zero_shards_at(step)?)?;
                 }
                 resumed
             }
@@ -559,7 +559,7 @@ fn train_ddp(
         };
         let shard_dir = match (checkpoints, &sharded) {
             (Some(c), Some(_)) => {
-                Some(StateDir::new(zero_shard_dir(c.path(), rank))?.keep(c.keep()))
+                Some(StateDir::new(c.zero_shard_dir(rank))?.keep(c.keep()))
             }
             _ => None,
         };
@@ -687,33 +687,6 @@ fn train_ddp(
         }))
     })?;
     Ok(ranks.into_iter().flatten().next())
-}
-
-/// Where rank `rank` of a ZeRO run keeps its shards of the optimizer's
-/// state, inside the checkpoint directory.
-fn zero_shard_dir(checkpoints: &std::path::Path, rank: usize) -> PathBuf {
-    checkpoints.join("zero-shards").join(format!("rank-{rank}"))
-}
-
-/// Every rank's shard saved at `step` (by however many ranks the run that
-/// saved them had: each shard records it), for
-/// `ZeroOptimizer::load_shards`, which checks that the set is complete.
-fn zero_shards_at(checkpoints: &std::path::Path, step: u64) -> Result<Vec<OptimizerState>> {
-    let shard = |rank: usize| -> Result<OptimizerState> {
-        let dir = zero_shard_dir(checkpoints, rank);
-        StateDir::new(&dir)?
-            .at_step(step)?
-            .and_then(|saved| saved.state.optimizer)
-            .with_context(|| format!("{}: no ZeRO shard saved at step {step}", dir.display()))
-    };
-    let first = shard(0)?;
-    let world = first
-        .shard
-        .context("the ZeRO shard of rank 0 does not record how many shards its step has")?
-        .world_size;
-    std::iter::once(Ok(first))
-        .chain((1..world).map(shard))
-        .collect()
 }
 
 /// candle-dp's AdamW (PyTorch's formulas; its state can be saved).

@@ -1,7 +1,9 @@
 //! Whole-run checkpoints for the examples: when to save a training state,
 //! and where a resumed run continues.
 
-use anyhow::Result;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
 use candle_dp::optim::{GradScalerState, LrSchedulerState, OptimizerState, StatefulOptimizer};
 use candle_dp::training_state::{Progress, SamplerState, StateDir, TrainingState};
 use candle_nn::VarMap;
@@ -147,13 +149,42 @@ impl Checkpoints {
         Ok(())
     }
 
-    #[allow(dead_code)] // for train_digits' ZeRO shards: the pipeline example does not use it
+    #[allow(dead_code)] // for the ZeRO runs: the pipeline example does not use it
     /// The folder of the states.
     pub fn path(&self) -> &std::path::Path {
         self.states.path()
     }
 
-    #[allow(dead_code)] // for train_digits' ZeRO shards: the pipeline example does not use it
+    #[allow(dead_code)] // for the ZeRO runs: the pipeline example does not use it
+    /// Where rank `rank` of a ZeRO run keeps its shards of the optimizer's
+    /// state, inside the checkpoint directory.
+    pub fn zero_shard_dir(&self, rank: usize) -> PathBuf {
+        self.path().join("zero-shards").join(format!("rank-{rank}"))
+    }
+
+    #[allow(dead_code)] // for the ZeRO runs: the pipeline example does not use it
+    /// Every rank's shard saved at `step` (by however many ranks the run
+    /// that saved them had: each shard records it), for
+    /// `ZeroOptimizer::load_shards`, which checks that the set is complete.
+    pub fn zero_shards_at(&self, step: u64) -> Result<Vec<OptimizerState>> {
+        let shard = |rank: usize| -> Result<OptimizerState> {
+            let dir = self.zero_shard_dir(rank);
+            StateDir::new(&dir)?
+                .at_step(step)?
+                .and_then(|saved| saved.state.optimizer)
+                .with_context(|| format!("{}: no ZeRO shard saved at step {step}", dir.display()))
+        };
+        let first = shard(0)?;
+        let world = first
+            .shard
+            .context("the ZeRO shard of rank 0 does not record how many shards its step has")?
+            .world_size;
+        std::iter::once(Ok(first))
+            .chain((1..world).map(shard))
+            .collect()
+    }
+
+    #[allow(dead_code)] // for the ZeRO runs: the pipeline example does not use it
     /// How many states are kept.
     pub fn keep(&self) -> usize {
         self.keep
