@@ -558,9 +558,7 @@ fn train_ddp(
             (None, _) => None,
         };
         let shard_dir = match (checkpoints, &sharded) {
-            (Some(c), Some(_)) => {
-                Some(StateDir::new(c.zero_shard_dir(rank))?.keep(c.keep()))
-            }
+            (Some(c), Some(_)) => Some(StateDir::new(c.zero_shard_dir(rank))?.keep(c.keep())),
             _ => None,
         };
         if checkpoints.is_some_and(|c| c.resume) {

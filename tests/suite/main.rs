@@ -12,6 +12,16 @@ mod common;
 #[allow(dead_code)]
 #[path = "../../examples/common/datasets.rs"]
 mod example_datasets;
+/// The language model, its data and the training recipe of the examples.
+#[allow(dead_code)]
+#[path = "../../examples/common/gpt.rs"]
+mod example_gpt;
+#[allow(dead_code)]
+#[path = "../../examples/common/recipe.rs"]
+mod example_recipe;
+#[allow(dead_code)]
+#[path = "../../examples/common/text.rs"]
+mod example_text;
 
 mod checkpoint;
 mod clip;
@@ -26,6 +36,7 @@ mod errors;
 mod grad_scaler;
 mod hardening;
 mod launch;
+mod lm;
 mod loader;
 mod lr_schedule;
 mod nccl;

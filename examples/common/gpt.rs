@@ -1,0 +1,248 @@
+//! A decoder-only transformer in the GPT-2 mould, written with candle-nn,
+//! given as units (the embedding, each block, the head) so that every
+//! strategy applies: the pipeline takes the units as its layers, the other
+//! strategies run them in order ([`Gpt`]).
+//!
+//! Variable names and shapes are GPT-2's (`wte.weight`, `h.0.attn.c_attn.
+//! weight`, ...), with PyTorch's `nn.Linear` layout (out x in), so that
+//! `scripts/train_lm_torch.py` loads the initial weights as they are:
+//!
+//! - `wte.weight` (vocab x width), `wpe.weight` (context x width);
+//! - per block `h.{i}`: `ln_1.{weight,bias}`, `attn.c_attn.{weight,bias}`
+//!   (3 width x width: q, k, v), `attn.c_proj.{weight,bias}`,
+//!   `ln_2.{weight,bias}`, `mlp.c_fc.{weight,bias}` (4 width x width),
+//!   `mlp.c_proj.{weight,bias}`;
+//! - `ln_f.{weight,bias}`; the head is `wte.weight` itself (tied).
+//!
+//! The forward: token plus position embeddings; per block
+//! `x + attn(ln_1(x))` then `x + mlp(ln_2(x))`, attention causal with
+//! `heads` heads scaled by 1/sqrt(head width), the MLP with the tanh GELU;
+//! `ln_f`, then logits = x wte^T. LayerNorm eps 1e-5, computed in f32
+//! (`candle_nn::ops::layer_norm_slow`: candle's fused LayerNorm has no
+//! backward). No dropout. Initialisation as GPT-2: weights N(0, 0.02)
+//! (the residual projections N(0, 0.02 / sqrt(2 layers))), biases 0, norms 1.
+
+use candle_core::{DType, Device, Module, ModuleT, Tensor, D};
+use candle_dp::pipeline::{layer, LayerFactory};
+use candle_nn::{Init, Linear, VarBuilder};
+
+/// The model's size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct GptConfig {
+    /// Tokens (256: bytes).
+    pub vocab: usize,
+    /// The longest sequence (the position table's rows).
+    pub context: usize,
+    pub width: usize,
+    pub layers: usize,
+    pub heads: usize,
+}
+
+impl GptConfig {
+    /// Parameters, the tied head counted once.
+    pub fn parameters(&self) -> usize {
+        let (v, c, w, l) = (self.vocab, self.context, self.width, self.layers);
+        let block = 2 * w
+            + (3 * w * w + 3 * w)
+            + (w * w + w)
+            + 2 * w
+            + (4 * w * w + 4 * w)
+            + (4 * w * w + w);
+        v * w + c * w + l * block + 2 * w
+    }
+}
+
+const EPS: f32 = 1e-5;
+
+fn normal(stdev: f64) -> Init {
+    Init::Randn { mean: 0.0, stdev }
+}
+
+/// `nn.Linear(input, output)` with GPT-2's initialisation.
+fn linear(input: usize, output: usize, stdev: f64, vb: VarBuilder) -> candle_core::Result<Linear> {
+    let weight = vb.get_with_hints((output, input), "weight", normal(stdev))?;
+    let bias = vb.get_with_hints(output, "bias", Init::Const(0.0))?;
+    Ok(Linear::new(weight, Some(bias)))
+}
+
+/// A LayerNorm that trains: the plain-op form, in f32 inside.
+struct Norm {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Norm {
+    fn new(width: usize, vb: VarBuilder) -> candle_core::Result<Self> {
+        Ok(Self {
+            weight: vb.get_with_hints(width, "weight", Init::Const(1.0))?,
+            bias: vb.get_with_hints(width, "bias", Init::Const(0.0))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        candle_nn::ops::layer_norm_slow(x, &self.weight, &self.bias, EPS)
+    }
+}
+
+/// The first unit: token and position embeddings of token ids (batch x
+/// time, u32).
+pub struct Embeddings {
+    wte: Tensor,
+    wpe: Tensor,
+}
+
+impl Embeddings {
+    pub fn new(config: GptConfig, vb: VarBuilder) -> candle_core::Result<Self> {
+        Ok(Self {
+            wte: vb.get_with_hints((config.vocab, config.width), "wte.weight", normal(0.02))?,
+            wpe: vb.get_with_hints((config.context, config.width), "wpe.weight", normal(0.02))?,
+        })
+    }
+}
+
+impl ModuleT for Embeddings {
+    fn forward_t(&self, ids: &Tensor, _train: bool) -> candle_core::Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let tokens = self.wte.index_select(&ids.flatten_all()?, 0)?;
+        let tokens = tokens.reshape((b, t, self.wte.dim(1)?))?;
+        tokens.broadcast_add(&self.wpe.narrow(0, 0, t)?)
+    }
+}
+
+/// One transformer block.
+pub struct Block {
+    ln_1: Norm,
+    c_attn: Linear,
+    attn_proj: Linear,
+    ln_2: Norm,
+    c_fc: Linear,
+    mlp_proj: Linear,
+    heads: usize,
+}
+
+impl Block {
+    pub fn new(config: GptConfig, i: usize, vb: VarBuilder) -> candle_core::Result<Self> {
+        let vb = vb.pp(format!("h.{i}"));
+        let w = config.width;
+        let residual = 0.02 / ((2 * config.layers) as f64).sqrt();
+        Ok(Self {
+            ln_1: Norm::new(w, vb.pp("ln_1"))?,
+            c_attn: linear(w, 3 * w, 0.02, vb.pp("attn.c_attn"))?,
+            attn_proj: linear(w, w, residual, vb.pp("attn.c_proj"))?,
+            ln_2: Norm::new(w, vb.pp("ln_2"))?,
+            c_fc: linear(w, 4 * w, 0.02, vb.pp("mlp.c_fc"))?,
+            mlp_proj: linear(4 * w, w, residual, vb.pp("mlp.c_proj"))?,
+            heads: config.heads,
+        })
+    }
+
+    fn attention(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t, w) = x.dims3()?;
+        let (h, d) = (self.heads, w / self.heads);
+        let qkv = self.c_attn.forward(x)?;
+        let split = |k: usize| -> candle_core::Result<Tensor> {
+            qkv.narrow(2, k * w, w)?
+                .reshape((b, t, h, d))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let (q, k, v) = (split(0)?, split(1)?, split(2)?);
+        let scores = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (d as f64).sqrt()))?;
+        let scores = scores.broadcast_add(&causal_mask(t, scores.dtype(), scores.device())?)?;
+        let weights = candle_nn::ops::softmax(&scores, D::Minus1)?;
+        let y = weights.matmul(&v)?.transpose(1, 2)?.reshape((b, t, w))?;
+        self.attn_proj.forward(&y)
+    }
+}
+
+/// 0 on and below the diagonal, -inf above: no position sees a later one.
+fn causal_mask(t: usize, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
+    let mask: Vec<f32> = (0..t * t)
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Tensor::from_vec(mask, (t, t), device)?.to_dtype(dtype)
+}
+
+impl ModuleT for Block {
+    fn forward_t(&self, x: &Tensor, _train: bool) -> candle_core::Result<Tensor> {
+        let x = (x + self.attention(&self.ln_1.forward(x)?)?)?;
+        let hidden = self.c_fc.forward(&self.ln_2.forward(&x)?)?.gelu()?;
+        &x + self.mlp_proj.forward(&hidden)?
+    }
+}
+
+/// The last unit: the final LayerNorm and the head tied to `wte`.
+pub struct Head {
+    ln_f: Norm,
+    wte: Tensor,
+}
+
+impl Head {
+    pub fn new(config: GptConfig, vb: VarBuilder) -> candle_core::Result<Self> {
+        Ok(Self {
+            ln_f: Norm::new(config.width, vb.pp("ln_f"))?,
+            wte: vb.get_with_hints((config.vocab, config.width), "wte.weight", normal(0.02))?,
+        })
+    }
+}
+
+impl ModuleT for Head {
+    fn forward_t(&self, x: &Tensor, _train: bool) -> candle_core::Result<Tensor> {
+        let x = self.ln_f.forward(x)?;
+        x.broadcast_matmul(&self.wte.t()?)
+    }
+}
+
+/// The units, for a `Pipeline` (or any driver of units).
+pub fn units(config: GptConfig) -> Vec<LayerFactory> {
+    let mut units = vec![layer(move |vb| Embeddings::new(config, vb))];
+    for i in 0..config.layers {
+        units.push(layer(move |vb| Block::new(config, i, vb)));
+    }
+    units.push(layer(move |vb| Head::new(config, vb)));
+    units
+}
+
+/// The whole model on one device: the units in order.
+pub struct Gpt {
+    embeddings: Embeddings,
+    blocks: Vec<Block>,
+    head: Head,
+}
+
+impl Gpt {
+    pub fn new(config: GptConfig, vb: VarBuilder) -> candle_core::Result<Self> {
+        Ok(Self {
+            embeddings: Embeddings::new(config, vb.clone())?,
+            blocks: (0..config.layers)
+                .map(|i| Block::new(config, i, vb.clone()))
+                .collect::<candle_core::Result<_>>()?,
+            head: Head::new(config, vb)?,
+        })
+    }
+}
+
+impl Module for Gpt {
+    /// Token ids (batch x time) to logits (batch x time x vocab).
+    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let mut x = self.embeddings.forward_t(ids, true)?;
+        for block in &self.blocks {
+            x = block.forward_t(&x, true)?;
+        }
+        self.head.forward_t(&x, true)
+    }
+}
+
+/// The mean next-token cross-entropy of `logits` (batch x time x vocab)
+/// against `targets` (batch x time), computed in f32.
+pub fn lm_loss(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    let (b, t, v) = logits.dims3()?;
+    let logits = logits.to_dtype(DType::F32)?.reshape((b * t, v))?;
+    candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
+}

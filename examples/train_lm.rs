@@ -1,0 +1,724 @@
+//! A GPT-style language model trained as people train them: AdamW, a
+//! warm-up + cosine schedule, gradient clipping, bf16 or f16, on one device
+//! or with any strategy of the crate, on the bytes of a public-domain book
+//! (`data/text/`).
+//!
+//! ```text
+//! cargo run --release --example train_lm -- --strategy ddp --replicas 2
+//! cargo run --release --example train_lm -- --strategy pipeline --replicas 2 --precision bf16
+//! ```
+//!
+//! Strategies: `single` (one device), `dp` (`DataParallel`, `--replicas` CPU
+//! replicas), `ddp` (`--replicas` thread ranks, or the processes of
+//! `mpirun`), `zero` (DDP with ZeRO stage 2), `pipeline` (the model's units
+//! over `--replicas` CPU stages, `--chunks` micro-batches). The model and
+//! its units: `examples/common/gpt.rs`; the data and its order:
+//! `examples/common/text.rs`; the step's recipe: `examples/common/recipe.rs`.
+//! `scripts/train_lm_torch.py` trains the same model in PyTorch from
+//! `--save-init`'s weights on the same batches.
+
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+// Example code shared with the tests; each user needs only part of it.
+#[allow(dead_code)]
+#[path = "common/checkpoints.rs"]
+mod checkpoints;
+#[allow(dead_code)]
+#[path = "common/gpt.rs"]
+mod gpt;
+#[allow(dead_code)]
+#[path = "common/recipe.rs"]
+mod recipe;
+#[allow(dead_code)]
+#[path = "common/text.rs"]
+mod text;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_dp::checkpoint::{self, Prefix};
+use candle_dp::comm::GroupOptions;
+use candle_dp::launch::{self, Backend};
+use candle_dp::optim::{AdamW, AdamWConfig};
+use candle_dp::pipeline::Pipeline;
+use candle_dp::precision::MixedPrecisionModel;
+use candle_dp::training_state::{check_ranks_agree, Progress, StateDir, TrainingState};
+use candle_dp::zero::{ZeroOptimizer, ZeroStage};
+use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParallel, LossReduction};
+use candle_nn::VarMap;
+use checkpoints::Checkpoints;
+use clap::{Parser, ValueEnum};
+use gpt::{lm_loss, units, Gpt, GptConfig};
+use recipe::{Precision, Recipe, Schedule};
+use text::{load_text, split, windows_at, Windows};
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum Strategy {
+    /// One device.
+    Single,
+    /// DataParallel over `--replicas` CPU replicas.
+    Dp,
+    /// DistributedDataParallel: thread ranks, or the processes of mpirun.
+    Ddp,
+    /// DDP with ZeRO stage 2 (optimizer state and gradients sharded).
+    Zero,
+    /// The model's units as a pipeline over `--replicas` CPU stages.
+    Pipeline,
+}
+
+/// Train a GPT-style language model on a public-domain book.
+#[derive(Parser, Debug, Clone)]
+#[command(version)]
+struct Args {
+    #[arg(long, value_enum, default_value_t = Strategy::Single)]
+    strategy: Strategy,
+    /// Replicas (dp), ranks (ddp, zero; under mpirun, `-np` decides) or
+    /// pipeline stages.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
+    replicas: u64,
+    /// Micro-batches per step (pipeline).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    chunks: u64,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 250)]
+    steps: u64,
+    /// Global batch, in windows of `--context` bytes.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+    batch: u64,
+    #[arg(long, default_value_t = 128)]
+    context: usize,
+    #[arg(long, default_value_t = 128)]
+    width: usize,
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    /// AdamW's peak learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// AdamW's weight decay.
+    #[arg(long, default_value_t = 0.1)]
+    weight_decay: f64,
+    #[arg(long, value_enum, default_value_t = Schedule::WarmupCosine)]
+    lr_schedule: Schedule,
+    /// Warm-up steps [default: 5% of `--steps`, at least 1].
+    #[arg(long, value_name = "N")]
+    warmup_steps: Option<u64>,
+    /// Clips the gradients' total 2-norm (0: no clipping).
+    #[arg(long, value_name = "X", default_value_t = 1.0)]
+    clip_grad_norm: f64,
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    precision: Precision,
+    /// Seeds the initial weights and the order of the windows.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Evaluates the held-out loss every N steps (and at the end).
+    #[arg(long, value_name = "N", default_value_t = 50)]
+    eval_every: u64,
+    /// Writes the initial weights here (safetensors, GPT-2's names).
+    #[arg(long, value_name = "FILE")]
+    save_init: Option<PathBuf>,
+    /// Writes the trained weights here.
+    #[arg(long, value_name = "FILE")]
+    save: Option<PathBuf>,
+    /// Writes every step's loss here (CSV: step,loss), for comparisons.
+    #[arg(long, value_name = "FILE")]
+    losses: Option<PathBuf>,
+    /// The loss curves (SVG).
+    #[arg(long, value_name = "FILE", default_value = "target/train_lm.svg")]
+    chart: PathBuf,
+    /// Bytes of text to generate at the end (greedy).
+    #[arg(long, default_value_t = 160)]
+    sample: usize,
+    /// Saves the training state here, to continue with --resume.
+    #[arg(long, value_name = "DIR")]
+    checkpoint_dir: Option<PathBuf>,
+    /// Saves a state every N steps [default: at the end].
+    #[arg(long, value_name = "N", requires = "checkpoint_dir")]
+    checkpoint_every: Option<u64>,
+    /// Continues from the newest state in --checkpoint-dir.
+    #[arg(long, requires = "checkpoint_dir")]
+    resume: bool,
+}
+
+impl Args {
+    fn config(&self) -> GptConfig {
+        GptConfig {
+            vocab: 256,
+            context: self.context,
+            width: self.width,
+            layers: self.layers,
+            heads: self.heads,
+        }
+    }
+
+    fn recipe(&self) -> Result<Recipe> {
+        let warmup = self.warmup_steps.unwrap_or((self.steps / 20).max(1));
+        let clip = (self.clip_grad_norm > 0.0).then_some(self.clip_grad_norm);
+        Recipe::new(
+            self.precision,
+            clip,
+            self.lr_schedule,
+            self.lr,
+            warmup,
+            self.steps,
+        )
+    }
+
+    fn adamw(&self, varmap: &VarMap) -> Result<AdamW> {
+        Ok(AdamW::from_varmap(varmap, self.adamw_config())?)
+    }
+
+    fn adamw_config(&self) -> AdamWConfig {
+        AdamWConfig {
+            lr: self.lr,
+            weight_decay: self.weight_decay,
+            ..Default::default()
+        }
+    }
+
+    /// Ranks (ddp, zero) or replicas / stages (dp, pipeline) in one process.
+    fn replicas(&self) -> usize {
+        self.replicas as usize
+    }
+}
+
+/// What a run reports.
+struct Outcome {
+    losses: Vec<f32>,
+    /// (step, held-out loss).
+    held_out: Vec<(u64, f32)>,
+    training: Duration,
+    tokens: u64,
+    varmap: VarMap,
+    skipped: u64,
+}
+
+/// The mean loss over the held-out windows, in the run's precision.
+fn held_out_loss(model: &MixedPrecisionModel<Gpt>, held_out: &Windows) -> Result<f32> {
+    let all: Vec<usize> = (0..held_out.len()).collect();
+    let (mut sum, mut count) = (0f64, 0usize);
+    for chunk in all.chunks(32) {
+        let (x, y) = held_out.batch(chunk)?;
+        let loss = lm_loss(&model.forward(&x)?, &y)?.to_scalar::<f32>()?;
+        sum += f64::from(loss) * chunk.len() as f64;
+        count += chunk.len();
+    }
+    Ok((sum / count.max(1) as f64) as f32)
+}
+
+/// Greedy continuation of `prompt` by `bytes` bytes.
+fn generate(
+    model: &MixedPrecisionModel<Gpt>,
+    context: usize,
+    prompt: &str,
+    bytes: usize,
+) -> Result<String> {
+    let mut text: Vec<u8> = prompt.bytes().collect();
+    for _ in 0..bytes {
+        let start = text.len().saturating_sub(context);
+        let ids: Vec<u32> = text[start..].iter().map(|&b| u32::from(b)).collect();
+        let n = ids.len();
+        let logits = model.forward(&Tensor::from_vec(ids, (1, n), &Device::Cpu)?)?;
+        let next = logits
+            .narrow(1, n - 1, 1)?
+            .flatten_all()?
+            .argmax(0)?
+            .to_scalar::<u32>()?;
+        text.push(next as u8);
+    }
+    Ok(String::from_utf8_lossy(&text).into_owned())
+}
+
+/// Everything a run needs that does not change between strategies.
+struct Job<'a> {
+    args: &'a Args,
+    train: &'a Windows,
+    held_out: &'a Windows,
+    init: &'a VarMap,
+    checkpoints: Option<&'a Checkpoints>,
+}
+
+impl Job<'_> {
+    fn copy_init(&self) -> Result<VarMap> {
+        let to = VarMap::new();
+        let from = self
+            .init
+            .data()
+            .lock()
+            .map_err(|_| anyhow::anyhow!("lock"))?;
+        let mut data = to.data().lock().map_err(|_| anyhow::anyhow!("lock"))?;
+        for (name, var) in from.iter() {
+            data.insert(
+                name.clone(),
+                candle_core::Var::from_tensor(&var.as_tensor().copy()?)?,
+            );
+        }
+        drop(data);
+        Ok(to)
+    }
+
+    fn evaluate(
+        &self,
+        model: &MixedPrecisionModel<Gpt>,
+        step: u64,
+        log: &mut Vec<(u64, f32)>,
+    ) -> Result<()> {
+        let loss = held_out_loss(model, self.held_out)?;
+        println!(
+            "step {step:>5}  held-out loss {loss:.5}  perplexity {:.2}",
+            f64::from(loss).exp()
+        );
+        log.push((step, loss));
+        Ok(())
+    }
+}
+
+/// One device, DataParallel or the pipeline: one process, the whole batch.
+fn train_in_process(job: &Job) -> Result<Outcome> {
+    let args = job.args;
+    let config = args.config();
+    let varmap = job.copy_init()?;
+    let eval = MixedPrecisionModel::new(
+        &varmap,
+        DType::F32,
+        &Device::Cpu,
+        args.precision.policy(),
+        |vb| Gpt::new(config, vb),
+    )?;
+    let devices = cpu_devices(args.replicas());
+    let dp = match args.strategy {
+        Strategy::Dp => Some(
+            DataParallel::builder(&varmap, DType::F32, &devices)
+                .mixed_precision(args.precision.policy())
+                .build(move |vb| Gpt::new(config, vb))?,
+        ),
+        _ => None,
+    };
+    let pipe = match args.strategy {
+        Strategy::Pipeline => Some(
+            Pipeline::builder(&varmap, DType::F32, &devices)
+                .chunks(args.chunks as usize)
+                .mixed_precision(args.precision.policy())
+                .build(units(config))?,
+        ),
+        _ => None,
+    };
+    let params = sorted(&varmap);
+    let mut opt = args.adamw(&varmap)?;
+    let mut recipe = args.recipe()?;
+    let from = resume(job, &varmap, Some(&mut opt), &mut recipe)?;
+    let mut outcome = Outcome::new(varmap.clone());
+    let start = Instant::now();
+    let mut evaluating = Duration::ZERO;
+    for step in from..args.steps {
+        let indices = windows_at(job.train, 1, 0, args.seed, args.batch as usize, step)?;
+        let (x, y) = job.train.batch(&indices)?;
+        let tokens = x.elem_count() as u64;
+        recipe.before_step(&mut opt);
+        let factor = recipe.loss_factor();
+        let (loss, mut grads) = match (&dp, &pipe) {
+            (Some(dp), _) => {
+                let step = dp.forward_backward(
+                    (x.clone(), y.clone()),
+                    LossReduction::Mean,
+                    move |m, (x, y)| lm_loss(&m.forward(&x)?, &y)?.affine(f64::from(factor), 0.0),
+                )?;
+                (step.loss.affine(1.0 / f64::from(factor), 0.0)?, step.grads)
+            }
+            (_, Some(pipe)) => {
+                let step = pipe.forward_backward(&x, &y, LossReduction::Mean, move |out, y| {
+                    lm_loss(out, y)?.affine(f64::from(factor), 0.0)
+                })?;
+                (step.loss.affine(1.0 / f64::from(factor), 0.0)?, step.grads)
+            }
+            _ => {
+                let loss = lm_loss(&eval.forward(&x)?, &y)?;
+                let grads = recipe.scale(&loss)?.backward()?;
+                (loss, grads)
+            }
+        };
+        recipe.finish(&mut grads, &params, &mut opt)?;
+        outcome.record(loss.to_scalar::<f32>()?, tokens);
+        let done = step + 1;
+        let paused = Instant::now();
+        if done % args.eval_every == 0 || done == args.steps {
+            job.evaluate(&eval, done, &mut outcome.held_out)?;
+        }
+        if let Some(c) = job.checkpoints {
+            let progress = Progress {
+                epoch: 0,
+                batch: done,
+                step: done,
+            };
+            c.after_step(&varmap, &opt, progress, args.steps, None, recipe.state())?;
+        }
+        evaluating += paused.elapsed();
+    }
+    outcome.training = start.elapsed() - evaluating;
+    outcome.skipped = recipe.skipped;
+    Ok(outcome)
+}
+
+/// DDP (or ZeRO-2) over thread ranks or MPI processes; rank 0's outcome.
+fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
+    let args = job.args;
+    let config = args.config();
+    let ranks = launch::run(args.replicas(), GroupOptions::default(), |ctx| {
+        let (rank, world) = (ctx.rank, ctx.world_size);
+        if !(args.batch as usize).is_multiple_of(world) {
+            bail!("--batch {} does not divide among {world} ranks", args.batch);
+        }
+        let per_rank = args.batch as usize / world;
+        let varmap = job.copy_init()?;
+        let mut builder = DistributedDataParallel::builder(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+        )
+        .mixed_precision(args.precision.policy());
+        if args.strategy == Strategy::Zero {
+            builder = builder.zero(ZeroStage::Two);
+        }
+        let mut ddp = builder.build(|vb| Gpt::new(config, vb))?;
+        let eval = MixedPrecisionModel::new(
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            args.precision.policy(),
+            |vb| Gpt::new(config, vb),
+        )?;
+        let params: Vec<_> = ddp.params().iter().map(|(_, v)| v.clone()).collect();
+        let mut opt = args.adamw(&varmap)?;
+        let mut zero = match args.strategy {
+            Strategy::Zero => Some(ZeroOptimizer::new(&ddp, |mine| {
+                AdamW::new_named(mine, args.adamw_config())
+            })?),
+            _ => None,
+        };
+        let mut recipe = args.recipe()?;
+        let from = match (&mut zero, job.checkpoints) {
+            (Some(zero), Some(c)) if c.resume => {
+                let from = resume(job, &varmap, None::<&mut AdamW>, &mut recipe)?;
+                if from > 0 {
+                    zero.load_shards(&c.zero_shards_at(from)?)?;
+                }
+                from
+            }
+            _ => resume(
+                job,
+                &varmap,
+                zero.is_none().then_some(&mut opt),
+                &mut recipe,
+            )?,
+        };
+        if job.checkpoints.is_some_and(|c| c.resume) {
+            check_ranks_agree(ctx.pg.as_ref(), Some(from))?;
+        }
+        let shards = match (job.checkpoints, &zero) {
+            (Some(c), Some(_)) => Some(StateDir::new(c.zero_shard_dir(rank))?.keep(c.keep())),
+            _ => None,
+        };
+        let mut outcome = Outcome::new(varmap.clone());
+        let start = Instant::now();
+        let mut evaluating = Duration::ZERO;
+        for step in from..args.steps {
+            let indices = windows_at(job.train, world, rank, args.seed, per_rank, step)?;
+            let (x, y) = job.train.batch(&indices)?;
+            match &mut zero {
+                Some(z) => recipe.before_step(z.inner_mut()),
+                None => recipe.before_step(&mut opt),
+            }
+            let loss = lm_loss(&ddp.forward(&x)?, &y)?;
+            let mut grads = ddp.backward(&recipe.scale(&loss)?)?;
+            match &mut zero {
+                Some(z) => recipe.finish_zero(&mut grads, z, ctx.pg.as_ref())?,
+                None => recipe.finish(&mut grads, &params, &mut opt)?,
+            };
+            outcome.record(loss.to_scalar::<f32>()?, (x.elem_count() * world) as u64);
+            let done = step + 1;
+            let paused = Instant::now();
+            if rank == 0 && (done % args.eval_every == 0 || done == args.steps) {
+                job.evaluate(&eval, done, &mut outcome.held_out)?;
+            }
+            if let Some(c) = job.checkpoints {
+                let progress = Progress {
+                    epoch: 0,
+                    batch: done,
+                    step: done,
+                };
+                match (&zero, &shards, c.due(progress, args.steps)) {
+                    (Some(z), Some(dir), Some(due)) => {
+                        let shard = TrainingState {
+                            progress: due,
+                            optimizer: Some(z.shard_state()?),
+                            ..Default::default()
+                        };
+                        dir.save(&VarMap::new(), &shard)?;
+                        ctx.pg.barrier()?;
+                        if rank == 0 {
+                            c.save(&varmap, None, due, None, recipe.state())?;
+                        }
+                    }
+                    (None, _, _) if rank == 0 => {
+                        c.after_step(&varmap, &opt, progress, args.steps, None, recipe.state())?
+                    }
+                    _ => {}
+                }
+            }
+            evaluating += paused.elapsed();
+        }
+        outcome.training = start.elapsed() - evaluating;
+        outcome.skipped = recipe.skipped;
+        Ok((rank == 0).then_some(outcome))
+    })?;
+    Ok(ranks.into_iter().flatten().next())
+}
+
+/// Restores the newest state when resuming; the step to continue from.
+fn resume<O: candle_dp::optim::StatefulOptimizer>(
+    job: &Job,
+    varmap: &VarMap,
+    opt: Option<&mut O>,
+    recipe: &mut Recipe,
+) -> Result<u64> {
+    let Some(c) = job.checkpoints else {
+        return Ok(0);
+    };
+    let speaks = Backend::process_rank() == 0;
+    match c.resume_with(varmap, opt, speaks)? {
+        Some(state) => {
+            recipe.resume(&state)?;
+            Ok(state.progress.step)
+        }
+        None => Ok(0),
+    }
+}
+
+impl Outcome {
+    fn new(varmap: VarMap) -> Self {
+        Self {
+            losses: Vec::new(),
+            held_out: Vec::new(),
+            training: Duration::ZERO,
+            tokens: 0,
+            varmap,
+            skipped: 0,
+        }
+    }
+
+    fn record(&mut self, loss: f32, tokens: u64) {
+        self.losses.push(loss);
+        self.tokens += tokens;
+    }
+}
+
+fn sorted(varmap: &VarMap) -> Vec<candle_core::Var> {
+    let data = varmap.data().lock().expect("lock");
+    let mut named: Vec<_> = data.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named.into_iter().map(|(_, v)| v).collect()
+}
+
+/// The training loss per step and the held-out loss per evaluation.
+fn chart(path: &std::path::Path, label: &str, outcome: &Outcome, first: u64) -> Result<()> {
+    use plotters::prelude::*;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let root = SVGBackend::new(path, (720, 400)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let last = first + outcome.losses.len() as u64;
+    let top = outcome
+        .losses
+        .iter()
+        .copied()
+        .fold(0f32, f32::max)
+        .max(1e-3) as f64
+        * 1.05;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("{label}: loss per step"), ("sans-serif", 16))
+        .margin(10)
+        .x_label_area_size(30)
+        .y_label_area_size(50)
+        .build_cartesian_2d(first..last.max(first + 1), 0f64..top)?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .y_desc("cross-entropy (nats per byte)")
+        .draw()?;
+    let train = outcome
+        .losses
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (first + i as u64 + 1, f64::from(l)));
+    chart
+        .draw_series(LineSeries::new(train, BLUE.stroke_width(1)))?
+        .label("training (the step's batch)")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 16, y)], BLUE));
+    let held = outcome.held_out.iter().map(|&(s, l)| (s, f64::from(l)));
+    chart
+        .draw_series(LineSeries::new(held, RED.stroke_width(3)))?
+        .label("held-out")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 16, y)], RED));
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    candle_dp::launch::report::exit_code(run(Args::parse()))
+}
+
+fn run(args: Args) -> Result<()> {
+    let config = args.config();
+    for (flag, value) in [
+        ("--context", config.context),
+        ("--width", config.width),
+        ("--layers", config.layers),
+        ("--heads", config.heads),
+        ("--eval-every", args.eval_every as usize),
+    ] {
+        if value == 0 {
+            bail!("{flag} must be at least 1");
+        }
+    }
+    if !config.width.is_multiple_of(config.heads) {
+        bail!(
+            "--width {} does not divide into {} heads",
+            config.width,
+            config.heads
+        );
+    }
+    let mpi = Backend::from_env() != Backend::Threads;
+    if mpi && !matches!(args.strategy, Strategy::Ddp | Strategy::Zero) {
+        bail!("under mpirun, use --strategy ddp or zero");
+    }
+    let speaks = Backend::process_rank() == 0;
+    let text = load_text()?;
+    let (train, held_out) = split(&text, args.context);
+    let init = seeded_varmap(args.seed, DType::F32, &Device::Cpu, |vb| {
+        Gpt::new(config, vb)
+    })?;
+    if speaks {
+        println!(
+            "data: Around the World in Eighty Days, {} bytes: {} training and {} held-out windows of {} bytes",
+            text.len(),
+            train.len(),
+            held_out.len(),
+            args.context
+        );
+        println!(
+            "model: GPT, {} layers, width {}, {} heads, context {}: {:.2}M parameters; AdamW lr {} ({:?}), clip {}, {:?}, global batch {} windows, {} steps",
+            config.layers,
+            config.width,
+            config.heads,
+            config.context,
+            config.parameters() as f64 / 1e6,
+            args.lr,
+            args.lr_schedule,
+            args.clip_grad_norm,
+            args.precision,
+            args.batch,
+            args.steps,
+        );
+        if let Some(path) = &args.save_init {
+            checkpoint::save(&init, path, Prefix::None)?;
+            println!("initial weights saved to {}", path.display());
+        }
+    }
+    let checkpoints = Checkpoints::new(
+        args.checkpoint_dir.as_deref(),
+        args.checkpoint_every,
+        3,
+        args.resume,
+    )?;
+    let job = Job {
+        args: &args,
+        train: &train,
+        held_out: &held_out,
+        init: &init,
+        checkpoints: checkpoints.as_ref(),
+    };
+    let outcome = match args.strategy {
+        Strategy::Ddp | Strategy::Zero => match train_distributed(&job)? {
+            Some(outcome) => outcome,
+            None => return Ok(()), // not rank 0
+        },
+        _ => train_in_process(&job)?,
+    };
+    let label = match args.strategy {
+        Strategy::Single => "one device".to_string(),
+        Strategy::Dp => format!("DataParallel x{}", args.replicas),
+        Strategy::Ddp | Strategy::Zero => {
+            let what = if args.strategy == Strategy::Zero {
+                "ZeRO-2"
+            } else {
+                "DDP"
+            };
+            match Backend::from_env() {
+                Backend::Threads => format!("{what} x{} (thread ranks)", args.replicas),
+                Backend::Mpi { .. } => format!("{what} x{} (MPI processes)", Backend::world_size()),
+            }
+        }
+        Strategy::Pipeline => format!(
+            "pipeline x{} stages, {} micro-batches",
+            args.replicas, args.chunks
+        ),
+    };
+    let tail = &outcome.losses[outcome.losses.len().saturating_sub(10)..];
+    let recent = tail.iter().sum::<f32>() / tail.len().max(1) as f32;
+    println!();
+    println!("| run | training loss (last 10 steps) | held-out loss | perplexity | tokens/s |");
+    println!("|---|---|---|---|---|");
+    let held = outcome.held_out.last().map_or(f32::NAN, |&(_, l)| l);
+    println!(
+        "| {label} | {recent:.4} | {held:.4} | {:.2} | {:.0} |",
+        f64::from(held).exp(),
+        outcome.tokens as f64 / outcome.training.as_secs_f64().max(1e-9)
+    );
+    if outcome.skipped > 0 {
+        println!("the f16 loss scaler skipped {} steps", outcome.skipped);
+    }
+    if let Some(path) = &args.losses {
+        let first = args.steps - outcome.losses.len() as u64;
+        let rows: String = outcome
+            .losses
+            .iter()
+            .enumerate()
+            .map(|(i, l)| format!("{},{l}\n", first + i as u64 + 1))
+            .collect();
+        std::fs::write(path, format!("step,loss\n{rows}"))?;
+    }
+    if let Some(path) = &args.save {
+        checkpoint::save(&outcome.varmap, path, Prefix::None)?;
+        println!("weights saved to {}", path.display());
+    }
+    let first = args.steps - outcome.losses.len() as u64;
+    chart(&args.chart, &label, &outcome, first)?;
+    println!("loss curves: {}", args.chart.display());
+    if args.sample > 0 {
+        let model = MixedPrecisionModel::new(
+            &outcome.varmap,
+            DType::F32,
+            &Device::Cpu,
+            args.precision.policy(),
+            |vb| Gpt::new(config, vb),
+        )?;
+        println!(
+            "\nsample: {}",
+            generate(&model, args.context, "Phileas Fogg", args.sample)?
+        );
+    }
+    Ok(())
+}

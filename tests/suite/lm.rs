@@ -1,0 +1,255 @@
+//! The GPT-style language model of `examples/train_lm.rs`: its first steps
+//! against real PyTorch 2.15 (`tests/data/lm_reference.json`, written by
+//! `scripts/train_lm_torch.py` from the same initial weights and batches),
+//! and one step on every strategy against one device's.
+
+use std::collections::HashMap;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Module, Tensor};
+use candle_dp::launch::spawn;
+use candle_dp::optim::{AdamW, AdamWConfig};
+use candle_dp::pipeline::Pipeline;
+use candle_dp::zero::ZeroStage;
+use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParallel, LossReduction};
+use candle_nn::{VarBuilder, VarMap};
+
+use crate::common::{max_rel_diff, snapshot, varmap_from, within};
+use crate::example_gpt::{lm_loss, units, Gpt, GptConfig};
+use crate::example_recipe::{Precision, Recipe, Schedule};
+use crate::example_text::{load_text, split, windows_at, Windows};
+
+#[derive(serde::Deserialize)]
+struct Args {
+    steps: u64,
+    batch: usize,
+    context: usize,
+    heads: usize,
+    lr: f64,
+    weight_decay: f64,
+    warmup_steps: u64,
+    clip_grad_norm: f64,
+    seed: u64,
+    layers: usize,
+    width: usize,
+}
+
+#[derive(serde::Deserialize)]
+struct Reference {
+    torch: String,
+    args: Args,
+    losses: Vec<f64>,
+}
+
+fn reference() -> Reference {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/lm_reference.json");
+    let reference: Reference = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    assert!(reference.torch.starts_with("2.15"), "{}", reference.torch);
+    reference
+}
+
+fn config_of(args: &Args) -> GptConfig {
+    GptConfig {
+        vocab: 256,
+        context: args.context,
+        width: args.width,
+        layers: args.layers,
+        heads: args.heads,
+    }
+}
+
+/// f32 on one device, AdamW with warm-up + cosine and clipping, as
+/// `train_lm --strategy single` runs it: within 1e-4 of PyTorch's loss at
+/// every step (2.0e-7 measured over 30 steps of the reference).
+#[test]
+fn the_language_model_reproduces_pytorchs_first_steps() {
+    let reference = reference();
+    let args = &reference.args;
+    let config = config_of(args);
+    let varmap = seeded_varmap(args.seed, DType::F32, &Device::Cpu, |vb| {
+        Gpt::new(config, vb)
+    })
+    .unwrap();
+    let model = Gpt::new(
+        config,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )
+    .unwrap();
+    let params = varmap.all_vars();
+    let mut opt = AdamW::from_varmap(
+        &varmap,
+        AdamWConfig {
+            lr: args.lr,
+            weight_decay: args.weight_decay,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut recipe = Recipe::new(
+        Precision::F32,
+        Some(args.clip_grad_norm),
+        Schedule::WarmupCosine,
+        args.lr,
+        args.warmup_steps,
+        args.steps,
+    )
+    .unwrap();
+    let (train, _) = split(&load_text().unwrap(), args.context);
+    let mut worst = 0f64;
+    for (step, &expected) in reference.losses.iter().enumerate() {
+        let indices = windows_at(&train, 1, 0, args.seed, args.batch, step as u64).unwrap();
+        let (x, y) = train.batch(&indices).unwrap();
+        recipe.before_step(&mut opt);
+        let loss = lm_loss(&model.forward(&x).unwrap(), &y).unwrap();
+        let mut grads = loss.backward().unwrap();
+        recipe.finish(&mut grads, &params, &mut opt).unwrap();
+        let got = f64::from(loss.to_scalar::<f32>().unwrap());
+        let rel = ((got - expected) / expected).abs();
+        assert!(
+            rel <= 1e-4,
+            "step {}: {got} against PyTorch's {expected}",
+            step + 1
+        );
+        worst = worst.max(rel);
+    }
+    assert!(reference.losses.len() >= 30);
+    println!("largest relative difference from PyTorch: {worst:e}");
+}
+
+const TINY: GptConfig = GptConfig {
+    vocab: 256,
+    context: 16,
+    width: 32,
+    layers: 2,
+    heads: 2,
+};
+const BATCH: usize = 4;
+
+fn tiny_init() -> HashMap<String, Tensor> {
+    snapshot(&seeded_varmap(2, DType::F32, &Device::Cpu, |vb| Gpt::new(TINY, vb)).unwrap())
+}
+
+fn data() -> Windows {
+    split(&load_text().unwrap(), TINY.context).0
+}
+
+/// The gradients in `grads` of `varmap`'s variables, by name.
+fn by_name(varmap: &VarMap, grads: &GradStore) -> HashMap<String, Tensor> {
+    varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|(n, v)| {
+            grads
+                .get(v.as_tensor())
+                .map(|g| (n.clone(), g.copy().unwrap()))
+        })
+        .collect()
+}
+
+/// The first step's gradients of the whole model on one device.
+fn one_device() -> HashMap<String, Tensor> {
+    let varmap = varmap_from(&tiny_init());
+    let model = Gpt::new(
+        TINY,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )
+    .unwrap();
+    let (x, y) = data()
+        .batch(&windows_at(&data(), 1, 0, 0, BATCH, 0).unwrap())
+        .unwrap();
+    let grads = lm_loss(&model.forward(&x).unwrap(), &y)
+        .unwrap()
+        .backward()
+        .unwrap();
+    by_name(&varmap, &grads)
+}
+
+/// Every strategy computes the first step's gradients of the same global
+/// batch (DDP's ranks their `DistributedSampler` shards of it) to within
+/// 1e-5 of one device's, each tensor against its largest element: the
+/// splits only change the order of the sums.
+#[test]
+fn one_step_of_the_language_model_on_every_strategy_equals_one_devices() {
+    let expected = one_device();
+    assert_eq!(
+        expected.len(),
+        4 + 12 * TINY.layers,
+        "every variable has a gradient"
+    );
+    let (x, y) = data()
+        .batch(&windows_at(&data(), 1, 0, 0, BATCH, 0).unwrap())
+        .unwrap();
+
+    let varmap = varmap_from(&tiny_init());
+    let dp = DataParallel::new(&varmap, DType::F32, &cpu_devices(2), |vb| {
+        Gpt::new(TINY, vb)
+    })
+    .unwrap();
+    let step = dp
+        .forward_backward((x.clone(), y.clone()), LossReduction::Mean, |m, (x, y)| {
+            lm_loss(&m.forward(&x)?, &y)
+        })
+        .unwrap();
+    let mut results = vec![("DataParallel x2", by_name(&varmap, &step.grads))];
+
+    let varmap = varmap_from(&tiny_init());
+    let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+        .chunks(2)
+        .build(units(TINY))
+        .unwrap();
+    let step = pipe
+        .forward_backward(&x, &y, LossReduction::Mean, lm_loss)
+        .unwrap();
+    results.push((
+        "pipeline x2, 2 micro-batches",
+        by_name(&varmap, &step.grads),
+    ));
+
+    for zero in [None, Some(ZeroStage::Two)] {
+        let init = tiny_init();
+        let ranks = within(120, move || {
+            spawn(2, move |ctx| {
+                let varmap = varmap_from(&init);
+                let mut builder = DistributedDataParallel::builder(
+                    ctx.process_group(),
+                    &varmap,
+                    DType::F32,
+                    &Device::Cpu,
+                );
+                if let Some(stage) = zero {
+                    builder = builder.zero(stage);
+                }
+                let mut ddp = builder.build(|vb| Gpt::new(TINY, vb))?;
+                let train = data();
+                let (x, y) = train.batch(&windows_at(&train, 2, ctx.rank, 0, BATCH / 2, 0)?)?;
+                let loss = lm_loss(&ddp.forward(&x)?, &y)?;
+                let grads = ddp.backward(&loss)?;
+                Ok(by_name(&varmap, &grads))
+            })
+            .unwrap()
+        });
+        let name = if zero.is_some() {
+            "ZeRO-2 x2 (rank 0's own)"
+        } else {
+            "DDP x2"
+        };
+        results.push((name, ranks.into_iter().next().unwrap()));
+    }
+
+    for (name, grads) in results {
+        // ZeRO-2's rank keeps only its own parameters' gradients.
+        let expected: HashMap<String, Tensor> = expected
+            .iter()
+            .filter(|(n, _)| grads.contains_key(*n))
+            .map(|(n, t)| (n.clone(), t.clone()))
+            .collect();
+        assert!(!expected.is_empty(), "{name}: no gradients");
+        let gap = max_rel_diff(&grads, &expected);
+        assert!(
+            gap <= 1e-5,
+            "{name}: gradients differ from one device's by {gap:e}"
+        );
+    }
+}
