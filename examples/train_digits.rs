@@ -43,9 +43,7 @@ use candle_dp::loader::{Loader, TensorDataset};
 use candle_dp::optim::{AdamW, AdamWConfig};
 use candle_dp::precision::MixedPrecisionModel;
 use candle_dp::sampler::DistributedSampler;
-use candle_dp::training_state::{
-    check_ranks_agree, Progress, SamplerState, StateDir, TrainingState,
-};
+use candle_dp::training_state::{check_ranks_agree, Progress, SamplerState, TrainingState};
 use candle_dp::zero::{ZeroOptimizer, ZeroStage};
 use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParallel, LossReduction};
 use candle_nn::{conv2d, linear, loss, Conv2d, Conv2dConfig, Linear, VarBuilder, VarMap};
@@ -546,19 +544,18 @@ fn train_ddp(
         // With ZeRO the state holds the weights, and each rank's shard of the
         // optimizer's state is in a folder of that rank's.
         let resumed = match (checkpoints, &mut sharded) {
-            (Some(c), Some(sharded)) => {
-                let resumed = c.resume_with(&varmap, None::<&mut AdamW>, rank == 0)?;
-                if let Some(state) = &resumed {
-                    let step = state.progress.step;
-                    sharded.load_shards(&c.zero_shards_at(step)?)?;
+            (Some(c), Some(sharded)) => match c.resume_sharded(&varmap, rank == 0)? {
+                Some((state, shards)) => {
+                    sharded.load_shards(&shards)?;
+                    Some(state)
                 }
-                resumed
-            }
+                None => None,
+            },
             (Some(c), None) => c.resume(&varmap, &mut opt, rank == 0)?,
             (None, _) => None,
         };
         let shard_dir = match (checkpoints, &sharded) {
-            (Some(c), Some(_)) => Some(StateDir::new(c.zero_shard_dir(rank))?.keep(c.keep())),
+            (Some(c), Some(_)) => Some(c.zero_shard_states(rank)?),
             _ => None,
         };
         if checkpoints.is_some_and(|c| c.resume) {
@@ -645,6 +642,9 @@ fn train_ddp(
                             if rank == 0 {
                                 c.save(&varmap, None, due, position, recipe.state())?;
                             }
+                            // Every rank's shards of steps no kept state names go.
+                            ctx.pg.barrier()?;
+                            c.prune_zero_shards(rank)?;
                         }
                         (Some(_), _, _) => {}
                         // One writer: the state is the same on every rank.

@@ -42,12 +42,12 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
-use candle_dp::comm::GroupOptions;
+use candle_dp::comm::{GroupOptions, ReduceOp};
 use candle_dp::launch::{self, Backend};
 use candle_dp::optim::{AdamW, AdamWConfig};
 use candle_dp::pipeline::Pipeline;
 use candle_dp::precision::MixedPrecisionModel;
-use candle_dp::training_state::{check_ranks_agree, Progress, StateDir, TrainingState};
+use candle_dp::training_state::{check_ranks_agree, Progress, TrainingState};
 use candle_dp::zero::{ZeroOptimizer, ZeroStage};
 use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParallel, LossReduction};
 use candle_nn::VarMap;
@@ -132,7 +132,7 @@ struct Args {
     /// The loss curves (SVG).
     #[arg(long, value_name = "FILE", default_value = "target/train_lm.svg")]
     chart: PathBuf,
-    /// Bytes of text to generate at the end (greedy).
+    /// Bytes of text to generate at the end (sampled at temperature 0.8).
     #[arg(long, default_value_t = 160)]
     sample: usize,
     /// Saves the training state here, to continue with --resume.
@@ -212,24 +212,37 @@ fn held_out_loss(model: &MixedPrecisionModel<Gpt>, held_out: &Windows) -> Result
     Ok((sum / count.max(1) as f64) as f32)
 }
 
-/// Greedy continuation of `prompt` by `bytes` bytes.
+/// A continuation of `prompt` by `bytes` bytes, each drawn from the
+/// model's distribution at temperature 0.8 (greedy decoding of so small a
+/// model repeats one word), with a generator seeded by `seed`.
 fn generate(
     model: &MixedPrecisionModel<Gpt>,
     context: usize,
     prompt: &str,
     bytes: usize,
+    seed: u64,
 ) -> Result<String> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut text: Vec<u8> = prompt.bytes().collect();
     for _ in 0..bytes {
         let start = text.len().saturating_sub(context);
         let ids: Vec<u32> = text[start..].iter().map(|&b| u32::from(b)).collect();
         let n = ids.len();
         let logits = model.forward(&Tensor::from_vec(ids, (1, n), &Device::Cpu)?)?;
-        let next = logits
+        let last = logits
             .narrow(1, n - 1, 1)?
             .flatten_all()?
-            .argmax(0)?
-            .to_scalar::<u32>()?;
+            .to_dtype(DType::F32)?;
+        let p = candle_nn::ops::softmax(&(last / 0.8)?, 0)?.to_vec1::<f32>()?;
+        let mut draw = rng.random::<f32>();
+        let next = p
+            .iter()
+            .position(|&q| {
+                draw -= q;
+                draw <= 0.0
+            })
+            .unwrap_or(p.len() - 1);
         text.push(next as u8);
     }
     Ok(String::from_utf8_lossy(&text).into_owned())
@@ -404,13 +417,14 @@ fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
         };
         let mut recipe = args.recipe()?;
         let from = match (&mut zero, job.checkpoints) {
-            (Some(zero), Some(c)) if c.resume => {
-                let from = resume(job, &varmap, None::<&mut AdamW>, &mut recipe)?;
-                if from > 0 {
-                    zero.load_shards(&c.zero_shards_at(from)?)?;
+            (Some(zero), Some(c)) => match c.resume_sharded(&varmap, rank == 0)? {
+                Some((state, shards)) => {
+                    zero.load_shards(&shards)?;
+                    recipe.resume(&state)?;
+                    state.progress.step
                 }
-                from
-            }
+                None => 0,
+            },
             _ => resume(
                 job,
                 &varmap,
@@ -422,7 +436,7 @@ fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
             check_ranks_agree(ctx.pg.as_ref(), Some(from))?;
         }
         let shards = match (job.checkpoints, &zero) {
-            (Some(c), Some(_)) => Some(StateDir::new(c.zero_shard_dir(rank))?.keep(c.keep())),
+            (Some(c), Some(_)) => Some(c.zero_shard_states(rank)?),
             _ => None,
         };
         let mut outcome = Outcome::new(varmap.clone());
@@ -441,7 +455,11 @@ fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
                 Some(z) => recipe.finish_zero(&mut grads, z, ctx.pg.as_ref())?,
                 None => recipe.finish(&mut grads, &params, &mut opt)?,
             };
-            outcome.record(loss.to_scalar::<f32>()?, (x.elem_count() * world) as u64);
+            // The global batch's loss, as one device's run reports it.
+            let mine = Tensor::new(&[loss.to_scalar::<f32>()?], &Device::Cpu)?;
+            let sum = ctx.pg.all_reduce(&mine, ReduceOp::Sum)?.to_vec1::<f32>()?;
+            let global = sum.first().copied().unwrap_or(f32::NAN) / world as f32;
+            outcome.record(global, (x.elem_count() * world) as u64);
             let done = step + 1;
             let paused = Instant::now();
             if rank == 0 && (done % args.eval_every == 0 || done == args.steps) {
@@ -465,6 +483,9 @@ fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
                         if rank == 0 {
                             c.save(&varmap, None, due, None, recipe.state())?;
                         }
+                        // Every rank's shards of steps no kept state names go.
+                        ctx.pg.barrier()?;
+                        c.prune_zero_shards(rank)?;
                     }
                     (None, _, _) if rank == 0 => {
                         c.after_step(&varmap, &opt, progress, args.steps, None, recipe.state())?
@@ -491,6 +512,7 @@ fn resume<O: candle_dp::optim::StatefulOptimizer>(
     let Some(c) = job.checkpoints else {
         return Ok(0);
     };
+    // Thread ranks share process rank 0: the first to get here speaks.
     let speaks = Backend::process_rank() == 0;
     match c.resume_with(varmap, opt, speaks)? {
         Some(state) => {
@@ -717,7 +739,7 @@ fn run(args: Args) -> Result<()> {
         )?;
         println!(
             "\nsample: {}",
-            generate(&model, args.context, "Phileas Fogg", args.sample)?
+            generate(&model, args.context, "Phileas Fogg", args.sample, args.seed)?
         );
     }
     Ok(())

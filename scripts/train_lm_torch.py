@@ -3,6 +3,8 @@ from the Rust run's initial weights (`train_lm --save-init FILE`), trained on
 the same batches (PyTorch's DistributedSampler over the same windows of the
 same text) with the same AdamW, warm-up + cosine schedule and clipping.
 Prints its loss per step and its tokens/s; with --json, writes them.
+--world 2 runs DDP (gloo) over 2 processes, each its DistributedSampler shard
+(rank 0's loss printed), as train_lm --strategy ddp.
 
 Run (PyTorch from scripts/requirements-bench.txt):
   cargo run --release --example train_lm -- --steps 50 --save-init /tmp/init.safetensors --losses /tmp/rust.csv
@@ -86,6 +88,16 @@ class Gpt(torch.nn.Module):
 
 
 def main():
+    a = parse()
+    if a.world > 1:
+        import torch.multiprocessing as mp
+
+        mp.spawn(train, args=(a,), nprocs=a.world, join=True)
+    else:
+        train(0, a)
+
+
+def parse():
     ap = argparse.ArgumentParser()
     ap.add_argument("--init", required=True)
     ap.add_argument("--steps", type=int, default=250)
@@ -99,7 +111,23 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", default=None)
-    a = ap.parse_args()
+    ap.add_argument(
+        "--world",
+        type=int,
+        default=1,
+        help="DDP (gloo) over this many processes, each its DistributedSampler shard",
+    )
+    return ap.parse_args()
+
+
+def train(rank, a):
+    if a.world > 1:
+        import torch.distributed as dist
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("gloo", rank=rank, world_size=a.world)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // a.world))
     if a.threads:
         torch.set_num_threads(a.threads)
 
@@ -110,6 +138,9 @@ def main():
     data = torch.tensor(list(train), dtype=torch.long)
 
     model = Gpt(read_safetensors(a.init), a.heads)
+    net = model
+    if a.world > 1:
+        net = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
     warmup = a.warmup_steps if a.warmup_steps is not None else max(a.steps // 20, 1)
     sched = torch.optim.lr_scheduler.SequentialLR(
@@ -120,17 +151,20 @@ def main():
         ],
         [warmup],
     )
-    sampler = DistributedSampler(range(windows), num_replicas=1, rank=0, shuffle=True, seed=a.seed)
-    per_epoch = max(len(sampler) // a.batch, 1)
+    sampler = DistributedSampler(
+        range(windows), num_replicas=a.world, rank=rank, shuffle=True, seed=a.seed
+    )
+    per_rank = a.batch // a.world
+    per_epoch = max(len(sampler) // per_rank, 1)
     losses = []
     start = time.perf_counter()
     for step in range(a.steps):
         sampler.set_epoch(step // per_epoch)
-        at = (step % per_epoch) * a.batch
-        idx = list(sampler)[at : at + a.batch]
+        at = (step % per_epoch) * per_rank
+        idx = list(sampler)[at : at + per_rank]
         rows = torch.stack([data[i * T : (i + 1) * T + 1] for i in idx])
         x, y = rows[:, :-1], rows[:, 1:]
-        logits = model(x)
+        logits = net(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         opt.zero_grad()
         loss.backward()
@@ -139,10 +173,16 @@ def main():
         opt.step()
         sched.step()
         losses.append(loss.item())
-        print(f"step {step + 1} loss {loss.item():.6f}", flush=True)
+        if rank == 0:
+            print(f"step {step + 1} loss {loss.item():.6f}", flush=True)
     seconds = time.perf_counter() - start
     tokens = a.steps * a.batch * T
-    print(f"tokens/s {tokens / seconds:.0f} ({torch.get_num_threads()} threads)")
+    if rank != 0:
+        return
+    print(
+        f"tokens/s {tokens / seconds:.0f} ({a.world} process(es), "
+        f"{torch.get_num_threads()} threads each)"
+    )
     if a.json:
         with open(a.json, "w") as f:
             args = {k: v for k, v in vars(a).items() if k not in ("init", "json", "threads")}

@@ -334,6 +334,76 @@ impl StateDir {
         Ok(None)
     }
 
+    /// The steps of the states in the directory, most recently saved
+    /// first (a step saved twice appears twice).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Checkpoint`] when the directory cannot be listed.
+    pub fn steps(&self) -> Result<Vec<u64>> {
+        Ok(self
+            .states()?
+            .into_iter()
+            .rev()
+            .map(|(step, _, _)| step)
+            .collect())
+    }
+
+    /// Removes the states whose step `keep` rejects: for shards saved
+    /// beside the states that name them, which must live exactly as long
+    /// as those (prune them to the steps of the states kept there, rather
+    /// than by count: kills between the shards and their state would push
+    /// the needed shards out). Returns how many were removed.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Checkpoint`] when the directory cannot be listed or a state
+    /// cannot be removed, naming it.
+    pub fn retain_steps(&self, mut keep: impl FnMut(u64) -> bool) -> Result<usize> {
+        let _placing = lock(&PLACING);
+        let mut removed = 0;
+        for (step, _, path) in self.states()? {
+            if !keep(step) {
+                std::fs::remove_dir_all(&path)
+                    .map_err(|e| failed(&path, "cannot remove the state", &e))?;
+                removed += 1;
+            }
+        }
+        sync_dir(&self.dir);
+        Ok(removed)
+    }
+
+    /// The most recently saved complete state that `accept` takes, if any
+    /// (damaged ones skipped, as by [`latest`](Self::latest)): for a state
+    /// that is only whole with others saved elsewhere, such as each rank's
+    /// shard of a sharded optimizer's state, where a kill between the
+    /// shards and the state that names them can leave the newest state
+    /// without its shards.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Checkpoint`] when the directory cannot be listed.
+    pub fn latest_where(
+        &self,
+        mut accept: impl FnMut(&SavedState) -> bool,
+    ) -> Result<Option<SavedState>> {
+        for (_, _, path) in self.states()?.into_iter().rev() {
+            match read_state(&path) {
+                Ok(state) => {
+                    let saved = SavedState { path, state };
+                    if accept(&saved) {
+                        return Ok(Some(saved));
+                    }
+                }
+                Err(reason) => tracing::warn!(
+                    "skipping the training state {}: {reason}; trying the one before it",
+                    path.display()
+                ),
+            }
+        }
+        Ok(None)
+    }
+
     /// The most recently saved complete state of `step`, if any (a damaged one is
     /// skipped, as by [`latest`](Self::latest)): for states saved in
     /// several directories that must be read at one step, such as each

@@ -88,6 +88,89 @@ impl Checkpoints {
         Ok(Some(saved.state))
     }
 
+    #[allow(dead_code)] // for the ZeRO runs: the pipeline example does not use it
+    /// Rank `rank`'s folder of ZeRO shards: never pruned by count, see
+    /// [`prune_zero_shards`](Self::prune_zero_shards).
+    pub fn zero_shard_states(&self, rank: usize) -> Result<StateDir> {
+        Ok(StateDir::new(self.zero_shard_dir(rank))?.keep(usize::MAX))
+    }
+
+    #[allow(dead_code)] // for the ZeRO runs: the pipeline example does not use it
+    /// Removes rank `rank`'s shards of steps no state names any more: call
+    /// it once the state of the shards just saved is written (after a
+    /// barrier), so that no shard a kept state needs is ever lost.
+    pub fn prune_zero_shards(&self, rank: usize) -> Result<()> {
+        let wanted = self.states.steps()?;
+        self.zero_shard_states(rank)?
+            .retain_steps(|step| wanted.contains(&step))?;
+        Ok(())
+    }
+
+    #[allow(dead_code)] // for the ZeRO runs: the pipeline example does not use it
+    /// For a ZeRO run, when resuming: the newest state whose every rank's
+    /// shard is there (a kill between the shards and the state that names
+    /// them can leave the newest state without some), its variables put
+    /// into `varmap`, with the shards to load. `None`: a fresh start.
+    ///
+    /// # Errors
+    ///
+    /// States exist but none has its shards: the run would lose them all,
+    /// so it is refused, naming the folder.
+    pub fn resume_sharded(
+        &self,
+        varmap: &VarMap,
+        speaks: bool,
+    ) -> Result<Option<(TrainingState, Vec<OptimizerState>)>> {
+        if !self.resume {
+            return Ok(None);
+        }
+        let mut shards = None;
+        let chosen = self.states.latest_where(|saved| {
+            match self.zero_shards_at(saved.state.progress.step) {
+                Ok(found) => {
+                    shards = Some(found);
+                    true
+                }
+                Err(why) => {
+                    if speaks {
+                        eprintln!(
+                            "{}: {why}; trying the state before it",
+                            saved.path.display()
+                        );
+                    }
+                    false
+                }
+            }
+        })?;
+        let (Some(saved), Some(shards)) = (chosen, shards) else {
+            if self.states.latest()?.is_some() {
+                anyhow::bail!(
+                    "{}: no training state has every rank's ZeRO shard; refusing to start over",
+                    self.states.path().display()
+                );
+            }
+            if speaks {
+                eprintln!(
+                    "no complete training state in {}: starting from scratch",
+                    self.states.path().display()
+                );
+            }
+            return Ok(None);
+        };
+        saved.restore(varmap, None::<&mut candle_dp::optim::AdamW>)?;
+        let p = saved.state.progress;
+        if speaks {
+            eprintln!(
+                "resuming from {}: epoch {}, batch {}, step {}",
+                saved.path.display(),
+                p.epoch + 1,
+                p.batch,
+                p.step
+            );
+        }
+        Ok(Some((saved.state, shards)))
+    }
+
     /// After the step that left the run at `progress` (`batches` in its
     /// epoch): saves a state when one is due.
     pub fn after_step<O: StatefulOptimizer>(

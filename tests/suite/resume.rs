@@ -186,3 +186,29 @@ fn bf16_data_parallel_with_a_schedule_killed_resumes_to_the_same_bytes() {
         3,
     );
 }
+
+/// The language model (`train_lm`, a small configuration) at ZeRO stage 2
+/// in bf16 with clipping and warm-up + cosine, killed three times: its
+/// shards, schedule and weights come back to the uninterrupted run's bytes.
+#[test]
+fn the_language_model_killed_three_times_resumes_to_the_same_bytes() {
+    resumes_to_the_same_bytes(
+        "lm",
+        |states, save| {
+            let mut command = Command::new(example("train_lm"));
+            command
+                .args(["--strategy", "zero", "--layers", "1", "--width", "16"])
+                .args(["--heads", "2", "--context", "16", "--batch", "4"])
+                .args(["--steps", "40", "--eval-every", "20", "--sample", "0"])
+                .args(["--precision", "bf16", "--checkpoint-every", "2", "--resume"])
+                .arg("--checkpoint-dir")
+                .arg(states)
+                .arg("--save")
+                .arg(save)
+                .arg("--chart")
+                .arg(states.with_extension("svg"));
+            command
+        },
+        3,
+    );
+}

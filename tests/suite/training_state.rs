@@ -396,3 +396,30 @@ fn ranks_that_would_resume_from_different_states_fail_naming_the_rank() {
     });
     assert_eq!(agreed, [true, true]);
 }
+
+/// Shards saved beside the states that name them: listed by step, pruned
+/// to the steps still named, and the newest state whose shards are all
+/// there found when a kill left the newest without them.
+#[test]
+fn shard_folders_are_pruned_to_the_named_steps_and_the_newest_whole_state_is_found() {
+    let root = std::env::temp_dir().join(format!("candle_dp_retain_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let varmap = model();
+    let opt = trained(&varmap);
+    let shards = StateDir::new(root.join("shards")).unwrap().keep(usize::MAX);
+    for step in [2, 4, 6, 8] {
+        shards.save(&varmap, &state_at(step, &opt)).unwrap();
+    }
+    assert_eq!(shards.steps().unwrap(), vec![8, 6, 4, 2]);
+    // The states kept elsewhere name steps 4 and 8: 2 and 6 go.
+    assert_eq!(shards.retain_steps(|s| s == 4 || s == 8).unwrap(), 2);
+    assert_eq!(shards.steps().unwrap(), vec![8, 4]);
+    // The newest state accepted: 8 is refused (its shards "missing"), 4 is taken.
+    let found = shards
+        .latest_where(|saved| saved.state.progress.step != 8)
+        .unwrap()
+        .unwrap();
+    assert_eq!(found.state.progress.step, 4);
+    assert!(shards.latest_where(|_| false).unwrap().is_none());
+    let _ = std::fs::remove_dir_all(&root);
+}
