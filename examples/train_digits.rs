@@ -43,7 +43,7 @@ use candle_dp::loader::{Loader, TensorDataset};
 use candle_dp::optim::{AdamW, AdamWConfig};
 use candle_dp::precision::MixedPrecisionModel;
 use candle_dp::sampler::DistributedSampler;
-use candle_dp::training_state::{check_ranks_agree, Progress, SamplerState, TrainingState};
+use candle_dp::training_state::{check_ranks_agree, Progress, SamplerState};
 use candle_dp::zero::{ZeroOptimizer, ZeroStage};
 use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParallel, LossReduction};
 use candle_nn::{conv2d, linear, loss, Conv2d, Conv2dConfig, Linear, VarBuilder, VarMap};
@@ -554,10 +554,6 @@ fn train_ddp(
             (Some(c), None) => c.resume(&varmap, &mut opt, rank == 0)?,
             (None, _) => None,
         };
-        let shard_dir = match (checkpoints, &sharded) {
-            (Some(c), Some(_)) => Some(c.zero_shard_states(rank)?),
-            _ => None,
-        };
         if checkpoints.is_some_and(|c| c.resume) {
             let step = resumed.as_ref().map(|s| s.progress.step);
             check_ranks_agree(ctx.pg.as_ref(), step)?;
@@ -626,29 +622,20 @@ fn train_ddp(
                         step,
                     };
                     let position = Some(SamplerState::from(&sampler));
-                    match (&sharded, &shard_dir, c.due(progress, batches)) {
+                    match (&sharded, c.due(progress, batches)) {
                         // ZeRO: every rank saves its shard; the state that
                         // names the step is written once all shards are.
-                        (Some(sharded), Some(dir), Some(due)) => {
-                            // The shard records its rank and how many
-                            // shards make this step's state.
-                            let shard = TrainingState {
-                                progress: due,
-                                optimizer: Some(sharded.shard_state()?),
-                                ..Default::default()
-                            };
-                            dir.save(&VarMap::new(), &shard)?;
-                            ctx.pg.barrier()?;
-                            if rank == 0 {
-                                c.save(&varmap, None, due, position, recipe.state())?;
-                            }
-                            // Every rank's shards of steps no kept state names go.
-                            ctx.pg.barrier()?;
-                            c.prune_zero_shards(rank)?;
-                        }
-                        (Some(_), _, _) => {}
+                        (Some(sharded), Some(due)) => c.save_zero(
+                            ctx.pg.as_ref(),
+                            &varmap,
+                            sharded,
+                            due,
+                            position,
+                            recipe.state(),
+                        )?,
+                        (Some(_), None) => {}
                         // One writer: the state is the same on every rank.
-                        (None, _, _) if rank == 0 => c.after_step(
+                        (None, _) if rank == 0 => c.after_step(
                             &varmap,
                             &opt,
                             progress,
@@ -656,7 +643,7 @@ fn train_ddp(
                             position,
                             recipe.state(),
                         )?,
-                        (None, _, _) => {}
+                        (None, _) => {}
                     }
                 }
             }

@@ -40,6 +40,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
 use candle_dp::comm::{GroupOptions, ReduceOp};
@@ -47,9 +48,11 @@ use candle_dp::launch::{self, Backend};
 use candle_dp::optim::{AdamW, AdamWConfig};
 use candle_dp::pipeline::Pipeline;
 use candle_dp::precision::MixedPrecisionModel;
-use candle_dp::training_state::{check_ranks_agree, Progress, TrainingState};
+use candle_dp::training_state::{check_ranks_agree, Progress};
 use candle_dp::zero::{ZeroOptimizer, ZeroStage};
-use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParallel, LossReduction};
+use candle_dp::{
+    cpu_devices, seeded_varmap, DataParallel, DdpConfig, DistributedDataParallel, LossReduction,
+};
 use candle_nn::VarMap;
 use checkpoints::Checkpoints;
 use clap::{Parser, ValueEnum};
@@ -69,6 +72,44 @@ enum Strategy {
     Zero,
     /// The model's units as a pipeline over `--replicas` CPU stages.
     Pipeline,
+    /// A pipeline of `--stages` CPU stages inside each of `--replicas` DDP
+    /// ranks (thread ranks, or the processes of mpirun).
+    DdpPipeline,
+}
+
+/// A rank's model under DDP: whole, or a pipeline of its units.
+enum RankModel {
+    Whole(Box<DistributedDataParallel<Gpt>>),
+    Piped(Box<DistributedDataParallel<Pipeline>>),
+}
+
+impl RankModel {
+    fn params(&self) -> Vec<candle_core::Var> {
+        let params = match self {
+            RankModel::Whole(ddp) => ddp.params(),
+            RankModel::Piped(ddp) => ddp.params(),
+        };
+        params.iter().map(|(_, v)| v.clone()).collect()
+    }
+
+    /// This rank's loss (unscaled) and the gradients averaged over the
+    /// ranks (scaled by the recipe's loss scale).
+    fn step(&mut self, x: &Tensor, y: &Tensor, recipe: &Recipe) -> Result<(Tensor, GradStore)> {
+        Ok(match self {
+            RankModel::Whole(ddp) => {
+                let loss = lm_loss(&ddp.forward(x)?, y)?;
+                let grads = ddp.backward(&recipe.scale(&loss)?)?;
+                (loss, grads)
+            }
+            RankModel::Piped(ddp) => {
+                let factor = f64::from(recipe.loss_factor());
+                let step = ddp.forward_backward(x, y, LossReduction::Mean, move |out, y| {
+                    lm_loss(out, y)?.affine(factor, 0.0)
+                })?;
+                (step.loss.affine(1.0 / factor, 0.0)?, step.grads)
+            }
+        })
+    }
 }
 
 /// Train a GPT-style language model on a public-domain book.
@@ -81,7 +122,10 @@ struct Args {
     /// pipeline stages.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
     replicas: u64,
-    /// Micro-batches per step (pipeline).
+    /// Pipeline stages in each rank (ddp-pipeline).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
+    stages: u64,
+    /// Micro-batches per step (pipeline, ddp-pipeline).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
     chunks: u64,
     /// Optimizer steps.
@@ -135,6 +179,9 @@ struct Args {
     /// Bytes of text to generate at the end (sampled at temperature 0.8).
     #[arg(long, default_value_t = 160)]
     sample: usize,
+    /// After a parallel run, trains one device too and compares the curves.
+    #[arg(long)]
+    compare: bool,
     /// Saves the training state here, to continue with --resume.
     #[arg(long, value_name = "DIR")]
     checkpoint_dir: Option<PathBuf>,
@@ -389,17 +436,30 @@ fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
         }
         let per_rank = args.batch as usize / world;
         let varmap = job.copy_init()?;
-        let mut builder = DistributedDataParallel::builder(
-            ctx.process_group(),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-        )
-        .mixed_precision(args.precision.policy());
-        if args.strategy == Strategy::Zero {
-            builder = builder.zero(ZeroStage::Two);
-        }
-        let mut ddp = builder.build(|vb| Gpt::new(config, vb))?;
+        let mut model = if args.strategy == Strategy::DdpPipeline {
+            let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(args.stages as usize))
+                .chunks(args.chunks as usize)
+                .mixed_precision(args.precision.policy())
+                .build(units(config))?;
+            RankModel::Piped(Box::new(DistributedDataParallel::from_module(
+                ctx.process_group(),
+                &varmap,
+                pipe,
+                DdpConfig::default(),
+            )?))
+        } else {
+            let mut builder = DistributedDataParallel::builder(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+            )
+            .mixed_precision(args.precision.policy());
+            if args.strategy == Strategy::Zero {
+                builder = builder.zero(ZeroStage::Two);
+            }
+            RankModel::Whole(Box::new(builder.build(|vb| Gpt::new(config, vb))?))
+        };
         let eval = MixedPrecisionModel::new(
             &varmap,
             DType::F32,
@@ -407,12 +467,14 @@ fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
             args.precision.policy(),
             |vb| Gpt::new(config, vb),
         )?;
-        let params: Vec<_> = ddp.params().iter().map(|(_, v)| v.clone()).collect();
+        let params = model.params();
         let mut opt = args.adamw(&varmap)?;
-        let mut zero = match args.strategy {
-            Strategy::Zero => Some(ZeroOptimizer::new(&ddp, |mine| {
-                AdamW::new_named(mine, args.adamw_config())
-            })?),
+        let mut zero = match &model {
+            RankModel::Whole(ddp) if args.strategy == Strategy::Zero => {
+                Some(ZeroOptimizer::new(ddp, |mine| {
+                    AdamW::new_named(mine, args.adamw_config())
+                })?)
+            }
             _ => None,
         };
         let mut recipe = args.recipe()?;
@@ -435,10 +497,6 @@ fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
         if job.checkpoints.is_some_and(|c| c.resume) {
             check_ranks_agree(ctx.pg.as_ref(), Some(from))?;
         }
-        let shards = match (job.checkpoints, &zero) {
-            (Some(c), Some(_)) => Some(c.zero_shard_states(rank)?),
-            _ => None,
-        };
         let mut outcome = Outcome::new(varmap.clone());
         let start = Instant::now();
         let mut evaluating = Duration::ZERO;
@@ -449,8 +507,7 @@ fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
                 Some(z) => recipe.before_step(z.inner_mut()),
                 None => recipe.before_step(&mut opt),
             }
-            let loss = lm_loss(&ddp.forward(&x)?, &y)?;
-            let mut grads = ddp.backward(&recipe.scale(&loss)?)?;
+            let (loss, mut grads) = model.step(&x, &y, &recipe)?;
             match &mut zero {
                 Some(z) => recipe.finish_zero(&mut grads, z, ctx.pg.as_ref())?,
                 None => recipe.finish(&mut grads, &params, &mut opt)?,
@@ -471,23 +528,11 @@ fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
                     batch: done,
                     step: done,
                 };
-                match (&zero, &shards, c.due(progress, args.steps)) {
-                    (Some(z), Some(dir), Some(due)) => {
-                        let shard = TrainingState {
-                            progress: due,
-                            optimizer: Some(z.shard_state()?),
-                            ..Default::default()
-                        };
-                        dir.save(&VarMap::new(), &shard)?;
-                        ctx.pg.barrier()?;
-                        if rank == 0 {
-                            c.save(&varmap, None, due, None, recipe.state())?;
-                        }
-                        // Every rank's shards of steps no kept state names go.
-                        ctx.pg.barrier()?;
-                        c.prune_zero_shards(rank)?;
+                match (&zero, c.due(progress, args.steps)) {
+                    (Some(z), Some(due)) => {
+                        c.save_zero(ctx.pg.as_ref(), &varmap, z, due, None, recipe.state())?
                     }
-                    (None, _, _) if rank == 0 => {
+                    (None, _) if rank == 0 => {
                         c.after_step(&varmap, &opt, progress, args.steps, None, recipe.state())?
                     }
                     _ => {}
@@ -548,24 +593,28 @@ fn sorted(varmap: &VarMap) -> Vec<candle_core::Var> {
     named.into_iter().map(|(_, v)| v).collect()
 }
 
-/// The training loss per step and the held-out loss per evaluation.
-fn chart(path: &std::path::Path, label: &str, outcome: &Outcome, first: u64) -> Result<()> {
+/// The training loss per step (thin) and the held-out loss per evaluation
+/// (thick) of every run, one colour a run.
+fn chart(path: &std::path::Path, runs: &[(String, &Outcome)], first: u64) -> Result<()> {
     use plotters::prelude::*;
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
     let root = SVGBackend::new(path, (720, 400)).into_drawing_area();
     root.fill(&WHITE)?;
-    let last = first + outcome.losses.len() as u64;
-    let top = outcome
-        .losses
+    let steps = runs.iter().map(|(_, o)| o.losses.len()).max().unwrap_or(0) as u64;
+    let last = first + steps;
+    let top = runs
         .iter()
-        .copied()
+        .flat_map(|(_, o)| o.losses.iter().copied())
         .fold(0f32, f32::max)
         .max(1e-3) as f64
         * 1.05;
     let mut chart = ChartBuilder::on(&root)
-        .caption(format!("{label}: loss per step"), ("sans-serif", 16))
+        .caption(
+            "loss per step (thin: the step's batch; thick: held out)",
+            ("sans-serif", 16),
+        )
         .margin(10)
         .x_label_area_size(30)
         .y_label_area_size(50)
@@ -575,20 +624,19 @@ fn chart(path: &std::path::Path, label: &str, outcome: &Outcome, first: u64) -> 
         .x_desc("step")
         .y_desc("cross-entropy (nats per byte)")
         .draw()?;
-    let train = outcome
-        .losses
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| (first + i as u64 + 1, f64::from(l)));
-    chart
-        .draw_series(LineSeries::new(train, BLUE.stroke_width(1)))?
-        .label("training (the step's batch)")
-        .legend(|(x, y)| PathElement::new([(x, y), (x + 16, y)], BLUE));
-    let held = outcome.held_out.iter().map(|&(s, l)| (s, f64::from(l)));
-    chart
-        .draw_series(LineSeries::new(held, RED.stroke_width(3)))?
-        .label("held-out")
-        .legend(|(x, y)| PathElement::new([(x, y), (x + 16, y)], RED));
+    for ((label, outcome), color) in runs.iter().zip([BLUE, RED, GREEN].iter().cycle()) {
+        let train = outcome
+            .losses
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (first + i as u64 + 1, f64::from(l)));
+        chart
+            .draw_series(LineSeries::new(train, color.stroke_width(1)))?
+            .label(label.as_str())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], color));
+        let held = outcome.held_out.iter().map(|&(s, l)| (s, f64::from(l)));
+        chart.draw_series(LineSeries::new(held, color.stroke_width(3)))?;
+    }
     chart
         .configure_series_labels()
         .background_style(WHITE.mix(0.8))
@@ -623,8 +671,13 @@ fn run(args: Args) -> Result<()> {
         );
     }
     let mpi = Backend::from_env() != Backend::Threads;
-    if mpi && !matches!(args.strategy, Strategy::Ddp | Strategy::Zero) {
-        bail!("under mpirun, use --strategy ddp or zero");
+    if mpi
+        && !matches!(
+            args.strategy,
+            Strategy::Ddp | Strategy::Zero | Strategy::DdpPipeline
+        )
+    {
+        bail!("under mpirun, use --strategy ddp, zero or ddp-pipeline");
     }
     let speaks = Backend::process_rank() == 0;
     let text = load_text()?;
@@ -673,7 +726,7 @@ fn run(args: Args) -> Result<()> {
         checkpoints: checkpoints.as_ref(),
     };
     let outcome = match args.strategy {
-        Strategy::Ddp | Strategy::Zero => match train_distributed(&job)? {
+        Strategy::Ddp | Strategy::Zero | Strategy::DdpPipeline => match train_distributed(&job)? {
             Some(outcome) => outcome,
             None => return Ok(()), // not rank 0
         },
@@ -693,24 +746,66 @@ fn run(args: Args) -> Result<()> {
                 Backend::Mpi { .. } => format!("{what} x{} (MPI processes)", Backend::world_size()),
             }
         }
+        Strategy::DdpPipeline => {
+            let ranks = match Backend::from_env() {
+                Backend::Threads => format!("{} thread ranks", args.replicas),
+                Backend::Mpi { .. } => format!("{} MPI processes", Backend::world_size()),
+            };
+            format!(
+                "DDP over {ranks}, each a pipeline of {} stages",
+                args.stages
+            )
+        }
         Strategy::Pipeline => format!(
             "pipeline x{} stages, {} micro-batches",
             args.replicas, args.chunks
         ),
     };
-    let tail = &outcome.losses[outcome.losses.len().saturating_sub(10)..];
-    let recent = tail.iter().sum::<f32>() / tail.len().max(1) as f32;
+    let reference = match (args.compare, args.strategy) {
+        (true, Strategy::Single) | (false, _) => None,
+        (true, _) => {
+            let single = Args {
+                strategy: Strategy::Single,
+                checkpoint_dir: None,
+                resume: false,
+                ..args.clone()
+            };
+            let job = Job {
+                args: &single,
+                checkpoints: None,
+                ..job
+            };
+            Some(train_in_process(&job)?)
+        }
+    };
+    let mut runs = vec![(label, &outcome)];
+    if let Some(one) = &reference {
+        runs.push(("one device".to_string(), one));
+    }
     println!();
     println!("| run | training loss (last 10 steps) | held-out loss | perplexity | tokens/s |");
     println!("|---|---|---|---|---|");
-    let held = outcome.held_out.last().map_or(f32::NAN, |&(_, l)| l);
-    println!(
-        "| {label} | {recent:.4} | {held:.4} | {:.2} | {:.0} |",
-        f64::from(held).exp(),
-        outcome.tokens as f64 / outcome.training.as_secs_f64().max(1e-9)
-    );
-    if outcome.skipped > 0 {
-        println!("the f16 loss scaler skipped {} steps", outcome.skipped);
+    for (label, o) in &runs {
+        let tail = &o.losses[o.losses.len().saturating_sub(10)..];
+        let recent = tail.iter().sum::<f32>() / tail.len().max(1) as f32;
+        let held = o.held_out.last().map_or(f32::NAN, |&(_, l)| l);
+        println!(
+            "| {label} | {recent:.4} | {held:.4} | {:.2} | {:.0} |",
+            f64::from(held).exp(),
+            o.tokens as f64 / o.training.as_secs_f64().max(1e-9)
+        );
+        if o.skipped > 0 {
+            println!("{label}: the f16 loss scaler skipped {} steps", o.skipped);
+        }
+    }
+    if let Some(one) = &reference {
+        let gap = outcome
+            .losses
+            .iter()
+            .zip(&one.losses)
+            .map(|(a, b)| ((a - b) / b).abs())
+            .fold(0f32, f32::max);
+        println!("largest relative difference of a step's loss from one device's: {gap:.2e}");
     }
     if let Some(path) = &args.losses {
         let first = args.steps - outcome.losses.len() as u64;
@@ -727,7 +822,7 @@ fn run(args: Args) -> Result<()> {
         println!("weights saved to {}", path.display());
     }
     let first = args.steps - outcome.losses.len() as u64;
-    chart(&args.chart, &label, &outcome, first)?;
+    chart(&args.chart, &runs, first)?;
     println!("loss curves: {}", args.chart.display());
     if args.sample > 0 {
         let model = MixedPrecisionModel::new(

@@ -4,8 +4,10 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
+use candle_dp::comm::ProcessGroup;
 use candle_dp::optim::{GradScalerState, LrSchedulerState, OptimizerState, StatefulOptimizer};
 use candle_dp::training_state::{Progress, SamplerState, StateDir, TrainingState};
+use candle_dp::zero::ZeroOptimizer;
 use candle_nn::VarMap;
 
 /// The learning-rate schedule's and the loss scaler's positions, when the
@@ -86,6 +88,37 @@ impl Checkpoints {
             );
         }
         Ok(Some(saved.state))
+    }
+
+    #[allow(dead_code)] // for the ZeRO runs: the pipeline example does not use it
+    /// Saves a ZeRO run's state at `progress` (every rank must call it):
+    /// each rank its shard of the optimizer's state, then (after a
+    /// barrier) rank 0 the state that names the step, then (after another)
+    /// every rank prunes its shards to the steps the kept states name.
+    #[allow(clippy::too_many_arguments)]
+    pub fn save_zero<O: StatefulOptimizer>(
+        &self,
+        pg: &dyn ProcessGroup,
+        varmap: &VarMap,
+        zero: &ZeroOptimizer<O>,
+        progress: Progress,
+        sampler: Option<SamplerState>,
+        recipe: Recipe,
+    ) -> Result<()> {
+        let rank = pg.rank();
+        // The shard records its rank and how many shards make this step's state.
+        let shard = TrainingState {
+            progress,
+            optimizer: Some(zero.shard_state()?),
+            ..Default::default()
+        };
+        self.zero_shard_states(rank)?.save(&VarMap::new(), &shard)?;
+        pg.barrier()?;
+        if rank == 0 {
+            self.save(varmap, None, progress, sampler, recipe)?;
+        }
+        pg.barrier()?;
+        self.prune_zero_shards(rank)
     }
 
     #[allow(dead_code)] // for the ZeRO runs: the pipeline example does not use it

@@ -102,6 +102,14 @@ pub fn varmap_from(values: &HashMap<String, Tensor>) -> VarMap {
     varmap
 }
 
+/// The variables of `varmap`, sorted by name (for an optimizer, a scaler
+/// or clipping over all of them).
+pub fn sorted_var_list(varmap: &VarMap) -> Vec<candle_core::Var> {
+    let mut named: Vec<_> = varmap.data().lock().unwrap().clone().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named.into_iter().map(|(_, v)| v).collect()
+}
+
 /// A snapshot of every var (name -> values) for comparisons.
 pub fn snapshot(varmap: &VarMap) -> HashMap<String, Tensor> {
     varmap

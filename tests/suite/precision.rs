@@ -366,7 +366,7 @@ fn f16_one_device(config: GradScalerConfig) -> ScaledRun {
         mlp,
     )
     .unwrap();
-    let params = sorted_vars(&varmap);
+    let params = crate::common::sorted_var_list(&varmap);
     let mut opt = sgd(&varmap);
     let mut scaler = GradScaler::new(config).unwrap();
     let mut seen = Vec::new();
@@ -460,13 +460,6 @@ fn f16_with_a_grad_scaler_and_clipping_trains_ddp_like_one_device() {
     assert_eq!(ranks[0].0, one_seen);
     let gap = difference_over_change(&ranks[0].1, &one);
     assert!(gap <= 0.02, "DDP vs one device in f16: {gap}");
-}
-
-/// The variables of `varmap`, sorted by name.
-fn sorted_vars(varmap: &VarMap) -> Vec<candle_core::Var> {
-    let mut named: Vec<_> = varmap.data().lock().unwrap().clone().into_iter().collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
-    named.into_iter().map(|(_, v)| v).collect()
 }
 
 /// `STEPS` steps of a two-stage pipeline of the same MLP in `chunks`

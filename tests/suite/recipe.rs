@@ -16,7 +16,7 @@ use candle_dp::optim::{clip_grad_norm, GradScaler, GradScalerConfig, Sgd, SgdCon
 use candle_dp::pipeline::{layer, Pipeline};
 use candle_dp::zero::{ZeroOptimizer, ZeroStage};
 use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParallel, LossReduction};
-use candle_nn::{linear, loss, Optimizer, VarBuilder, VarMap};
+use candle_nn::{linear, loss, Optimizer, VarBuilder};
 
 use crate::common::{max_rel_diff, snapshot, varmap_from, within, Mlp};
 
@@ -89,16 +89,10 @@ fn finish_step(
 
 type Outcome = (Vec<bool>, HashMap<String, Tensor>);
 
-fn params_of(varmap: &VarMap) -> Vec<Var> {
-    let mut named: Vec<_> = varmap.data().lock().unwrap().clone().into_iter().collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
-    named.into_iter().map(|(_, v)| v).collect()
-}
-
 fn one_device() -> Outcome {
     let varmap = varmap_from(&init());
     let model = mlp(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)).unwrap();
-    let params = params_of(&varmap);
+    let params = crate::common::sorted_var_list(&varmap);
     let mut opt = Sgd::from_varmap(&varmap, sgd_config()).unwrap();
     let mut scaler = scaler();
     let mut stepped = Vec::new();
@@ -114,7 +108,7 @@ fn one_device() -> Outcome {
 fn data_parallel() -> Outcome {
     let varmap = varmap_from(&init());
     let dp = DataParallel::new(&varmap, DType::F32, &cpu_devices(2), mlp).unwrap();
-    let params = params_of(&varmap);
+    let params = crate::common::sorted_var_list(&varmap);
     let mut opt = Sgd::from_varmap(&varmap, sgd_config()).unwrap();
     let mut scaler = scaler();
     let mut stepped = Vec::new();
@@ -143,7 +137,7 @@ fn pipeline() -> Outcome {
         .chunks(4)
         .build(layers)
         .unwrap();
-    let params = params_of(&varmap);
+    let params = crate::common::sorted_var_list(&varmap);
     let mut opt = Sgd::from_varmap(&varmap, sgd_config()).unwrap();
     let mut scaler = scaler();
     let mut stepped = Vec::new();
