@@ -43,9 +43,9 @@ use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
-use candle_dp::comm::{GroupOptions, ReduceOp};
+use candle_dp::comm::{all_gather_object, GroupOptions, ReduceOp};
 use candle_dp::launch::{self, Backend};
-use candle_dp::optim::{AdamW, AdamWConfig};
+use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
 use candle_dp::pipeline::Pipeline;
 use candle_dp::precision::MixedPrecisionModel;
 use candle_dp::training_state::{check_ranks_agree, Progress};
@@ -244,6 +244,19 @@ struct Outcome {
     tokens: u64,
     varmap: VarMap,
     skipped: u64,
+    /// Bytes held after the last step (the most on any rank): the
+    /// parameters, the gradients the step used, the optimizer's state.
+    param_bytes: usize,
+    grad_bytes: usize,
+    state_bytes: usize,
+}
+
+/// The bytes of `tensors`.
+fn bytes_of<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> usize {
+    tensors
+        .into_iter()
+        .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+        .sum()
 }
 
 /// The mean loss over the held-out windows, in the run's precision.
@@ -404,6 +417,7 @@ fn train_in_process(job: &Job) -> Result<Outcome> {
             }
         };
         recipe.finish(&mut grads, &params, &mut opt)?;
+        outcome.grad_bytes = bytes_of(params.iter().filter_map(|p| grads.get(p.as_tensor())));
         outcome.record(loss.to_scalar::<f32>()?, tokens);
         let done = step + 1;
         let paused = Instant::now();
@@ -422,6 +436,8 @@ fn train_in_process(job: &Job) -> Result<Outcome> {
     }
     outcome.training = start.elapsed() - evaluating;
     outcome.skipped = recipe.skipped;
+    outcome.param_bytes = bytes_of(params.iter().map(|p| p.as_tensor()));
+    outcome.state_bytes = bytes_of(opt.state()?.tensors.values());
     Ok(outcome)
 }
 
@@ -512,6 +528,7 @@ fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
                 Some(z) => recipe.finish_zero(&mut grads, z, ctx.pg.as_ref())?,
                 None => recipe.finish(&mut grads, &params, &mut opt)?,
             };
+            outcome.grad_bytes = bytes_of(params.iter().filter_map(|p| grads.get(p.as_tensor())));
             // The global batch's loss, as one device's run reports it.
             let mine = Tensor::new(&[loss.to_scalar::<f32>()?], &Device::Cpu)?;
             let sum = ctx.pg.all_reduce(&mine, ReduceOp::Sum)?.to_vec1::<f32>()?;
@@ -542,6 +559,20 @@ fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
         }
         outcome.training = start.elapsed() - evaluating;
         outcome.skipped = recipe.skipped;
+        // What the rank holding the most holds, after the last step.
+        let state = match &zero {
+            Some(z) => z.state_bytes()?,
+            None => bytes_of(opt.state()?.tensors.values()),
+        };
+        let mine = (
+            bytes_of(params.iter().map(|p| p.as_tensor())),
+            outcome.grad_bytes,
+            state,
+        );
+        let all = all_gather_object(ctx.pg.as_ref(), &mine)?;
+        outcome.param_bytes = all.iter().map(|b| b.0).max().unwrap_or(0);
+        outcome.grad_bytes = all.iter().map(|b| b.1).max().unwrap_or(0);
+        outcome.state_bytes = all.iter().map(|b| b.2).max().unwrap_or(0);
         Ok((rank == 0).then_some(outcome))
     })?;
     Ok(ranks.into_iter().flatten().next())
@@ -577,6 +608,9 @@ impl Outcome {
             tokens: 0,
             varmap,
             skipped: 0,
+            param_bytes: 0,
+            grad_bytes: 0,
+            state_bytes: 0,
         }
     }
 
@@ -797,6 +831,14 @@ fn run(args: Args) -> Result<()> {
         if o.skipped > 0 {
             println!("{label}: the f16 loss scaler skipped {} steps", o.skipped);
         }
+    }
+    for (label, o) in &runs {
+        println!(
+            "{label}: held after a step (the most on a rank): parameters {:.2} MB, gradients {:.2} MB, optimizer state {:.2} MB",
+            o.param_bytes as f64 / 1e6,
+            o.grad_bytes as f64 / 1e6,
+            o.state_bytes as f64 / 1e6
+        );
     }
     if let Some(one) = &reference {
         let gap = outcome
