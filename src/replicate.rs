@@ -1,5 +1,7 @@
 //! Replicas of the master model, built once per device from the user's own
-//! model code, kept in step with the master every step.
+//! model code, kept in step with the master every step: `DataParallel`'s
+//! replicas, and mixed precision's low-precision copies of a model
+//! ([`crate::precision`], on the master's own device, in another dtype).
 //!
 //! PyTorch re-creates its replicas every forward (`replicate.py`). Here each
 //! replica is built once, by calling the user's factory with a [`VarBuilder`]
@@ -69,7 +71,7 @@ pub(crate) fn build_master<M>(
 /// The tensors of one replica that must follow the master.
 #[derive(Default)]
 pub(crate) struct ReplicaVars {
-    /// Parameters copied to another device: (master, replica copy).
+    /// Parameters copied to another device or dtype: (master, replica copy).
     copied_params: Vec<(Var, Tensor)>,
     /// Buffers: (master, private copy).
     buffers: Vec<(Var, Var)>,
