@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use candle_dp::comm::ProcessGroup;
+use candle_dp::comm::{all_gather_object, ProcessGroup};
 use candle_dp::optim::{GradScalerState, LrSchedulerState, OptimizerState, StatefulOptimizer};
 use candle_dp::training_state::{Progress, SamplerState, StateDir, TrainingState};
 use candle_dp::zero::ZeroOptimizer;
@@ -114,11 +114,19 @@ impl Checkpoints {
         };
         self.zero_shard_states(rank)?.save(&VarMap::new(), &shard)?;
         pg.barrier()?;
-        if rank == 0 {
+        // Rank 0 writes the state, then tells every rank which steps the
+        // kept states name (from its own listing: another rank's view of
+        // the folder may lag, as over NFS, or be another folder).
+        let named = if rank == 0 {
             self.save(varmap, None, progress, sampler, recipe)?;
-        }
-        pg.barrier()?;
-        self.prune_zero_shards(rank)
+            self.states.steps()?
+        } else {
+            Vec::new()
+        };
+        let mut wanted = all_gather_object(pg, &named)?.swap_remove(0);
+        wanted.push(progress.step);
+        self.prune_zero_shards(rank, &wanted);
+        Ok(())
     }
 
     #[allow(dead_code)] // for the ZeRO runs: the pipeline example does not use it
@@ -128,15 +136,17 @@ impl Checkpoints {
         Ok(StateDir::new(self.zero_shard_dir(rank))?.keep(usize::MAX))
     }
 
-    #[allow(dead_code)] // for the ZeRO runs: the pipeline example does not use it
-    /// Removes rank `rank`'s shards of steps no state names any more: call
-    /// it once the state of the shards just saved is written (after a
-    /// barrier), so that no shard a kept state needs is ever lost.
-    pub fn prune_zero_shards(&self, rank: usize) -> Result<()> {
-        let wanted = self.states.steps()?;
-        self.zero_shard_states(rank)?
-            .retain_steps(|step| wanted.contains(&step))?;
-        Ok(())
+    /// Removes rank `rank`'s shards of steps other than `wanted` (the
+    /// steps the kept states name, and the one just saved), so that no
+    /// shard a kept state needs is ever lost. A failure only warns, as the
+    /// pruning of states does: the save itself succeeded.
+    fn prune_zero_shards(&self, rank: usize, wanted: &[u64]) {
+        let pruned = self
+            .zero_shard_states(rank)
+            .and_then(|dir| Ok(dir.retain_steps(|step| wanted.contains(&step))?));
+        if let Err(e) = pruned {
+            eprintln!("rank {rank}: could not prune old ZeRO shards: {e}");
+        }
     }
 
     #[allow(dead_code)] // for the ZeRO runs: the pipeline example does not use it
