@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use candle_dp::comm::{all_gather_object, ProcessGroup};
 use candle_dp::optim::{GradScalerState, LrSchedulerState, OptimizerState, StatefulOptimizer};
-use candle_dp::training_state::{Progress, SamplerState, StateDir, TrainingState};
+use candle_dp::training_state::{Progress, SamplerState, SavedState, StateDir, TrainingState};
 use candle_dp::zero::ZeroOptimizer;
 use candle_nn::VarMap;
 
@@ -68,25 +68,11 @@ impl Checkpoints {
             return Ok(None);
         }
         let Some(saved) = self.states.latest()? else {
-            if speaks {
-                eprintln!(
-                    "no complete training state in {}: starting from scratch",
-                    self.states.path().display()
-                );
-            }
+            self.say_fresh_start(speaks);
             return Ok(None);
         };
         saved.restore(varmap, opt)?;
-        let p = saved.state.progress;
-        if speaks {
-            eprintln!(
-                "resuming from {}: epoch {}, batch {}, step {}",
-                saved.path.display(),
-                p.epoch + 1,
-                p.batch,
-                p.step
-            );
-        }
+        say_resuming(&saved, speaks);
         Ok(Some(saved.state))
     }
 
@@ -192,26 +178,21 @@ impl Checkpoints {
                     self.states.path().display()
                 );
             }
-            if speaks {
-                eprintln!(
-                    "no complete training state in {}: starting from scratch",
-                    self.states.path().display()
-                );
-            }
+            self.say_fresh_start(speaks);
             return Ok(None);
         };
         saved.restore(varmap, None::<&mut candle_dp::optim::AdamW>)?;
-        let p = saved.state.progress;
+        say_resuming(&saved, speaks);
+        Ok(Some((saved.state, shards)))
+    }
+
+    fn say_fresh_start(&self, speaks: bool) {
         if speaks {
             eprintln!(
-                "resuming from {}: epoch {}, batch {}, step {}",
-                saved.path.display(),
-                p.epoch + 1,
-                p.batch,
-                p.step
+                "no complete training state in {}: starting from scratch",
+                self.states.path().display()
             );
         }
-        Ok(Some((saved.state, shards)))
     }
 
     /// After the step that left the run at `progress` (`batches` in its
@@ -314,5 +295,19 @@ impl Checkpoints {
     /// How many states are kept.
     pub fn keep(&self) -> usize {
         self.keep
+    }
+}
+
+/// Where a resumed run continues, said once.
+fn say_resuming(saved: &SavedState, speaks: bool) {
+    let p = saved.state.progress;
+    if speaks {
+        eprintln!(
+            "resuming from {}: epoch {}, batch {}, step {}",
+            saved.path.display(),
+            p.epoch + 1,
+            p.batch,
+            p.step
+        );
     }
 }
