@@ -352,18 +352,25 @@ impl Job<'_> {
     }
 }
 
+/// The model computing in `args.precision` over `varmap`'s f32 variables
+/// (evaluation, sampling, one device's training).
+fn in_precision(args: &Args, varmap: &VarMap) -> Result<MixedPrecisionModel<Gpt>> {
+    let config = args.config();
+    Ok(MixedPrecisionModel::new(
+        varmap,
+        DType::F32,
+        &Device::Cpu,
+        args.precision.policy(),
+        |vb| Gpt::new(config, vb),
+    )?)
+}
+
 /// One device, DataParallel or the pipeline: one process, the whole batch.
 fn train_in_process(job: &Job) -> Result<Outcome> {
     let args = job.args;
     let config = args.config();
     let varmap = job.copy_init()?;
-    let eval = MixedPrecisionModel::new(
-        &varmap,
-        DType::F32,
-        &Device::Cpu,
-        args.precision.policy(),
-        |vb| Gpt::new(config, vb),
-    )?;
+    let eval = in_precision(args, &varmap)?;
     let devices = cpu_devices(args.replicas());
     let dp = match args.strategy {
         Strategy::Dp => Some(
@@ -476,13 +483,7 @@ fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
             }
             RankModel::Whole(Box::new(builder.build(|vb| Gpt::new(config, vb))?))
         };
-        let eval = MixedPrecisionModel::new(
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-            args.precision.policy(),
-            |vb| Gpt::new(config, vb),
-        )?;
+        let eval = in_precision(args, &varmap)?;
         let params = model.params();
         let mut opt = args.adamw(&varmap)?;
         let mut zero = match &model {
@@ -867,13 +868,7 @@ fn run(args: Args) -> Result<()> {
     chart(&args.chart, &runs, first)?;
     println!("loss curves: {}", args.chart.display());
     if args.sample > 0 {
-        let model = MixedPrecisionModel::new(
-            &outcome.varmap,
-            DType::F32,
-            &Device::Cpu,
-            args.precision.policy(),
-            |vb| Gpt::new(config, vb),
-        )?;
+        let model = in_precision(&args, &outcome.varmap)?;
         println!(
             "\nsample: {}",
             generate(&model, args.context, "Phileas Fogg", args.sample, args.seed)?
