@@ -41,8 +41,10 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Module, ModuleT, Optimizer, VarBuilder, VarMap};
 use serde::{Deserialize, Serialize};
 
+use crate::buckets::{make_buckets, Bucket, BucketReducer};
 use crate::buffers::{is_batch_norm_buffer, BufferPredicate};
 use crate::comm::{all_gather_object, ProcessGroup, ReduceOp};
+use crate::ddp_timeline::{hidden_fraction, Span};
 use crate::error::{Error, Result};
 use crate::no_grad::NoGradCheck;
 use crate::precision::{build_in_precision, cast_input, MixedPrecision};
@@ -102,6 +104,14 @@ pub struct DdpConfig {
     /// [`DistributedDataParallel::new`], not to
     /// [`from_module`](DistributedDataParallel::from_module).
     pub mixed_precision: Option<MixedPrecision>,
+    /// The order in which parameters fill the buckets, by name (default
+    /// none: sorted by name, or, for a model given as [`Units`](crate::units::Units), the
+    /// reverse of the units' order, so that the buckets fill in the order
+    /// the backward finishes their gradients, as PyTorch's reverse
+    /// registration order does). Parameters not named follow, sorted.
+    /// Naming a variable that is not a parameter is an error at
+    /// construction.
+    pub bucket_order: Option<Vec<String>>,
 }
 
 impl Default for DdpConfig {
@@ -115,6 +125,7 @@ impl Default for DdpConfig {
             is_buffer: Arc::new(is_batch_norm_buffer),
             zero: None,
             mixed_precision: None,
+            bucket_order: None,
         }
     }
 }
@@ -129,27 +140,42 @@ impl std::fmt::Debug for DdpConfig {
             .field("join_divisor", &self.join_divisor)
             .field("zero", &self.zero)
             .field("mixed_precision", &self.mixed_precision)
+            .field("bucket_order", &self.bucket_order)
             .finish_non_exhaustive()
     }
 }
 
 /// Where the time of the latest synchronised backward went.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct DdpTimings {
     /// The local backward pass. Around a
     /// [`Pipeline`](crate::pipeline::Pipeline), whose forwards and
     /// backwards interleave, the whole of its
     /// [`forward_backward`](crate::DistributedDataParallel::forward_backward).
     pub backward: Duration,
-    /// Packing, all-reducing and unpacking the gradient buckets.
+    /// Packing, all-reducing and unpacking the gradient buckets. With a
+    /// model given as [`Units`](crate::units::Units), the time the communication thread spent
+    /// on them, most of it while the backward still ran.
     pub all_reduce: Duration,
+    /// With a model given as [`Units`](crate::units::Units)
+    /// (`forward_backward`):
+    /// the step's forward, each unit's backward, each bucket's reduction
+    /// and the wait for the last ones, in order of their start; empty
+    /// otherwise.
+    pub timeline: Vec<Span>,
 }
 
-/// Consecutive parameters (of one dtype) reduced in one collective.
-#[derive(Debug, Clone)]
-struct Bucket {
-    params: Vec<usize>,
-    dtype: DType,
+impl DdpTimings {
+    /// The share of the reduction time hidden behind the backward (see
+    /// [`timeline`](Self::timeline)): 1 when the backward never waited
+    /// for a reduction. Without a timeline (a plain module, which reduces
+    /// after its backward), 0.
+    pub fn hidden_fraction(&self) -> f64 {
+        if self.timeline.is_empty() {
+            return 0.0;
+        }
+        hidden_fraction(&self.timeline)
+    }
 }
 
 /// A variable as the construction-time check compares it.
@@ -217,6 +243,8 @@ pub struct DistributedDataParallel<M> {
     /// With mixed precision: the module's low-precision copies of the
     /// variables, refreshed before every forward.
     copies: Option<ReplicaVars>,
+    /// A model given as units: buckets are reduced as the backward goes.
+    overlaps: bool,
 }
 
 impl<M> DistributedDataParallel<M> {
@@ -236,6 +264,24 @@ impl<M> DistributedDataParallel<M> {
     where
         F: FnOnce(VarBuilder) -> candle_core::Result<M>,
     {
+        Self::build_with_order(pg, varmap, dtype, device, factory, config, |_| None)
+    }
+
+    /// [`new`](Self::new), where `order_of` gives the built model's own
+    /// bucket order (a model given as [`Units`](crate::units::Units)) when the configuration
+    /// names none.
+    pub(crate) fn build_with_order<F>(
+        pg: Arc<dyn ProcessGroup>,
+        varmap: &VarMap,
+        dtype: DType,
+        device: &Device,
+        factory: F,
+        config: DdpConfig,
+        order_of: impl FnOnce(&M) -> Option<Vec<String>>,
+    ) -> Result<Self>
+    where
+        F: FnOnce(VarBuilder) -> candle_core::Result<M>,
+    {
         let rank = pg.rank();
         let in_rank = |e: Error| Error::Rank {
             rank,
@@ -244,7 +290,8 @@ impl<M> DistributedDataParallel<M> {
         let Some(policy) = config.mixed_precision.clone() else {
             let module = factory(VarBuilder::from_varmap(varmap, dtype, device))
                 .map_err(|e| in_rank(Error::Candle(e)))?;
-            return Self::from_module(pg, varmap, module, config);
+            let order = order_of(&module);
+            return Self::wrap(pg, varmap, module, config, order);
         };
         let (module, copies) = build_in_precision(
             rank,
@@ -256,7 +303,8 @@ impl<M> DistributedDataParallel<M> {
             factory,
         )
         .map_err(in_rank)?;
-        let mut ddp = Self::wrap(pg, varmap, module, config)?;
+        let order = order_of(&module);
+        let mut ddp = Self::wrap(pg, varmap, module, config, order)?;
         ddp.copies = Some(copies);
         Ok(ddp)
     }
@@ -308,16 +356,18 @@ impl<M> DistributedDataParallel<M> {
                     .into(),
             ));
         }
-        Self::wrap(pg, varmap, module, config)
+        Self::wrap(pg, varmap, module, config, None)
     }
 
-    /// What `new` and `from_module` share: the checks, the buckets and the
-    /// first broadcasts.
+    /// What `new` and `from_module` share: the checks, the buckets (filled
+    /// in the configuration's order, else `model_order`, else by name) and
+    /// the first broadcasts.
     fn wrap(
         pg: Arc<dyn ProcessGroup>,
         varmap: &VarMap,
         module: M,
         config: DdpConfig,
+        model_order: Option<Vec<String>>,
     ) -> Result<Self> {
         let vars = sorted_vars(varmap);
         verify_same_vars(pg.as_ref(), &vars)?;
@@ -332,9 +382,20 @@ impl<M> DistributedDataParallel<M> {
             }
             None => None,
         };
+        let order = match (&config.bucket_order, model_order) {
+            (Some(names), _) => bucket_order(&params, names, true),
+            (None, Some(names)) => bucket_order(&params, &names, false),
+            (None, None) => bucket_order(&params, &[], true),
+        }
+        .map_err(|e| Error::Rank {
+            rank: pg.rank(),
+            source: Box::new(e),
+        })?;
+        verify_same_order(pg.as_ref(), &order)?;
         let ddp = Self {
             buckets: make_buckets(
                 &params,
+                &order,
                 config.first_bucket_cap_bytes,
                 config.bucket_cap_bytes,
                 |name, var| match &config.mixed_precision {
@@ -357,6 +418,7 @@ impl<M> DistributedDataParallel<M> {
             timings: DdpTimings::default(),
             zero_partition,
             copies: None,
+            overlaps: false,
         };
         ddp.broadcast_vars(&ddp.params, 0)?;
         // PyTorch leaves buffers rank-local at construction too when they
@@ -388,6 +450,50 @@ impl<M> DistributedDataParallel<M> {
     /// whether `no_sync` is on now.
     pub(crate) fn is_syncing(&self) -> bool {
         self.step_syncs.unwrap_or(self.syncing)
+    }
+
+    /// The parameters of each gradient bucket, by name, in the order the
+    /// buckets are reduced (see [`DdpConfig::bucket_order`]).
+    pub fn buckets(&self) -> Vec<Vec<&str>> {
+        self.buckets
+            .iter()
+            .map(|b| {
+                b.params
+                    .iter()
+                    .map(|&i| self.params[i].0.as_str())
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The buckets, in reduction order.
+    pub(crate) fn bucket_list(&self) -> &[Bucket] {
+        &self.buckets
+    }
+
+    /// What `no_sync` accumulated, one slot per parameter.
+    pub(crate) fn accumulated(&self) -> Option<&[Option<Tensor>]> {
+        self.accumulated.as_deref()
+    }
+
+    /// Marks a model given as units: its buckets are reduced as the
+    /// backward goes.
+    pub(crate) fn set_overlaps(&mut self) {
+        self.overlaps = true;
+    }
+
+    /// Records a step whose reductions overlapped its backward.
+    pub(crate) fn record_overlapped(
+        &mut self,
+        backward: Duration,
+        all_reduce: Duration,
+        timeline: Vec<Span>,
+    ) {
+        self.timings = DdpTimings {
+            backward,
+            all_reduce,
+            timeline,
+        };
     }
 
     /// This rank's process group.
@@ -426,7 +532,7 @@ impl<M> DistributedDataParallel<M> {
     }
 
     /// With mixed precision, a floating-point input in the compute dtype.
-    fn input(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn input(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match &self.config.mixed_precision {
             Some(policy) => cast_input(x, policy.param_dtype)?,
             None => x.clone(),
@@ -436,7 +542,7 @@ impl<M> DistributedDataParallel<M> {
     /// With mixed precision, the buffers the forward updated in its copies
     /// go back to the master variables (which the next forward's broadcast
     /// reads).
-    fn commit_buffers(&self) -> Result<()> {
+    pub(crate) fn commit_buffers(&self) -> Result<()> {
         if let Some(copies) = &self.copies {
             copies.commit_buffers()?;
         }
@@ -489,25 +595,24 @@ impl<M> DistributedDataParallel<M> {
     /// its fused forward and backward) in [`last_timings`](Self::last_timings).
     pub(crate) fn record_backward(&mut self, time: std::time::Duration) {
         self.timings.backward = time;
+        self.timings.timeline.clear();
     }
 
     /// What [`backward`](Self::backward) does once this rank's gradients
     /// are known: adds what `no_sync` accumulated, then averages across
     /// ranks (or, inside `no_sync`, only accumulates).
     pub(crate) fn synchronise(&mut self, grads: &GradStore) -> Result<GradStore> {
+        self.timings.timeline.clear();
         let local = grads_of(grads, &self.params);
         // What `no_sync` accumulated stays until the all-reduce succeeds:
         // a failed step loses none of it.
-        let local = match self.accumulated.clone() {
+        let local = match &self.accumulated {
             None => local,
             Some(acc) => acc
-                .into_iter()
+                .iter()
                 .zip(local)
-                .map(|(a, b)| match (a, b) {
-                    (Some(a), Some(b)) => Ok(Some((a + b)?)),
-                    (a, b) => Ok(a.or(b)),
-                })
-                .collect::<candle_core::Result<_>>()?,
+                .map(|(a, g)| with_accumulated(a.as_ref(), g))
+                .collect::<Result<_>>()?,
         };
         if !self.is_syncing() {
             self.accumulated = Some(local);
@@ -521,8 +626,14 @@ impl<M> DistributedDataParallel<M> {
             .all_reduce_grads(local)
             .and_then(|reduced| self.comm(self.pg.wait_for_device()).map(|()| reduced));
         let (store, not_kept) = reduced?;
-        self.accumulated = None;
         self.timings.all_reduce = reduce_start.elapsed();
+        Ok(self.synchronised(store, &not_kept))
+    }
+
+    /// After a successful reduction: what `no_sync` accumulated is spent,
+    /// and the parameters without a gradient are noted.
+    pub(crate) fn synchronised(&mut self, store: GradStore, not_kept: &[usize]) -> GradStore {
+        self.accumulated = None;
         // At ZeRO stage 2 the gradients reduced for other ranks are not
         // kept here, yet they exist.
         let checked: Vec<(String, Var)> = self
@@ -535,7 +646,7 @@ impl<M> DistributedDataParallel<M> {
         self.without_grad = self
             .no_grad
             .check("DistributedDataParallel", &checked, &store);
-        Ok(store)
+        store
     }
 
     /// The parameters that received a gradient on no rank in the latest
@@ -550,7 +661,7 @@ impl<M> DistributedDataParallel<M> {
 
     /// Where the time of the latest backward went.
     pub fn last_timings(&self) -> DdpTimings {
-        self.timings
+        self.timings.clone()
     }
 
     /// [`backward`](Self::backward) then `optimizer.step` (skipped inside
@@ -729,125 +840,60 @@ impl<M> DistributedDataParallel<M> {
     }
 
     /// Averages `local` (one optional gradient per parameter) across ranks,
-    /// bucket by bucket. A parameter without a gradient on some rank counts
-    /// as zero there, and one without a gradient anywhere gets none: each
-    /// bucket carries one presence flag per parameter or, where the group
-    /// reduces on the GPUs ([`ProcessGroup::reduces_on_device`]), the flags
-    /// of all parameters are summed once on the host first, so that no
-    /// bucket needs a copy between host and device.
+    /// bucket by bucket (see [`BucketReducer::reduce`]); where the group
+    /// reduces on the GPUs ([`ProcessGroup::reduces_on_device`]), the
+    /// presence flags of all parameters are summed once on the host first.
     ///
     /// Returns the averaged gradients this rank keeps, and the parameters
     /// whose reduced gradient it did not keep (at ZeRO stage 2, the other
     /// ranks' parameters).
     fn all_reduce_grads(&self, local: Vec<Option<Tensor>>) -> Result<(GradStore, Vec<usize>)> {
-        let divisor = match self.config.join_divisor {
-            JoinDivisor::InitialWorldSize => self.pg.world_size(),
-            JoinDivisor::ActiveRanks => self.active_ranks.max(1),
-        } as f64;
-        let presence = match self.pg.reduces_on_device() && !local.is_empty() {
-            true => Some(self.presence_on_host(&local)?),
+        let reducer = self.reducer();
+        let presence = match self.presence_once() && !local.is_empty() {
+            true => Some(reducer.presence_on_host(&local)?),
             false => None,
         };
         let mut store = GradStore::default();
         let mut not_kept = Vec::new();
         for bucket in &self.buckets {
-            let mut pieces = Vec::with_capacity(bucket.params.len() + 1);
-            let mut present = Vec::with_capacity(bucket.params.len());
-            for &i in &bucket.params {
-                let var = &self.params[i].1;
-                let flat = match &local[i] {
-                    Some(g) => g.to_dtype(bucket.dtype)?.flatten_all()?,
-                    None => Tensor::zeros(var.elem_count(), bucket.dtype, var.device())?,
-                };
-                pieces.push(flat);
-                present.push(if local[i].is_some() { 1f64 } else { 0. });
-            }
-            if presence.is_none() {
-                let device = self.params[bucket.params[0]].1.device();
-                pieces.push(Tensor::new(present, device)?.to_dtype(bucket.dtype)?);
-            }
-            let reduced = self.reduce_bucket(&pieces, bucket.dtype, divisor)?;
-            let mut offset = 0;
-            let flags = match &presence {
-                Some(all) => bucket.params.iter().map(|&i| all[i]).collect(),
-                None => {
-                    let flags_at = reduced.elem_count() - bucket.params.len();
-                    reduced
-                        .narrow(0, flags_at, bucket.params.len())?
-                        .to_dtype(DType::F64)?
-                        .to_vec1::<f64>()?
-                }
+            let grads: Vec<Option<Tensor>> =
+                bucket.params.iter().map(|&i| local[i].clone()).collect();
+            let presence = match &presence {
+                Some(all) => Some(bucket.params.iter().map(|&i| all[i]).collect()),
+                None if self.pg.reduces_on_device() => Some(reducer.presence_on_host(&grads)?),
+                None => None,
             };
-            for (k, &i) in bucket.params.iter().enumerate() {
-                let var = &self.params[i].1;
-                let n = var.elem_count();
-                if flags[k] > 0.0 && !self.keeps_grad_of(i) {
-                    not_kept.push(i);
-                } else if flags[k] > 0.0 {
-                    let grad = reduced
-                        .narrow(0, offset, n)?
-                        .reshape(var.shape())?
-                        .to_dtype(var.dtype())?;
-                    // At stage 2, a copy of just these elements: a view
-                    // would keep the whole reduced bucket alive, other
-                    // ranks' gradients included (and `copy` would clone
-                    // the whole bucket).
-                    let grad = match self.config.zero {
-                        Some(ZeroStage::Two) => grad.force_contiguous()?,
-                        _ => grad,
-                    };
-                    store.insert(var.as_tensor(), grad);
-                }
-                offset += n;
+            let reduced = reducer.reduce(bucket, &grads, presence.as_deref())?;
+            for (i, grad) in reduced.grads {
+                store.insert(self.params[i].1.as_tensor(), grad);
             }
+            not_kept.extend(reduced.not_kept);
         }
         Ok((store, not_kept))
     }
 
-    /// Whether this rank keeps parameter `i`'s reduced gradient: always,
-    /// but at ZeRO stage 2 only for the parameters it owns.
-    fn keeps_grad_of(&self, i: usize) -> bool {
-        match (&self.zero_partition, self.config.zero) {
-            (Some(partition), Some(ZeroStage::Two)) => partition.owns(self.pg.rank(), i),
-            _ => true,
+    /// Whether the presence flags of every parameter are summed once, before
+    /// the buckets: on a group that reduces on the GPUs, unless the
+    /// buckets are reduced as the backward goes (a model given as units),
+    /// when each bucket's flags are summed on the host just before it, on
+    /// every rank alike (a joined rank answers them so too).
+    fn presence_once(&self) -> bool {
+        self.pg.reduces_on_device() && !self.overlaps
+    }
+
+    /// What a bucket's reduction reads of this DDP, for the current step.
+    pub(crate) fn reducer(&self) -> BucketReducer<'_> {
+        let divisor = match self.config.join_divisor {
+            JoinDivisor::InitialWorldSize => self.pg.world_size(),
+            JoinDivisor::ActiveRanks => self.active_ranks.max(1),
+        } as f64;
+        BucketReducer {
+            pg: self.pg.as_ref(),
+            config: &self.config,
+            params: &self.params,
+            zero_partition: self.zero_partition.as_deref(),
+            divisor,
         }
-    }
-
-    /// For each parameter, on how many ranks it has a gradient: one
-    /// all-reduce of a CPU tensor (a device group passes it to its host
-    /// group).
-    fn presence_on_host(&self, local: &[Option<Tensor>]) -> Result<Vec<f64>> {
-        let mine: Vec<f32> = local
-            .iter()
-            .map(|g| if g.is_some() { 1. } else { 0. })
-            .collect();
-        let mine = Tensor::new(mine, &Device::Cpu)?;
-        let all = self.comm(self.pg.all_reduce(&mine, ReduceOp::Sum))?;
-        Ok(all.to_dtype(DType::F64)?.to_vec1::<f64>()?)
-    }
-
-    /// One bucket (its pieces of `dtype`, reduced as their concatenation)
-    /// through the communication hook.
-    fn reduce_bucket(&self, pieces: &[Tensor], dtype: DType, divisor: f64) -> Result<Tensor> {
-        let wire = match self.config.comm_hook {
-            CommHook::Average => dtype,
-            CommHook::Fp16Compress => DType::F16,
-            CommHook::Bf16Compress => DType::BF16,
-        };
-        let world = self.pg.world_size() as f64;
-        let reduced = if wire == dtype && divisor == world {
-            // Divide once, at the end of the reduction, instead of a pass
-            // over the whole bucket before it.
-            self.comm(self.pg.all_reduce_concat(pieces, ReduceOp::Avg))?
-        } else {
-            // Compressed: divide first so the sum cannot overflow f16.
-            let scaled = pieces
-                .iter()
-                .map(|piece| piece.to_dtype(wire)? / divisor)
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            self.comm(self.pg.all_reduce_concat(&scaled, ReduceOp::Sum))?
-        };
-        Ok(reduced.to_dtype(dtype)?)
     }
 
     /// Copies `root`'s values of `vars` into this rank's, one collective
@@ -887,6 +933,59 @@ impl<M> DistributedDataParallel<M> {
 
     fn comm<T>(&self, r: std::result::Result<T, crate::comm::CommError>) -> Result<T> {
         r.map_err(Error::from)
+    }
+}
+
+/// A parameter's gradient of this backward plus what `no_sync`
+/// accumulated for it (in that order of the sum, on every path).
+pub(crate) fn with_accumulated(
+    acc: Option<&Tensor>,
+    grad: Option<Tensor>,
+) -> Result<Option<Tensor>> {
+    Ok(match (acc, grad) {
+        (Some(a), Some(g)) => Some((a + g)?),
+        (a, g) => a.cloned().or(g),
+    })
+}
+
+/// The order in which `params` fill the buckets, as indices: the names of
+/// `order` first, then the others by name. Where `strict` (an order the
+/// user gave), a name that is not a parameter is an error; a name given
+/// twice always is.
+fn bucket_order(params: &[(String, Var)], order: &[String], strict: bool) -> Result<Vec<usize>> {
+    let mut taken = vec![false; params.len()];
+    let mut indices = Vec::with_capacity(params.len());
+    for name in order {
+        let Ok(i) = params.binary_search_by(|(n, _)| n.as_str().cmp(name)) else {
+            if !strict {
+                continue;
+            }
+            return Err(Error::BucketOrder(format!(
+                "`{name}` is not a parameter of the model (buffers are not bucketed)"
+            )));
+        };
+        if std::mem::replace(&mut taken[i], true) {
+            return Err(Error::BucketOrder(format!("`{name}` is named twice")));
+        }
+        indices.push(i);
+    }
+    indices.extend((0..params.len()).filter(|&i| !taken[i]));
+    Ok(indices)
+}
+
+/// Checks that every rank fills its buckets in the same order as rank 0:
+/// buckets that differ would reduce one rank's gradient with another's.
+fn verify_same_order(pg: &dyn ProcessGroup, order: &[usize]) -> Result<()> {
+    let all = all_gather_object(pg, &order.to_vec())?;
+    match all.iter().position(|theirs| theirs != &all[0]) {
+        None => Ok(()),
+        Some(rank) => Err(Error::ModelMismatch {
+            rank,
+            detail: "fills its gradient buckets in another order than rank 0 (a model given \
+                     as units on one rank and whole on another, or another \
+                     DdpConfig::bucket_order)"
+                .into(),
+        }),
     }
 }
 
@@ -996,41 +1095,6 @@ fn verify_same_vars(pg: &dyn ProcessGroup, vars: &[(String, Var)]) -> Result<()>
         }
     }
     Ok(())
-}
-
-/// Groups consecutive same-dtype parameters into buckets of at most the cap
-/// (a parameter larger than the cap gets a bucket of its own).
-fn make_buckets(
-    params: &[(String, Var)],
-    first_cap: usize,
-    cap: usize,
-    reduce_dtype: impl Fn(&str, &Var) -> DType,
-) -> Vec<Bucket> {
-    let mut buckets: Vec<Bucket> = Vec::new();
-    let mut bytes = 0;
-    for (i, (name, var)) in params.iter().enumerate() {
-        let dtype = reduce_dtype(name, var);
-        let size = var.elem_count() * dtype.size_in_bytes();
-        let limit = if buckets.len() <= 1 { first_cap } else { cap };
-        match buckets.last_mut() {
-            Some(b)
-                if b.dtype == dtype
-                    && params[b.params[0]].1.device().same_device(var.device())
-                    && bytes + size <= limit =>
-            {
-                b.params.push(i);
-                bytes += size;
-            }
-            _ => {
-                buckets.push(Bucket {
-                    params: vec![i],
-                    dtype,
-                });
-                bytes = size;
-            }
-        }
-    }
-    buckets
 }
 
 // The module and the process group stay out: `M` need not be `Debug`, and

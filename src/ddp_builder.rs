@@ -12,6 +12,7 @@ use crate::comm::ProcessGroup;
 use crate::ddp::{CommHook, DdpConfig, DistributedDataParallel, JoinDivisor};
 use crate::error::Result;
 use crate::precision::MixedPrecision;
+use crate::units::{LayerFactory, Units};
 use crate::zero::ZeroStage;
 
 impl<M> DistributedDataParallel<M> {
@@ -122,6 +123,13 @@ impl<M> DdpBuilder<M> {
         self
     }
 
+    /// The order in which parameters fill the gradient buckets, by name:
+    /// see [`DdpConfig::bucket_order`].
+    pub fn bucket_order<S: Into<String>>(mut self, names: impl IntoIterator<Item = S>) -> Self {
+        self.config.bucket_order = Some(names.into_iter().map(Into::into).collect());
+        self
+    }
+
     /// The settings so far.
     pub fn config(&self) -> &DdpConfig {
         &self.config
@@ -139,6 +147,21 @@ impl<M> DdpBuilder<M> {
             self.dtype,
             &self.device,
             factory,
+            self.config,
+        )
+    }
+}
+
+impl DdpBuilder<Units> {
+    /// Builds this rank's model from `units` with these settings: see
+    /// [`DistributedDataParallel::from_units`]. Every rank must call it.
+    pub fn build_units(self, units: Vec<LayerFactory>) -> Result<DistributedDataParallel<Units>> {
+        DistributedDataParallel::from_units(
+            self.pg,
+            &self.varmap,
+            self.dtype,
+            &self.device,
+            units,
             self.config,
         )
     }

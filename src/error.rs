@@ -259,6 +259,33 @@ pub enum Error {
     #[error("gradient scaler: {0}")]
     GradScaler(String),
 
+    /// A [`DdpConfig::bucket_order`](crate::DdpConfig::bucket_order) that
+    /// does not fit the model's parameters.
+    #[error("DDP bucket order: {0}")]
+    BucketOrder(String),
+
+    /// A model given as [`Units`](crate::units::Units) that cannot be used
+    /// as asked (no units; a unit that uses a parameter it did not ask its
+    /// `VarBuilder` for).
+    #[error("units: {0}")]
+    Units(String),
+
+    /// An overlapped gradient reduction failed: the bucket handed over
+    /// after the backward of `unit` (or after the whole backward, `None`).
+    /// Nothing was updated.
+    #[error("on rank {rank}: the reduction of bucket {bucket} (ready after the backward of {}) failed: {source}", match unit { Some(u) => format!("unit {u}"), None => "every unit".to_string() })]
+    OverlappedReduction {
+        /// The rank reporting it.
+        rank: usize,
+        /// The bucket, in reduction order.
+        bucket: usize,
+        /// The unit whose backward made the bucket ready.
+        unit: Option<usize>,
+        /// What went wrong (often the group's failure, naming the rank
+        /// that failed first).
+        source: Box<Error>,
+    },
+
     /// A mixed-precision policy that cannot apply (see
     /// [`MixedPrecision`](crate::precision::MixedPrecision)).
     #[error("mixed precision: {0}")]

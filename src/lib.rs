@@ -82,6 +82,7 @@
 
 #![deny(missing_docs)]
 
+mod buckets;
 mod buffers;
 pub mod checkpoint;
 pub mod comm;
@@ -90,6 +91,8 @@ mod cuda_setup;
 mod data_parallel;
 mod ddp;
 mod ddp_builder;
+mod ddp_overlap;
+mod ddp_timeline;
 mod device_copy;
 mod device_label;
 mod error;
@@ -109,6 +112,7 @@ mod seeded_init;
 mod shared_backend;
 mod step;
 pub mod training_state;
+pub mod units;
 mod vars;
 mod worker_pool;
 pub mod zero;
@@ -117,6 +121,7 @@ pub use buffers::{is_batch_norm_buffer, BufferPredicate};
 pub use data_parallel::{DataParallel, DataParallelBuilder, StepTimings};
 pub use ddp::{CommHook, DdpConfig, DdpTimings, DistributedDataParallel, JoinDivisor};
 pub use ddp_builder::DdpBuilder;
+pub use ddp_timeline::{Activity, Span};
 pub use device_label::device_label;
 pub use error::{Error, Result};
 pub use scatter_gather::{

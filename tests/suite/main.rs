@@ -41,6 +41,7 @@ mod loader;
 mod lr_schedule;
 mod nccl;
 mod optim;
+mod overlap;
 mod pipeline;
 mod precision;
 mod recipe;
