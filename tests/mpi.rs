@@ -93,6 +93,8 @@ fn scenario_by_name(name: &str, ctx: RankContext, out: &Path) -> anyhow::Result<
         "hook_bf16" => hooked(&ctx, &input()?, CommHook::Bf16Compress)?,
         "buffers" => buffers(&ctx, &input()?)?,
         "pipeline_ddp" => pipeline_ddp(&ctx, &input()?)?,
+        "overlap_units" => overlap(&ctx, &input()?, true)?,
+        "overlap_whole" => overlap(&ctx, &input()?, false)?,
         fault => {
             run_fault(fault, &ctx)?;
             return Ok(None);
@@ -393,6 +395,65 @@ fn pipeline_ddp(ctx: &RankContext, input: &Tensors) -> anyhow::Result<Tensors> {
             loss::cross_entropy(o, y)
         })?;
         sgd.step(&step.grads)?;
+    }
+    Ok(snapshot(&varmap))
+}
+
+/// The MLP given as units, each bucket reduced during the backward
+/// (`units`), or whole with the same buckets, reduced after it; AdamW.
+fn overlap(ctx: &RankContext, input: &Tensors, units: bool) -> anyhow::Result<Tensors> {
+    use candle_dp::pipeline::layer;
+    let varmap = varmap_from(&init_of(input));
+    let (i, h, o) = SIZES;
+    let layers = vec![
+        layer(move |vb| candle_nn::linear(i, h, vb.pp("l1"))),
+        layer(|_| Ok(candle_nn::Activation::Relu)),
+        layer(move |vb| candle_nn::linear(h, o, vb.pp("l2"))),
+    ];
+    // Small buckets: one per layer, so one goes while the other computes.
+    let config = DdpConfig {
+        first_bucket_cap_bytes: 128,
+        bucket_cap_bytes: 512,
+        bucket_order: Some(
+            ["l2.bias", "l2.weight", "l1.bias", "l1.weight"]
+                .map(String::from)
+                .to_vec(),
+        ),
+        ..Default::default()
+    };
+    let mut adam = AdamW::new(
+        varmap.all_vars(),
+        ParamsAdamW {
+            lr: 0.01,
+            ..Default::default()
+        },
+    )?;
+    let share = |x: &Tensor, y: &Tensor| -> candle_core::Result<(Tensor, Tensor)> {
+        let b = x.dim(0)? / ctx.world_size;
+        Ok((x.narrow(0, ctx.rank * b, b)?, y.narrow(0, ctx.rank * b, b)?))
+    };
+    if units {
+        let mut ddp = DistributedDataParallel::from_units(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            layers,
+            config,
+        )?;
+        anyhow::ensure!(ddp.buckets().len() >= 2, "{:?}", ddp.buckets());
+        for (x, y) in batches(input) {
+            let (x, y) = share(&x, &y)?;
+            let step = ddp.forward_backward(&x, &y, loss::cross_entropy)?;
+            adam.step(&step.grads)?;
+        }
+    } else {
+        let mut ddp = mlp_ddp(ctx, &varmap, config)?;
+        for (x, y) in batches(input) {
+            let (x, y) = share(&x, &y)?;
+            let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+            ddp.backward_step(&loss, &mut adam)?;
+        }
     }
     Ok(snapshot(&varmap))
 }
@@ -922,6 +983,32 @@ fn ddp_on_2_and_3_processes_matches_single_device_training_of_the_global_batch()
                 "{scenario}: processes and threads differ"
             );
         }
+    }
+}
+
+/// The reduction overlapped with the backward gives the bytes of the one
+/// after it, on 1 to 4 processes, and of thread ranks.
+#[test]
+fn overlapped_ddp_on_1_to_4_processes_saves_the_bytes_of_ddp_without_units() {
+    let input = training_input(12);
+    let reference = single_device(&input, true);
+    for np in 1..=4 {
+        let units = mpirun_ok(np, "overlap_units", Some(&input));
+        let whole = mpirun_ok(np, "overlap_whole", Some(&input));
+        for rank in 0..np {
+            assert!(
+                identical(&units.rank(rank), &whole.rank(rank)),
+                "{np} processes, rank {rank}: {}",
+                diff_report(&units.rank(rank), &whole.rank(rank))
+            );
+        }
+        let diff = max_rel_diff(&units.rank(0), &reference);
+        assert!(diff < 1e-5, "{np} processes against one device: {diff}");
+        let threads = on_threads(np, |ctx| overlap(ctx, &input, true));
+        assert!(
+            identical(&units.rank(0), &threads[0]),
+            "{np}: processes and threads differ"
+        );
     }
 }
 
