@@ -9,6 +9,7 @@
 //! cargo run --release --features mpi --example bench -- --all-reduce --out bench-out
 //! cargo run --release --features mpi --example bench -- --zero --out bench-out
 //! cargo run --release --example bench -- --precision --out bench-out
+//! cargo run --release --features mpi --example bench -- --overlap --out bench-out
 //! ```
 //!
 //! `--pipeline` measures the pipeline instead (see `pipeline.rs`) and
@@ -53,6 +54,7 @@ mod all_reduce;
 mod alloc_count;
 mod child;
 mod net;
+mod overlap;
 mod pipeline;
 mod plan;
 mod precision;
@@ -138,6 +140,14 @@ struct Args {
     /// Internal: run one mixed-precision configuration (JSON) in this process.
     #[arg(long, hide = true, value_name = "SPEC")]
     precision_child: Option<String>,
+    /// Measure the reduction overlapped with the backward instead: DDP
+    /// against DDP over the model given as units, on thread ranks and MPI
+    /// processes, beside one rank's compute (writes overlap.md).
+    #[arg(long)]
+    overlap: bool,
+    /// Internal: run one overlap configuration (JSON) in this process.
+    #[arg(long, hide = true, value_name = "SPEC")]
+    overlap_child: Option<String>,
     /// Internal: run one pipeline configuration (JSON) in this process.
     #[arg(long, hide = true, value_name = "SPEC")]
     pipeline_child: Option<String>,
@@ -167,6 +177,14 @@ fn run(args: Args) -> Result<()> {
         let spec: precision::PrecisionSpec =
             serde_json::from_str(child).context("a precision spec")?;
         println!("{}", serde_json::to_string(&precision::run_child(&spec)?)?);
+        return Ok(());
+    }
+    if let Some(child) = &args.overlap_child {
+        let spec: overlap::OverlapSpec = serde_json::from_str(child).context("an overlap spec")?;
+        // Under mpirun every rank gets here; rank 0 reports.
+        if let Some(measured) = overlap::run_child(&spec)? {
+            println!("{}", serde_json::to_string(&measured)?);
+        }
         return Ok(());
     }
     if let Some(child) = &args.zero_child {
@@ -206,6 +224,15 @@ fn run(args: Args) -> Result<()> {
         println!("{report}");
         std::fs::write(out_dir.join("zero.md"), &report)?;
         println!("wrote {}", out_dir.join("zero.md").display());
+        return Ok(());
+    }
+    if args.overlap {
+        let steps = args.steps.unwrap_or(if quick { 5 } else { 10 });
+        let rounds = args.rounds.unwrap_or(if quick { 1 } else { 3 });
+        let report = overlap::run(quick, steps, rounds)?;
+        println!("{report}");
+        std::fs::write(out_dir.join("overlap.md"), &report)?;
+        println!("wrote {}", out_dir.join("overlap.md").display());
         return Ok(());
     }
     if args.precision {

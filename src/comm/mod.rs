@@ -450,13 +450,20 @@ pub(crate) fn all_reduce_concat_copied<P: ProcessGroup + ?Sized>(
     tensors: &[Tensor],
     op: ReduceOp,
 ) -> Result<Tensor> {
+    pg.all_reduce(&concat_flat(pg, tensors)?, op)
+}
+
+/// The tensors flattened and concatenated into one 1-D tensor; if they
+/// cannot be (none, or differing dtypes), the group is failed with the
+/// reason, so that the other ranks do not wait for this one.
+pub(crate) fn concat_flat<P: ProcessGroup + ?Sized>(pg: &P, tensors: &[Tensor]) -> Result<Tensor> {
     let flat = tensors
         .iter()
         .map(Tensor::flatten_all)
         .collect::<candle_core::Result<Vec<_>>>()
         .and_then(|flat| Tensor::cat(&flat, 0));
     match flat {
-        Ok(flat) => pg.all_reduce(&flat, op),
+        Ok(flat) => Ok(flat),
         Err(e) => {
             let reason = format!("all_reduce_concat: cannot concatenate the tensors: {e}");
             pg.abort(&reason);

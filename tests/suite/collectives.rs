@@ -908,3 +908,28 @@ fn set_timeout_replaces_the_groups_timeout_for_this_rank() {
     // A single rank never waits.
     ranks[0].barrier().unwrap();
 }
+
+/// One rank's `all_reduce_concat` is its own values, as a fresh tensor
+/// (the reduction of one buffer, which DDP at world size 1 reduces every
+/// step), and a failed group is still reported.
+#[test]
+fn all_reduce_concat_on_one_rank_is_a_fresh_concatenation_and_sees_a_failed_group() {
+    let pg = ThreadGroup::new(1).remove(0);
+    let a = Tensor::new(&[[1f32, -2.5], [3., 4.]], &Device::Cpu).unwrap();
+    let b = Tensor::new(&[f32::NAN], &Device::Cpu).unwrap();
+    for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+        let out = pg.all_reduce_concat(&[a.clone(), b.clone()], op).unwrap();
+        let got = out.to_vec1::<f32>().unwrap();
+        assert_eq!(&got[..4], [1., -2.5, 3., 4.], "{op}");
+        assert!(got[4].is_nan(), "{op}");
+        // One tensor alone: a copy, not the input (which changes after).
+        let var = candle_core::Var::from_tensor(&a).unwrap();
+        let alone = pg
+            .all_reduce_concat(&[var.as_tensor().clone()], op)
+            .unwrap();
+        var.set(&a.zeros_like().unwrap()).unwrap();
+        assert_eq!(alone.to_vec1::<f32>().unwrap(), [1., -2.5, 3., 4.], "{op}");
+    }
+    pg.abort("gone");
+    assert!(pg.all_reduce_concat(&[a], ReduceOp::Sum).is_err());
+}

@@ -198,7 +198,11 @@ fn train_deep(
 fn assert_same_bytes(a: &[HashMap<String, Tensor>], b: &[HashMap<String, Tensor>], what: &str) {
     assert_eq!(a.len(), b.len(), "{what}");
     for (rank, (a, b)) in a.iter().zip(b).enumerate() {
-        assert!(identical(a, b), "{what}, rank {rank}: {}", diff_report(a, b));
+        assert!(
+            identical(a, b),
+            "{what}, rank {rank}: {}",
+            diff_report(a, b)
+        );
     }
 }
 

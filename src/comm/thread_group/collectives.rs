@@ -12,7 +12,8 @@ use crate::comm::op::Op;
 use crate::comm::protocol::{self, Header, OpSig, Piece, Signature, TensorMeta};
 use crate::comm::ring::{self, Link};
 use crate::comm::{
-    all_reduce_concat_copied, Failure, FailureCause, Membership, ProcessGroup, ReduceOp, Result,
+    all_reduce_concat_copied, concat_flat, CommError, Failure, FailureCause, Membership,
+    ProcessGroup, ReduceOp, Result,
 };
 
 impl ThreadRank {
@@ -105,9 +106,28 @@ impl ProcessGroup for ThreadRank {
         let Some(first) = tensors.first() else {
             return all_reduce_concat_copied(self, tensors, op);
         };
+        if self.world_size() == 1 {
+            // One rank's reduction is its own values (an average divides by
+            // one): the concatenation, a fresh tensor, is the result. The
+            // barrier reports a failed group as the collective would.
+            self.barrier()?;
+            let flat = concat_flat(self, tensors)?;
+            // `cat` of one tensor is that tensor: a result shares no storage.
+            let flat = match tensors.len() {
+                1 => flat.copy(),
+                _ => Ok(flat),
+            };
+            return flat
+                .map(|f| f.detach())
+                .map_err(|source| CommError::Tensor {
+                    rank: self.rank(),
+                    op: "all_reduce_concat",
+                    source,
+                });
+        }
         let len: usize = tensors.iter().map(Tensor::elem_count).sum();
         let bytes = len.saturating_mul(first.dtype().size_in_bytes());
-        if self.world_size() == 1 || bytes < self.shared.ring_threshold_bytes {
+        if bytes < self.shared.ring_threshold_bytes {
             return all_reduce_concat_copied(self, tensors, op);
         }
         // The ring, as `all_reduce` runs it on the concatenation, reading
