@@ -11,7 +11,9 @@
 //! Strategies: `single` (one device), `dp` (`DataParallel`, `--replicas` CPU
 //! replicas), `ddp` (`--replicas` thread ranks, or the processes of
 //! `mpirun`), `zero` (DDP with ZeRO stage 2), `pipeline` (the model's units
-//! over `--replicas` CPU stages, `--chunks` micro-batches). The model and
+//! over `--replicas` CPU stages, `--chunks` micro-batches); with `ddp` and
+//! `zero`, `--overlap` gives DDP the model as units and reduces each
+//! gradient bucket during the backward. The model and
 //! its units: `examples/common/gpt.rs`; the data and its order:
 //! `examples/common/text.rs`; the step's recipe: `examples/common/recipe.rs`.
 //! `scripts/train_lm_torch.py` trains the same model in PyTorch from
@@ -49,6 +51,7 @@ use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
 use candle_dp::pipeline::Pipeline;
 use candle_dp::precision::MixedPrecisionModel;
 use candle_dp::training_state::{check_ranks_agree, Progress};
+use candle_dp::units::Units;
 use candle_dp::zero::{ZeroOptimizer, ZeroStage};
 use candle_dp::{
     cpu_devices, seeded_varmap, DataParallel, DdpConfig, DistributedDataParallel, LossReduction,
@@ -77,9 +80,11 @@ enum Strategy {
     DdpPipeline,
 }
 
-/// A rank's model under DDP: whole, or a pipeline of its units.
+/// A rank's model under DDP: whole, its units (`--overlap`), or a
+/// pipeline of its units.
 enum RankModel {
     Whole(Box<DistributedDataParallel<Gpt>>),
+    Units(Box<DistributedDataParallel<Units>>),
     Piped(Box<DistributedDataParallel<Pipeline>>),
 }
 
@@ -87,6 +92,7 @@ impl RankModel {
     fn params(&self) -> Vec<candle_core::Var> {
         let params = match self {
             RankModel::Whole(ddp) => ddp.params(),
+            RankModel::Units(ddp) => ddp.params(),
             RankModel::Piped(ddp) => ddp.params(),
         };
         params.iter().map(|(_, v)| v.clone()).collect()
@@ -100,6 +106,12 @@ impl RankModel {
                 let loss = lm_loss(&ddp.forward(x)?, y)?;
                 let grads = ddp.backward(&recipe.scale(&loss)?)?;
                 (loss, grads)
+            }
+            RankModel::Units(ddp) => {
+                let factor = f64::from(recipe.loss_factor());
+                let step =
+                    ddp.forward_backward(x, y, |out, y| lm_loss(out, y)?.affine(factor, 0.0))?;
+                (step.loss.affine(1.0 / factor, 0.0)?, step.grads)
             }
             RankModel::Piped(ddp) => {
                 let factor = f64::from(recipe.loss_factor());
@@ -134,6 +146,11 @@ struct Args {
     /// Global batch, in windows of `--context` bytes.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
     batch: u64,
+    /// ddp, zero: give DDP the model as units (the embedding, each block,
+    /// the head) and all-reduce each gradient bucket while the earlier
+    /// units' backward runs.
+    #[arg(long)]
+    overlap: bool,
     #[arg(long, default_value_t = 128)]
     context: usize,
     #[arg(long, default_value_t = 128)]
@@ -471,23 +488,41 @@ fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
                 DdpConfig::default(),
             )?))
         } else {
-            let mut builder = DistributedDataParallel::builder(
-                ctx.process_group(),
-                &varmap,
-                DType::F32,
-                &Device::Cpu,
-            )
-            .mixed_precision(args.precision.policy());
-            if args.strategy == Strategy::Zero {
-                builder = builder.zero(ZeroStage::Two);
+            let ddp_config = DdpConfig {
+                mixed_precision: Some(args.precision.policy()),
+                zero: (args.strategy == Strategy::Zero).then_some(ZeroStage::Two),
+                ..Default::default()
+            };
+            let (pg, cpu) = (ctx.process_group(), Device::Cpu);
+            match args.overlap {
+                true => RankModel::Units(Box::new(DistributedDataParallel::from_units(
+                    pg,
+                    &varmap,
+                    DType::F32,
+                    &cpu,
+                    units(config),
+                    ddp_config,
+                )?)),
+                false => RankModel::Whole(Box::new(DistributedDataParallel::new(
+                    pg,
+                    &varmap,
+                    DType::F32,
+                    &cpu,
+                    |vb| Gpt::new(config, vb),
+                    ddp_config,
+                )?)),
             }
-            RankModel::Whole(Box::new(builder.build(|vb| Gpt::new(config, vb))?))
         };
         let eval = in_precision(args, &varmap)?;
         let params = model.params();
         let mut opt = args.adamw(&varmap)?;
         let mut zero = match &model {
             RankModel::Whole(ddp) if args.strategy == Strategy::Zero => {
+                Some(ZeroOptimizer::new(ddp, |mine| {
+                    AdamW::new_named(mine, args.adamw_config())
+                })?)
+            }
+            RankModel::Units(ddp) if args.strategy == Strategy::Zero => {
                 Some(ZeroOptimizer::new(ddp, |mine| {
                     AdamW::new_named(mine, args.adamw_config())
                 })?)
@@ -705,6 +740,9 @@ fn run(args: Args) -> Result<()> {
             config.heads
         );
     }
+    if args.overlap && !matches!(args.strategy, Strategy::Ddp | Strategy::Zero) {
+        bail!("--overlap is for --strategy ddp or zero (DDP over the model's units)");
+    }
     let mpi = Backend::from_env() != Backend::Threads;
     if mpi
         && !matches!(
@@ -771,10 +809,11 @@ fn run(args: Args) -> Result<()> {
         Strategy::Single => "one device".to_string(),
         Strategy::Dp => format!("DataParallel x{}", args.replicas),
         Strategy::Ddp | Strategy::Zero => {
-            let what = if args.strategy == Strategy::Zero {
-                "ZeRO-2"
-            } else {
-                "DDP"
+            let what = match (args.strategy == Strategy::Zero, args.overlap) {
+                (true, false) => "ZeRO-2",
+                (true, true) => "ZeRO-2 (overlapped)",
+                (false, false) => "DDP",
+                (false, true) => "DDP (overlapped)",
             };
             match Backend::from_env() {
                 Backend::Threads => format!("{what} x{} (thread ranks)", args.replicas),
