@@ -15,6 +15,7 @@ use super::schedule::Op;
 use super::stage_var::StageVar;
 use crate::device_copy::{self as copy, copy_into};
 use crate::lock::lock;
+use crate::units::boundary;
 use crate::worker_pool::Cancel;
 
 /// A tensor for micro-batch `m`, between neighbouring stages.
@@ -442,7 +443,7 @@ impl StageWork {
         // backward stops there and yields the gradient to send upstream.
         let leaf = match (self.training, &self.links.from_prev) {
             (true, Some(_)) => {
-                Some(Var::from_tensor(&input.detach()).map_err(fail(Phase::Forward))?)
+                Some(boundary::leaf(&input).map_err(fail(Phase::Forward))?)
             }
             _ => None,
         };
@@ -551,10 +552,9 @@ impl StageWork {
             Some(rx) => {
                 let grad = self.receive(rx, m, Phase::Backward, cancel)?;
                 self.set(Some((Phase::Backward, m)));
-                // d(sum(output * g))/d(output) is exactly g.
                 (|| {
-                    let grad = copy::to_device(&grad, output.device())?.detach();
-                    (output * grad)?.sum_all()?.backward()
+                    let grad = copy::to_device(&grad, output.device())?;
+                    boundary::backward_from(&output, &grad)
                 })()
                 .map_err(fail)?
             }

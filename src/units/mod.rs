@@ -42,6 +42,7 @@
 //! # }
 //! ```
 
+pub(crate) mod boundary;
 mod record;
 mod trace;
 

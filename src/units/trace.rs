@@ -3,6 +3,8 @@
 use candle_core::backprop::GradStore;
 use candle_core::{ModuleT, Tensor, Var};
 
+use super::boundary;
+
 /// What the forward kept of each unit: the leaf its graph starts from
 /// (none for the first unit, or after an output that is not floating
 /// point) and its output.
@@ -25,9 +27,7 @@ impl Trace {
             let (leaf, input) = match outputs.last() {
                 None => (None, x.clone()),
                 Some(prev) if prev.dtype().is_float() => {
-                    // `detach` drops the graph, so `from_tensor` makes a
-                    // new variable (a copy) for this unit's graph to end at.
-                    let leaf = Var::from_tensor(&prev.detach())?;
+                    let leaf = boundary::leaf(prev)?;
                     let input = leaf.as_tensor().clone();
                     (Some(leaf), input)
                 }
@@ -69,8 +69,7 @@ impl Trace {
                 let Some(g) = grad.take() else {
                     return Ok(());
                 };
-                // d(sum(output * g))/d(output) is exactly g.
-                (output * g.detach())?.sum_all()?.backward()?
+                boundary::backward_from(&output, &g)?
             };
             grad = leaf.and_then(|leaf| grads.get(leaf.as_tensor()).cloned());
             on_unit(k, grads)?;
