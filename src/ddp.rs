@@ -896,44 +896,53 @@ impl<M> DistributedDataParallel<M> {
         }
     }
 
-    /// Copies `root`'s values of `vars` into this rank's, one collective
-    /// per dtype and device.
+    /// Copies `root`'s values of `vars` into this rank's.
     fn broadcast_vars(&self, vars: &[(String, Var)], root: usize) -> Result<()> {
-        // In order of first appearance: the same on every rank.
-        let mut groups: Vec<(DType, &Device)> = Vec::new();
-        for (_, v) in vars {
-            if !groups
-                .iter()
-                .any(|(d, dev)| *d == v.dtype() && dev.same_device(v.device()))
-            {
-                groups.push((v.dtype(), v.device()));
-            }
-        }
-        for (dtype, device) in groups {
-            let group: Vec<&Var> = vars
-                .iter()
-                .map(|(_, v)| v)
-                .filter(|v| v.dtype() == dtype && v.device().same_device(device))
-                .collect();
-            let flats = group
-                .iter()
-                .map(|v| v.as_tensor().flatten_all())
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            let flat = Tensor::cat(&flats, 0)?;
-            let value = self.comm(self.pg.broadcast(&flat, root))?;
-            let mut offset = 0;
-            for var in group {
-                let n = var.elem_count();
-                var.set(&value.narrow(0, offset, n)?.reshape(var.shape())?)?;
-                offset += n;
-            }
-        }
-        Ok(())
+        broadcast_vars(self.pg.as_ref(), vars, root)
     }
 
     fn comm<T>(&self, r: std::result::Result<T, crate::comm::CommError>) -> Result<T> {
         r.map_err(Error::from)
     }
+}
+
+/// Copies `root`'s values of `vars` into this rank's, one collective per
+/// dtype and device.
+pub(crate) fn broadcast_vars(
+    pg: &dyn ProcessGroup,
+    vars: &[(String, Var)],
+    root: usize,
+) -> Result<()> {
+    // In order of first appearance: the same on every rank.
+    let mut groups: Vec<(DType, &Device)> = Vec::new();
+    for (_, v) in vars {
+        if !groups
+            .iter()
+            .any(|(d, dev)| *d == v.dtype() && dev.same_device(v.device()))
+        {
+            groups.push((v.dtype(), v.device()));
+        }
+    }
+    for (dtype, device) in groups {
+        let group: Vec<&Var> = vars
+            .iter()
+            .map(|(_, v)| v)
+            .filter(|v| v.dtype() == dtype && v.device().same_device(device))
+            .collect();
+        let flats = group
+            .iter()
+            .map(|v| v.as_tensor().flatten_all())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let flat = Tensor::cat(&flats, 0)?;
+        let value = pg.broadcast(&flat, root)?;
+        let mut offset = 0;
+        for var in group {
+            let n = var.elem_count();
+            var.set(&value.narrow(0, offset, n)?.reshape(var.shape())?)?;
+            offset += n;
+        }
+    }
+    Ok(())
 }
 
 /// A parameter's gradient of this backward plus what `no_sync`
@@ -1032,7 +1041,7 @@ impl StepFlags {
     }
 }
 
-fn verify_same_vars(pg: &dyn ProcessGroup, vars: &[(String, Var)]) -> Result<()> {
+pub(crate) fn verify_same_vars(pg: &dyn ProcessGroup, vars: &[(String, Var)]) -> Result<()> {
     let mut devices: Vec<&Device> = Vec::new();
     let mine: Vec<VarSignature> = vars
         .iter()

@@ -286,6 +286,11 @@ pub enum Error {
         source: Box<Error>,
     },
 
+    /// Fully sharded data parallelism cannot go on as asked (see
+    /// [`fsdp`](crate::fsdp)).
+    #[error("FSDP: {0}")]
+    Fsdp(String),
+
     /// A mixed-precision policy that cannot apply (see
     /// [`MixedPrecision`](crate::precision::MixedPrecision)).
     #[error("mixed precision: {0}")]

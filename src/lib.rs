@@ -96,6 +96,7 @@ mod ddp_timeline;
 mod device_copy;
 mod device_label;
 mod error;
+pub mod fsdp;
 pub mod launch;
 pub mod loader;
 mod lock;

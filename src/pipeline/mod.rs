@@ -85,6 +85,7 @@ use crossbeam::channel;
 
 pub use balance::Balance;
 pub use recompute::Checkpoint;
+pub(crate) use recompute::{fingerprint, Fingerprint};
 pub use schedule::Schedule;
 pub use timings::PipelineTimings;
 

@@ -442,9 +442,7 @@ impl StageWork {
         // A training stage starts its own graph at a leaf, so that its
         // backward stops there and yields the gradient to send upstream.
         let leaf = match (self.training, &self.links.from_prev) {
-            (true, Some(_)) => {
-                Some(boundary::leaf(&input).map_err(fail(Phase::Forward))?)
-            }
+            (true, Some(_)) => Some(boundary::leaf(&input).map_err(fail(Phase::Forward))?),
             _ => None,
         };
         let x = leaf.as_ref().map_or(&input, Var::as_tensor).clone();

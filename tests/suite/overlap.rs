@@ -23,7 +23,7 @@ use candle_dp::{Activity, DdpConfig, DistributedDataParallel, Error, JoinDivisor
 use candle_nn::{linear, loss, AdamW, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use common::*;
 
-fn bounded() -> GroupOptions {
+pub(crate) fn bounded() -> GroupOptions {
     GroupOptions {
         timeout: Some(Duration::from_secs(20)),
         ..Default::default()
@@ -34,7 +34,7 @@ fn bounded() -> GroupOptions {
 const DEPTH: usize = 5;
 const WIDTH: usize = 12;
 
-fn deep_units() -> Vec<LayerFactory> {
+pub(crate) fn deep_units() -> Vec<LayerFactory> {
     let mut units = Vec::new();
     for l in 0..DEPTH {
         let (i, o) = (
@@ -50,10 +50,10 @@ fn deep_units() -> Vec<LayerFactory> {
 }
 
 /// The same model written as one module: no units.
-struct DeepMlp(Vec<Linear>);
+pub(crate) struct DeepMlp(Vec<Linear>);
 
 impl DeepMlp {
-    fn new(vb: VarBuilder) -> candle_core::Result<Self> {
+    pub(crate) fn new(vb: VarBuilder) -> candle_core::Result<Self> {
         (0..DEPTH)
             .map(|l| {
                 let i = if l == 0 { 6 } else { WIDTH };
@@ -88,7 +88,7 @@ fn small_buckets() -> DdpConfig {
 }
 
 /// The bucket order a model given as `units` gets.
-fn order_of(units: &[LayerFactory]) -> Vec<String> {
+pub(crate) fn order_of(units: &[LayerFactory]) -> Vec<String> {
     let varmap = VarMap::new();
     Units::build(
         VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
@@ -98,13 +98,13 @@ fn order_of(units: &[LayerFactory]) -> Vec<String> {
     .bucket_order()
 }
 
-fn init_deep() -> HashMap<String, Tensor> {
+pub(crate) fn init_deep() -> HashMap<String, Tensor> {
     let varmap = VarMap::new();
     DeepMlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)).unwrap();
     snapshot(&varmap)
 }
 
-fn batches(steps: usize, rows: usize, seed: u32) -> Vec<(Tensor, Tensor)> {
+pub(crate) fn batches(steps: usize, rows: usize, seed: u32) -> Vec<(Tensor, Tensor)> {
     (0..steps)
         .map(|s| {
             let x = Tensor::randn(0f32, 1., (rows, 6), &Device::Cpu).unwrap();
@@ -116,7 +116,7 @@ fn batches(steps: usize, rows: usize, seed: u32) -> Vec<(Tensor, Tensor)> {
         .collect()
 }
 
-fn adamw(varmap: &VarMap) -> candle_core::Result<AdamW> {
+pub(crate) fn adamw(varmap: &VarMap) -> candle_core::Result<AdamW> {
     AdamW::new(
         varmap.all_vars(),
         ParamsAdamW {
@@ -127,7 +127,11 @@ fn adamw(varmap: &VarMap) -> candle_core::Result<AdamW> {
 }
 
 /// This rank's rows of a global batch.
-fn share(ctx: &RankContext, x: &Tensor, y: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+pub(crate) fn share(
+    ctx: &RankContext,
+    x: &Tensor,
+    y: &Tensor,
+) -> candle_core::Result<(Tensor, Tensor)> {
     let b = x.dim(0)? / ctx.world_size;
     Ok((x.narrow(0, ctx.rank * b, b)?, y.narrow(0, ctx.rank * b, b)?))
 }
@@ -279,7 +283,7 @@ fn overlapped_reduction_with_one_bucket_and_default_caps_matches_too() {
     });
 }
 
-const TINY: GptConfig = GptConfig {
+pub(crate) const TINY: GptConfig = GptConfig {
     vocab: 256,
     context: 8,
     width: 16,
@@ -289,7 +293,7 @@ const TINY: GptConfig = GptConfig {
 
 /// Windows of token ids `(i * 37 + step * 11) % modulus`: with 251, every
 /// id of a batch is distinct; with a small modulus, ids repeat.
-fn tokens(steps: usize, rows: usize, modulus: usize) -> Vec<(Tensor, Tensor)> {
+pub(crate) fn tokens(steps: usize, rows: usize, modulus: usize) -> Vec<(Tensor, Tensor)> {
     (0..steps)
         .map(|s| {
             let ids: Vec<u32> = (0..rows * (TINY.context + 1))
@@ -358,10 +362,13 @@ fn train_gpt(
     .unwrap()
 }
 
-fn init_gpt() -> HashMap<String, Tensor> {
+pub(crate) fn init_gpt() -> HashMap<String, Tensor> {
     let varmap = VarMap::new();
-    example_gpt::Gpt::new(TINY, VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))
-        .unwrap();
+    example_gpt::Gpt::new(
+        TINY,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )
+    .unwrap();
     snapshot(&varmap)
 }
 
@@ -373,7 +380,11 @@ fn init_gpt() -> HashMap<String, Tensor> {
 fn a_weight_tied_across_units_is_reduced_after_its_last_contribution() {
     within(240, || {
         let order = order_of(&example_gpt::units(TINY));
-        assert_eq!(order.last().map(String::as_str), Some("wte.weight"), "{order:?}");
+        assert_eq!(
+            order.last().map(String::as_str),
+            Some("wte.weight"),
+            "{order:?}"
+        );
         let init = init_gpt();
         let data = tokens(2, 6, 251);
         for world in [2, 3] {
@@ -642,10 +653,22 @@ fn mixed_precision_over_units_matches_mixed_precision_without() {
 /// A thread rank whose `fail_at`-th all-reduce of a bucket aborts the
 /// group, as a rank dying in the middle of the backward would.
 #[derive(Debug)]
-struct FailingAt {
-    inner: Arc<dyn ProcessGroup>,
-    fail_at: Option<usize>,
-    calls: AtomicUsize,
+pub(crate) struct FailingAt {
+    pub(crate) inner: Arc<dyn ProcessGroup>,
+    /// The call (counting from 0) of `all_reduce_concat` and
+    /// `all_gather_into` together that aborts the group.
+    pub(crate) fail_at: Option<usize>,
+    pub(crate) calls: AtomicUsize,
+}
+
+impl FailingAt {
+    fn tick(&self) {
+        let call = self.calls.fetch_add(1, Ordering::SeqCst);
+        if Some(call) == self.fail_at {
+            self.inner
+                .abort(&format!("rank {} lost its network", self.inner.rank()));
+        }
+    }
 }
 
 impl ProcessGroup for FailingAt {
@@ -656,12 +679,15 @@ impl ProcessGroup for FailingAt {
         self.inner.all_reduce(t, op)
     }
     fn all_reduce_concat(&self, ts: &[Tensor], op: ReduceOp) -> CommResult<Tensor> {
-        let call = self.calls.fetch_add(1, Ordering::SeqCst);
-        if Some(call) == self.fail_at {
-            self.inner
-                .abort(&format!("rank {} lost its network", self.inner.rank()));
-        }
+        self.tick();
         self.inner.all_reduce_concat(ts, op)
+    }
+    fn all_gather_into(&self, t: &Tensor) -> CommResult<Tensor> {
+        self.tick();
+        self.inner.all_gather_into(t)
+    }
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp, counts: &[usize]) -> CommResult<Tensor> {
+        self.inner.reduce_scatter(t, op, counts)
     }
     fn broadcast(&self, t: &Tensor, root: usize) -> CommResult<Tensor> {
         self.inner.broadcast(t, root)

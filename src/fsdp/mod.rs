@@ -1,0 +1,305 @@
+//! Fully sharded data parallelism (FSDP; ZeRO stage 3): every parameter
+//! split along dim 0 into one piece per rank (`torch.chunk` sizes, padded
+//! to equal pieces, as FSDP2's `fully_shard` does), each rank keeping only
+//! its pieces of the parameters, their gradients and the optimizer state.
+//!
+//! The model is given as units ([`Units`](crate::units::Units): one
+//! factory each, a transformer block per unit). A step walks them:
+//! - **forward**: before a unit's forward its parameters are all-gathered
+//!   and the unit is built over them; after it, with
+//!   [`FsdpConfig::reshard_after_forward`] (FSDP2's default), the gathered
+//!   parameters and the unit's activations are dropped, keeping only its
+//!   input; without it they stay until the backward (ZeRO-2's memory);
+//! - **backward**, last unit first: a resharded unit is gathered again and
+//!   its forward recomputed from its saved input (candle's graph holds the
+//!   parameters it used, so the graph cannot outlive them), checked
+//!   against the first forward (a unit that gives another output, such as
+//!   Dropout, fails the step, named); after the unit's backward the
+//!   gradients that are final (a weight tied across units: after its
+//!   earliest unit) are reduce-scattered, so each rank receives the
+//!   average of its own pieces.
+//!
+//! The pieces are the variables: after [`from_units`](FullyShardedDataParallel::from_units)
+//! the `VarMap` holds each rank's piece under the parameter's name (the
+//! whole parameters are released), so an optimizer built over
+//! `varmap.all_vars()` or [`shards`](FullyShardedDataParallel::shards), any
+//! candle `Optimizer` or the crate's stateful ones, updates the pieces.
+//! [`full_state`](FullyShardedDataParallel::full_state) gathers the whole
+//! parameters, for evaluation and a `safetensors` export.
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
+//! use candle_dp::launch::spawn;
+//! use candle_dp::pipeline::layer;
+//! use candle_nn::{linear, loss, Activation, Optimizer, VarMap, SGD};
+//!
+//! spawn(2, |ctx| {
+//!     let varmap = VarMap::new();
+//!     let units = vec![
+//!         layer(|vb| linear(4, 8, vb.pp("a"))),
+//!         layer(|_| Ok(Activation::Relu)),
+//!         layer(|vb| linear(8, 2, vb.pp("b"))),
+//!     ];
+//!     let mut fsdp = FullyShardedDataParallel::from_units(
+//!         ctx.process_group(), &varmap, DType::F32, &Device::Cpu, units, FsdpConfig::default())?;
+//!     // Each rank holds half of `a.weight`'s 8 rows.
+//!     assert_eq!(varmap.data().lock().unwrap()["a.weight"].dims(), [4, 4]);
+//!     let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
+//!     let x = Tensor::randn(0f32, 1., (6, 4), &Device::Cpu)?;
+//!     let y = Tensor::new(&[0u32, 1, 0, 1, 0, 1], &Device::Cpu)?;
+//!     let step = fsdp.forward_backward(&x, &y, |out, y| loss::cross_entropy(out, y))?;
+//!     sgd.step(&step.grads)?;
+//!     let whole = fsdp.full_state()?; // every rank: the whole parameters
+//!     assert_eq!(whole["a.weight"].dims(), [8, 4]);
+//!     Ok(())
+//! })?;
+//! # Ok::<(), anyhow::Error>(())
+//! ```
+
+mod gathered;
+mod layout;
+mod step;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+
+use crate::buffers::{is_batch_norm_buffer, BufferPredicate};
+use crate::comm::ProcessGroup;
+use crate::ddp::{broadcast_vars, verify_same_vars};
+use crate::error::{Error, Result};
+use crate::lock::lock;
+use crate::units::{LayerFactory, Units};
+use crate::vars::sorted_vars;
+use layout::ShardLayout;
+
+pub use step::FsdpMemory;
+
+/// Settings of a [`FullyShardedDataParallel`].
+#[derive(Clone)]
+pub struct FsdpConfig {
+    /// Drop a unit's gathered parameters and activations after its forward
+    /// and gather and recompute it for its backward (default `true`,
+    /// FSDP2's default); `false` keeps them until the backward: no second
+    /// gather, no recomputation, a whole model's parameters held at the
+    /// peak.
+    pub reshard_after_forward: bool,
+    /// Which variables are buffers (default BatchNorm statistics): FSDP
+    /// refuses a model that has any, for now.
+    pub is_buffer: BufferPredicate,
+}
+
+impl Default for FsdpConfig {
+    fn default() -> Self {
+        Self {
+            reshard_after_forward: true,
+            is_buffer: Arc::new(is_batch_norm_buffer),
+        }
+    }
+}
+
+impl std::fmt::Debug for FsdpConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FsdpConfig")
+            .field("reshard_after_forward", &self.reshard_after_forward)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Fully sharded data parallelism over a model given as units. See the
+/// [module docs](self).
+pub struct FullyShardedDataParallel {
+    pg: Arc<dyn ProcessGroup>,
+    factories: Vec<LayerFactory>,
+    /// Per unit, the parameters it uses (indices into `shards`).
+    unit_params: Vec<Vec<usize>>,
+    /// Per parameter, the earliest unit that uses it (`None`: no unit).
+    first_use: Vec<Option<usize>>,
+    /// This rank's piece of each parameter, by name, sorted.
+    shards: Vec<(String, Var)>,
+    layouts: Vec<ShardLayout>,
+    dtype: DType,
+    device: Device,
+    config: FsdpConfig,
+    memory: FsdpMemory,
+}
+
+impl FullyShardedDataParallel {
+    /// Builds the model from `units` on `device` (variables created in
+    /// `varmap` where missing), checks that every rank built the same
+    /// parameters, copies rank 0's values to every rank, then keeps only
+    /// this rank's piece of each: the `VarMap`'s entries are replaced by
+    /// the pieces. Every rank must call it, with the same units.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Fsdp`] for no units, a buffer, or parameters of several
+    /// dtypes; a unit's factory failing; [`Error::ModelMismatch`] naming
+    /// the first rank whose parameters differ from rank 0's.
+    pub fn from_units(
+        pg: Arc<dyn ProcessGroup>,
+        varmap: &VarMap,
+        dtype: DType,
+        device: &Device,
+        units: Vec<LayerFactory>,
+        config: FsdpConfig,
+    ) -> Result<Self> {
+        let rank = pg.rank();
+        let in_rank = |e: Error| Error::Rank {
+            rank,
+            source: Box::new(e),
+        };
+        if units.is_empty() {
+            return Err(in_rank(Error::Fsdp(
+                "a model given as units needs at least one unit".into(),
+            )));
+        }
+        let built = Units::build(VarBuilder::from_varmap(varmap, dtype, device), &units)
+            .map_err(in_rank)?;
+        let vars = sorted_vars(varmap);
+        if let Some((name, _)) = vars.iter().find(|(name, _)| (config.is_buffer)(name)) {
+            return Err(in_rank(Error::Fsdp(format!(
+                "`{name}` is a buffer: FSDP does not handle buffers (BatchNorm statistics) yet; \
+                 use DistributedDataParallel for such a model"
+            ))));
+        }
+        if let Some((name, var)) = vars.iter().find(|(_, v)| v.dtype() != dtype) {
+            return Err(in_rank(Error::Fsdp(format!(
+                "`{name}` is {:?} where the model is {dtype:?}: FSDP shards parameters of one dtype",
+                var.dtype()
+            ))));
+        }
+        verify_same_vars(pg.as_ref(), &vars)?;
+        broadcast_vars(pg.as_ref(), &vars, 0)?;
+        let index: HashMap<&str, usize> = vars
+            .iter()
+            .enumerate()
+            .map(|(i, (n, _))| (n.as_str(), i))
+            .collect();
+        let unit_params: Vec<Vec<usize>> = (0..built.len())
+            .map(|k| {
+                built
+                    .vars_of(k)
+                    .iter()
+                    .filter_map(|n| index.get(n.as_str()).copied())
+                    .collect()
+            })
+            .collect();
+        let mut first_use = vec![None; vars.len()];
+        for (k, params) in unit_params.iter().enumerate() {
+            for &p in params {
+                first_use[p].get_or_insert(k);
+            }
+        }
+        drop(built);
+        let world = pg.world_size();
+        let mut shards = Vec::with_capacity(vars.len());
+        let mut layouts = Vec::with_capacity(vars.len());
+        {
+            let mut data = lock(varmap.data());
+            for (name, full) in vars {
+                let layout = ShardLayout::new(full.dims(), world);
+                let piece = layout.shard_of(full.as_tensor(), rank)?;
+                let shard = Var::from_tensor(&piece)?;
+                // The whole parameter goes: the map holds the piece now.
+                data.insert(name.clone(), shard.clone());
+                shards.push((name, shard));
+                layouts.push(layout);
+            }
+        }
+        Ok(FullyShardedDataParallel {
+            pg,
+            factories: units,
+            unit_params,
+            first_use,
+            shards,
+            layouts,
+            dtype,
+            device: device.clone(),
+            config,
+            memory: FsdpMemory::default(),
+        })
+    }
+
+    /// This rank's piece of each parameter, by name, sorted: what an
+    /// optimizer steps.
+    pub fn shards(&self) -> &[(String, Var)] {
+        &self.shards
+    }
+
+    /// This rank's process group.
+    pub fn process_group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.pg
+    }
+
+    /// The number of units.
+    pub fn units(&self) -> usize {
+        self.factories.len()
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &FsdpConfig {
+        &self.config
+    }
+
+    /// What the latest step held (see [`FsdpMemory`]).
+    pub fn last_memory(&self) -> FsdpMemory {
+        self.memory
+    }
+
+    /// Every parameter whole, by name, on every rank (an all-gather per
+    /// parameter): for evaluation or a `safetensors` export
+    /// (`candle_core::safetensors::save`). Every rank must call it.
+    pub fn full_state(&self) -> Result<HashMap<String, Tensor>> {
+        let all: Vec<usize> = (0..self.shards.len()).collect();
+        let gathered = self.gather(&all)?;
+        Ok(all
+            .into_iter()
+            .zip(gathered)
+            .map(|(p, t)| (self.shards[p].0.clone(), t))
+            .collect())
+    }
+
+    /// The whole parameters `params` (indices), all-gathered in one
+    /// collective: each rank contributes its pieces, in order.
+    fn gather(&self, params: &[usize]) -> Result<Vec<Tensor>> {
+        if params.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mine = params
+            .iter()
+            .map(|&p| self.shards[p].1.as_detached_tensor().flatten_all())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let mine = Tensor::cat(&mine, 0)?;
+        let total = mine.elem_count();
+        let all = self.pg.all_gather_into(&mine)?;
+        let world = self.pg.world_size();
+        let mut offset = 0;
+        let mut out = Vec::with_capacity(params.len());
+        for &p in params {
+            let layout = &self.layouts[p];
+            let n = layout.shard_elems();
+            let pieces = (0..world)
+                .map(|r| all.narrow(0, r * total + offset, n))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            out.push(layout.unshard(&pieces)?);
+            offset += n;
+        }
+        Ok(out)
+    }
+}
+
+impl std::fmt::Debug for FullyShardedDataParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FullyShardedDataParallel")
+            .field("rank", &self.pg.rank())
+            .field("world_size", &self.pg.world_size())
+            .field("units", &self.factories.len())
+            .field("params", &self.shards.len())
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,299 @@
+//! One FSDP step: the forward unit by unit over gathered parameters, the
+//! backward unit by unit with the resharded units recomputed, and each
+//! final gradient reduce-scattered to the ranks' pieces.
+
+use std::collections::HashMap;
+
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+use candle_nn::VarBuilder;
+
+use super::gathered::Gathered;
+use super::FullyShardedDataParallel;
+use crate::comm::ReduceOp;
+use crate::error::{Error, Result};
+use crate::pipeline::{build_layer, fingerprint, Fingerprint};
+use crate::step::Step;
+use crate::units::boundary;
+
+/// What the latest step held on this rank, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FsdpMemory {
+    /// This rank's pieces of the parameters (held between steps).
+    pub shard_bytes: usize,
+    /// The most whole parameters gathered at once during the step.
+    pub peak_gathered_bytes: usize,
+    /// The whole model's parameters, for scale.
+    pub full_bytes: usize,
+}
+
+/// One unit built over its gathered parameters, with its forward's graph.
+struct UnitRun {
+    /// The gathered parameters, as variables, by parameter index.
+    vars: Vec<(usize, Var)>,
+    /// Where the unit's graph starts (none for the first unit).
+    leaf: Option<Var>,
+    output: Tensor,
+}
+
+/// The gathered bytes alive, and the most at once.
+#[derive(Default)]
+struct Held {
+    now: usize,
+    peak: usize,
+}
+
+impl Held {
+    fn add(&mut self, bytes: usize) {
+        self.now += bytes;
+        self.peak = self.peak.max(self.now);
+    }
+
+    fn drop_run(&mut self, run: &UnitRun) {
+        self.now = self.now.saturating_sub(vars_bytes(&run.vars));
+    }
+}
+
+fn vars_bytes(vars: &[(usize, Var)]) -> usize {
+    vars.iter()
+        .map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes())
+        .sum()
+}
+
+impl FullyShardedDataParallel {
+    /// Runs unit `k` on `input` over freshly gathered parameters: the
+    /// gathered variables, the leaf its graph starts at, its output.
+    fn run_unit(&self, k: usize, input: &Tensor, train: bool, held: &mut Held) -> Result<UnitRun> {
+        let params = &self.unit_params[k];
+        let whole = self.gather(params)?;
+        let vars = params
+            .iter()
+            .zip(whole)
+            .map(|(&p, t)| Ok((p, Var::from_tensor(&t)?)))
+            .collect::<Result<Vec<_>>>()?;
+        held.add(vars_bytes(&vars));
+        let by_name: HashMap<String, Tensor> = vars
+            .iter()
+            .map(|(p, v)| (self.shards[*p].0.clone(), v.as_tensor().clone()))
+            .collect();
+        let vb =
+            VarBuilder::from_backend(Box::new(Gathered(by_name)), self.dtype, self.device.clone());
+        let unit = build_layer(&self.factories[k], k, vb)?;
+        let leaf = match k > 0 && input.dtype().is_float() {
+            true => Some(boundary::leaf(input)?),
+            false => None,
+        };
+        let x = leaf.as_ref().map_or(input, Var::as_tensor);
+        let output = unit.forward_t(x, train)?;
+        Ok(UnitRun { vars, leaf, output })
+    }
+
+    /// The model's output on `x`, without a graph (evaluation): each unit
+    /// gathered, run and released in turn. Every rank must call it.
+    pub fn forward_t(&mut self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let mut held = Held::default();
+        let mut h = x.clone();
+        for k in 0..self.factories.len() {
+            let run = self.run_unit(k, &h, train, &mut held)?;
+            h = run.output.detach();
+            held.drop_run(&run);
+        }
+        Ok(h)
+    }
+
+    /// One training step on this rank's batch: the forward unit by unit,
+    /// `loss_fn(output, y)` (a scalar), the backward unit by unit, each
+    /// final gradient reduce-scattered. Returns this rank's loss and the
+    /// gradients of its pieces ([`shards`](Self::shards)), averaged over
+    /// the ranks, for any candle optimizer over the pieces.
+    ///
+    /// # Errors
+    ///
+    /// A collective's failure (naming the rank); a resharded unit whose
+    /// recomputed forward differs from its first ([`Error::Fsdp`] naming
+    /// the unit: the gradients would be another forward's); a loss that
+    /// is not a scalar. On any error the pieces are untouched.
+    pub fn forward_backward<F>(&mut self, x: &Tensor, y: &Tensor, loss_fn: F) -> Result<Step>
+    where
+        F: FnOnce(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    {
+        let n = self.factories.len();
+        let last = n - 1;
+        let reshard = self.config.reshard_after_forward;
+        let mut held = Held::default();
+        // Per unit: its run (kept for the backward), or its input and
+        // output fingerprint (resharded: recomputed in the backward).
+        let mut kept: Vec<Option<UnitRun>> = Vec::with_capacity(n);
+        let mut saved: Vec<Option<(Tensor, Fingerprint)>> = Vec::with_capacity(n);
+        let mut h = x.clone();
+        for k in 0..n {
+            let run = self.run_unit(k, &h, true, &mut held)?;
+            let input = std::mem::replace(&mut h, run.output.detach());
+            if k == last || !reshard {
+                kept.push(Some(run));
+                saved.push(None);
+            } else {
+                saved.push(Some((input, fingerprint(&run.output)?)));
+                held.drop_run(&run);
+                kept.push(None);
+            }
+        }
+        let output = kept[last]
+            .as_ref()
+            .map(|run| run.output.clone())
+            .ok_or_else(|| Error::Fsdp("the last unit's run is missing".into()))?;
+        let loss = loss_fn(&output, y)?;
+        if loss.elem_count() != 1 {
+            return Err(Error::Fsdp(format!(
+                "the loss must be a scalar, got shape {:?}",
+                loss.dims()
+            )));
+        }
+        let mut full_grads: Vec<Option<Tensor>> = vec![None; self.shards.len()];
+        let mut store = GradStore::default();
+        let mut without = Vec::new();
+        let mut grad: Option<Tensor> = None;
+        for k in (0..n).rev() {
+            let run = match kept[k].take() {
+                Some(run) => run,
+                None => self.recompute(k, saved[k].take(), &mut held)?,
+            };
+            let grads = if k == last {
+                Some(loss.backward()?)
+            } else {
+                match grad.take() {
+                    Some(g) => Some(boundary::backward_from(&run.output, &g)?),
+                    None => None,
+                }
+            };
+            if let Some(grads) = &grads {
+                grad = run
+                    .leaf
+                    .as_ref()
+                    .and_then(|leaf| grads.get(leaf.as_tensor()).cloned());
+                for (p, var) in &run.vars {
+                    if let Some(g) = grads.get(var.as_tensor()) {
+                        full_grads[*p] = Some(match full_grads[*p].take() {
+                            Some(sum) => (sum + g)?,
+                            None => g.clone(),
+                        });
+                    }
+                }
+            }
+            held.drop_run(&run);
+            drop(run);
+            let finals: Vec<usize> = (0..self.shards.len())
+                .filter(|&p| self.first_use[p] == Some(k))
+                .collect();
+            self.reduce_scatter(&finals, &mut full_grads, &mut store, &mut without)?;
+        }
+        self.memory = FsdpMemory {
+            shard_bytes: self
+                .shards
+                .iter()
+                .map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes())
+                .sum(),
+            peak_gathered_bytes: held.peak,
+            full_bytes: self
+                .layouts
+                .iter()
+                .map(|l| l.dims.iter().product::<usize>() * self.dtype.size_in_bytes())
+                .sum(),
+        };
+        without.sort();
+        Ok(Step {
+            loss: loss.detach(),
+            grads: store,
+            without_grad: without,
+        })
+    }
+
+    /// Unit `k` gathered again and its forward run again from its saved
+    /// input, checked against the first forward's output.
+    fn recompute(
+        &self,
+        k: usize,
+        saved: Option<(Tensor, Fingerprint)>,
+        held: &mut Held,
+    ) -> Result<UnitRun> {
+        let (input, first) =
+            saved.ok_or_else(|| Error::Fsdp(format!("unit {k}'s saved input is missing")))?;
+        let run = self.run_unit(k, &input, true, held)?;
+        if fingerprint(&run.output)? != first {
+            return Err(Error::Fsdp(format!(
+                "unit {k} gave another output when recomputed for the backward (a layer that \
+                 draws random numbers, such as Dropout?): its gradients would be those of another \
+                 forward than the loss saw; build with reshard_after_forward: false, or make the \
+                 unit deterministic"
+            )));
+        }
+        Ok(run)
+    }
+
+    /// Reduce-scatters the whole gradients of `params` (one collective):
+    /// each rank gets the average of its own pieces, inserted into `store`
+    /// under its piece. A parameter without a gradient on any rank gets
+    /// none (named in `without`); on some ranks only, it counts as zero
+    /// there. Every rank calls it after the same unit, with the same
+    /// `params`.
+    fn reduce_scatter(
+        &self,
+        params: &[usize],
+        full_grads: &mut [Option<Tensor>],
+        store: &mut GradStore,
+        without: &mut Vec<String>,
+    ) -> Result<()> {
+        if params.is_empty() {
+            return Ok(());
+        }
+        let world = self.pg.world_size();
+        // One row per rank: that rank's piece of every parameter, then
+        // one presence flag per parameter.
+        let mut columns = Vec::with_capacity(params.len() + 1);
+        let mut present = Vec::with_capacity(params.len());
+        for &p in params {
+            let layout = &self.layouts[p];
+            let whole = match full_grads[p].take() {
+                Some(g) => {
+                    present.push(1f32);
+                    g
+                }
+                None => {
+                    present.push(0f32);
+                    Tensor::zeros(layout.dims.as_slice(), self.dtype, &self.device)?
+                }
+            };
+            columns.push(layout.padded_by_rank(&whole.to_dtype(self.dtype)?)?);
+        }
+        let flags = Tensor::new(present, &self.device)?
+            .to_dtype(self.dtype)?
+            .unsqueeze(0)?
+            .repeat((world, 1))?;
+        columns.push(flags);
+        let table = Tensor::cat(&columns, 1)?;
+        let row = table.dim(1)?;
+        let mine =
+            self.pg
+                .reduce_scatter(&table.flatten_all()?, ReduceOp::Avg, &vec![row; world])?;
+        let flags = mine
+            .narrow(0, row - params.len(), params.len())?
+            .to_dtype(candle_core::DType::F64)?
+            .to_vec1::<f64>()?;
+        let mut offset = 0;
+        for (i, &p) in params.iter().enumerate() {
+            let layout = &self.layouts[p];
+            let n = layout.shard_elems();
+            if flags[i] > 0.0 {
+                let piece = mine
+                    .narrow(0, offset, n)?
+                    .reshape(layout.shard_dims())?
+                    .force_contiguous()?;
+                store.insert(self.shards[p].1.as_tensor(), piece);
+            } else {
+                without.push(self.shards[p].0.clone());
+            }
+            offset += n;
+        }
+        Ok(())
+    }
+}

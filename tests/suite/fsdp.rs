@@ -1,0 +1,430 @@
+//! Fully sharded data parallelism: each rank keeps its pieces of the
+//! parameters, gradients and optimizer state; the weights are DDP's.
+
+use crate::common;
+use crate::example_gpt;
+use crate::overlap::{
+    adamw, batches, bounded, deep_units, init_deep, init_gpt, share, tokens, DeepMlp, FailingAt,
+    TINY,
+};
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_dp::comm::{ProcessGroup, ThreadGroup};
+use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
+use candle_dp::launch::spawn_with;
+use candle_dp::pipeline::{layer, LayerFactory};
+use candle_dp::{DdpConfig, DistributedDataParallel, Error};
+use candle_nn::{linear, loss, Linear, Optimizer, VarBuilder, VarMap};
+use common::*;
+
+type Weights = HashMap<String, Tensor>;
+
+/// Any of the test models, whole.
+struct Whole(Box<dyn Module>);
+
+impl Module for Whole {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.0.forward(x)
+    }
+}
+
+/// DDP over the whole model: every rank's weights.
+fn ddp_run(
+    world: usize,
+    init: &Weights,
+    data: &[(Tensor, Tensor)],
+    build: fn(VarBuilder) -> candle_core::Result<Box<dyn Module>>,
+    loss_fn: fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+) -> Vec<Weights> {
+    let (init, data) = (init.clone(), data.to_vec());
+    spawn_with(world, bounded(), move |ctx| {
+        let varmap = varmap_from(&init);
+        let mut opt = adamw(&varmap)?;
+        let mut ddp = DistributedDataParallel::new(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            |vb| build(vb).map(Whole),
+            DdpConfig::default(),
+        )?;
+        for (x, y) in &data {
+            let (x, y) = share(&ctx, x, y)?;
+            let loss = loss_fn(&ddp.forward(&x)?, &y)?;
+            ddp.backward_step(&loss, &mut opt)?;
+        }
+        Ok(snapshot(&varmap))
+    })
+    .unwrap()
+}
+
+/// FSDP over `units`: every rank's whole weights (gathered) and memory.
+fn fsdp_run(
+    world: usize,
+    init: &Weights,
+    data: &[(Tensor, Tensor)],
+    units: fn() -> Vec<LayerFactory>,
+    loss_fn: fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    reshard: bool,
+) -> Vec<(Weights, candle_dp::fsdp::FsdpMemory)> {
+    let (init, data) = (init.clone(), data.to_vec());
+    spawn_with(world, bounded(), move |ctx| {
+        let varmap = varmap_from(&init);
+        let config = FsdpConfig {
+            reshard_after_forward: reshard,
+            ..Default::default()
+        };
+        let mut fsdp = FullyShardedDataParallel::from_units(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            units(),
+            config,
+        )?;
+        // The optimizer over the VarMap's variables: the pieces now.
+        let mut opt = adamw(&varmap)?;
+        for (x, y) in &data {
+            let (x, y) = share(&ctx, x, y)?;
+            let step = fsdp.forward_backward(&x, &y, loss_fn)?;
+            anyhow::ensure!(
+                step.vars_without_grad().is_empty(),
+                "{:?}",
+                step.vars_without_grad()
+            );
+            opt.step(&step.grads)?;
+        }
+        Ok((fsdp.full_state()?, fsdp.last_memory()))
+    })
+    .unwrap()
+}
+
+fn deep_whole(vb: VarBuilder) -> candle_core::Result<Box<dyn Module>> {
+    Ok(Box::new(DeepMlp::new(vb)?))
+}
+
+#[test]
+fn fsdp_trains_to_the_bytes_of_ddp_on_1_to_4_ranks_resharded_or_not() {
+    within(240, || {
+        let init = init_deep();
+        let data = batches(3, 12, 8);
+        for world in 1..=4 {
+            let ddp = ddp_run(world, &init, &data, deep_whole, loss::cross_entropy);
+            for reshard in [true, false] {
+                let fsdp = fsdp_run(
+                    world,
+                    &init,
+                    &data,
+                    deep_units,
+                    loss::cross_entropy,
+                    reshard,
+                );
+                for (rank, (weights, _)) in fsdp.iter().enumerate() {
+                    assert!(
+                        identical(weights, &ddp[rank]),
+                        "world {world}, reshard {reshard}, rank {rank}: {}",
+                        diff_report(weights, &ddp[rank])
+                    );
+                }
+            }
+            assert!(!identical(&ddp[0], &init));
+        }
+    });
+}
+
+#[test]
+fn each_rank_holds_its_share_and_the_peak_adds_at_most_two_units() {
+    within(120, || {
+        let init = init_deep();
+        let data = batches(1, 8, 9);
+        let full: usize = init.values().map(|t| t.elem_count() * 4).sum();
+        let largest_unit: usize = (0..5)
+            .map(|l| {
+                ["weight", "bias"]
+                    .iter()
+                    .map(|p| init[&format!("l{l}.{p}")].elem_count() * 4)
+                    .sum::<usize>()
+            })
+            .max()
+            .unwrap();
+        for world in [2, 4] {
+            for reshard in [true, false] {
+                let runs = fsdp_run(
+                    world,
+                    &init,
+                    &data,
+                    deep_units,
+                    loss::cross_entropy,
+                    reshard,
+                );
+                let memory = runs[0].1;
+                assert_eq!(memory.full_bytes, full);
+                // Pieces are padded to equal rows: within a row per parameter.
+                let share = full as f64 / world as f64;
+                assert!(
+                    (memory.shard_bytes as f64) <= share * 1.05 + (10 * 12 * 4) as f64,
+                    "world {world}: {} bytes held, {share} a share",
+                    memory.shard_bytes
+                );
+                if reshard {
+                    assert!(
+                        memory.peak_gathered_bytes <= 2 * largest_unit,
+                        "world {world}: peak {} > two units {}",
+                        memory.peak_gathered_bytes,
+                        2 * largest_unit
+                    );
+                } else {
+                    assert_eq!(memory.peak_gathered_bytes, full, "world {world}");
+                }
+            }
+        }
+    });
+}
+
+/// A unit with a 0-dim parameter and a layer of 3 rows, on 4 ranks: more
+/// ranks than rows (rank 3 holds only padding) and a scalar held by rank 0.
+struct Scaled {
+    linear: Linear,
+    scale: Tensor,
+}
+
+impl Module for Scaled {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.linear.forward(x)?.broadcast_mul(&self.scale)
+    }
+}
+
+fn odd_units() -> Vec<LayerFactory> {
+    vec![
+        layer(|vb| linear(6, 7, vb.pp("a"))),
+        layer(|_| Ok(candle_nn::Activation::Relu)),
+        layer(|vb| {
+            Ok(Scaled {
+                linear: linear(7, 3, vb.pp("b"))?,
+                scale: vb.get_with_hints((), "scale", candle_nn::init::Init::Const(1.5))?,
+            })
+        }),
+    ]
+}
+
+struct Odd(Linear, Scaled);
+
+impl Module for Odd {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.1.forward(&self.0.forward(x)?.relu()?)
+    }
+}
+
+fn odd_whole(vb: VarBuilder) -> candle_core::Result<Box<dyn Module>> {
+    Ok(Box::new(Odd(
+        linear(6, 7, vb.pp("a"))?,
+        Scaled {
+            linear: linear(7, 3, vb.pp("b"))?,
+            scale: vb.get_with_hints((), "scale", candle_nn::init::Init::Const(1.5))?,
+        },
+    )))
+}
+
+/// The odd model has 3 outputs: every row's target is class 0.
+fn class_0_loss(out: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+    loss::cross_entropy(out, &(y.to_dtype(DType::F32)? * 0.0)?.to_dtype(DType::U32)?)
+}
+
+#[test]
+fn uneven_rows_a_zero_dim_parameter_and_more_ranks_than_rows_train_as_under_ddp() {
+    within(120, || {
+        let init = {
+            let varmap = VarMap::new();
+            odd_whole(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)).unwrap();
+            snapshot(&varmap)
+        };
+        assert_eq!(init["scale"].dims(), &[] as &[usize]);
+        let data = batches(3, 12, 10);
+        for world in [3, 4] {
+            let ddp = ddp_run(world, &init, &data, odd_whole, class_0_loss);
+            let fsdp = fsdp_run(world, &init, &data, odd_units, class_0_loss, true);
+            assert!(
+                identical(&fsdp[world - 1].0, &ddp[world - 1]),
+                "world {world}: {}",
+                diff_report(&fsdp[world - 1].0, &ddp[world - 1])
+            );
+            assert_eq!(fsdp[0].0["scale"].dims(), &[] as &[usize]);
+            assert_ne!(fsdp[0].0["scale"].to_scalar::<f32>().unwrap(), 1.5);
+        }
+    });
+}
+
+fn gpt_units() -> Vec<LayerFactory> {
+    example_gpt::units(TINY)
+}
+
+fn gpt_whole(vb: VarBuilder) -> candle_core::Result<Box<dyn Module>> {
+    Ok(Box::new(example_gpt::Gpt::new(TINY, vb)?))
+}
+
+/// The language model, its head tied to the embedding (gathered for both
+/// units, its gradients summed before the reduce-scatter): DDP's bytes
+/// when no token repeats in a batch (see the overlap's tests for why).
+#[test]
+fn the_language_model_with_its_tied_head_trains_to_the_bytes_of_ddp() {
+    within(240, || {
+        let init = init_gpt();
+        let data = tokens(2, 6, 251);
+        for world in [2, 3] {
+            let ddp = ddp_run(world, &init, &data, gpt_whole, example_gpt::lm_loss);
+            let fsdp = fsdp_run(world, &init, &data, gpt_units, example_gpt::lm_loss, true);
+            assert!(
+                identical(&fsdp[0].0, &ddp[0]),
+                "world {world}: {}",
+                diff_report(&fsdp[0].0, &ddp[0])
+            );
+        }
+    });
+}
+
+/// A unit that draws random numbers gives another output when recomputed:
+/// resharded, the step fails naming the unit, and the pieces are as
+/// before; kept (no reshard), it trains.
+#[test]
+fn a_random_unit_recomputed_for_the_backward_fails_the_step_named() {
+    fn noisy_units() -> Vec<LayerFactory> {
+        vec![
+            layer(|vb| linear(6, 8, vb.pp("a"))),
+            layer(|_| Ok(candle_nn::Dropout::new(0.5))),
+            layer(|vb| linear(8, 5, vb.pp("b"))),
+        ]
+    }
+    let outcomes = spawn_with(2, bounded(), |ctx| {
+        let mut out = Vec::new();
+        for reshard in [true, false] {
+            let varmap = VarMap::new();
+            let mut fsdp = FullyShardedDataParallel::from_units(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                noisy_units(),
+                FsdpConfig {
+                    reshard_after_forward: reshard,
+                    ..Default::default()
+                },
+            )?;
+            let before = snapshot(&varmap);
+            let (x, y) = batches(1, 8, 11).remove(0);
+            let (x, y) = share(&ctx, &x, &y)?;
+            let result = fsdp.forward_backward(&x, &y, loss::cross_entropy);
+            out.push((
+                result.map(|_| ()).map_err(|e| e.to_string()),
+                identical(&before, &snapshot(&varmap)),
+            ));
+        }
+        Ok(out)
+    })
+    .unwrap();
+    for rank_out in outcomes {
+        let (resharded, unchanged) = &rank_out[0];
+        let message = resharded
+            .as_ref()
+            .expect_err("a resharded Dropout must fail");
+        assert!(
+            message.contains("unit 1") && message.contains("Dropout"),
+            "{message}"
+        );
+        assert!(unchanged);
+        assert!(rank_out[1].0.is_ok(), "{:?}", rank_out[1].0);
+    }
+}
+
+#[test]
+fn a_rank_failing_inside_a_gather_is_named_on_every_rank_and_changes_nothing() {
+    within(60, || {
+        let init = init_deep();
+        let data = batches(1, 8, 12);
+        let ranks = ThreadGroup::with_options(2, bounded());
+        let outcomes: Vec<(String, bool)> = std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .into_iter()
+                .map(|rank_pg| {
+                    let (init, data) = (&init, &data);
+                    s.spawn(move || {
+                        let rank = rank_pg.rank();
+                        // The 4th gather or scatter: inside the forward.
+                        let pg: Arc<dyn ProcessGroup> = Arc::new(FailingAt {
+                            fail_at: (rank == 1).then_some(3),
+                            inner: Arc::new(rank_pg),
+                            calls: AtomicUsize::new(0),
+                        });
+                        let varmap = varmap_from(init);
+                        let mut fsdp = FullyShardedDataParallel::from_units(
+                            pg,
+                            &varmap,
+                            DType::F32,
+                            &Device::Cpu,
+                            deep_units(),
+                            FsdpConfig::default(),
+                        )
+                        .unwrap();
+                        let before = snapshot(&varmap);
+                        let b = data[0].0.dim(0).unwrap() / 2;
+                        let x = data[0].0.narrow(0, rank * b, b).unwrap();
+                        let y = data[0].1.narrow(0, rank * b, b).unwrap();
+                        let err = fsdp
+                            .forward_backward(&x, &y, loss::cross_entropy)
+                            .expect_err("the step must fail");
+                        (err.to_string(), identical(&before, &snapshot(&varmap)))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, (message, unchanged)) in outcomes.into_iter().enumerate() {
+            assert!(message.contains(&format!("rank {rank}")), "{message}");
+            assert!(message.contains("rank 1 lost its network"), "{message}");
+            assert!(unchanged, "rank {rank}");
+        }
+    });
+}
+
+#[test]
+fn a_model_with_buffers_or_no_units_is_refused_naming_why() {
+    let errors = spawn_with(1, bounded(), |ctx| {
+        let none = FullyShardedDataParallel::from_units(
+            ctx.process_group(),
+            &VarMap::new(),
+            DType::F32,
+            &Device::Cpu,
+            Vec::new(),
+            FsdpConfig::default(),
+        )
+        .expect_err("no units");
+        let bn = FullyShardedDataParallel::from_units(
+            ctx.process_group(),
+            &VarMap::new(),
+            DType::F32,
+            &Device::Cpu,
+            vec![layer(|vb| {
+                candle_nn::batch_norm(4, candle_nn::BatchNormConfig::default(), vb.pp("bn"))
+            })],
+            FsdpConfig::default(),
+        )
+        .expect_err("a buffer");
+        Ok((
+            none.to_string(),
+            bn.to_string(),
+            matches!(bn, Error::Rank { .. }),
+        ))
+    })
+    .unwrap()
+    .remove(0);
+    assert!(errors.0.contains("at least one unit"), "{}", errors.0);
+    assert!(
+        errors.1.contains("bn.running_mean") && errors.1.contains("buffer"),
+        "{}",
+        errors.1
+    );
+    assert!(errors.2);
+}
