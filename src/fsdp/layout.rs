@@ -35,6 +35,11 @@ impl ShardLayout {
         }
     }
 
+    /// The number of ranks.
+    pub(crate) fn world(&self) -> usize {
+        self.world
+    }
+
     /// Elements in each rank's (padded) piece.
     pub(crate) fn shard_elems(&self) -> usize {
         self.chunk_rows * self.row_elems

@@ -57,6 +57,7 @@
 //! # Ok::<(), anyhow::Error>(())
 //! ```
 
+mod checkpoint;
 mod gathered;
 mod layout;
 mod step;

@@ -428,3 +428,156 @@ fn a_model_with_buffers_or_no_units_is_refused_naming_why() {
     );
     assert!(errors.2);
 }
+
+/// What each rank saved at the checkpoint: its pieces and optimizer state.
+type Save = (HashMap<String, Tensor>, candle_dp::optim::OptimizerState);
+
+/// FSDP with the crate's AdamW over `data`, on `world` ranks: from `init`,
+/// or from every rank's `saves` of another run (resharded). Returns each
+/// rank's save after `save_after` steps (if any) and the whole weights at
+/// the end.
+fn fsdp_adamw(
+    world: usize,
+    init: &Weights,
+    data: &[(Tensor, Tensor)],
+    saves: Option<Vec<Save>>,
+    save_after: Option<usize>,
+) -> Vec<(Option<Save>, Weights)> {
+    use candle_dp::optim::{AdamW, AdamWConfig};
+    let (init, data) = (init.clone(), data.to_vec());
+    spawn_with(world, bounded(), move |ctx| {
+        let varmap = varmap_from(&init);
+        let mut fsdp = FullyShardedDataParallel::from_units(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            deep_units(),
+            FsdpConfig::default(),
+        )?;
+        let config = AdamWConfig {
+            lr: 0.01,
+            ..Default::default()
+        };
+        let mut opt = AdamW::new_named(fsdp.shards().to_vec(), config)?;
+        if let Some(saves) = &saves {
+            let (pieces, states): (Vec<_>, Vec<_>) = saves.iter().cloned().unzip();
+            fsdp.load_resharded(&pieces, &states, &mut opt)?;
+        }
+        let mut saved = None;
+        for (s, (x, y)) in data.iter().enumerate() {
+            if Some(s) == save_after {
+                saved = Some((fsdp.pieces()?, fsdp.shard_state(&opt)?));
+            }
+            let (x, y) = share(&ctx, x, y)?;
+            let step = fsdp.forward_backward(&x, &y, loss::cross_entropy)?;
+            opt.step(&step.grads)?;
+        }
+        Ok((saved, fsdp.full_state()?))
+    })
+    .unwrap()
+}
+
+#[test]
+fn a_sharded_checkpoint_resumes_to_the_same_bytes_and_reshards_to_any_world_size() {
+    within(240, || {
+        let init = init_deep();
+        let data = batches(4, 12, 13);
+        // Uninterrupted, saving after 2 of 4 steps.
+        let whole = fsdp_adamw(2, &init, &data, None, Some(2));
+        let saves: Vec<Save> = whole.iter().map(|(s, _)| s.clone().unwrap()).collect();
+        // The same world: the last 2 steps from the save, the same bytes.
+        let resumed = fsdp_adamw(2, &init, &data[2..], Some(saves.clone()), None);
+        assert!(
+            identical(&resumed[0].1, &whole[0].1),
+            "{}",
+            diff_report(&resumed[0].1, &whole[0].1)
+        );
+        // Another world: the same whole weights at the save, then the same
+        // training up to the reduction's order.
+        for world in [1, 3, 4] {
+            let at_save = fsdp_adamw(world, &init, &data[..0], Some(saves.clone()), None);
+            let two = fsdp_adamw(2, &init, &data[..2], None, None);
+            assert!(
+                identical(&at_save[0].1, &two[0].1),
+                "world {world}: {}",
+                diff_report(&at_save[0].1, &two[0].1)
+            );
+            let resumed = fsdp_adamw(world, &init, &data[2..], Some(saves.clone()), None);
+            let diff = max_rel_diff(&resumed[world - 1].1, &whole[0].1);
+            assert!(diff < 1e-5, "world {world}: {diff}");
+        }
+    });
+}
+
+#[test]
+fn saves_of_an_incomplete_set_or_of_different_steps_are_refused_and_nothing_changes() {
+    within(120, || {
+        let init = init_deep();
+        let data = batches(3, 12, 14);
+        let a = fsdp_adamw(2, &init, &data, None, Some(1));
+        let b = fsdp_adamw(2, &init, &data, None, Some(2));
+        let at = |runs: &[(Option<Save>, Weights)], r: usize| runs[r].0.clone().unwrap();
+        let errors = spawn_with(2, bounded(), move |ctx| {
+            use candle_dp::optim::{AdamW, AdamWConfig};
+            let varmap = varmap_from(&init);
+            let mut fsdp = FullyShardedDataParallel::from_units(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                deep_units(),
+                FsdpConfig::default(),
+            )?;
+            let mut opt = AdamW::new_named(fsdp.shards().to_vec(), AdamWConfig::default())?;
+            let before = snapshot(&varmap);
+            let mut messages = Vec::new();
+            for saves in [
+                vec![at(&a, 0)],
+                vec![at(&a, 0), at(&b, 1)],
+                vec![at(&a, 1), at(&a, 0)],
+            ] {
+                let (pieces, states): (Vec<_>, Vec<_>) = saves.into_iter().unzip();
+                let pieces = match pieces.len() {
+                    1 => vec![pieces[0].clone(), HashMap::new()],
+                    _ => pieces,
+                };
+                let err = fsdp
+                    .load_resharded(&pieces, &states, &mut opt)
+                    .expect_err("must be refused");
+                messages.push(err.to_string());
+            }
+            anyhow::ensure!(identical(&before, &snapshot(&varmap)), "the pieces changed");
+            Ok(messages)
+        })
+        .unwrap()
+        .remove(0);
+        assert!(errors[0].contains("every rank's save"), "{}", errors[0]);
+        assert!(
+            errors[1].contains("different runs or steps"),
+            "{}",
+            errors[1]
+        );
+        assert!(errors[2].contains("rank order"), "{}", errors[2]);
+    });
+}
+
+#[test]
+fn the_full_state_exports_to_safetensors_and_loads_as_the_whole_model() {
+    let init = init_deep();
+    let data = batches(1, 8, 15);
+    let runs = fsdp_run(2, &init, &data, deep_units, loss::cross_entropy, true);
+    let path = std::env::temp_dir().join(format!(
+        "candle_dp_test_{}_fsdp_export.safetensors",
+        std::process::id()
+    ));
+    candle_core::safetensors::save(&runs[0].0, &path).unwrap();
+    let loaded = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert!(identical(&loaded, &runs[0].0));
+    assert_eq!(loaded["l0.weight"].dims(), init["l0.weight"].dims());
+    // The model loads it whole, with no FSDP.
+    let varmap = varmap_from(&loaded);
+    let model = DeepMlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)).unwrap();
+    model.forward(&data[0].0).unwrap();
+}
