@@ -46,6 +46,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
 use candle_dp::comm::{all_gather_object, GroupOptions, ReduceOp};
+use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use candle_dp::launch::{self, Backend};
 use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
 use candle_dp::pipeline::Pipeline;
@@ -78,6 +79,10 @@ enum Strategy {
     /// A pipeline of `--stages` CPU stages inside each of `--replicas` DDP
     /// ranks (thread ranks, or the processes of mpirun).
     DdpPipeline,
+    /// Fully sharded: each rank holds its pieces of the parameters,
+    /// gradients and AdamW state; each unit gathered when used (thread
+    /// ranks, or the processes of mpirun).
+    Fsdp,
 }
 
 /// A rank's model under DDP: whole, its units (`--overlap`), or a
@@ -614,6 +619,143 @@ fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
     Ok(ranks.into_iter().flatten().next())
 }
 
+/// FSDP over thread ranks or MPI processes; rank 0's outcome.
+fn train_fsdp(job: &Job) -> Result<Option<Outcome>> {
+    let args = job.args;
+    let config = args.config();
+    let ranks = launch::run(args.replicas(), GroupOptions::default(), |ctx| {
+        let (rank, world) = (ctx.rank, ctx.world_size);
+        if !(args.batch as usize).is_multiple_of(world) {
+            bail!("--batch {} does not divide among {world} ranks", args.batch);
+        }
+        let per_rank = args.batch as usize / world;
+        let varmap = job.copy_init()?;
+        let mut fsdp = FullyShardedDataParallel::from_units(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            units(config),
+            FsdpConfig::default(),
+        )?;
+        // Over the VarMap's variables: this rank's pieces now.
+        let mut opt = args.adamw(&varmap)?;
+        let mut recipe = args.recipe()?;
+        let from = match job.checkpoints {
+            Some(c) => match c.resume_fsdp(Backend::process_rank() == 0)? {
+                Some((state, saves)) => {
+                    let (pieces, states): (Vec<_>, Vec<_>) = saves.into_iter().unzip();
+                    fsdp.load_resharded(&pieces, &states, &mut opt)?;
+                    recipe.resume(&state)?;
+                    state.progress.step
+                }
+                None => 0,
+            },
+            None => 0,
+        };
+        if job.checkpoints.is_some_and(|c| c.resume) {
+            check_ranks_agree(ctx.pg.as_ref(), Some(from))?;
+        }
+        let mut outcome = Outcome::new(VarMap::new());
+        let start = Instant::now();
+        let mut evaluating = Duration::ZERO;
+        for step in from..args.steps {
+            let indices = windows_at(job.train, world, rank, args.seed, per_rank, step)?;
+            let (x, y) = job.train.batch(&indices)?;
+            recipe.before_step(&mut opt);
+            let factor = f64::from(recipe.loss_factor());
+            let s = fsdp.forward_backward(&x, &y, |out, y| lm_loss(out, y)?.affine(factor, 0.0))?;
+            let mut grads = s.grads;
+            recipe.finish_fsdp(&mut grads, &fsdp, &mut opt)?;
+            outcome.grad_bytes = grad_bytes(&grads);
+            let loss = s.loss.affine(1.0 / factor, 0.0)?;
+            let mine = Tensor::new(&[loss.to_scalar::<f32>()?], &Device::Cpu)?;
+            let sum = ctx.pg.all_reduce(&mine, ReduceOp::Sum)?.to_vec1::<f32>()?;
+            let global = sum.first().copied().unwrap_or(f32::NAN) / world as f32;
+            outcome.record(global, (x.elem_count() * world) as u64);
+            let done = step + 1;
+            let paused = Instant::now();
+            if done % args.eval_every == 0 || done == args.steps {
+                // Every rank takes part in the gathering; rank 0 evaluates.
+                let whole = whole_model(args, &fsdp)?;
+                if rank == 0 {
+                    job.evaluate(&whole.1, done, &mut outcome.held_out)?;
+                    outcome.varmap = whole.0;
+                }
+            }
+            if let Some(c) = job.checkpoints {
+                let progress = Progress {
+                    epoch: 0,
+                    batch: done,
+                    step: done,
+                };
+                if let Some(due) = c.due(progress, args.steps) {
+                    let shard = fsdp.shard_state(&opt)?;
+                    c.save_sharded(
+                        ctx.pg.as_ref(),
+                        &VarMap::new(),
+                        &varmap,
+                        shard,
+                        due,
+                        None,
+                        recipe.state(),
+                    )?;
+                }
+            }
+            evaluating += paused.elapsed();
+        }
+        outcome.training = start.elapsed() - evaluating;
+        outcome.skipped = recipe.skipped;
+        let memory = fsdp.last_memory();
+        let mine = (
+            memory.shard_bytes,
+            outcome.grad_bytes,
+            bytes_of(opt.state()?.tensors.values()),
+            memory.peak_gathered_bytes,
+        );
+        let all = all_gather_object(ctx.pg.as_ref(), &mine)?;
+        outcome.param_bytes = all.iter().map(|b| b.0).max().unwrap_or(0);
+        outcome.grad_bytes = all.iter().map(|b| b.1).max().unwrap_or(0);
+        outcome.state_bytes = all.iter().map(|b| b.2).max().unwrap_or(0);
+        if rank == 0 {
+            println!(
+                "FSDP: each rank holds {:.2} MB of parameters; a step gathered at most {:.2} MB \
+                 of whole parameters at once (the model: {:.2} MB)",
+                memory.shard_bytes as f64 / 1e6,
+                all.iter().map(|b| b.3).max().unwrap_or(0) as f64 / 1e6,
+                memory.full_bytes as f64 / 1e6
+            );
+        }
+        Ok((rank == 0).then_some(outcome))
+    })?;
+    Ok(ranks.into_iter().flatten().next())
+}
+
+/// The whole model gathered from every rank's pieces (every rank must
+/// call it), as a `VarMap` and a model over it.
+fn whole_model(
+    args: &Args,
+    fsdp: &FullyShardedDataParallel,
+) -> Result<(VarMap, MixedPrecisionModel<Gpt>)> {
+    let varmap = VarMap::new();
+    {
+        let mut data = varmap.data().lock().map_err(|_| anyhow::anyhow!("lock"))?;
+        for (name, tensor) in fsdp.full_state()? {
+            data.insert(name, candle_core::Var::from_tensor(&tensor)?);
+        }
+    }
+    let model = in_precision(args, &varmap)?;
+    Ok((varmap, model))
+}
+
+fn grad_bytes(grads: &GradStore) -> usize {
+    grads
+        .get_ids()
+        .filter_map(|id| grads.get_id(*id))
+        .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+        .sum()
+}
+
 /// Restores the newest state when resuming; the step to continue from.
 fn resume<O: candle_dp::optim::StatefulOptimizer>(
     job: &Job,
@@ -747,10 +889,13 @@ fn run(args: Args) -> Result<()> {
     if mpi
         && !matches!(
             args.strategy,
-            Strategy::Ddp | Strategy::Zero | Strategy::DdpPipeline
+            Strategy::Ddp | Strategy::Zero | Strategy::DdpPipeline | Strategy::Fsdp
         )
     {
-        bail!("under mpirun, use --strategy ddp, zero or ddp-pipeline");
+        bail!("under mpirun, use --strategy ddp, zero, ddp-pipeline or fsdp");
+    }
+    if args.strategy == Strategy::Fsdp && args.precision != Precision::F32 {
+        bail!("--strategy fsdp trains in f32 for now (FSDP has no mixed-precision policy yet)");
     }
     let speaks = Backend::process_rank() == 0;
     let text = load_text()?;
@@ -803,6 +948,10 @@ fn run(args: Args) -> Result<()> {
             Some(outcome) => outcome,
             None => return Ok(()), // not rank 0
         },
+        Strategy::Fsdp => match train_fsdp(&job)? {
+            Some(outcome) => outcome,
+            None => return Ok(()), // not rank 0
+        },
         _ => train_in_process(&job)?,
     };
     let label = match args.strategy {
@@ -820,6 +969,10 @@ fn run(args: Args) -> Result<()> {
                 Backend::Mpi { .. } => format!("{what} x{} (MPI processes)", Backend::world_size()),
             }
         }
+        Strategy::Fsdp => match Backend::from_env() {
+            Backend::Threads => format!("FSDP x{} (thread ranks)", args.replicas),
+            Backend::Mpi { .. } => format!("FSDP x{} (MPI processes)", Backend::world_size()),
+        },
         Strategy::DdpPipeline => {
             let ranks = match Backend::from_env() {
                 Backend::Threads => format!("{} thread ranks", args.replicas),

@@ -91,14 +91,35 @@ impl Checkpoints {
         sampler: Option<SamplerState>,
         recipe: Recipe,
     ) -> Result<()> {
+        let shard = zero.shard_state()?;
+        self.save_sharded(pg, varmap, &VarMap::new(), shard, progress, sampler, recipe)
+    }
+
+    #[allow(dead_code)] // for the sharded runs: the pipeline example does not use it
+    /// Saves a sharded run's state at `progress` (every rank must call
+    /// it): each rank its shard (`shard_vars`, its pieces of the model if
+    /// any, and `shard`, its optimizer's state, which records its rank and
+    /// the world size), then (after a barrier) rank 0 the state that names
+    /// the step with `varmap`'s variables, then every rank prunes its
+    /// shards to the steps the kept states name.
+    #[allow(clippy::too_many_arguments)]
+    pub fn save_sharded(
+        &self,
+        pg: &dyn ProcessGroup,
+        varmap: &VarMap,
+        shard_vars: &VarMap,
+        shard: OptimizerState,
+        progress: Progress,
+        sampler: Option<SamplerState>,
+        recipe: Recipe,
+    ) -> Result<()> {
         let rank = pg.rank();
-        // The shard records its rank and how many shards make this step's state.
         let shard = TrainingState {
             progress,
-            optimizer: Some(zero.shard_state()?),
+            optimizer: Some(shard),
             ..Default::default()
         };
-        self.zero_shard_states(rank)?.save(&VarMap::new(), &shard)?;
+        self.zero_shard_states(rank)?.save(shard_vars, &shard)?;
         pg.barrier()?;
         // Rank 0 writes the state, then tells every rank which steps the
         // kept states name (from its own listing: another rank's view of
@@ -113,6 +134,80 @@ impl Checkpoints {
         wanted.push(progress.step);
         self.prune_zero_shards(rank, &wanted);
         Ok(())
+    }
+
+    #[allow(dead_code)] // for the FSDP runs
+    /// For an FSDP run, when resuming: the newest state whose every rank's
+    /// shard is there, with every rank's pieces and optimizer state (of
+    /// any world size: `load_resharded` takes this rank's). `None`: a
+    /// fresh start.
+    ///
+    /// # Errors
+    ///
+    /// States exist but none has its shards, as for ZeRO.
+    pub fn resume_fsdp(&self, speaks: bool) -> Result<Option<(TrainingState, Vec<FsdpSave>)>> {
+        if !self.resume {
+            return Ok(None);
+        }
+        let mut shards = None;
+        let chosen = self.states.latest_where(|saved| {
+            match self.fsdp_shards_at(saved.state.progress.step) {
+                Ok(found) => {
+                    shards = Some(found);
+                    true
+                }
+                Err(why) => {
+                    if speaks {
+                        eprintln!(
+                            "{}: {why}; trying the state before it",
+                            saved.path.display()
+                        );
+                    }
+                    false
+                }
+            }
+        })?;
+        let (Some(saved), Some(shards)) = (chosen, shards) else {
+            if self.states.latest()?.is_some() {
+                anyhow::bail!(
+                    "{}: no training state has every rank's FSDP shard; refusing to start over",
+                    self.states.path().display()
+                );
+            }
+            self.say_fresh_start(speaks);
+            return Ok(None);
+        };
+        say_resuming(&saved, speaks);
+        Ok(Some((saved.state, shards)))
+    }
+
+    /// Every rank's FSDP shard saved at `step`: its pieces and its
+    /// optimizer's state, in rank order.
+    fn fsdp_shards_at(&self, step: u64) -> Result<Vec<FsdpSave>> {
+        let shard = |rank: usize| -> Result<FsdpSave> {
+            let dir = self.zero_shard_dir(rank);
+            let saved = StateDir::new(&dir)?.at_step(step)?.with_context(|| {
+                format!("{}: no FSDP shard saved at step {step}", dir.display())
+            })?;
+            let pieces = candle_core::safetensors::load(
+                saved.path.join("model.safetensors"),
+                &candle_core::Device::Cpu,
+            )?;
+            let state = saved
+                .state
+                .optimizer
+                .with_context(|| format!("{}: no optimizer state", saved.path.display()))?;
+            Ok((pieces, state))
+        };
+        let first = shard(0)?;
+        let world = first
+            .1
+            .shard
+            .context("the FSDP shard of rank 0 does not record how many shards its step has")?
+            .world_size;
+        std::iter::once(Ok(first))
+            .chain((1..world).map(shard))
+            .collect()
     }
 
     #[allow(dead_code)] // for the ZeRO runs: the pipeline example does not use it
@@ -297,6 +392,12 @@ impl Checkpoints {
         self.keep
     }
 }
+
+/// One rank's FSDP save: its pieces of the model and its optimizer's state.
+pub type FsdpSave = (
+    std::collections::HashMap<String, candle_core::Tensor>,
+    OptimizerState,
+);
 
 /// Where a resumed run continues, said once.
 fn say_resuming(saved: &SavedState, speaks: bool) {

@@ -7,6 +7,7 @@ use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use candle_dp::comm::ProcessGroup;
+use candle_dp::fsdp::FullyShardedDataParallel;
 use candle_dp::optim::{
     clip_grad_norm, GradScaler, GradScalerConfig, GradScalerState, LrScheduler, LrSchedulerState,
 };
@@ -145,6 +146,24 @@ impl Recipe {
             zero.clip_grad_norm(grads, max_norm, 2.0, false)?;
         }
         self.step(grads, &mine, |g| Ok(zero.step(g)?))
+    }
+
+    /// [`finish`](Self::finish) for FSDP, whose optimizer steps this rank's
+    /// pieces: the checks and the clipping over every rank's pieces (one
+    /// all-reduce each).
+    pub fn finish_fsdp<O: Optimizer>(
+        &mut self,
+        grads: &mut GradStore,
+        fsdp: &FullyShardedDataParallel,
+        opt: &mut O,
+    ) -> Result<bool> {
+        let pieces = fsdp.shard_vars();
+        let clip = self.clip;
+        self.unscale(grads, &pieces, Some(fsdp.process_group().as_ref()))?;
+        if let Some(max_norm) = clip {
+            fsdp.clip_grad_norm(grads, max_norm, 2.0, false)?;
+        }
+        self.step(grads, &pieces, |g| Ok(opt.step(g)?))
     }
 
     fn finish_with(

@@ -231,6 +231,40 @@ impl FullyShardedDataParallel {
         &self.shards
     }
 
+    /// The pieces as variables, for the checks that take a list:
+    /// [`GradScaler::unscale_across`](crate::optim::GradScaler::unscale_across)
+    /// on every rank skips every rank's step alike.
+    pub fn shard_vars(&self) -> Vec<Var> {
+        self.shards.iter().map(|(_, v)| v.clone()).collect()
+    }
+
+    /// PyTorch's `clip_grad_norm_` over the whole model's gradients, of
+    /// which this rank holds its pieces (`grads`, a step's): the total norm
+    /// comes from every rank's pieces through one all-reduce (the padding
+    /// adds nothing), and every rank scales its pieces by the same factor.
+    /// Every rank must call it.
+    ///
+    /// # Errors
+    ///
+    /// As [`clip_grad_norm`](crate::optim::clip_grad_norm), on every rank
+    /// alike; a collective's error.
+    pub fn clip_grad_norm(
+        &self,
+        grads: &mut candle_core::backprop::GradStore,
+        max_norm: f64,
+        norm_type: f64,
+        error_if_nonfinite: bool,
+    ) -> Result<crate::optim::Clipped> {
+        crate::optim::clip::clip_grad_norm_across(
+            self.pg.as_ref(),
+            grads,
+            &self.shard_vars(),
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+        )
+    }
+
     /// This rank's process group.
     pub fn process_group(&self) -> &Arc<dyn ProcessGroup> {
         &self.pg

@@ -212,3 +212,30 @@ fn the_language_model_killed_three_times_resumes_to_the_same_bytes() {
         3,
     );
 }
+
+/// The language model under FSDP (2 thread ranks, each saving its own
+/// pieces and AdamW state, no gathering), with clipping and warm-up +
+/// cosine, killed three times: it comes back to the uninterrupted run's
+/// bytes.
+#[test]
+fn the_language_model_under_fsdp_killed_three_times_resumes_to_the_same_bytes() {
+    resumes_to_the_same_bytes(
+        "lm-fsdp",
+        |states, save| {
+            let mut command = Command::new(example("train_lm"));
+            command
+                .args(["--strategy", "fsdp", "--layers", "2", "--width", "16"])
+                .args(["--heads", "2", "--context", "16", "--batch", "4"])
+                .args(["--steps", "40", "--eval-every", "20", "--sample", "0"])
+                .args(["--checkpoint-every", "2", "--resume"])
+                .arg("--checkpoint-dir")
+                .arg(states)
+                .arg("--save")
+                .arg(save)
+                .arg("--chart")
+                .arg(states.with_extension("svg"));
+            command
+        },
+        3,
+    );
+}
