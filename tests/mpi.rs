@@ -95,6 +95,7 @@ fn scenario_by_name(name: &str, ctx: RankContext, out: &Path) -> anyhow::Result<
         "pipeline_ddp" => pipeline_ddp(&ctx, &input()?)?,
         "overlap_units" => overlap(&ctx, &input()?, true)?,
         "overlap_whole" => overlap(&ctx, &input()?, false)?,
+        "fsdp" => fsdp(&ctx, &input()?)?,
         fault => {
             run_fault(fault, &ctx)?;
             return Ok(None);
@@ -456,6 +457,42 @@ fn overlap(ctx: &RankContext, input: &Tensors, units: bool) -> anyhow::Result<Te
         }
     }
     Ok(snapshot(&varmap))
+}
+
+/// The MLP given as units under FSDP (AdamW 0.01): the whole weights
+/// gathered at the end, on every rank.
+fn fsdp(ctx: &RankContext, input: &Tensors) -> anyhow::Result<Tensors> {
+    use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
+    use candle_dp::pipeline::layer;
+    let varmap = varmap_from(&init_of(input));
+    let (i, h, o) = SIZES;
+    let layers = vec![
+        layer(move |vb| candle_nn::linear(i, h, vb.pp("l1"))),
+        layer(|_| Ok(candle_nn::Activation::Relu)),
+        layer(move |vb| candle_nn::linear(h, o, vb.pp("l2"))),
+    ];
+    let mut fsdp = FullyShardedDataParallel::from_units(
+        ctx.process_group(),
+        &varmap,
+        DType::F32,
+        &Device::Cpu,
+        layers,
+        FsdpConfig::default(),
+    )?;
+    let mut adam = AdamW::new(
+        varmap.all_vars(),
+        ParamsAdamW {
+            lr: 0.01,
+            ..Default::default()
+        },
+    )?;
+    for (x, y) in batches(input) {
+        let b = x.dim(0)? / ctx.world_size;
+        let (x, y) = (x.narrow(0, ctx.rank * b, b)?, y.narrow(0, ctx.rank * b, b)?);
+        let step = fsdp.forward_backward(&x, &y, loss::cross_entropy)?;
+        adam.step(&step.grads)?;
+    }
+    Ok(fsdp.full_state()?)
 }
 
 /// Gradient accumulation over 3 micro-batches of 2 rows per rank.
@@ -1007,6 +1044,29 @@ fn overlapped_ddp_on_1_to_4_processes_saves_the_bytes_of_ddp_without_units() {
         let threads = on_threads(np, |ctx| overlap(ctx, &input, true));
         assert!(
             identical(&units.rank(0), &threads[0]),
+            "{np}: processes and threads differ"
+        );
+    }
+}
+
+/// FSDP on 1 to 4 processes trains to DDP's bytes (AdamW), and to the
+/// thread ranks'.
+#[test]
+fn fsdp_on_1_to_4_processes_saves_the_bytes_of_ddp() {
+    let input = training_input(12);
+    for np in 1..=4 {
+        let job = mpirun_ok(np, "fsdp", Some(&input));
+        let ddp = on_threads(np, |ctx| ddp_train(ctx, &input, true));
+        for rank in 0..np {
+            assert!(
+                identical(&job.rank(rank), &ddp[rank]),
+                "{np} processes, rank {rank}: {}",
+                diff_report(&job.rank(rank), &ddp[rank])
+            );
+        }
+        let threads = on_threads(np, |ctx| fsdp(ctx, &input));
+        assert!(
+            identical(&job.rank(0), &threads[0]),
             "{np}: processes and threads differ"
         );
     }
