@@ -8,6 +8,7 @@
 //! Each configuration runs in its own child process (this binary with
 //! `--zero-child`), under `mpirun` for the MPI rows.
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -16,8 +17,10 @@ use anyhow::Result;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::comm::{all_gather_object, GroupOptions};
+use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use candle_dp::launch;
 use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
+use candle_dp::pipeline::{layer, LayerFactory};
 use candle_dp::zero::{grad_bytes, ZeroOptimizer, ZeroStage};
 use candle_dp::{seeded_varmap, DistributedDataParallel};
 use candle_nn::{linear, loss, Linear, Optimizer, VarBuilder};
@@ -41,13 +44,19 @@ pub struct ZeroSpec {
     pub against_one_device: bool,
     /// AdamW's epsilon.
     pub eps: f64,
+    /// FSDP instead of DDP (`stage` unused): whether units are resharded
+    /// after their forward.
+    #[serde(default)]
+    pub fsdp_reshard: Option<bool>,
 }
 
 impl ZeroSpec {
     fn label(&self) -> String {
-        let zero = match self.stage {
-            None => "ddp".to_string(),
-            Some(s) => format!("ddp-zero{s}"),
+        let zero = match (self.fsdp_reshard, self.stage) {
+            (Some(true), _) => "fsdp".to_string(),
+            (Some(false), _) => "fsdp, no reshard".to_string(),
+            (None, None) => "ddp".to_string(),
+            (None, Some(s)) => format!("ddp-zero{s}"),
         };
         let on = if self.mpi {
             "MPI processes"
@@ -70,6 +79,9 @@ pub struct ZeroMeasured {
     pub weights_hash: u64,
     /// Largest relative weight difference from one device, if measured.
     pub vs_one_device: Option<f64>,
+    /// FSDP: the most whole parameters gathered at once in a step.
+    #[serde(default)]
+    pub peak_gathered_bytes: usize,
 }
 
 /// A deep MLP: 784-hidden, then `DEPTH` layers hidden-hidden, then
@@ -137,8 +149,109 @@ fn bytes_of<'a>(tensors: impl Iterator<Item = &'a Tensor>) -> usize {
         .sum()
 }
 
+/// The MLP as units, one layer (with its ReLU) each, for FSDP.
+fn mlp_units(hidden: usize) -> Vec<LayerFactory> {
+    let mut shapes = vec![(784, hidden, "in".to_string())];
+    shapes.extend((0..DEPTH).map(|i| (hidden, hidden, format!("h{i}"))));
+    shapes.push((hidden, 10, "out".to_string()));
+    let last = shapes.len() - 1;
+    shapes
+        .into_iter()
+        .enumerate()
+        .map(|(i, (a, b, name))| {
+            layer(move |vb: VarBuilder| {
+                let l = linear(a, b, vb.pp(&name))?;
+                Ok(Relu(l, i < last))
+            })
+        })
+        .collect()
+}
+
+/// A linear layer, then ReLU when `.1`.
+struct Relu(Linear, bool);
+
+impl Module for Relu {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let h = self.0.forward(x)?;
+        if self.1 {
+            h.relu()
+        } else {
+            Ok(h)
+        }
+    }
+}
+
+/// One FSDP configuration in this process; rank 0's measurements.
+fn run_fsdp(spec: &ZeroSpec, reshard: bool) -> Result<Option<ZeroMeasured>> {
+    let options = GroupOptions {
+        timeout: Some(Duration::from_secs(300)),
+        ..Default::default()
+    };
+    let per_rank = spec.batch / spec.world;
+    let (x, y) = global_batch(spec.batch)?;
+    let ranks = launch::run(spec.world, options, |ctx| -> Result<Option<ZeroMeasured>> {
+        let hidden = spec.hidden;
+        let varmap = seeded_varmap(SEED, DType::F32, &Device::Cpu, |vb| Mlp::new(vb, hidden))?;
+        let config = FsdpConfig {
+            reshard_after_forward: reshard,
+            ..Default::default()
+        };
+        let mut fsdp = FullyShardedDataParallel::from_units(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            mlp_units(hidden),
+            config,
+        )?;
+        let mut opt = AdamW::from_varmap(&varmap, adamw(spec.eps))?;
+        let rows = x.narrow(0, ctx.rank * per_rank, per_rank)?;
+        let labels = y.narrow(0, ctx.rank * per_rank, per_rank)?;
+        let mut m = ZeroMeasured::default();
+        let mut held = GradStore::default();
+        for step in 0..spec.warmup + spec.steps {
+            let t0 = Instant::now();
+            let s = fsdp.forward_backward(&rows, &labels, loss::cross_entropy)?;
+            let t1 = Instant::now();
+            opt.step(&s.grads)?;
+            if step >= spec.warmup {
+                m.optimizer_ms.push(t1.elapsed().as_secs_f64() * 1e3);
+                m.step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+            held = s.grads;
+        }
+        let memory = fsdp.last_memory();
+        let mine = (
+            memory.shard_bytes,
+            grad_bytes(&held),
+            bytes_of(opt.state()?.tensors.values()),
+            memory.peak_gathered_bytes,
+        );
+        let all = all_gather_object(ctx.pg.as_ref(), &mine)?;
+        m.param_bytes = all.iter().map(|b| b.0).max().unwrap_or(0);
+        m.grad_bytes = all.iter().map(|b| b.1).max().unwrap_or(0);
+        m.state_bytes = all.iter().map(|b| b.2).max().unwrap_or(0);
+        m.peak_gathered_bytes = all.iter().map(|b| b.3).max().unwrap_or(0);
+        let full = fsdp.full_state()?;
+        if ctx.rank == 0 {
+            candle_core::safetensors::save(&full, weights_file(spec))?;
+        }
+        let mut whole: Vec<(String, candle_core::Var)> = full
+            .into_iter()
+            .map(|(n, t)| Ok((n, candle_core::Var::from_tensor(&t)?)))
+            .collect::<candle_core::Result<_>>()?;
+        whole.sort_by(|a, b| a.0.cmp(&b.0));
+        m.weights_hash = hash_weights(&whole)?;
+        Ok((ctx.rank == 0).then_some(m))
+    })?;
+    Ok(ranks.into_iter().flatten().next())
+}
+
 /// Runs one configuration in this process (the child side).
 pub fn run_child(spec: &ZeroSpec) -> Result<Option<ZeroMeasured>> {
+    if let Some(reshard) = spec.fsdp_reshard {
+        return run_fsdp(spec, reshard);
+    }
     let options = GroupOptions {
         timeout: Some(Duration::from_secs(300)),
         ..Default::default()
@@ -209,6 +322,11 @@ pub fn run_child(spec: &ZeroSpec) -> Result<Option<ZeroMeasured>> {
         if ctx.rank != 0 {
             return Ok(None);
         }
+        let whole: HashMap<String, Tensor> = params
+            .iter()
+            .map(|(n, v)| Ok((n.clone(), v.as_tensor().copy()?)))
+            .collect::<candle_core::Result<_>>()?;
+        candle_core::safetensors::save(&whole, weights_file(spec))?;
         let weights = match spec.against_one_device {
             true => params
                 .iter()
@@ -225,6 +343,34 @@ pub fn run_child(spec: &ZeroSpec) -> Result<Option<ZeroMeasured>> {
         measured.vs_one_device = Some(one_device_difference(spec, &x, &y, &weights)?);
     }
     Ok(Some(measured))
+}
+
+/// Where a configuration's final weights go (rank 0), for the report to
+/// compare FSDP's with DDP's where their bytes differ.
+fn weights_file(spec: &ZeroSpec) -> std::path::PathBuf {
+    let label: String = spec
+        .label()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    std::env::temp_dir().join(format!("candle_dp_bench_zero_{label}.safetensors"))
+}
+
+/// The largest difference between two runs' weights, relative to each
+/// tensor's largest value.
+fn weights_difference(a: &ZeroSpec, b: &ZeroSpec) -> Result<f64> {
+    let a = candle_core::safetensors::load(weights_file(a), &Device::Cpu)?;
+    let b = candle_core::safetensors::load(weights_file(b), &Device::Cpu)?;
+    let mut worst = 0f64;
+    for (name, x) in &a {
+        let y = b
+            .get(name)
+            .ok_or_else(|| anyhow::anyhow!("{name} missing"))?;
+        let scale = y.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6) as f64;
+        let diff = (x - y)?.abs()?.max_all()?.to_scalar::<f32>()? as f64;
+        worst = worst.max(diff / scale);
+    }
+    Ok(worst)
 }
 
 /// FNV-1a over every parameter's bits, in name order.
@@ -296,16 +442,25 @@ fn specs(quick: bool, steps: usize) -> Vec<ZeroSpec> {
         steps,
         against_one_device: false,
         eps: 1e-8,
+        fsdp_reshard: None,
+    };
+    let fsdp = |reshard, world, mpi| ZeroSpec {
+        fsdp_reshard: Some(reshard),
+        ..spec(None, world, mpi)
     };
     for &world in worlds {
         for stage in [None, Some(1), Some(2)] {
             out.push(spec(stage, world, false));
         }
+        out.push(fsdp(true, world, false));
+        out.push(fsdp(false, world, false));
     }
     if cfg!(feature = "mpi") {
         for stage in [None, Some(1), Some(2)] {
             out.push(spec(stage, 2, true));
         }
+        out.push(fsdp(true, 2, true));
+        out.push(fsdp(false, 2, true));
     }
     out
 }
@@ -322,6 +477,7 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
             m.optimizer_ms.extend(got.optimizer_ms);
             (m.param_bytes, m.grad_bytes, m.state_bytes) =
                 (got.param_bytes, got.grad_bytes, got.state_bytes);
+            m.peak_gathered_bytes = got.peak_gathered_bytes;
             m.weights_hash = got.weights_hash;
         }
     }
@@ -329,24 +485,61 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
         "## ZeRO against DDP (AdamW, MLP 784-512, 6 x 512-512, 512-10: 2.0M parameters; global batch 256)\n\n\
          Bytes are the most any rank holds after a step, summed over the tensors it \
          keeps: parameters, the gradients the step returned, the optimizer's state.\n\n\
-         | config | median ms/step | optimizer ms | parameters MB | gradients MB | optimizer state MB | weights = DDP's |\n\
-         |---|---:|---:|---:|---:|---:|---|\n",
+         FSDP (ZeRO-3, `fsdp`) holds its pieces of every parameter and gathers a unit (a \
+         layer) when it is used; `gathered MB` is the most whole parameters it held at once. \
+         `vs DDP` is the step time against DDP's at the same world size and transport.\n\n\
+         | config | median ms/step | vs DDP | optimizer ms | parameters MB | gradients MB | optimizer state MB | gathered MB | weights = DDP's |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---|\n",
     );
-    for (spec, m) in specs.iter().zip(&measured) {
+    let measured = &measured;
+    for (spec, m) in specs.iter().zip(measured) {
         let ddp = specs
             .iter()
-            .zip(&measured)
-            .find(|(s, _)| s.stage.is_none() && s.world == spec.world && s.mpi == spec.mpi)
+            .zip(measured)
+            .find(|(s, _)| {
+                s.stage.is_none()
+                    && s.fsdp_reshard.is_none()
+                    && s.world == spec.world
+                    && s.mpi == spec.mpi
+            })
             .map(|(_, d)| d.weights_hash);
-        let same = match (spec.stage, ddp) {
-            (None, _) => "(DDP)".to_string(),
-            (Some(_), Some(h)) if h == m.weights_hash => "yes, bit for bit".to_string(),
-            (Some(_), Some(_)) => "NO".to_string(),
-            (Some(_), None) => String::new(),
+        let is_ddp = spec.stage.is_none() && spec.fsdp_reshard.is_none();
+        let ddp_spec = specs.iter().find(|s| {
+            s.stage.is_none()
+                && s.fsdp_reshard.is_none()
+                && s.world == spec.world
+                && s.mpi == spec.mpi
+        });
+        let same = match (is_ddp, ddp) {
+            (true, _) => "(DDP)".to_string(),
+            (false, Some(h)) if h == m.weights_hash => "yes, bit for bit".to_string(),
+            (false, Some(_)) => match ddp_spec.map(|d| weights_difference(spec, d)) {
+                Some(Ok(diff)) => format!("no: within {diff:.1e}"),
+                _ => "NO".to_string(),
+            },
+            (false, None) => String::new(),
+        };
+        let ddp_ms = specs
+            .iter()
+            .zip(measured)
+            .find(|(s, _)| {
+                s.stage.is_none()
+                    && s.fsdp_reshard.is_none()
+                    && s.world == spec.world
+                    && s.mpi == spec.mpi
+            })
+            .map(|(_, d)| median(&d.step_ms));
+        let vs = match ddp_ms {
+            Some(d) if !is_ddp => format!("{:.2}x", median(&m.step_ms) / d),
+            _ => String::new(),
+        };
+        let gathered = match spec.fsdp_reshard {
+            Some(_) => format!("{:.2}", m.peak_gathered_bytes as f64 / 1e6),
+            None => String::new(),
         };
         writeln!(
             s,
-            "| {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {same} |",
+            "| {} | {:.2} | {vs} | {:.2} | {:.2} | {:.2} | {:.2} | {gathered} | {same} |",
             spec.label(),
             median(&m.step_ms),
             median(&m.optimizer_ms),
@@ -355,7 +548,8 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
             m.state_bytes as f64 / 1e6,
         )?;
     }
-    s += &budget_run(&specs, &measured, steps)?;
+    s += &budget_run(&specs, measured, steps)?;
+    s += &fsdp_budget_run(steps)?;
     Ok(s)
 }
 
@@ -367,7 +561,9 @@ fn budget_run(specs: &[ZeroSpec], measured: &[ZeroMeasured], steps: usize) -> Re
         specs
             .iter()
             .zip(measured)
-            .find(|(s, _)| s.stage == stage && s.world == world && !s.mpi)
+            .find(|(s, _)| {
+                s.stage == stage && s.fsdp_reshard.is_none() && s.world == world && !s.mpi
+            })
             .map(|(_, m)| m.param_bytes + m.grad_bytes + m.state_bytes)
     };
     let (Some(ddp), Some(zero2)) = (total(None), total(Some(2))) else {
@@ -384,6 +580,7 @@ fn budget_run(specs: &[ZeroSpec], measured: &[ZeroMeasured], steps: usize) -> Re
         steps,
         against_one_device: true,
         eps,
+        fsdp_reshard: None,
     };
     let default_eps = run_in_child(&spec(1e-8))?;
     let large_eps = run_in_child(&spec(1e-3))?;
@@ -415,6 +612,69 @@ fn budget_run(specs: &[ZeroSpec], measured: &[ZeroMeasured], steps: usize) -> Re
         3 + steps,
         default_eps.vs_one_device.unwrap_or(f64::NAN),
         large_eps.vs_one_device.unwrap_or(f64::NAN),
+    )?;
+    Ok(s)
+}
+
+/// A per-rank budget below the model's parameters alone (90% of them):
+/// DDP cannot hold the model under it at any world size; FSDP on 8 thread
+/// ranks trains there, to DDP's weights.
+fn fsdp_budget_run(steps: usize) -> Result<String> {
+    let world = 8;
+    let spec = |fsdp_reshard| ZeroSpec {
+        stage: None,
+        world,
+        mpi: false,
+        hidden: 512,
+        batch: 256,
+        warmup: 3,
+        steps,
+        against_one_device: false,
+        eps: 1e-8,
+        fsdp_reshard,
+    };
+    let ddp = run_in_child(&spec(None))?;
+    let fsdp = run_in_child(&spec(Some(true)))?;
+    let budget = ddp.param_bytes * 9 / 10;
+    let held = fsdp.param_bytes + fsdp.grad_bytes + fsdp.state_bytes + fsdp.peak_gathered_bytes;
+    let mut s = String::new();
+    writeln!(
+        s,
+        "\n## FSDP under a per-rank budget below the parameters alone ({world} thread ranks)\n\n\
+         The budget is {:.2} MB, 90% of the model's parameters ({:.2} MB), so no DDP rank (nor a \
+         ZeRO one, which holds every parameter) can train under it. FSDP's rank holds {:.2} MB: \
+         its pieces of the parameters ({:.2}), of the gradients ({:.2}) and of AdamW's state \
+         ({:.2}), and the most whole parameters it gathered at once in a step ({:.2}): it {}. \
+         The step's activations, and a unit's whole gradients until they are reduce-scattered, \
+         come on top, as DDP's activations and whole gradients do. \
+         Its weights after {} steps are DDP's on {world} ranks: {}. Step: {:.1} ms (DDP {:.1} ms).",
+        budget as f64 / 1e6,
+        ddp.param_bytes as f64 / 1e6,
+        held as f64 / 1e6,
+        fsdp.param_bytes as f64 / 1e6,
+        fsdp.grad_bytes as f64 / 1e6,
+        fsdp.state_bytes as f64 / 1e6,
+        fsdp.peak_gathered_bytes as f64 / 1e6,
+        if held <= budget {
+            "fits"
+        } else {
+            "does NOT fit"
+        },
+        3 + steps,
+        if fsdp.weights_hash == ddp.weights_hash {
+            "yes, bit for bit".to_string()
+        } else {
+            match weights_difference(&spec(Some(true)), &spec(None)) {
+                Ok(diff) => format!(
+                    "not bit for bit (a bucket this large is reduced in ring order, which depends on \
+                     each element's place in DDP's bucket and in FSDP's table): within {diff:.1e} of \
+                     each tensor's largest value"
+                ),
+                Err(e) => format!("NO ({e})"),
+            }
+        },
+        median(&fsdp.step_ms),
+        median(&ddp.step_ms),
     )?;
     Ok(s)
 }
