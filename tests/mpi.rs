@@ -1057,11 +1057,11 @@ fn fsdp_on_1_to_4_processes_saves_the_bytes_of_ddp() {
     for np in 1..=4 {
         let job = mpirun_ok(np, "fsdp", Some(&input));
         let ddp = on_threads(np, |ctx| ddp_train(ctx, &input, true));
-        for rank in 0..np {
+        for (rank, ddp) in ddp.iter().enumerate() {
             assert!(
-                identical(&job.rank(rank), &ddp[rank]),
+                identical(&job.rank(rank), ddp),
                 "{np} processes, rank {rank}: {}",
-                diff_report(&job.rank(rank), &ddp[rank])
+                diff_report(&job.rank(rank), ddp)
             );
         }
         let threads = on_threads(np, |ctx| fsdp(ctx, &input));
