@@ -5,7 +5,9 @@
 //! DistributedDataParallel over `--replicas` thread ranks, or over the
 //! processes of an MPI job when started by `mpirun` (build with `--features
 //! mpi`), each rank with a `DistributedSampler` shard and a prefetching
-//! `Loader`; `single`: plain candle. `dp` and `ddp` are followed by the same
+//! `Loader`; `fsdp`: fully sharded (each rank its pieces of every
+//! parameter, the layers gathered when used), on thread ranks or under
+//! `mpirun`; `single`: plain candle. `dp` and `ddp` are followed by the same
 //! run on one device. The initial weights come from `--seed`, so threads and
 //! processes train the same model to the same weights.
 //!
@@ -38,9 +40,11 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
 use candle_dp::comm::GroupOptions;
+use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use candle_dp::launch::{self, Backend};
 use candle_dp::loader::{Loader, TensorDataset};
 use candle_dp::optim::{AdamW, AdamWConfig};
+use candle_dp::pipeline::{layer, LayerFactory};
 use candle_dp::precision::MixedPrecisionModel;
 use candle_dp::sampler::DistributedSampler;
 use candle_dp::training_state::{check_ranks_agree, Progress, SamplerState};
@@ -114,6 +118,74 @@ impl Module for Net {
     }
 }
 
+/// The model as units, for FSDP: each layer with what follows it up to
+/// the next layer (the same variables, the same forward as [`Net`]).
+fn net_units(model: Model, height: usize, width: usize, hidden: usize) -> Vec<LayerFactory> {
+    match model {
+        Model::Mlp => vec![
+            layer(move |vb| Ok(Dense(linear(height * width, hidden, vb.pp("l1"))?, true))),
+            layer(move |vb| Ok(Dense(linear(hidden, 10, vb.pp("l2"))?, false))),
+        ],
+        Model::Conv => {
+            let c = hidden;
+            let same = Conv2dConfig {
+                padding: 1,
+                ..Default::default()
+            };
+            vec![
+                layer(move |vb| {
+                    let conv = conv2d(1, c, 3, same, vb.pp("conv1"))?;
+                    Ok(ConvUnit(conv, Some((height, width)), false))
+                }),
+                layer(move |vb| {
+                    Ok(ConvUnit(
+                        conv2d(c, 2 * c, 3, same, vb.pp("conv2"))?,
+                        None,
+                        true,
+                    ))
+                }),
+                layer(move |vb| {
+                    let fc = linear(2 * c * (height / 2) * (width / 2), 10, vb.pp("fc"))?;
+                    Ok(Dense(fc, false))
+                }),
+            ]
+        }
+    }
+}
+
+/// A linear layer on flattened rows, then ReLU when `.1`.
+struct Dense(Linear, bool);
+
+impl Module for Dense {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let h = self.0.forward(&x.flatten_from(1)?)?;
+        if self.1 {
+            h.relu()
+        } else {
+            Ok(h)
+        }
+    }
+}
+
+/// A convolution then ReLU: first reshaping rows to images (`.1`), then
+/// pooling (`.2`).
+struct ConvUnit(Conv2d, Option<(usize, usize)>, bool);
+
+impl Module for ConvUnit {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let x = match self.1 {
+            Some((h, w)) => x.reshape((x.dim(0)?, 1, h, w))?,
+            None => x.clone(),
+        };
+        let h = self.0.forward(&x)?.relu()?;
+        if self.2 {
+            h.max_pool2d(2)
+        } else {
+            Ok(h)
+        }
+    }
+}
+
 /// Which model the job trains.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum Model {
@@ -130,6 +202,10 @@ enum Strategy {
     Dp,
     /// DistributedDataParallel: thread ranks, or MPI processes under mpirun.
     Ddp,
+    /// Fully sharded data parallelism (each rank its pieces of the
+    /// parameters, gradients and AdamW state; each layer gathered when
+    /// used): thread ranks, or MPI processes under mpirun.
+    Fsdp,
     /// Plain candle on one device only.
     Single,
 }
@@ -513,45 +589,73 @@ fn train_ddp(
         let (rank, world) = (ctx.rank, ctx.world_size);
         let per_rank = (args.batch() / world).max(1);
         let varmap = copy_varmap(init)?;
-        let mut builder = DistributedDataParallel::builder(
-            ctx.process_group(),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-        )
-        .mixed_precision(args.precision.policy());
-        let zero = args.zero.and_then(ZeroStage::from_number);
-        if let Some(stage) = zero {
-            builder = builder.zero(stage);
-        }
-        let mut ddp = builder.build(net.clone())?;
-        let mut opt = adamw(&varmap, args.lr)?;
-        // With ZeRO, each rank's AdamW holds its own parameters' state.
-        let mut sharded = match zero {
-            Some(_) => Some(ZeroOptimizer::new(&ddp, |mine| {
-                AdamW::new_named(
-                    mine,
-                    AdamWConfig {
-                        lr: args.lr,
-                        ..Default::default()
-                    },
-                )
-            })?),
-            None => None,
+        let mut opt;
+        let mut engine = if args.strategy == Strategy::Fsdp {
+            let (model, h, w, hidden) = (args.model, train.height, train.width, args.hidden());
+            let fsdp = FullyShardedDataParallel::from_units(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                net_units(model, h, w, hidden),
+                FsdpConfig::default(),
+            )?;
+            // Over the VarMap's variables: this rank's pieces now.
+            opt = adamw(&varmap, args.lr)?;
+            Engine::Fsdp(Box::new(fsdp))
+        } else {
+            let mut builder = DistributedDataParallel::builder(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+            )
+            .mixed_precision(args.precision.policy());
+            let zero = args.zero.and_then(ZeroStage::from_number);
+            if let Some(stage) = zero {
+                builder = builder.zero(stage);
+            }
+            let ddp = builder.build(net.clone())?;
+            opt = adamw(&varmap, args.lr)?;
+            // With ZeRO, each rank's AdamW holds its own parameters' state.
+            let sharded = match zero {
+                Some(_) => Some(ZeroOptimizer::new(&ddp, |mine| {
+                    AdamW::new_named(
+                        mine,
+                        AdamWConfig {
+                            lr: args.lr,
+                            ..Default::default()
+                        },
+                    )
+                })?),
+                None => None,
+            };
+            Engine::Ddp(Box::new(ddp), sharded)
         };
         let mut sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
         // Every rank reads the state itself; all must resume from the same.
         // With ZeRO the state holds the weights, and each rank's shard of the
-        // optimizer's state is in a folder of that rank's.
-        let resumed = match (checkpoints, &mut sharded) {
-            (Some(c), Some(sharded)) => match c.resume_sharded(&varmap, rank == 0)? {
-                Some((state, shards)) => {
-                    sharded.load_shards(&shards)?;
+        // optimizer's state is in a folder of that rank's; with FSDP each
+        // rank's folder holds its pieces of the weights too.
+        let resumed = match (checkpoints, &mut engine) {
+            (Some(c), Engine::Ddp(_, Some(sharded))) => {
+                match c.resume_sharded(&varmap, rank == 0)? {
+                    Some((state, shards)) => {
+                        sharded.load_shards(&shards)?;
+                        Some(state)
+                    }
+                    None => None,
+                }
+            }
+            (Some(c), Engine::Fsdp(fsdp)) => match c.resume_fsdp(rank == 0)? {
+                Some((state, saves)) => {
+                    let (pieces, states): (Vec<_>, Vec<_>) = saves.into_iter().unzip();
+                    fsdp.load_resharded(&pieces, &states, &mut opt)?;
                     Some(state)
                 }
                 None => None,
             },
-            (Some(c), None) => c.resume(&varmap, &mut opt, rank == 0)?,
+            (Some(c), Engine::Ddp(_, None)) => c.resume(&varmap, &mut opt, rank == 0)?,
             (None, _) => None,
         };
         if checkpoints.is_some_and(|c| c.resume) {
@@ -560,7 +664,7 @@ fn train_ddp(
         }
         let batches = sampler.len().div_ceil(per_rank) as u64;
         let mut recipe = args.recipe(batches * args.epochs as u64)?;
-        let params: Vec<_> = ddp.params().iter().map(|(_, v)| v.clone()).collect();
+        let params = params_of(&varmap);
         let from = match &resumed {
             Some(state) => {
                 recipe.resume(state)?;
@@ -575,7 +679,10 @@ fn train_ddp(
         let start = Instant::now();
         let bar = if rank == 0 {
             let bar = progress_bar(batches * args.epochs as u64)?;
-            bar.set_prefix(format!("DDP x{world}"));
+            bar.set_prefix(match &engine {
+                Engine::Fsdp(_) => format!("FSDP x{world}"),
+                Engine::Ddp(..) => format!("DDP x{world}"),
+            });
             bar.set_position(from.step);
             bar
         } else {
@@ -584,8 +691,16 @@ fn train_ddp(
         let mut step = from.step;
         let (mut samples, mut last_loss) = (0, f32::NAN);
         let mut log = EpochLog::default();
-        // Shares the trained variables: evaluates the model as it is.
-        let model = in_precision(args, &varmap, net.clone())?;
+        // Evaluates the model as it is: over the trained variables, or with
+        // FSDP over the whole parameters gathered from every rank.
+        let evaluated = |engine: &Engine| -> Result<(VarMap, MixedPrecisionModel<Net>)> {
+            let whole = match engine {
+                Engine::Fsdp(fsdp) => varmap_of(fsdp.full_state()?)?,
+                Engine::Ddp(..) => varmap.clone(),
+            };
+            let model = in_precision(args, &whole, net.clone())?;
+            Ok((whole, model))
+        };
         for epoch in from.epoch as usize..args.epochs {
             sampler.set_epoch(epoch as u64);
             // A resumed epoch continues with the batch it had not trained on.
@@ -600,15 +715,32 @@ fn train_ddp(
                 .skip_batches(skip as usize);
             for (index, batch) in (skip..).zip(&loader) {
                 let batch = batch?;
-                match &mut sharded {
-                    Some(sharded) => recipe.before_step(sharded.inner_mut()),
-                    None => recipe.before_step(&mut opt),
-                }
-                let loss = loss_of(&ddp.forward(&batch[0])?, &batch[1])?;
-                let mut grads = ddp.backward(&recipe.scale(&loss)?)?;
-                match &mut sharded {
-                    Some(sharded) => recipe.finish_zero(&mut grads, sharded, ctx.pg.as_ref())?,
-                    None => recipe.finish(&mut grads, &params, &mut opt)?,
+                let loss = match &mut engine {
+                    Engine::Ddp(ddp, sharded) => {
+                        match sharded {
+                            Some(sharded) => recipe.before_step(sharded.inner_mut()),
+                            None => recipe.before_step(&mut opt),
+                        }
+                        let loss = loss_of(&ddp.forward(&batch[0])?, &batch[1])?;
+                        let mut grads = ddp.backward(&recipe.scale(&loss)?)?;
+                        match sharded {
+                            Some(sharded) => {
+                                recipe.finish_zero(&mut grads, sharded, ctx.pg.as_ref())?
+                            }
+                            None => recipe.finish(&mut grads, &params, &mut opt)?,
+                        };
+                        loss
+                    }
+                    Engine::Fsdp(fsdp) => {
+                        recipe.before_step(&mut opt);
+                        let factor = f64::from(recipe.loss_factor());
+                        let step = fsdp.forward_backward(&batch[0], &batch[1], |out, y| {
+                            loss_of(out, y)?.affine(factor, 0.0)
+                        })?;
+                        let mut grads = step.grads;
+                        recipe.finish_fsdp(&mut grads, fsdp, &mut opt)?;
+                        step.loss.affine(1.0 / factor, 0.0)?
+                    }
                 };
                 samples += batch[0].dim(0)?;
                 last_loss = loss.to_scalar::<f32>()?;
@@ -622,10 +754,10 @@ fn train_ddp(
                         step,
                     };
                     let position = Some(SamplerState::from(&sampler));
-                    match (&sharded, c.due(progress, batches)) {
+                    match (&engine, c.due(progress, batches)) {
                         // ZeRO: every rank saves its shard; the state that
                         // names the step is written once all shards are.
-                        (Some(sharded), Some(due)) => c.save_zero(
+                        (Engine::Ddp(_, Some(sharded)), Some(due)) => c.save_zero(
                             ctx.pg.as_ref(),
                             &varmap,
                             sharded,
@@ -633,9 +765,20 @@ fn train_ddp(
                             position,
                             recipe.state(),
                         )?,
-                        (Some(_), None) => {}
+                        // FSDP: every rank saves its pieces and its
+                        // optimizer's state over them, no gathering.
+                        (Engine::Fsdp(fsdp), Some(due)) => c.save_sharded(
+                            ctx.pg.as_ref(),
+                            &VarMap::new(),
+                            &varmap,
+                            fsdp.shard_state(&opt)?,
+                            due,
+                            position,
+                            recipe.state(),
+                        )?,
+                        (Engine::Ddp(_, Some(_)) | Engine::Fsdp(_), None) => {}
                         // One writer: the state is the same on every rank.
-                        (None, _) if rank == 0 => c.after_step(
+                        (Engine::Ddp(_, None), _) if rank == 0 => c.after_step(
                             &varmap,
                             &opt,
                             progress,
@@ -643,17 +786,22 @@ fn train_ddp(
                             position,
                             recipe.state(),
                         )?,
-                        (None, _) => {}
+                        (Engine::Ddp(_, None), _) => {}
                     }
                 }
             }
             bar.set_message(format!("epoch {} loss {last_loss:.4}", epoch + 1));
+            // Every rank takes part in FSDP's gathering; rank 0 evaluates.
+            let gathering = Instant::now();
+            let (_, model) = evaluated(&engine)?;
+            log.evaluating += gathering.elapsed();
             if rank == 0 {
                 log.end_epoch(&model, test)?;
             }
         }
         let seconds = (start.elapsed() - log.evaluating).as_secs_f64();
         bar.finish();
+        let (varmap, model) = evaluated(&engine)?;
         if rank != 0 {
             return Ok(None);
         }
@@ -672,6 +820,28 @@ fn train_ddp(
         }))
     })?;
     Ok(ranks.into_iter().flatten().next())
+}
+
+/// A rank's engine under `--strategy ddp` (ZeRO's optimizer with it) or
+/// `fsdp`.
+enum Engine {
+    Ddp(
+        Box<DistributedDataParallel<Net>>,
+        Option<ZeroOptimizer<AdamW>>,
+    ),
+    Fsdp(Box<FullyShardedDataParallel>),
+}
+
+/// A `VarMap` of `tensors` (FSDP's gathered parameters).
+fn varmap_of(tensors: std::collections::HashMap<String, Tensor>) -> Result<VarMap> {
+    let varmap = VarMap::new();
+    {
+        let mut data = varmap.data().lock().map_err(|_| anyhow::anyhow!("lock"))?;
+        for (name, tensor) in tensors {
+            data.insert(name, candle_core::Var::from_tensor(&tensor)?);
+        }
+    }
+    Ok(varmap)
 }
 
 /// candle-dp's AdamW (PyTorch's formulas; its state can be saved).
@@ -736,8 +906,11 @@ fn main() -> ExitCode {
 
 fn run(args: Args) -> Result<()> {
     let mpi = Backend::from_env() != Backend::Threads;
-    if mpi && args.strategy != Strategy::Ddp {
-        bail!("under mpirun, use --strategy ddp (dp and single run in one process)");
+    if mpi && !matches!(args.strategy, Strategy::Ddp | Strategy::Fsdp) {
+        bail!("under mpirun, use --strategy ddp or fsdp (dp and single run in one process)");
+    }
+    if args.strategy == Strategy::Fsdp && args.precision != Precision::F32 {
+        bail!("--strategy fsdp trains in f32 for now (FSDP has no mixed-precision policy yet)");
     }
     if args.zero.is_some() && args.strategy != Strategy::Ddp {
         bail!("--zero shards DistributedDataParallel's optimizer: use it with --strategy ddp");
@@ -822,10 +995,11 @@ fn run(args: Args) -> Result<()> {
                 checkpoints.as_ref(),
             )?,
         )),
-        Strategy::Ddp => {
-            let ddp = match args.zero {
-                Some(stage) => format!("DDP with ZeRO stage {stage}"),
-                None => "DDP".to_string(),
+        Strategy::Ddp | Strategy::Fsdp => {
+            let ddp = match (args.strategy, args.zero) {
+                (Strategy::Fsdp, _) => "FSDP".to_string(),
+                (_, Some(stage)) => format!("DDP with ZeRO stage {stage}"),
+                (_, None) => "DDP".to_string(),
             };
             let label = match Backend::from_env() {
                 Backend::Threads => format!("{ddp}, {} thread ranks", args.replicas),
@@ -859,9 +1033,11 @@ fn run(args: Args) -> Result<()> {
         runs.push(("one device".to_string(), outcome));
     }
     // DDP's rank 0 saved its own.
-    if let (Some(path), false, Some((_, saved))) =
-        (&args.save, args.strategy == Strategy::Ddp, runs.first())
-    {
+    if let (Some(path), false, Some((_, saved))) = (
+        &args.save,
+        matches!(args.strategy, Strategy::Ddp | Strategy::Fsdp),
+        runs.first(),
+    ) {
         checkpoint::save(&saved.varmap, path, Prefix::None)?;
     }
 

@@ -1489,6 +1489,52 @@ fn train_digits_with_zero_under_mpirun_saves_the_bytes_of_plain_ddp() {
     }
 }
 
+/// The main job under FSDP (`--strategy fsdp`, the conv net's layers as
+/// units) on 2 and 3 MPI processes saves the bytes of plain DDP on as many
+/// thread ranks.
+#[test]
+fn train_digits_with_fsdp_under_mpirun_saves_the_bytes_of_plain_ddp() {
+    let example = common::killing::example("train_digits");
+    let dir = tempdir::Dir::new("train_digits_fsdp");
+    let args = |strategy: &str, file: &str, ranks: usize| -> Vec<std::ffi::OsString> {
+        let mut args: Vec<std::ffi::OsString> = ["--strategy", strategy, "--epochs", "2"]
+            .map(Into::into)
+            .into();
+        args.extend(["--seed", "3", "--no-reference", "--replicas"].map(Into::into));
+        args.push(ranks.to_string().into());
+        args.extend(["--save".into(), dir.path().join(file).into_os_string()]);
+        args
+    };
+    for ranks in [2, 3] {
+        let mut plain = Command::new(&example);
+        plain.args(args("ddp", "ddp.safetensors", ranks));
+        let output = run_bounded(plain, "plain DDP");
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let mut fsdp = mpirun_command(ranks, &example, None);
+        fsdp.args(args("fsdp", "fsdp.safetensors", ranks));
+        let output = run_bounded(fsdp, "FSDP under mpirun");
+        let printed = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success(),
+            "{printed}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(
+            printed.contains(&format!("| FSDP, {ranks} MPI processes |")),
+            "{printed}"
+        );
+        let saved = |file: &str| std::fs::read(dir.path().join(file)).unwrap();
+        assert!(
+            saved("fsdp.safetensors") == saved("ddp.safetensors"),
+            "FSDP on {ranks} MPI processes saved other weights than DDP on {ranks} thread ranks"
+        );
+    }
+}
+
 /// The training recipe under `mpirun`: f16 with its loss scaler, gradient
 /// clipping and a warm-up + cosine schedule, at ZeRO stage 2 on 2 MPI
 /// processes, saves the bytes of the same run on 2 thread ranks (the scaler's

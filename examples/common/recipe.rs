@@ -148,7 +148,6 @@ impl Recipe {
         self.step(grads, &mine, |g| Ok(zero.step(g)?))
     }
 
-    #[allow(dead_code)] // train_lm's FSDP; train_digits has no FSDP
     /// [`finish`](Self::finish) for FSDP, whose optimizer steps this rank's
     /// pieces: the checks and the clipping over every rank's pieces (one
     /// all-reduce each).

@@ -171,6 +171,23 @@ fn f16_zero_training_with_clipping_and_a_schedule_killed_resumes_to_the_same_byt
     );
 }
 
+/// The main job under FSDP on 2 thread ranks, with clipping and a
+/// schedule, killed three times: each rank's pieces and AdamW state, saved
+/// without gathering, come back to the uninterrupted run's bytes.
+#[test]
+fn fsdp_training_with_clipping_and_a_schedule_killed_resumes_to_the_same_bytes() {
+    let job = train_digits("fsdp");
+    resumes_to_the_same_bytes(
+        "fsdp",
+        move |states, save| {
+            let mut command = job(states, save);
+            command.args(["--clip-grad-norm", "0.5", "--lr-schedule", "warmup-cosine"]);
+            command
+        },
+        3,
+    );
+}
+
 /// The same with bf16 on DataParallel.
 #[test]
 fn bf16_data_parallel_with_a_schedule_killed_resumes_to_the_same_bytes() {
