@@ -11,6 +11,7 @@
 //! [`bucket_order`](crate::DdpConfig::bucket_order), so the weights are
 //! the same bytes.
 
+use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -27,6 +28,10 @@ use crate::error::{Error, Result};
 use crate::panic_message::panic_message;
 use crate::step::Step;
 use crate::units::{LayerFactory, Units};
+
+/// Why the walk stopped early: a reduction failed (its error is the one
+/// returned).
+const STOPPED: &str = "stopped: a reduction failed";
 
 /// A bucket handed to the communication thread.
 struct Job {
@@ -181,8 +186,10 @@ impl DistributedDataParallel<Units> {
             .sum();
         timeline.sort_by_key(|s| s.start);
         self.record_overlapped(backward, all_reduce, timeline);
-        let grads = self.synchronised(store, &not_kept);
+        // Before `synchronised` spends what `no_sync` accumulated: a failed
+        // commit keeps it.
         self.commit_buffers()?;
+        let grads = self.synchronised(store, &not_kept);
         Ok(self.step(&loss, grads))
     }
 
@@ -326,8 +333,16 @@ impl<'a> Walk<'a> {
                         }
                         let begin = start.elapsed();
                         let result = reduce_job(reducer, &buckets[job.bucket], &job.grads);
-                        if result.is_err() {
+                        if let Err(e) = &result {
                             failed.store(true, Ordering::Release);
+                            // A local failure (a conversion, memory) leaves
+                            // the others waiting in this bucket or the next:
+                            // fail the group (only its first failure counts).
+                            pg.abort(&format!(
+                                "rank {}: the reduction of bucket {} failed: {e}",
+                                pg.rank(),
+                                job.bucket
+                            ));
                         }
                         let span = Span {
                             activity: Activity::Reduce { bucket: job.bucket },
@@ -380,34 +395,51 @@ impl<'a> Walk<'a> {
                     Ok(())
                 };
             let mut unit_start = start.elapsed();
-            let walk = trace.backward(loss, |k, grads| -> Result<()> {
-                if failed.load(Ordering::Acquire) {
-                    return Err(Error::Units("stopped: a reduction failed".into()));
-                }
-                self.add_unit(k, &grads, &mut local)?;
-                drop(grads);
-                let end = start.elapsed();
-                timeline.push(Span {
-                    activity: Activity::Backward { unit: k },
-                    start: unit_start,
-                    end,
-                });
-                send(Some(k), &mut local)?;
-                unit_start = start.elapsed();
-                Ok(())
-            });
-            let walk = walk.and_then(|()| send(None, &mut local));
-            if let Err(e) = &walk {
+            let walk = panic::catch_unwind(AssertUnwindSafe(|| {
+                trace
+                    .backward(loss, |k, grads| -> Result<()> {
+                        if failed.load(Ordering::Acquire) {
+                            return Err(Error::Units(STOPPED.into()));
+                        }
+                        self.add_unit(k, &grads, &mut local)?;
+                        drop(grads);
+                        let end = start.elapsed();
+                        timeline.push(Span {
+                            activity: Activity::Backward { unit: k },
+                            start: unit_start,
+                            end,
+                        });
+                        send(Some(k), &mut local)?;
+                        unit_start = start.elapsed();
+                        Ok(())
+                    })
+                    .and_then(|()| send(None, &mut local))
+            }));
+            let stop = |why: &dyn std::fmt::Display| {
                 if handed > 0 && !failed.load(Ordering::Acquire) {
                     // This rank's remaining collectives of the step will not
                     // come: the others must not wait for them.
                     pg.abort(&format!(
                         "rank {}: the backward failed after its first gradient buckets were \
-                         handed over: {e}",
+                         handed over: {why}",
                         pg.rank()
                     ));
                 }
-            }
+            };
+            let walk = match walk {
+                Ok(walk) => {
+                    if let Err(e) = &walk {
+                        stop(e);
+                    }
+                    walk
+                }
+                Err(payload) => {
+                    stop(&panic_message(payload.as_ref()));
+                    drop(jobs);
+                    let _ = comm.join();
+                    panic::resume_unwind(payload);
+                }
+            };
             drop(jobs);
             let wait_start = start.elapsed();
             let joined = comm.join();
@@ -418,15 +450,25 @@ impl<'a> Walk<'a> {
             });
             match joined {
                 Ok(()) => walk,
-                Err(payload) => Err(Error::Units(format!(
-                    "the communication thread panicked: {}",
-                    panic_message(payload.as_ref())
-                ))),
+                Err(payload) => {
+                    let why = format!(
+                        "the communication thread panicked: {}",
+                        panic_message(payload.as_ref())
+                    );
+                    pg.abort(&format!("rank {}: {why}", pg.rank()));
+                    Err(Error::Units(why))
+                }
             }
         });
         let mut results: Vec<Done> = done.try_iter().collect();
         results.sort_by_key(|d| d.bucket);
-        // A reduction's failure comes first: the walk only stopped for it.
+        // The walk's own failure first, unless it only stopped because a
+        // reduction failed: then the reduction's.
+        let stopped = match walked {
+            Ok(()) => None,
+            Err(Error::Units(why)) if why == STOPPED => Some(Error::Units(why)),
+            Err(e) => return Err(e),
+        };
         let mut reduced = Vec::with_capacity(results.len());
         let mut busy = Duration::ZERO;
         for d in results {
@@ -444,7 +486,9 @@ impl<'a> Walk<'a> {
                 }
             }
         }
-        walked?;
+        if let Some(e) = stopped {
+            return Err(e);
+        }
         let mut store = GradStore::default();
         let mut not_kept = Vec::new();
         let params = self.ddp.params();

@@ -26,12 +26,20 @@ impl FullyShardedDataParallel {
     /// `opt`'s state (an optimizer over this rank's pieces) marked with
     /// this rank and the world size, so that a later run can tell a
     /// complete set of saves and reshard them.
+    /// The state also records each parameter's rows (`fsdp.rows.<name>`
+    /// among its settings), so that a load can tell a model of another
+    /// shape whose pieces happen to have the same size.
     pub fn shard_state<O: StatefulOptimizer>(&self, opt: &O) -> Result<OptimizerState> {
         let mut state = opt.state()?;
         state.shard = Some(ShardOf {
             rank: self.pg.rank(),
             world_size: self.pg.world_size(),
         });
+        for ((name, _), layout) in self.shards.iter().zip(&self.layouts) {
+            state
+                .settings
+                .insert(format!("{ROWS}{name}"), layout.rows() as f64);
+        }
         Ok(state)
     }
 
@@ -86,13 +94,28 @@ impl FullyShardedDataParallel {
         }
         let rank = self.pg.rank();
         let mut mine = Vec::with_capacity(self.shards.len());
-        for (p, (name, _)) in self.shards.iter().enumerate() {
+        for (p, (name, var)) in self.shards.iter().enumerate() {
+            let rows = self.layouts[p].rows();
+            let saved = states[0].settings.get(&format!("{ROWS}{name}")).copied();
+            if saved != Some(rows as f64) {
+                return Err(fail(format!(
+                    "`{name}` has {rows} rows in this model, {} in the save",
+                    saved.map_or("none recorded".to_string(), |r| r.to_string())
+                )));
+            }
             let old = ShardLayout::new(&self.layouts[p].dims, old_world);
             let whole = unshard_saved(&old, name, |r| pieces[r].get(name))?;
-            mine.push(self.layouts[p].shard_of(&whole, rank)?);
+            // In the piece's dtype and on its device, a copy of its own:
+            // after the optimizer's load nothing below can fail.
+            let piece = self.layouts[p]
+                .shard_of(&whole.to_dtype(var.dtype())?, rank)?
+                .to_device(var.device())?
+                .copy()?;
+            mine.push(piece);
         }
         let mut state = states[0].clone();
         state.shard = None;
+        state.settings.retain(|key, _| !key.starts_with(ROWS));
         for key in states[0].tensors.keys() {
             let Some(p) = self.param_of(key) else {
                 return Err(fail(format!("optimizer tensor `{key}` names no parameter")));
@@ -127,6 +150,10 @@ impl FullyShardedDataParallel {
             .map(|(p, _)| p)
     }
 }
+
+/// The settings' prefix under which a shard state records each parameter's
+/// rows.
+const ROWS: &str = "fsdp.rows.";
 
 /// The whole tensor `name` from every old rank's piece (`piece_of(r)`),
 /// each of the old layout's piece shape.

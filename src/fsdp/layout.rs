@@ -35,6 +35,11 @@ impl ShardLayout {
         }
     }
 
+    /// Rows along dim 0 (1 for a 0-dim parameter).
+    pub(crate) fn rows(&self) -> usize {
+        self.rows
+    }
+
     /// The number of ranks.
     pub(crate) fn world(&self) -> usize {
         self.world

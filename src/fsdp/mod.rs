@@ -161,6 +161,19 @@ impl FullyShardedDataParallel {
         let built = Units::build(VarBuilder::from_varmap(varmap, dtype, device), &units)
             .map_err(in_rank)?;
         let vars = sorted_vars(varmap);
+        // Every rank checks the same things after the ranks agree on the
+        // variables, so that all refuse alike instead of some waiting.
+        verify_same_vars(pg.as_ref(), &vars)?;
+        let reshard = crate::comm::all_gather_object(pg.as_ref(), &config.reshard_after_forward)?;
+        if let Some(r) = reshard.iter().position(|&x| x != reshard[0]) {
+            return Err(Error::ModelMismatch {
+                rank: r,
+                detail: format!(
+                    "has reshard_after_forward {} where rank 0 has {}",
+                    reshard[r], reshard[0]
+                ),
+            });
+        }
         if let Some((name, _)) = vars.iter().find(|(name, _)| (config.is_buffer)(name)) {
             return Err(in_rank(Error::Fsdp(format!(
                 "`{name}` is a buffer: FSDP does not handle buffers (BatchNorm statistics) yet; \
@@ -173,7 +186,14 @@ impl FullyShardedDataParallel {
                 var.dtype()
             ))));
         }
-        verify_same_vars(pg.as_ref(), &vars)?;
+        let used: std::collections::HashSet<&String> =
+            (0..built.len()).flat_map(|k| built.vars_of(k)).collect();
+        if let Some((name, _)) = vars.iter().find(|(name, _)| !used.contains(name)) {
+            return Err(in_rank(Error::Fsdp(format!(
+                "`{name}` is in the VarMap but no unit asks for it: FSDP would replace it by a \
+                 piece and never train it; give FSDP a VarMap of this model alone"
+            ))));
+        }
         broadcast_vars(pg.as_ref(), &vars, 0)?;
         let index: HashMap<&str, usize> = vars
             .iter()

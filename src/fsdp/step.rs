@@ -90,7 +90,16 @@ impl FullyShardedDataParallel {
 
     /// The model's output on `x`, without a graph (evaluation): each unit
     /// gathered, run and released in turn. Every rank must call it.
+    ///
+    /// # Errors
+    ///
+    /// As [`forward_backward`](Self::forward_backward): any error fails the
+    /// group.
     pub fn forward_t(&mut self, x: &Tensor, train: bool) -> Result<Tensor> {
+        self.failing_the_group("forward", |fsdp| fsdp.forward_inner(x, train))
+    }
+
+    fn forward_inner(&mut self, x: &Tensor, train: bool) -> Result<Tensor> {
         let mut held = Held::default();
         let mut h = x.clone();
         for k in 0..self.factories.len() {
@@ -112,8 +121,43 @@ impl FullyShardedDataParallel {
     /// A collective's failure (naming the rank); a resharded unit whose
     /// recomputed forward differs from its first ([`Error::Fsdp`] naming
     /// the unit: the gradients would be another forward's); a loss that
-    /// is not a scalar. On any error the pieces are untouched.
+    /// is not a scalar. On any error the pieces are untouched, and the
+    /// group is failed with the reason (the step's collectives cannot all
+    /// come on this rank, so the others stop at once rather than at their
+    /// timeout); a panic fails it too, then goes on unwinding.
     pub fn forward_backward<F>(&mut self, x: &Tensor, y: &Tensor, loss_fn: F) -> Result<Step>
+    where
+        F: FnOnce(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    {
+        self.failing_the_group("step", |fsdp| fsdp.step_inner(x, y, loss_fn))
+    }
+
+    /// Runs `f`; its error or panic fails the group, naming this rank and
+    /// `what` (only the group's first failure is kept).
+    fn failing_the_group<T>(
+        &mut self,
+        what: &str,
+        f: impl FnOnce(&mut Self) -> Result<T>,
+    ) -> Result<T> {
+        use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+        let pg = self.pg.clone();
+        let fail = |why: &dyn std::fmt::Display| {
+            pg.abort(&format!("rank {}: FSDP's {what} failed: {why}", pg.rank()))
+        };
+        match catch_unwind(AssertUnwindSafe(|| f(self))) {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => {
+                fail(&e);
+                Err(e)
+            }
+            Err(payload) => {
+                fail(&crate::panic_message::panic_message(payload.as_ref()));
+                resume_unwind(payload)
+            }
+        }
+    }
+
+    fn step_inner<F>(&mut self, x: &Tensor, y: &Tensor, loss_fn: F) -> Result<Step>
     where
         F: FnOnce(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
     {

@@ -287,8 +287,9 @@ fn the_language_model_with_its_tied_head_trains_to_the_bytes_of_ddp() {
 }
 
 /// A unit that draws random numbers gives another output when recomputed:
-/// resharded, the step fails naming the unit, and the pieces are as
-/// before; kept (no reshard), it trains.
+/// resharded, the step fails naming the unit on every rank (the group is
+/// failed: the others' collectives of the step cannot all come), and the
+/// pieces are as before; kept (no reshard), it trains.
 #[test]
 fn a_random_unit_recomputed_for_the_backward_fails_the_step_named() {
     fn noisy_units() -> Vec<LayerFactory> {
@@ -298,44 +299,54 @@ fn a_random_unit_recomputed_for_the_backward_fails_the_step_named() {
             layer(|vb| linear(8, 5, vb.pp("b"))),
         ]
     }
-    let outcomes = spawn_with(2, bounded(), |ctx| {
-        let mut out = Vec::new();
-        for reshard in [true, false] {
-            let varmap = VarMap::new();
-            let mut fsdp = FullyShardedDataParallel::from_units(
-                ctx.process_group(),
-                &varmap,
-                DType::F32,
-                &Device::Cpu,
-                noisy_units(),
-                FsdpConfig {
-                    reshard_after_forward: reshard,
-                    ..Default::default()
-                },
-            )?;
-            let before = snapshot(&varmap);
-            let (x, y) = batches(1, 8, 11).remove(0);
-            let (x, y) = share(&ctx, &x, &y)?;
-            let result = fsdp.forward_backward(&x, &y, loss::cross_entropy);
-            out.push((
-                result.map(|_| ()).map_err(|e| e.to_string()),
-                identical(&before, &snapshot(&varmap)),
-            ));
-        }
-        Ok(out)
-    })
-    .unwrap();
-    for rank_out in outcomes {
-        let (resharded, unchanged) = &rank_out[0];
-        let message = resharded
-            .as_ref()
-            .expect_err("a resharded Dropout must fail");
-        assert!(
-            message.contains("unit 1") && message.contains("Dropout"),
-            "{message}"
+    let run = |pg: Arc<dyn ProcessGroup>, reshard: bool| {
+        let varmap = VarMap::new();
+        let mut fsdp = FullyShardedDataParallel::from_units(
+            pg.clone(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            noisy_units(),
+            FsdpConfig {
+                reshard_after_forward: reshard,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let before = snapshot(&varmap);
+        let (x, y) = batches(1, 8, 11).remove(0);
+        let rank = pg.rank();
+        let (x, y) = (
+            x.narrow(0, rank * 4, 4).unwrap(),
+            y.narrow(0, rank * 4, 4).unwrap(),
         );
-        assert!(unchanged);
-        assert!(rank_out[1].0.is_ok(), "{:?}", rank_out[1].0);
+        let result = fsdp.forward_backward(&x, &y, loss::cross_entropy);
+        (
+            result.map(|_| ()).map_err(|e| e.to_string()),
+            identical(&before, &snapshot(&varmap)),
+        )
+    };
+    for reshard in [true, false] {
+        let ranks = ThreadGroup::with_options(2, bounded());
+        let outcomes: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .into_iter()
+                .map(|pg| s.spawn(move || run(Arc::new(pg), reshard)))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, (result, unchanged)) in outcomes.into_iter().enumerate() {
+            if reshard {
+                let message = result.expect_err("a resharded Dropout must fail");
+                assert!(
+                    message.contains("Dropout") || message.contains("failed"),
+                    "{message}"
+                );
+                assert!(unchanged, "rank {rank}");
+            } else {
+                assert!(result.is_ok(), "rank {rank}: {result:?}");
+            }
+        }
     }
 }
 
@@ -547,6 +558,16 @@ fn saves_of_an_incomplete_set_or_of_different_steps_are_refused_and_nothing_chan
                     .expect_err("must be refused");
                 messages.push(err.to_string());
             }
+            // A save of a model whose rows differ (pieces of the same size).
+            let (pieces, mut states): (Vec<_>, Vec<_>) =
+                vec![at(&a, 0), at(&a, 1)].into_iter().unzip();
+            states[0]
+                .settings
+                .insert("fsdp.rows.l0.weight".into(), 11.0);
+            let err = fsdp
+                .load_resharded(&pieces, &states, &mut opt)
+                .expect_err("must be refused");
+            messages.push(err.to_string());
             anyhow::ensure!(identical(&before, &snapshot(&varmap)), "the pieces changed");
             Ok(messages)
         })
@@ -559,6 +580,11 @@ fn saves_of_an_incomplete_set_or_of_different_steps_are_refused_and_nothing_chan
             errors[1]
         );
         assert!(errors[2].contains("rank order"), "{}", errors[2]);
+        assert!(
+            errors[3].contains("`l0.weight` has 12 rows") && errors[3].contains("11"),
+            "{}",
+            errors[3]
+        );
     });
 }
 
