@@ -570,11 +570,10 @@ fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
                 None => recipe.finish(&mut grads, &params, &mut opt)?,
             };
             outcome.grad_bytes = bytes_of(params.iter().filter_map(|p| grads.get(p.as_tensor())));
-            // The global batch's loss, as one device's run reports it.
-            let mine = Tensor::new(&[loss.to_scalar::<f32>()?], &Device::Cpu)?;
-            let sum = ctx.pg.all_reduce(&mine, ReduceOp::Sum)?.to_vec1::<f32>()?;
-            let global = sum.first().copied().unwrap_or(f32::NAN) / world as f32;
-            outcome.record(global, (x.elem_count() * world) as u64);
+            outcome.record(
+                global_loss(ctx.pg.as_ref(), &loss)?,
+                (x.elem_count() * world) as u64,
+            );
             let done = step + 1;
             let paused = Instant::now();
             if rank == 0 && (done % args.eval_every == 0 || done == args.steps) {
@@ -669,10 +668,10 @@ fn train_fsdp(job: &Job) -> Result<Option<Outcome>> {
             recipe.finish_fsdp(&mut grads, &fsdp, &mut opt)?;
             outcome.grad_bytes = grad_bytes(&grads);
             let loss = s.loss.affine(1.0 / factor, 0.0)?;
-            let mine = Tensor::new(&[loss.to_scalar::<f32>()?], &Device::Cpu)?;
-            let sum = ctx.pg.all_reduce(&mine, ReduceOp::Sum)?.to_vec1::<f32>()?;
-            let global = sum.first().copied().unwrap_or(f32::NAN) / world as f32;
-            outcome.record(global, (x.elem_count() * world) as u64);
+            outcome.record(
+                global_loss(ctx.pg.as_ref(), &loss)?,
+                (x.elem_count() * world) as u64,
+            );
             let done = step + 1;
             let paused = Instant::now();
             if done % args.eval_every == 0 || done == args.steps {
@@ -729,6 +728,14 @@ fn train_fsdp(job: &Job) -> Result<Option<Outcome>> {
         Ok((rank == 0).then_some(outcome))
     })?;
     Ok(ranks.into_iter().flatten().next())
+}
+
+/// The global batch's loss, as one device's run reports it: the mean of
+/// the ranks' losses (one all-reduce).
+fn global_loss(pg: &dyn candle_dp::comm::ProcessGroup, loss: &Tensor) -> Result<f32> {
+    let mine = Tensor::new(&[loss.to_scalar::<f32>()?], &Device::Cpu)?;
+    let sum = pg.all_reduce(&mine, ReduceOp::Sum)?.to_vec1::<f32>()?;
+    Ok(sum.first().copied().unwrap_or(f32::NAN) / pg.world_size() as f32)
 }
 
 /// The whole model gathered from every rank's pieces (every rank must

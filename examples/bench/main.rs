@@ -53,6 +53,7 @@ static GLOBAL: alloc_count::Counting = alloc_count::Counting;
 mod all_reduce;
 mod alloc_count;
 mod child;
+mod inputs;
 mod net;
 mod overlap;
 mod pipeline;

@@ -24,6 +24,7 @@ use candle_dp::{seeded_varmap, DdpConfig, DistributedDataParallel};
 use candle_nn::{linear, loss, Linear, Optimizer, VarBuilder, SGD};
 use serde::{Deserialize, Serialize};
 
+use crate::inputs::{global_batch, hash_weights};
 use crate::plan::cores;
 use crate::stats::median;
 
@@ -133,18 +134,6 @@ fn units(spec: &OverlapSpec) -> Vec<LayerFactory> {
 /// The model whole: the units chained in one graph.
 fn whole(spec: &OverlapSpec, vb: VarBuilder) -> candle_core::Result<Units> {
     Units::build(vb, &units(spec)).map_err(candle_core::Error::wrap)
-}
-
-/// The global batch: deterministic inputs and labels.
-fn global_batch(batch: usize) -> Result<(Tensor, Tensor)> {
-    let x: Vec<f32> = (0..batch * 784)
-        .map(|i| ((i * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0)
-        .collect();
-    let y: Vec<u32> = (0..batch as u32).map(|i| i % 10).collect();
-    Ok((
-        Tensor::from_vec(x, (batch, 784), &Device::Cpu)?,
-        Tensor::from_vec(y, batch, &Device::Cpu)?,
-    ))
 }
 
 const SEED: u64 = 11;
@@ -261,19 +250,6 @@ pub fn run_child(spec: &OverlapSpec) -> Result<Option<OverlapMeasured>> {
         },
     )?;
     Ok(ranks.into_iter().flatten().next())
-}
-
-/// FNV-1a over every parameter's bits, in name order.
-fn hash_weights(params: &[(String, candle_core::Var)]) -> Result<u64> {
-    let mut hash = 0xcbf2_9ce4_8422_2325u64;
-    for (_, var) in params {
-        for v in var.as_tensor().flatten_all()?.to_vec1::<f32>()? {
-            for byte in v.to_bits().to_le_bytes() {
-                hash = (hash ^ byte as u64).wrapping_mul(0x100_0000_01b3);
-            }
-        }
-    }
-    Ok(hash)
 }
 
 /// Every configuration of an `--overlap` run: the reference MLP and a deep

@@ -149,36 +149,59 @@ impl Checkpoints {
         if !self.resume {
             return Ok(None);
         }
+        let Some((saved, shards)) =
+            self.newest_with_shards("FSDP", speaks, |step| self.fsdp_shards_at(step))?
+        else {
+            return Ok(None);
+        };
+        say_resuming(&saved, speaks);
+        Ok(Some((saved.state, shards)))
+    }
+
+    /// The newest state whose every rank's shard `shards_at` finds (a
+    /// kill between the shards and the state that names them can leave the
+    /// newest without some), with them. `None` (said): no state at all, a
+    /// fresh start.
+    ///
+    /// # Errors
+    ///
+    /// States exist but none has its shards (`what`'s): the run would lose
+    /// them all, so it is refused, naming the folder.
+    fn newest_with_shards<T>(
+        &self,
+        what: &str,
+        speaks: bool,
+        shards_at: impl Fn(u64) -> Result<T>,
+    ) -> Result<Option<(SavedState, T)>> {
         let mut shards = None;
-        let chosen = self.states.latest_where(|saved| {
-            match self.fsdp_shards_at(saved.state.progress.step) {
-                Ok(found) => {
-                    shards = Some(found);
-                    true
-                }
-                Err(why) => {
-                    if speaks {
-                        eprintln!(
-                            "{}: {why}; trying the state before it",
-                            saved.path.display()
-                        );
+        let chosen =
+            self.states
+                .latest_where(|saved| match shards_at(saved.state.progress.step) {
+                    Ok(found) => {
+                        shards = Some(found);
+                        true
                     }
-                    false
-                }
-            }
-        })?;
+                    Err(why) => {
+                        if speaks {
+                            eprintln!(
+                                "{}: {why}; trying the state before it",
+                                saved.path.display()
+                            );
+                        }
+                        false
+                    }
+                })?;
         let (Some(saved), Some(shards)) = (chosen, shards) else {
             if self.states.latest()?.is_some() {
                 anyhow::bail!(
-                    "{}: no training state has every rank's FSDP shard; refusing to start over",
+                    "{}: no training state has every rank's {what} shard; refusing to start over",
                     self.states.path().display()
                 );
             }
             self.say_fresh_start(speaks);
             return Ok(None);
         };
-        say_resuming(&saved, speaks);
-        Ok(Some((saved.state, shards)))
+        Ok(Some((saved, shards)))
     }
 
     /// Every rank's FSDP shard saved at `step`: its pieces and its
@@ -248,32 +271,9 @@ impl Checkpoints {
         if !self.resume {
             return Ok(None);
         }
-        let mut shards = None;
-        let chosen = self.states.latest_where(|saved| {
-            match self.zero_shards_at(saved.state.progress.step) {
-                Ok(found) => {
-                    shards = Some(found);
-                    true
-                }
-                Err(why) => {
-                    if speaks {
-                        eprintln!(
-                            "{}: {why}; trying the state before it",
-                            saved.path.display()
-                        );
-                    }
-                    false
-                }
-            }
-        })?;
-        let (Some(saved), Some(shards)) = (chosen, shards) else {
-            if self.states.latest()?.is_some() {
-                anyhow::bail!(
-                    "{}: no training state has every rank's ZeRO shard; refusing to start over",
-                    self.states.path().display()
-                );
-            }
-            self.say_fresh_start(speaks);
+        let Some((saved, shards)) =
+            self.newest_with_shards("ZeRO", speaks, |step| self.zero_shards_at(step))?
+        else {
             return Ok(None);
         };
         saved.restore(varmap, None::<&mut candle_dp::optim::AdamW>)?;
