@@ -6,9 +6,21 @@
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::comm::{ProcessGroup, ReduceOp};
-use crate::ddp::{CommHook, DdpConfig};
 use crate::error::Result;
 use crate::zero::{Partition, ZeroStage};
+
+/// How a bucket of gradients travels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CommHook {
+    /// The average in the gradients' dtype (PyTorch's default
+    /// `allreduce_hook`; here the division happens once, after the sum).
+    #[default]
+    Average,
+    /// Cast to f16, divide, all-reduce, cast back (`fp16_compress_hook`).
+    Fp16Compress,
+    /// Cast to bf16, divide, all-reduce, cast back (`bf16_compress_hook`).
+    Bf16Compress,
+}
 
 /// Parameters (of one dtype and device) reduced in one collective.
 #[derive(Debug, Clone)]
@@ -68,7 +80,9 @@ pub(crate) struct Reduced {
 /// What a bucket's reduction reads of its DDP.
 pub(crate) struct BucketReducer<'a> {
     pub(crate) pg: &'a dyn ProcessGroup,
-    pub(crate) config: &'a DdpConfig,
+    pub(crate) comm_hook: CommHook,
+    /// At stage 2 a rank keeps only its own parameters' gradients.
+    pub(crate) zero: Option<ZeroStage>,
     pub(crate) params: &'a [(String, Var)],
     pub(crate) zero_partition: Option<&'a Partition>,
     /// What the sum is divided by (the world size, or the ranks still
@@ -133,7 +147,7 @@ impl BucketReducer<'_> {
                 // keep the whole reduced bucket alive, other ranks'
                 // gradients included (and `copy` would clone the whole
                 // bucket).
-                let grad = match self.config.zero {
+                let grad = match self.zero {
                     Some(ZeroStage::Two) => grad.force_contiguous()?,
                     _ => grad,
                 };
@@ -147,7 +161,7 @@ impl BucketReducer<'_> {
     /// Whether this rank keeps parameter `i`'s reduced gradient: always,
     /// but at ZeRO stage 2 only for the parameters it owns.
     fn keeps_grad_of(&self, i: usize) -> bool {
-        match (self.zero_partition, self.config.zero) {
+        match (self.zero_partition, self.zero) {
             (Some(partition), Some(ZeroStage::Two)) => partition.owns(self.pg.rank(), i),
             _ => true,
         }
@@ -169,7 +183,7 @@ impl BucketReducer<'_> {
     /// One bucket (its pieces of `dtype`, reduced as their concatenation)
     /// through the communication hook.
     fn reduce_pieces(&self, pieces: &[Tensor], dtype: DType) -> Result<Tensor> {
-        let wire = match self.config.comm_hook {
+        let wire = match self.comm_hook {
             CommHook::Average => dtype,
             CommHook::Fp16Compress => DType::F16,
             CommHook::Bf16Compress => DType::BF16,

@@ -41,6 +41,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Module, ModuleT, Optimizer, VarBuilder, VarMap};
 use serde::{Deserialize, Serialize};
 
+pub use crate::buckets::CommHook;
 use crate::buckets::{make_buckets, Bucket, BucketReducer};
 use crate::buffers::{is_batch_norm_buffer, BufferPredicate};
 use crate::comm::{all_gather_object, ProcessGroup, ReduceOp};
@@ -51,19 +52,6 @@ use crate::precision::{build_in_precision, cast_input, MixedPrecision};
 use crate::replicate::ReplicaVars;
 use crate::vars::{grads_of, sorted_vars};
 use crate::zero::{Partition, ZeroStage};
-
-/// How a bucket of gradients travels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum CommHook {
-    /// The average in the gradients' dtype (PyTorch's default
-    /// `allreduce_hook`; here the division happens once, after the sum).
-    #[default]
-    Average,
-    /// Cast to f16, divide, all-reduce, cast back (`fp16_compress_hook`).
-    Fp16Compress,
-    /// Cast to bf16, divide, all-reduce, cast back (`bf16_compress_hook`).
-    Bf16Compress,
-}
 
 /// What to divide the gradient sum by while some ranks have joined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -889,7 +877,8 @@ impl<M> DistributedDataParallel<M> {
         } as f64;
         BucketReducer {
             pg: self.pg.as_ref(),
-            config: &self.config,
+            comm_hook: self.config.comm_hook,
+            zero: self.config.zero,
             params: &self.params,
             zero_partition: self.zero_partition.as_deref(),
             divisor,
