@@ -3,7 +3,7 @@
 //! to equal pieces, as FSDP2's `fully_shard` does), each rank keeping only
 //! its pieces of the parameters, their gradients and the optimizer state.
 //!
-//! The model is given as units ([`Units`](crate::units::Units): one
+//! The model is given as units ([`Units`]: one
 //! factory each, a transformer block per unit). A step walks them:
 //! - **forward**: before a unit's forward its parameters are all-gathered
 //!   and the unit is built over them; after it, with
@@ -88,6 +88,11 @@ pub struct FsdpConfig {
     /// gather, no recomputation, a whole model's parameters held at the
     /// peak.
     pub reshard_after_forward: bool,
+    /// Gather the next unit's parameters on another thread while the
+    /// current unit computes, in the forward and in the backward (default
+    /// `true`, as FSDP2 does): at most two units' whole parameters at
+    /// once.
+    pub prefetch: bool,
     /// Which variables are buffers (default BatchNorm statistics): FSDP
     /// refuses a model that has any, for now.
     pub is_buffer: BufferPredicate,
@@ -97,6 +102,7 @@ impl Default for FsdpConfig {
     fn default() -> Self {
         Self {
             reshard_after_forward: true,
+            prefetch: true,
             is_buffer: Arc::new(is_batch_norm_buffer),
         }
     }
@@ -106,6 +112,7 @@ impl std::fmt::Debug for FsdpConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FsdpConfig")
             .field("reshard_after_forward", &self.reshard_after_forward)
+            .field("prefetch", &self.prefetch)
             .finish_non_exhaustive()
     }
 }
@@ -126,6 +133,11 @@ pub struct FullyShardedDataParallel {
     device: Device,
     config: FsdpConfig,
     memory: FsdpMemory,
+    /// Off inside [`no_sync`](Self::no_sync).
+    syncing: bool,
+    /// What `no_sync` steps accumulated: whole gradients, one slot per
+    /// parameter.
+    accumulated: Option<Vec<Option<Tensor>>>,
 }
 
 impl FullyShardedDataParallel {
@@ -242,6 +254,8 @@ impl FullyShardedDataParallel {
             device: device.clone(),
             config,
             memory: FsdpMemory::default(),
+            syncing: true,
+            accumulated: None,
         })
     }
 
@@ -283,6 +297,22 @@ impl FullyShardedDataParallel {
             norm_type,
             error_if_nonfinite,
         )
+    }
+
+    /// Runs `f` with gradient synchronisation off (FSDP2's
+    /// `set_requires_gradient_sync(False)`, DDP's `no_sync`): the steps
+    /// inside skip the reduce-scatter and accumulate this rank's **whole**
+    /// gradients (a full model's gradients held, as FSDP2 does), returning
+    /// an empty store; the first step after adds what they accumulated and
+    /// reduce-scatters the sum. For accumulation over k micro-batches,
+    /// divide each loss by k.
+    pub fn no_sync<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+        let before = std::mem::replace(&mut self.syncing, false);
+        // Restored on unwind too.
+        let result = catch_unwind(AssertUnwindSafe(|| f(self)));
+        self.syncing = before;
+        result.unwrap_or_else(|payload| resume_unwind(payload))
     }
 
     /// This rank's process group.

@@ -11,6 +11,7 @@ use candle_nn::VarBuilder;
 use super::gathered::Gathered;
 use super::FullyShardedDataParallel;
 use crate::comm::ReduceOp;
+use crate::ddp::with_accumulated;
 use crate::error::{Error, Result};
 use crate::pipeline::{build_layer, fingerprint, Fingerprint};
 use crate::step::Step;
@@ -60,18 +61,76 @@ fn vars_bytes(vars: &[(usize, Var)]) -> usize {
         .sum()
 }
 
+/// A unit's whole parameters, gathered, as variables, by parameter index.
+type GatheredVars = Vec<(usize, Var)>;
+
 impl FullyShardedDataParallel {
-    /// Runs unit `k` on `input` over freshly gathered parameters: the
-    /// gathered variables, the leaf its graph starts at, its output.
-    fn run_unit(&self, k: usize, input: &Tensor, train: bool, held: &mut Held) -> Result<UnitRun> {
+    /// Unit `k`'s whole parameters, gathered in one collective, as
+    /// variables (so that the unit's backward computes their gradients).
+    fn gather_unit(&self, k: usize) -> Result<GatheredVars> {
         let params = &self.unit_params[k];
         let whole = self.gather(params)?;
-        let vars = params
+        params
             .iter()
             .zip(whole)
             .map(|(&p, t)| Ok((p, Var::from_tensor(&t)?)))
-            .collect::<Result<Vec<_>>>()?;
-        held.add(vars_bytes(&vars));
+            .collect()
+    }
+
+    /// Runs `work` on this thread while unit `next`'s parameters are
+    /// gathered on another (FSDP2's prefetch); without prefetch, or for no
+    /// next unit, `work` alone. The gathering is the only collective in
+    /// flight: `work` issues none, and the caller's next collective comes
+    /// after this returns, so every rank keeps one order.
+    fn with_prefetch<T>(
+        &self,
+        next: Option<usize>,
+        work: impl FnOnce() -> T,
+    ) -> (T, Option<Result<GatheredVars>>) {
+        let next = next.filter(|_| self.config.prefetch);
+        std::thread::scope(|s| {
+            let gathering = next.map(|k| s.spawn(move || self.gather_unit(k)));
+            let out = work();
+            let gathered = gathering.map(|thread| {
+                thread.join().unwrap_or_else(|payload| {
+                    Err(Error::Fsdp(format!(
+                        "the thread gathering the next unit panicked: {}",
+                        crate::panic_message::panic_message(payload.as_ref())
+                    )))
+                })
+            });
+            (out, gathered)
+        })
+    }
+
+    /// Unit `k`'s parameters: prefetched, or gathered now (and counted).
+    fn take_or_gather(
+        &self,
+        k: usize,
+        prefetched: Option<Result<GatheredVars>>,
+        held: &mut Held,
+    ) -> Result<GatheredVars> {
+        match prefetched {
+            // Counted when it arrived, beside the unit then running.
+            Some(vars) => vars,
+            None => {
+                let vars = self.gather_unit(k)?;
+                held.add(vars_bytes(&vars));
+                Ok(vars)
+            }
+        }
+    }
+
+    /// Unit `k` built over its gathered parameters `vars` and run on
+    /// `input` (on a leaf, so that its backward yields the input's
+    /// gradient).
+    fn run_unit(
+        &self,
+        k: usize,
+        vars: GatheredVars,
+        input: &Tensor,
+        train: bool,
+    ) -> Result<UnitRun> {
         let by_name: HashMap<String, Tensor> = vars
             .iter()
             .map(|(p, v)| (self.shards[*p].0.clone(), v.as_tensor().clone()))
@@ -100,10 +159,19 @@ impl FullyShardedDataParallel {
     }
 
     fn forward_inner(&mut self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let n = self.factories.len();
         let mut held = Held::default();
         let mut h = x.clone();
-        for k in 0..self.factories.len() {
-            let run = self.run_unit(k, &h, train, &mut held)?;
+        let mut prefetched = None;
+        for k in 0..n {
+            let vars = self.take_or_gather(k, prefetched.take(), &mut held)?;
+            let next = (k + 1 < n).then_some(k + 1);
+            let (run, gathered) = self.with_prefetch(next, || self.run_unit(k, vars, &h, train));
+            prefetched = gathered;
+            if let Some(Ok(vars)) = &prefetched {
+                held.add(vars_bytes(vars));
+            }
+            let run = run?;
             h = run.output.detach();
             held.drop_run(&run);
         }
@@ -170,8 +238,16 @@ impl FullyShardedDataParallel {
         let mut kept: Vec<Option<UnitRun>> = Vec::with_capacity(n);
         let mut saved: Vec<Option<(Tensor, Fingerprint)>> = Vec::with_capacity(n);
         let mut h = x.clone();
+        let mut prefetched = None;
         for k in 0..n {
-            let run = self.run_unit(k, &h, true, &mut held)?;
+            let vars = self.take_or_gather(k, prefetched.take(), &mut held)?;
+            let next = (k + 1 < n).then_some(k + 1);
+            let (run, gathered) = self.with_prefetch(next, || self.run_unit(k, vars, &h, true));
+            prefetched = gathered;
+            if let Some(Ok(vars)) = &prefetched {
+                held.add(vars_bytes(vars));
+            }
+            let run = run?;
             let input = std::mem::replace(&mut h, run.output.detach());
             if k == last || !reshard {
                 kept.push(Some(run));
@@ -194,43 +270,77 @@ impl FullyShardedDataParallel {
             )));
         }
         let mut full_grads: Vec<Option<Tensor>> = vec![None; self.shards.len()];
+        // What earlier `no_sync` steps accumulated, worked on as a copy:
+        // kept as it was unless this step succeeds.
+        let syncing = self.syncing;
+        let mut acc = self
+            .accumulated
+            .clone()
+            .unwrap_or_else(|| vec![None; self.shards.len()]);
         let mut store = GradStore::default();
         let mut without = Vec::new();
         let mut grad: Option<Tensor> = None;
+        let mut prefetched = None;
         for k in (0..n).rev() {
-            let run = match kept[k].take() {
-                Some(run) => run,
-                None => self.recompute(k, saved[k].take(), &mut held)?,
+            let recomputed = kept[k].is_none();
+            let vars = match recomputed {
+                true => Some(self.take_or_gather(k, prefetched.take(), &mut held)?),
+                false => None,
             };
-            let grads = if k == last {
-                Some(loss.backward()?)
-            } else {
-                match grad.take() {
-                    Some(g) => Some(boundary::backward_from(&run.output, &g)?),
-                    None => None,
-                }
-            };
-            if let Some(grads) = &grads {
-                grad = run
-                    .leaf
-                    .as_ref()
-                    .and_then(|leaf| grads.get(leaf.as_tensor()).cloned());
-                for (p, var) in &run.vars {
-                    if let Some(g) = grads.get(var.as_tensor()) {
-                        full_grads[*p] = Some(match full_grads[*p].take() {
-                            Some(sum) => (sum + g)?,
-                            None => g.clone(),
-                        });
+            // The unit before, if it is recomputed, is gathered meanwhile.
+            let next = (k > 0 && kept[k - 1].is_none()).then(|| k - 1);
+            let (ran, gathered) = self.with_prefetch(next, || -> Result<()> {
+                let run = match (kept[k].take(), vars) {
+                    (Some(run), _) => run,
+                    (None, Some(vars)) => self.recompute(k, vars, saved[k].take())?,
+                    (None, None) => return Err(Error::Fsdp(format!("unit {k} has no run"))),
+                };
+                let grads = if k == last {
+                    Some(loss.backward()?)
+                } else {
+                    match grad.take() {
+                        Some(g) => Some(boundary::backward_from(&run.output, &g)?),
+                        None => None,
+                    }
+                };
+                if let Some(grads) = &grads {
+                    grad = run
+                        .leaf
+                        .as_ref()
+                        .and_then(|leaf| grads.get(leaf.as_tensor()).cloned());
+                    for (p, var) in &run.vars {
+                        if let Some(g) = grads.get(var.as_tensor()) {
+                            full_grads[*p] = Some(match full_grads[*p].take() {
+                                Some(sum) => (sum + g)?,
+                                None => g.clone(),
+                            });
+                        }
                     }
                 }
+                held.drop_run(&run);
+                Ok(())
+            });
+            prefetched = gathered;
+            if let Some(Ok(vars)) = &prefetched {
+                held.add(vars_bytes(vars));
             }
-            held.drop_run(&run);
-            drop(run);
+            ran?;
             let finals: Vec<usize> = (0..self.shards.len())
                 .filter(|&p| self.first_use[p] == Some(k))
                 .collect();
-            self.reduce_scatter(&finals, &mut full_grads, &mut store, &mut without)?;
+            for &p in &finals {
+                // The accumulated sum first, as DDP adds them.
+                let sum = with_accumulated(acc[p].take().as_ref(), full_grads[p].take())?;
+                match syncing {
+                    true => full_grads[p] = sum,
+                    false => acc[p] = sum,
+                }
+            }
+            if syncing {
+                self.reduce_scatter(&finals, &mut full_grads, &mut store, &mut without)?;
+            }
         }
+        self.accumulated = (!syncing).then_some(acc);
         self.memory = FsdpMemory {
             shard_bytes: self
                 .shards
@@ -252,17 +362,17 @@ impl FullyShardedDataParallel {
         })
     }
 
-    /// Unit `k` gathered again and its forward run again from its saved
-    /// input, checked against the first forward's output.
+    /// Unit `k` over its parameters gathered again, its forward run again
+    /// from its saved input and checked against the first forward's output.
     fn recompute(
         &self,
         k: usize,
+        vars: GatheredVars,
         saved: Option<(Tensor, Fingerprint)>,
-        held: &mut Held,
     ) -> Result<UnitRun> {
         let (input, first) =
             saved.ok_or_else(|| Error::Fsdp(format!("unit {k}'s saved input is missing")))?;
-        let run = self.run_unit(k, &input, true, held)?;
+        let run = self.run_unit(k, vars, &input, true)?;
         if fingerprint(&run.output)? != first {
             return Err(Error::Fsdp(format!(
                 "unit {k} gave another output when recomputed for the backward (a layer that \

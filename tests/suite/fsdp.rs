@@ -607,3 +607,80 @@ fn the_full_state_exports_to_safetensors_and_loads_as_the_whole_model() {
     let model = DeepMlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)).unwrap();
     model.forward(&data[0].0).unwrap();
 }
+
+/// Gradient accumulation: two micro-batches inside `no_sync` (no
+/// reduce-scatter, whole gradients accumulated), the third reduces the
+/// sum: DDP's bytes with its own `no_sync`.
+#[test]
+fn no_sync_accumulates_and_the_next_step_reduce_scatters_the_sum_as_ddp_does() {
+    within(120, || {
+        let init = init_deep();
+        let data = batches(3, 8, 16);
+        let scaled = |l: Tensor| l / 3.0;
+        let (i1, d1) = (init.clone(), data.clone());
+        let ddp = spawn_with(2, bounded(), move |ctx| {
+            let varmap = varmap_from(&i1);
+            let mut opt = adamw(&varmap)?;
+            let mut ddp = DistributedDataParallel::new(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                DeepMlp::new,
+                DdpConfig::default(),
+            )?;
+            let parts: Vec<(Tensor, Tensor)> = d1
+                .iter()
+                .map(|(x, y)| share(&ctx, x, y))
+                .collect::<candle_core::Result<_>>()?;
+            ddp.no_sync(|ddp| -> anyhow::Result<()> {
+                for (x, y) in &parts[..2] {
+                    let l = scaled(loss::cross_entropy(&ddp.forward(x)?, y)?)?;
+                    ddp.backward(&l)?;
+                }
+                Ok(())
+            })?;
+            let (x, y) = &parts[2];
+            let l = scaled(loss::cross_entropy(&ddp.forward(x)?, y)?)?;
+            ddp.backward_step(&l, &mut opt)?;
+            Ok(snapshot(&varmap))
+        })
+        .unwrap();
+        let fsdp = spawn_with(2, bounded(), move |ctx| {
+            let varmap = varmap_from(&init);
+            let mut fsdp = FullyShardedDataParallel::from_units(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                deep_units(),
+                FsdpConfig::default(),
+            )?;
+            let mut opt = adamw(&varmap)?;
+            let parts: Vec<(Tensor, Tensor)> = data
+                .iter()
+                .map(|(x, y)| share(&ctx, x, y))
+                .collect::<candle_core::Result<_>>()?;
+            fsdp.no_sync(|fsdp| -> anyhow::Result<()> {
+                for (x, y) in &parts[..2] {
+                    let step =
+                        fsdp.forward_backward(x, y, |o, y| scaled(loss::cross_entropy(o, y)?))?;
+                    anyhow::ensure!(step.grads.get_ids().next().is_none());
+                }
+                Ok(())
+            })?;
+            let (x, y) = &parts[2];
+            let step = fsdp.forward_backward(x, y, |o, y| scaled(loss::cross_entropy(o, y)?))?;
+            opt.step(&step.grads)?;
+            Ok(fsdp.full_state()?)
+        })
+        .unwrap();
+        for rank in 0..2 {
+            assert!(
+                identical(&fsdp[rank], &ddp[rank]),
+                "rank {rank}: {}",
+                diff_report(&fsdp[rank], &ddp[rank])
+            );
+        }
+    });
+}

@@ -861,3 +861,28 @@ fn the_timeline_shows_each_unit_and_each_bucket_once() {
     let hidden = timings.hidden_fraction();
     assert!((0.0..=1.0).contains(&hidden), "{hidden}");
 }
+
+/// A communication hook (f16 compression) reduces each overlapped bucket
+/// as it reduces the buckets after the backward: the same bytes.
+#[test]
+fn a_comm_hook_compresses_overlapped_buckets_as_it_does_the_others() {
+    within(120, || {
+        let init = init_deep();
+        let data = batches(2, 12, 17);
+        for world in [2, 3] {
+            let config = DdpConfig {
+                comm_hook: candle_dp::CommHook::Fp16Compress,
+                ..small_buckets()
+            };
+            let a = train_deep(
+                world,
+                data.clone(),
+                init.clone(),
+                Way::Overlapped,
+                config.clone(),
+            );
+            let b = train_deep(world, data.clone(), init.clone(), Way::Whole, config);
+            assert_same_bytes(&a, &b, &format!("world {world}"));
+        }
+    });
+}
