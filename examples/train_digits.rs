@@ -598,7 +598,10 @@ fn train_ddp(
                 DType::F32,
                 &Device::Cpu,
                 net_units(model, h, w, hidden),
-                FsdpConfig::default(),
+                FsdpConfig {
+                    mixed_precision: Some(args.precision.policy()),
+                    ..Default::default()
+                },
             )?;
             // Over the VarMap's variables: this rank's pieces now.
             opt = adamw(&varmap, args.lr)?;
@@ -908,9 +911,6 @@ fn run(args: Args) -> Result<()> {
     let mpi = Backend::from_env() != Backend::Threads;
     if mpi && !matches!(args.strategy, Strategy::Ddp | Strategy::Fsdp) {
         bail!("under mpirun, use --strategy ddp or fsdp (dp and single run in one process)");
-    }
-    if args.strategy == Strategy::Fsdp && args.precision != Precision::F32 {
-        bail!("--strategy fsdp trains in f32 for now (FSDP has no mixed-precision policy yet)");
     }
     if args.zero.is_some() && args.strategy != Strategy::Ddp {
         bail!("--zero shards DistributedDataParallel's optimizer: use it with --strategy ddp");

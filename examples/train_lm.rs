@@ -635,7 +635,10 @@ fn train_fsdp(job: &Job) -> Result<Option<Outcome>> {
             DType::F32,
             &Device::Cpu,
             units(config),
-            FsdpConfig::default(),
+            FsdpConfig {
+                mixed_precision: Some(args.precision.policy()),
+                ..Default::default()
+            },
         )?;
         // Over the VarMap's variables: this rank's pieces now.
         let mut opt = args.adamw(&varmap)?;
@@ -900,9 +903,6 @@ fn run(args: Args) -> Result<()> {
         )
     {
         bail!("under mpirun, use --strategy ddp, zero, ddp-pipeline or fsdp");
-    }
-    if args.strategy == Strategy::Fsdp && args.precision != Precision::F32 {
-        bail!("--strategy fsdp trains in f32 for now (FSDP has no mixed-precision policy yet)");
     }
     let speaks = Backend::process_rank() == 0;
     let text = load_text()?;

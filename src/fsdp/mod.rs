@@ -73,6 +73,7 @@ use crate::comm::ProcessGroup;
 use crate::ddp::{broadcast_vars, verify_same_vars};
 use crate::error::{Error, Result};
 use crate::lock::lock;
+use crate::precision::MixedPrecision;
 use crate::units::{LayerFactory, Units};
 use crate::vars::sorted_vars;
 use layout::ShardLayout;
@@ -96,6 +97,13 @@ pub struct FsdpConfig {
     /// Which variables are buffers (default BatchNorm statistics): FSDP
     /// refuses a model that has any, for now.
     pub is_buffer: BufferPredicate,
+    /// Compute in a low dtype and reduce-scatter in the policy's reduce
+    /// dtype (default none), as FSDP2's `MixedPrecisionPolicy`: the
+    /// pieces and the optimizer stay in the parameters' dtype; each unit is
+    /// gathered whole and cast to `param_dtype` (the variables the policy
+    /// keeps stay in theirs), and its gradients come back to the pieces in
+    /// the parameters' dtype. See [`crate::precision`].
+    pub mixed_precision: Option<MixedPrecision>,
 }
 
 impl Default for FsdpConfig {
@@ -104,6 +112,7 @@ impl Default for FsdpConfig {
             reshard_after_forward: true,
             prefetch: true,
             is_buffer: Arc::new(is_batch_norm_buffer),
+            mixed_precision: None,
         }
     }
 }
@@ -113,6 +122,7 @@ impl std::fmt::Debug for FsdpConfig {
         f.debug_struct("FsdpConfig")
             .field("reshard_after_forward", &self.reshard_after_forward)
             .field("prefetch", &self.prefetch)
+            .field("mixed_precision", &self.mixed_precision)
             .finish_non_exhaustive()
     }
 }
@@ -169,6 +179,9 @@ impl FullyShardedDataParallel {
             return Err(in_rank(Error::Fsdp(
                 "a model given as units needs at least one unit".into(),
             )));
+        }
+        if let Some(policy) = &config.mixed_precision {
+            policy.check().map_err(in_rank)?;
         }
         let built = Units::build(VarBuilder::from_varmap(varmap, dtype, device), &units)
             .map_err(in_rank)?;
@@ -346,6 +359,23 @@ impl FullyShardedDataParallel {
             .zip(gathered)
             .map(|(p, t)| (self.shards[p].0.clone(), t))
             .collect())
+    }
+
+    /// The dtype parameter `p` computes in (the policy's, unless it keeps
+    /// the parameter in its own).
+    pub(crate) fn compute_dtype(&self, p: usize) -> DType {
+        match &self.config.mixed_precision {
+            Some(policy) if !policy.keeps(&self.shards[p].0) => policy.param_dtype,
+            _ => self.dtype,
+        }
+    }
+
+    /// The dtype parameter `p`'s gradients are reduce-scattered in.
+    pub(crate) fn reduce_dtype(&self, p: usize) -> DType {
+        match &self.config.mixed_precision {
+            Some(policy) => policy.reduce_dtype_of(&self.shards[p].0, self.dtype),
+            None => self.dtype,
+        }
     }
 
     /// The whole parameters `params` (indices), all-gathered in one

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use candle_nn::VarBuilder;
 
 use super::gathered::Gathered;
@@ -73,7 +73,7 @@ impl FullyShardedDataParallel {
         params
             .iter()
             .zip(whole)
-            .map(|(&p, t)| Ok((p, Var::from_tensor(&t)?)))
+            .map(|(&p, t)| Ok((p, Var::from_tensor(&t.to_dtype(self.compute_dtype(p))?)?)))
             .collect()
     }
 
@@ -135,8 +135,12 @@ impl FullyShardedDataParallel {
             .iter()
             .map(|(p, v)| (self.shards[*p].0.clone(), v.as_tensor().clone()))
             .collect();
-        let vb =
-            VarBuilder::from_backend(Box::new(Gathered(by_name)), self.dtype, self.device.clone());
+        let dtype = self
+            .config
+            .mixed_precision
+            .as_ref()
+            .map_or(self.dtype, |policy| policy.param_dtype);
+        let vb = VarBuilder::from_backend(Box::new(Gathered(by_name)), dtype, self.device.clone());
         let unit = build_layer(&self.factories[k], k, vb)?;
         let leaf = match k > 0 && input.dtype().is_float() {
             true => Some(boundary::leaf(input)?),
@@ -161,7 +165,7 @@ impl FullyShardedDataParallel {
     fn forward_inner(&mut self, x: &Tensor, train: bool) -> Result<Tensor> {
         let n = self.factories.len();
         let mut held = Held::default();
-        let mut h = x.clone();
+        let mut h = self.input(x)?;
         let mut prefetched = None;
         for k in 0..n {
             let vars = self.take_or_gather(k, prefetched.take(), &mut held)?;
@@ -237,7 +241,7 @@ impl FullyShardedDataParallel {
         // output fingerprint (resharded: recomputed in the backward).
         let mut kept: Vec<Option<UnitRun>> = Vec::with_capacity(n);
         let mut saved: Vec<Option<(Tensor, Fingerprint)>> = Vec::with_capacity(n);
-        let mut h = x.clone();
+        let mut h = self.input(x)?;
         let mut prefetched = None;
         for k in 0..n {
             let vars = self.take_or_gather(k, prefetched.take(), &mut held)?;
@@ -362,6 +366,14 @@ impl FullyShardedDataParallel {
         })
     }
 
+    /// With mixed precision, a floating-point input in the compute dtype.
+    fn input(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(match &self.config.mixed_precision {
+            Some(policy) => crate::precision::cast_input(x, policy.param_dtype)?,
+            None => x.clone(),
+        })
+    }
+
     /// Unit `k` over its parameters gathered again, its forward run again
     /// from its saved input and checked against the first forward's output.
     fn recompute(
@@ -397,6 +409,32 @@ impl FullyShardedDataParallel {
         store: &mut GradStore,
         without: &mut Vec<String>,
     ) -> Result<()> {
+        // One collective per reduce dtype (two where a mixed-precision
+        // policy keeps some parameters in their own), in a fixed order.
+        let mut dtypes: Vec<DType> = params.iter().map(|&p| self.reduce_dtype(p)).collect();
+        dtypes.sort_by_key(|d| d.as_str());
+        dtypes.dedup();
+        for dtype in dtypes {
+            let group: Vec<usize> = params
+                .iter()
+                .copied()
+                .filter(|&p| self.reduce_dtype(p) == dtype)
+                .collect();
+            self.reduce_scatter_in(dtype, &group, full_grads, store, without)?;
+        }
+        Ok(())
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) of `params`, all reduced
+    /// in `dtype`; the pieces come back in the parameters' dtype.
+    fn reduce_scatter_in(
+        &self,
+        dtype: DType,
+        params: &[usize],
+        full_grads: &mut [Option<Tensor>],
+        store: &mut GradStore,
+        without: &mut Vec<String>,
+    ) -> Result<()> {
         if params.is_empty() {
             return Ok(());
         }
@@ -414,13 +452,13 @@ impl FullyShardedDataParallel {
                 }
                 None => {
                     present.push(0f32);
-                    Tensor::zeros(layout.dims.as_slice(), self.dtype, &self.device)?
+                    Tensor::zeros(layout.dims.as_slice(), dtype, &self.device)?
                 }
             };
-            columns.push(layout.padded_by_rank(&whole.to_dtype(self.dtype)?)?);
+            columns.push(layout.padded_by_rank(&whole.to_dtype(dtype)?)?);
         }
         let flags = Tensor::new(present, &self.device)?
-            .to_dtype(self.dtype)?
+            .to_dtype(dtype)?
             .unsqueeze(0)?
             .repeat((world, 1))?;
         columns.push(flags);
@@ -441,6 +479,7 @@ impl FullyShardedDataParallel {
                 let piece = mine
                     .narrow(0, offset, n)?
                     .reshape(layout.shard_dims())?
+                    .to_dtype(self.dtype)?
                     .force_contiguous()?;
                 store.insert(self.shards[p].1.as_tensor(), piece);
             } else {

@@ -684,3 +684,74 @@ fn no_sync_accumulates_and_the_next_step_reduce_scatters_the_sum_as_ddp_does() {
         }
     });
 }
+
+/// bf16 compute, gradients reduce-scattered in f32 (`MixedPrecision::bf16`)
+/// or in bf16: the pieces and AdamW stay f32, and the weights are those of
+/// DDP under the same policy, bit for bit.
+#[test]
+fn mixed_precision_trains_to_the_bytes_of_ddp_under_the_same_policy() {
+    use candle_dp::precision::MixedPrecision;
+    within(180, || {
+        let init = init_deep();
+        let data = batches(2, 8, 18);
+        for policy in [MixedPrecision::bf16(), MixedPrecision::bf16().reduce_dtype(DType::BF16)] {
+            let (i1, d1, p1) = (init.clone(), data.clone(), policy.clone());
+            let ddp = spawn_with(2, bounded(), move |ctx| {
+                let varmap = varmap_from(&i1);
+                let mut opt = adamw(&varmap)?;
+                let mut ddp = DistributedDataParallel::new(
+                    ctx.process_group(),
+                    &varmap,
+                    DType::F32,
+                    &Device::Cpu,
+                    DeepMlp::new,
+                    DdpConfig {
+                        mixed_precision: Some(p1.clone()),
+                        ..Default::default()
+                    },
+                )?;
+                for (x, y) in &d1 {
+                    let (x, y) = share(&ctx, x, y)?;
+                    let l = loss::cross_entropy(&ddp.forward(&x)?.to_dtype(DType::F32)?, &y)?;
+                    ddp.backward_step(&l, &mut opt)?;
+                }
+                Ok(snapshot(&varmap))
+            })
+            .unwrap();
+            let (i2, d2, p2) = (init.clone(), data.clone(), policy.clone());
+            let fsdp = spawn_with(2, bounded(), move |ctx| {
+                let varmap = varmap_from(&i2);
+                let mut fsdp = FullyShardedDataParallel::from_units(
+                    ctx.process_group(),
+                    &varmap,
+                    DType::F32,
+                    &Device::Cpu,
+                    deep_units(),
+                    FsdpConfig {
+                        mixed_precision: Some(p2.clone()),
+                        ..Default::default()
+                    },
+                )?;
+                let mut opt = adamw(&varmap)?;
+                for (x, y) in &d2 {
+                    let (x, y) = share(&ctx, x, y)?;
+                    let step = fsdp.forward_backward(&x, &y, |o, y| {
+                        loss::cross_entropy(&o.to_dtype(DType::F32)?, y)
+                    })?;
+                    opt.step(&step.grads)?;
+                }
+                let gathered = fsdp.last_memory().peak_gathered_bytes;
+                anyhow::ensure!(gathered > 0 && gathered < fsdp.last_memory().full_bytes);
+                Ok(fsdp.full_state()?)
+            })
+            .unwrap();
+            assert!(
+                identical(&fsdp[0], &ddp[0]),
+                "{policy:?}: {}",
+                diff_report(&fsdp[0], &ddp[0])
+            );
+            assert!(!identical(&fsdp[0], &init));
+            assert_eq!(fsdp[0]["l0.weight"].dtype(), DType::F32);
+        }
+    });
+}
