@@ -694,7 +694,10 @@ fn mixed_precision_trains_to_the_bytes_of_ddp_under_the_same_policy() {
     within(180, || {
         let init = init_deep();
         let data = batches(2, 8, 18);
-        for policy in [MixedPrecision::bf16(), MixedPrecision::bf16().reduce_dtype(DType::BF16)] {
+        for policy in [
+            MixedPrecision::bf16(),
+            MixedPrecision::bf16().reduce_dtype(DType::BF16),
+        ] {
             let (i1, d1, p1) = (init.clone(), data.clone(), policy.clone());
             let ddp = spawn_with(2, bounded(), move |ctx| {
                 let varmap = varmap_from(&i1);
