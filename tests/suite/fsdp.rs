@@ -292,62 +292,65 @@ fn the_language_model_with_its_tied_head_trains_to_the_bytes_of_ddp() {
 /// pieces are as before; kept (no reshard), it trains.
 #[test]
 fn a_random_unit_recomputed_for_the_backward_fails_the_step_named() {
-    fn noisy_units() -> Vec<LayerFactory> {
-        vec![
-            layer(|vb| linear(6, 8, vb.pp("a"))),
-            layer(|_| Ok(candle_nn::Dropout::new(0.5))),
-            layer(|vb| linear(8, 5, vb.pp("b"))),
-        ]
-    }
-    let run = |pg: Arc<dyn ProcessGroup>, reshard: bool| {
-        let varmap = VarMap::new();
-        let mut fsdp = FullyShardedDataParallel::from_units(
-            pg.clone(),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-            noisy_units(),
-            FsdpConfig {
-                reshard_after_forward: reshard,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        let before = snapshot(&varmap);
-        let (x, y) = batches(1, 8, 11).remove(0);
-        let rank = pg.rank();
-        let (x, y) = (
-            x.narrow(0, rank * 4, 4).unwrap(),
-            y.narrow(0, rank * 4, 4).unwrap(),
-        );
-        let result = fsdp.forward_backward(&x, &y, loss::cross_entropy);
-        (
-            result.map(|_| ()).map_err(|e| e.to_string()),
-            identical(&before, &snapshot(&varmap)),
-        )
-    };
-    for reshard in [true, false] {
-        let ranks = ThreadGroup::with_options(2, bounded());
-        let outcomes: Vec<_> = std::thread::scope(|s| {
-            let handles: Vec<_> = ranks
-                .into_iter()
-                .map(|pg| s.spawn(move || run(Arc::new(pg), reshard)))
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        for (rank, (result, unchanged)) in outcomes.into_iter().enumerate() {
-            if reshard {
-                let message = result.expect_err("a resharded Dropout must fail");
-                assert!(
-                    message.contains("Dropout") || message.contains("failed"),
-                    "{message}"
-                );
-                assert!(unchanged, "rank {rank}");
-            } else {
-                assert!(result.is_ok(), "rank {rank}: {result:?}");
+    // Bounded: a hang fails the test instead of stalling CI.
+    within(60, || {
+        fn noisy_units() -> Vec<LayerFactory> {
+            vec![
+                layer(|vb| linear(6, 8, vb.pp("a"))),
+                layer(|_| Ok(candle_nn::Dropout::new(0.5))),
+                layer(|vb| linear(8, 5, vb.pp("b"))),
+            ]
+        }
+        let run = |pg: Arc<dyn ProcessGroup>, reshard: bool| {
+            let varmap = VarMap::new();
+            let mut fsdp = FullyShardedDataParallel::from_units(
+                pg.clone(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                noisy_units(),
+                FsdpConfig {
+                    reshard_after_forward: reshard,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let before = snapshot(&varmap);
+            let (x, y) = batches(1, 8, 11).remove(0);
+            let rank = pg.rank();
+            let (x, y) = (
+                x.narrow(0, rank * 4, 4).unwrap(),
+                y.narrow(0, rank * 4, 4).unwrap(),
+            );
+            let result = fsdp.forward_backward(&x, &y, loss::cross_entropy);
+            (
+                result.map(|_| ()).map_err(|e| e.to_string()),
+                identical(&before, &snapshot(&varmap)),
+            )
+        };
+        for reshard in [true, false] {
+            let ranks = ThreadGroup::with_options(2, bounded());
+            let outcomes: Vec<_> = std::thread::scope(|s| {
+                let handles: Vec<_> = ranks
+                    .into_iter()
+                    .map(|pg| s.spawn(move || run(Arc::new(pg), reshard)))
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (rank, (result, unchanged)) in outcomes.into_iter().enumerate() {
+                if reshard {
+                    let message = result.expect_err("a resharded Dropout must fail");
+                    assert!(
+                        message.contains("Dropout") || message.contains("failed"),
+                        "{message}"
+                    );
+                    assert!(unchanged, "rank {rank}");
+                } else {
+                    assert!(result.is_ok(), "rank {rank}: {result:?}");
+                }
             }
         }
-    }
+    });
 }
 
 #[test]
@@ -402,42 +405,45 @@ fn a_rank_failing_inside_a_gather_is_named_on_every_rank_and_changes_nothing() {
 
 #[test]
 fn a_model_with_buffers_or_no_units_is_refused_naming_why() {
-    let errors = spawn_with(1, bounded(), |ctx| {
-        let none = FullyShardedDataParallel::from_units(
-            ctx.process_group(),
-            &VarMap::new(),
-            DType::F32,
-            &Device::Cpu,
-            Vec::new(),
-            FsdpConfig::default(),
-        )
-        .expect_err("no units");
-        let bn = FullyShardedDataParallel::from_units(
-            ctx.process_group(),
-            &VarMap::new(),
-            DType::F32,
-            &Device::Cpu,
-            vec![layer(|vb| {
-                candle_nn::batch_norm(4, candle_nn::BatchNormConfig::default(), vb.pp("bn"))
-            })],
-            FsdpConfig::default(),
-        )
-        .expect_err("a buffer");
-        Ok((
-            none.to_string(),
-            bn.to_string(),
-            matches!(bn, Error::Rank { .. }),
-        ))
-    })
-    .unwrap()
-    .remove(0);
-    assert!(errors.0.contains("at least one unit"), "{}", errors.0);
-    assert!(
-        errors.1.contains("bn.running_mean") && errors.1.contains("buffer"),
-        "{}",
-        errors.1
-    );
-    assert!(errors.2);
+    // Bounded: a hang fails the test instead of stalling CI.
+    within(60, || {
+        let errors = spawn_with(1, bounded(), |ctx| {
+            let none = FullyShardedDataParallel::from_units(
+                ctx.process_group(),
+                &VarMap::new(),
+                DType::F32,
+                &Device::Cpu,
+                Vec::new(),
+                FsdpConfig::default(),
+            )
+            .expect_err("no units");
+            let bn = FullyShardedDataParallel::from_units(
+                ctx.process_group(),
+                &VarMap::new(),
+                DType::F32,
+                &Device::Cpu,
+                vec![layer(|vb| {
+                    candle_nn::batch_norm(4, candle_nn::BatchNormConfig::default(), vb.pp("bn"))
+                })],
+                FsdpConfig::default(),
+            )
+            .expect_err("a buffer");
+            Ok((
+                none.to_string(),
+                bn.to_string(),
+                matches!(bn, Error::Rank { .. }),
+            ))
+        })
+        .unwrap()
+        .remove(0);
+        assert!(errors.0.contains("at least one unit"), "{}", errors.0);
+        assert!(
+            errors.1.contains("bn.running_mean") && errors.1.contains("buffer"),
+            "{}",
+            errors.1
+        );
+        assert!(errors.2);
+    });
 }
 
 /// What each rank saved at the checkpoint: its pieces and optimizer state.
@@ -590,22 +596,26 @@ fn saves_of_an_incomplete_set_or_of_different_steps_are_refused_and_nothing_chan
 
 #[test]
 fn the_full_state_exports_to_safetensors_and_loads_as_the_whole_model() {
-    let init = init_deep();
-    let data = batches(1, 8, 15);
-    let runs = fsdp_run(2, &init, &data, deep_units, loss::cross_entropy, true);
-    let path = std::env::temp_dir().join(format!(
-        "candle_dp_test_{}_fsdp_export.safetensors",
-        std::process::id()
-    ));
-    candle_core::safetensors::save(&runs[0].0, &path).unwrap();
-    let loaded = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
-    let _ = std::fs::remove_file(&path);
-    assert!(identical(&loaded, &runs[0].0));
-    assert_eq!(loaded["l0.weight"].dims(), init["l0.weight"].dims());
-    // The model loads it whole, with no FSDP.
-    let varmap = varmap_from(&loaded);
-    let model = DeepMlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)).unwrap();
-    model.forward(&data[0].0).unwrap();
+    // Bounded: a hang fails the test instead of stalling CI.
+    within(60, || {
+        let init = init_deep();
+        let data = batches(1, 8, 15);
+        let runs = fsdp_run(2, &init, &data, deep_units, loss::cross_entropy, true);
+        let path = std::env::temp_dir().join(format!(
+            "candle_dp_test_{}_fsdp_export.safetensors",
+            std::process::id()
+        ));
+        candle_core::safetensors::save(&runs[0].0, &path).unwrap();
+        let loaded = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert!(identical(&loaded, &runs[0].0));
+        assert_eq!(loaded["l0.weight"].dims(), init["l0.weight"].dims());
+        // The model loads it whole, with no FSDP.
+        let varmap = varmap_from(&loaded);
+        let model =
+            DeepMlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)).unwrap();
+        model.forward(&data[0].0).unwrap();
+    });
 }
 
 /// Gradient accumulation: two micro-batches inside `no_sync` (no

@@ -212,31 +212,34 @@ fn assert_same_bytes(a: &[HashMap<String, Tensor>], b: &[HashMap<String, Tensor>
 
 #[test]
 fn units_fill_the_buckets_last_unit_first() {
-    let ddp_buckets = spawn_with(1, bounded(), |ctx| {
-        let varmap = VarMap::new();
-        let ddp = DistributedDataParallel::from_units(
-            ctx.process_group(),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-            deep_units(),
-            small_buckets(),
-        )?;
-        Ok(ddp
-            .buckets()
-            .iter()
-            .map(|b| b.iter().map(|s| s.to_string()).collect::<Vec<_>>())
-            .collect::<Vec<_>>())
-    })
-    .unwrap()
-    .remove(0);
-    assert!(ddp_buckets.len() >= 3, "{ddp_buckets:?}");
-    let flat: Vec<String> = ddp_buckets.concat();
-    let expected: Vec<String> = (0..DEPTH)
-        .rev()
-        .flat_map(|l| [format!("l{l}.bias"), format!("l{l}.weight")])
-        .collect();
-    assert_eq!(flat, expected);
+    // Bounded: a hang fails the test instead of stalling CI.
+    within(60, || {
+        let ddp_buckets = spawn_with(1, bounded(), |ctx| {
+            let varmap = VarMap::new();
+            let ddp = DistributedDataParallel::from_units(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                deep_units(),
+                small_buckets(),
+            )?;
+            Ok(ddp
+                .buckets()
+                .iter()
+                .map(|b| b.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+                .collect::<Vec<_>>())
+        })
+        .unwrap()
+        .remove(0);
+        assert!(ddp_buckets.len() >= 3, "{ddp_buckets:?}");
+        let flat: Vec<String> = ddp_buckets.concat();
+        let expected: Vec<String> = (0..DEPTH)
+            .rev()
+            .flat_map(|l| [format!("l{l}.bias"), format!("l{l}.weight")])
+            .collect();
+        assert_eq!(flat, expected);
+    });
 }
 
 #[test]
@@ -780,86 +783,93 @@ fn a_reduction_failing_mid_backward_is_named_on_every_rank_and_changes_nothing()
 
 #[test]
 fn a_unit_using_a_parameter_it_did_not_ask_for_is_refused() {
-    let varmap = VarMap::new();
-    let outside = varmap.clone();
-    // Unit 0 reads the head's weight behind its VarBuilder's back: unit 2
-    // is the first to ask for it, so its bucket could leave before unit
-    // 0's contribution.
-    struct Peek(Linear, Tensor);
-    impl Module for Peek {
-        fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-            self.0.forward(x)?.broadcast_add(&self.1.sum_all()?)
+    // Bounded: a hang fails the test instead of stalling CI.
+    within(60, || {
+        let varmap = VarMap::new();
+        let outside = varmap.clone();
+        // Unit 0 reads the head's weight behind its VarBuilder's back: unit 2
+        // is the first to ask for it, so its bucket could leave before unit
+        // 0's contribution.
+        struct Peek(Linear, Tensor);
+        impl Module for Peek {
+            fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+                self.0.forward(x)?.broadcast_add(&self.1.sum_all()?)
+            }
         }
-    }
-    let units = vec![
-        layer(move |vb| {
-            let w = outside.get(
-                (5, WIDTH),
-                "l1.weight",
-                candle_nn::init::ZERO,
+        let units = vec![
+            layer(move |vb| {
+                let w = outside.get(
+                    (5, WIDTH),
+                    "l1.weight",
+                    candle_nn::init::ZERO,
+                    DType::F32,
+                    &Device::Cpu,
+                )?;
+                Ok(Peek(linear(6, WIDTH, vb.pp("l0"))?, w))
+            }),
+            layer(|_| Ok(candle_nn::Activation::Relu)),
+            layer(|vb| linear(WIDTH, 5, vb.pp("l1"))),
+        ];
+        let err = spawn_with(1, bounded(), move |ctx| {
+            let mut ddp = DistributedDataParallel::from_units(
+                ctx.process_group(),
+                &varmap,
                 DType::F32,
                 &Device::Cpu,
+                units.clone(),
+                DdpConfig::default(),
             )?;
-            Ok(Peek(linear(6, WIDTH, vb.pp("l0"))?, w))
-        }),
-        layer(|_| Ok(candle_nn::Activation::Relu)),
-        layer(|vb| linear(WIDTH, 5, vb.pp("l1"))),
-    ];
-    let err = spawn_with(1, bounded(), move |ctx| {
-        let mut ddp = DistributedDataParallel::from_units(
-            ctx.process_group(),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-            units.clone(),
-            DdpConfig::default(),
-        )?;
-        let (x, y) = batches(1, 4, 0).remove(0);
-        Ok(ddp
-            .forward_backward(&x, &y, loss::cross_entropy)
-            .expect_err("must be refused")
-            .to_string())
-    })
-    .unwrap()
-    .remove(0);
-    assert!(err.contains("unit 0") && err.contains("l1.weight"), "{err}");
+            let (x, y) = batches(1, 4, 0).remove(0);
+            Ok(ddp
+                .forward_backward(&x, &y, loss::cross_entropy)
+                .expect_err("must be refused")
+                .to_string())
+        })
+        .unwrap()
+        .remove(0);
+        assert!(err.contains("unit 0") && err.contains("l1.weight"), "{err}");
+    });
 }
 
 #[test]
 fn the_timeline_shows_each_unit_and_each_bucket_once() {
-    let timings = spawn_with(2, bounded(), |ctx| {
-        let varmap = VarMap::new();
-        let mut ddp = DistributedDataParallel::from_units(
-            ctx.process_group(),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-            deep_units(),
-            small_buckets(),
-        )?;
-        let (x, y) = batches(1, 8, 7).remove(0);
-        let (x, y) = share(&ctx, &x, &y)?;
-        ddp.forward_backward(&x, &y, loss::cross_entropy)?;
-        Ok((ddp.last_timings(), ddp.buckets().len()))
-    })
-    .unwrap()
-    .remove(0);
-    let (timings, buckets) = timings;
-    let count =
-        |f: &dyn Fn(&Activity) -> bool| timings.timeline.iter().filter(|s| f(&s.activity)).count();
-    assert_eq!(count(&|a| *a == Activity::Forward), 1);
-    assert_eq!(
-        count(&|a| matches!(a, Activity::Backward { .. })),
-        deep_units().len()
-    );
-    assert_eq!(count(&|a| matches!(a, Activity::Reduce { .. })), buckets);
-    assert_eq!(count(&|a| *a == Activity::Wait), 1);
-    assert!(timings
-        .timeline
-        .windows(2)
-        .all(|w| w[0].start <= w[1].start));
-    let hidden = timings.hidden_fraction();
-    assert!((0.0..=1.0).contains(&hidden), "{hidden}");
+    // Bounded: a hang fails the test instead of stalling CI.
+    within(60, || {
+        let timings = spawn_with(2, bounded(), |ctx| {
+            let varmap = VarMap::new();
+            let mut ddp = DistributedDataParallel::from_units(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                deep_units(),
+                small_buckets(),
+            )?;
+            let (x, y) = batches(1, 8, 7).remove(0);
+            let (x, y) = share(&ctx, &x, &y)?;
+            ddp.forward_backward(&x, &y, loss::cross_entropy)?;
+            Ok((ddp.last_timings(), ddp.buckets().len()))
+        })
+        .unwrap()
+        .remove(0);
+        let (timings, buckets) = timings;
+        let count = |f: &dyn Fn(&Activity) -> bool| {
+            timings.timeline.iter().filter(|s| f(&s.activity)).count()
+        };
+        assert_eq!(count(&|a| *a == Activity::Forward), 1);
+        assert_eq!(
+            count(&|a| matches!(a, Activity::Backward { .. })),
+            deep_units().len()
+        );
+        assert_eq!(count(&|a| matches!(a, Activity::Reduce { .. })), buckets);
+        assert_eq!(count(&|a| *a == Activity::Wait), 1);
+        assert!(timings
+            .timeline
+            .windows(2)
+            .all(|w| w[0].start <= w[1].start));
+        let hidden = timings.hidden_fraction();
+        assert!((0.0..=1.0).contains(&hidden), "{hidden}");
+    });
 }
 
 /// A communication hook (f16 compression) reduces each overlapped bucket
