@@ -33,6 +33,7 @@
 //! travel; it needs every rank's input readable in its own process.
 
 use std::mem::MaybeUninit;
+use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::DType;
@@ -109,6 +110,48 @@ fn all_reduce_shared<T: Element>(
     // SAFETY: every rank wrote its chunk (the chunks tile the buffer) before
     // it sent its message, and has received all of them.
     Ok(Box::new(unsafe { Complete::new(output) }))
+}
+
+/// Reduce-scatter: this rank's `piece` (a range of the elements) of
+/// [`all_reduce`]'s result, bitwise: each element reduced in the order of
+/// the ring chunk it lies in. Each rank reads only its piece of every
+/// input, so the ranks together read the buffer once per rank instead of
+/// reducing it all.
+pub(crate) fn reduce_scatter(
+    inputs: &[&Input],
+    dtype: DType,
+    op: ReduceOp,
+    piece: Range<usize>,
+    link: &impl Link,
+) -> Result<Buffer> {
+    match_dtype!(dtype, T => reduce_piece::<T>(inputs, op, piece, link).map(T::into_buffer), _ => {
+        Err(unsupported(dtype, link))
+    })
+}
+
+fn reduce_piece<T: Element>(
+    inputs: &[&Input],
+    op: ReduceOp,
+    piece: Range<usize>,
+    link: &impl Link,
+) -> Result<Vec<T>> {
+    let (rank, world) = (link.rank(), link.world_size());
+    let len = inputs[rank].len();
+    if piece.end > len {
+        let detail = format!("its piece {piece:?} lies beyond its {len} elements");
+        return Err(link.unexpected(rank, detail));
+    }
+    let mut out = Vec::with_capacity(piece.len());
+    for chunk in 0..world {
+        let range = chunk_range(len, world, chunk);
+        let at = piece.start.max(range.start)..piece.end.min(range.end);
+        if !at.is_empty() {
+            reduce_range(inputs, chunk, at, link, append_to(op, world, &mut out))?;
+        }
+    }
+    // Done reading: no input may change before every rank is.
+    done_reading(link, |_| None, false)?;
+    Ok(out)
 }
 
 /// Reduce to `root`: bitwise the result of [`all_reduce`], on `root` only.
@@ -225,12 +268,24 @@ fn reduce_chunk<T: Element>(
     inputs: &[&Input],
     chunk: usize,
     link: &impl Link,
+    emit: impl FnMut(&[&[T]]) -> bool,
+) -> Result<()> {
+    let range = chunk_range(inputs[link.rank()].len(), inputs.len(), chunk);
+    reduce_range(inputs, chunk, range, link, emit)
+}
+
+/// [`reduce_chunk`] of the elements `range` only, which lie in chunk
+/// `chunk` (whose order they take).
+fn reduce_range<T: Element>(
+    inputs: &[&Input],
+    chunk: usize,
+    range: Range<usize>,
+    link: &impl Link,
     mut emit: impl FnMut(&[&[T]]) -> bool,
 ) -> Result<()> {
     let world = inputs.len();
     // Ranks c+1, c+2, …, c.
     let order: Vec<&Input> = (1..=world).map(|k| inputs[(chunk + k) % world]).collect();
-    let range = chunk_range(inputs[link.rank()].len(), world, chunk);
     let mut fits = true;
     read_inputs(&order, range, |xs: &[&[T]]| {
         let len = xs.first().map_or(0, |x| x.len());

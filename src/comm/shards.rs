@@ -1,13 +1,19 @@
-//! The collectives of sharded training (ZeRO), on any group:
-//! [`ProcessGroup::reduce_scatter`] through the group's all-reduce, and
+//! The collectives of sharded training (ZeRO, FSDP), on any group:
+//! [`ProcessGroup::reduce_scatter`] through the group's all-reduce (the
+//! default; the thread and MPI groups run their own, reading or sending
+//! only each rank's piece, with the same bytes), and
 //! [`ProcessGroup::all_gather_into`] through its all-gather. Each rank's
-//! shard is therefore bitwise the same slice of the all-reduce's result,
-//! which is what lets ZeRO train to DDP's very bytes.
+//! piece is bitwise the same slice of the all-reduce's result, which is
+//! what lets ZeRO and FSDP train to DDP's very bytes.
+
+use std::ops::Range;
 
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use super::{all_gather_object, CommError, ProcessGroup, ReduceOp, Result};
+
+const REDUCE_SCATTER: &str = "reduce_scatter";
 
 /// [`ProcessGroup::reduce_scatter`] as an all-reduce of the whole tensor,
 /// of which this rank keeps its piece (a copy, so the whole result is
@@ -18,12 +24,31 @@ pub(crate) fn reduce_scatter_by_all_reduce<P: ProcessGroup + ?Sized>(
     op: ReduceOp,
     counts: &[usize],
 ) -> Result<Tensor> {
-    const OP: &str = "reduce_scatter";
     let rank = pg.rank();
-    // Every rank must split the result the same way (a rank whose counts
-    // differ would silently keep another slice), and into pieces that add
-    // up to its tensor: checked on every rank from every rank's counts, so
-    // all give the same error and the group stays usable.
+    let piece = agree_on_split(pg, tensor, counts)?;
+    let flat = tensor
+        .flatten_all()
+        .map_err(|source| tensor_error(rank, REDUCE_SCATTER, source))?;
+    let reduced = pg.all_reduce(&flat, op)?;
+    reduced
+        .narrow(0, piece.start, piece.len())
+        // Just the piece (`copy` would clone the whole result).
+        .and_then(|piece| piece.force_contiguous())
+        .map_err(|source| tensor_error(rank, REDUCE_SCATTER, source))
+}
+
+/// Checks a reduce-scatter's split on every rank from every rank's counts
+/// and returns this rank's piece (a range of the flattened tensor). Every
+/// rank must split the result the same way (a rank whose counts differ
+/// would silently keep another slice), into pieces that add up to its
+/// tensor; all ranks give the same error otherwise, and the group stays
+/// usable.
+pub(crate) fn agree_on_split<P: ProcessGroup + ?Sized>(
+    pg: &P,
+    tensor: &Tensor,
+    counts: &[usize],
+) -> Result<Range<usize>> {
+    let rank = pg.rank();
     let mine = Split {
         elements: tensor.elem_count() as u64,
         counts: counts.iter().map(|&c| c as u64).collect(),
@@ -32,21 +57,13 @@ pub(crate) fn reduce_scatter_by_all_reduce<P: ProcessGroup + ?Sized>(
     if let Some((culprit, reason)) = first_bad_split(&splits) {
         return Err(CommError::InvalidInput {
             rank,
-            op: OP,
+            op: REDUCE_SCATTER,
             culprit,
             reason,
         });
     }
-    let flat = tensor
-        .flatten_all()
-        .map_err(|source| tensor_error(rank, OP, source))?;
-    let reduced = pg.all_reduce(&flat, op)?;
     let start: usize = counts[..rank].iter().sum();
-    reduced
-        .narrow(0, start, counts[rank])
-        // Just the piece (`copy` would clone the whole result).
-        .and_then(|piece| piece.force_contiguous())
-        .map_err(|source| tensor_error(rank, OP, source))
+    Ok(start..start + counts[rank])
 }
 
 /// One rank's request of a reduce-scatter.

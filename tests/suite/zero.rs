@@ -28,9 +28,10 @@ fn values(n: usize, seed: usize) -> Vec<f32> {
 #[test]
 fn reduce_scatter_pieces_are_bitwise_slices_of_the_all_reduce() {
     within(120, || {
-        for world in 1..=4 {
-            // 1031 elements: prime, so no piece size divides it evenly.
-            let n = 1031;
+        // Primes, so no piece size divides them evenly: 1031 elements
+        // reduce in rank order, 40 009 (160 KB) by the ring, where each
+        // rank reduces only its piece.
+        for (world, n) in (1..=4).flat_map(|w| [(w, 1031), (w, 40_009)]) {
             let results = spawn(world, move |ctx| {
                 let x = Tensor::new(values(n, ctx.rank), &Device::Cpu)?;
                 // Uneven pieces, the last rank's the largest.
@@ -52,7 +53,11 @@ fn reduce_scatter_pieces_are_bitwise_slices_of_the_all_reduce() {
             })
             .unwrap();
             for (rank, ok) in results.iter().enumerate() {
-                assert_eq!(ok, &vec![true; 3], "world {world}, rank {rank}");
+                assert_eq!(
+                    ok,
+                    &vec![true; 3],
+                    "world {world}, {n} elements, rank {rank}"
+                );
             }
         }
     });

@@ -133,6 +133,15 @@ pub(super) enum Kind {
         input: Input,
         dtype: DType,
     },
+    /// reduce_scatter, large enough for the ring: the ring's
+    /// reduce-scatter, then each rank sends every other only the part of
+    /// its reduced chunk that lies in that rank's piece (`counts`, the
+    /// same on every rank, checked before).
+    ReduceScatter {
+        op: ReduceOp,
+        data: Option<Buffer>,
+        counts: Vec<usize>,
+    },
     Broadcast {
         root: usize,
         data: Option<Buffer>,
@@ -405,6 +414,14 @@ impl Engine {
                     .map(|result| Reply::One(result, Vec::new()))
                     .ok_or_else(|| self.unexpected(me, "no result of its ring".into()).into())
             }
+            Kind::ReduceScatter { op, data, counts } => {
+                if !ring {
+                    let detail = "a reduce-scatter below the ring threshold".into();
+                    return Err(self.unexpected(me, detail).into());
+                }
+                let piece = self.ring_reduce_scatter(self.own(data)?, op, &counts)?;
+                Ok(Reply::One(piece, Vec::new()))
+            }
             Kind::Broadcast { root, data } => {
                 let result = if root == me {
                     self.own(data)?
@@ -482,6 +499,9 @@ impl Engine {
     fn uses_ring(&self, kind: &Kind) -> bool {
         let bytes = match kind {
             Kind::Reduce {
+                data: Some(data), ..
+            }
+            | Kind::ReduceScatter {
                 data: Some(data), ..
             } => data.len().saturating_mul(data.dtype().size_in_bytes()),
             Kind::ReduceParts { input, dtype, .. } => {

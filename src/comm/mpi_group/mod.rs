@@ -495,6 +495,39 @@ impl ProcessGroup for MpiGroup {
             .map_err(|e| self.tensor_error(Op::AllReduce, e))
     }
 
+    /// Below the ring threshold, the all-reduce (its rank order). Above
+    /// it, the ring's reduce-scatter, after which each rank sends every
+    /// other only the part of its reduced chunk in that rank's piece:
+    /// about half the bytes of the all-reduce, the same bytes as its
+    /// slice.
+    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp, counts: &[usize]) -> Result<Tensor> {
+        let bytes = protocol::tensor_bytes(tensor);
+        if !protocol::takes_ring(bytes, self.world_size(), self.shared.ring_threshold_bytes) {
+            return super::shards::reduce_scatter_by_all_reduce(self, tensor, op, counts);
+        }
+        let piece = super::shards::agree_on_split(self, tensor, counts)?;
+        let meta = TensorMeta {
+            dtype: tensor.dtype(),
+            dims: vec![tensor.elem_count()],
+        };
+        // The ring's messages are its chunks, as the all-reduce's.
+        let data =
+            checked_size(&meta, self.world_size()).and_then(|()| Buffer::from_tensor(tensor));
+        let invalid = data.as_ref().err().cloned();
+        let kind = Kind::ReduceScatter {
+            op,
+            data: data.ok(),
+            counts: counts.to_vec(),
+        };
+        let sig = signature(OpSig::AllReduce(op), Some(meta), invalid);
+        match self.call(sig, kind)? {
+            Reply::One(buffer, _) => buffer
+                .into_tensor(&[piece.len()], tensor.device())
+                .map_err(|e| self.tensor_error(Op::AllReduce, e)),
+            _ => Err(self.wrong_reply(Op::AllReduce)),
+        }
+    }
+
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
         let (meta, data) = if self.rank() == root {
             host_copy(tensor)

@@ -12,7 +12,7 @@ use crate::comm::op::Op;
 use crate::comm::protocol::{self, Header, OpSig, Piece, Signature, TensorMeta};
 use crate::comm::ring::{self, Link};
 use crate::comm::{
-    all_reduce_concat_copied, concat_flat, CommError, Failure, FailureCause, Membership,
+    all_reduce_concat_copied, concat_flat, shards, CommError, Failure, FailureCause, Membership,
     ProcessGroup, ReduceOp, Result,
 };
 
@@ -146,6 +146,24 @@ impl ProcessGroup for ThreadRank {
         let inputs = call.inputs(&headers)?;
         ring::all_reduce(&inputs, first.dtype(), op, &call)?
             .to_tensor(&[len], first.device())
+            .map_err(|e| call.tensor_error(e))
+    }
+
+    /// Below the ring threshold, the all-reduce (its rank order). Above
+    /// it, each rank reduces only its piece, read from every rank's input
+    /// in the ring's order: the same bytes as the all-reduce's slice, for
+    /// `1/W` of its work.
+    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp, counts: &[usize]) -> Result<Tensor> {
+        if !self.uses_ring(tensor) {
+            return shards::reduce_scatter_by_all_reduce(self, tensor, op, counts);
+        }
+        let piece = shards::agree_on_split(self, tensor, counts)?;
+        let call = self.begin(Op::AllReduce)?;
+        let headers = call.exchange_inputs(tensor, OpSig::AllReduce(op), None)?;
+        let inputs = call.inputs(&headers)?;
+        let len = piece.len();
+        ring::reduce_scatter(&inputs, tensor.dtype(), op, piece, &call)?
+            .into_tensor(&[len], tensor.device())
             .map_err(|e| call.tensor_error(e))
     }
 

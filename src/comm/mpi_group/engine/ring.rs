@@ -39,6 +39,96 @@ impl Engine {
         })
     }
 
+    /// A reduce-scatter by the ring: the reduce-scatter half of
+    /// [`ring_reduce`](Engine::ring_reduce), so each element is reduced in
+    /// the all-reduce's order, then every rank sends each other rank the
+    /// part of its finished chunk that lies in that rank's piece (the
+    /// pieces: `counts`, the same on every rank). About half the bytes of
+    /// the all-reduce, and the same bytes as its slice.
+    pub(super) fn ring_reduce_scatter(
+        &mut self,
+        data: Buffer,
+        op: ReduceOp,
+        counts: &[usize],
+    ) -> Result<Buffer, Stop> {
+        fn typed<T: Wire>(
+            engine: &mut Engine,
+            data: Buffer,
+            op: ReduceOp,
+            counts: &[usize],
+        ) -> Result<Buffer, Stop> {
+            let mut x = T::vec_of(data)
+                .map_err(|_| engine.unexpected(engine.rank, "a buffer of another type".into()))?;
+            if counts.len() != engine.world_size || counts.iter().sum::<usize>() != x.len() {
+                let detail = format!("counts {counts:?} that do not split {} elements", x.len());
+                return Err(engine.unexpected(engine.rank, detail).into());
+            }
+            engine.reduce_scatter(&mut x, op)?;
+            Ok(T::into_buffer(engine.send_pieces(&x, counts)?))
+        }
+        match_dtype!(data.dtype(), T => typed::<T>(self, data, op, counts), _ => {
+            Err(self.unexpected(self.rank, format!("unsupported dtype {}", data.dtype().as_str())).into())
+        })
+    }
+
+    /// After the ring's reduce-scatter (chunk `rank` of `x` finished):
+    /// sends every rank the part of this rank's chunk inside its piece,
+    /// and returns this rank's piece, received from the ranks whose chunks
+    /// it overlaps.
+    fn send_pieces<T: Wire>(&mut self, x: &[T], counts: &[usize]) -> Result<Vec<T>, Stop> {
+        let (r, w, len) = (self.rank, self.world_size, x.len());
+        let starts: Vec<usize> = counts
+            .iter()
+            .scan(0, |at, &n| {
+                *at += n;
+                Some(*at - n)
+            })
+            .collect();
+        let piece = |q: usize| starts[q]..starts[q] + counts[q];
+        let overlap = |a: Range<usize>, b: Range<usize>| a.start.max(b.start)..a.end.min(b.end);
+        let mine = chunk_range(len, w, r);
+        let my_piece = piece(r);
+        let mut out = vec![T::zeroed(); counts[r]];
+        let mut sources = Vec::new();
+        mpi::request::scope(|scope| {
+            let mut requests = Vec::new();
+            for q in self.others() {
+                let part = overlap(mine.clone(), piece(q));
+                if !part.is_empty() {
+                    let bytes = bytemuck::cast_slice::<T, u8>(&x[part]);
+                    let send = self.data.process_at_rank(q as i32);
+                    requests.push(sending(
+                        send.immediate_send_with_tag(scope, bytes, TAG_DATA),
+                    ));
+                }
+            }
+            // The chunks tile the buffer in order, so the parts of this
+            // rank's piece come in order too.
+            let mut rest = &mut out[..];
+            for c in 0..w {
+                let part = overlap(chunk_range(len, w, c), my_piece.clone());
+                if part.is_empty() {
+                    continue;
+                }
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(part.len());
+                rest = tail;
+                if c == r {
+                    head.copy_from_slice(&x[part]);
+                    continue;
+                }
+                let bytes = bytemuck::cast_slice_mut::<T, u8>(head);
+                let n = bytes.len();
+                let from = self.data.process_at_rank(c as i32);
+                let request = from.immediate_receive_into_with_tag(scope, bytes, TAG_DATA);
+                requests.push(receiving(request, c, n));
+                sources.push(c);
+            }
+            self.set_waiting_for(sources);
+            self.wait(requests, |_| Ok(true))
+        })?;
+        Ok(out)
+    }
+
     /// The ring on this rank's tensors where they lie (`Kind::ReduceParts`;
     /// every rank's parts have the lengths `lens`): the reduce-scatter
     /// sends its first chunk straight from the tensors and adds each
