@@ -620,9 +620,9 @@ fn train_ddp(
             }
             let ddp = builder.build(net.clone())?;
             opt = adamw(&varmap, args.lr)?;
-            // With ZeRO, each rank's AdamW holds its own parameters' state.
+            // With ZeRO, each rank's AdamW holds the state of its pieces.
             let sharded = match zero {
-                Some(_) => Some(ZeroOptimizer::new(&ddp, |mine| {
+                Some(_) => Some(Box::new(ZeroOptimizer::new(&ddp, |mine| {
                     AdamW::new_named(
                         mine,
                         AdamWConfig {
@@ -630,7 +630,7 @@ fn train_ddp(
                             ..Default::default()
                         },
                     )
-                })?),
+                })?)),
                 None => None,
             };
             Engine::Ddp(Box::new(ddp), sharded)
@@ -830,7 +830,7 @@ fn train_ddp(
 enum Engine {
     Ddp(
         Box<DistributedDataParallel<Net>>,
-        Option<ZeroOptimizer<AdamW>>,
+        Option<Box<ZeroOptimizer<AdamW>>>,
     ),
     Fsdp(Box<FullyShardedDataParallel>),
 }

@@ -1,13 +1,14 @@
 //! DDP's gradient buckets: which parameters travel together, and one
 //! bucket's reduction (pack, all-reduce through the communication hook,
-//! unpack), shared by the reduction after the backward and the one
-//! overlapped with it.
+//! unpack; at ZeRO stage 2, pack rank by rank and reduce-scatter), shared
+//! by the reduction after the backward and the one overlapped with it.
 
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::comm::{ProcessGroup, ReduceOp};
 use crate::error::Result;
-use crate::zero::{Partition, ZeroStage};
+use crate::shard_layout::ShardLayout;
+use crate::zero::ZeroStage;
 
 /// How a bucket of gradients travels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -68,23 +69,22 @@ pub(crate) fn make_buckets(
     buckets
 }
 
-/// One bucket, reduced: the averaged gradients this rank keeps, and the
-/// parameters whose gradient it reduced but does not keep (at ZeRO stage
-/// 2, the other ranks' parameters).
+/// One bucket, reduced: the averaged gradients this rank keeps (at ZeRO
+/// stage 2, its pieces of them).
 #[derive(Debug, Default)]
 pub(crate) struct Reduced {
     pub(crate) grads: Vec<(usize, Tensor)>,
-    pub(crate) not_kept: Vec<usize>,
 }
 
 /// What a bucket's reduction reads of its DDP.
 pub(crate) struct BucketReducer<'a> {
     pub(crate) pg: &'a dyn ProcessGroup,
     pub(crate) comm_hook: CommHook,
-    /// At stage 2 a rank keeps only its own parameters' gradients.
+    /// At stage 2 a rank keeps only its pieces of the gradients.
     pub(crate) zero: Option<ZeroStage>,
     pub(crate) params: &'a [(String, Var)],
-    pub(crate) zero_partition: Option<&'a Partition>,
+    /// Each parameter's split into pieces, under ZeRO.
+    pub(crate) layouts: &'a [ShardLayout],
     /// What the sum is divided by (the world size, or the ranks still
     /// training inside a join).
     pub(crate) divisor: f64,
@@ -104,53 +104,35 @@ impl BucketReducer<'_> {
         grads: &[Option<Tensor>],
         presence: Option<&[f64]>,
     ) -> Result<Reduced> {
+        if self.zero == Some(ZeroStage::Two) {
+            return self.reduce_scatter(bucket, grads, presence);
+        }
         let mut pieces = Vec::with_capacity(bucket.params.len() + 1);
-        let mut present = Vec::with_capacity(bucket.params.len());
         for (k, &i) in bucket.params.iter().enumerate() {
             let var = &self.params[i].1;
-            let grad = grads.get(k).and_then(Option::as_ref);
-            let flat = match grad {
+            let flat = match grads.get(k).and_then(Option::as_ref) {
                 Some(g) => g.to_dtype(bucket.dtype)?.flatten_all()?,
                 None => Tensor::zeros(var.elem_count(), bucket.dtype, var.device())?,
             };
             pieces.push(flat);
-            present.push(if grad.is_some() { 1f64 } else { 0. });
         }
         if presence.is_none() {
-            let device = self.params[bucket.params[0]].1.device();
-            pieces.push(Tensor::new(present, device)?.to_dtype(bucket.dtype)?);
+            pieces.push(self.presence_flags(bucket, grads)?);
         }
-        let reduced = self.reduce_pieces(&pieces, bucket.dtype)?;
-        let flags = match presence {
-            Some(flags) => flags.to_vec(),
-            None => {
-                let flags_at = reduced.elem_count() - bucket.params.len();
-                reduced
-                    .narrow(0, flags_at, bucket.params.len())?
-                    .to_dtype(DType::F64)?
-                    .to_vec1::<f64>()?
-            }
-        };
+        let reduced = self.through_hook(&pieces, bucket.dtype, |pieces, op| {
+            Ok(self.pg.all_reduce_concat(pieces, op)?)
+        })?;
+        let flags = self.flags(bucket, &reduced, presence)?;
         let mut out = Reduced::default();
         let mut offset = 0;
         for (k, &i) in bucket.params.iter().enumerate() {
             let var = &self.params[i].1;
             let n = var.elem_count();
-            if flags[k] > 0.0 && !self.keeps_grad_of(i) {
-                out.not_kept.push(i);
-            } else if flags[k] > 0.0 {
+            if flags[k] > 0.0 {
                 let grad = reduced
                     .narrow(0, offset, n)?
                     .reshape(var.shape())?
                     .to_dtype(var.dtype())?;
-                // At stage 2, a copy of just these elements: a view would
-                // keep the whole reduced bucket alive, other ranks'
-                // gradients included (and `copy` would clone the whole
-                // bucket).
-                let grad = match self.zero {
-                    Some(ZeroStage::Two) => grad.force_contiguous()?,
-                    _ => grad,
-                };
                 out.grads.push((i, grad));
             }
             offset += n;
@@ -158,13 +140,91 @@ impl BucketReducer<'_> {
         Ok(out)
     }
 
-    /// Whether this rank keeps parameter `i`'s reduced gradient: always,
-    /// but at ZeRO stage 2 only for the parameters it owns.
-    fn keeps_grad_of(&self, i: usize) -> bool {
-        match (self.zero_partition, self.zero) {
-            (Some(partition), Some(ZeroStage::Two)) => partition.owns(self.pg.rank(), i),
-            _ => true,
+    /// ZeRO stage 2's reduction of one bucket: laid out rank by rank (each
+    /// rank's pieces of the bucket's parameters, then the presence flags,
+    /// which every rank thus gets summed), and reduce-scattered, so that
+    /// this rank receives the average of its pieces only: half the bytes
+    /// of an all-reduce on a network. Each piece's gradient has the
+    /// piece's shape.
+    fn reduce_scatter(
+        &self,
+        bucket: &Bucket,
+        grads: &[Option<Tensor>],
+        presence: Option<&[f64]>,
+    ) -> Result<Reduced> {
+        let world = self.pg.world_size();
+        let mut columns = Vec::with_capacity(bucket.params.len() + 1);
+        for (k, &i) in bucket.params.iter().enumerate() {
+            let var = &self.params[i].1;
+            let whole = match grads.get(k).and_then(Option::as_ref) {
+                Some(g) => g.to_dtype(bucket.dtype)?,
+                None => Tensor::zeros(var.shape(), bucket.dtype, var.device())?,
+            };
+            columns.push(self.layouts[i].padded_by_rank(&whole)?);
         }
+        if presence.is_none() {
+            let flags = self.presence_flags(bucket, grads)?;
+            let n = flags.elem_count();
+            columns.push(flags.unsqueeze(0)?.broadcast_as((world, n))?.contiguous()?);
+        }
+        let table = Tensor::cat(&columns, 1)?;
+        let section = table.dim(1)?;
+        let reduced = self.through_hook(&[table.flatten_all()?], bucket.dtype, |pieces, op| {
+            let counts = vec![section; world];
+            Ok(self.pg.reduce_scatter(&pieces[0], op, &counts)?)
+        })?;
+        let flags = self.flags(bucket, &reduced, presence)?;
+        let mut out = Reduced::default();
+        let mut offset = 0;
+        for (k, &i) in bucket.params.iter().enumerate() {
+            let layout = &self.layouts[i];
+            let n = layout.shard_elems();
+            if flags[k] > 0.0 {
+                let grad = reduced
+                    .narrow(0, offset, n)?
+                    .reshape(layout.shard_dims())?
+                    .to_dtype(self.params[i].1.dtype())?
+                    // Its own elements only: a view would keep the whole
+                    // reduced section alive.
+                    .force_contiguous()?;
+                out.grads.push((i, grad));
+            }
+            offset += n;
+        }
+        Ok(out)
+    }
+
+    /// One flag per parameter of `bucket`: whether this rank has its
+    /// gradient, in the bucket's dtype.
+    fn presence_flags(&self, bucket: &Bucket, grads: &[Option<Tensor>]) -> Result<Tensor> {
+        let present: Vec<f64> = (0..bucket.params.len())
+            .map(|k| match grads.get(k).and_then(Option::as_ref) {
+                Some(_) => 1.,
+                None => 0.,
+            })
+            .collect();
+        let device = self.params[bucket.params[0]].1.device();
+        Ok(Tensor::new(present, device)?.to_dtype(bucket.dtype)?)
+    }
+
+    /// The reduced presence flags: `presence` (summed on the host) or the
+    /// last elements of the reduced bucket.
+    fn flags(
+        &self,
+        bucket: &Bucket,
+        reduced: &Tensor,
+        presence: Option<&[f64]>,
+    ) -> Result<Vec<f64>> {
+        Ok(match presence {
+            Some(flags) => flags.to_vec(),
+            None => {
+                let n = bucket.params.len();
+                reduced
+                    .narrow(0, reduced.elem_count() - n, n)?
+                    .to_dtype(DType::F64)?
+                    .to_vec1::<f64>()?
+            }
+        })
     }
 
     /// For each of `grads`, on how many ranks it is present: one
@@ -180,9 +240,15 @@ impl BucketReducer<'_> {
         Ok(all.to_dtype(DType::F64)?.to_vec1::<f64>()?)
     }
 
-    /// One bucket (its pieces of `dtype`, reduced as their concatenation)
-    /// through the communication hook.
-    fn reduce_pieces(&self, pieces: &[Tensor], dtype: DType) -> Result<Tensor> {
+    /// One bucket (its pieces of `dtype`) through the communication hook,
+    /// reduced by `collective` (an all-reduce of their concatenation, or a
+    /// reduce-scatter).
+    fn through_hook(
+        &self,
+        pieces: &[Tensor],
+        dtype: DType,
+        collective: impl FnOnce(&[Tensor], ReduceOp) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let wire = match self.comm_hook {
             CommHook::Average => dtype,
             CommHook::Fp16Compress => DType::F16,
@@ -192,14 +258,14 @@ impl BucketReducer<'_> {
         let reduced = if wire == dtype && self.divisor == world {
             // Divide once, at the end of the reduction, instead of a pass
             // over the whole bucket before it.
-            self.pg.all_reduce_concat(pieces, ReduceOp::Avg)?
+            collective(pieces, ReduceOp::Avg)?
         } else {
             // Compressed: divide first so the sum cannot overflow f16.
             let scaled = pieces
                 .iter()
                 .map(|piece| piece.to_dtype(wire)? / self.divisor)
                 .collect::<candle_core::Result<Vec<_>>>()?;
-            self.pg.all_reduce_concat(&scaled, ReduceOp::Sum)?
+            collective(&scaled, ReduceOp::Sum)?
         };
         Ok(reduced.to_dtype(dtype)?)
     }

@@ -50,8 +50,9 @@ use crate::error::{Error, Result};
 use crate::no_grad::NoGradCheck;
 use crate::precision::{build_in_precision, cast_input, MixedPrecision};
 use crate::replicate::ReplicaVars;
+use crate::shard_layout::ShardLayout;
 use crate::vars::{grads_of, sorted_vars};
-use crate::zero::{Partition, ZeroStage};
+use crate::zero::ZeroStage;
 
 /// What to divide the gradient sum by while some ranks have joined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -226,8 +227,8 @@ pub struct DistributedDataParallel<M> {
     no_grad: NoGradCheck,
     /// Parameters without a gradient in the latest synchronised backward.
     without_grad: Vec<String>,
-    /// With ZeRO: which rank owns each parameter.
-    zero_partition: Option<Arc<Partition>>,
+    /// With ZeRO: each parameter's split into pieces (empty without).
+    zero_layouts: Vec<ShardLayout>,
     /// With mixed precision: the module's low-precision copies of the
     /// variables, refreshed before every forward.
     copies: Option<ReplicaVars>,
@@ -362,13 +363,14 @@ impl<M> DistributedDataParallel<M> {
         let (buffers, params): (Vec<_>, Vec<_>) = vars
             .into_iter()
             .partition(|(name, _)| (config.is_buffer)(name));
-        let zero_partition = match config.zero {
-            Some(_) => {
-                let partition = Partition::of_vars(&params, pg.world_size());
-                partition.check_agreed(pg.as_ref(), &params)?;
-                Some(Arc::new(partition))
-            }
-            None => None,
+        // The ranks agree on the parameters' shapes (checked above), so
+        // on their pieces.
+        let zero_layouts = match config.zero {
+            Some(_) => params
+                .iter()
+                .map(|(_, var)| ShardLayout::new(var.dims(), pg.world_size()))
+                .collect(),
+            None => Vec::new(),
         };
         let order = match (&config.bucket_order, model_order) {
             (Some(names), _) => bucket_order(&params, names, true),
@@ -404,7 +406,7 @@ impl<M> DistributedDataParallel<M> {
             no_grad: NoGradCheck::default(),
             without_grad: Vec::new(),
             timings: DdpTimings::default(),
-            zero_partition,
+            zero_layouts,
             copies: None,
             overlaps: false,
         };
@@ -427,10 +429,10 @@ impl<M> DistributedDataParallel<M> {
         self.config.zero
     }
 
-    /// With ZeRO, which rank owns each parameter of
-    /// [`params`](Self::params).
-    pub fn zero_partition(&self) -> Option<&Arc<Partition>> {
-        self.zero_partition.as_ref()
+    /// With ZeRO, each parameter's split into pieces, in the order of
+    /// [`params`](Self::params) (empty without ZeRO).
+    pub(crate) fn zero_layouts(&self) -> &[ShardLayout] {
+        &self.zero_layouts
     }
 
     /// Whether the next backward synchronises, as decided at the latest
@@ -613,27 +615,18 @@ impl<M> DistributedDataParallel<M> {
         let reduced = self
             .all_reduce_grads(local)
             .and_then(|reduced| self.comm(self.pg.wait_for_device()).map(|()| reduced));
-        let (store, not_kept) = reduced?;
+        let store = reduced?;
         self.timings.all_reduce = reduce_start.elapsed();
-        Ok(self.synchronised(store, &not_kept))
+        Ok(self.synchronised(store))
     }
 
     /// After a successful reduction: what `no_sync` accumulated is spent,
     /// and the parameters without a gradient are noted.
-    pub(crate) fn synchronised(&mut self, store: GradStore, not_kept: &[usize]) -> GradStore {
+    pub(crate) fn synchronised(&mut self, store: GradStore) -> GradStore {
         self.accumulated = None;
-        // At ZeRO stage 2 the gradients reduced for other ranks are not
-        // kept here, yet they exist.
-        let checked: Vec<(String, Var)> = self
-            .params
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| !not_kept.contains(i))
-            .map(|(_, p)| p.clone())
-            .collect();
         self.without_grad = self
             .no_grad
-            .check("DistributedDataParallel", &checked, &store);
+            .check("DistributedDataParallel", &self.params, &store);
         store
     }
 
@@ -832,17 +825,15 @@ impl<M> DistributedDataParallel<M> {
     /// reduces on the GPUs ([`ProcessGroup::reduces_on_device`]), the
     /// presence flags of all parameters are summed once on the host first.
     ///
-    /// Returns the averaged gradients this rank keeps, and the parameters
-    /// whose reduced gradient it did not keep (at ZeRO stage 2, the other
-    /// ranks' parameters).
-    fn all_reduce_grads(&self, local: Vec<Option<Tensor>>) -> Result<(GradStore, Vec<usize>)> {
+    /// Returns the averaged gradients this rank keeps (at ZeRO stage 2,
+    /// its pieces of them).
+    fn all_reduce_grads(&self, local: Vec<Option<Tensor>>) -> Result<GradStore> {
         let reducer = self.reducer();
         let presence = match self.presence_once() && !local.is_empty() {
             true => Some(reducer.presence_on_host(&local)?),
             false => None,
         };
         let mut store = GradStore::default();
-        let mut not_kept = Vec::new();
         for bucket in &self.buckets {
             let grads: Vec<Option<Tensor>> =
                 bucket.params.iter().map(|&i| local[i].clone()).collect();
@@ -855,9 +846,8 @@ impl<M> DistributedDataParallel<M> {
             for (i, grad) in reduced.grads {
                 store.insert(self.params[i].1.as_tensor(), grad);
             }
-            not_kept.extend(reduced.not_kept);
         }
-        Ok((store, not_kept))
+        Ok(store)
     }
 
     /// Whether the presence flags of every parameter are summed once, before
@@ -880,7 +870,7 @@ impl<M> DistributedDataParallel<M> {
             comm_hook: self.config.comm_hook,
             zero: self.config.zero,
             params: &self.params,
-            zero_partition: self.zero_partition.as_deref(),
+            layouts: &self.zero_layouts,
             divisor,
         }
     }

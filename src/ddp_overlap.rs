@@ -178,7 +178,7 @@ impl DistributedDataParallel<Units> {
             reducer.pg.wait_for_device()?;
             Ok(reduced)
         });
-        let (store, not_kept, all_reduce) = reduced?;
+        let (store, all_reduce) = reduced?;
         let backward = timeline
             .iter()
             .filter(|s| matches!(s.activity, Activity::Backward { .. }))
@@ -189,7 +189,7 @@ impl DistributedDataParallel<Units> {
         // Before `synchronised` spends what `no_sync` accumulated: a failed
         // commit keeps it.
         self.commit_buffers()?;
-        let grads = self.synchronised(store, &not_kept);
+        let grads = self.synchronised(store);
         Ok(self.step(&loss, grads))
     }
 
@@ -304,9 +304,8 @@ impl<'a> Walk<'a> {
     }
 
     /// The backward unit by unit, each bucket handed to a communication
-    /// thread once ready. Returns the reduced gradients, the parameters
-    /// reduced but not kept (ZeRO stage 2), and the time the communication
-    /// thread was busy.
+    /// thread once ready. Returns the reduced gradients (at ZeRO stage 2,
+    /// this rank's pieces) and the time the communication thread was busy.
     fn overlapped(
         &self,
         reducer: &BucketReducer<'_>,
@@ -314,7 +313,7 @@ impl<'a> Walk<'a> {
         loss: &Tensor,
         start: Instant,
         timeline: &mut Vec<Span>,
-    ) -> Result<(GradStore, Vec<usize>, Duration)> {
+    ) -> Result<(GradStore, Duration)> {
         let buckets = self.ddp.bucket_list();
         let accumulated = self.ddp.accumulated();
         let failed = AtomicBool::new(false);
@@ -490,15 +489,13 @@ impl<'a> Walk<'a> {
             return Err(e);
         }
         let mut store = GradStore::default();
-        let mut not_kept = Vec::new();
         let params = self.ddp.params();
         for r in reduced {
             for (i, grad) in r.grads {
                 store.insert(params[i].1.as_tensor(), grad);
             }
-            not_kept.extend(r.not_kept);
         }
-        Ok((store, not_kept, busy))
+        Ok((store, busy))
     }
 }
 

@@ -229,16 +229,6 @@ pub enum Error {
     #[error("optimizer state: {0}")]
     OptimizerState(String),
 
-    /// Rank `rank` partitioned the parameters for ZeRO differently from
-    /// rank 0 (the ranks' models or settings differ).
-    #[error("ZeRO: rank {rank} owns parameters differently from rank 0: {detail}")]
-    ZeroPartitionMismatch {
-        /// The first rank whose partition differs.
-        rank: usize,
-        /// The first parameter assigned differently.
-        detail: String,
-    },
-
     /// ZeRO was used in a way it does not support (the message says how
     /// to use it instead).
     #[error("ZeRO: {0}")]

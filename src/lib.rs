@@ -110,6 +110,8 @@ mod replicate;
 pub mod sampler;
 mod scatter_gather;
 mod seeded_init;
+mod shard_layout;
+mod shard_state;
 mod shared_backend;
 mod step;
 pub mod training_state;

@@ -139,7 +139,7 @@ impl Recipe {
         zero: &mut ZeroOptimizer<O>,
         pg: &dyn ProcessGroup,
     ) -> Result<bool> {
-        let mine = zero.owned_params();
+        let mine = zero.grad_vars();
         let clip = self.clip;
         self.unscale(grads, &mine, Some(pg))?;
         if let Some(max_norm) = clip {

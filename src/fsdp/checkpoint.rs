@@ -8,10 +8,11 @@ use std::collections::HashMap;
 
 use candle_core::Tensor;
 
-use super::layout::ShardLayout;
 use super::FullyShardedDataParallel;
 use crate::error::{Error, Result};
-use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
+use crate::optim::{OptimizerState, StatefulOptimizer};
+use crate::shard_layout::ShardLayout;
+use crate::shard_state::{mark_shard, reshard_states, unshard_saved};
 
 impl FullyShardedDataParallel {
     /// This rank's pieces, by parameter name (copies): with
@@ -31,16 +32,18 @@ impl FullyShardedDataParallel {
     /// shape whose pieces happen to have the same size.
     pub fn shard_state<O: StatefulOptimizer>(&self, opt: &O) -> Result<OptimizerState> {
         let mut state = opt.state()?;
-        state.shard = Some(ShardOf {
-            rank: self.pg.rank(),
-            world_size: self.pg.world_size(),
-        });
-        for ((name, _), layout) in self.shards.iter().zip(&self.layouts) {
-            state
-                .settings
-                .insert(format!("{ROWS}{name}"), layout.rows() as f64);
-        }
+        let (rank, world) = (self.pg.rank(), self.pg.world_size());
+        mark_shard(&mut state, rank, world, ROWS, &self.named_layouts());
         Ok(state)
+    }
+
+    /// Each parameter's name and split.
+    fn named_layouts(&self) -> Vec<(String, ShardLayout)> {
+        self.shards
+            .iter()
+            .zip(&self.layouts)
+            .map(|((name, _), layout)| (name.clone(), layout.clone()))
+            .collect()
     }
 
     /// Restores a sharded checkpoint saved by every rank of a run of any
@@ -65,8 +68,8 @@ impl FullyShardedDataParallel {
         states: &[OptimizerState],
         opt: &mut O,
     ) -> Result<()> {
-        let old_world = states.len();
         let fail = |what: String| Error::Fsdp(format!("a sharded checkpoint: {what}"));
+        let old_world = states.len();
         if old_world == 0 || pieces.len() != old_world {
             return Err(fail(format!(
                 "{} ranks' pieces and {old_world} optimizer states: every rank's save of one run \
@@ -74,59 +77,20 @@ impl FullyShardedDataParallel {
                 pieces.len()
             )));
         }
-        for (r, state) in states.iter().enumerate() {
-            match state.shard {
-                Some(ShardOf { rank, world_size }) if rank == r && world_size == old_world => {}
-                other => {
-                    return Err(fail(format!(
-                        "the state in place {r} of {old_world} was saved as {other:?}: give every \
-                         rank's state, in rank order"
-                    )))
-                }
-            }
-            if state.kind != states[0].kind || state.steps != states[0].steps {
-                return Err(fail(format!(
-                    "rank {r}'s state is {} at step {}, rank 0's {} at step {}: saves of \
-                     different runs or steps",
-                    state.kind, state.steps, states[0].kind, states[0].steps
-                )));
-            }
-        }
         let rank = self.pg.rank();
+        let named = self.named_layouts();
+        let state = reshard_states(states, ROWS, &named, rank, &fail)?;
         let mut mine = Vec::with_capacity(self.shards.len());
-        for (p, (name, var)) in self.shards.iter().enumerate() {
-            let rows = self.layouts[p].rows();
-            let saved = states[0].settings.get(&format!("{ROWS}{name}")).copied();
-            if saved != Some(rows as f64) {
-                return Err(fail(format!(
-                    "`{name}` has {rows} rows in this model, {} in the save",
-                    saved.map_or("none recorded".to_string(), |r| r.to_string())
-                )));
-            }
-            let old = ShardLayout::new(&self.layouts[p].dims, old_world);
-            let whole = unshard_saved(&old, name, |r| pieces[r].get(name))?;
+        for ((name, var), layout) in self.shards.iter().zip(&self.layouts) {
+            let old = ShardLayout::new(&layout.dims, old_world);
+            let whole = unshard_saved(&old, name, |r| pieces[r].get(name), &fail)?;
             // In the piece's dtype and on its device, a copy of its own:
             // after the optimizer's load nothing below can fail.
-            let piece = self.layouts[p]
+            let piece = layout
                 .shard_of(&whole.to_dtype(var.dtype())?, rank)?
                 .to_device(var.device())?
                 .copy()?;
             mine.push(piece);
-        }
-        let mut state = states[0].clone();
-        state.shard = None;
-        state.settings.retain(|key, _| !key.starts_with(ROWS));
-        for key in states[0].tensors.keys() {
-            let Some(p) = self.param_of(key) else {
-                return Err(fail(format!("optimizer tensor `{key}` names no parameter")));
-            };
-            let old = ShardLayout::new(&self.layouts[p].dims, old_world);
-            if states[0].tensors[key].dims() == old.shard_dims().as_slice() {
-                let whole = unshard_saved(&old, key, |r| states[r].tensors.get(key))?;
-                state
-                    .tensors
-                    .insert(key.clone(), self.layouts[p].shard_of(&whole, rank)?);
-            }
         }
         opt.load_state(&state)?;
         for ((_, var), piece) in self.shards.iter().zip(mine) {
@@ -134,52 +98,8 @@ impl FullyShardedDataParallel {
         }
         Ok(())
     }
-
-    /// The parameter an optimizer tensor `<parameter>.<slot>` belongs to
-    /// (the longest name that fits: names hold dots too).
-    fn param_of(&self, key: &str) -> Option<usize> {
-        self.shards
-            .iter()
-            .enumerate()
-            .filter(|(_, (name, _))| {
-                key.len() > name.len()
-                    && key.starts_with(name.as_str())
-                    && key[name.len()..].starts_with('.')
-            })
-            .max_by_key(|(_, (name, _))| name.len())
-            .map(|(p, _)| p)
-    }
 }
 
 /// The settings' prefix under which a shard state records each parameter's
 /// rows.
 const ROWS: &str = "fsdp.rows.";
-
-/// The whole tensor `name` from every old rank's piece (`piece_of(r)`),
-/// each of the old layout's piece shape.
-fn unshard_saved<'a>(
-    old: &ShardLayout,
-    name: &str,
-    piece_of: impl Fn(usize) -> Option<&'a Tensor>,
-) -> Result<Tensor> {
-    let world = old.world();
-    let mut flat = Vec::with_capacity(world);
-    for r in 0..world {
-        let piece = piece_of(r).ok_or_else(|| {
-            Error::Fsdp(format!(
-                "a sharded checkpoint: rank {r}'s save lacks `{name}`"
-            ))
-        })?;
-        if piece.dims() != old.shard_dims().as_slice() {
-            return Err(Error::Fsdp(format!(
-                "a sharded checkpoint: rank {r}'s `{name}` has shape {:?}, a piece of {:?} on {world} \
-                 ranks has {:?}",
-                piece.dims(),
-                old.dims,
-                old.shard_dims()
-            )));
-        }
-        flat.push(piece.flatten_all()?);
-    }
-    Ok(old.unshard(&flat)?)
-}

@@ -59,7 +59,6 @@
 
 mod checkpoint;
 mod gathered;
-mod layout;
 mod step;
 
 use std::collections::HashMap;
@@ -74,9 +73,9 @@ use crate::ddp::{broadcast_vars, verify_same_vars};
 use crate::error::{Error, Result};
 use crate::lock::lock;
 use crate::precision::MixedPrecision;
+use crate::shard_layout::ShardLayout;
 use crate::units::{LayerFactory, Units};
 use crate::vars::sorted_vars;
-use layout::ShardLayout;
 
 pub use step::FsdpMemory;
 

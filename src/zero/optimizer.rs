@@ -1,5 +1,5 @@
-//! [`ZeroOptimizer`]: any optimizer, run by each rank on the parameters it
-//! owns, the updated parameters then shared with every rank.
+//! [`ZeroOptimizer`]: any optimizer, run by each rank on its pieces of
+//! every parameter, the updated pieces then shared with every rank.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -8,27 +8,33 @@ use std::sync::Arc;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
-use super::{Partition, ZeroStage};
+use super::ZeroStage;
 use crate::comm::{all_gather_object, ProcessGroup};
 use crate::ddp::DistributedDataParallel;
 use crate::error::{Error, Result};
 use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
+use crate::shard_layout::ShardLayout;
+use crate::shard_state::{mark_shard, reshard_states};
 
 /// An optimizer sharded across the ranks of a
 /// [`DistributedDataParallel`] built with [`zero`](crate::DdpBuilder::zero)
-/// (ZeRO stage 1 or 2; PyTorch's `ZeroRedundancyOptimizer`, DeepSpeed's
-/// stages 1-2): each rank builds its optimizer over the parameters it owns
-/// ([`Partition`]), so it holds their optimizer state only, and
-/// [`step`](Self::step) updates them, then all-gathers every rank's updated
-/// parameters into every rank's model.
+/// (ZeRO stage 1 or 2; DeepSpeed's stages 1-2, with FSDP2's split): each
+/// parameter is split along dim 0 into one piece per rank (`torch.chunk`'s
+/// sizes, padded to equal shape), each rank builds its optimizer over its
+/// pieces, so it holds a `1/world` share of the optimizer state even of a
+/// model with one huge parameter, and [`step`](Self::step) updates them,
+/// then all-gathers every rank's pieces into every rank's whole
+/// parameters.
 ///
-/// **Exact.** With an optimizer that updates each parameter from its own
+/// **Exact.** With an optimizer that updates each element from its own
 /// gradient and state (SGD, Adam, AdamW: candle's and the crate's), the
 /// weights are bitwise those of DDP with the same optimizer over all
-/// parameters: the gradients are DDP's, each update is the one DDP's
-/// optimizer would make, and the all-gather copies. An optimizer that
-/// couples parameters (a global gradient norm, LAMB's trust ratio across
-/// layers) would see only this rank's.
+/// parameters wherever the gradients are DDP's bytes: always at stage 1;
+/// at stage 2 where the reduce-scatter adds in DDP's order (up to two
+/// ranks, or buckets below the group's ring threshold; see the ZeRO
+/// page). An optimizer that couples elements (a global gradient norm,
+/// LAMB's trust ratio) would see only this rank's pieces: use
+/// [`clip_grad_norm`](Self::clip_grad_norm) for the norm.
 ///
 /// ```
 /// use candle_core::{DType, Device, Tensor};
@@ -43,11 +49,11 @@ use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
 ///     let mut ddp = DistributedDataParallel::builder(ctx.process_group(), &varmap, DType::F32, &Device::Cpu)
 ///         .zero(ZeroStage::Two)
 ///         .build(|vb| linear(4, 2, vb))?;
-///     // Each rank's AdamW holds the state of the parameters it owns only.
+///     // Each rank's AdamW holds the state of its pieces only.
 ///     let mut opt = ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, AdamWConfig::default()))?;
 ///     let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
 ///     let loss = ddp.forward(&x)?.sum_all()?;
-///     let grads = ddp.backward(&loss)?; // stage 2: this rank's parameters' gradients only
+///     let grads = ddp.backward(&loss)?; // stage 2: this rank's pieces of the gradients
 ///     opt.step(&grads)?;
 ///     Ok(())
 /// })?;
@@ -57,27 +63,33 @@ pub struct ZeroOptimizer<O> {
     inner: O,
     pg: Arc<dyn ProcessGroup>,
     stage: ZeroStage,
+    /// The model's whole parameters, in DDP's order.
     params: Vec<(String, Var)>,
-    partition: Arc<Partition>,
+    /// This rank's piece of each (what `inner` steps), named as the
+    /// parameter.
+    pieces: Vec<(String, Var)>,
+    layouts: Vec<ShardLayout>,
     groups: Vec<GatherGroup>,
 }
 
-/// Parameters of one dtype and device, all-gathered as one flat buffer.
+/// Parameters of one dtype and device, whose pieces are all-gathered as
+/// one flat buffer (of the same length on every rank).
 struct GatherGroup {
-    dtype: DType,
-    device: Device,
     /// Indices into the parameters, in their order.
     members: Vec<usize>,
-    /// Elements each rank sends: the most any rank owns in this group (the
-    /// others pad with zeros).
-    padded: usize,
+    /// Elements of this rank's pieces of the members.
+    elems: usize,
 }
 
+/// The settings' prefix under which a shard state records each
+/// parameter's rows.
+const ROWS: &str = "zero.rows.";
+
 impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
-    /// Builds this rank's optimizer with `make`, given the parameters this
-    /// rank owns (named, in the model's order: pass them to the crate's
-    /// optimizers' `new_named`, or their `Var`s to any candle optimizer).
-    /// Every rank must call it.
+    /// Builds this rank's optimizer with `make`, given this rank's piece
+    /// of every parameter (named as the parameter, in the model's order:
+    /// pass them to the crate's optimizers' `new_named`, or their `Var`s
+    /// to any candle optimizer). Every rank must call it.
     ///
     /// # Errors
     ///
@@ -87,129 +99,135 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
     where
         F: FnOnce(Vec<(String, Var)>) -> candle_core::Result<O>,
     {
-        let (stage, partition) = match (ddp.zero_stage(), ddp.zero_partition()) {
-            (Some(stage), Some(partition)) => (stage, Arc::clone(partition)),
-            _ => {
-                return Err(Error::Zero(
-                    "this DistributedDataParallel shards nothing: build it with \
-                     DistributedDataParallel::builder(..).zero(ZeroStage::One) (or Two)"
-                        .into(),
-                ))
-            }
+        let Some(stage) = ddp.zero_stage() else {
+            return Err(Error::Zero(
+                "this DistributedDataParallel shards nothing: build it with \
+                 DistributedDataParallel::builder(..).zero(ZeroStage::One) (or Two)"
+                    .into(),
+            ));
         };
         let pg = Arc::clone(ddp.process_group());
         let params = ddp.params().to_vec();
+        let layouts = ddp.zero_layouts().to_vec();
         let rank = pg.rank();
-        let owned: Vec<(String, Var)> = params
+        let pieces = params
             .iter()
-            .enumerate()
-            .filter(|&(i, _)| partition.owns(rank, i))
-            .map(|(_, p)| p.clone())
-            .collect();
-        let inner = make(owned)?;
-        let groups = gather_groups(&params, &partition);
+            .zip(&layouts)
+            .map(|((name, var), layout)| {
+                let piece = layout.shard_of(var.as_tensor(), rank)?;
+                Ok((name.clone(), Var::from_tensor(&piece)?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let inner = make(pieces.clone())?;
+        let groups = gather_groups(&params, &layouts);
         Ok(Self {
             inner,
             pg,
             stage,
             params,
-            partition,
+            pieces,
+            layouts,
             groups,
         })
     }
 
-    /// Updates this rank's parameters from `grads` (DDP's averaged
-    /// gradients: at stage 2 only this rank's parameters have one), then
-    /// gives every rank every other rank's updated parameters. Every rank
-    /// must call it.
+    /// Updates this rank's pieces from `grads` (DDP's averaged gradients:
+    /// whole at stage 1, this rank's pieces at stage 2), then gives every
+    /// rank every other rank's updated pieces, written into the whole
+    /// parameters. Every rank must call it.
+    ///
+    /// The pieces are taken from the whole parameters first, so weights
+    /// loaded into the model between steps are what the step updates.
     ///
     /// # Errors
     ///
-    /// If any rank's update fails, every rank returns [`Error::Zero`]
-    /// naming it, with every parameter as before the step (the ranks agree
-    /// on the updates' outcome before they exchange anything). If the
-    /// exchange fails, this rank's parameters are put back and no other
-    /// rank's value has been written. The optimizer's own state is not
-    /// rolled back: resume from a checkpoint, as after any failed
+    /// If any rank's update fails (its optimizer, or gradients that are
+    /// not this DDP's), every rank returns [`Error::Zero`] naming it, with
+    /// every parameter as before the step (the ranks agree on the
+    /// updates' outcome before they exchange anything). If the exchange
+    /// fails, no parameter has been written. The optimizer's own state is
+    /// not rolled back: resume from a checkpoint, as after any failed
     /// collective.
     pub fn step(&mut self, grads: &GradStore) -> Result<()> {
-        let rank = self.pg.rank();
-        let mine: Vec<usize> = self.owned_indices(rank).collect();
-        let before = mine
-            .iter()
-            .map(|&i| self.params[i].1.as_tensor().copy())
-            .collect::<candle_core::Result<Vec<_>>>();
-        let updated = match &before {
-            Ok(_) => self.inner.step(grads).map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        };
+        let updated = self
+            .piece_grads(grads)
+            .and_then(|pieces| Ok(self.inner.step(&pieces)?))
+            .map_err(|e| e.to_string());
         // A rank whose update failed must not leave the others waiting in
         // the exchange: all learn every rank's outcome first.
-        let outcomes = all_gather_object(self.pg.as_ref(), &updated.err());
-        let result = match outcomes {
-            Err(e) => Err(Error::from(e)),
-            Ok(outcomes) => match outcomes
-                .iter()
-                .enumerate()
-                .find_map(|(r, failed)| failed.as_ref().map(|why| (r, why)))
-            {
-                Some((culprit, why)) => Err(Error::Zero(format!(
-                    "the optimizer step of rank {culprit} failed: {why}; every rank's parameters \
-                     are as before the step"
-                ))),
-                None => self.share_updates(),
-            },
-        };
-        if result.is_err() {
-            if let Ok(before) = &before {
-                for (&i, old) in mine.iter().zip(before) {
-                    // Best effort: the error being returned says what failed.
-                    let _ = self.params[i].1.set(old);
-                }
-            }
+        let outcomes = all_gather_object(self.pg.as_ref(), &updated.err())?;
+        if let Some((culprit, why)) = outcomes
+            .iter()
+            .enumerate()
+            .find_map(|(r, failed)| failed.as_ref().map(|why| (r, why)))
+        {
+            return Err(Error::Zero(format!(
+                "the optimizer step of rank {culprit} failed: {why}; every rank's parameters \
+                 are as before the step"
+            )));
         }
-        result
+        self.share_updates()
     }
 
-    /// Every rank sends the parameters it owns, group by group, as one
-    /// flat buffer (padded to the largest rank's share), and takes the
-    /// others' from theirs: every group is exchanged (and, on a GPU group,
-    /// completed) before any parameter is written.
-    fn share_updates(&self) -> Result<()> {
+    /// The pieces refreshed from the whole parameters, and their gradients
+    /// from DDP's `grads`.
+    fn piece_grads(&self, grads: &GradStore) -> Result<GradStore> {
         let rank = self.pg.rank();
-        let owners = self.partition.owners();
+        let mut store = GradStore::default();
+        for (((name, var), (_, piece)), layout) in
+            self.params.iter().zip(&self.pieces).zip(&self.layouts)
+        {
+            piece.set(&layout.shard_of(var.as_tensor(), rank)?)?;
+            let Some(grad) = grads.get(var.as_tensor()) else {
+                continue;
+            };
+            let grad = match self.stage {
+                ZeroStage::One if grad.dims() == var.dims() => layout.shard_of(grad, rank)?,
+                ZeroStage::Two if grad.dims() == layout.shard_dims().as_slice() => grad.clone(),
+                stage => {
+                    let want = match stage {
+                        ZeroStage::One => format!("the parameter's {:?}", var.dims()),
+                        ZeroStage::Two => format!("this rank's piece's {:?}", layout.shard_dims()),
+                    };
+                    return Err(Error::Zero(format!(
+                        "the gradient of `{name}` has shape {:?}, not {want}: pass the \
+                         gradients of this DistributedDataParallel's backward",
+                        grad.dims()
+                    )));
+                }
+            };
+            store.insert(piece.as_tensor(), grad);
+        }
+        Ok(store)
+    }
+
+    /// Every rank sends its pieces, group by group, as one flat buffer,
+    /// and takes the others' from theirs: every group is exchanged (and,
+    /// on a GPU group, completed) before any parameter is written.
+    fn share_updates(&self) -> Result<()> {
         let mut writes: Vec<(usize, Tensor)> = Vec::new();
         // A group whose parameters have no elements (a dtype held only by
         // an empty parameter) has nothing to share, and no piece to cat.
-        for group in self.groups.iter().filter(|g| g.padded > 0) {
-            let mut pieces = Vec::new();
-            let mut sent = 0;
-            for &i in group.members.iter().filter(|&&i| owners[i] == rank) {
-                let var = &self.params[i].1;
-                pieces.push(var.as_tensor().flatten_all()?);
-                sent += var.elem_count();
-            }
-            if sent < group.padded {
-                pieces.push(Tensor::zeros(
-                    group.padded - sent,
-                    group.dtype,
-                    &group.device,
-                )?);
-            }
-            let flat = Tensor::cat(&pieces, 0)?;
-            // Each rank's piece as it came (all_gather_into would copy them
-            // all into one buffer first).
+        for group in self.groups.iter().filter(|g| g.elems > 0) {
+            let flat = group
+                .members
+                .iter()
+                .map(|&i| self.pieces[i].1.as_tensor().flatten_all())
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let flat = Tensor::cat(&flat, 0)?;
+            // Each rank's buffer as it came (all_gather_into would copy
+            // them all into one first).
             let all = self.pg.all_gather(&flat)?;
-            for (owner, piece) in all.iter().enumerate() {
-                let mut offset = 0;
-                for &i in group.members.iter().filter(|&&i| owners[i] == owner) {
-                    let var = &self.params[i].1;
-                    let n = var.elem_count();
-                    if owner != rank {
-                        writes.push((i, piece.narrow(0, offset, n)?.reshape(var.shape())?));
-                    }
-                    offset += n;
-                }
+            let mut offset = 0;
+            for &i in &group.members {
+                let layout = &self.layouts[i];
+                let n = layout.shard_elems();
+                let pieces = all
+                    .iter()
+                    .map(|buffer| buffer.narrow(0, offset, n))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                writes.push((i, layout.unshard(&pieces)?));
+                offset += n;
             }
         }
         self.pg.wait_for_device()?;
@@ -219,18 +237,14 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
         Ok(())
     }
 
-    fn owned_indices(&self, rank: usize) -> impl Iterator<Item = usize> + '_ {
-        (0..self.params.len()).filter(move |&i| self.partition.owns(rank, i))
-    }
-
     /// PyTorch's `clip_grad_norm_` over every rank's gradients, for DDP's
-    /// `grads` at either stage: each rank clips the gradients of the
-    /// parameters it owns (the only ones its optimizer steps) by the
-    /// factor of the total norm of all of them, which one all-reduce of
-    /// one number gives every rank. Every rank must call it, before
-    /// [`step`](Self::step). The total agrees with
-    /// [`clip_grad_norm`](crate::optim::clip_grad_norm) of the whole
-    /// gradients to rounding.
+    /// `grads` at either stage: every rank clips by the factor of the
+    /// total norm. At stage 1 each rank holds the whole averaged gradients
+    /// and computes it alone (DDP's bytes); at stage 2 each rank's norm of
+    /// its pieces is combined with one all-reduce of one number (the total
+    /// agrees with [`clip_grad_norm`](crate::optim::clip_grad_norm) of the
+    /// whole gradients to rounding). Every rank must call it, before
+    /// [`step`](Self::step).
     ///
     /// # Errors
     ///
@@ -243,38 +257,44 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
         norm_type: f64,
         error_if_nonfinite: bool,
     ) -> Result<crate::optim::Clipped> {
-        let mine: Vec<Var> = self
-            .owned_indices(self.pg.rank())
-            .map(|i| self.params[i].1.clone())
-            .collect();
-        crate::optim::clip::clip_grad_norm_across(
-            self.pg.as_ref(),
-            grads,
-            &mine,
-            max_norm,
-            norm_type,
-            error_if_nonfinite,
-        )
+        let vars = self.grad_vars();
+        match self.stage {
+            ZeroStage::One => {
+                crate::optim::clip_grad_norm(grads, &vars, max_norm, norm_type, error_if_nonfinite)
+            }
+            ZeroStage::Two => crate::optim::clip::clip_grad_norm_across(
+                self.pg.as_ref(),
+                grads,
+                &vars,
+                max_norm,
+                norm_type,
+                error_if_nonfinite,
+            ),
+        }
     }
 
-    /// The parameters this rank owns (the ones its optimizer steps, whose
-    /// gradients it keeps at stage 2): what
+    /// The variables DDP's gradients are keyed by (the whole parameters;
+    /// at stage 2 each entry holds this rank's piece): what
     /// [`GradScaler::unscale_across`](crate::optim::GradScaler::unscale_across)
     /// takes on every rank, so that an inf in any rank's gradients skips
     /// every rank's step.
-    pub fn owned_params(&self) -> Vec<Var> {
-        self.owned_indices(self.pg.rank())
-            .map(|i| self.params[i].1.clone())
-            .collect()
+    pub fn grad_vars(&self) -> Vec<Var> {
+        self.params.iter().map(|(_, v)| v.clone()).collect()
     }
 
-    /// The optimizer over this rank's parameters.
+    /// This rank's pieces, named as their parameters: the variables its
+    /// optimizer steps.
+    pub fn shard_vars(&self) -> &[(String, Var)] {
+        &self.pieces
+    }
+
+    /// The optimizer over this rank's pieces.
     pub fn inner(&self) -> &O {
         &self.inner
     }
 
-    /// The optimizer over this rank's parameters, to change its settings
-    /// (a learning-rate schedule).
+    /// The optimizer over this rank's pieces, to change its settings (a
+    /// learning-rate schedule).
     pub fn inner_mut(&mut self) -> &mut O {
         &mut self.inner
     }
@@ -284,60 +304,48 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
         self.stage
     }
 
-    /// Which rank owns which parameter.
-    pub fn partition(&self) -> &Partition {
-        &self.partition
-    }
-
-    /// The names of the parameters this rank owns.
-    pub fn owned_names(&self) -> Vec<&str> {
-        self.owned_indices(self.pg.rank())
-            .map(|i| self.params[i].0.as_str())
+    /// Each parameter's name and split.
+    fn named_layouts(&self) -> Vec<(String, ShardLayout)> {
+        self.params
+            .iter()
+            .zip(&self.layouts)
+            .map(|((name, _), layout)| (name.clone(), layout.clone()))
             .collect()
     }
 }
 
 impl<O: StatefulOptimizer> ZeroOptimizer<O> {
-    /// This rank's shard of the optimizer state: the entries of the
-    /// parameters it owns, and which rank of how many saved it
-    /// ([`OptimizerState::shard`]). Save one per rank;
-    /// [`load_shards`](Self::load_shards) takes them back.
+    /// This rank's shard of the optimizer state: the state of its pieces,
+    /// which rank of how many saved it ([`OptimizerState::shard`]), and
+    /// each parameter's rows (`zero.rows.<name>` among its settings). Save
+    /// one per rank; [`load_shards`](Self::load_shards) takes them back.
     pub fn shard_state(&self) -> Result<OptimizerState> {
         let mut state = self.inner.state()?;
-        state.shard = Some(ShardOf {
-            rank: self.pg.rank(),
-            world_size: self.pg.world_size(),
-        });
+        let (rank, world) = (self.pg.rank(), self.pg.world_size());
+        mark_shard(&mut state, rank, world, ROWS, &self.named_layouts());
         Ok(state)
     }
 
     /// Loads the state saved as shards by every rank of a run (all of
-    /// them, in any order), on any number of ranks: this rank keeps the
-    /// entries of the parameters it owns now, so a run resumed on another
-    /// world size re-partitions the state.
+    /// them, in any order), on any number of ranks: each state tensor
+    /// shaped like a piece (Adam's moments) is put back whole and this
+    /// rank keeps its own piece of this run's split, so a run resumed on
+    /// another world size re-shards the state. Every rank calls it with
+    /// the same shards; no collective runs.
     ///
     /// # Errors
     ///
     /// [`Error::OptimizerState`] when the set is not one run's complete
     /// set (a rank's shard missing or given twice, shards of different
     /// world sizes, optimizers, steps or settings, one that records no
-    /// rank), when two shards hold one parameter, or (from the optimizer)
-    /// when an entry does not fit; nothing is loaded then.
+    /// rank), when a parameter's rows differ from the save's or an entry
+    /// names no parameter, or (from the optimizer) when an entry does not
+    /// fit; nothing is loaded then.
     pub fn load_shards(&mut self, shards: &[OptimizerState]) -> Result<()> {
         let Some(first) = shards.first() else {
             return Err(Error::OptimizerState("no shards to load".into()));
         };
         check_complete_set(shards)?;
-        let mut merged = OptimizerState {
-            kind: first.kind.clone(),
-            steps: first.steps,
-            settings: first.settings.clone(),
-            tensors: Default::default(),
-            shard: None,
-        };
-        let owned: BTreeSet<&str> = self.owned_names().into_iter().collect();
-        let all: BTreeSet<&str> = self.params.iter().map(|(n, _)| n.as_str()).collect();
-        let mut seen = BTreeSet::new();
         for (k, shard) in shards.iter().enumerate() {
             if shard.kind != first.kind
                 || shard.steps != first.steps
@@ -348,26 +356,19 @@ impl<O: StatefulOptimizer> ZeroOptimizer<O> {
                     shard.kind, shard.steps, shard.settings, first.kind, first.steps, first.settings
                 )));
             }
-            for (key, tensor) in &shard.tensors {
-                if !seen.insert(key.clone()) {
-                    return Err(Error::OptimizerState(format!(
-                        "`{key}` is in two shards: the shards are not of one run"
-                    )));
-                }
-                let param = key.rsplit_once('.').map_or(key.as_str(), |(p, _)| p);
-                if !all.contains(param) {
-                    return Err(Error::OptimizerState(format!(
-                        "`{key}` names no parameter of this model: the shards must come from \
-                         optimizers that name their state after the parameters (the crate's \
-                         `new_named`), not by position, to be re-partitioned"
-                    )));
-                }
-                if owned.contains(param) {
-                    merged.tensors.insert(key.clone(), tensor.clone());
-                }
-            }
         }
-        self.inner.load_state(&merged)
+        let mut in_order: Vec<&OptimizerState> = shards.iter().collect();
+        in_order.sort_by_key(|s| s.shard.map_or(0, |s| s.rank));
+        let in_order: Vec<OptimizerState> = in_order.into_iter().cloned().collect();
+        let fail = |what: String| Error::OptimizerState(format!("ZeRO shards: {what}"));
+        let state = reshard_states(
+            &in_order,
+            ROWS,
+            &self.named_layouts(),
+            self.pg.rank(),
+            &fail,
+        )?;
+        self.inner.load_state(&state)
     }
 
     /// Bytes of optimizer state this rank holds.
@@ -387,7 +388,8 @@ impl<O> fmt::Debug for ZeroOptimizer<O> {
         f.debug_struct("ZeroOptimizer")
             .field("stage", &self.stage)
             .field("rank", &self.pg.rank())
-            .field("partition", &self.partition)
+            .field("world_size", &self.pg.world_size())
+            .field("parameters", &self.params.len())
             .finish_non_exhaustive()
     }
 }
@@ -446,42 +448,33 @@ fn check_complete_set(shards: &[OptimizerState]) -> Result<()> {
 }
 
 /// The parameters by dtype and device, in order of first appearance (the
-/// same on every rank), with each group's padded share.
-fn gather_groups(params: &[(String, Var)], partition: &Partition) -> Vec<GatherGroup> {
+/// same on every rank), with the elements of each rank's pieces.
+fn gather_groups(params: &[(String, Var)], layouts: &[ShardLayout]) -> Vec<GatherGroup> {
+    let mut keys: Vec<(DType, Device)> = Vec::new();
     let mut groups: Vec<GatherGroup> = Vec::new();
     for (i, (_, var)) in params.iter().enumerate() {
-        let found = groups
-            .iter_mut()
-            .find(|g| g.dtype == var.dtype() && g.device.same_device(var.device()));
-        match found {
-            Some(group) => group.members.push(i),
-            None => groups.push(GatherGroup {
-                dtype: var.dtype(),
-                device: var.device().clone(),
-                members: vec![i],
-                padded: 0,
-            }),
-        }
-    }
-    let owners = partition.owners();
-    for group in &mut groups {
-        group.padded = (0..partition.world_size())
-            .map(|r| {
-                group
-                    .members
-                    .iter()
-                    .filter(|&&i| owners[i] == r)
-                    .map(|&i| params[i].1.elem_count())
-                    .sum::<usize>()
-            })
-            .max()
-            .unwrap_or(0);
+        let found = keys
+            .iter()
+            .position(|(dtype, device)| *dtype == var.dtype() && device.same_device(var.device()));
+        let g = match found {
+            Some(g) => g,
+            None => {
+                keys.push((var.dtype(), var.device().clone()));
+                groups.push(GatherGroup {
+                    members: Vec::new(),
+                    elems: 0,
+                });
+                groups.len() - 1
+            }
+        };
+        groups[g].members.push(i);
+        groups[g].elems += layouts[i].shard_elems();
     }
     groups
 }
 
-/// Bytes of the gradients `grads` holds: after a ZeRO stage 2 step, this
-/// rank's parameters' only.
+/// Bytes of the gradients `grads` holds: after a ZeRO stage 2 backward,
+/// this rank's pieces only.
 pub fn grad_bytes(grads: &GradStore) -> usize {
     grads
         .get_ids()

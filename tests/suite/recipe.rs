@@ -182,7 +182,7 @@ fn ddp(zero: bool) -> Outcome {
                 false => None,
             };
             let mine: Vec<Var> = match &sharded {
-                Some(z) => z.owned_params(),
+                Some(z) => z.grad_vars(),
                 None => all.clone(),
             };
             let mut scaler = scaler();
@@ -256,7 +256,7 @@ fn an_inf_in_one_zero_ranks_own_gradients_skips_the_step_on_every_rank() {
             .zero(ZeroStage::Two)
             .build(mlp)?;
             let mut zero = ZeroOptimizer::new(&ddp, |mine| Sgd::new_named(mine, sgd_config()))?;
-            let mine: Vec<Var> = zero.owned_params();
+            let mine: Vec<Var> = zero.grad_vars();
             let before = snapshot(&varmap);
             let mut scaler = scaler();
             let (x, y) = batch(0);

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_dp::comm::{CommError, ReduceOp};
 use candle_dp::launch::{spawn, RankContext};
 use candle_dp::optim::{AdamW, AdamWConfig, OptimizerState, StatefulOptimizer};
-use candle_dp::zero::{grad_bytes, Partition, ZeroOptimizer, ZeroStage};
+use candle_dp::zero::{grad_bytes, ZeroOptimizer, ZeroStage};
 use candle_dp::{DistributedDataParallel, Error};
 use candle_nn::{linear, loss, Linear, Optimizer, VarBuilder, VarMap, SGD};
 use common::*;
@@ -160,6 +160,8 @@ struct Net {
     l1: Linear,
     l2: Linear,
     scale: Tensor,
+    /// 0-dim: its one element lives in rank 0's piece.
+    shift: Tensor,
 }
 
 impl Net {
@@ -168,6 +170,7 @@ impl Net {
             l1: linear(5, 7, vb.pp("l1"))?,
             l2: linear(7, 3, vb.pp("l2"))?,
             scale: vb.get_with_hints(1, "scale", candle_nn::Init::Const(1.0))?,
+            shift: vb.get_with_hints((), "shift", candle_nn::Init::Const(0.1))?,
         })
     }
 }
@@ -175,7 +178,7 @@ impl Net {
 impl Module for Net {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         self.l2
-            .forward(&self.l1.forward(x)?.tanh()?)?
+            .forward(&self.l1.forward(x)?.broadcast_add(&self.shift)?.tanh()?)?
             .broadcast_mul(&self.scale)
     }
 }
@@ -407,7 +410,7 @@ fn zero_stages_1_and_2_train_to_the_bytes_of_ddp_on_1_to_4_ranks() {
 }
 
 #[test]
-fn stage_2_keeps_only_the_owned_gradients_and_stage_1_all_of_them() {
+fn stage_2_keeps_only_this_ranks_pieces_of_the_gradients_and_stage_1_all_of_them() {
     within(120, || {
         for (stage, world) in [
             (ZeroStage::One, 3),
@@ -427,18 +430,28 @@ fn stage_2_keeps_only_the_owned_gradients_and_stage_1_all_of_them() {
                 let (x, y) = batches(Model::Net, ctx.rank).remove(0);
                 let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
                 let grads = ddp.backward(&loss)?;
-                let partition = ddp.zero_partition().unwrap().clone();
                 let all: usize = ddp.params().iter().map(|(_, v)| v.elem_count() * 4).sum();
+                // A piece: ceil(rows / world) rows of each parameter.
+                let piece: usize = ddp
+                    .params()
+                    .iter()
+                    .map(|(_, v)| {
+                        // A 0-dim parameter is one row of one element.
+                        let dims = v.dims();
+                        let rows = dims.first().map_or(1, |r| r.div_ceil(world));
+                        rows * dims.iter().skip(1).product::<usize>() * 4
+                    })
+                    .sum();
                 Ok((
                     grad_bytes(&grads),
-                    partition.bytes_of(ctx.rank),
+                    piece,
                     all,
                     ddp.vars_without_grad().len(),
                 ))
             })
             .unwrap();
-            for (rank, (held, owned, all, without)) in kept.into_iter().enumerate() {
-                let want = if stage == ZeroStage::Two { owned } else { all };
+            for (rank, (held, piece, all, without)) in kept.into_iter().enumerate() {
+                let want = if stage == ZeroStage::Two { piece } else { all };
                 assert_eq!(held, want, "{stage:?} on {world} ranks, rank {rank}");
                 assert_eq!(without, 0, "every parameter got a gradient somewhere");
             }
@@ -509,7 +522,7 @@ fn zero_adamw_run(
 }
 
 #[test]
-fn shards_of_the_optimizer_state_resume_exactly_and_repartition_on_another_world_size() {
+fn shards_of_the_optimizer_state_resume_exactly_and_reshard_on_another_world_size() {
     within(120, || {
         let init = init_of(Model::Net);
         // Uninterrupted: 6 steps on 3 ranks.
@@ -522,30 +535,55 @@ fn shards_of_the_optimizer_state_resume_exactly_and_repartition_on_another_world
             "{}",
             diff_report(&resumed, &whole)
         );
-        // On 2 ranks: each keeps the entries of the parameters it owns now,
-        // and together they hold exactly the saved state.
-        let (_, repartitioned) = zero_adamw_run(2, 3..3, half, Some(shards.clone()));
-        let entries = |states: &[OptimizerState]| {
-            let mut all: Vec<(String, Vec<f32>)> = states
-                .iter()
-                .flat_map(|s| s.tensors.iter())
-                .map(|(k, t)| {
-                    (
-                        k.clone(),
-                        t.flatten_all()
-                            .unwrap()
-                            .to_dtype(DType::F32)
-                            .unwrap()
-                            .to_vec1()
-                            .unwrap(),
-                    )
+        // On 2 ranks: each takes its piece of every saved entry under the
+        // new split, so together they hold exactly the saved state...
+        let (_, resharded) = zero_adamw_run(2, 3..3, half.clone(), Some(shards.clone()));
+        let numel: HashMap<String, usize> = half
+            .iter()
+            .map(|(k, t)| (k.clone(), t.elem_count()))
+            .collect();
+        let whole_entries = |states: &[OptimizerState]| {
+            let mut all: Vec<(String, Vec<f32>)> = states[0]
+                .tensors
+                .keys()
+                .map(|key| {
+                    // The pieces in rank order, the padding (at the end)
+                    // dropped; a step count is every rank's.
+                    let param = key.rsplit_once('.').map_or(key.as_str(), |(p, _)| p);
+                    let ranks = if key.ends_with(".step") {
+                        1
+                    } else {
+                        states.len()
+                    };
+                    let mut values: Vec<f32> = states[..ranks]
+                        .iter()
+                        .flat_map(|s| {
+                            s.tensors[key]
+                                .flatten_all()
+                                .unwrap()
+                                .to_dtype(DType::F32)
+                                .unwrap()
+                                .to_vec1::<f32>()
+                                .unwrap()
+                        })
+                        .collect();
+                    values.truncate(numel[param]);
+                    (key.clone(), values)
                 })
                 .collect();
             all.sort_by(|a, b| a.0.cmp(&b.0));
             all
         };
-        assert_eq!(entries(&repartitioned), entries(&shards));
-        assert!(!entries(&shards).is_empty());
+        assert_eq!(whole_entries(&resharded), whole_entries(&shards));
+        assert!(!whole_entries(&shards).is_empty());
+        // ...and their saves, resharded back onto 3 ranks, resume to the
+        // very bytes of the run that was not interrupted.
+        let (round_trip, _) = zero_adamw_run(3, 3..6, half, Some(resharded));
+        assert!(
+            identical(&round_trip, &whole),
+            "{}",
+            diff_report(&round_trip, &whole)
+        );
     });
 }
 
@@ -609,41 +647,6 @@ fn join_with_zero_is_refused_with_the_reason() {
         for err in results {
             assert!(
                 matches!(&err, Error::Zero(m) if m.contains("all-gather")),
-                "{err}"
-            );
-        }
-    });
-}
-
-#[test]
-fn ranks_that_partition_differently_are_named() {
-    within(120, || {
-        let results = spawn(3, |ctx| {
-            // Rank 2 sees the parameters in another order of sizes.
-            let sizes: &[usize] = if ctx.rank == 2 {
-                &[4, 2, 3]
-            } else {
-                &[2, 3, 4]
-            };
-            let params: Vec<(String, Var)> = sizes
-                .iter()
-                .enumerate()
-                .map(|(i, &n)| {
-                    (
-                        format!("p{i}"),
-                        Var::zeros(n, DType::F32, &Device::Cpu).unwrap(),
-                    )
-                })
-                .collect();
-            let partition = Partition::of_vars(&params, 3);
-            Ok(partition
-                .check_agreed(ctx.pg.as_ref(), &params)
-                .unwrap_err())
-        })
-        .unwrap();
-        for err in results {
-            assert!(
-                matches!(&err, Error::ZeroPartitionMismatch { rank: 2, detail } if detail.contains("p0")),
                 "{err}"
             );
         }
@@ -744,47 +747,31 @@ fn no_sync_comm_hooks_and_buffers_with_zero_give_the_bytes_of_ddp() {
 #[test]
 fn a_rank_whose_optimizer_step_fails_is_named_on_every_rank_and_no_parameter_changes() {
     within(120, || {
-        let results = spawn(3, |ctx| {
-            let varmap = VarMap::new();
-            let mut ddp = DistributedDataParallel::builder(
-                ctx.process_group(),
-                &varmap,
-                DType::F32,
-                &Device::Cpu,
-            )
-            .zero(ZeroStage::Two)
-            // A bf16 scale, which the crate's AdamW refuses: the step of
-            // the one rank that owns it fails.
-            .build(|vb| Mixed::new(vb, DType::BF16))?;
-            let names: Vec<String> = ddp.params().iter().map(|(n, _)| n.clone()).collect();
-            let owner = names
-                .iter()
-                .position(|n| n == "mixed_scale")
-                .map(|i| ddp.zero_partition().unwrap().owners()[i]);
-            let mut opt =
-                ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, AdamWConfig::default()))?;
-            let before = snapshot(&varmap);
-            let (x, y) = batches(Model::Net, ctx.rank).remove(0);
-            let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
-            let grads = ddp.backward(&loss)?;
-            let err = opt.step(&grads).unwrap_err();
-            Ok((
-                err.to_string(),
-                owner,
-                identical_bits(&snapshot(&varmap), &before),
-            ))
-        })
-        .unwrap();
-        for (rank, (message, owner, unchanged)) in results.into_iter().enumerate() {
-            let owner = owner.expect("the bf16 parameter has an owner");
-            assert!(
-                message.contains(&format!("the optimizer step of rank {owner} failed")),
-                "rank {rank}: {message}"
-            );
-            assert!(
-                unchanged,
-                "rank {rank}: a parameter changed in the failed step"
-            );
+        for stage in [ZeroStage::One, ZeroStage::Two] {
+            let results = spawn(3, move |ctx| {
+                let varmap = VarMap::new();
+                let (mut ddp, mut opt) = net_with_zero(&ctx, &varmap, stage)?;
+                let before = snapshot(&varmap);
+                let (x, y) = batches(Model::Net, ctx.rank).remove(0);
+                let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+                let mut grads = ddp.backward(&loss)?;
+                if ctx.rank == 1 {
+                    // Not this DDP's gradient: the step of rank 1 alone fails.
+                    let p = &ddp.params()[0].1;
+                    grads.insert(p.as_tensor(), Tensor::zeros(13, DType::F32, &Device::Cpu)?);
+                }
+                let err = opt.step(&grads).unwrap_err();
+                Ok((err.to_string(), identical_bits(&snapshot(&varmap), &before)))
+            })
+            .unwrap();
+            for (rank, (message, unchanged)) in results.into_iter().enumerate() {
+                assert!(
+                    message.contains("the optimizer step of rank 1 failed")
+                        && message.contains("has shape [13]"),
+                    "{stage:?}, rank {rank}: {message}"
+                );
+                assert!(unchanged, "{stage:?}, rank {rank}: a parameter changed");
+            }
         }
     });
 }

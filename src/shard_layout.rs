@@ -1,5 +1,6 @@
 //! How one parameter is split across ranks: FSDP2's `torch.chunk` pieces
-//! along dim 0, padded so that every rank's piece has the same shape.
+//! along dim 0, padded so that every rank's piece has the same shape. FSDP
+//! shards the parameters so; ZeRO the gradients and optimizer state.
 
 #[cfg(test)]
 use candle_core::Device;
@@ -59,7 +60,6 @@ impl ShardLayout {
     }
 
     /// The real rows of rank `rank`'s piece (the rest is padding).
-    #[cfg(test)]
     pub(crate) fn real_rows(&self, rank: usize) -> usize {
         self.rows
             .saturating_sub(rank * self.chunk_rows)
@@ -78,12 +78,19 @@ impl ShardLayout {
         flat.reshape((self.world, self.shard_elems()))
     }
 
-    /// Rank `rank`'s piece of `full`, padded: shape [`shard_dims`](Self::shard_dims).
+    /// Rank `rank`'s piece of `full`, padded: shape
+    /// [`shard_dims`](Self::shard_dims). A copy of its own rows only (the
+    /// whole tensor is not copied).
     pub(crate) fn shard_of(&self, full: &Tensor, rank: usize) -> candle_core::Result<Tensor> {
-        self.padded_by_rank(full)?
-            .get(rank)?
-            .reshape(self.shard_dims())?
-            .contiguous()
+        let flat = full.flatten_all()?;
+        let start = (rank * self.chunk_rows).min(self.rows) * self.row_elems;
+        let real = self.real_rows(rank) * self.row_elems;
+        let rows = flat.narrow(0, start, real)?;
+        let piece = match self.shard_elems() - real {
+            0 => rows.force_contiguous()?,
+            pad => Tensor::cat(&[rows, Tensor::zeros(pad, full.dtype(), full.device())?], 0)?,
+        };
+        piece.reshape(self.shard_dims())
     }
 
     /// The whole parameter from every rank's piece, in rank order, each
