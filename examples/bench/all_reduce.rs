@@ -106,8 +106,9 @@ fn gradients(rank: usize) -> Result<Vec<Tensor>> {
         .collect()
 }
 
-/// Times `iters` calls of DDP's reduction (`all_reduce_concat`, `Avg`)
-/// and of `all_reduce` on the flat gradient, on one rank of `pg`.
+/// Times `iters` calls of DDP's reduction (`all_reduce_concat`, `Avg`),
+/// of `all_reduce` on the flat gradient and of `reduce_scatter` of it into
+/// one half per rank, on one rank of `pg`.
 fn time_group(pg: &dyn ProcessGroup, iters: usize, cold_mib: usize) -> Result<Times> {
     let pieces = gradients(pg.rank())?;
     let flat = Tensor::cat(
@@ -132,8 +133,23 @@ fn time_group(pg: &dyn ProcessGroup, iters: usize, cold_mib: usize) -> Result<Ti
         let out = pg.all_reduce(&flat, ReduceOp::Sum)?;
         let flat_ms = ms(t);
         drop(out);
+        // ZeRO-2's and FSDP's call: each rank gets only its half.
+        evictor.evict();
+        pg.barrier()?;
+        let n = flat.elem_count();
+        let counts: Vec<usize> = (0..pg.world_size())
+            .map(|r| n / pg.world_size() + usize::from(r < n % pg.world_size()))
+            .collect();
+        let t = Instant::now();
+        let out = pg.reduce_scatter(&flat, ReduceOp::Sum, &counts)?;
+        let scatter_ms = ms(t);
+        drop(out);
         times.entry("concat".into()).or_default().push(concat_ms);
         times.entry("flat".into()).or_default().push(flat_ms);
+        times
+            .entry("reduce_scatter".into())
+            .or_default()
+            .push(scatter_ms);
     }
     Ok(times)
 }
@@ -282,6 +298,14 @@ pub fn run(iters: usize, rounds: usize, cold_mib: usize) -> Result<String> {
         let (ranks, call) = match (backends[*b], what.as_str()) {
             (Backend::Threads, "memcpy") => ("-", "memcpy of the whole gradient"),
             (Backend::Threads, "concat") => ("2 threads", "all_reduce_concat Avg (DDP's call)"),
+            (Backend::Threads, "reduce_scatter") => (
+                "2 threads",
+                "reduce_scatter Sum, a half each (ZeRO-2's, FSDP's)",
+            ),
+            (Backend::Mpi, "reduce_scatter") => (
+                "2 MPI processes",
+                "reduce_scatter Sum, a half each (ZeRO-2's, FSDP's)",
+            ),
             (Backend::Threads, _) => ("2 threads", "all_reduce Sum, one flat tensor"),
             (Backend::Mpi, "concat") => ("2 MPI processes", "all_reduce_concat Avg (DDP's call)"),
             (Backend::Mpi, _) => ("2 MPI processes", "all_reduce Sum, one flat tensor"),

@@ -1052,3 +1052,103 @@ fn clipping_over_zero_shards_takes_one_all_reduce_and_trains_like_ddp() {
         }
     });
 }
+
+/// `world` ranks train one 256x64 linear layer (its weight 98% of the
+/// model, 64 KiB: the ring's size) for 3 AdamW steps, under DDP or ZeRO
+/// stage 2: rank 0's weights and each rank's optimizer-state bytes.
+fn huge_parameter_run(world: usize, zero: bool) -> (HashMap<String, Tensor>, Vec<usize>) {
+    let init: HashMap<String, Tensor> = [("big.weight", 256, 64, 1), ("big.bias", 256, 1, 2)]
+        .into_iter()
+        .map(|(name, rows, cols, seed)| {
+            let t = Tensor::from_vec(values(rows * cols, seed), rows * cols, &Device::Cpu)
+                .and_then(|t| t * 0.05)
+                .and_then(|t| match cols {
+                    1 => Ok(t),
+                    _ => t.reshape((rows, cols)),
+                })
+                .unwrap();
+            (name.to_string(), t)
+        })
+        .collect();
+    let ranks = spawn(world, move |ctx| {
+        let varmap = varmap_from(&init);
+        let builder = DistributedDataParallel::builder(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+        );
+        let builder = if zero {
+            builder.zero(ZeroStage::Two)
+        } else {
+            builder
+        };
+        let mut ddp = builder.build(|vb| linear(64, 256, vb.pp("big")))?;
+        let mut zero_opt = match zero {
+            true => Some(ZeroOptimizer::new(&ddp, |mine| {
+                AdamW::new_named(mine, AdamWConfig::default())
+            })?),
+            false => None,
+        };
+        let mut ddp_opt = AdamW::new_named(ddp.params().to_vec(), AdamWConfig::default())?;
+        for step in 0..3 {
+            let x = Tensor::from_vec(values(4 * 64, ctx.rank * 10 + step), (4, 64), &Device::Cpu)?;
+            let y: Vec<u32> = (0..4)
+                .map(|i| ((ctx.rank * 61 + step * 17 + i * 5) % 256) as u32)
+                .collect();
+            let y = Tensor::new(y, &Device::Cpu)?;
+            let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+            let grads = ddp.backward(&loss)?;
+            match &mut zero_opt {
+                Some(opt) => opt.step(&grads)?,
+                None => ddp_opt.step(&grads)?,
+            }
+        }
+        let state = match &zero_opt {
+            Some(opt) => opt.state_bytes()?,
+            None => ddp_opt
+                .state()?
+                .tensors
+                .values()
+                .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+                .sum(),
+        };
+        Ok((snapshot(&varmap), state))
+    })
+    .unwrap();
+    let weights = ranks[0].0.clone();
+    (weights, ranks.into_iter().map(|(_, s)| s).collect())
+}
+
+#[test]
+fn one_huge_parameter_shards_its_optimizer_state_evenly_and_trains_like_ddp() {
+    within(120, || {
+        for world in [2, 4] {
+            let (ddp, ddp_state) = huge_parameter_run(world, false);
+            let (zero, zero_state) = huge_parameter_run(world, true);
+            // Adam's two moments of (256 x 64 + 256) f32 elements, split
+            // in `world` equal pieces (256 rows divide evenly); the step
+            // counts are a few bytes more.
+            let moments = 2 * 4 * (256 * 64 + 256);
+            for (rank, &bytes) in zero_state.iter().enumerate() {
+                assert!(
+                    bytes >= moments / world && bytes <= moments / world + 64,
+                    "{world} ranks, rank {rank}: {bytes} bytes of state, DDP's {}",
+                    ddp_state[rank]
+                );
+            }
+            // Two ranks add in one order either way round; four sum the
+            // rank-by-rank layout from other ranks than DDP's ring does.
+            let diff = max_rel_diff(&zero, &ddp);
+            match world {
+                2 => assert!(identical(&zero, &ddp), "{}", diff_report(&zero, &ddp)),
+                _ => assert!(
+                    diff < 1e-5,
+                    "{world} ranks: {diff}\n{}",
+                    diff_report(&zero, &ddp)
+                ),
+            }
+            eprintln!("{world} ranks: ZeRO-2 against DDP {diff:e}, state {zero_state:?} against {ddp_state:?}");
+        }
+    });
+}
