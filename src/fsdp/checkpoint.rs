@@ -15,11 +15,13 @@ use crate::shard_layout::ShardLayout;
 use crate::shard_state::{mark_shard, reshard_states, unshard_saved};
 
 impl FullyShardedDataParallel {
-    /// This rank's pieces, by parameter name (copies): with
-    /// [`shard_state`](Self::shard_state), what this rank saves.
+    /// This rank's pieces, by parameter name, and the buffers, whole
+    /// (copies): with [`shard_state`](Self::shard_state), what this rank
+    /// saves.
     pub fn pieces(&self) -> Result<HashMap<String, Tensor>> {
         self.shards
             .iter()
+            .chain(&self.buffers)
             .map(|(name, var)| Ok((name.clone(), var.as_tensor().copy()?)))
             .collect()
     }
@@ -52,9 +54,9 @@ impl FullyShardedDataParallel {
     /// Each parameter, and each optimizer tensor shaped like its piece
     /// (Adam's moments), is put back whole and this rank takes its own
     /// piece of this run's split; the rest of the optimizer's state (its
-    /// settings, step count, per-parameter steps) is rank 0's, which every
-    /// rank shares. Every rank calls it with the same saves; no
-    /// collective runs.
+    /// settings, step count, per-parameter steps) and the buffers are rank
+    /// 0's, which every rank shares. Every rank calls it with the same
+    /// saves; no collective runs.
     ///
     /// # Errors
     ///
@@ -92,9 +94,33 @@ impl FullyShardedDataParallel {
                 .copy()?;
             mine.push(piece);
         }
+        // The buffers, whole in every save: rank 0's, whose every forward
+        // broadcasts them.
+        let mut buffers = Vec::with_capacity(self.buffers.len());
+        for (name, var) in &self.buffers {
+            let saved = pieces[0]
+                .get(name)
+                .ok_or_else(|| fail(format!("rank 0's save lacks the buffer `{name}`")))?;
+            if saved.dims() != var.dims() {
+                return Err(fail(format!(
+                    "the buffer `{name}` has shape {:?} in the save, {:?} in this model",
+                    saved.dims(),
+                    var.dims()
+                )));
+            }
+            buffers.push(
+                saved
+                    .to_dtype(var.dtype())?
+                    .to_device(var.device())?
+                    .copy()?,
+            );
+        }
         opt.load_state(&state)?;
         for ((_, var), piece) in self.shards.iter().zip(mine) {
             var.set(&piece)?;
+        }
+        for ((_, var), value) in self.buffers.iter().zip(buffers) {
+            var.set(&value)?;
         }
         Ok(())
     }

@@ -93,9 +93,15 @@ pub struct FsdpConfig {
     /// `true`, as FSDP2 does): at most two units' whole parameters at
     /// once.
     pub prefetch: bool,
-    /// Which variables are buffers (default BatchNorm statistics): FSDP
-    /// refuses a model that has any, for now.
+    /// Which variables are buffers (default BatchNorm statistics): kept
+    /// whole on every rank, never sharded nor reduced; a unit's forward
+    /// updates them in place (once per step: a recomputation for the
+    /// backward works on copies).
     pub is_buffer: BufferPredicate,
+    /// Copy rank 0's buffers to every rank before each forward (default
+    /// `true`, DDP's `broadcast_buffers`), so that all ranks normalise
+    /// with the same statistics and save the same ones.
+    pub broadcast_buffers: bool,
     /// Compute in a low dtype and reduce-scatter in the policy's reduce
     /// dtype (default none), as FSDP2's `MixedPrecisionPolicy`: the
     /// pieces and the optimizer stay in the parameters' dtype; each unit is
@@ -111,6 +117,7 @@ impl Default for FsdpConfig {
             reshard_after_forward: true,
             prefetch: true,
             is_buffer: Arc::new(is_batch_norm_buffer),
+            broadcast_buffers: true,
             mixed_precision: None,
         }
     }
@@ -121,6 +128,7 @@ impl std::fmt::Debug for FsdpConfig {
         f.debug_struct("FsdpConfig")
             .field("reshard_after_forward", &self.reshard_after_forward)
             .field("prefetch", &self.prefetch)
+            .field("broadcast_buffers", &self.broadcast_buffers)
             .field("mixed_precision", &self.mixed_precision)
             .finish_non_exhaustive()
     }
@@ -137,6 +145,10 @@ pub struct FullyShardedDataParallel {
     first_use: Vec<Option<usize>>,
     /// This rank's piece of each parameter, by name, sorted.
     shards: Vec<(String, Var)>,
+    /// The buffers, whole, by name, sorted (the `VarMap`'s own variables).
+    buffers: Vec<(String, Var)>,
+    /// Per unit, the buffers it uses (indices into `buffers`).
+    unit_buffers: Vec<Vec<usize>>,
     layouts: Vec<ShardLayout>,
     dtype: DType,
     device: Device,
@@ -158,9 +170,10 @@ impl FullyShardedDataParallel {
     ///
     /// # Errors
     ///
-    /// [`Error::Fsdp`] for no units, a buffer, or parameters of several
-    /// dtypes; a unit's factory failing; [`Error::ModelMismatch`] naming
-    /// the first rank whose parameters differ from rank 0's.
+    /// [`Error::Fsdp`] for no units, parameters of several dtypes, or
+    /// buffers with mixed precision; a unit's factory failing;
+    /// [`Error::ModelMismatch`] naming the first rank whose parameters
+    /// differ from rank 0's.
     pub fn from_units(
         pg: Arc<dyn ProcessGroup>,
         varmap: &VarMap,
@@ -198,13 +211,18 @@ impl FullyShardedDataParallel {
                 ),
             });
         }
-        if let Some((name, _)) = vars.iter().find(|(name, _)| (config.is_buffer)(name)) {
+        let (buffers, params): (Vec<_>, Vec<_>) = vars
+            .iter()
+            .cloned()
+            .partition(|(name, _)| (config.is_buffer)(name));
+        if let (Some((name, _)), Some(_)) = (buffers.first(), &config.mixed_precision) {
             return Err(in_rank(Error::Fsdp(format!(
-                "`{name}` is a buffer: FSDP does not handle buffers (BatchNorm statistics) yet; \
-                 use DistributedDataParallel for such a model"
+                "`{name}` is a buffer: FSDP's mixed precision does not handle buffers \
+                 (BatchNorm statistics) yet; train this model in one dtype, or with \
+                 DistributedDataParallel's mixed precision"
             ))));
         }
-        if let Some((name, var)) = vars.iter().find(|(_, v)| v.dtype() != dtype) {
+        if let Some((name, var)) = params.iter().find(|(_, v)| v.dtype() != dtype) {
             return Err(in_rank(Error::Fsdp(format!(
                 "`{name}` is {:?} where the model is {dtype:?}: FSDP shards parameters of one dtype",
                 var.dtype()
@@ -219,21 +237,26 @@ impl FullyShardedDataParallel {
             ))));
         }
         broadcast_vars(pg.as_ref(), &vars, 0)?;
-        let index: HashMap<&str, usize> = vars
-            .iter()
-            .enumerate()
-            .map(|(i, (n, _))| (n.as_str(), i))
-            .collect();
-        let unit_params: Vec<Vec<usize>> = (0..built.len())
-            .map(|k| {
-                built
-                    .vars_of(k)
-                    .iter()
-                    .filter_map(|n| index.get(n.as_str()).copied())
-                    .collect()
-            })
-            .collect();
-        let mut first_use = vec![None; vars.len()];
+        let index_of = |list: &[(String, Var)]| -> HashMap<String, usize> {
+            list.iter()
+                .enumerate()
+                .map(|(i, (n, _))| (n.clone(), i))
+                .collect()
+        };
+        let (param_index, buffer_index) = (index_of(&params), index_of(&buffers));
+        let used_by = |index: &HashMap<String, usize>| -> Vec<Vec<usize>> {
+            (0..built.len())
+                .map(|k| {
+                    built
+                        .vars_of(k)
+                        .iter()
+                        .filter_map(|n| index.get(n).copied())
+                        .collect()
+                })
+                .collect()
+        };
+        let (unit_params, unit_buffers) = (used_by(&param_index), used_by(&buffer_index));
+        let mut first_use = vec![None; params.len()];
         for (k, params) in unit_params.iter().enumerate() {
             for &p in params {
                 first_use[p].get_or_insert(k);
@@ -241,11 +264,11 @@ impl FullyShardedDataParallel {
         }
         drop(built);
         let world = pg.world_size();
-        let mut shards = Vec::with_capacity(vars.len());
-        let mut layouts = Vec::with_capacity(vars.len());
+        let mut shards = Vec::with_capacity(params.len());
+        let mut layouts = Vec::with_capacity(params.len());
         {
             let mut data = lock(varmap.data());
-            for (name, full) in vars {
+            for (name, full) in params {
                 let layout = ShardLayout::new(full.dims(), world);
                 let piece = layout.shard_of(full.as_tensor(), rank)?;
                 let shard = Var::from_tensor(&piece)?;
@@ -261,6 +284,8 @@ impl FullyShardedDataParallel {
             unit_params,
             first_use,
             shards,
+            buffers,
+            unit_buffers,
             layouts,
             dtype,
             device: device.clone(),
@@ -347,17 +372,36 @@ impl FullyShardedDataParallel {
         self.memory
     }
 
-    /// Every parameter whole, by name, on every rank (an all-gather per
-    /// parameter): for evaluation or a `safetensors` export
+    /// Every parameter whole, and every buffer, by name, on every rank (an
+    /// all-gather of the parameters): for evaluation or a `safetensors` export
     /// (`candle_core::safetensors::save`). Every rank must call it.
     pub fn full_state(&self) -> Result<HashMap<String, Tensor>> {
         let all: Vec<usize> = (0..self.shards.len()).collect();
         let gathered = self.gather(&all)?;
-        Ok(all
+        let mut state: HashMap<String, Tensor> = all
             .into_iter()
             .zip(gathered)
             .map(|(p, t)| (self.shards[p].0.clone(), t))
-            .collect())
+            .collect();
+        for (name, var) in &self.buffers {
+            state.insert(name.clone(), var.as_tensor().copy()?);
+        }
+        Ok(state)
+    }
+
+    /// The buffers (whole, the same on every rank after a forward that
+    /// broadcast them), by name, sorted.
+    pub fn buffers(&self) -> &[(String, Var)] {
+        &self.buffers
+    }
+
+    /// Copies rank 0's buffers to every rank, where the settings ask for
+    /// it: before each forward. Every rank calls it.
+    pub(crate) fn sync_buffers(&self) -> Result<()> {
+        if self.config.broadcast_buffers && !self.buffers.is_empty() {
+            broadcast_vars(self.pg.as_ref(), &self.buffers, 0)?;
+        }
+        Ok(())
     }
 
     /// The dtype parameter `p` computes in (the policy's, unless it keeps

@@ -64,6 +64,15 @@ fn vars_bytes(vars: &[(usize, Var)]) -> usize {
 /// A unit's whole parameters, gathered, as variables, by parameter index.
 type GatheredVars = Vec<(usize, Var)>;
 
+/// The buffers a unit is built over.
+#[derive(Clone, Copy)]
+enum Buffers<'a> {
+    /// FSDP's own: the forward updates them.
+    Live,
+    /// Fresh variables holding these values (every buffer's, in order).
+    Copies(&'a [Tensor]),
+}
+
 impl FullyShardedDataParallel {
     /// Unit `k`'s whole parameters, gathered in one collective, as
     /// variables (so that the unit's backward computes their gradients).
@@ -130,11 +139,24 @@ impl FullyShardedDataParallel {
         vars: GatheredVars,
         input: &Tensor,
         train: bool,
+        buffers: Buffers<'_>,
     ) -> Result<UnitRun> {
-        let by_name: HashMap<String, Tensor> = vars
+        let mut by_name: HashMap<String, Tensor> = vars
             .iter()
             .map(|(p, v)| (self.shards[*p].0.clone(), v.as_tensor().clone()))
             .collect();
+        for &b in &self.unit_buffers[k] {
+            let (name, var) = &self.buffers[b];
+            let tensor = match buffers {
+                // The variable itself: the unit's forward updates it.
+                Buffers::Live => var.as_tensor().clone(),
+                // A variable of its own, whose update is thrown away.
+                Buffers::Copies(before) => {
+                    Var::from_tensor(&before[b].copy()?)?.as_tensor().clone()
+                }
+            };
+            by_name.insert(name.clone(), tensor);
+        }
         let dtype = self
             .config
             .mixed_precision
@@ -163,6 +185,7 @@ impl FullyShardedDataParallel {
     }
 
     fn forward_inner(&mut self, x: &Tensor, train: bool) -> Result<Tensor> {
+        self.sync_buffers()?;
         let n = self.factories.len();
         let mut held = Held::default();
         let mut h = self.input(x)?;
@@ -170,7 +193,8 @@ impl FullyShardedDataParallel {
         for k in 0..n {
             let vars = self.take_or_gather(k, prefetched.take(), &mut held)?;
             let next = (k + 1 < n).then_some(k + 1);
-            let (run, gathered) = self.with_prefetch(next, || self.run_unit(k, vars, &h, train));
+            let (run, gathered) =
+                self.with_prefetch(next, || self.run_unit(k, vars, &h, train, Buffers::Live));
             prefetched = gathered;
             if let Some(Ok(vars)) = &prefetched {
                 held.add(vars_bytes(vars));
@@ -236,6 +260,16 @@ impl FullyShardedDataParallel {
         let n = self.factories.len();
         let last = n - 1;
         let reshard = self.config.reshard_after_forward;
+        self.sync_buffers()?;
+        // The buffers as the forward finds them, for the recomputations.
+        let before = match reshard && !self.buffers.is_empty() {
+            true => self
+                .buffers
+                .iter()
+                .map(|(_, var)| var.as_tensor().copy())
+                .collect::<candle_core::Result<Vec<_>>>()?,
+            false => Vec::new(),
+        };
         let mut held = Held::default();
         // Per unit: its run (kept for the backward), or its input and
         // output fingerprint (resharded: recomputed in the backward).
@@ -246,7 +280,8 @@ impl FullyShardedDataParallel {
         for k in 0..n {
             let vars = self.take_or_gather(k, prefetched.take(), &mut held)?;
             let next = (k + 1 < n).then_some(k + 1);
-            let (run, gathered) = self.with_prefetch(next, || self.run_unit(k, vars, &h, true));
+            let (run, gathered) =
+                self.with_prefetch(next, || self.run_unit(k, vars, &h, true, Buffers::Live));
             prefetched = gathered;
             if let Some(Ok(vars)) = &prefetched {
                 held.add(vars_bytes(vars));
@@ -296,7 +331,7 @@ impl FullyShardedDataParallel {
             let (ran, gathered) = self.with_prefetch(next, || -> Result<()> {
                 let run = match (kept[k].take(), vars) {
                     (Some(run), _) => run,
-                    (None, Some(vars)) => self.recompute(k, vars, saved[k].take())?,
+                    (None, Some(vars)) => self.recompute(k, vars, saved[k].take(), &before)?,
                     (None, None) => return Err(Error::Fsdp(format!("unit {k} has no run"))),
                 };
                 let grads = if k == last {
@@ -376,15 +411,19 @@ impl FullyShardedDataParallel {
 
     /// Unit `k` over its parameters gathered again, its forward run again
     /// from its saved input and checked against the first forward's output.
+    /// The unit's buffers are copies of their values before the forward
+    /// (`before`), so that the recomputation sees what the first forward
+    /// saw and does not update them a second time.
     fn recompute(
         &self,
         k: usize,
         vars: GatheredVars,
         saved: Option<(Tensor, Fingerprint)>,
+        before: &[Tensor],
     ) -> Result<UnitRun> {
         let (input, first) =
             saved.ok_or_else(|| Error::Fsdp(format!("unit {k}'s saved input is missing")))?;
-        let run = self.run_unit(k, vars, &input, true)?;
+        let run = self.run_unit(k, vars, &input, true, Buffers::Copies(before))?;
         if fingerprint(&run.output)? != first {
             return Err(Error::Fsdp(format!(
                 "unit {k} gave another output when recomputed for the backward (a layer that \

@@ -404,7 +404,7 @@ fn a_rank_failing_inside_a_gather_is_named_on_every_rank_and_changes_nothing() {
 }
 
 #[test]
-fn a_model_with_buffers_or_no_units_is_refused_naming_why() {
+fn no_units_or_buffers_with_mixed_precision_are_refused_naming_why() {
     // Bounded: a hang fails the test instead of stalling CI.
     within(60, || {
         let errors = spawn_with(1, bounded(), |ctx| {
@@ -425,9 +425,12 @@ fn a_model_with_buffers_or_no_units_is_refused_naming_why() {
                 vec![layer(|vb| {
                     candle_nn::batch_norm(4, candle_nn::BatchNormConfig::default(), vb.pp("bn"))
                 })],
-                FsdpConfig::default(),
+                FsdpConfig {
+                    mixed_precision: Some(candle_dp::precision::MixedPrecision::bf16()),
+                    ..Default::default()
+                },
             )
-            .expect_err("a buffer");
+            .expect_err("a buffer with mixed precision");
             Ok((
                 none.to_string(),
                 bn.to_string(),
@@ -438,11 +441,91 @@ fn a_model_with_buffers_or_no_units_is_refused_naming_why() {
         .remove(0);
         assert!(errors.0.contains("at least one unit"), "{}", errors.0);
         assert!(
-            errors.1.contains("bn.running_mean") && errors.1.contains("buffer"),
+            errors.1.contains("bn.running_mean") && errors.1.contains("mixed precision"),
             "{}",
             errors.1
         );
         assert!(errors.2);
+    });
+}
+
+/// A linear layer then BatchNorm (training statistics), as one unit.
+struct LinearNorm(Linear, candle_nn::BatchNorm);
+
+impl LinearNorm {
+    fn new(vb: VarBuilder) -> candle_core::Result<Self> {
+        let config = candle_nn::BatchNormConfig::default();
+        Ok(Self(
+            linear(6, 12, vb.pp("l0"))?,
+            candle_nn::batch_norm(12, config, vb.pp("bn0"))?,
+        ))
+    }
+}
+
+impl Module for LinearNorm {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.1.forward_train(&self.0.forward(x)?)
+    }
+}
+
+fn normed_units() -> Vec<LayerFactory> {
+    vec![
+        layer(LinearNorm::new),
+        layer(|_| Ok(candle_nn::Activation::Relu)),
+        layer(|vb| linear(12, 5, vb.pp("l1"))),
+    ]
+}
+
+/// The same model as one module.
+struct Normed(LinearNorm, Linear);
+
+impl Module for Normed {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.1.forward(&self.0.forward(x)?.relu()?)
+    }
+}
+
+fn normed_whole(vb: VarBuilder) -> candle_core::Result<Box<dyn Module>> {
+    Ok(Box::new(Normed(
+        LinearNorm::new(vb.clone())?,
+        linear(12, 5, vb.pp("l1"))?,
+    )))
+}
+
+#[test]
+fn batch_norm_buffers_are_broadcast_updated_once_per_step_and_match_ddp() {
+    within(240, || {
+        let varmap = VarMap::new();
+        normed_whole(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)).unwrap();
+        let init = snapshot(&varmap);
+        let data = batches(3, 12, 4);
+        for world in 1..=3 {
+            let ddp = ddp_run(world, &init, &data, normed_whole, loss::cross_entropy);
+            assert!(
+                bits(&ddp[0]["bn0.running_mean"]) != bits(&init["bn0.running_mean"]),
+                "the statistics moved"
+            );
+            for reshard in [true, false] {
+                let fsdp = fsdp_run(
+                    world,
+                    &init,
+                    &data,
+                    normed_units,
+                    loss::cross_entropy,
+                    reshard,
+                );
+                for (rank, (weights, _)) in fsdp.iter().enumerate() {
+                    // Weights and statistics: a recomputation that updated
+                    // them again would show here.
+                    assert_eq!(weights.len(), ddp[rank].len());
+                    assert!(
+                        identical(weights, &ddp[rank]),
+                        "world {world}, reshard {reshard}, rank {rank}: {}",
+                        diff_report(weights, &ddp[rank])
+                    );
+                }
+            }
+        }
     });
 }
 
