@@ -537,6 +537,7 @@ type Save = (HashMap<String, Tensor>, candle_dp::optim::OptimizerState);
 /// rank's save after `save_after` steps (if any) and the whole weights at
 /// the end.
 fn fsdp_adamw(
+    units: fn() -> Vec<LayerFactory>,
     world: usize,
     init: &Weights,
     data: &[(Tensor, Tensor)],
@@ -552,7 +553,7 @@ fn fsdp_adamw(
             &varmap,
             DType::F32,
             &Device::Cpu,
-            deep_units(),
+            units(),
             FsdpConfig::default(),
         )?;
         let config = AdamWConfig {
@@ -584,10 +585,10 @@ fn a_sharded_checkpoint_resumes_to_the_same_bytes_and_reshards_to_any_world_size
         let init = init_deep();
         let data = batches(4, 12, 13);
         // Uninterrupted, saving after 2 of 4 steps.
-        let whole = fsdp_adamw(2, &init, &data, None, Some(2));
+        let whole = fsdp_adamw(deep_units, 2, &init, &data, None, Some(2));
         let saves: Vec<Save> = whole.iter().map(|(s, _)| s.clone().unwrap()).collect();
         // The same world: the last 2 steps from the save, the same bytes.
-        let resumed = fsdp_adamw(2, &init, &data[2..], Some(saves.clone()), None);
+        let resumed = fsdp_adamw(deep_units, 2, &init, &data[2..], Some(saves.clone()), None);
         assert!(
             identical(&resumed[0].1, &whole[0].1),
             "{}",
@@ -596,16 +597,73 @@ fn a_sharded_checkpoint_resumes_to_the_same_bytes_and_reshards_to_any_world_size
         // Another world: the same whole weights at the save, then the same
         // training up to the reduction's order.
         for world in [1, 3, 4] {
-            let at_save = fsdp_adamw(world, &init, &data[..0], Some(saves.clone()), None);
-            let two = fsdp_adamw(2, &init, &data[..2], None, None);
+            let at_save = fsdp_adamw(
+                deep_units,
+                world,
+                &init,
+                &data[..0],
+                Some(saves.clone()),
+                None,
+            );
+            let two = fsdp_adamw(deep_units, 2, &init, &data[..2], None, None);
             assert!(
                 identical(&at_save[0].1, &two[0].1),
                 "world {world}: {}",
                 diff_report(&at_save[0].1, &two[0].1)
             );
-            let resumed = fsdp_adamw(world, &init, &data[2..], Some(saves.clone()), None);
+            let resumed = fsdp_adamw(
+                deep_units,
+                world,
+                &init,
+                &data[2..],
+                Some(saves.clone()),
+                None,
+            );
             let diff = max_rel_diff(&resumed[world - 1].1, &whole[0].1);
             assert!(diff < 1e-5, "world {world}: {diff}");
+        }
+    });
+}
+
+#[test]
+fn batch_norm_statistics_are_saved_whole_and_resume_on_any_world_size() {
+    within(240, || {
+        let varmap = VarMap::new();
+        normed_whole(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)).unwrap();
+        let init = snapshot(&varmap);
+        let data = batches(4, 12, 9);
+        let whole = fsdp_adamw(normed_units, 2, &init, &data, None, Some(2));
+        let saves: Vec<Save> = whole.iter().map(|(s, _)| s.clone().unwrap()).collect();
+        let resumed = fsdp_adamw(
+            normed_units,
+            2,
+            &init,
+            &data[2..],
+            Some(saves.clone()),
+            None,
+        );
+        assert!(
+            identical(&resumed[0].1, &whole[0].1),
+            "{}",
+            diff_report(&resumed[0].1, &whole[0].1)
+        );
+        // Loaded on 3 ranks: every rank holds rank 0's saved statistics.
+        let loaded = fsdp_adamw(
+            normed_units,
+            3,
+            &init,
+            &data[..0],
+            Some(saves.clone()),
+            None,
+        );
+        for (rank, (_, state)) in loaded.iter().enumerate() {
+            for name in ["bn0.running_mean", "bn0.running_var"] {
+                assert_eq!(
+                    bits(&state[name]),
+                    bits(&saves[0].0[name]),
+                    "rank {rank}: {name}"
+                );
+            }
         }
     });
 }
@@ -615,8 +673,8 @@ fn saves_of_an_incomplete_set_or_of_different_steps_are_refused_and_nothing_chan
     within(120, || {
         let init = init_deep();
         let data = batches(3, 12, 14);
-        let a = fsdp_adamw(2, &init, &data, None, Some(1));
-        let b = fsdp_adamw(2, &init, &data, None, Some(2));
+        let a = fsdp_adamw(deep_units, 2, &init, &data, None, Some(1));
+        let b = fsdp_adamw(deep_units, 2, &init, &data, None, Some(2));
         let at = |runs: &[(Option<Save>, Weights)], r: usize| runs[r].0.clone().unwrap();
         let errors = spawn_with(2, bounded(), move |ctx| {
             use candle_dp::optim::{AdamW, AdamWConfig};
