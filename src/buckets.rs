@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::comm::{ProcessGroup, ReduceOp};
 use crate::error::Result;
-use crate::shard_layout::ShardLayout;
+use crate::shard_layout::{pack_by_rank, ShardLayout};
 use crate::zero::ZeroStage;
 
 /// How a bucket of gradients travels.
@@ -153,23 +153,22 @@ impl BucketReducer<'_> {
         presence: Option<&[f64]>,
     ) -> Result<Reduced> {
         let world = self.pg.world_size();
-        let mut columns = Vec::with_capacity(bucket.params.len() + 1);
+        let mut whole = Vec::with_capacity(bucket.params.len());
         for (k, &i) in bucket.params.iter().enumerate() {
             let var = &self.params[i].1;
-            let whole = match grads.get(k).and_then(Option::as_ref) {
+            whole.push(match grads.get(k).and_then(Option::as_ref) {
                 Some(g) => g.to_dtype(bucket.dtype)?,
                 None => Tensor::zeros(var.shape(), bucket.dtype, var.device())?,
-            };
-            columns.push(self.layouts[i].padded_by_rank(&whole)?);
+            });
         }
-        if presence.is_none() {
-            let flags = self.presence_flags(bucket, grads)?;
-            let n = flags.elem_count();
-            columns.push(flags.unsqueeze(0)?.broadcast_as((world, n))?.contiguous()?);
-        }
-        let table = Tensor::cat(&columns, 1)?;
-        let section = table.dim(1)?;
-        let reduced = self.through_hook(&[table.flatten_all()?], bucket.dtype, |pieces, op| {
+        let flags = match presence {
+            None => Some(self.presence_flags(bucket, grads)?),
+            Some(_) => None,
+        };
+        let layouts: Vec<&ShardLayout> = bucket.params.iter().map(|&i| &self.layouts[i]).collect();
+        let table = pack_by_rank(&whole, &layouts, flags.as_ref(), world)?;
+        let section = table.elem_count() / world;
+        let reduced = self.through_hook(&[table], bucket.dtype, |pieces, op| {
             let counts = vec![section; world];
             Ok(self.pg.reduce_scatter(&pieces[0], op, &counts)?)
         })?;

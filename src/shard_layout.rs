@@ -66,26 +66,14 @@ impl ShardLayout {
             .min(self.chunk_rows)
     }
 
-    /// `full` padded with zero rows to `world * chunk_rows` rows, as one
-    /// row of `shard_elems` per rank: shape `(world, shard_elems)`.
-    pub(crate) fn padded_by_rank(&self, full: &Tensor) -> candle_core::Result<Tensor> {
-        let flat = full.flatten_all()?;
-        let pad = (self.world * self.chunk_rows - self.rows) * self.row_elems;
-        let flat = match pad {
-            0 => flat,
-            n => Tensor::cat(&[flat, Tensor::zeros(n, full.dtype(), full.device())?], 0)?,
-        };
-        flat.reshape((self.world, self.shard_elems()))
-    }
-
     /// Rank `rank`'s piece of `full`, padded: shape
     /// [`shard_dims`](Self::shard_dims). A copy of its own rows only (the
     /// whole tensor is not copied).
     pub(crate) fn shard_of(&self, full: &Tensor, rank: usize) -> candle_core::Result<Tensor> {
         let flat = full.flatten_all()?;
-        let start = (rank * self.chunk_rows).min(self.rows) * self.row_elems;
-        let real = self.real_rows(rank) * self.row_elems;
-        let rows = flat.narrow(0, start, real)?;
+        let range = self.real_range(rank);
+        let real = range.len();
+        let rows = flat.narrow(0, range.start, real)?;
         let piece = match self.shard_elems() - real {
             0 => rows.force_contiguous()?,
             pad => Tensor::cat(&[rows, Tensor::zeros(pad, full.dtype(), full.device())?], 0)?,
@@ -93,11 +81,83 @@ impl ShardLayout {
         piece.reshape(self.shard_dims())
     }
 
+    /// Where rank `rank`'s real rows lie in the flattened parameter (the
+    /// rest of its piece is padding).
+    pub(crate) fn real_range(&self, rank: usize) -> std::ops::Range<usize> {
+        let start = (rank * self.chunk_rows).min(self.rows) * self.row_elems;
+        start..start + self.real_rows(rank) * self.row_elems
+    }
+
+    /// Writes the real rows of rank `rank`'s `piece` (flat, `shard_elems`
+    /// long) into `whole` (the parameter, contiguous), in place: one copy
+    /// of those rows, where a whole parameter rebuilt from its pieces and
+    /// then set would copy it twice.
+    pub(crate) fn write_rows(
+        &self,
+        whole: &candle_core::Var,
+        piece: &Tensor,
+        rank: usize,
+    ) -> candle_core::Result<()> {
+        let real = self.real_rows(rank);
+        if real == 0 {
+            return Ok(());
+        }
+        let Some((_, rest)) = self.dims.split_first() else {
+            // A 0-dim parameter: rank 0's one element.
+            return whole.set(&piece.narrow(0, 0, 1)?.reshape(())?);
+        };
+        let rows = piece
+            .narrow(0, 0, real * self.row_elems)?
+            .reshape([&[real][..], rest].concat())?
+            .contiguous()?;
+        whole
+            .as_tensor()
+            .slice_set(&rows, 0, rank * self.chunk_rows)
+    }
+
     /// The whole parameter from every rank's piece, in rank order, each
     /// `shard_elems` long (the padding dropped).
     pub(crate) fn unshard(&self, pieces: &[Tensor]) -> candle_core::Result<Tensor> {
         let flat = Tensor::cat(pieces, 0)?.narrow(0, 0, self.rows * self.row_elems)?;
         flat.reshape(self.dims.as_slice())
+    }
+}
+
+/// The table a reduce-scatter of whole tensors into pieces takes: rank by
+/// rank, each tensor's piece for that rank (`wholes[k]` flattened, split
+/// by `layouts[k]`: its real rows, then zeros for the padding), then
+/// `extra` (the same in every rank's section: presence flags, which every
+/// rank thus receives reduced). One copy of the tensors, from contiguous
+/// slices. Every rank's section has the same length, the table's
+/// `1/world`.
+pub(crate) fn pack_by_rank(
+    wholes: &[Tensor],
+    layouts: &[&ShardLayout],
+    extra: Option<&Tensor>,
+    world: usize,
+) -> candle_core::Result<Tensor> {
+    let mut parts = Vec::with_capacity(world * (2 * wholes.len() + 1));
+    for rank in 0..world {
+        for (whole, layout) in wholes.iter().zip(layouts) {
+            let flat = whole.flatten_all()?;
+            let real = layout.real_range(rank);
+            let pad = layout.shard_elems() - real.len();
+            if !real.is_empty() {
+                parts.push(flat.narrow(0, real.start, real.len())?);
+            }
+            if pad > 0 {
+                parts.push(Tensor::zeros(pad, whole.dtype(), whole.device())?);
+            }
+        }
+        parts.extend(extra.cloned());
+    }
+    match parts.is_empty() {
+        // Nothing but empty tensors: an empty table.
+        true => match wholes.first() {
+            Some(w) => Tensor::zeros(0, w.dtype(), w.device()),
+            None => candle_core::bail!("a table of no tensors"),
+        },
+        false => Tensor::cat(&parts, 0),
     }
 }
 
@@ -130,6 +190,23 @@ mod tests {
         assert_eq!(
             back.to_vec2::<f32>().unwrap(),
             full.to_vec2::<f32>().unwrap()
+        );
+    }
+
+    #[test]
+    fn a_table_by_rank_holds_each_ranks_pieces_then_the_extra() {
+        // 3 rows of 2 on 2 ranks: rank 0 rows 0-1, rank 1 row 2 and padding.
+        let a = Tensor::arange(0f32, 6., &Device::Cpu)
+            .unwrap()
+            .reshape((3, 2))
+            .unwrap();
+        let b = Tensor::new(9f32, &Device::Cpu).unwrap();
+        let (la, lb) = (ShardLayout::new(&[3, 2], 2), ShardLayout::new(&[], 2));
+        let flags = Tensor::new(&[7f32], &Device::Cpu).unwrap();
+        let table = pack_by_rank(&[a, b], &[&la, &lb], Some(&flags), 2).unwrap();
+        assert_eq!(
+            table.to_vec1::<f32>().unwrap(),
+            [0., 1., 2., 3., 9., 7., 4., 5., 0., 0., 0., 7.]
         );
     }
 

@@ -14,6 +14,7 @@ use crate::comm::ReduceOp;
 use crate::ddp::with_accumulated;
 use crate::error::{Error, Result};
 use crate::pipeline::{build_layer, fingerprint, Fingerprint};
+use crate::shard_layout::{pack_by_rank, ShardLayout};
 use crate::step::Step;
 use crate::units::boundary;
 
@@ -478,9 +479,9 @@ impl FullyShardedDataParallel {
             return Ok(());
         }
         let world = self.pg.world_size();
-        // One row per rank: that rank's piece of every parameter, then
-        // one presence flag per parameter.
-        let mut columns = Vec::with_capacity(params.len() + 1);
+        // Rank by rank: that rank's piece of every parameter, then one
+        // presence flag per parameter.
+        let mut wholes = Vec::with_capacity(params.len());
         let mut present = Vec::with_capacity(params.len());
         for &p in params {
             let layout = &self.layouts[p];
@@ -494,18 +495,15 @@ impl FullyShardedDataParallel {
                     Tensor::zeros(layout.dims.as_slice(), dtype, &self.device)?
                 }
             };
-            columns.push(layout.padded_by_rank(&whole.to_dtype(dtype)?)?);
+            wholes.push(whole.to_dtype(dtype)?);
         }
-        let flags = Tensor::new(present, &self.device)?
-            .to_dtype(dtype)?
-            .unsqueeze(0)?
-            .repeat((world, 1))?;
-        columns.push(flags);
-        let table = Tensor::cat(&columns, 1)?;
-        let row = table.dim(1)?;
-        let mine =
-            self.pg
-                .reduce_scatter(&table.flatten_all()?, ReduceOp::Avg, &vec![row; world])?;
+        let flags = Tensor::new(present, &self.device)?.to_dtype(dtype)?;
+        let layouts: Vec<&ShardLayout> = params.iter().map(|&p| &self.layouts[p]).collect();
+        let table = pack_by_rank(&wholes, &layouts, Some(&flags), world)?;
+        let row = table.elem_count() / world;
+        let mine = self
+            .pg
+            .reduce_scatter(&table, ReduceOp::Avg, &vec![row; world])?;
         let flags = mine
             .narrow(0, row - params.len(), params.len())?
             .to_dtype(candle_core::DType::F64)?

@@ -203,9 +203,11 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
 
     /// Every rank sends its pieces, group by group, as one flat buffer,
     /// and takes the others' from theirs: every group is exchanged (and,
-    /// on a GPU group, completed) before any parameter is written.
+    /// on a GPU group, completed) before any parameter is written; then
+    /// each rank's real rows are written into the whole parameters in
+    /// place.
     fn share_updates(&self) -> Result<()> {
-        let mut writes: Vec<(usize, Tensor)> = Vec::new();
+        let mut writes: Vec<(usize, usize, Tensor)> = Vec::new();
         // A group whose parameters have no elements (a dtype held only by
         // an empty parameter) has nothing to share, and no piece to cat.
         for group in self.groups.iter().filter(|g| g.elems > 0) {
@@ -220,19 +222,16 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
             let all = self.pg.all_gather(&flat)?;
             let mut offset = 0;
             for &i in &group.members {
-                let layout = &self.layouts[i];
-                let n = layout.shard_elems();
-                let pieces = all
-                    .iter()
-                    .map(|buffer| buffer.narrow(0, offset, n))
-                    .collect::<candle_core::Result<Vec<_>>>()?;
-                writes.push((i, layout.unshard(&pieces)?));
+                let n = self.layouts[i].shard_elems();
+                for (rank, buffer) in all.iter().enumerate() {
+                    writes.push((i, rank, buffer.narrow(0, offset, n)?));
+                }
                 offset += n;
             }
         }
         self.pg.wait_for_device()?;
-        for (i, value) in writes {
-            self.params[i].1.set(&value)?;
+        for (i, rank, piece) in writes {
+            self.layouts[i].write_rows(&self.params[i].1, &piece, rank)?;
         }
         Ok(())
     }

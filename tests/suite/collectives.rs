@@ -909,6 +909,38 @@ fn set_timeout_replaces_the_groups_timeout_for_this_rank() {
     ranks[0].barrier().unwrap();
 }
 
+/// Every collective of a group of one rank returns its own values as fresh
+/// tensors, where they lie (DDP, ZeRO and FSDP at world size 1 on a GPU
+/// then never pass through host memory), and a failed group is reported.
+#[test]
+fn one_ranks_collectives_return_fresh_copies_and_see_a_failed_group() {
+    let pg = ThreadGroup::new(1).remove(0);
+    let a = Tensor::new(&[[1f32, -2.5], [3., 4.]], &Device::Cpu).unwrap();
+    let var = candle_core::Var::from_tensor(&a).unwrap();
+    let x = var.as_tensor().clone();
+    let results = vec![
+        ("all_reduce", pg.all_reduce(&x, ReduceOp::Avg).unwrap()),
+        ("broadcast", pg.broadcast(&x, 0).unwrap()),
+        ("all_gather", pg.all_gather(&x).unwrap().remove(0)),
+        (
+            "reduce_scatter",
+            pg.reduce_scatter(&x, ReduceOp::Sum, &[4]).unwrap(),
+        ),
+        ("all_gather_into", pg.all_gather_into(&x).unwrap()),
+    ];
+    // The input changes afterwards: no result may share its storage.
+    var.set(&a.zeros_like().unwrap()).unwrap();
+    for (op, out) in results {
+        let got = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(got, [1., -2.5, 3., 4.], "{op}");
+    }
+    assert!(pg.broadcast(&x, 1).is_err(), "root 1 of a group of one");
+    pg.abort("gone");
+    assert!(pg.all_reduce(&x, ReduceOp::Sum).is_err());
+    assert!(pg.broadcast(&x, 0).is_err());
+    assert!(pg.all_gather(&x).is_err());
+}
+
 /// One rank's `all_reduce_concat` is its own values, as a fresh tensor
 /// (the reduction of one buffer, which DDP at world size 1 reduces every
 /// step), and a failed group is still reported.

@@ -54,6 +54,24 @@ impl ThreadRank {
     }
 }
 
+impl ThreadRank {
+    /// A collective of a group of one rank: its result is this rank's own
+    /// values (an average divides by one), copied where they lie, so that
+    /// a tensor on a GPU never passes through host memory. The barrier
+    /// reports a failed group as the collective would.
+    fn alone(&self, op: &'static str, tensor: &Tensor) -> Result<Tensor> {
+        self.barrier()?;
+        tensor
+            .copy()
+            .map(|t| t.detach())
+            .map_err(|source| CommError::Tensor {
+                rank: self.rank(),
+                op,
+                source,
+            })
+    }
+}
+
 /// A tensor's host copy, shared between the messages that carry it; the
 /// error says why the tensor cannot be sent.
 type Local = std::result::Result<Arc<Buffer>, String>;
@@ -80,6 +98,9 @@ impl ProcessGroup for ThreadRank {
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        if self.world_size() == 1 {
+            return self.alone("all_reduce", tensor);
+        }
         let call = self.begin(Op::AllReduce)?;
         if self.uses_ring(tensor) {
             let headers = call.exchange_inputs(tensor, OpSig::AllReduce(op), None)?;
@@ -107,23 +128,9 @@ impl ProcessGroup for ThreadRank {
             return all_reduce_concat_copied(self, tensors, op);
         };
         if self.world_size() == 1 {
-            // One rank's reduction is its own values (an average divides by
-            // one): the concatenation, a fresh tensor, is the result. The
-            // barrier reports a failed group as the collective would.
-            self.barrier()?;
+            // `cat` of one tensor is that tensor: `alone` copies it.
             let flat = concat_flat(self, tensors)?;
-            // `cat` of one tensor is that tensor: a result shares no storage.
-            let flat = match tensors.len() {
-                1 => flat.copy(),
-                _ => Ok(flat),
-            };
-            return flat
-                .map(|f| f.detach())
-                .map_err(|source| CommError::Tensor {
-                    rank: self.rank(),
-                    op: "all_reduce_concat",
-                    source,
-                });
+            return self.alone("all_reduce_concat", &flat);
         }
         let len: usize = tensors.iter().map(Tensor::elem_count).sum();
         let bytes = len.saturating_mul(first.dtype().size_in_bytes());
@@ -168,6 +175,9 @@ impl ProcessGroup for ThreadRank {
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
+        if self.world_size() == 1 && root == 0 {
+            return self.alone("broadcast", tensor);
+        }
         let call = self.begin(Op::Broadcast)?;
         let local = (self.rank() == root).then(|| local_copy(tensor));
         let sig = Signature {
@@ -188,6 +198,9 @@ impl ProcessGroup for ThreadRank {
     }
 
     fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
+        if self.world_size() == 1 {
+            return Ok(vec![self.alone("all_gather", tensor)?]);
+        }
         let call = self.begin(Op::AllGather)?;
         let local = local_copy(tensor);
         let sig = Signature {
