@@ -104,6 +104,16 @@ impl BucketReducer<'_> {
         grads: &[Option<Tensor>],
         presence: Option<&[f64]>,
     ) -> Result<Reduced> {
+        // Alone, a rank knows which gradients are present: no flags travel
+        // (on a GPU, none is copied there and read back).
+        let alone: Vec<f64>;
+        let presence = match presence {
+            None if self.pg.world_size() == 1 => {
+                alone = local_presence(bucket, grads);
+                Some(alone.as_slice())
+            }
+            other => other,
+        };
         if self.zero == Some(ZeroStage::Two) {
             return self.reduce_scatter(bucket, grads, presence);
         }
@@ -196,12 +206,7 @@ impl BucketReducer<'_> {
     /// One flag per parameter of `bucket`: whether this rank has its
     /// gradient, in the bucket's dtype.
     fn presence_flags(&self, bucket: &Bucket, grads: &[Option<Tensor>]) -> Result<Tensor> {
-        let present: Vec<f64> = (0..bucket.params.len())
-            .map(|k| match grads.get(k).and_then(Option::as_ref) {
-                Some(_) => 1.,
-                None => 0.,
-            })
-            .collect();
+        let present = local_presence(bucket, grads);
         let device = self.params[bucket.params[0]].1.device();
         Ok(Tensor::new(present, device)?.to_dtype(bucket.dtype)?)
     }
@@ -268,4 +273,14 @@ impl BucketReducer<'_> {
         };
         Ok(reduced.to_dtype(dtype)?)
     }
+}
+
+/// One flag per parameter of `bucket`: 1 where this rank has its gradient.
+fn local_presence(bucket: &Bucket, grads: &[Option<Tensor>]) -> Vec<f64> {
+    (0..bucket.params.len())
+        .map(|k| match grads.get(k).and_then(Option::as_ref) {
+            Some(_) => 1.,
+            None => 0.,
+        })
+        .collect()
 }

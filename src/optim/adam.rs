@@ -8,7 +8,9 @@ use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use candle_nn::{Optimizer, VarMap};
 
-use super::element::{host_values, step_each, typed, write_back, Buffer, Element, PerParameter};
+use super::element::{
+    device_state, host_values, step_each, typed, write_back, Buffer, Element, PerParameter,
+};
 use super::state::{
     by_position, check_finite, check_non_negative, check_unique, flag, invalid, named_vars,
     scalar_value, setting, sort_entries,
@@ -381,6 +383,62 @@ impl PerParameter for AdamCore {
             *p += minus_step * m / (v.sqrt() / bc2_sqrt + eps);
         }
         write_back(var, p)
+    }
+
+    fn update_on_device(&mut self, i: usize, grad: &Tensor) -> candle_core::Result<()> {
+        let (c, decoupled) = (self.config, self.decoupled);
+        let (name, var) = &self.params[i];
+        let mut p = var.as_detached_tensor();
+        let mut g = grad.detach().to_dtype(var.dtype())?;
+        let state = match &mut self.slots[i] {
+            Some(state) => state,
+            slot @ None => {
+                let zeros = || p.zeros_like().map(Buffer::Tensor);
+                slot.insert(Moments {
+                    step: 0.0,
+                    exp_avg: zeros()?,
+                    exp_avg_sq: zeros()?,
+                    max_exp_avg_sq: c.amsgrad.then(zeros).transpose()?,
+                })
+            }
+        };
+        let m = device_state(&state.exp_avg, var, name, "exp_avg")?;
+        let v = device_state(&state.exp_avg_sq, var, name, "exp_avg_sq")?;
+        let max = match &state.max_exp_avg_sq {
+            Some(max) => Some(device_state(max, var, name, "max_exp_avg_sq")?),
+            None => None,
+        };
+        if c.maximize {
+            g = g.neg()?;
+        }
+        if c.weight_decay != 0.0 {
+            match decoupled {
+                true => p = p.affine(1.0 - c.lr * c.weight_decay, 0.0)?,
+                false => g = (p.affine(c.weight_decay, 0.0)? + &g)?,
+            }
+        }
+        // exp_avg.lerp_(g, 1 - beta1); exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
+        let m = (&m + (&g - &m)?.affine(1.0 - c.beta1, 0.0)?)?;
+        let v = (v.affine(c.beta2, 0.0)? + g.sqr()?.affine(1.0 - c.beta2, 0.0)?)?;
+        let step = state.step + 1.0;
+        let step_size = c.lr / (1.0 - c.beta1.powf(step));
+        let bc2_sqrt = (1.0 - c.beta2.powf(step)).sqrt();
+        let max = match max {
+            Some(max) => Some(max.maximum(&v)?),
+            None => None,
+        };
+        let second = max.as_ref().unwrap_or(&v);
+        let denom = (second.sqrt()? / bc2_sqrt)?.affine(1.0, c.eps)?;
+        let p = (p - (m.div(&denom)?.affine(step_size, 0.0))?)?;
+        // Nothing below can fail but the write: the state moves on with it.
+        var.set(&p)?;
+        state.step = step;
+        state.exp_avg = Buffer::Tensor(m);
+        state.exp_avg_sq = Buffer::Tensor(v);
+        if let Some(max) = max {
+            state.max_exp_avg_sq = Some(Buffer::Tensor(max));
+        }
+        Ok(())
     }
 }
 

@@ -1,5 +1,9 @@
 //! The element types an optimizer updates (f32, f64), their state buffers
-//! on the host, and reading and writing a parameter's values.
+//! (on the host, or on the parameter's device), reading and writing a
+//! parameter's values, and where a step runs: a parameter on the CPU is
+//! updated on the host, element by element in PyTorch's exact order; one
+//! on another device (a GPU) with candle's tensor ops where it lives, its
+//! state kept there too, so a step moves nothing to or from the host.
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
@@ -43,7 +47,7 @@ impl Element for f32 {
     fn buffer_mut(buffer: &mut Buffer) -> Option<&mut Vec<Self>> {
         match buffer {
             Buffer::F32(v) => Some(v),
-            Buffer::F64(_) => None,
+            _ => None,
         }
     }
     fn into_buffer(values: Vec<Self>) -> Buffer {
@@ -67,7 +71,7 @@ impl Element for f64 {
     fn buffer_mut(buffer: &mut Buffer) -> Option<&mut Vec<Self>> {
         match buffer {
             Buffer::F64(v) => Some(v),
-            Buffer::F32(_) => None,
+            _ => None,
         }
     }
     fn into_buffer(values: Vec<Self>) -> Buffer {
@@ -81,6 +85,8 @@ impl Element for f64 {
 pub(crate) enum Buffer {
     F32(Vec<f32>),
     F64(Vec<f64>),
+    /// On the parameter's device, in its shape and dtype (the device path).
+    Tensor(Tensor),
 }
 
 impl Buffer {
@@ -89,6 +95,20 @@ impl Buffer {
         match self {
             Buffer::F32(v) => Tensor::from_slice(v, shape, &Device::Cpu),
             Buffer::F64(v) => Tensor::from_slice(v, shape, &Device::Cpu),
+            Buffer::Tensor(t) => t.reshape(shape)?.to_device(&Device::Cpu),
+        }
+    }
+
+    /// The buffer as a tensor like `var` (its shape, dtype and device), for
+    /// the device path: a host buffer (loaded from a checkpoint) moves to
+    /// the device once.
+    pub(crate) fn on_device_of(&self, var: &Var) -> candle_core::Result<Tensor> {
+        match self {
+            Buffer::Tensor(t) => Ok(t.clone()),
+            host => host
+                .to_tensor(var.shape())?
+                .to_dtype(var.dtype())?
+                .to_device(var.device()),
         }
     }
 
@@ -127,6 +147,10 @@ pub(crate) fn typed<'a, T: Element>(
     name: &str,
     slot: &str,
 ) -> candle_core::Result<&'a mut Vec<T>> {
+    // Kept on a device by an earlier step there: back to the host once.
+    if let Buffer::Tensor(t) = buffer {
+        *buffer = T::into_buffer(host_values(t)?);
+    }
     T::buffer_mut(buffer).ok_or_else(|| {
         candle_core::Error::Msg(format!(
             "the `{slot}` state of parameter `{name}` is not {:?} as the parameter is",
@@ -167,8 +191,14 @@ pub(crate) fn checked_grads(
 pub(crate) trait PerParameter {
     /// The parameters, named.
     fn params(&self) -> &[(String, Var)];
-    /// Updates parameter `i` with `grad` (checked to fit), in type `T`.
+    /// Updates parameter `i` with `grad` (checked to fit), in type `T`, on
+    /// the host.
     fn update<T: Element>(&mut self, i: usize, grad: &Tensor) -> candle_core::Result<()>;
+    /// Updates parameter `i` with `grad` (checked to fit) where it lives,
+    /// with tensor ops: the same formulas, in PyTorch's order, each op
+    /// rounded on its own (where the host path fuses a multiply-add), so
+    /// the two agree to rounding, not bit for bit.
+    fn update_on_device(&mut self, i: usize, grad: &Tensor) -> candle_core::Result<()>;
 }
 
 /// One optimizer step: every parameter with a gradient in `grads`
@@ -178,10 +208,66 @@ pub(crate) fn step_each<O: PerParameter>(
     grads: &GradStore,
 ) -> candle_core::Result<()> {
     for (i, grad) in checked_grads(optimizer.params(), grads)? {
-        match optimizer.params()[i].1.dtype() {
+        let var = &optimizer.params()[i].1;
+        if steps_on_device(var) {
+            optimizer.update_on_device(i, &grad)?;
+            continue;
+        }
+        match var.dtype() {
             DType::F64 => optimizer.update::<f64>(i, &grad)?,
             _ => optimizer.update::<f32>(i, &grad)?,
         }
     }
     Ok(())
+}
+
+/// Whether `var` is stepped on its device: any device but the CPU (and,
+/// in the crate's tests, the CPU too when asked, to compare the paths).
+pub(crate) fn steps_on_device(var: &Var) -> bool {
+    !matches!(var.device(), Device::Cpu) || device_path_forced()
+}
+
+#[cfg(test)]
+thread_local! {
+    static FORCE_DEVICE_PATH: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+#[cfg(test)]
+fn device_path_forced() -> bool {
+    FORCE_DEVICE_PATH.with(|f| f.get())
+}
+
+#[cfg(not(test))]
+fn device_path_forced() -> bool {
+    false
+}
+
+/// Runs `f` with the device path taken on the CPU too, on this thread.
+#[cfg(test)]
+pub(crate) fn with_device_path<R>(f: impl FnOnce() -> R) -> R {
+    FORCE_DEVICE_PATH.with(|flag| flag.set(true));
+    let out = f();
+    FORCE_DEVICE_PATH.with(|flag| flag.set(false));
+    out
+}
+
+/// A state tensor of the device path, checked to fit `var` (a state
+/// loaded for another shape or dtype is an error, as on the host).
+pub(crate) fn device_state(
+    buffer: &Buffer,
+    var: &Var,
+    name: &str,
+    slot: &str,
+) -> candle_core::Result<Tensor> {
+    let t = buffer.on_device_of(var)?;
+    if t.dims() != var.dims() || t.dtype() != var.dtype() {
+        return Err(candle_core::Error::Msg(format!(
+            "the `{slot}` state of parameter `{name}` is {:?} {:?}, the parameter {:?} {:?}",
+            t.dtype(),
+            t.dims(),
+            var.dtype(),
+            var.dims()
+        )));
+    }
+    Ok(t)
 }

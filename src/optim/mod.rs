@@ -37,8 +37,16 @@
 //! [`clip_grad_norm`] is PyTorch's `clip_grad_norm_`; [`GradScaler`] is its
 //! dynamic loss scaling for f16 training.
 //!
-//! Parameters may be f32 or f64, on any device (the update runs on the
-//! host: a parameter on a GPU is copied there and back).
+//! Parameters may be f32 or f64, on any device. A parameter on the CPU is
+//! updated on the host, element by element, as above. One on another
+//! device (a GPU) is updated where it lives, with candle's tensor ops in
+//! PyTorch's order, its state kept there too: a step copies nothing to or
+//! from the host. That path rounds each op on its own where the host path
+//! fuses a multiply-add, so the two agree to rounding, not bit for bit:
+//! within 1e-5 (f32) and 1e-12 (f64) of each tensor's largest value after
+//! 6 steps of every option (both paths run on the CPU in the crate's
+//! tests). A state saved from either path loads into the other (it is
+//! saved on the host).
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
@@ -61,6 +69,8 @@
 
 mod adam;
 pub(crate) mod clip;
+#[cfg(test)]
+mod device_path;
 mod element;
 mod grad_scaler;
 mod lr_schedule;

@@ -7,7 +7,9 @@ use candle_core::backprop::GradStore;
 use candle_core::Var;
 use candle_nn::{Optimizer, VarMap};
 
-use super::element::{host_values, step_each, typed, write_back, Buffer, Element, PerParameter};
+use super::element::{
+    device_state, host_values, step_each, typed, write_back, Buffer, Element, PerParameter,
+};
 use super::state::{
     by_position, check_finite, check_non_negative, check_unique, flag, invalid, named_vars,
     setting, sort_entries,
@@ -169,6 +171,38 @@ impl PerParameter for Sgd {
             .zip(&g)
             .for_each(|(p, &g)| *p = g.fma(minus_lr, *p));
         write_back(var, p)
+    }
+
+    fn update_on_device(
+        &mut self,
+        i: usize,
+        grad: &candle_core::Tensor,
+    ) -> candle_core::Result<()> {
+        let c = self.config;
+        let (name, var) = &self.params[i];
+        let p = var.as_detached_tensor();
+        let mut g = grad.detach().to_dtype(var.dtype())?;
+        if c.maximize {
+            g = g.neg()?;
+        }
+        if c.weight_decay != 0.0 {
+            g = (p.affine(c.weight_decay, 0.0)? + g)?;
+        }
+        if c.momentum != 0.0 {
+            let buf = match &self.momentum_buffers[i] {
+                None => g.copy()?,
+                Some(buffer) => {
+                    let b = device_state(buffer, var, name, "momentum_buffer")?;
+                    (b.affine(c.momentum, 0.0)? + g.affine(1.0 - c.dampening, 0.0)?)?
+                }
+            };
+            self.momentum_buffers[i] = Some(Buffer::Tensor(buf.clone()));
+            g = match c.nesterov {
+                true => (g + buf.affine(c.momentum, 0.0)?)?,
+                false => buf,
+            };
+        }
+        var.set(&(p - g.affine(c.lr, 0.0)?)?)
     }
 }
 
