@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::comm::{ProcessGroup, ReduceOp};
 use crate::error::Result;
-use crate::shard_layout::{pack_by_rank, ShardLayout};
+use crate::shard_layout::{pack_by_rank, unpack_section, ShardLayout};
 use crate::zero::ZeroStage;
 
 /// How a bucket of gradients travels.
@@ -183,24 +183,19 @@ impl BucketReducer<'_> {
             Ok(self.pg.reduce_scatter(&pieces[0], op, &counts)?)
         })?;
         let flags = self.flags(bucket, &reduced, presence)?;
-        let mut out = Reduced::default();
-        let mut offset = 0;
-        for (k, &i) in bucket.params.iter().enumerate() {
-            let layout = &self.layouts[i];
-            let n = layout.shard_elems();
-            if flags[k] > 0.0 {
-                let grad = reduced
-                    .narrow(0, offset, n)?
-                    .reshape(layout.shard_dims())?
-                    .to_dtype(self.params[i].1.dtype())?
-                    // Its own elements only: a view would keep the whole
-                    // reduced section alive.
-                    .force_contiguous()?;
-                out.grads.push((i, grad));
-            }
-            offset += n;
-        }
-        Ok(out)
+        let dtypes: Vec<DType> = bucket
+            .params
+            .iter()
+            .map(|&i| self.params[i].1.dtype())
+            .collect();
+        let pieces = unpack_section(&reduced, &layouts, &flags, &dtypes)?;
+        let grads = bucket
+            .params
+            .iter()
+            .zip(pieces)
+            .filter_map(|(&i, piece)| piece.map(|g| (i, g)))
+            .collect();
+        Ok(Reduced { grads })
     }
 
     /// One flag per parameter of `bucket`: whether this rank has its

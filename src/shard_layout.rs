@@ -161,6 +161,35 @@ pub(crate) fn pack_by_rank(
     }
 }
 
+/// This rank's section of a [`pack_by_rank`] table, reduce-scattered: the
+/// piece of each tensor `k` whose `present[k]` flag is positive (shaped as
+/// a piece, in `dtypes[k]`, a copy of its own elements only: a view would
+/// keep the whole section alive); `None` for the others.
+pub(crate) fn unpack_section(
+    section: &Tensor,
+    layouts: &[&ShardLayout],
+    present: &[f64],
+    dtypes: &[candle_core::DType],
+) -> candle_core::Result<Vec<Option<Tensor>>> {
+    let mut offset = 0;
+    let mut pieces = Vec::with_capacity(layouts.len());
+    for ((layout, &flag), &dtype) in layouts.iter().zip(present).zip(dtypes) {
+        let n = layout.shard_elems();
+        pieces.push(match flag > 0.0 {
+            true => Some(
+                section
+                    .narrow(0, offset, n)?
+                    .reshape(layout.shard_dims())?
+                    .to_dtype(dtype)?
+                    .force_contiguous()?,
+            ),
+            false => None,
+        });
+        offset += n;
+    }
+    Ok(pieces)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,6 +10,19 @@ use crate::error::{Error, Result};
 use crate::optim::{OptimizerState, ShardOf};
 use crate::shard_layout::ShardLayout;
 
+/// Each parameter's name beside its split (`params` and `layouts` in one
+/// order): what the functions below take.
+pub(crate) fn named_layouts(
+    params: &[(String, candle_core::Var)],
+    layouts: &[ShardLayout],
+) -> Vec<(String, ShardLayout)> {
+    params
+        .iter()
+        .zip(layouts)
+        .map(|((name, _), layout)| (name.clone(), layout.clone()))
+        .collect()
+}
+
 /// Marks `state` as rank `rank`'s of `world`, recording each parameter's
 /// rows among its settings under `prefix` (so that a load can tell a model
 /// of another shape whose pieces happen to have the same size).

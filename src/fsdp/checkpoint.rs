@@ -12,7 +12,7 @@ use super::FullyShardedDataParallel;
 use crate::error::{Error, Result};
 use crate::optim::{OptimizerState, StatefulOptimizer};
 use crate::shard_layout::ShardLayout;
-use crate::shard_state::{mark_shard, reshard_states, unshard_saved};
+use crate::shard_state::{mark_shard, named_layouts, reshard_states, unshard_saved};
 
 impl FullyShardedDataParallel {
     /// This rank's pieces, by parameter name, and the buffers, whole
@@ -41,11 +41,7 @@ impl FullyShardedDataParallel {
 
     /// Each parameter's name and split.
     fn named_layouts(&self) -> Vec<(String, ShardLayout)> {
-        self.shards
-            .iter()
-            .zip(&self.layouts)
-            .map(|((name, _), layout)| (name.clone(), layout.clone()))
-            .collect()
+        named_layouts(&self.shards, &self.layouts)
     }
 
     /// Restores a sharded checkpoint saved by every rank of a run of any

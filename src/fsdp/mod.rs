@@ -372,9 +372,11 @@ impl FullyShardedDataParallel {
         self.memory
     }
 
-    /// Every parameter whole, and every buffer, by name, on every rank (an
-    /// all-gather of the parameters): for evaluation or a `safetensors` export
-    /// (`candle_core::safetensors::save`). Every rank must call it.
+    /// Every parameter whole, and this rank's buffers, by name, on every
+    /// rank (an all-gather of the parameters): for evaluation or a
+    /// `safetensors` export (`candle_core::safetensors::save`; take rank
+    /// 0's, whose buffers the next forward broadcasts). Every rank must
+    /// call it.
     pub fn full_state(&self) -> Result<HashMap<String, Tensor>> {
         let all: Vec<usize> = (0..self.shards.len()).collect();
         let gathered = self.gather(&all)?;
@@ -389,8 +391,10 @@ impl FullyShardedDataParallel {
         Ok(state)
     }
 
-    /// The buffers (whole, the same on every rank after a forward that
-    /// broadcast them), by name, sorted.
+    /// The buffers, whole, as this rank holds them, by name, sorted: each
+    /// training forward starts from rank 0's (broadcast) and updates them
+    /// with this rank's batch, so ranks differ after it; rank 0's are the
+    /// ones the next forward, and a sharded checkpoint's load, use.
     pub fn buffers(&self) -> &[(String, Var)] {
         &self.buffers
     }

@@ -14,7 +14,7 @@ use crate::comm::ReduceOp;
 use crate::ddp::with_accumulated;
 use crate::error::{Error, Result};
 use crate::pipeline::{build_layer, fingerprint, Fingerprint};
-use crate::shard_layout::{pack_by_rank, ShardLayout};
+use crate::shard_layout::{pack_by_rank, unpack_section, ShardLayout};
 use crate::step::Step;
 use crate::units::boundary;
 
@@ -508,21 +508,14 @@ impl FullyShardedDataParallel {
             .narrow(0, row - params.len(), params.len())?
             .to_dtype(candle_core::DType::F64)?
             .to_vec1::<f64>()?;
-        let mut offset = 0;
-        for (i, &p) in params.iter().enumerate() {
-            let layout = &self.layouts[p];
-            let n = layout.shard_elems();
-            if flags[i] > 0.0 {
-                let piece = mine
-                    .narrow(0, offset, n)?
-                    .reshape(layout.shard_dims())?
-                    .to_dtype(self.dtype)?
-                    .force_contiguous()?;
-                store.insert(self.shards[p].1.as_tensor(), piece);
-            } else {
-                without.push(self.shards[p].0.clone());
+        let pieces = unpack_section(&mine, &layouts, &flags, &vec![self.dtype; params.len()])?;
+        for (&p, piece) in params.iter().zip(pieces) {
+            match piece {
+                Some(piece) => {
+                    store.insert(self.shards[p].1.as_tensor(), piece);
+                }
+                None => without.push(self.shards[p].0.clone()),
             }
-            offset += n;
         }
         Ok(())
     }

@@ -188,6 +188,7 @@ impl PerParameter for Sgd {
         if c.weight_decay != 0.0 {
             g = (p.affine(c.weight_decay, 0.0)? + g)?;
         }
+        let mut momentum = None;
         if c.momentum != 0.0 {
             let buf = match &self.momentum_buffers[i] {
                 None => g.copy()?,
@@ -196,13 +197,19 @@ impl PerParameter for Sgd {
                     (b.affine(c.momentum, 0.0)? + g.affine(1.0 - c.dampening, 0.0)?)?
                 }
             };
-            self.momentum_buffers[i] = Some(Buffer::Tensor(buf.clone()));
             g = match c.nesterov {
                 true => (g + buf.affine(c.momentum, 0.0)?)?,
-                false => buf,
+                false => buf.clone(),
             };
+            momentum = Some(buf);
         }
-        var.set(&(p - g.affine(c.lr, 0.0)?)?)
+        var.set(&(p - g.affine(c.lr, 0.0)?)?)?;
+        // The state moves on with the parameter only: a failure above
+        // leaves both as they were.
+        if let Some(buf) = momentum {
+            self.momentum_buffers[i] = Some(Buffer::Tensor(buf));
+        }
+        Ok(())
     }
 }
 

@@ -14,7 +14,7 @@ use crate::ddp::DistributedDataParallel;
 use crate::error::{Error, Result};
 use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
 use crate::shard_layout::ShardLayout;
-use crate::shard_state::{mark_shard, reshard_states};
+use crate::shard_state::{mark_shard, named_layouts, reshard_states};
 
 /// An optimizer sharded across the ranks of a
 /// [`DistributedDataParallel`] built with [`zero`](crate::DdpBuilder::zero)
@@ -146,8 +146,10 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
     /// every parameter as before the step (the ranks agree on the
     /// updates' outcome before they exchange anything). If the exchange
     /// fails, no parameter has been written. The optimizer's own state is
-    /// not rolled back: resume from a checkpoint, as after any failed
-    /// collective.
+    /// not rolled back: the ranks whose update succeeded have moved theirs
+    /// on (their step counts now differ from the failed rank's, and their
+    /// shard states no longer form a set), so resume every rank from a
+    /// checkpoint, as after any failed collective.
     pub fn step(&mut self, grads: &GradStore) -> Result<()> {
         let updated = self
             .piece_grads(grads)
@@ -305,11 +307,7 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
 
     /// Each parameter's name and split.
     fn named_layouts(&self) -> Vec<(String, ShardLayout)> {
-        self.params
-            .iter()
-            .zip(&self.layouts)
-            .map(|((name, _), layout)| (name.clone(), layout.clone()))
-            .collect()
+        named_layouts(&self.params, &self.layouts)
     }
 }
 

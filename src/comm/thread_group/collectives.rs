@@ -128,9 +128,13 @@ impl ProcessGroup for ThreadRank {
             return all_reduce_concat_copied(self, tensors, op);
         };
         if self.world_size() == 1 {
-            // `cat` of one tensor is that tensor: `alone` copies it.
             let flat = concat_flat(self, tensors)?;
-            return self.alone("all_reduce_concat", &flat);
+            return match tensors.len() {
+                // `cat` of one tensor is that tensor: `alone` copies it.
+                1 => self.alone("all_reduce_concat", &flat),
+                // A fresh concatenation already.
+                _ => self.barrier().map(|()| flat.detach()),
+            };
         }
         let len: usize = tensors.iter().map(Tensor::elem_count).sum();
         let bytes = len.saturating_mul(first.dtype().size_in_bytes());
@@ -165,6 +169,12 @@ impl ProcessGroup for ThreadRank {
             return shards::reduce_scatter_by_all_reduce(self, tensor, op, counts);
         }
         let piece = shards::agree_on_split(self, tensor, counts)?;
+        // Flat, as the MPI group's: ranks agree on the elements, not a shape.
+        let tensor = &tensor.flatten_all().map_err(|source| CommError::Tensor {
+            rank: self.rank(),
+            op: "reduce_scatter",
+            source,
+        })?;
         let call = self.begin(Op::AllReduce)?;
         let headers = call.exchange_inputs(tensor, OpSig::AllReduce(op), None)?;
         let inputs = call.inputs(&headers)?;

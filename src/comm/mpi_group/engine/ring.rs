@@ -89,12 +89,14 @@ impl Engine {
         let mine = chunk_range(len, w, r);
         let my_piece = piece(r);
         let mut out = vec![T::zeroed(); counts[r]];
-        let mut sources = Vec::new();
+        // The ranks this one waits on: those it receives from or sends to.
+        let mut peers = Vec::new();
         mpi::request::scope(|scope| {
             let mut requests = Vec::new();
             for q in self.others() {
                 let part = overlap(mine.clone(), piece(q));
                 if !part.is_empty() {
+                    peers.push(q);
                     let bytes = bytemuck::cast_slice::<T, u8>(&x[part]);
                     let send = self.data.process_at_rank(q as i32);
                     requests.push(sending(
@@ -121,9 +123,11 @@ impl Engine {
                 let from = self.data.process_at_rank(c as i32);
                 let request = from.immediate_receive_into_with_tag(scope, bytes, TAG_DATA);
                 requests.push(receiving(request, c, n));
-                sources.push(c);
+                if !peers.contains(&c) {
+                    peers.push(c);
+                }
             }
-            self.set_waiting_for(sources);
+            self.set_waiting_for(peers);
             self.wait(requests, |_| Ok(true))
         })?;
         Ok(out)
