@@ -187,12 +187,29 @@ impl FullyShardedDataParallel {
 
     fn forward_inner(&mut self, x: &Tensor, train: bool) -> Result<Tensor> {
         self.sync_buffers()?;
-        let n = self.factories.len();
         let mut held = Held::default();
+        self.forward_units(x, train, &mut held, |_, _, run, held| {
+            held.drop_run(&run);
+            Ok(())
+        })
+    }
+
+    /// The forward unit by unit, each unit's parameters gathered (the
+    /// next one's prefetched meanwhile) and counted in `held`; `after(k,
+    /// input, run, held)` takes each unit's run and its input, and decides
+    /// what stays of them. Returns the last unit's output, detached.
+    fn forward_units(
+        &self,
+        x: &Tensor,
+        train: bool,
+        held: &mut Held,
+        mut after: impl FnMut(usize, Tensor, UnitRun, &mut Held) -> Result<()>,
+    ) -> Result<Tensor> {
+        let n = self.factories.len();
         let mut h = self.input(x)?;
         let mut prefetched = None;
         for k in 0..n {
-            let vars = self.take_or_gather(k, prefetched.take(), &mut held)?;
+            let vars = self.take_or_gather(k, prefetched.take(), held)?;
             let next = (k + 1 < n).then_some(k + 1);
             let (run, gathered) =
                 self.with_prefetch(next, || self.run_unit(k, vars, &h, train, Buffers::Live));
@@ -201,8 +218,8 @@ impl FullyShardedDataParallel {
                 held.add(vars_bytes(vars));
             }
             let run = run?;
-            h = run.output.detach();
-            held.drop_run(&run);
+            let input = std::mem::replace(&mut h, run.output.detach());
+            after(k, input, run, held)?;
         }
         Ok(h)
     }
@@ -276,19 +293,7 @@ impl FullyShardedDataParallel {
         // output fingerprint (resharded: recomputed in the backward).
         let mut kept: Vec<Option<UnitRun>> = Vec::with_capacity(n);
         let mut saved: Vec<Option<(Tensor, Fingerprint)>> = Vec::with_capacity(n);
-        let mut h = self.input(x)?;
-        let mut prefetched = None;
-        for k in 0..n {
-            let vars = self.take_or_gather(k, prefetched.take(), &mut held)?;
-            let next = (k + 1 < n).then_some(k + 1);
-            let (run, gathered) =
-                self.with_prefetch(next, || self.run_unit(k, vars, &h, true, Buffers::Live));
-            prefetched = gathered;
-            if let Some(Ok(vars)) = &prefetched {
-                held.add(vars_bytes(vars));
-            }
-            let run = run?;
-            let input = std::mem::replace(&mut h, run.output.detach());
+        self.forward_units(x, true, &mut held, |k, input, run, held| {
             if k == last || !reshard {
                 kept.push(Some(run));
                 saved.push(None);
@@ -297,7 +302,8 @@ impl FullyShardedDataParallel {
                 held.drop_run(&run);
                 kept.push(None);
             }
-        }
+            Ok(())
+        })?;
         let output = kept[last]
             .as_ref()
             .map(|run| run.output.clone())
