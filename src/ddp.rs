@@ -424,6 +424,12 @@ impl<M> DistributedDataParallel<M> {
         &self.module
     }
 
+    /// The buffers (the master variables, with mixed precision), by name,
+    /// sorted.
+    pub(crate) fn buffers(&self) -> &[(String, Var)] {
+        &self.buffers
+    }
+
     /// The ZeRO stage this DDP was built with, if any.
     pub fn zero_stage(&self) -> Option<ZeroStage> {
         self.config.zero

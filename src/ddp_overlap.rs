@@ -21,6 +21,7 @@ use candle_nn::VarMap;
 use crossbeam::channel;
 
 use crate::buckets::{BucketReducer, Reduced};
+use crate::buffers::BufferSnapshot;
 use crate::comm::ProcessGroup;
 use crate::ddp::{with_accumulated, DdpConfig, DistributedDataParallel};
 use crate::ddp_timeline::{Activity, Span};
@@ -140,9 +141,31 @@ impl DistributedDataParallel<Units> {
     /// (the other ranks' reductions of this step could not complete). A
     /// unit that gives a gradient to a parameter it did not ask its
     /// `VarBuilder` for (its bucket may be on its way) is [`Error::Units`].
-    /// On any error nothing is returned and what `no_sync` accumulated is
-    /// kept.
+    /// On any error (or a panic) nothing is returned, the buffers are put
+    /// back as the step found them and what `no_sync` accumulated is kept.
     pub fn forward_backward<F>(&mut self, x: &Tensor, y: &Tensor, loss_fn: F) -> Result<Step>
+    where
+        F: FnOnce(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    {
+        // A failed step leaves the buffers as it found them: the forward
+        // updates them in place (or, with mixed precision, commits them
+        // before the last thing that can fail), and the broadcast replaces
+        // them on every rank but rank 0.
+        let before = BufferSnapshot::take(self.buffers())?;
+        match panic::catch_unwind(AssertUnwindSafe(|| self.step_overlapped(x, y, loss_fn))) {
+            Ok(Ok(step)) => Ok(step),
+            Ok(Err(e)) => {
+                before.restore_after(&e);
+                Err(e)
+            }
+            Err(payload) => {
+                before.restore_after(&"a panic");
+                panic::resume_unwind(payload)
+            }
+        }
+    }
+
+    fn step_overlapped<F>(&mut self, x: &Tensor, y: &Tensor, loss_fn: F) -> Result<Step>
     where
         F: FnOnce(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
     {

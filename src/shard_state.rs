@@ -46,10 +46,9 @@ pub(crate) fn mark_shard(
 
 /// The state for rank `rank` of this run (`params`: each parameter's name
 /// and this run's layout) from `states`, every old rank's state in rank
-/// order (checked: each marks its place and they are of one run and step).
-/// Each tensor shaped like an old piece is unsharded and re-split; the rest
-/// (settings, step counts) is rank 0's, which every rank shares. `fail`
-/// words the errors.
+/// order, checked by [`check_one_run`]. Each tensor shaped like an old
+/// piece is unsharded and re-split; the rest (settings, step counts) is
+/// rank 0's, which every rank shares. `fail` words the errors.
 pub(crate) fn reshard_states(
     states: &[OptimizerState],
     prefix: &str,
@@ -58,30 +57,12 @@ pub(crate) fn reshard_states(
     fail: &dyn Fn(String) -> Error,
 ) -> Result<OptimizerState> {
     let old_world = states.len();
+    check_one_run(states, prefix, params, fail)?;
     let Some(first) = states.first() else {
         return Err(fail(
             "no saved states: every rank's save of one run is needed".into(),
         ));
     };
-    for (r, state) in states.iter().enumerate() {
-        match state.shard {
-            Some(ShardOf { rank, world_size }) if rank == r && world_size == old_world => {}
-            other => {
-                return Err(fail(format!(
-                    "the state in place {r} of {old_world} was saved as {other:?}: give every \
-                     rank's state, in rank order"
-                )))
-            }
-        }
-        if state.kind != first.kind || state.steps != first.steps {
-            return Err(fail(format!(
-                "rank {r}'s state is {} at step {}, rank 0's {} at step {}: saves of \
-                 different runs or steps",
-                state.kind, state.steps, first.kind, first.steps
-            )));
-        }
-    }
-    check_rows(first, prefix, params, fail)?;
     let mut state = first.clone();
     state.shard = None;
     state.settings.retain(|key, _| !key.starts_with(prefix));
@@ -102,6 +83,123 @@ pub(crate) fn reshard_states(
         }
     }
     Ok(state)
+}
+
+/// The rule for a set of sharded states (FSDP's and ZeRO's alike): every
+/// old rank's state, in rank order, each marking its place; each records
+/// this model's rows; and every rank's state has rank 0's kind, step,
+/// settings and entries, with the entries that are not pieces (step
+/// counts) equal to rank 0's. Otherwise the error names the rank and the
+/// entry: a rank whose state lacks a parameter's moments would otherwise
+/// restart that parameter from no state on every rank, and states of two
+/// runs would be spliced.
+pub(crate) fn check_one_run(
+    states: &[OptimizerState],
+    prefix: &str,
+    params: &[(String, ShardLayout)],
+    fail: &dyn Fn(String) -> Error,
+) -> Result<()> {
+    let old_world = states.len();
+    let Some(first) = states.first() else {
+        return Err(fail(
+            "no saved states: every rank's save of one run is needed".into(),
+        ));
+    };
+    for (r, state) in states.iter().enumerate() {
+        match state.shard {
+            Some(ShardOf { rank, world_size }) if rank == r && world_size == old_world => {}
+            other => {
+                return Err(fail(format!(
+                    "the state in place {r} of {old_world} was saved as {other:?}: give every \
+                     rank's state, in rank order"
+                )))
+            }
+        }
+        check_rows(state, prefix, params, &|what| {
+            fail(format!("rank {r}'s state: {what}"))
+        })?;
+    }
+    for (r, state) in states.iter().enumerate().skip(1) {
+        let of_another_run = |what: String| {
+            fail(format!(
+                "{what}: the states are not of one run and step (saves of different runs or \
+                 steps), and nothing was loaded"
+            ))
+        };
+        if state.kind != first.kind || state.steps != first.steps {
+            return Err(of_another_run(format!(
+                "rank {r}'s state is {} at step {}, rank 0's {} at step {}",
+                state.kind, state.steps, first.kind, first.steps
+            )));
+        }
+        let settings = first.settings.keys().chain(state.settings.keys());
+        for key in settings {
+            let (theirs, ours) = (state.settings.get(key), first.settings.get(key));
+            // Bit patterns: a NaN setting equals itself here.
+            if theirs.map(|v| v.to_bits()) != ours.map(|v| v.to_bits()) {
+                return Err(of_another_run(format!(
+                    "rank {r}'s setting `{key}` is {}, rank 0's {}",
+                    words(theirs),
+                    words(ours)
+                )));
+            }
+        }
+        for key in first.tensors.keys().chain(state.tensors.keys()) {
+            match (state.tensors.get(key), first.tensors.get(key)) {
+                (Some(theirs), Some(ours)) => {
+                    if theirs.dims() != ours.dims() {
+                        return Err(fail(format!(
+                            "rank {r}'s `{key}` has shape {:?}, rank 0's {:?}",
+                            theirs.dims(),
+                            ours.dims()
+                        )));
+                    }
+                    let is_piece = param_of(params, key).is_some_and(|p| {
+                        let old = ShardLayout::new(&params[p].1.dims, old_world);
+                        ours.dims() == old.shard_dims().as_slice()
+                    });
+                    if !is_piece && !same_values(theirs, ours)? {
+                        return Err(of_another_run(format!(
+                            "rank {r}'s `{key}` holds other values than rank 0's (an entry every \
+                             rank shares)"
+                        )));
+                    }
+                }
+                (None, Some(_)) => {
+                    return Err(fail(format!(
+                        "rank {r}'s state lacks `{key}`, which rank 0's has: every rank's state \
+                         must hold the same entries, and nothing was loaded"
+                    )))
+                }
+                (Some(_), None) => {
+                    return Err(fail(format!(
+                        "rank 0's state lacks `{key}`, which rank {r}'s has: every rank's state \
+                         must hold the same entries, and nothing was loaded"
+                    )))
+                }
+                (None, None) => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+fn words(value: Option<&f64>) -> String {
+    value.map_or("missing".to_string(), |v| v.to_string())
+}
+
+/// Whether two tensors of one shape hold the same values (compared as
+/// f64, bit for bit; a NaN equals a NaN).
+fn same_values(a: &Tensor, b: &Tensor) -> Result<bool> {
+    let flat = |t: &Tensor| -> candle_core::Result<Vec<u64>> {
+        Ok(t.flatten_all()?
+            .to_dtype(candle_core::DType::F64)?
+            .to_vec1::<f64>()?
+            .into_iter()
+            .map(f64::to_bits)
+            .collect())
+    };
+    Ok(a.dtype() == b.dtype() && flat(a)? == flat(b)?)
 }
 
 /// Checks that `state` records the rows of every parameter of `params`

@@ -57,9 +57,12 @@ impl FullyShardedDataParallel {
     /// # Errors
     ///
     /// [`Error::Fsdp`] naming what does not fit (a missing or repeated
-    /// rank, a parameter missing or of another shape, a state of another
-    /// optimizer or step), and then nothing has changed; the optimizer's
-    /// own refusal ([`Error::OptimizerState`]) likewise.
+    /// rank, a parameter missing or of another shape, a rank's state of
+    /// another optimizer, step or settings, or lacking an entry another
+    /// rank's has, such as a parameter's moments: the rule ZeRO's
+    /// [`load_shards`](crate::zero::ZeroOptimizer::load_shards) follows
+    /// too), and then nothing has changed; the optimizer's own refusal
+    /// ([`Error::OptimizerState`]) likewise.
     pub fn load_resharded<O: StatefulOptimizer>(
         &mut self,
         pieces: &[HashMap<String, Tensor>],

@@ -57,6 +57,7 @@
 //! # Ok::<(), anyhow::Error>(())
 //! ```
 
+mod agreement;
 mod checkpoint;
 mod gathered;
 mod step;
@@ -76,8 +77,36 @@ use crate::precision::MixedPrecision;
 use crate::shard_layout::ShardLayout;
 use crate::units::{LayerFactory, Units};
 use crate::vars::sorted_vars;
+use agreement::{verify_same_plan, Plan};
 
 pub use step::FsdpMemory;
+
+/// This rank's plan of the walk, which every rank's must equal.
+fn plan_of(
+    built: &Units,
+    buffers: &[(String, Var)],
+    params: &[(String, Var)],
+    config: &FsdpConfig,
+) -> Plan {
+    Plan {
+        units: (0..built.len())
+            .map(|k| built.vars_of(k).to_vec())
+            .collect(),
+        buffers: buffers.iter().map(|(name, _)| name.clone()).collect(),
+        reshard_after_forward: config.reshard_after_forward,
+        broadcast_buffers: config.broadcast_buffers,
+        precision: config.mixed_precision.as_ref().map(|policy| {
+            let dtype = |d: DType| d.as_str().to_string();
+            let reduce = policy.reduce_dtype.unwrap_or(policy.param_dtype);
+            let kept = params
+                .iter()
+                .filter(|(name, _)| policy.keeps(name))
+                .map(|(name, _)| name.clone())
+                .collect();
+            (dtype(policy.param_dtype), dtype(reduce), kept)
+        }),
+    }
+}
 
 /// Settings of a [`FullyShardedDataParallel`].
 #[derive(Clone)]
@@ -173,7 +202,10 @@ impl FullyShardedDataParallel {
     /// [`Error::Fsdp`] for no units, parameters of several dtypes, or
     /// buffers with mixed precision; a unit's factory failing;
     /// [`Error::ModelMismatch`] naming the first rank whose parameters
-    /// differ from rank 0's.
+    /// differ from rank 0's, whose units differ (their number, or the
+    /// variables a unit uses: the same variables split into units another
+    /// way), or whose buffers, `reshard_after_forward`,
+    /// `broadcast_buffers` or mixed-precision policy differ.
     pub fn from_units(
         pg: Arc<dyn ProcessGroup>,
         varmap: &VarMap,
@@ -201,20 +233,11 @@ impl FullyShardedDataParallel {
         // Every rank checks the same things after the ranks agree on the
         // variables, so that all refuse alike instead of some waiting.
         verify_same_vars(pg.as_ref(), &vars)?;
-        let reshard = crate::comm::all_gather_object(pg.as_ref(), &config.reshard_after_forward)?;
-        if let Some(r) = reshard.iter().position(|&x| x != reshard[0]) {
-            return Err(Error::ModelMismatch {
-                rank: r,
-                detail: format!(
-                    "has reshard_after_forward {} where rank 0 has {}",
-                    reshard[r], reshard[0]
-                ),
-            });
-        }
         let (buffers, params): (Vec<_>, Vec<_>) = vars
             .iter()
             .cloned()
             .partition(|(name, _)| (config.is_buffer)(name));
+        verify_same_plan(pg.as_ref(), &plan_of(&built, &buffers, &params, &config))?;
         if let (Some((name, _)), Some(_)) = (buffers.first(), &config.mixed_precision) {
             return Err(in_rank(Error::Fsdp(format!(
                 "`{name}` is a buffer: FSDP's mixed precision does not handle buffers \

@@ -10,6 +10,7 @@ use candle_nn::VarBuilder;
 
 use super::gathered::Gathered;
 use super::FullyShardedDataParallel;
+use crate::buffers::BufferSnapshot;
 use crate::comm::ReduceOp;
 use crate::ddp::with_accumulated;
 use crate::error::{Error, Result};
@@ -76,14 +77,16 @@ enum Buffers<'a> {
 
 impl FullyShardedDataParallel {
     /// Unit `k`'s whole parameters, gathered in one collective, as
-    /// variables (so that the unit's backward computes their gradients).
+    /// variables (so that the unit's backward computes their gradients),
+    /// in the parameters' dtype: the unit casts them to its compute dtype
+    /// at each use ([`Gathered`]).
     fn gather_unit(&self, k: usize) -> Result<GatheredVars> {
         let params = &self.unit_params[k];
         let whole = self.gather(params)?;
         params
             .iter()
             .zip(whole)
-            .map(|(&p, t)| Ok((p, Var::from_tensor(&t.to_dtype(self.compute_dtype(p))?)?)))
+            .map(|(&p, t)| Ok((p, Var::from_tensor(&t)?)))
             .collect()
     }
 
@@ -142,9 +145,12 @@ impl FullyShardedDataParallel {
         train: bool,
         buffers: Buffers<'_>,
     ) -> Result<UnitRun> {
-        let mut by_name: HashMap<String, Tensor> = vars
+        let mut by_name: HashMap<String, (Tensor, DType)> = vars
             .iter()
-            .map(|(p, v)| (self.shards[*p].0.clone(), v.as_tensor().clone()))
+            .map(|(p, v)| {
+                let dtype = self.compute_dtype(*p);
+                (self.shards[*p].0.clone(), (v.as_tensor().clone(), dtype))
+            })
             .collect();
         for &b in &self.unit_buffers[k] {
             let (name, var) = &self.buffers[b];
@@ -156,7 +162,8 @@ impl FullyShardedDataParallel {
                     Var::from_tensor(&before[b].copy()?)?.as_tensor().clone()
                 }
             };
-            by_name.insert(name.clone(), tensor);
+            let dtype = tensor.dtype();
+            by_name.insert(name.clone(), (tensor, dtype));
         }
         let dtype = self
             .config
@@ -235,7 +242,8 @@ impl FullyShardedDataParallel {
     /// A collective's failure (naming the rank); a resharded unit whose
     /// recomputed forward differs from its first ([`Error::Fsdp`] naming
     /// the unit: the gradients would be another forward's); a loss that
-    /// is not a scalar. On any error the pieces are untouched, and the
+    /// is not a scalar. On any error the pieces and the buffers are
+    /// untouched (the buffers put back as the step found them), and the
     /// group is failed with the reason (the step's collectives cannot all
     /// come on this rank, so the others stop at once rather than at their
     /// timeout); a panic fails it too, then goes on unwinding.
@@ -247,7 +255,9 @@ impl FullyShardedDataParallel {
     }
 
     /// Runs `f`; its error or panic fails the group, naming this rank and
-    /// `what` (only the group's first failure is kept).
+    /// `what` (only the group's first failure is kept), and puts the
+    /// buffers back as `f` found them (the broadcast from rank 0 and the
+    /// forward's update undone): a failed step leaves them untouched.
     fn failing_the_group<T>(
         &mut self,
         what: &str,
@@ -258,14 +268,17 @@ impl FullyShardedDataParallel {
         let fail = |why: &dyn std::fmt::Display| {
             pg.abort(&format!("rank {}: FSDP's {what} failed: {why}", pg.rank()))
         };
+        let before = BufferSnapshot::take(&self.buffers)?;
         match catch_unwind(AssertUnwindSafe(|| f(self))) {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(e)) => {
                 fail(&e);
+                before.restore_after(&e);
                 Err(e)
             }
             Err(payload) => {
                 fail(&crate::panic_message::panic_message(payload.as_ref()));
+                before.restore_after(&"a panic");
                 resume_unwind(payload)
             }
         }
@@ -356,6 +369,10 @@ impl FullyShardedDataParallel {
                         .and_then(|leaf| grads.get(leaf.as_tensor()).cloned());
                     for (p, var) in &run.vars {
                         if let Some(g) = grads.get(var.as_tensor()) {
+                            // In the parameters' dtype (the gathered
+                            // variables are), so a weight tied across units
+                            // and what `no_sync` accumulated add in it, as
+                            // with DDP's mixed precision.
                             full_grads[*p] = Some(match full_grads[*p].take() {
                                 Some(sum) => (sum + g)?,
                                 None => g.clone(),

@@ -335,25 +335,18 @@ impl<O: StatefulOptimizer> ZeroOptimizer<O> {
     /// [`Error::OptimizerState`] when the set is not one run's complete
     /// set (a rank's shard missing or given twice, shards of different
     /// world sizes, optimizers, steps or settings, one that records no
-    /// rank), when a parameter's rows differ from the save's or an entry
-    /// names no parameter, or (from the optimizer) when an entry does not
-    /// fit; nothing is loaded then.
+    /// rank, one that lacks an entry another has, such as a parameter's
+    /// moments), when a parameter's rows differ from the save's or an
+    /// entry names no parameter, or (from the optimizer) when an entry
+    /// does not fit; nothing is loaded then. The error names the rank and
+    /// the entry.
     pub fn load_shards(&mut self, shards: &[OptimizerState]) -> Result<()> {
-        let Some(first) = shards.first() else {
+        if shards.is_empty() {
             return Err(Error::OptimizerState("no shards to load".into()));
-        };
-        check_complete_set(shards)?;
-        for (k, shard) in shards.iter().enumerate() {
-            if shard.kind != first.kind
-                || shard.steps != first.steps
-                || shard.settings != first.settings
-            {
-                return Err(Error::OptimizerState(format!(
-                    "shard {k} is of {} after {} steps with settings {:?}, shard 0 of {} after {} steps with {:?}: the shards are not of one run",
-                    shard.kind, shard.steps, shard.settings, first.kind, first.steps, first.settings
-                )));
-            }
         }
+        check_complete_set(shards)?;
+        // The rest of the rule (one kind, step, settings and entries on
+        // every rank) is FSDP's too: `reshard_states` checks it.
         let mut in_order: Vec<&OptimizerState> = shards.iter().collect();
         in_order.sort_by_key(|s| s.shard.map_or(0, |s| s.rank));
         let in_order: Vec<OptimizerState> = in_order.into_iter().cloned().collect();

@@ -4,8 +4,8 @@
 use crate::common;
 use crate::example_gpt;
 use crate::overlap::{
-    adamw, batches, bounded, deep_units, init_deep, init_gpt, share, tokens, DeepMlp, FailingAt,
-    TINY,
+    adamw, batches, bounded, deep_units, init_deep, init_gpt, normed_units, normed_whole, share,
+    tokens, DeepMlp, FailingAt, TINY,
 };
 
 use std::collections::HashMap;
@@ -449,49 +449,6 @@ fn no_units_or_buffers_with_mixed_precision_are_refused_naming_why() {
     });
 }
 
-/// A linear layer then BatchNorm (training statistics), as one unit.
-struct LinearNorm(Linear, candle_nn::BatchNorm);
-
-impl LinearNorm {
-    fn new(vb: VarBuilder) -> candle_core::Result<Self> {
-        let config = candle_nn::BatchNormConfig::default();
-        Ok(Self(
-            linear(6, 12, vb.pp("l0"))?,
-            candle_nn::batch_norm(12, config, vb.pp("bn0"))?,
-        ))
-    }
-}
-
-impl Module for LinearNorm {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.1.forward_train(&self.0.forward(x)?)
-    }
-}
-
-fn normed_units() -> Vec<LayerFactory> {
-    vec![
-        layer(LinearNorm::new),
-        layer(|_| Ok(candle_nn::Activation::Relu)),
-        layer(|vb| linear(12, 5, vb.pp("l1"))),
-    ]
-}
-
-/// The same model as one module.
-struct Normed(LinearNorm, Linear);
-
-impl Module for Normed {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.1.forward(&self.0.forward(x)?.relu()?)
-    }
-}
-
-fn normed_whole(vb: VarBuilder) -> candle_core::Result<Box<dyn Module>> {
-    Ok(Box::new(Normed(
-        LinearNorm::new(vb.clone())?,
-        linear(12, 5, vb.pp("l1"))?,
-    )))
-}
-
 #[test]
 fn batch_norm_buffers_are_broadcast_updated_once_per_step_and_match_ddp() {
     within(240, || {
@@ -906,6 +863,290 @@ fn mixed_precision_trains_to_the_bytes_of_ddp_under_the_same_policy() {
             );
             assert!(!identical(&fsdp[0], &init));
             assert_eq!(fsdp[0]["l0.weight"].dtype(), DType::F32);
+        }
+    });
+}
+
+/// The same variables split into other units on rank 1 (one unit holding
+/// both linear layers, where rank 0 has three units), or another number
+/// of units over the same split: FSDP would gather and reduce-scatter
+/// different parameters at the same point of the walk. Refused at
+/// construction on every rank, naming rank 1 and the unit.
+#[test]
+fn ranks_that_split_the_variables_into_other_units_are_refused_naming_the_rank() {
+    within(60, || {
+        fn both(vb: VarBuilder) -> candle_core::Result<(Linear, Linear)> {
+            Ok((linear(6, 8, vb.pp("a"))?, linear(8, 2, vb.pp("b"))?))
+        }
+        struct Both(Linear, Linear);
+        impl Module for Both {
+            fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+                self.1.forward(&self.0.forward(x)?.relu()?)
+            }
+        }
+        let split = || -> Vec<LayerFactory> {
+            vec![
+                layer(|vb| linear(6, 8, vb.pp("a"))),
+                layer(|_| Ok(candle_nn::Activation::Relu)),
+                layer(|vb| linear(8, 2, vb.pp("b"))),
+            ]
+        };
+        type Factories = fn() -> Vec<LayerFactory>;
+        let cases: Vec<(&str, Factories)> = vec![
+            ("one unit", || {
+                vec![layer(|vb| both(vb).map(|(a, b)| Both(a, b)))]
+            }),
+            ("no activation unit", || {
+                vec![
+                    layer(|vb| linear(6, 8, vb.pp("a"))),
+                    layer(|vb| linear(8, 2, vb.pp("b"))),
+                ]
+            }),
+        ];
+        for (case, other) in cases {
+            let outcomes = spawn_with(2, bounded(), move |ctx| {
+                let units = match ctx.rank {
+                    0 => split(),
+                    _ => other(),
+                };
+                let varmap = VarMap::new();
+                let built = FullyShardedDataParallel::from_units(
+                    ctx.process_group(),
+                    &varmap,
+                    DType::F32,
+                    &Device::Cpu,
+                    units,
+                    FsdpConfig::default(),
+                );
+                Ok(match built {
+                    Err(Error::ModelMismatch { rank, detail }) => Some((rank, detail)),
+                    _ => None,
+                })
+            })
+            .unwrap();
+            for (me, outcome) in outcomes.into_iter().enumerate() {
+                let (rank, detail) = outcome.unwrap_or_else(|| panic!("{case}: rank {me} built"));
+                assert_eq!(rank, 1, "{case}: {detail}");
+                assert!(detail.contains("unit"), "{case}: {detail}");
+            }
+        }
+    });
+}
+
+/// One rule for a set of sharded states, FSDP's and ZeRO's alike: a
+/// rank's state that lacks a parameter's moments (which rank 0's has, or
+/// the other way round) or holds another setting (another lr at the same
+/// step) is refused, naming the rank and the entry, and nothing is loaded.
+#[test]
+fn a_sharded_load_refuses_a_rank_whose_state_lacks_an_entry_or_has_other_settings() {
+    within(120, || {
+        let init = init_deep();
+        let data = batches(2, 12, 21);
+        let run = fsdp_adamw(deep_units, 2, &init, &data, None, Some(1));
+        let saves: Vec<Save> = run.iter().map(|(s, _)| s.clone().unwrap()).collect();
+        let key = "l0.weight.exp_avg";
+        assert!(saves[1].1.tensors.contains_key(key));
+        let mut cases: Vec<(String, Vec<Save>)> = Vec::new();
+        for r in 0..2 {
+            let mut lacking = saves.clone();
+            lacking[r].1.tensors.remove(key);
+            cases.push((format!("rank {r} lacks"), lacking));
+        }
+        let mut other_lr = saves.clone();
+        other_lr[1].1.settings.insert("lr".into(), 0.5);
+        cases.push(("another lr".into(), other_lr));
+        let messages = spawn_with(2, bounded(), move |ctx| {
+            use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
+            let varmap = varmap_from(&init);
+            let mut fsdp = FullyShardedDataParallel::from_units(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                deep_units(),
+                FsdpConfig::default(),
+            )?;
+            let mut opt = AdamW::new_named(fsdp.shards().to_vec(), AdamWConfig::default())?;
+            let (before, state_before) = (snapshot(&varmap), opt.state()?);
+            let mut messages = Vec::new();
+            for (case, saves) in &cases {
+                let (pieces, states): (Vec<_>, Vec<_>) = saves.iter().cloned().unzip();
+                let err = fsdp
+                    .load_resharded(&pieces, &states, &mut opt)
+                    .expect_err(case);
+                anyhow::ensure!(
+                    identical(&before, &snapshot(&varmap)),
+                    "{case}: pieces moved"
+                );
+                anyhow::ensure!(
+                    opt.state()?.steps == state_before.steps,
+                    "{case}: state moved"
+                );
+                anyhow::ensure!(opt.state()?.tensors.is_empty(), "{case}: state loaded");
+                messages.push(err.to_string());
+            }
+            Ok(messages)
+        })
+        .unwrap()
+        .remove(0);
+        for (r, message) in messages[..2].iter().enumerate() {
+            assert!(
+                message.contains(&format!("rank {r}'s state lacks `{key}`")),
+                "{message}"
+            );
+        }
+        assert!(
+            messages[2].contains("rank 1") && messages[2].contains("`lr`"),
+            "{}",
+            messages[2]
+        );
+    });
+}
+
+/// A step whose loss fails after the forward updated BatchNorm's running
+/// statistics (on rank 0 only here; rank 1's step then fails at the
+/// reduce-scatter): every rank's buffers are as before the step.
+#[test]
+fn a_step_whose_loss_fails_leaves_the_batch_norm_statistics_untouched_on_every_rank() {
+    within(60, || {
+        let varmap = VarMap::new();
+        normed_whole(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)).unwrap();
+        let init = snapshot(&varmap);
+        let data = batches(2, 12, 4);
+        // Threads of their own: the failed step fails the group, which a
+        // launcher would report instead of the ranks' outcomes.
+        let ranks = ThreadGroup::with_options(2, bounded());
+        let outcomes: Vec<anyhow::Result<bool>> = std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .into_iter()
+                .map(|pg| {
+                    let (init, data) = (&init, &data);
+                    s.spawn(move || -> anyhow::Result<bool> {
+                        let rank = pg.rank();
+                        let varmap = varmap_from(init);
+                        let mut fsdp = FullyShardedDataParallel::from_units(
+                            Arc::new(pg),
+                            &varmap,
+                            DType::F32,
+                            &Device::Cpu,
+                            normed_units(),
+                            FsdpConfig::default(),
+                        )?;
+                        let mut opt = adamw(&varmap)?;
+                        let mine = |x: &Tensor, y: &Tensor| -> candle_core::Result<_> {
+                            Ok((x.narrow(0, rank * 6, 6)?, y.narrow(0, rank * 6, 6)?))
+                        };
+                        // One good step first: rank 1's statistics then
+                        // differ from rank 0's (each updated with its rows).
+                        let (x, y) = mine(&data[0].0, &data[0].1)?;
+                        opt.step(&fsdp.forward_backward(&x, &y, loss::cross_entropy)?.grads)?;
+                        let before = snapshot(&varmap);
+                        let (x, y) = mine(&data[1].0, &data[1].1)?;
+                        let failed = fsdp.forward_backward(&x, &y, |o, y| match rank {
+                            0 => candle_core::bail!("the loss failed"),
+                            _ => loss::cross_entropy(o, y),
+                        });
+                        anyhow::ensure!(failed.is_err(), "rank {rank}: the step succeeded");
+                        Ok(identical(&before, &snapshot(&varmap)))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, outcome) in outcomes.into_iter().enumerate() {
+            assert!(outcome.unwrap(), "rank {rank}: the buffers moved");
+        }
+    });
+}
+
+/// bf16 compute with a weight tied across units (the language model's
+/// embedding and head) and gradient accumulation under `no_sync`: each
+/// use's gradient and each micro-batch's are added in f32, as DDP's mixed
+/// precision adds them, so the weights are DDP's bytes, with an f32 or a
+/// bf16 reduction.
+#[test]
+fn mixed_precision_with_a_tied_weight_and_no_sync_trains_to_the_bytes_of_ddp() {
+    use candle_dp::precision::MixedPrecision;
+    within(240, || {
+        let init = init_gpt();
+        let data = tokens(4, 4, 251);
+        let lm_loss = |o: &Tensor, y: &Tensor| example_gpt::lm_loss(&o.to_dtype(DType::F32)?, y);
+        for policy in [
+            MixedPrecision::bf16(),
+            MixedPrecision::bf16().reduce_dtype(DType::BF16),
+        ] {
+            let (i1, d1, p1) = (init.clone(), data.clone(), policy.clone());
+            let ddp = spawn_with(2, bounded(), move |ctx| {
+                let varmap = varmap_from(&i1);
+                let mut opt = adamw(&varmap)?;
+                let mut ddp = DistributedDataParallel::new(
+                    ctx.process_group(),
+                    &varmap,
+                    DType::F32,
+                    &Device::Cpu,
+                    |vb| gpt_whole(vb).map(Whole),
+                    DdpConfig {
+                        mixed_precision: Some(p1.clone()),
+                        ..Default::default()
+                    },
+                )?;
+                let parts: Vec<(Tensor, Tensor)> = d1
+                    .iter()
+                    .map(|(x, y)| share(&ctx, x, y))
+                    .collect::<candle_core::Result<_>>()?;
+                ddp.no_sync(|ddp| -> anyhow::Result<()> {
+                    for (x, y) in &parts[..2] {
+                        let l = lm_loss(&ddp.forward(x)?, y)?;
+                        ddp.backward(&l)?;
+                    }
+                    Ok(())
+                })?;
+                for (x, y) in &parts[2..] {
+                    let l = lm_loss(&ddp.forward(x)?, y)?;
+                    ddp.backward_step(&l, &mut opt)?;
+                }
+                Ok(snapshot(&varmap))
+            })
+            .unwrap();
+            let (i2, d2, p2) = (init.clone(), data.clone(), policy.clone());
+            let fsdp = spawn_with(2, bounded(), move |ctx| {
+                let varmap = varmap_from(&i2);
+                let mut fsdp = FullyShardedDataParallel::from_units(
+                    ctx.process_group(),
+                    &varmap,
+                    DType::F32,
+                    &Device::Cpu,
+                    gpt_units(),
+                    FsdpConfig {
+                        mixed_precision: Some(p2.clone()),
+                        ..Default::default()
+                    },
+                )?;
+                let mut opt = adamw(&varmap)?;
+                let parts: Vec<(Tensor, Tensor)> = d2
+                    .iter()
+                    .map(|(x, y)| share(&ctx, x, y))
+                    .collect::<candle_core::Result<_>>()?;
+                fsdp.no_sync(|fsdp| -> anyhow::Result<()> {
+                    for (x, y) in &parts[..2] {
+                        fsdp.forward_backward(x, y, lm_loss)?;
+                    }
+                    Ok(())
+                })?;
+                for (x, y) in &parts[2..] {
+                    opt.step(&fsdp.forward_backward(x, y, lm_loss)?.grads)?;
+                }
+                Ok(fsdp.full_state()?)
+            })
+            .unwrap();
+            assert!(!identical(&fsdp[0], &init));
+            for rank in 0..2 {
+                assert!(
+                    identical(&fsdp[rank], &ddp[rank]),
+                    "{policy:?}, rank {rank}: {}",
+                    diff_report(&fsdp[rank], &ddp[rank])
+                );
+            }
         }
     });
 }

@@ -896,3 +896,85 @@ fn a_comm_hook_compresses_overlapped_buckets_as_it_does_the_others() {
         }
     });
 }
+
+/// A linear layer then BatchNorm (training statistics), as one unit.
+pub(crate) struct LinearNorm(Linear, candle_nn::BatchNorm);
+
+impl LinearNorm {
+    fn new(vb: VarBuilder) -> candle_core::Result<Self> {
+        let config = candle_nn::BatchNormConfig::default();
+        Ok(Self(
+            linear(6, 12, vb.pp("l0"))?,
+            candle_nn::batch_norm(12, config, vb.pp("bn0"))?,
+        ))
+    }
+}
+
+impl Module for LinearNorm {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.1.forward_train(&self.0.forward(x)?)
+    }
+}
+
+pub(crate) fn normed_units() -> Vec<LayerFactory> {
+    vec![
+        layer(LinearNorm::new),
+        layer(|_| Ok(candle_nn::Activation::Relu)),
+        layer(|vb| linear(12, 5, vb.pp("l1"))),
+    ]
+}
+
+/// The same model as one module.
+pub(crate) struct Normed(LinearNorm, Linear);
+
+impl Module for Normed {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.1.forward(&self.0.forward(x)?.relu()?)
+    }
+}
+
+pub(crate) fn normed_whole(vb: VarBuilder) -> candle_core::Result<Box<dyn Module>> {
+    Ok(Box::new(Normed(
+        LinearNorm::new(vb.clone())?,
+        linear(12, 5, vb.pp("l1"))?,
+    )))
+}
+
+/// Overlapped DDP's step whose loss fails after the forward updated
+/// BatchNorm's running statistics (on rank 0; rank 1 then fails at the
+/// first reduction): every rank's buffers are as before the step, as
+/// plain DDP, FSDP and the pipeline leave them.
+#[test]
+fn an_overlapped_step_whose_loss_fails_leaves_the_batch_norm_statistics_untouched() {
+    within(60, || {
+        let varmap = VarMap::new();
+        normed_whole(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)).unwrap();
+        let init = snapshot(&varmap);
+        let data = batches(2, 12, 4);
+        let outcomes = spawn_with(2, bounded(), move |ctx| {
+            let varmap = varmap_from(&init);
+            let mut ddp = DistributedDataParallel::from_units(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                normed_units(),
+                DdpConfig::default(),
+            )?;
+            let mut opt = adamw(&varmap)?;
+            let (x, y) = share(&ctx, &data[0].0, &data[0].1)?;
+            opt.step(&ddp.forward_backward(&x, &y, loss::cross_entropy)?.grads)?;
+            let before = snapshot(&varmap);
+            let rank = ctx.rank;
+            let (x, y) = share(&ctx, &data[1].0, &data[1].1)?;
+            let failed = ddp.forward_backward(&x, &y, |o, y| match rank {
+                0 => candle_core::bail!("the loss failed"),
+                _ => loss::cross_entropy(o, y),
+            });
+            anyhow::ensure!(failed.is_err(), "rank {rank}: the step succeeded");
+            Ok(identical(&before, &snapshot(&varmap)))
+        })
+        .unwrap();
+        assert_eq!(outcomes, [true, true]);
+    });
+}

@@ -1152,3 +1152,41 @@ fn one_huge_parameter_shards_its_optimizer_state_evenly_and_trains_like_ddp() {
         }
     });
 }
+
+/// A set of shards in which one rank's lacks a parameter's moments (rank
+/// 0's or another's) is refused naming that rank and the entry, and
+/// nothing is loaded: before, rank 0's entries alone decided, and the
+/// parameter silently restarted from no state when rank 0's lacked it.
+#[test]
+fn shards_of_which_one_lacks_a_parameters_moments_are_refused_naming_the_rank() {
+    within(120, || {
+        let init = init_of(Model::Net);
+        let (half, shards) = zero_adamw_run(2, 0..2, init, None);
+        let key = shards[0]
+            .tensors
+            .keys()
+            .find(|k| k.ends_with(".exp_avg"))
+            .cloned()
+            .expect("AdamW's moments");
+        for lacking in 0..2 {
+            let mut set = shards.clone();
+            set[lacking].tensors.remove(&key);
+            let key = key.clone();
+            let init = half.clone();
+            let results = spawn(2, move |ctx| {
+                let varmap = varmap_from(&init);
+                let (_ddp, mut opt) = net_with_zero(&ctx, &varmap, ZeroStage::Two)?;
+                let err = opt.load_shards(&set).unwrap_err();
+                Ok((err.to_string(), opt.inner().state()?.steps))
+            })
+            .unwrap();
+            for (message, steps) in results {
+                assert!(
+                    message.contains(&format!("rank {lacking}'s state lacks `{key}`")),
+                    "{message}"
+                );
+                assert_eq!(steps, 0, "nothing loaded");
+            }
+        }
+    });
+}
