@@ -277,9 +277,13 @@ impl StateDir {
     ///
     /// # Errors
     ///
-    /// [`Error::Checkpoint`] naming the path that could not be written;
-    /// the states already there are untouched.
+    /// [`Error::Checkpoint`] naming the path that could not be written,
+    /// or the field that holds a number that is not finite (a schedule's
+    /// rate that overflowed, an optimizer setting, the loss scale: JSON
+    /// has no such number, and a resume would refuse it), before anything
+    /// is written; the states already there are untouched.
     pub fn save(&self, varmap: &VarMap, state: &TrainingState) -> Result<PathBuf> {
+        check_storable(state)?;
         static SAVES: AtomicU64 = AtomicU64::new(0);
         let n = SAVES.fetch_add(1, Ordering::Relaxed);
         let unique = format!("{}-{}", std::process::id(), n);
@@ -667,6 +671,64 @@ fn read_state(folder: &Path) -> std::result::Result<TrainingState, String> {
         grad_scaler: small.grad_scaler,
         metadata: small.metadata,
     })
+}
+
+/// Checks that every number of `state` that goes to `state.json` is
+/// finite, naming the first field that is not: JSON has no NaN nor
+/// infinity (serde writes `null`, which would not load back), and a
+/// resume refuses such a rate, setting or scale anyway, so the save fails
+/// instead of writing a state that a resume would skip.
+fn check_storable(state: &TrainingState) -> Result<()> {
+    let refuse = |field: String, value: f64| {
+        Err(Error::Checkpoint(format!(
+            "cannot save the training state: {field} is {value}, not a finite number (JSON has \
+             none, and a resume would refuse it); nothing was written"
+        )))
+    };
+    if let Some(optimizer) = &state.optimizer {
+        for (name, &value) in &optimizer.settings {
+            if !value.is_finite() {
+                return refuse(format!("the optimizer's setting `{name}`"), value);
+            }
+        }
+    }
+    if let Some(scheduler) = &state.lr_scheduler {
+        if let Some((field, value)) = nonfinite_in_schedule(scheduler, "lr_scheduler") {
+            return refuse(format!("the schedule's `{field}`"), value);
+        }
+    }
+    if let Some(scaler) = &state.grad_scaler {
+        for (field, value) in [
+            ("scale", f64::from(scaler.scale)),
+            ("growth_factor", scaler.growth_factor),
+            ("backoff_factor", scaler.backoff_factor),
+        ] {
+            if !value.is_finite() {
+                return refuse(format!("the loss scaler's `{field}`"), value);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The first number of `state` (or of a schedule inside it) that is not
+/// finite, with its path from `path`.
+fn nonfinite_in_schedule(state: &LrSchedulerState, path: &str) -> Option<(String, f64)> {
+    let own = [
+        ("base_lr", Some(state.base_lr)),
+        ("lr", Some(state.lr)),
+        ("momentum", state.momentum),
+    ];
+    for (field, value) in own {
+        if let Some(value) = value.filter(|v| !v.is_finite()) {
+            return Some((format!("{path}.{field}"), value));
+        }
+    }
+    state
+        .children
+        .iter()
+        .enumerate()
+        .find_map(|(k, child)| nonfinite_in_schedule(child, &format!("{path}.children[{k}]")))
 }
 
 fn failed(path: &Path, what: &str, error: &dyn std::fmt::Display) -> Error {

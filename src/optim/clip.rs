@@ -32,8 +32,11 @@ pub struct Clipped {
 /// each gradient's norm, then the norm of those norms, then every gradient
 /// times `min(max_norm / (total + 1e-6), 1)`, all in the gradients' dtype
 /// (so the squares of f32 gradients of 1e-30 underflow to a norm of 0, as
-/// in PyTorch). `norm_type` is any p > 0 or `f64::INFINITY` (the largest
-/// magnitude). Parameters without a gradient are left out.
+/// in PyTorch). Gradients of several dtypes (bf16 beside f32) each get
+/// their norm in their own dtype, and the total is taken in the promoted
+/// dtype (f32 there), whatever the parameters' order, as PyTorch's.
+/// `norm_type` is any p > 0 or `f64::INFINITY` (the largest magnitude).
+/// Parameters without a gradient are left out.
 ///
 /// With a [`GradScaler`]-style loss scale, unscale first.
 ///
@@ -77,7 +80,7 @@ pub fn clip_grad_norm(
             factor: 1.0,
         });
     }
-    let total = vector_norm(&Tensor::stack(&local.norms, 0)?, norm_type)?;
+    let total = vector_norm(&Tensor::stack(&local.for_total()?, 0)?, norm_type)?;
     finish(
         grads,
         params,
@@ -136,7 +139,7 @@ pub(crate) fn clip_grad_norm_across(
             factor: 1.0,
         });
     };
-    let total = Tensor::new(total_norm, first.device())?.to_dtype(first.dtype())?;
+    let total = Tensor::new(total_norm, first.device())?.to_dtype(local.total_dtype())?;
     finish(
         grads,
         params,
@@ -168,7 +171,8 @@ fn nonfinite(norm_type: f64, total_norm: f64, culprits: &str) -> Error {
 }
 
 /// The gradients of the parameters that have one, and each one's norm,
-/// in the first one's dtype and on its device.
+/// in that gradient's dtype (as PyTorch computes them), on the first
+/// one's device.
 struct LocalNorms {
     present: Vec<(usize, Tensor)>,
     norms: Vec<Tensor>,
@@ -187,16 +191,46 @@ impl LocalNorms {
                 norms: Vec::new(),
             });
         };
-        let (dtype, device) = (first.dtype(), first.device().clone());
+        let device = first.device().clone();
         let norms = present
             .iter()
-            .map(|(_, g)| {
-                vector_norm(&g.flatten_all()?, norm_type)?
-                    .to_dtype(dtype)?
-                    .to_device(&device)
-            })
+            .map(|(_, g)| vector_norm(&g.flatten_all()?, norm_type)?.to_device(&device))
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Self { present, norms })
+    }
+
+    /// The dtype of the total norm: the norms' dtypes promoted as
+    /// `torch.stack` promotes them (one dtype stays itself; bf16 with f16
+    /// or f32 is f32; anything with f64 is f64), so the total does not
+    /// depend on which parameter comes first.
+    fn total_dtype(&self) -> DType {
+        let mut dtypes = self.norms.iter().map(Tensor::dtype);
+        let Some(first) = dtypes.next() else {
+            return DType::F32;
+        };
+        dtypes.fold(first, |a, b| match (a, b) {
+            (a, b) if a == b => a,
+            (DType::F64, _) | (_, DType::F64) => DType::F64,
+            _ => DType::F32,
+        })
+    }
+
+    /// The norms in the order PyTorch stacks them (grouped by dtype, the
+    /// groups in the order their dtype first appears, each in the
+    /// parameters' order), in [`total_dtype`](Self::total_dtype).
+    fn for_total(&self) -> candle_core::Result<Vec<Tensor>> {
+        let dtype = self.total_dtype();
+        let mut groups: Vec<DType> = Vec::new();
+        for norm in &self.norms {
+            if !groups.contains(&norm.dtype()) {
+                groups.push(norm.dtype());
+            }
+        }
+        groups
+            .iter()
+            .flat_map(|&group| self.norms.iter().filter(move |n| n.dtype() == group))
+            .map(|n| n.to_dtype(dtype))
+            .collect()
     }
 }
 
@@ -252,10 +286,14 @@ fn finish(
 }
 
 /// `torch.linalg.vector_norm(x, p)` of a 1-D tensor, in its dtype (0 for
-/// no elements).
+/// no elements); a bf16 or f16 one accumulated in f32 and rounded once,
+/// as PyTorch's reductions of those dtypes are.
 fn vector_norm(x: &Tensor, p: f64) -> candle_core::Result<Tensor> {
     if x.elem_count() == 0 {
         return Tensor::zeros((), x.dtype(), x.device());
+    }
+    if matches!(x.dtype(), DType::BF16 | DType::F16) {
+        return vector_norm(&x.to_dtype(DType::F32)?, p)?.to_dtype(x.dtype());
     }
     let a = x.abs()?;
     if p.is_infinite() {

@@ -224,7 +224,8 @@ impl Scheduler {
         let (n, base) = (self.last_epoch as f64, self.base_lr);
         match &self.kind {
             Kind::Step { step_size, gamma } => {
-                let k = self.last_epoch.div_euclid(*step_size as i64) as f64;
+                // In i128: a step size above i64::MAX must not wrap.
+                let k = i128::from(self.last_epoch).div_euclid(i128::from(*step_size)) as f64;
                 Some(base * gamma.powf(k))
             }
             Kind::Exponential { gamma } => Some(base * gamma.powf(n)),
@@ -250,7 +251,7 @@ impl Scheduler {
         Ok(match &self.kind {
             Kind::Lambda(f) => base * f(u64::try_from(n).unwrap_or(0)),
             Kind::Step { step_size, gamma } => {
-                if n == 0 || n.rem_euclid(*step_size as i64) != 0 {
+                if n == 0 || i128::from(n).rem_euclid(i128::from(*step_size)) != 0 {
                     lr
                 } else {
                     lr * gamma
@@ -270,7 +271,7 @@ impl Scheduler {
             } => {
                 if n == 0 {
                     lr * s
-                } else if initial || n > *total_iters as i64 {
+                } else if initial || i128::from(n) > i128::from(*total_iters) {
                     lr
                 } else {
                     let t = *total_iters as f64;
@@ -283,7 +284,10 @@ impl Scheduler {
                     lr
                 } else if self.step_count == 1 && n > 0 {
                     m + (base - m) * (1.0 + (nf * PI / t).cos()) / 2.0
-                } else if (n - 1 - *t_max as i64).rem_euclid(2 * *t_max as i64) == 0 {
+                } else if (i128::from(n) - 1 - i128::from(*t_max))
+                    .rem_euclid(2 * i128::from(*t_max))
+                    == 0
+                {
                     lr + (base - m) * (1.0 - (PI / t).cos()) / 2.0
                 } else {
                     (1.0 + (PI * nf / t).cos()) / (1.0 + (PI * (nf - 1.0) / t).cos()) * (lr - m) + m
@@ -295,7 +299,7 @@ impl Scheduler {
                 anneal,
                 cycle_momentum,
             } => {
-                if n > *total_steps as i64 {
+                if i128::from(n) > i128::from(*total_steps) {
                     return Err(invalid(format!(
                         "stepped {n} times; the one-cycle schedule has {total_steps} steps"
                     )));
@@ -444,6 +448,22 @@ impl fmt::Debug for LrScheduler {
     }
 }
 
+/// A rate that overflowed (a growing exponential) or a lambda's NaN would
+/// train silently on NaN weights, and no state could be saved with it: the
+/// schedule refuses to reach it.
+fn check_finite(scheduler: &Scheduler, group: &Group) -> Result<()> {
+    if group.lr.is_finite() && group.momentum.is_none_or(f64::is_finite) {
+        return Ok(());
+    }
+    Err(invalid(format!(
+        "the `{}` schedule gives the rate {} (momentum {:?}) at step {}, not a finite number",
+        scheduler.kind.name(),
+        group.lr,
+        group.momentum,
+        scheduler.last_epoch
+    )))
+}
+
 fn invalid(reason: impl Into<String>) -> Error {
     Error::LrSchedule(reason.into())
 }
@@ -469,6 +489,7 @@ impl LrScheduler {
             momentum,
         };
         scheduler.initial_step(&mut group)?;
+        check_finite(&scheduler, &group)?;
         Ok(Self { scheduler, group })
     }
 
@@ -568,8 +589,10 @@ impl LrScheduler {
     ///
     /// # Errors
     ///
-    /// [`Error::LrSchedule`] for 0 steps, a `pct_start` outside [0, 1], or
-    /// a rate or momentum that is not a finite number.
+    /// [`Error::LrSchedule`] for 0 steps, a `pct_start` outside [0, 1], a
+    /// rising phase that ends at step 0 (`pct_start * total_steps == 1`,
+    /// where PyTorch divides 0 by 0), or a rate or momentum that is not a
+    /// finite number.
     pub fn one_cycle(max_lr: f64, total_steps: u64, config: OneCycleConfig) -> Result<Self> {
         check_rate("OneCycleLR's max_lr", max_lr)?;
         if total_steps == 0 {
@@ -594,6 +617,18 @@ impl LrScheduler {
         let initial_lr = max_lr / config.div_factor;
         let min_lr = initial_lr / config.final_div_factor;
         let (n, pct) = (total_steps as f64, config.pct_start);
+        // The rising phase runs from step 0 to step `pct * n - 1`; ending
+        // at 0 it has no length, and step 0's place in it is 0/0 (a NaN
+        // rate and momentum from the first step; PyTorch raises
+        // ZeroDivisionError there). A later phase is only entered past its
+        // start, so only the first can divide 0 by 0.
+        if pct * n - 1.0 == 0.0 {
+            return Err(invalid(format!(
+                "OneCycleLR with pct_start {pct} of {total_steps} steps: the rising phase would \
+                 end at step 0, under one step, and give no rate (0/0); raise pct_start or the \
+                 number of steps"
+            )));
+        }
         let (base_m, max_m) = (config.base_momentum, config.max_momentum);
         let phase = |end_step, start_lr, end_lr, start_momentum, end_momentum| Phase {
             end_step,
@@ -632,8 +667,9 @@ impl LrScheduler {
     ///
     /// # Errors
     ///
-    /// [`Error::LrSchedule`] when there is no schedule, or the milestones
-    /// are not one fewer than the schedules.
+    /// [`Error::LrSchedule`] when there is no schedule, the milestones
+    /// are not one fewer than the schedules, or do not increase (naming
+    /// them).
     pub fn sequential(
         base_lr: f64,
         schedules: Vec<LrScheduler>,
@@ -648,6 +684,13 @@ impl LrScheduler {
             )));
         }
         check_rate("the base learning rate", base_lr)?;
+        if let Some(pair) = milestones.windows(2).find(|pair| pair[0] >= pair[1]) {
+            return Err(invalid(format!(
+                "SequentialLR's milestones {milestones:?} do not increase ({} then {}): each \
+                 schedule must start after the one before it",
+                pair[0], pair[1]
+            )));
+        }
         let mut children: Vec<Scheduler> = schedules.into_iter().map(|s| s.scheduler).collect();
         // PyTorch's constructor: the rate back to the base, every schedule
         // one epoch back, then the first one's constructor step again.
@@ -668,6 +711,7 @@ impl LrScheduler {
             last_epoch: 0,
             step_count: 0,
         };
+        check_finite(&scheduler, &group)?;
         Ok(Self { scheduler, group })
     }
 
@@ -694,11 +738,13 @@ impl LrScheduler {
     /// # Errors
     ///
     /// [`Error::LrSchedule`] when a one-cycle schedule steps past its
-    /// steps.
+    /// steps, or the next rate or momentum is not a finite number (an
+    /// exponential that overflowed, a lambda's NaN).
     pub fn step(&mut self) -> Result<()> {
         let mut scheduler = self.scheduler.clone();
         let mut group = self.group;
         scheduler.step(&mut group, false)?;
+        check_finite(&scheduler, &group)?;
         self.scheduler = scheduler;
         self.group = group;
         Ok(())

@@ -148,3 +148,66 @@ fn a_norm_type_or_max_norm_that_is_not_a_number_is_refused() {
         assert!(matches!(err, Error::Clip(_)), "{err}");
     }
 }
+
+/// bf16 and f32 gradients together: each norm is taken in its gradient's
+/// dtype (bf16's accumulated in f32 and rounded, as PyTorch reduces bf16)
+/// and the total in the promoted dtype, f32, whichever parameter comes
+/// first (it used to be taken in the first gradient's dtype: 14.5625 in
+/// bf16 or 14.6045 in f32 for one set).
+#[test]
+fn a_total_over_bf16_and_f32_gradients_is_taken_in_f32_whatever_the_order() {
+    let dev = Device::Cpu;
+    let a = Var::zeros(6, DType::BF16, &dev).unwrap();
+    let b = Var::zeros(5, DType::F32, &dev).unwrap();
+    let ga = Tensor::new(&[3.1f32, -7.3, 2.2, 9.9, 0.7, 4.4], &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let gb = Tensor::new(&[1.3f32, 5.5, -2.7, 8.1, 0.2], &dev).unwrap();
+    let total_of = |order: &[Var]| {
+        let loss = (a
+            .as_tensor()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            + b.as_tensor().sum_all().unwrap())
+        .unwrap();
+        let mut grads = loss.backward().unwrap();
+        grads.insert(a.as_tensor(), ga.clone());
+        grads.insert(b.as_tensor(), gb.clone());
+        clip_grad_norm(&mut grads, order, 1e9, 2.0, false)
+            .unwrap()
+            .total_norm
+    };
+    let (ab, ba) = (
+        total_of(&[a.clone(), b.clone()]),
+        total_of(&[b.clone(), a.clone()]),
+    );
+    assert_eq!(ab.to_bits(), ba.to_bits(), "{ab} against {ba}");
+    let norm = |g: &Tensor| -> f32 {
+        g.to_dtype(DType::F32)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .sqrt()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    };
+    // bf16's norm rounded to bf16, then widened; f32's as it is.
+    let na = Tensor::new(norm(&ga), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let nb = norm(&gb);
+    let expected = (na * na + nb * nb).sqrt();
+    assert_eq!(ab as f32, expected, "{ab} against {expected}");
+    assert_eq!(ab, ab as f32 as f64, "an f32 total");
+}

@@ -302,3 +302,80 @@ fn the_rate_is_set_on_any_candle_optimizer() {
         "StepLR on SGD",
     );
 }
+
+/// A one-cycle schedule whose rising phase ends at step 0 (10 steps,
+/// `pct_start` 0.1) would place step 0 at 0/0 of it, a NaN rate and
+/// momentum from the first step (PyTorch raises ZeroDivisionError): it is
+/// refused at construction; a short rising phase that PyTorch accepts
+/// still gives finite rates.
+#[test]
+fn one_cycle_whose_rising_phase_ends_at_step_0_is_refused() {
+    let config = |pct_start| OneCycleConfig {
+        pct_start,
+        ..Default::default()
+    };
+    for (steps, pct) in [(10, 0.1), (4, 0.25), (100, 0.01)] {
+        let err = LrScheduler::one_cycle(0.1, steps, config(pct)).unwrap_err();
+        assert!(matches!(err, Error::LrSchedule(_)), "{err}");
+        assert!(err.to_string().contains("pct_start"), "{err}");
+    }
+    for pct in [0.05, 0.15, 0.3] {
+        let mut schedule = LrScheduler::one_cycle(0.1, 10, config(pct)).unwrap();
+        for step in 0..10 {
+            let (lr, momentum) = (schedule.lr(), schedule.momentum());
+            assert!(lr.is_finite(), "pct {pct}, step {step}: {lr}");
+            assert!(
+                momentum.is_some_and(f64::is_finite),
+                "pct {pct}, step {step}"
+            );
+            if step < 9 {
+                schedule.step().unwrap();
+            }
+        }
+    }
+}
+
+/// StepLR's step size above `i64::MAX` used to wrap to a negative one in
+/// a cast and decay the rate at every step; it never decays within any
+/// reachable step now.
+#[test]
+fn step_lr_with_a_step_size_above_i64_max_never_decays() {
+    for step_size in [i64::MAX as u64, i64::MAX as u64 + 1, u64::MAX] {
+        let mut schedule = LrScheduler::step_lr(0.1, step_size, 0.5).unwrap();
+        for _ in 0..5 {
+            assert_eq!(schedule.lr(), 0.1, "step size {step_size}");
+            schedule.step().unwrap();
+        }
+    }
+}
+
+/// Milestones that do not increase give an odd schedule (one that never
+/// runs): refused, naming them.
+#[test]
+fn sequential_milestones_that_do_not_increase_are_refused_naming_them() {
+    let child = || LrScheduler::step_lr(0.1, 1, 0.9).unwrap();
+    for milestones in [vec![5, 5], vec![6, 3]] {
+        let err = LrScheduler::sequential(0.1, vec![child(), child(), child()], milestones.clone())
+            .unwrap_err();
+        assert!(matches!(err, Error::LrSchedule(_)), "{err}");
+        assert!(
+            err.to_string().contains(&format!("{milestones:?}")),
+            "{err}"
+        );
+    }
+    assert!(LrScheduler::sequential(0.1, vec![child(), child(), child()], vec![3, 6]).is_ok());
+}
+
+/// A rate that overflows (an exponential growing past f64's range) would
+/// train on NaN weights and leave a state no save can write: the step is
+/// refused and the schedule stays where it was.
+#[test]
+fn a_step_to_a_rate_that_is_not_finite_is_refused_and_changes_nothing() {
+    let mut schedule = LrScheduler::exponential(1.0, 1e200).unwrap();
+    schedule.step().unwrap();
+    let before = schedule.state();
+    let err = schedule.step().unwrap_err();
+    assert!(matches!(err, Error::LrSchedule(_)), "{err}");
+    assert!(err.to_string().contains("inf"), "{err}");
+    assert_eq!(schedule.state(), before);
+}

@@ -423,3 +423,77 @@ fn shard_folders_are_pruned_to_the_named_steps_and_the_newest_whole_state_is_fou
     assert!(shards.latest_where(|_| false).unwrap().is_none());
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// JSON has no NaN nor infinity (serde would write `null`, which the
+/// resume then takes for damage and skips for an older state): a state
+/// holding such a number is refused at save, naming the field, and
+/// nothing is written.
+#[test]
+fn a_state_holding_a_number_that_is_not_finite_is_refused_at_save_naming_the_field() {
+    let dir = scratch("not_finite");
+    let varmap = model();
+    let opt = trained(&varmap);
+    let states = StateDir::new(&dir).unwrap();
+    let mut overflowed = state_at(3, &opt);
+    if let Some(schedule) = overflowed.lr_scheduler.as_mut() {
+        schedule.children[1].lr = f64::INFINITY;
+    }
+    let mut nan_setting = state_at(3, &opt);
+    if let Some(optimizer) = nan_setting.optimizer.as_mut() {
+        optimizer.settings.insert("weight_decay".into(), f64::NAN);
+    }
+    let mut scale = state_at(3, &opt);
+    if let Some(scaler) = scale.grad_scaler.as_mut() {
+        scaler.scale = f32::INFINITY;
+    }
+    for (state, field) in [
+        (overflowed, "lr_scheduler.children[1].lr"),
+        (nan_setting, "`weight_decay`"),
+        (scale, "`scale`"),
+    ] {
+        let err = states.save(&varmap, &state).expect_err(field);
+        assert!(matches!(err, Error::Checkpoint(_)), "{err}");
+        assert!(err.to_string().contains(field), "{err}");
+        assert!(
+            states.latest().unwrap().is_none(),
+            "{field}: a state was written"
+        );
+    }
+    let entries = std::fs::read_dir(&dir).unwrap().count();
+    assert_eq!(entries, 0, "nothing left behind");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Every finite setting and rate loads back to the bit, whatever its
+/// decimal form (serde_json's exact float parsing).
+#[test]
+fn settings_and_rates_of_any_finite_value_load_back_to_the_bit() {
+    let dir = scratch("round_trip");
+    let varmap = model();
+    let opt = trained(&varmap);
+    let states = StateDir::new(&dir).unwrap();
+    let mut state = state_at(3, &opt);
+    let values: Vec<f64> = killing::fractions(17, 400)
+        .into_iter()
+        .enumerate()
+        .map(|(i, f)| f * 10f64.powi(i as i32 % 40 - 20))
+        .chain([f64::MIN_POSITIVE, f64::MAX, 5e-324, 0.1 + 0.2, 1.0 / 3.0])
+        .collect();
+    if let Some(optimizer) = state.optimizer.as_mut() {
+        for (i, &value) in values.iter().enumerate() {
+            optimizer.settings.insert(format!("probe{i:03}"), value);
+        }
+    }
+    states.save(&varmap, &state).unwrap();
+    let loaded = states.latest().unwrap().expect("the state");
+    let settings = &loaded.state.optimizer.as_ref().unwrap().settings;
+    for (i, &value) in values.iter().enumerate() {
+        let back = settings[&format!("probe{i:03}")];
+        assert_eq!(
+            back.to_bits(),
+            value.to_bits(),
+            "{value:e} came back as {back:e}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
