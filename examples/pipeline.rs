@@ -27,6 +27,10 @@ mod datasets;
 #[path = "common/checkpoints.rs"]
 mod checkpoints;
 
+#[allow(dead_code)]
+#[path = "common/flags.rs"]
+mod flags;
+
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
@@ -66,25 +70,27 @@ enum Sched {
 #[derive(Parser, Debug)]
 struct Args {
     /// Pipeline devices (CPU "devices"): one stage each, or
-    /// `--stages-per-device` with `--schedule interleaved`.
-    #[arg(long, default_value_t = 2)]
+    /// `--stages-per-device` with `--schedule interleaved`. At least 1.
+    #[arg(long, default_value_t = 2, value_parser = flags::at_least_one::<usize>)]
     stages: usize,
-    /// Micro-batches per batch.
-    #[arg(long, default_value_t = 4)]
+    /// Micro-batches per batch (at least 1).
+    #[arg(long, default_value_t = 4, value_parser = flags::at_least_one::<usize>)]
     chunks: usize,
     #[arg(long, value_enum, default_value_t = Sched::OneFOneB)]
     schedule: Sched,
-    /// Stages per device of the interleaved schedule (Megatron's v).
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..))]
+    /// Stages per device of the interleaved schedule (Megatron's v; at
+    /// least 1).
+    #[arg(long, default_value_t = 2, value_parser = flags::at_least_one::<u16>)]
     stages_per_device: u16,
     /// Activation checkpointing: recompute each stage's forward before its
     /// backward instead of keeping its activations.
     #[arg(long, value_enum, default_value_t = Recompute::Never)]
     checkpoint: Recompute,
-    #[arg(long, default_value_t = 5)]
+    /// Passes over the training set (at least 1).
+    #[arg(long, default_value_t = 5, value_parser = flags::at_least_one::<usize>)]
     epochs: usize,
-    /// Rows per batch.
-    #[arg(long, default_value_t = 64)]
+    /// Rows per batch (at least 1).
+    #[arg(long, default_value_t = 64, value_parser = flags::at_least_one::<usize>)]
     batch: usize,
     /// Initial weights and data order.
     #[arg(long, default_value_t = 1)]
@@ -96,8 +102,9 @@ struct Args {
     /// directory, to continue with `--resume` after a crash.
     #[arg(long, value_name = "DIR")]
     checkpoint_dir: Option<PathBuf>,
-    /// Saves a state every N steps [default: at the end of every epoch].
-    #[arg(long, value_name = "N", requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
+    /// Saves a state every N steps, N at least 1 [default: at the end of
+    /// every epoch].
+    #[arg(long, value_name = "N", requires = "checkpoint_dir", value_parser = flags::at_least_one::<u64>)]
     checkpoint_every: Option<u64>,
     /// Continues from the newest complete state in `--checkpoint-dir`.
     #[arg(long, requires = "checkpoint_dir")]

@@ -14,6 +14,11 @@
 //! Data: the 8x8 handwritten digits bundled in `data/digits/` (1797
 //! samples, 80/20 train / held-out split), or MNIST from a local directory
 //! of IDX files with `--mnist DIR` (its own train / test files).
+//!
+//! Every run reports the loss of its whole batch, as one device computing
+//! on that batch does: under DDP, ZeRO and FSDP (threads or MPI) the mean
+//! over every rank's rows (`examples/common/global_loss.rs`), not rank 0's
+//! own share, so the rows of the final table compare.
 
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
@@ -26,6 +31,13 @@ mod datasets;
 
 #[path = "common/checkpoints.rs"]
 mod checkpoints;
+
+#[allow(dead_code)]
+#[path = "common/flags.rs"]
+mod flags;
+
+#[path = "common/global_loss.rs"]
+mod global_loss;
 
 #[path = "common/recipe.rs"]
 mod recipe;
@@ -54,6 +66,7 @@ use candle_nn::{conv2d, linear, loss, Conv2d, Conv2dConfig, Linear, VarBuilder, 
 use checkpoints::Checkpoints;
 use clap::{Parser, ValueEnum};
 use datasets::{load_digits, load_mnist, shuffled_indices, LabelledImages};
+use global_loss::global_loss;
 use indicatif::{ProgressBar, ProgressStyle};
 use recipe::{Precision, Recipe, Schedule};
 
@@ -229,23 +242,24 @@ struct Args {
     #[arg(long, value_enum, default_value_t = Strategy::Dp)]
     strategy: Strategy,
     /// Replicas (dp) or thread ranks (ddp); under mpirun, `-np` decides.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
+    /// At least 1.
+    #[arg(long, default_value_t = 2, value_parser = flags::at_least_one::<u64>)]
     replicas: u64,
-    /// Passes over the training set.
-    #[arg(long, default_value_t = 20)]
+    /// Passes over the training set (at least 1).
+    #[arg(long, default_value_t = 20, value_parser = flags::at_least_one::<usize>)]
     epochs: usize,
-    /// Global batch size (split across replicas or ranks).
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Global batch size (split across replicas or ranks; at least 1).
+    #[arg(long, default_value_t = 64, value_parser = flags::at_least_one::<u64>)]
     batch: u64,
-    /// AdamW learning rate.
-    #[arg(long, default_value_t = 0.002)]
+    /// AdamW learning rate (a finite number above 0).
+    #[arg(long, default_value_t = 0.002, value_parser = flags::positive_f64)]
     lr: f64,
     /// The model: a small conv net, or an MLP.
     #[arg(long, value_enum, default_value_t = Model::Conv)]
     model: Model,
     /// Channels of the conv net's first convolution, or the MLP's hidden
-    /// units [default: 8 for conv, 256 for mlp].
-    #[arg(long)]
+    /// units, at least 1 [default: 8 for conv, 256 for mlp].
+    #[arg(long, value_parser = flags::at_least_one::<usize>)]
     hidden: Option<usize>,
     /// DataParallel's backward path.
     #[arg(long, value_enum, default_value_t = Backward::Fast)]
@@ -266,12 +280,12 @@ struct Args {
     /// run into this directory, to continue with `--resume` after a crash.
     #[arg(long, value_name = "DIR")]
     checkpoint_dir: Option<PathBuf>,
-    /// Saves a state every N optimizer steps [default: at the end of every
-    /// epoch].
-    #[arg(long, value_name = "N", requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
+    /// Saves a state every N optimizer steps, N at least 1 [default: at the
+    /// end of every epoch].
+    #[arg(long, value_name = "N", requires = "checkpoint_dir", value_parser = flags::at_least_one::<u64>)]
     checkpoint_every: Option<u64>,
-    /// How many of the newest states to keep.
-    #[arg(long, value_name = "K", default_value_t = 3, requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
+    /// How many of the newest states to keep (at least 1).
+    #[arg(long, value_name = "K", default_value_t = 3, requires = "checkpoint_dir", value_parser = flags::at_least_one::<u64>)]
     keep: u64,
     /// ZeRO with --strategy ddp: shard the optimizer state (1) or the
     /// optimizer state and the gradients (2) across the ranks; the weights
@@ -294,23 +308,17 @@ struct Args {
     /// scaling).
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     precision: Precision,
-    /// Clips the total 2-norm of the gradients to X before each step.
-    #[arg(long, value_name = "X", value_parser = positive)]
+    /// Clips the total 2-norm of the gradients to X (a finite number above
+    /// 0) before each step [default: no clipping].
+    #[arg(long, value_name = "X", value_parser = flags::positive_f64)]
     clip_grad_norm: Option<f64>,
     /// The learning rate over the run.
     #[arg(long, value_enum, default_value_t = Schedule::Constant)]
     lr_schedule: Schedule,
-    /// Warm-up steps of `--lr-schedule warmup-cosine` [default: 5% of the
-    /// run's steps, at least 1].
+    /// Warm-up steps of `--lr-schedule warmup-cosine` (fewer than the
+    /// run's steps) [default: 5% of the run's steps, at least 1].
     #[arg(long, value_name = "N")]
     warmup_steps: Option<u64>,
-}
-
-fn positive(value: &str) -> std::result::Result<f64, String> {
-    match value.parse::<f64>() {
-        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
-        _ => Err(format!("{value} is not a positive number")),
-    }
 }
 
 /// A `--timeout`: `None` is no limit.
@@ -419,9 +427,12 @@ struct Outcome {
     /// Training time, evaluations excluded.
     seconds: f64,
     samples: usize,
+    /// The last step's loss over its whole (global) batch: under DDP and
+    /// FSDP the mean over every rank's rows, not rank 0's own.
     last_loss: f32,
     accuracy: f64,
-    /// Per epoch: the mean training loss and the held-out accuracy.
+    /// Per epoch: the mean training loss (of the global batches) and the
+    /// held-out accuracy.
     history: Vec<(f32, f64)>,
     /// The trained weights.
     varmap: VarMap,
@@ -745,8 +756,12 @@ fn train_ddp(
                         step.loss.affine(1.0 / factor, 0.0)?
                     }
                 };
-                samples += batch[0].dim(0)?;
-                last_loss = loss.to_scalar::<f32>()?;
+                let rows = batch[0].dim(0)?;
+                samples += rows;
+                // `loss` is this rank's, over its rows: the table, the
+                // chart and the bar show the global batch's, as one
+                // device's run does (every rank takes part).
+                last_loss = global_loss(ctx.pg.as_ref(), &loss, rows)?;
                 log.losses.push(last_loss);
                 bar.inc(1);
                 step += 1;

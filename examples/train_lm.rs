@@ -28,6 +28,11 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[path = "common/checkpoints.rs"]
 mod checkpoints;
 #[allow(dead_code)]
+#[path = "common/flags.rs"]
+mod flags;
+#[path = "common/global_loss.rs"]
+mod global_loss;
+#[allow(dead_code)]
 #[path = "common/gpt.rs"]
 mod gpt;
 #[allow(dead_code)]
@@ -45,7 +50,7 @@ use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
-use candle_dp::comm::{all_gather_object, GroupOptions, ReduceOp};
+use candle_dp::comm::{all_gather_object, GroupOptions};
 use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use candle_dp::launch::{self, Backend};
 use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
@@ -60,6 +65,7 @@ use candle_dp::{
 use candle_nn::VarMap;
 use checkpoints::Checkpoints;
 use clap::{Parser, ValueEnum};
+use global_loss::global_loss;
 use gpt::{lm_loss, units, Gpt, GptConfig};
 use recipe::{Precision, Recipe, Schedule};
 use text::{load_text, split, windows_at, Windows};
@@ -136,55 +142,62 @@ struct Args {
     #[arg(long, value_enum, default_value_t = Strategy::Single)]
     strategy: Strategy,
     /// Replicas (dp), ranks (ddp, zero; under mpirun, `-np` decides) or
-    /// pipeline stages.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
+    /// pipeline stages. At least 1.
+    #[arg(long, default_value_t = 2, value_parser = flags::at_least_one::<u64>)]
     replicas: u64,
-    /// Pipeline stages in each rank (ddp-pipeline).
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Pipeline stages in each rank (ddp-pipeline; at least 1).
+    #[arg(long, default_value_t = 2, value_parser = flags::at_least_one::<u64>)]
     stages: u64,
-    /// Micro-batches per step (pipeline, ddp-pipeline).
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Micro-batches per step (pipeline, ddp-pipeline; at least 1).
+    #[arg(long, default_value_t = 4, value_parser = flags::at_least_one::<u64>)]
     chunks: u64,
-    /// Optimizer steps.
-    #[arg(long, default_value_t = 250)]
+    /// Optimizer steps (at least 1).
+    #[arg(long, default_value_t = 250, value_parser = flags::at_least_one::<u64>)]
     steps: u64,
-    /// Global batch, in windows of `--context` bytes.
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Global batch, in windows of `--context` bytes (at least 1).
+    #[arg(long, default_value_t = 8, value_parser = flags::at_least_one::<u64>)]
     batch: u64,
     /// ddp, zero: give DDP the model as units (the embedding, each block,
     /// the head) and all-reduce each gradient bucket while the earlier
     /// units' backward runs.
     #[arg(long)]
     overlap: bool,
-    #[arg(long, default_value_t = 128)]
+    /// Bytes the model sees at once (at least 1).
+    #[arg(long, default_value_t = 128, value_parser = flags::at_least_one::<usize>)]
     context: usize,
-    #[arg(long, default_value_t = 128)]
+    /// The model's width (at least 1; a multiple of `--heads`).
+    #[arg(long, default_value_t = 128, value_parser = flags::at_least_one::<usize>)]
     width: usize,
-    #[arg(long, default_value_t = 4)]
+    /// Transformer blocks (at least 1).
+    #[arg(long, default_value_t = 4, value_parser = flags::at_least_one::<usize>)]
     layers: usize,
-    #[arg(long, default_value_t = 4)]
+    /// Attention heads (at least 1).
+    #[arg(long, default_value_t = 4, value_parser = flags::at_least_one::<usize>)]
     heads: usize,
-    /// AdamW's peak learning rate.
-    #[arg(long, default_value_t = 1e-3)]
+    /// AdamW's peak learning rate (a finite number above 0).
+    #[arg(long, default_value_t = 1e-3, value_parser = flags::positive_f64)]
     lr: f64,
-    /// AdamW's weight decay.
-    #[arg(long, default_value_t = 0.1)]
+    /// AdamW's weight decay (a finite number, 0 or more; 0: none).
+    #[arg(long, default_value_t = 0.1, value_parser = flags::non_negative_f64)]
     weight_decay: f64,
     #[arg(long, value_enum, default_value_t = Schedule::WarmupCosine)]
     lr_schedule: Schedule,
-    /// Warm-up steps [default: 5% of `--steps`, at least 1].
+    /// Warm-up steps of `--lr-schedule warmup-cosine` (fewer than
+    /// `--steps`) [default: 5% of `--steps`, at least 1].
     #[arg(long, value_name = "N")]
     warmup_steps: Option<u64>,
-    /// Clips the gradients' total 2-norm (0: no clipping).
-    #[arg(long, value_name = "X", default_value_t = 1.0)]
+    /// Clips the gradients' total 2-norm to X, a finite number, 0 or more
+    /// (0 turns clipping off).
+    #[arg(long, value_name = "X", default_value_t = 1.0, value_parser = flags::non_negative_f64)]
     clip_grad_norm: f64,
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     precision: Precision,
     /// Seeds the initial weights and the order of the windows.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Evaluates the held-out loss every N steps (and at the end).
-    #[arg(long, value_name = "N", default_value_t = 50)]
+    /// Evaluates the held-out loss every N steps (and at the end); N at
+    /// least 1.
+    #[arg(long, value_name = "N", default_value_t = 50, value_parser = flags::at_least_one::<u64>)]
     eval_every: u64,
     /// Writes the initial weights here (safetensors, GPT-2's names).
     #[arg(long, value_name = "FILE")]
@@ -198,7 +211,8 @@ struct Args {
     /// The loss curves (SVG).
     #[arg(long, value_name = "FILE", default_value = "target/train_lm.svg")]
     chart: PathBuf,
-    /// Bytes of text to generate at the end (sampled at temperature 0.8).
+    /// Bytes of text to generate at the end (sampled at temperature 0.8;
+    /// 0: none).
     #[arg(long, default_value_t = 160)]
     sample: usize,
     /// After a parallel run, trains one device too and compares the curves.
@@ -207,8 +221,8 @@ struct Args {
     /// Saves the training state here, to continue with --resume.
     #[arg(long, value_name = "DIR")]
     checkpoint_dir: Option<PathBuf>,
-    /// Saves a state every N steps [default: at the end].
-    #[arg(long, value_name = "N", requires = "checkpoint_dir")]
+    /// Saves a state every N steps, N at least 1 [default: at the end].
+    #[arg(long, value_name = "N", requires = "checkpoint_dir", value_parser = flags::at_least_one::<u64>)]
     checkpoint_every: Option<u64>,
     /// Continues from the newest state in --checkpoint-dir.
     #[arg(long, requires = "checkpoint_dir")]
@@ -571,7 +585,7 @@ fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
             };
             outcome.grad_bytes = bytes_of(params.iter().filter_map(|p| grads.get(p.as_tensor())));
             outcome.record(
-                global_loss(ctx.pg.as_ref(), &loss)?,
+                global_loss(ctx.pg.as_ref(), &loss, x.dim(0)?)?,
                 (x.elem_count() * world) as u64,
             );
             let done = step + 1;
@@ -672,7 +686,7 @@ fn train_fsdp(job: &Job) -> Result<Option<Outcome>> {
             outcome.grad_bytes = grad_bytes(&grads);
             let loss = s.loss.affine(1.0 / factor, 0.0)?;
             outcome.record(
-                global_loss(ctx.pg.as_ref(), &loss)?,
+                global_loss(ctx.pg.as_ref(), &loss, x.dim(0)?)?,
                 (x.elem_count() * world) as u64,
             );
             let done = step + 1;
@@ -731,14 +745,6 @@ fn train_fsdp(job: &Job) -> Result<Option<Outcome>> {
         Ok((rank == 0).then_some(outcome))
     })?;
     Ok(ranks.into_iter().flatten().next())
-}
-
-/// The global batch's loss, as one device's run reports it: the mean of
-/// the ranks' losses (one all-reduce).
-fn global_loss(pg: &dyn candle_dp::comm::ProcessGroup, loss: &Tensor) -> Result<f32> {
-    let mine = Tensor::new(&[loss.to_scalar::<f32>()?], &Device::Cpu)?;
-    let sum = pg.all_reduce(&mine, ReduceOp::Sum)?.to_vec1::<f32>()?;
-    Ok(sum.first().copied().unwrap_or(f32::NAN) / pg.world_size() as f32)
 }
 
 /// The whole model gathered from every rank's pieces (every rank must
@@ -873,18 +879,9 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<()> {
+    // The flags' own ranges (at least 1, finite numbers) were checked as
+    // they were parsed (`examples/common/flags.rs`).
     let config = args.config();
-    for (flag, value) in [
-        ("--context", config.context),
-        ("--width", config.width),
-        ("--layers", config.layers),
-        ("--heads", config.heads),
-        ("--eval-every", args.eval_every as usize),
-    ] {
-        if value == 0 {
-            bail!("{flag} must be at least 1");
-        }
-    }
     if !config.width.is_multiple_of(config.heads) {
         bail!(
             "--width {} does not divide into {} heads",

@@ -53,6 +53,10 @@ static GLOBAL: alloc_count::Counting = alloc_count::Counting;
 mod all_reduce;
 mod alloc_count;
 mod child;
+// The command-line value parsers the examples share.
+#[allow(dead_code)]
+#[path = "../common/flags.rs"]
+mod flags;
 mod inputs;
 mod net;
 mod overlap;
@@ -86,11 +90,13 @@ struct Args {
     /// Where bench.md, bench.csv and bench.svg are written.
     #[arg(long, value_name = "DIR", default_value = "bench-out")]
     out: PathBuf,
-    /// Timed steps per configuration and round [default: 20, 10 with --quick].
-    #[arg(long)]
+    /// Timed steps per configuration and round, at least 1 [default: 20, 10
+    /// with --quick].
+    #[arg(long, value_parser = flags::at_least_one::<usize>)]
     steps: Option<usize>,
-    /// Rounds over all configurations [default: 2, 1 with --quick].
-    #[arg(long)]
+    /// Rounds over all configurations, at least 1 [default: 2, 1 with
+    /// --quick].
+    #[arg(long, value_parser = flags::at_least_one::<usize>)]
     rounds: Option<usize>,
     /// Where the replicas run.
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]

@@ -33,6 +33,7 @@ mod ddp_reference;
 mod dp_reference;
 mod equivalence;
 mod errors;
+mod example_flags;
 mod fsdp;
 mod grad_scaler;
 mod hardening;
