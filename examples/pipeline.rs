@@ -152,7 +152,7 @@ fn batches(
     epoch: usize,
     seed: u64,
 ) -> Result<Vec<(Tensor, Tensor)>> {
-    let order = shuffled_indices(train.len(), seed + epoch as u64);
+    let order = shuffled_indices(train.len(), seed.wrapping_add(epoch as u64));
     order
         .chunks(batch)
         .map(|rows| {

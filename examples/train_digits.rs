@@ -506,7 +506,7 @@ fn train(
     let start = Instant::now();
     let mut step = from.step;
     for epoch in from.epoch as usize..args.epochs {
-        let order = shuffled_indices(train.len(), args.seed + 1 + epoch as u64);
+        let order = shuffled_indices(train.len(), args.seed.wrapping_add(1 + epoch as u64));
         // A resumed epoch continues with the batch it had not trained on.
         let skip = if epoch as u64 == from.epoch {
             from.batch as usize

@@ -93,7 +93,7 @@ pub(crate) fn reshard_states(
 /// entry: a rank whose state lacks a parameter's moments would otherwise
 /// restart that parameter from no state on every rank, and states of two
 /// runs would be spliced.
-pub(crate) fn check_one_run(
+fn check_one_run(
     states: &[OptimizerState],
     prefix: &str,
     params: &[(String, ShardLayout)],

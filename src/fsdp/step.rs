@@ -268,7 +268,16 @@ impl FullyShardedDataParallel {
         let fail = |why: &dyn std::fmt::Display| {
             pg.abort(&format!("rank {}: FSDP's {what} failed: {why}", pg.rank()))
         };
-        let before = BufferSnapshot::take(&self.buffers)?;
+        let before = match BufferSnapshot::take(&self.buffers) {
+            Ok(before) => before,
+            Err(e) => {
+                // Out of memory for a copy: the step cannot start here, so
+                // the others must not wait for it.
+                let e = Error::from(e);
+                fail(&e);
+                return Err(e);
+            }
+        };
         match catch_unwind(AssertUnwindSafe(|| f(self))) {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(e)) => {
