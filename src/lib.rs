@@ -1,6 +1,28 @@
 //! # candle-dp
 //!
-//! PyTorch-style data parallelism for [candle](https://github.com/huggingface/candle).
+//! PyTorch-style parallel training for [candle](https://github.com/huggingface/candle):
+//! data parallelism in one process or across processes and machines,
+//! sharded optimizer state, gradients and parameters, pipelines, mixed
+//! precision, and whole-run checkpoints that resume to the same bytes.
+//!
+//! | strategy | PyTorch's | type | module | manual page |
+//! |---|---|---|---|---|
+//! | replicas in one process | `nn.DataParallel` | [`DataParallel`] | [`data_parallel`](DataParallel) | `docs/data-parallel.md` |
+//! | one model per rank (threads, `mpirun`, NCCL) | `DistributedDataParallel` | [`DistributedDataParallel`] ([`DdpConfig`], [`DdpBuilder`]) | [`ddp`](DistributedDataParallel) | `docs/ddp.md`, `docs/mpi.md` |
+//! | DDP reducing during the backward (a model as [`units::Units`]) | DDP's reducer hooks | [`DistributedDataParallel::from_units`] | [`units`] | `docs/ddp.md` |
+//! | sharded optimizer state (stage 1) and gradients (stage 2) | `ZeroRedundancyOptimizer`, DeepSpeed ZeRO | [`ZeroOptimizer`] over a DDP built with [`DdpBuilder::zero`] | [`zero`] | `docs/zero.md` |
+//! | sharded parameters too | FSDP2's `fully_shard` | [`FullyShardedDataParallel`] ([`FsdpConfig`]) | [`fsdp`] | `docs/fsdp.md` |
+//! | stages across devices (GPipe, 1F1B, interleaved) | `torch.distributed.pipelining` | [`Pipeline`] | [`pipeline`] | `docs/pipelines.md` |
+//! | bf16 / f16 compute over f32 masters | `autocast`, `GradScaler`, `MixedPrecisionPolicy` | [`MixedPrecision`] | [`precision`], [`optim`] | `docs/mixed-precision.md` |
+//!
+//! Around them: [`launch`] runs one function on every rank (thread ranks,
+//! or the processes of `mpirun`/`srun`), [`comm`] holds the collectives,
+//! [`sampler`] and [`loader`] give each rank its share of the data
+//! (`DistributedSampler`'s order), [`optim`] has SGD, Adam and AdamW with
+//! saveable state, schedules, clipping and the loss scaler, and
+//! [`training_state`] and [`checkpoint`] save a run. The crate root names
+//! each strategy's entry type and settings and what every loop touches
+//! ([`Step`], [`Error`]); the rest lives in its module.
 //!
 //! [`DataParallel`] keeps the master model on `devices[0]`, splits every
 //! mini-batch along a dimension across one replica per device, runs the
@@ -56,14 +78,14 @@
 //! between them from the environment, so one program runs both ways, and
 //! [`seeded_varmap`] gives every rank and every run the same initial weights.
 //!
-//! [`pipeline::Pipeline`] splits a model into stages across devices and
-//! pipelines micro-batches through them (GPipe or 1F1B): model parallelism
-//! for models too large for one device.
+//! [`Pipeline`] splits a model into stages across devices and pipelines
+//! micro-batches through them (GPipe, 1F1B, interleaved 1F1B): model
+//! parallelism for models too large for one device.
 //!
 //! [`optim`] has SGD, Adam and AdamW with PyTorch's formulas and a state
 //! that can be saved, and [`training_state`] saves a whole run (weights,
-//! optimizer, progress, sampler) atomically, so that a killed job resumes
-//! to the same bytes, with any of the above.
+//! optimizer, schedule, loss scale, progress, sampler) atomically, so that
+//! a killed job resumes to the same bytes, with any of the above.
 //!
 //! **CPU threads.** Several CPU replicas or thread ranks share the cores by
 //! themselves: each gets its own rayon pool of `cores / workers` threads,
@@ -82,7 +104,6 @@
 
 #![deny(missing_docs)]
 
-mod buckets;
 mod buffers;
 pub mod checkpoint;
 pub mod comm;
@@ -90,9 +111,6 @@ mod cpu_threads;
 mod cuda_setup;
 mod data_parallel;
 mod ddp;
-mod ddp_builder;
-mod ddp_overlap;
-mod ddp_timeline;
 mod device_copy;
 mod device_label;
 mod error;
@@ -107,11 +125,11 @@ pub mod pipeline;
 pub mod precision;
 pub mod reduce;
 mod replicate;
+mod same_model;
 pub mod sampler;
 mod scatter_gather;
 mod seeded_init;
-mod shard_layout;
-mod shard_state;
+mod sharding;
 mod shared_backend;
 mod step;
 pub mod training_state;
@@ -122,15 +140,20 @@ pub mod zero;
 
 pub use buffers::{is_batch_norm_buffer, BufferPredicate};
 pub use data_parallel::{DataParallel, DataParallelBuilder, StepTimings};
-pub use ddp::{CommHook, DdpConfig, DdpTimings, DistributedDataParallel, JoinDivisor};
-pub use ddp_builder::DdpBuilder;
-pub use ddp_timeline::{Activity, Span};
+pub use ddp::{
+    Activity, CommHook, DdpBuilder, DdpConfig, DdpTimings, DistributedDataParallel, JoinDivisor,
+    Span,
+};
 pub use device_label::device_label;
 pub use error::{Error, Result};
+pub use fsdp::{FsdpConfig, FullyShardedDataParallel};
+pub use pipeline::{Pipeline, Schedule};
+pub use precision::MixedPrecision;
 pub use scatter_gather::{
     chunk_sizes, gather, scatter, Gather, Replicated, Scatter, ScatterPlan, Split,
 };
 pub use step::{LossReduction, Step};
+pub use zero::{ZeroOptimizer, ZeroStage};
 
 pub use seeded_init::seeded_varmap;
 

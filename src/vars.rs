@@ -22,3 +22,15 @@ pub(crate) fn grads_of(store: &GradStore, vars: &[(String, Var)]) -> Vec<Option<
         .map(|(_, var)| store.get(var.as_tensor()).cloned())
         .collect()
 }
+
+/// A parameter's gradient of this backward plus what `no_sync`
+/// accumulated for it (in that order of the sum, on every path).
+pub(crate) fn with_accumulated(
+    acc: Option<&Tensor>,
+    grad: Option<Tensor>,
+) -> candle_core::Result<Option<Tensor>> {
+    Ok(match (acc, grad) {
+        (Some(a), Some(g)) => Some((a + g)?),
+        (a, g) => a.cloned().or(g),
+    })
+}

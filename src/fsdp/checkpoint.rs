@@ -11,8 +11,8 @@ use candle_core::Tensor;
 use super::FullyShardedDataParallel;
 use crate::error::{Error, Result};
 use crate::optim::{OptimizerState, StatefulOptimizer};
-use crate::shard_layout::ShardLayout;
-use crate::shard_state::{mark_shard, named_layouts, reshard_states, unshard_saved};
+use crate::sharding::state::{mark_shard, named_layouts, reshard_states, unshard_saved};
+use crate::sharding::ShardLayout;
 
 impl FullyShardedDataParallel {
     /// This rank's pieces, by parameter name, and the buffers, whole

@@ -70,11 +70,11 @@ use candle_nn::{VarBuilder, VarMap};
 
 use crate::buffers::{is_batch_norm_buffer, BufferPredicate};
 use crate::comm::ProcessGroup;
-use crate::ddp::{broadcast_vars, verify_same_vars};
 use crate::error::{Error, Result};
 use crate::lock::lock;
 use crate::precision::MixedPrecision;
-use crate::shard_layout::ShardLayout;
+use crate::same_model::{broadcast_vars, verify_same_vars};
+use crate::sharding::{all_gather_pieces, ShardLayout};
 use crate::units::{LayerFactory, Units};
 use crate::vars::sorted_vars;
 use agreement::{verify_same_plan, Plan};
@@ -451,29 +451,17 @@ impl FullyShardedDataParallel {
     /// The whole parameters `params` (indices), all-gathered in one
     /// collective: each rank contributes its pieces, in order.
     fn gather(&self, params: &[usize]) -> Result<Vec<Tensor>> {
-        if params.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mine = params
+        let mine: Vec<Tensor> = params
             .iter()
-            .map(|&p| self.shards[p].1.as_detached_tensor().flatten_all())
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let mine = Tensor::cat(&mine, 0)?;
-        let total = mine.elem_count();
-        let all = self.pg.all_gather_into(&mine)?;
-        let world = self.pg.world_size();
-        let mut offset = 0;
-        let mut out = Vec::with_capacity(params.len());
-        for &p in params {
-            let layout = &self.layouts[p];
-            let n = layout.shard_elems();
-            let pieces = (0..world)
-                .map(|r| all.narrow(0, r * total + offset, n))
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            out.push(layout.unshard(&pieces)?);
-            offset += n;
-        }
-        Ok(out)
+            .map(|&p| self.shards[p].1.as_detached_tensor())
+            .collect();
+        let layouts: Vec<&ShardLayout> = params.iter().map(|&p| &self.layouts[p]).collect();
+        let gathered = all_gather_pieces(self.pg.as_ref(), &mine, &layouts)?;
+        layouts
+            .iter()
+            .zip(gathered)
+            .map(|(layout, pieces)| Ok(layout.unshard(&pieces)?))
+            .collect()
     }
 }
 

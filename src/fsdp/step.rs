@@ -12,12 +12,12 @@ use super::gathered::Gathered;
 use super::FullyShardedDataParallel;
 use crate::buffers::BufferSnapshot;
 use crate::comm::ReduceOp;
-use crate::ddp::with_accumulated;
 use crate::error::{Error, Result};
-use crate::pipeline::{build_layer, fingerprint, Fingerprint};
-use crate::shard_layout::{pack_by_rank, unpack_section, ShardLayout};
+use crate::sharding::{reduce_scatter_grads, ShardLayout};
 use crate::step::Step;
 use crate::units::boundary;
+use crate::units::{build_layer, fingerprint, Fingerprint};
+use crate::vars::with_accumulated;
 
 /// What the latest step held on this rank, in bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -511,36 +511,22 @@ impl FullyShardedDataParallel {
             return Ok(());
         }
         let world = self.pg.world_size();
-        // Rank by rank: that rank's piece of every parameter, then one
-        // presence flag per parameter.
-        let mut wholes = Vec::with_capacity(params.len());
-        let mut present = Vec::with_capacity(params.len());
-        for &p in params {
-            let layout = &self.layouts[p];
-            let whole = match full_grads[p].take() {
-                Some(g) => {
-                    present.push(1f32);
-                    g
-                }
-                None => {
-                    present.push(0f32);
-                    Tensor::zeros(layout.dims.as_slice(), dtype, &self.device)?
-                }
-            };
-            wholes.push(whole.to_dtype(dtype)?);
-        }
-        let flags = Tensor::new(present, &self.device)?.to_dtype(dtype)?;
+        let grads: Vec<Option<Tensor>> = params.iter().map(|&p| full_grads[p].take()).collect();
         let layouts: Vec<&ShardLayout> = params.iter().map(|&p| &self.layouts[p]).collect();
-        let table = pack_by_rank(&wholes, &layouts, Some(&flags), world)?;
-        let row = table.elem_count() / world;
-        let mine = self
-            .pg
-            .reduce_scatter(&table, ReduceOp::Avg, &vec![row; world])?;
-        let flags = mine
-            .narrow(0, row - params.len(), params.len())?
-            .to_dtype(candle_core::DType::F64)?
-            .to_vec1::<f64>()?;
-        let pieces = unpack_section(&mine, &layouts, &flags, &vec![self.dtype; params.len()])?;
+        let pieces = reduce_scatter_grads(
+            &grads,
+            &layouts,
+            dtype,
+            &self.device,
+            &vec![self.dtype; params.len()],
+            None,
+            world,
+            |table, section| {
+                Ok(self
+                    .pg
+                    .reduce_scatter(table, ReduceOp::Avg, &vec![section; world])?)
+            },
+        )?;
         for (&p, piece) in params.iter().zip(pieces) {
             match piece {
                 Some(piece) => {

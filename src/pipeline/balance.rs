@@ -7,10 +7,11 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::{Init, VarBuilder, VarMap};
 
-use super::{build_layer, LayerFactory};
+use super::LayerFactory;
 use crate::error::{Error, Result};
 use crate::lock::lock;
 use crate::shared_backend::SharedBackend;
+use crate::units::build_layer;
 
 /// How many consecutive layers each stage gets.
 #[derive(Debug, Clone)]

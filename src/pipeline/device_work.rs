@@ -126,7 +126,10 @@ pub(crate) fn stages_of(
 
 /// Per-device lists (each in the order of [`stages_of`]) put back in the
 /// pipeline's stage order; an error naming the device whose list is short.
-pub(crate) fn in_stage_order<T>(per_device: Vec<Vec<T>>, stages: usize) -> crate::Result<Vec<T>> {
+pub(crate) fn in_stage_order<T>(
+    per_device: Vec<Vec<T>>,
+    stages: usize,
+) -> crate::error::Result<Vec<T>> {
     let devices = per_device.len();
     let mut lists: Vec<_> = per_device.into_iter().map(Vec::into_iter).collect();
     (0..stages)
@@ -135,7 +138,7 @@ pub(crate) fn in_stage_order<T>(per_device: Vec<Vec<T>>, stages: usize) -> crate
                 .get_mut(k % devices.max(1))
                 .and_then(Iterator::next)
                 .ok_or_else(|| {
-                    crate::Error::Candle(candle_core::Error::Msg(format!(
+                    crate::error::Error::Candle(candle_core::Error::Msg(format!(
                         "device {} gave no result for pipeline stage {k}",
                         k % devices.max(1)
                     )))

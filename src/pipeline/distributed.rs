@@ -8,10 +8,10 @@
 //! With equal shares and a mean loss the result equals one device training
 //! on the global batch.
 
+use crate::ddp::DistributedDataParallel;
 use crate::error::Result;
 use crate::pipeline::Pipeline;
 use crate::step::{LossReduction, Step};
-use crate::DistributedDataParallel;
 use candle_core::{ModuleT, Tensor};
 
 impl DistributedDataParallel<Pipeline> {

@@ -10,12 +10,13 @@ use candle_nn::ModuleT;
 use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 
 use super::deferred_norm::{self, NormLayers, NormStep, NormUse};
-use super::recompute::{self, Checkpoint, Fingerprint, Fingerprints};
+use super::recompute::{self, Checkpoint, Fingerprints};
 use super::schedule::Op;
 use super::stage_var::StageVar;
 use crate::device_copy::{self as copy, copy_into};
 use crate::lock::lock;
 use crate::units::boundary;
+use crate::units::Fingerprint;
 use crate::worker_pool::Cancel;
 
 /// A tensor for micro-batch `m`, between neighbouring stages.

@@ -1,6 +1,6 @@
 //! A model given as units: an ordered list of parts, each built by its own
 //! factory, as a [`Pipeline`](crate::pipeline::Pipeline)'s layers are (the
-//! same [`LayerFactory`] and [`layer`](crate::pipeline::layer)).
+//! same [`LayerFactory`] and [`layer`]).
 //!
 //! Given whole, a model's backward is one call: candle computes every
 //! gradient before returning any, so nothing can start on the first ones.
@@ -43,13 +43,17 @@
 //! ```
 
 pub(crate) mod boundary;
+mod factory;
+mod fingerprint;
 mod record;
 mod trace;
 
 use candle_core::{ModuleT, Tensor};
 use candle_nn::VarBuilder;
 
-pub use crate::pipeline::LayerFactory;
+pub(crate) use factory::build_layer;
+pub use factory::{layer, LayerFactory};
+pub(crate) use fingerprint::{fingerprint, Fingerprint};
 pub(crate) use trace::Trace;
 
 use crate::error::Result;
@@ -73,11 +77,7 @@ impl Units {
         let mut units = Vec::with_capacity(factories.len());
         let mut vars = Vec::with_capacity(factories.len());
         for (index, factory) in factories.iter().enumerate() {
-            units.push(crate::pipeline::build_layer(
-                factory,
-                index,
-                recording.builder(),
-            )?);
+            units.push(build_layer(factory, index, recording.builder())?);
             vars.push(recording.take());
         }
         Ok(Units { units, vars })

@@ -39,22 +39,6 @@ mod optimizer;
 
 pub use optimizer::{grad_bytes, ZeroOptimizer};
 
-/// How much ZeRO shards.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ZeroStage {
-    /// The optimizer state.
-    One,
-    /// The optimizer state and the gradients.
-    Two,
-}
-
-impl ZeroStage {
-    /// The stage from its number (1 or 2), for command lines.
-    pub fn from_number(n: u8) -> Option<Self> {
-        match n {
-            1 => Some(Self::One),
-            2 => Some(Self::Two),
-            _ => None,
-        }
-    }
-}
+/// How much ZeRO shards: a setting of DDP's ([`DdpConfig::zero`](crate::DdpConfig::zero)),
+/// named here too.
+pub use crate::ddp::ZeroStage;

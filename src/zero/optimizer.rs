@@ -13,8 +13,8 @@ use crate::comm::{all_gather_object, ProcessGroup};
 use crate::ddp::DistributedDataParallel;
 use crate::error::{Error, Result};
 use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
-use crate::shard_layout::ShardLayout;
-use crate::shard_state::{mark_shard, named_layouts, reshard_states};
+use crate::sharding::state::{mark_shard, named_layouts, reshard_states};
+use crate::sharding::{all_gather_pieces, ShardLayout};
 
 /// An optimizer sharded across the ranks of a
 /// [`DistributedDataParallel`] built with [`zero`](crate::DdpBuilder::zero)
@@ -213,22 +213,21 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
         // A group whose parameters have no elements (a dtype held only by
         // an empty parameter) has nothing to share, and no piece to cat.
         for group in self.groups.iter().filter(|g| g.elems > 0) {
-            let flat = group
+            let mine: Vec<Tensor> = group
                 .members
                 .iter()
-                .map(|&i| self.pieces[i].1.as_tensor().flatten_all())
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            let flat = Tensor::cat(&flat, 0)?;
-            // Each rank's buffer as it came (all_gather_into would copy
-            // them all into one first).
-            let all = self.pg.all_gather(&flat)?;
-            let mut offset = 0;
-            for &i in &group.members {
-                let n = self.layouts[i].shard_elems();
-                for (rank, buffer) in all.iter().enumerate() {
-                    writes.push((i, rank, buffer.narrow(0, offset, n)?));
-                }
-                offset += n;
+                .map(|&i| self.pieces[i].1.as_tensor().clone())
+                .collect();
+            let layouts: Vec<&ShardLayout> =
+                group.members.iter().map(|&i| &self.layouts[i]).collect();
+            let gathered = all_gather_pieces(self.pg.as_ref(), &mine, &layouts)?;
+            for (&i, pieces) in group.members.iter().zip(gathered) {
+                writes.extend(
+                    pieces
+                        .into_iter()
+                        .enumerate()
+                        .map(|(rank, piece)| (i, rank, piece)),
+                );
             }
         }
         self.pg.wait_for_device()?;

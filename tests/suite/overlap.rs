@@ -658,8 +658,8 @@ fn mixed_precision_over_units_matches_mixed_precision_without() {
 #[derive(Debug)]
 pub(crate) struct FailingAt {
     pub(crate) inner: Arc<dyn ProcessGroup>,
-    /// The call (counting from 0) of `all_reduce_concat` and
-    /// `all_gather_into` together that aborts the group.
+    /// The call (counting from 0) of `all_reduce_concat`,
+    /// `all_gather_into` and `all_gather` together that aborts the group.
     pub(crate) fail_at: Option<usize>,
     pub(crate) calls: AtomicUsize,
 }
@@ -696,6 +696,7 @@ impl ProcessGroup for FailingAt {
         self.inner.broadcast(t, root)
     }
     fn all_gather(&self, t: &Tensor) -> CommResult<Vec<Tensor>> {
+        self.tick();
         self.inner.all_gather(t)
     }
     fn gather(&self, t: &Tensor, root: usize) -> CommResult<Option<Vec<Tensor>>> {

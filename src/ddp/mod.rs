@@ -39,145 +39,29 @@ use std::time::{Duration, Instant};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Module, ModuleT, Optimizer, VarBuilder, VarMap};
-use serde::{Deserialize, Serialize};
 
-pub use crate::buckets::CommHook;
-use crate::buckets::{make_buckets, Bucket, BucketReducer};
-use crate::buffers::{is_batch_norm_buffer, BufferPredicate};
-use crate::comm::{all_gather_object, ProcessGroup, ReduceOp};
-use crate::ddp_timeline::{hidden_fraction, Span};
+mod buckets;
+mod builder;
+mod config;
+mod join;
+mod overlap;
+mod timeline;
+
+pub use buckets::CommHook;
+pub use builder::DdpBuilder;
+pub use config::{DdpConfig, DdpTimings, JoinDivisor, ZeroStage};
+pub use timeline::{Activity, Span};
+
+use crate::comm::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::no_grad::NoGradCheck;
-use crate::precision::{build_in_precision, cast_input, MixedPrecision};
+use crate::precision::{build_in_precision, cast_input};
 use crate::replicate::ReplicaVars;
-use crate::shard_layout::ShardLayout;
-use crate::vars::{grads_of, sorted_vars};
-use crate::zero::ZeroStage;
-
-/// What to divide the gradient sum by while some ranks have joined.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum JoinDivisor {
-    /// The world size at construction: joined ranks count as zero
-    /// gradients (PyTorch's `divide_by_initial_world_size=True`).
-    #[default]
-    InitialWorldSize,
-    /// The number of ranks still training this step.
-    ActiveRanks,
-}
-
-/// Settings of a [`DistributedDataParallel`].
-#[derive(Clone)]
-pub struct DdpConfig {
-    /// Largest bucket, in bytes (default 25 MiB).
-    pub bucket_cap_bytes: usize,
-    /// Largest first bucket, in bytes (default 1 MiB), so the first
-    /// reduction can start early once reduction overlaps backward.
-    pub first_bucket_cap_bytes: usize,
-    /// Broadcast buffers from rank 0 at construction and before every
-    /// forward (default on; inside [`join`](DistributedDataParallel::join)
-    /// from the highest rank still training). Off, buffers stay rank-local
-    /// throughout, as with PyTorch's `broadcast_buffers=False`.
-    pub broadcast_buffers: bool,
-    /// How buckets are reduced (default [`CommHook::Average`]).
-    pub comm_hook: CommHook,
-    /// Divisor while ranks have joined (default the initial world size).
-    pub join_divisor: JoinDivisor,
-    /// Which variables are buffers (default BatchNorm statistics).
-    pub is_buffer: BufferPredicate,
-    /// Shard the optimizer state (and gradients) across ranks (default
-    /// none): see [`crate::zero`].
-    pub zero: Option<ZeroStage>,
-    /// Compute in a low dtype over the master variables, and reduce the
-    /// buckets in the policy's reduce dtype (default none): see
-    /// [`crate::precision`]. Applies to models built by
-    /// [`DistributedDataParallel::new`], not to
-    /// [`from_module`](DistributedDataParallel::from_module).
-    pub mixed_precision: Option<MixedPrecision>,
-    /// The order in which parameters fill the buckets, by name (default
-    /// none: sorted by name, or, for a model given as [`Units`](crate::units::Units), the
-    /// reverse of the units' order, so that the buckets fill in the order
-    /// the backward finishes their gradients, as PyTorch's reverse
-    /// registration order does). Parameters not named follow, sorted.
-    /// Naming a variable that is not a parameter is an error at
-    /// construction.
-    pub bucket_order: Option<Vec<String>>,
-}
-
-impl Default for DdpConfig {
-    fn default() -> Self {
-        Self {
-            bucket_cap_bytes: 25 * 1024 * 1024,
-            first_bucket_cap_bytes: 1024 * 1024,
-            broadcast_buffers: true,
-            comm_hook: CommHook::Average,
-            join_divisor: JoinDivisor::InitialWorldSize,
-            is_buffer: Arc::new(is_batch_norm_buffer),
-            zero: None,
-            mixed_precision: None,
-            bucket_order: None,
-        }
-    }
-}
-
-impl std::fmt::Debug for DdpConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DdpConfig")
-            .field("bucket_cap_bytes", &self.bucket_cap_bytes)
-            .field("first_bucket_cap_bytes", &self.first_bucket_cap_bytes)
-            .field("broadcast_buffers", &self.broadcast_buffers)
-            .field("comm_hook", &self.comm_hook)
-            .field("join_divisor", &self.join_divisor)
-            .field("zero", &self.zero)
-            .field("mixed_precision", &self.mixed_precision)
-            .field("bucket_order", &self.bucket_order)
-            .finish_non_exhaustive()
-    }
-}
-
-/// Where the time of the latest synchronised backward went.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct DdpTimings {
-    /// The local backward pass. Around a
-    /// [`Pipeline`](crate::pipeline::Pipeline), whose forwards and
-    /// backwards interleave, the whole of its
-    /// [`forward_backward`](crate::DistributedDataParallel::forward_backward).
-    pub backward: Duration,
-    /// Packing, all-reducing and unpacking the gradient buckets. With a
-    /// model given as [`Units`](crate::units::Units), the time the communication thread spent
-    /// on them, most of it while the backward still ran.
-    pub all_reduce: Duration,
-    /// With a model given as [`Units`](crate::units::Units)
-    /// (`forward_backward`):
-    /// the step's forward, each unit's backward, each bucket's reduction
-    /// and the wait for the last ones, in order of their start; empty
-    /// otherwise.
-    pub timeline: Vec<Span>,
-}
-
-impl DdpTimings {
-    /// The share of the reduction time hidden behind the backward (see
-    /// [`timeline`](Self::timeline)): 1 when the backward never waited
-    /// for a reduction. Without a timeline (a plain module, which reduces
-    /// after its backward), 0.
-    pub fn hidden_fraction(&self) -> f64 {
-        if self.timeline.is_empty() {
-            return 0.0;
-        }
-        hidden_fraction(&self.timeline)
-    }
-}
-
-/// A variable as the construction-time check compares it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct VarSignature {
-    name: String,
-    shape: Vec<usize>,
-    dtype: String,
-    /// Which of the rank's devices holds it, by first appearance: buckets
-    /// and broadcasts are made per device, so every rank must place the
-    /// variables alike.
-    device: usize,
-}
+use crate::same_model::{broadcast_vars, verify_same_vars};
+use crate::sharding::ShardLayout;
+use crate::vars::{grads_of, sorted_vars, with_accumulated};
+use buckets::{bucket_order, make_buckets, verify_same_order, Bucket, BucketReducer};
+use join::highest;
 
 /// Data parallelism across the ranks of a [`ProcessGroup`]: each rank holds
 /// its own model and optimizer, and gradients are averaged across ranks.
@@ -607,7 +491,7 @@ impl<M> DistributedDataParallel<M> {
             Some(acc) => acc
                 .iter()
                 .zip(local)
-                .map(|(a, g)| with_accumulated(a.as_ref(), g))
+                .map(|(a, g)| Ok(with_accumulated(a.as_ref(), g)?))
                 .collect::<Result<_>>()?,
         };
         if !self.is_syncing() {
@@ -700,132 +584,6 @@ impl<M> DistributedDataParallel<M> {
         result.unwrap_or_else(|payload| panic::resume_unwind(payload))
     }
 
-    /// Runs a training loop that may run out of data before the other
-    /// ranks' (PyTorch's `Join`): every rank must call `join`; inside, each
-    /// step is one forward and one backward, synchronised or, with gradient
-    /// accumulation, inside [`no_sync`](Self::no_sync) on every rank still
-    /// training (whether a step synchronises is agreed at its forward: the
-    /// ranks that joined answer its all-reduce or skip it; ranks that
-    /// disagree get [`Error::JoinSyncMismatch`]). When this rank's
-    /// `f` returns, it keeps answering the others' collectives with zero
-    /// gradients (divided per [`DdpConfig::join_divisor`]) until every rank
-    /// is done. Then, as in PyTorch, every rank takes the parameters (and,
-    /// with [`DdpConfig::broadcast_buffers`], the buffers) of the last rank
-    /// to finish, the largest such rank on a tie: the others stopped
-    /// applying updates when they ran out of data. Optimizer states are not
-    /// synchronised. While any rank trains, buffers are broadcast from the
-    /// highest rank still training, not from rank 0. If `f` fails, its
-    /// error is returned at once.
-    pub fn join<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
-        if self.config.zero.is_some() {
-            return Err(Error::Zero(
-                "join is not supported: a rank that ran out of data would not take part in the \
-                 ZeroOptimizer's all-gather of the parameters; give every rank the same number \
-                 of batches (DistributedSampler with drop_last)"
-                    .into(),
-            ));
-        }
-        self.joining = true;
-        // A panic in `f` ends the join as an error does (state restored),
-        // then goes on unwinding.
-        let result = match panic::catch_unwind(AssertUnwindSafe(|| f(self))) {
-            Ok(result) => result,
-            Err(payload) => {
-                self.joining = false;
-                self.step_syncs = None;
-                self.active_ranks = self.pg.world_size();
-                panic::resume_unwind(payload)
-            }
-        };
-        let shadowed = match &result {
-            Ok(_) => self
-                .shadow_until_all_joined()
-                .and_then(|last_joiner| self.sync_from_last_joiner(last_joiner)),
-            Err(_) => Ok(()),
-        };
-        self.joining = false;
-        self.step_syncs = None;
-        self.active_ranks = self.pg.world_size();
-        let value = result?;
-        shadowed?;
-        Ok(value)
-    }
-
-    /// Which ranks answer `true`: one all-reduce of a one-hot vector (this
-    /// rank's slot holds `mine`), so the count and the highest such rank
-    /// come from the same collective.
-    fn active_flags(&self, mine: bool) -> Result<Vec<bool>> {
-        self.rank_flags(&[mine]).map(|mut sets| sets.remove(0))
-    }
-
-    /// The per-step exchange inside a join (PyTorch's join hook exchanges
-    /// the same): which ranks still train, and which of them synchronise
-    /// this step's gradients. Joined ranks answer `(false, false)`.
-    fn step_flags(&self, active: bool, syncing: bool) -> Result<StepFlags> {
-        let mut sets = self.rank_flags(&[active, active && syncing])?;
-        let syncing = sets.pop().unwrap_or_default();
-        let active = sets.pop().unwrap_or_default();
-        Ok(StepFlags { active, syncing })
-    }
-
-    /// One all-reduce of one one-hot vector per entry of `mine` (this
-    /// rank's slot of vector `k` holds `mine[k]`): for each, which ranks
-    /// answered `true`.
-    fn rank_flags(&self, mine: &[bool]) -> Result<Vec<Vec<bool>>> {
-        let world = self.pg.world_size();
-        let mut slots = vec![0f32; world * mine.len()];
-        for (k, &flag) in mine.iter().enumerate() {
-            if let Some(slot) = slots.get_mut(k * world + self.pg.rank()) {
-                *slot = if flag { 1.0 } else { 0.0 };
-            }
-        }
-        let flags = Tensor::from_vec(slots, world * mine.len(), &Device::Cpu)?;
-        let total = self.comm(self.pg.all_reduce(&flags, ReduceOp::Sum))?;
-        let total = total.to_vec1::<f32>()?;
-        // A `ProcessGroup` implementation may be the user's: check its answer.
-        if total.len() != world * mine.len() {
-            return Err(Error::Candle(candle_core::Error::Msg(format!(
-                "all_reduce of the {} join flags returned {} values",
-                world * mine.len(),
-                total.len()
-            ))));
-        }
-        Ok(total
-            .chunks(world.max(1))
-            .map(|set| set.iter().map(|&f| f > 0.5).collect())
-            .collect())
-    }
-
-    /// Every rank takes the model of the last rank to join (the largest
-    /// one on a tie, PyTorch's `_sync_final_model`).
-    fn sync_from_last_joiner(&self, last_joiner: bool) -> Result<()> {
-        let root = highest(&self.active_flags(last_joiner)?).unwrap_or(0);
-        self.broadcast_vars(&self.params, root)?;
-        self.sync_buffers(root)
-    }
-
-    /// Answers the collectives of the ranks still training until none is.
-    /// Returns whether this rank was among the last to join (no rank was
-    /// still training when it finished).
-    fn shadow_until_all_joined(&mut self) -> Result<bool> {
-        let mut last_joiner = true;
-        loop {
-            let flags = self.step_flags(false, false)?;
-            self.active_ranks = flags.active_ranks();
-            let Some(buffer_root) = highest(&flags.active) else {
-                return Ok(last_joiner);
-            };
-            last_joiner = false;
-            let synchronised = flags.agreed_sync()?;
-            self.sync_buffers(buffer_root)?;
-            // A step inside no_sync has no all-reduce to answer.
-            if synchronised {
-                let zeros = self.params.iter().map(|_| None).collect();
-                self.all_reduce_grads(zeros)?;
-            }
-        }
-    }
-
     /// Averages `local` (one optional gradient per parameter) across ranks,
     /// bucket by bucket (see [`BucketReducer::reduce`]); where the group
     /// reduces on the GPUs ([`ProcessGroup::reduces_on_device`]), the
@@ -889,206 +647,6 @@ impl<M> DistributedDataParallel<M> {
     fn comm<T>(&self, r: std::result::Result<T, crate::comm::CommError>) -> Result<T> {
         r.map_err(Error::from)
     }
-}
-
-/// Copies `root`'s values of `vars` into this rank's, one collective per
-/// dtype and device.
-pub(crate) fn broadcast_vars(
-    pg: &dyn ProcessGroup,
-    vars: &[(String, Var)],
-    root: usize,
-) -> Result<()> {
-    // In order of first appearance: the same on every rank.
-    let mut groups: Vec<(DType, &Device)> = Vec::new();
-    for (_, v) in vars {
-        if !groups
-            .iter()
-            .any(|(d, dev)| *d == v.dtype() && dev.same_device(v.device()))
-        {
-            groups.push((v.dtype(), v.device()));
-        }
-    }
-    for (dtype, device) in groups {
-        let group: Vec<&Var> = vars
-            .iter()
-            .map(|(_, v)| v)
-            .filter(|v| v.dtype() == dtype && v.device().same_device(device))
-            .collect();
-        let flats = group
-            .iter()
-            .map(|v| v.as_tensor().flatten_all())
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let flat = Tensor::cat(&flats, 0)?;
-        let value = pg.broadcast(&flat, root)?;
-        let mut offset = 0;
-        for var in group {
-            let n = var.elem_count();
-            var.set(&value.narrow(0, offset, n)?.reshape(var.shape())?)?;
-            offset += n;
-        }
-    }
-    Ok(())
-}
-
-/// A parameter's gradient of this backward plus what `no_sync`
-/// accumulated for it (in that order of the sum, on every path).
-pub(crate) fn with_accumulated(
-    acc: Option<&Tensor>,
-    grad: Option<Tensor>,
-) -> Result<Option<Tensor>> {
-    Ok(match (acc, grad) {
-        (Some(a), Some(g)) => Some((a + g)?),
-        (a, g) => a.cloned().or(g),
-    })
-}
-
-/// The order in which `params` fill the buckets, as indices: the names of
-/// `order` first, then the others by name. Where `strict` (an order the
-/// user gave), a name that is not a parameter is an error; a name given
-/// twice always is.
-fn bucket_order(params: &[(String, Var)], order: &[String], strict: bool) -> Result<Vec<usize>> {
-    let mut taken = vec![false; params.len()];
-    let mut indices = Vec::with_capacity(params.len());
-    for name in order {
-        let Ok(i) = params.binary_search_by(|(n, _)| n.as_str().cmp(name)) else {
-            if !strict {
-                continue;
-            }
-            return Err(Error::BucketOrder(format!(
-                "`{name}` is not a parameter of the model (buffers are not bucketed)"
-            )));
-        };
-        if std::mem::replace(&mut taken[i], true) {
-            return Err(Error::BucketOrder(format!("`{name}` is named twice")));
-        }
-        indices.push(i);
-    }
-    indices.extend((0..params.len()).filter(|&i| !taken[i]));
-    Ok(indices)
-}
-
-/// Checks that every rank fills its buckets in the same order as rank 0:
-/// buckets that differ would reduce one rank's gradient with another's.
-fn verify_same_order(pg: &dyn ProcessGroup, order: &[usize]) -> Result<()> {
-    let all = all_gather_object(pg, &order.to_vec())?;
-    match all.iter().position(|theirs| theirs != &all[0]) {
-        None => Ok(()),
-        Some(rank) => Err(Error::ModelMismatch {
-            rank,
-            detail: "fills its gradient buckets in another order than rank 0 (a model given \
-                     as units on one rank and whole on another, or another \
-                     DdpConfig::bucket_order)"
-                .into(),
-        }),
-    }
-}
-
-/// Checks that every rank has the same variables (names, shapes, dtypes)
-/// as rank 0; the error names the first rank and variable that differ. All
-/// ranks see all signatures, so all return the same verdict.
-/// The highest rank whose flag is set.
-fn highest(flags: &[bool]) -> Option<usize> {
-    flags.iter().rposition(|&f| f)
-}
-
-/// What every rank said at the start of a step inside a join.
-#[derive(Debug)]
-struct StepFlags {
-    /// Per rank: still training.
-    active: Vec<bool>,
-    /// Per rank: still training, and synchronising this step.
-    syncing: Vec<bool>,
-}
-
-impl StepFlags {
-    fn active_ranks(&self) -> usize {
-        self.active.iter().filter(|&&a| a).count()
-    }
-
-    /// Whether the step synchronises; an error when the ranks still
-    /// training disagree (every rank sees the same flags, so every rank
-    /// fails the step alike, and none waits for a collective that another
-    /// skips).
-    fn agreed_sync(&self) -> Result<bool> {
-        let ranks = |want: bool| -> Vec<usize> {
-            (0..self.active.len())
-                .filter(|&r| self.active[r] && self.syncing[r] == want)
-                .collect()
-        };
-        let (syncing, not_syncing) = (ranks(true), ranks(false));
-        if !syncing.is_empty() && !not_syncing.is_empty() {
-            return Err(Error::JoinSyncMismatch {
-                syncing,
-                not_syncing,
-            });
-        }
-        Ok(!syncing.is_empty())
-    }
-}
-
-pub(crate) fn verify_same_vars(pg: &dyn ProcessGroup, vars: &[(String, Var)]) -> Result<()> {
-    let mut devices: Vec<&Device> = Vec::new();
-    let mine: Vec<VarSignature> = vars
-        .iter()
-        .map(|(name, v)| {
-            let device = match devices.iter().position(|d| d.same_device(v.device())) {
-                Some(i) => i,
-                None => {
-                    devices.push(v.device());
-                    devices.len() - 1
-                }
-            };
-            VarSignature {
-                name: name.clone(),
-                shape: v.dims().to_vec(),
-                dtype: v.dtype().as_str().to_string(),
-                device,
-            }
-        })
-        .collect();
-    let all = all_gather_object(pg, &mine)?;
-    let Some(reference) = all.first() else {
-        return Err(Error::Comm(crate::comm::CommError::Protocol {
-            rank: pg.rank(),
-            op: "all_gather_object",
-            peer: 0,
-            detail: "the process group returned no rank's variable list".into(),
-        }));
-    };
-    for (rank, theirs) in all.iter().enumerate().skip(1) {
-        for (a, b) in reference.iter().zip(theirs) {
-            if a != b {
-                return Err(Error::ModelMismatch {
-                    rank,
-                    detail: if a.name != b.name {
-                        format!("has variable `{}` where rank 0 has `{}`", b.name, a.name)
-                    } else if a.device != b.device {
-                        format!(
-                            "has `{}` on its device {} (counting devices as its variables first use them) where rank 0 has it on its device {}: every rank must place the variables on its devices alike",
-                            b.name, b.device, a.device
-                        )
-                    } else {
-                        format!(
-                            "has `{}` with shape {:?} ({}) where rank 0 has {:?} ({})",
-                            b.name, b.shape, b.dtype, a.shape, a.dtype
-                        )
-                    },
-                });
-            }
-        }
-        if theirs.len() != reference.len() {
-            let extra = if theirs.len() > reference.len() {
-                format!("has `{}`, which rank 0 lacks", theirs[reference.len()].name)
-            } else {
-                format!("lacks `{}`, which rank 0 has", reference[theirs.len()].name)
-            };
-            return Err(Error::ModelMismatch {
-                rank,
-                detail: extra,
-            });
-        }
-    }
-    Ok(())
 }
 
 // The module and the process group stay out: `M` need not be `Debug`, and

@@ -8,12 +8,11 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
 
+use super::{CommHook, DdpConfig, DistributedDataParallel, JoinDivisor, ZeroStage};
 use crate::comm::ProcessGroup;
-use crate::ddp::{CommHook, DdpConfig, DistributedDataParallel, JoinDivisor};
 use crate::error::Result;
 use crate::precision::MixedPrecision;
 use crate::units::{LayerFactory, Units};
-use crate::zero::ZeroStage;
 
 impl<M> DistributedDataParallel<M> {
     /// Starts configuring this rank's [`DistributedDataParallel`] (buckets,

@@ -20,15 +20,16 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
 use crossbeam::channel;
 
-use crate::buckets::{BucketReducer, Reduced};
+use super::buckets::{BucketReducer, Reduced};
+use super::timeline::{Activity, Span};
+use super::{DdpConfig, DistributedDataParallel};
 use crate::buffers::BufferSnapshot;
 use crate::comm::ProcessGroup;
-use crate::ddp::{with_accumulated, DdpConfig, DistributedDataParallel};
-use crate::ddp_timeline::{Activity, Span};
 use crate::error::{Error, Result};
 use crate::panic_message::panic_message;
 use crate::step::Step;
 use crate::units::{LayerFactory, Units};
+use crate::vars::with_accumulated;
 
 /// Why the walk stopped early: a reduction failed (its error is the one
 /// returned).
@@ -403,7 +404,7 @@ impl<'a> Walk<'a> {
                                     local[i].take(),
                                 )
                             })
-                            .collect::<Result<Vec<_>>>()?;
+                            .collect::<candle_core::Result<Vec<_>>>()?;
                         // A closed channel means the thread is gone: its
                         // result (or panic) is reported at the join.
                         let _ = jobs.send(Job {
@@ -526,7 +527,7 @@ impl<'a> Walk<'a> {
 /// reduces on the GPUs, its presence flags summed on the host first.
 fn reduce_job(
     reducer: &BucketReducer<'_>,
-    bucket: &crate::buckets::Bucket,
+    bucket: &super::buckets::Bucket,
     grads: &[Option<Tensor>],
 ) -> Result<Reduced> {
     let presence = match reducer.pg.reduces_on_device() {

@@ -5,10 +5,10 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 
-use crate::comm::{ProcessGroup, ReduceOp};
-use crate::error::Result;
-use crate::shard_layout::{pack_by_rank, unpack_section, ShardLayout};
-use crate::zero::ZeroStage;
+use super::ZeroStage;
+use crate::comm::{all_gather_object, ProcessGroup, ReduceOp};
+use crate::error::{Error, Result};
+use crate::sharding::{reduce_scatter_grads, ShardLayout};
 
 /// How a bucket of gradients travels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -162,33 +162,33 @@ impl BucketReducer<'_> {
         grads: &[Option<Tensor>],
         presence: Option<&[f64]>,
     ) -> Result<Reduced> {
-        let world = self.pg.world_size();
-        let mut whole = Vec::with_capacity(bucket.params.len());
-        for (k, &i) in bucket.params.iter().enumerate() {
-            let var = &self.params[i].1;
-            whole.push(match grads.get(k).and_then(Option::as_ref) {
-                Some(g) => g.to_dtype(bucket.dtype)?,
-                None => Tensor::zeros(var.shape(), bucket.dtype, var.device())?,
-            });
-        }
-        let flags = match presence {
-            None => Some(self.presence_flags(bucket, grads)?),
-            Some(_) => None,
-        };
         let layouts: Vec<&ShardLayout> = bucket.params.iter().map(|&i| &self.layouts[i]).collect();
-        let table = pack_by_rank(&whole, &layouts, flags.as_ref(), world)?;
-        let section = table.elem_count() / world;
-        let reduced = self.through_hook(&[table], bucket.dtype, |pieces, op| {
-            let counts = vec![section; world];
-            Ok(self.pg.reduce_scatter(&pieces[0], op, &counts)?)
-        })?;
-        let flags = self.flags(bucket, &reduced, presence)?;
         let dtypes: Vec<DType> = bucket
             .params
             .iter()
             .map(|&i| self.params[i].1.dtype())
             .collect();
-        let pieces = unpack_section(&reduced, &layouts, &flags, &dtypes)?;
+        let grads: Vec<Option<Tensor>> = (0..bucket.params.len())
+            .map(|k| grads.get(k).cloned().flatten())
+            .collect();
+        let device = self.params[bucket.params[0]].1.device();
+        let world = self.pg.world_size();
+        let pieces = reduce_scatter_grads(
+            &grads,
+            &layouts,
+            bucket.dtype,
+            device,
+            &dtypes,
+            presence,
+            world,
+            |table, section| {
+                self.through_hook(std::slice::from_ref(table), bucket.dtype, |pieces, op| {
+                    Ok(self
+                        .pg
+                        .reduce_scatter(&pieces[0], op, &vec![section; world])?)
+                })
+            },
+        )?;
         let grads = bucket
             .params
             .iter()
@@ -278,4 +278,49 @@ fn local_presence(bucket: &Bucket, grads: &[Option<Tensor>]) -> Vec<f64> {
             None => 0.,
         })
         .collect()
+}
+
+/// The order in which `params` fill the buckets, as indices: the names of
+/// `order` first, then the others by name. Where `strict` (an order the
+/// user gave), a name that is not a parameter is an error; a name given
+/// twice always is.
+pub(super) fn bucket_order(
+    params: &[(String, Var)],
+    order: &[String],
+    strict: bool,
+) -> Result<Vec<usize>> {
+    let mut taken = vec![false; params.len()];
+    let mut indices = Vec::with_capacity(params.len());
+    for name in order {
+        let Ok(i) = params.binary_search_by(|(n, _)| n.as_str().cmp(name)) else {
+            if !strict {
+                continue;
+            }
+            return Err(Error::BucketOrder(format!(
+                "`{name}` is not a parameter of the model (buffers are not bucketed)"
+            )));
+        };
+        if std::mem::replace(&mut taken[i], true) {
+            return Err(Error::BucketOrder(format!("`{name}` is named twice")));
+        }
+        indices.push(i);
+    }
+    indices.extend((0..params.len()).filter(|&i| !taken[i]));
+    Ok(indices)
+}
+
+/// Checks that every rank fills its buckets in the same order as rank 0:
+/// buckets that differ would reduce one rank's gradient with another's.
+pub(super) fn verify_same_order(pg: &dyn ProcessGroup, order: &[usize]) -> Result<()> {
+    let all = all_gather_object(pg, &order.to_vec())?;
+    match all.iter().position(|theirs| theirs != &all[0]) {
+        None => Ok(()),
+        Some(rank) => Err(Error::ModelMismatch {
+            rank,
+            detail: "fills its gradient buckets in another order than rank 0 (a model given \
+                     as units on one rank and whole on another, or another \
+                     DdpConfig::bucket_order)"
+                .into(),
+        }),
+    }
 }

@@ -6,9 +6,9 @@
 
 use candle_core::Tensor;
 
+use super::layout::ShardLayout;
 use crate::error::{Error, Result};
 use crate::optim::{OptimizerState, ShardOf};
-use crate::shard_layout::ShardLayout;
 
 /// Each parameter's name beside its split (`params` and `layouts` in one
 /// order): what the functions below take.

@@ -1,0 +1,98 @@
+//! The two collectives of sharded training, each step written once:
+//! whole gradients reduce-scattered to each rank's pieces (ZeRO-2's
+//! buckets, FSDP's units), and every rank's pieces all-gathered (ZeRO's
+//! updated pieces written back into the whole parameters, FSDP's units
+//! gathered whole).
+
+use candle_core::{DType, Device, Tensor};
+
+use super::layout::{pack_by_rank, unpack_section, ShardLayout};
+use crate::comm::ProcessGroup;
+use crate::error::Result;
+
+/// Reduces whole gradients across the ranks to this rank's pieces: each
+/// of `grads` (one per parameter, split by `layouts`; a missing one counts
+/// as zeros, made on `device`) in `dtype`, laid out rank by rank
+/// ([`pack_by_rank`]), with one presence flag per parameter after each
+/// rank's pieces unless `presence` already holds the flags summed on the
+/// host; `collective(table, section)` reduces the table and returns this
+/// rank's section (`section` elements). Returns each parameter's piece in
+/// `piece_dtypes[k]`, or `None` where no rank had its gradient. Every rank
+/// calls it with the same parameters, in the same order.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn reduce_scatter_grads(
+    grads: &[Option<Tensor>],
+    layouts: &[&ShardLayout],
+    dtype: DType,
+    device: &Device,
+    piece_dtypes: &[DType],
+    presence: Option<&[f64]>,
+    world: usize,
+    collective: impl FnOnce(&Tensor, usize) -> Result<Tensor>,
+) -> Result<Vec<Option<Tensor>>> {
+    let mut wholes = Vec::with_capacity(grads.len());
+    for (grad, layout) in grads.iter().zip(layouts) {
+        wholes.push(match grad {
+            Some(g) => g.to_dtype(dtype)?,
+            None => Tensor::zeros(layout.dims.as_slice(), dtype, device)?,
+        });
+    }
+    let flags = match presence {
+        Some(_) => None,
+        None => {
+            let mine: Vec<f32> = grads
+                .iter()
+                .map(|g| if g.is_some() { 1. } else { 0. })
+                .collect();
+            Some(Tensor::new(mine, device)?.to_dtype(dtype)?)
+        }
+    };
+    let table = pack_by_rank(&wholes, layouts, flags.as_ref(), world)?;
+    let section = table.elem_count() / world;
+    let mine = collective(&table, section)?;
+    let flags = match presence {
+        Some(flags) => flags.to_vec(),
+        None => {
+            let n = grads.len();
+            mine.narrow(0, mine.elem_count() - n, n)?
+                .to_dtype(DType::F64)?
+                .to_vec1::<f64>()?
+        }
+    };
+    Ok(unpack_section(&mine, layouts, &flags, piece_dtypes)?)
+}
+
+/// Every rank's pieces of some parameters, in one all-gather: `mine` are
+/// this rank's pieces (each of its layout's piece size, any shape), and
+/// the result holds, per parameter, every rank's piece flattened, in rank
+/// order. Every rank calls it with the same parameters, in the same
+/// order.
+pub(crate) fn all_gather_pieces(
+    pg: &dyn ProcessGroup,
+    mine: &[Tensor],
+    layouts: &[&ShardLayout],
+) -> Result<Vec<Vec<Tensor>>> {
+    if mine.is_empty() {
+        return Ok(Vec::new());
+    }
+    let flat = mine
+        .iter()
+        .map(Tensor::flatten_all)
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let flat = Tensor::cat(&flat, 0)?;
+    // Each rank's buffer as it came (`all_gather_into` would copy them all
+    // into one first).
+    let all = pg.all_gather(&flat)?;
+    let mut offset = 0;
+    let mut out = Vec::with_capacity(layouts.len());
+    for layout in layouts {
+        let n = layout.shard_elems();
+        out.push(
+            all.iter()
+                .map(|buffer| buffer.narrow(0, offset, n))
+                .collect::<candle_core::Result<Vec<_>>>()?,
+        );
+        offset += n;
+    }
+    Ok(out)
+}
