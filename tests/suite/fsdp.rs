@@ -793,6 +793,99 @@ fn no_sync_accumulates_and_the_next_step_reduce_scatters_the_sum_as_ddp_does() {
     });
 }
 
+/// A test model as one module and as units.
+type Model = (
+    fn(VarBuilder) -> candle_core::Result<Box<dyn Module>>,
+    fn() -> Vec<LayerFactory>,
+);
+
+/// DDP and FSDP under the same mixed-precision `policy`, from `init`, each
+/// rank on its share of `data`, the first `accumulate` micro-batches
+/// inside `no_sync` (the step after reduces their sum): every rank's
+/// weights under DDP, then under FSDP, and FSDP's memory of its last step.
+fn mixed_precision_runs(
+    policy: &candle_dp::precision::MixedPrecision,
+    init: &Weights,
+    data: &[(Tensor, Tensor)],
+    (whole, units): Model,
+    accumulate: usize,
+) -> (Vec<Weights>, Vec<(Weights, candle_dp::fsdp::FsdpMemory)>) {
+    let loss_fn = |o: &Tensor, y: &Tensor| loss::cross_entropy(&flat_logits(o)?, &y.flatten_all()?);
+    let (i1, d1, p1) = (init.clone(), data.to_vec(), policy.clone());
+    let ddp = spawn_with(2, bounded(), move |ctx| {
+        let varmap = varmap_from(&i1);
+        let mut opt = adamw(&varmap)?;
+        let mut ddp = DistributedDataParallel::new(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            |vb| whole(vb).map(Whole),
+            DdpConfig {
+                mixed_precision: Some(p1.clone()),
+                ..Default::default()
+            },
+        )?;
+        let parts: Vec<(Tensor, Tensor)> = d1
+            .iter()
+            .map(|(x, y)| share(&ctx, x, y))
+            .collect::<candle_core::Result<_>>()?;
+        ddp.no_sync(|ddp| -> anyhow::Result<()> {
+            for (x, y) in &parts[..accumulate] {
+                let l = loss_fn(&ddp.forward(x)?, y)?;
+                ddp.backward(&l)?;
+            }
+            Ok(())
+        })?;
+        for (x, y) in &parts[accumulate..] {
+            let l = loss_fn(&ddp.forward(x)?, y)?;
+            ddp.backward_step(&l, &mut opt)?;
+        }
+        Ok(snapshot(&varmap))
+    })
+    .unwrap();
+    let (i2, d2, p2) = (init.clone(), data.to_vec(), policy.clone());
+    let fsdp = spawn_with(2, bounded(), move |ctx| {
+        let varmap = varmap_from(&i2);
+        let mut fsdp = FullyShardedDataParallel::from_units(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            units(),
+            FsdpConfig {
+                mixed_precision: Some(p2.clone()),
+                ..Default::default()
+            },
+        )?;
+        let mut opt = adamw(&varmap)?;
+        let parts: Vec<(Tensor, Tensor)> = d2
+            .iter()
+            .map(|(x, y)| share(&ctx, x, y))
+            .collect::<candle_core::Result<_>>()?;
+        fsdp.no_sync(|fsdp| -> anyhow::Result<()> {
+            for (x, y) in &parts[..accumulate] {
+                fsdp.forward_backward(x, y, loss_fn)?;
+            }
+            Ok(())
+        })?;
+        for (x, y) in &parts[accumulate..] {
+            opt.step(&fsdp.forward_backward(x, y, loss_fn)?.grads)?;
+        }
+        Ok((fsdp.full_state()?, fsdp.last_memory()))
+    })
+    .unwrap();
+    (ddp, fsdp)
+}
+
+/// The logits as rows of classes, in f32: a language model's `(b, t, v)`
+/// as `(b * t, v)` (its targets flattened alike), a classifier's as they
+/// are.
+fn flat_logits(o: &Tensor) -> candle_core::Result<Tensor> {
+    let v = o.dim(o.rank() - 1)?;
+    o.to_dtype(DType::F32)?.reshape(((), v))
+}
+
 /// bf16 compute, gradients reduce-scattered in f32 (`MixedPrecision::bf16`)
 /// or in bf16: the pieces and AdamW stay f32, and the weights are those of
 /// DDP under the same policy, bit for bit.
@@ -806,63 +899,17 @@ fn mixed_precision_trains_to_the_bytes_of_ddp_under_the_same_policy() {
             MixedPrecision::bf16(),
             MixedPrecision::bf16().reduce_dtype(DType::BF16),
         ] {
-            let (i1, d1, p1) = (init.clone(), data.clone(), policy.clone());
-            let ddp = spawn_with(2, bounded(), move |ctx| {
-                let varmap = varmap_from(&i1);
-                let mut opt = adamw(&varmap)?;
-                let mut ddp = DistributedDataParallel::new(
-                    ctx.process_group(),
-                    &varmap,
-                    DType::F32,
-                    &Device::Cpu,
-                    DeepMlp::new,
-                    DdpConfig {
-                        mixed_precision: Some(p1.clone()),
-                        ..Default::default()
-                    },
-                )?;
-                for (x, y) in &d1 {
-                    let (x, y) = share(&ctx, x, y)?;
-                    let l = loss::cross_entropy(&ddp.forward(&x)?.to_dtype(DType::F32)?, &y)?;
-                    ddp.backward_step(&l, &mut opt)?;
-                }
-                Ok(snapshot(&varmap))
-            })
-            .unwrap();
-            let (i2, d2, p2) = (init.clone(), data.clone(), policy.clone());
-            let fsdp = spawn_with(2, bounded(), move |ctx| {
-                let varmap = varmap_from(&i2);
-                let mut fsdp = FullyShardedDataParallel::from_units(
-                    ctx.process_group(),
-                    &varmap,
-                    DType::F32,
-                    &Device::Cpu,
-                    deep_units(),
-                    FsdpConfig {
-                        mixed_precision: Some(p2.clone()),
-                        ..Default::default()
-                    },
-                )?;
-                let mut opt = adamw(&varmap)?;
-                for (x, y) in &d2 {
-                    let (x, y) = share(&ctx, x, y)?;
-                    let step = fsdp.forward_backward(&x, &y, |o, y| {
-                        loss::cross_entropy(&o.to_dtype(DType::F32)?, y)
-                    })?;
-                    opt.step(&step.grads)?;
-                }
-                let gathered = fsdp.last_memory().peak_gathered_bytes;
-                anyhow::ensure!(gathered > 0 && gathered < fsdp.last_memory().full_bytes);
-                Ok(fsdp.full_state()?)
-            })
-            .unwrap();
+            let (ddp, fsdp) =
+                mixed_precision_runs(&policy, &init, &data, (deep_whole, deep_units), 0);
+            let gathered = fsdp[0].1.peak_gathered_bytes;
+            assert!(gathered > 0 && gathered < fsdp[0].1.full_bytes);
             assert!(
-                identical(&fsdp[0], &ddp[0]),
+                identical(&fsdp[0].0, &ddp[0]),
                 "{policy:?}: {}",
-                diff_report(&fsdp[0], &ddp[0])
+                diff_report(&fsdp[0].0, &ddp[0])
             );
-            assert!(!identical(&fsdp[0], &init));
-            assert_eq!(fsdp[0]["l0.weight"].dtype(), DType::F32);
+            assert!(!identical(&fsdp[0].0, &init));
+            assert_eq!(fsdp[0].0["l0.weight"].dtype(), DType::F32);
         }
     });
 }
@@ -1070,81 +1117,18 @@ fn mixed_precision_with_a_tied_weight_and_no_sync_trains_to_the_bytes_of_ddp() {
     within(240, || {
         let init = init_gpt();
         let data = tokens(4, 4, 251);
-        let lm_loss = |o: &Tensor, y: &Tensor| example_gpt::lm_loss(&o.to_dtype(DType::F32)?, y);
         for policy in [
             MixedPrecision::bf16(),
             MixedPrecision::bf16().reduce_dtype(DType::BF16),
         ] {
-            let (i1, d1, p1) = (init.clone(), data.clone(), policy.clone());
-            let ddp = spawn_with(2, bounded(), move |ctx| {
-                let varmap = varmap_from(&i1);
-                let mut opt = adamw(&varmap)?;
-                let mut ddp = DistributedDataParallel::new(
-                    ctx.process_group(),
-                    &varmap,
-                    DType::F32,
-                    &Device::Cpu,
-                    |vb| gpt_whole(vb).map(Whole),
-                    DdpConfig {
-                        mixed_precision: Some(p1.clone()),
-                        ..Default::default()
-                    },
-                )?;
-                let parts: Vec<(Tensor, Tensor)> = d1
-                    .iter()
-                    .map(|(x, y)| share(&ctx, x, y))
-                    .collect::<candle_core::Result<_>>()?;
-                ddp.no_sync(|ddp| -> anyhow::Result<()> {
-                    for (x, y) in &parts[..2] {
-                        let l = lm_loss(&ddp.forward(x)?, y)?;
-                        ddp.backward(&l)?;
-                    }
-                    Ok(())
-                })?;
-                for (x, y) in &parts[2..] {
-                    let l = lm_loss(&ddp.forward(x)?, y)?;
-                    ddp.backward_step(&l, &mut opt)?;
-                }
-                Ok(snapshot(&varmap))
-            })
-            .unwrap();
-            let (i2, d2, p2) = (init.clone(), data.clone(), policy.clone());
-            let fsdp = spawn_with(2, bounded(), move |ctx| {
-                let varmap = varmap_from(&i2);
-                let mut fsdp = FullyShardedDataParallel::from_units(
-                    ctx.process_group(),
-                    &varmap,
-                    DType::F32,
-                    &Device::Cpu,
-                    gpt_units(),
-                    FsdpConfig {
-                        mixed_precision: Some(p2.clone()),
-                        ..Default::default()
-                    },
-                )?;
-                let mut opt = adamw(&varmap)?;
-                let parts: Vec<(Tensor, Tensor)> = d2
-                    .iter()
-                    .map(|(x, y)| share(&ctx, x, y))
-                    .collect::<candle_core::Result<_>>()?;
-                fsdp.no_sync(|fsdp| -> anyhow::Result<()> {
-                    for (x, y) in &parts[..2] {
-                        fsdp.forward_backward(x, y, lm_loss)?;
-                    }
-                    Ok(())
-                })?;
-                for (x, y) in &parts[2..] {
-                    opt.step(&fsdp.forward_backward(x, y, lm_loss)?.grads)?;
-                }
-                Ok(fsdp.full_state()?)
-            })
-            .unwrap();
-            assert!(!identical(&fsdp[0], &init));
+            let (ddp, fsdp) =
+                mixed_precision_runs(&policy, &init, &data, (gpt_whole, gpt_units), 2);
+            assert!(!identical(&fsdp[0].0, &init));
             for rank in 0..2 {
                 assert!(
-                    identical(&fsdp[rank], &ddp[rank]),
+                    identical(&fsdp[rank].0, &ddp[rank]),
                     "{policy:?}, rank {rank}: {}",
-                    diff_report(&fsdp[rank], &ddp[rank])
+                    diff_report(&fsdp[rank].0, &ddp[rank])
                 );
             }
         }
