@@ -31,6 +31,7 @@
 
 use candle_core::Device;
 
+use crate::cuda_stream::implicit_stream_ordinal;
 use crate::error::{Error, Result};
 
 /// One device of a DataParallel or a pipeline, as errors name it: its role
@@ -42,7 +43,7 @@ pub(crate) type Role<'a> = (&'static str, usize, &'a Device);
 /// Nothing to do without the `cuda` feature or without CUDA devices.
 pub(crate) fn prepare(devices: &[Role]) -> Result<()> {
     for &(role, index, device) in devices {
-        if let Some(ordinal) = cuda::implicit_stream_ordinal(device) {
+        if let Some(ordinal) = implicit_stream_ordinal(device) {
             return Err(Error::ImplicitCudaStream {
                 role,
                 index,
@@ -69,20 +70,9 @@ pub(crate) fn prepare(devices: &[Role]) -> Result<()> {
     Ok(())
 }
 
-/// Whether `device` is a CUDA device with a stream of its own (made with
-/// `Device::new_cuda_with_stream`).
-#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
-pub(crate) fn has_own_stream(device: &Device) -> bool {
-    device.is_cuda() && cuda::implicit_stream_ordinal(device).is_none()
-}
-
 #[cfg(not(feature = "cuda"))]
 mod cuda {
     use candle_core::Device;
-
-    pub(super) fn implicit_stream_ordinal(_: &Device) -> Option<usize> {
-        None
-    }
 
     pub(super) fn enable_peer_access(_: &[Device]) {}
 }
@@ -94,21 +84,6 @@ mod cuda {
 
     use candle_core::cuda_backend::cudarc::driver::{sys, CudaContext};
     use candle_core::Device;
-
-    /// CUDA's handle for the calling thread's default stream
-    /// (`CU_STREAM_PER_THREAD`), which cudarc's `per_thread_stream` uses.
-    const PER_THREAD_STREAM: usize = 0x2;
-
-    /// The GPU ordinal of a CUDA device whose work goes to an implicit
-    /// stream (per-thread or legacy default), `None` for any other device.
-    pub(super) fn implicit_stream_ordinal(device: &Device) -> Option<usize> {
-        let Device::Cuda(cuda) = device else {
-            return None;
-        };
-        let stream = cuda.cuda_stream();
-        let handle = stream.cu_stream() as usize;
-        (handle == 0 || handle == PER_THREAD_STREAM).then(|| stream.context().ordinal())
-    }
 
     /// Enables peer access both ways between every two distinct GPUs among
     /// `devices`, warning where the hardware or the driver refuses.

@@ -109,6 +109,7 @@ pub mod checkpoint;
 pub mod comm;
 mod cpu_threads;
 mod cuda_setup;
+mod cuda_stream;
 mod data_parallel;
 mod ddp;
 mod device_copy;

@@ -164,7 +164,7 @@ impl NcclGroup {
         let rank = host.rank();
         let op = "nccl_init";
         let usable = match device {
-            Device::Cuda(cuda) if crate::cuda_setup::has_own_stream(device) => Ok(cuda.clone()),
+            Device::Cuda(cuda) if crate::cuda_stream::has_own_stream(device) => Ok(cuda.clone()),
             Device::Cuda(_) => Err("its GPU uses the per-thread default stream: make it with \
                  Device::new_cuda_with_stream"
                 .to_string()),
