@@ -63,7 +63,7 @@ pub(crate) fn timeout_from_env() -> Option<Duration> {
     parse_timeout(value.as_deref()).unwrap_or_else(|message| {
         static WARNED: Once = Once::new();
         WARNED.call_once(|| {
-            crate::launch::report::eprint_report(&format!(
+            crate::report_lines::eprint_report(&format!(
                 "candle-dp: {message}; using the default, {} s",
                 DEFAULT_TIMEOUT.as_secs()
             ));

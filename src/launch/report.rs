@@ -32,62 +32,18 @@
 //! }
 //! ```
 
-use std::io::{self, Write};
+#[cfg(feature = "mpi")]
+use std::io;
 #[cfg(feature = "mpi")]
 use std::panic::{self, PanicHookInfo};
 use std::process::ExitCode;
 use std::sync::Mutex;
 
-use super::Backend;
-
 /// The reports [`run`](super::run) has printed, so that [`exit_code`] and
 /// [`eprint_error`] do not print the same failure twice.
 static PRINTED_BY_RUN: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
-/// What starts each line this process reports: `"[rank N] "` when an MPI
-/// launcher started it, nothing otherwise (one process: its errors name
-/// the rank themselves).
-pub fn line_prefix() -> String {
-    match Backend::from_env() {
-        Backend::Threads => String::new(),
-        Backend::Mpi { .. } => format!("[rank {}] ", Backend::process_rank()),
-    }
-}
-
-/// `text` with `prefix` before each of its lines and a newline after the
-/// last: the bytes of one report.
-pub fn prefixed_lines(prefix: &str, text: &str) -> String {
-    let mut out = String::with_capacity(text.len() + prefix.len() + 1);
-    for line in text.lines() {
-        out.push_str(prefix);
-        out.push_str(line);
-        out.push('\n');
-    }
-    if out.is_empty() {
-        out.push_str(prefix.trim_end());
-        out.push('\n');
-    }
-    out
-}
-
-/// Writes `text` to `out` as whole lines, each starting with `prefix`, in
-/// one `write_all` (one `write` system call for an unbuffered stream such
-/// as standard error, unless the kernel takes only part of it).
-///
-/// # Errors
-///
-/// The stream's own error.
-pub fn write_report(out: &mut impl Write, prefix: &str, text: &str) -> io::Result<()> {
-    out.write_all(prefixed_lines(prefix, text).as_bytes())?;
-    out.flush()
-}
-
-/// Prints `text` to standard error as one report with this process's
-/// [`line_prefix`]. A failure to write is ignored: there is nowhere left
-/// to report it.
-pub fn eprint_report(text: &str) {
-    let _ = write_report(&mut io::stderr().lock(), &line_prefix(), text);
-}
+pub use crate::report_lines::{eprint_report, line_prefix, prefixed_lines, write_report};
 
 /// `error` and its causes on one line (`outer: cause: …`), leaving out a
 /// cause whose text the line already holds (errors such as
@@ -213,6 +169,7 @@ fn panic_text(info: &PanicHookInfo<'_>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{self, Write};
     #[cfg(feature = "mpi")]
     use std::panic;
 
