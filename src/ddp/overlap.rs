@@ -152,7 +152,19 @@ impl DistributedDataParallel<Units> {
         // updates them in place (or, with mixed precision, commits them
         // before the last thing that can fail), and the broadcast replaces
         // them on every rank but rank 0.
-        let before = BufferSnapshot::take(self.buffers())?;
+        let before = match BufferSnapshot::take(self.buffers()) {
+            Ok(before) => before,
+            Err(e) => {
+                // Out of memory for a copy: this rank cannot start the
+                // step, so the others must not wait in its collectives.
+                let pg = self.process_group();
+                pg.abort(&format!(
+                    "rank {}: DDP's step could not start: {e}",
+                    pg.rank()
+                ));
+                return Err(e.into());
+            }
+        };
         match panic::catch_unwind(AssertUnwindSafe(|| self.step_overlapped(x, y, loss_fn))) {
             Ok(Ok(step)) => Ok(step),
             Ok(Err(e)) => {
@@ -192,8 +204,10 @@ impl DistributedDataParallel<Units> {
         if !self.is_syncing() {
             let local = walk.local_grads(trace, &loss, start, &mut timeline)?;
             let store = self.store_of(local)?;
-            self.synchronise(&store)?;
+            // The buffers first: a failed commit must not leave this
+            // step's gradients in what `no_sync` accumulated.
             self.commit_buffers()?;
+            self.synchronise(&store)?;
             return Ok(self.step(&loss, GradStore::default()));
         }
         let reducer = self.reducer();

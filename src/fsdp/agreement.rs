@@ -20,6 +20,9 @@ pub(crate) struct Plan {
     /// The variables kept whole as buffers, sorted.
     pub(crate) buffers: Vec<String>,
     pub(crate) reshard_after_forward: bool,
+    /// Decides the order of a step's collectives: with it, the gather of
+    /// unit k-1 comes before the reduce-scatter after unit k.
+    pub(crate) prefetch: bool,
     pub(crate) broadcast_buffers: bool,
     /// The mixed-precision policy as it affects the collectives: the
     /// compute and reduce dtypes, and the parameters it keeps in their own
@@ -75,6 +78,9 @@ fn difference(reference: &Plan, theirs: &Plan) -> Option<String> {
             &reference.reshard_after_forward,
             &theirs.reshard_after_forward,
         ));
+    }
+    if theirs.prefetch != reference.prefetch {
+        return Some(setting("prefetch", &reference.prefetch, &theirs.prefetch));
     }
     if theirs.broadcast_buffers != reference.broadcast_buffers {
         return Some(setting(

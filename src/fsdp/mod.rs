@@ -94,6 +94,7 @@ fn plan_of(
             .collect(),
         buffers: buffers.iter().map(|(name, _)| name.clone()).collect(),
         reshard_after_forward: config.reshard_after_forward,
+        prefetch: config.prefetch,
         broadcast_buffers: config.broadcast_buffers,
         precision: config.mixed_precision.as_ref().map(|policy| {
             let dtype = |d: DType| d.as_str().to_string();
@@ -204,8 +205,9 @@ impl FullyShardedDataParallel {
     /// [`Error::ModelMismatch`] naming the first rank whose parameters
     /// differ from rank 0's, whose units differ (their number, or the
     /// variables a unit uses: the same variables split into units another
-    /// way), or whose buffers, `reshard_after_forward`,
-    /// `broadcast_buffers` or mixed-precision policy differ.
+    /// way), or whose buffers, `reshard_after_forward`, `prefetch` (it
+    /// orders a step's collectives), `broadcast_buffers` or
+    /// mixed-precision policy differ.
     pub fn from_units(
         pg: Arc<dyn ProcessGroup>,
         varmap: &VarMap,

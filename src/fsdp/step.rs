@@ -24,7 +24,9 @@ use crate::vars::with_accumulated;
 pub struct FsdpMemory {
     /// This rank's pieces of the parameters (held between steps).
     pub shard_bytes: usize,
-    /// The most whole parameters gathered at once during the step.
+    /// The most whole parameters gathered at once during the step (in the
+    /// parameters' dtype; under mixed precision the compute-dtype copy
+    /// each use makes is not counted).
     pub peak_gathered_bytes: usize,
     /// The whole model's parameters, for scale.
     pub full_bytes: usize,

@@ -273,8 +273,19 @@ fn finish(
     let factor = factor.minimum(&Tensor::ones((), dtype, &device)?)?;
     let mut clipped = Vec::with_capacity(local.present.len());
     for (i, g) in &local.present {
-        let f = factor.to_dtype(g.dtype())?.to_device(g.device())?;
-        clipped.push((*i, g.broadcast_mul(&f)?));
+        let g = match g.dtype() {
+            // PyTorch multiplies a bf16 or f16 gradient by the factor in
+            // f32 and rounds once; the factor rounded to the gradient's
+            // dtype first could move it by an ulp.
+            DType::BF16 | DType::F16 => {
+                let f = factor.to_dtype(DType::F32)?.to_device(g.device())?;
+                g.to_dtype(DType::F32)?
+                    .broadcast_mul(&f)?
+                    .to_dtype(g.dtype())?
+            }
+            _ => g.broadcast_mul(&factor.to_dtype(g.dtype())?.to_device(g.device())?)?,
+        };
+        clipped.push((*i, g));
     }
     for (i, g) in clipped {
         grads.insert(params[i].as_tensor(), g);

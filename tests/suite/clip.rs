@@ -211,3 +211,53 @@ fn a_total_over_bf16_and_f32_gradients_is_taken_in_f32_whatever_the_order() {
     assert_eq!(ab as f32, expected, "{ab} against {expected}");
     assert_eq!(ab, ab as f32 as f64, "an f32 total");
 }
+
+/// The factor multiplies a bf16 gradient in f32, rounded once, as
+/// PyTorch's `_foreach_mul_` by an f32 factor does (not the factor rounded
+/// to bf16 first).
+#[test]
+fn a_bf16_gradient_is_scaled_by_the_f32_factor_rounded_once() {
+    let dev = Device::Cpu;
+    let a = Var::zeros(6, DType::BF16, &dev).unwrap();
+    let b = Var::zeros(5, DType::F32, &dev).unwrap();
+    let ga = Tensor::new(&[3.1f32, -7.3, 2.2, 9.9, 0.7, 4.4], &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let gb = Tensor::new(&[1.3f32, 5.5, -2.7, 8.1, 0.2], &dev).unwrap();
+    let loss = (a
+        .as_tensor()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        + b.as_tensor().sum_all().unwrap())
+    .unwrap();
+    let mut grads = loss.backward().unwrap();
+    grads.insert(a.as_tensor(), ga.clone());
+    grads.insert(b.as_tensor(), gb.clone());
+    let clipped = clip_grad_norm(&mut grads, &[a.clone(), b.clone()], 1.0, 2.0, false).unwrap();
+    let factor = (1.0f32 / (clipped.total_norm as f32 + 1e-6)).min(1.0);
+    assert_eq!(clipped.factor as f32, factor);
+    let expected: Vec<u16> = ga
+        .to_dtype(DType::F32)
+        .unwrap()
+        .affine(factor as f64, 0.0)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .to_vec1::<half::bf16>()
+        .unwrap()
+        .into_iter()
+        .map(|x| x.to_bits())
+        .collect();
+    let got: Vec<u16> = grads
+        .get(a.as_tensor())
+        .unwrap()
+        .to_vec1::<half::bf16>()
+        .unwrap()
+        .into_iter()
+        .map(|x| x.to_bits())
+        .collect();
+    assert_eq!(got, expected);
+}

@@ -1134,3 +1134,36 @@ fn mixed_precision_with_a_tied_weight_and_no_sync_trains_to_the_bytes_of_ddp() {
         }
     });
 }
+
+/// `prefetch` orders a step's collectives (the gather of the unit before
+/// comes ahead of the reduce-scatter after the unit): ranks that differ on
+/// it would issue them in two orders, so they are refused at construction.
+#[test]
+fn ranks_that_differ_on_prefetch_are_refused_naming_the_rank() {
+    within(60, || {
+        let outcomes = spawn_with(2, bounded(), |ctx| {
+            let config = FsdpConfig {
+                prefetch: ctx.rank == 0,
+                ..Default::default()
+            };
+            let built = FullyShardedDataParallel::from_units(
+                ctx.process_group(),
+                &VarMap::new(),
+                DType::F32,
+                &Device::Cpu,
+                deep_units(),
+                config,
+            );
+            Ok(match built {
+                Err(Error::ModelMismatch { rank, detail }) => Some((rank, detail)),
+                _ => None,
+            })
+        })
+        .unwrap();
+        for (me, outcome) in outcomes.into_iter().enumerate() {
+            let (rank, detail) = outcome.unwrap_or_else(|| panic!("rank {me} built"));
+            assert_eq!(rank, 1, "{detail}");
+            assert!(detail.contains("prefetch"), "{detail}");
+        }
+    });
+}
