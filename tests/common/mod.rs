@@ -357,3 +357,27 @@ pub fn join_accumulating(
     })?;
     Ok(snapshot(&varmap))
 }
+
+/// Runs `f` on `world` thread ranks of a group of their own (with
+/// `options`), each given its rank of the group, and returns what each
+/// returned, in rank order. Unlike `launch::spawn`, a rank that fails the
+/// group does not replace the others' results with the group's failure:
+/// for tests that read what each rank's failed step returned.
+pub fn on_own_threads<T: Send>(
+    world: usize,
+    options: candle_dp::comm::GroupOptions,
+    f: impl Fn(candle_dp::comm::ThreadRank) -> T + Sync,
+) -> Vec<T> {
+    let ranks = candle_dp::comm::ThreadGroup::with_options(world, options);
+    let f = &f;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|rank| s.spawn(move || f(rank)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
+}

@@ -149,74 +149,9 @@ fn a_norm_type_or_max_norm_that_is_not_a_number_is_refused() {
     }
 }
 
-/// bf16 and f32 gradients together: each norm is taken in its gradient's
-/// dtype (bf16's accumulated in f32 and rounded, as PyTorch reduces bf16)
-/// and the total in the promoted dtype, f32, whichever parameter comes
-/// first (it used to be taken in the first gradient's dtype: 14.5625 in
-/// bf16 or 14.6045 in f32 for one set).
-#[test]
-fn a_total_over_bf16_and_f32_gradients_is_taken_in_f32_whatever_the_order() {
-    let dev = Device::Cpu;
-    let a = Var::zeros(6, DType::BF16, &dev).unwrap();
-    let b = Var::zeros(5, DType::F32, &dev).unwrap();
-    let ga = Tensor::new(&[3.1f32, -7.3, 2.2, 9.9, 0.7, 4.4], &dev)
-        .unwrap()
-        .to_dtype(DType::BF16)
-        .unwrap();
-    let gb = Tensor::new(&[1.3f32, 5.5, -2.7, 8.1, 0.2], &dev).unwrap();
-    let total_of = |order: &[Var]| {
-        let loss = (a
-            .as_tensor()
-            .to_dtype(DType::F32)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            + b.as_tensor().sum_all().unwrap())
-        .unwrap();
-        let mut grads = loss.backward().unwrap();
-        grads.insert(a.as_tensor(), ga.clone());
-        grads.insert(b.as_tensor(), gb.clone());
-        clip_grad_norm(&mut grads, order, 1e9, 2.0, false)
-            .unwrap()
-            .total_norm
-    };
-    let (ab, ba) = (
-        total_of(&[a.clone(), b.clone()]),
-        total_of(&[b.clone(), a.clone()]),
-    );
-    assert_eq!(ab.to_bits(), ba.to_bits(), "{ab} against {ba}");
-    let norm = |g: &Tensor| -> f32 {
-        g.to_dtype(DType::F32)
-            .unwrap()
-            .sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .sqrt()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    };
-    // bf16's norm rounded to bf16, then widened; f32's as it is.
-    let na = Tensor::new(norm(&ga), &dev)
-        .unwrap()
-        .to_dtype(DType::BF16)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    let nb = norm(&gb);
-    let expected = (na * na + nb * nb).sqrt();
-    assert_eq!(ab as f32, expected, "{ab} against {expected}");
-    assert_eq!(ab, ab as f32 as f64, "an f32 total");
-}
-
-/// The factor multiplies a bf16 gradient in f32, rounded once, as
-/// PyTorch's `_foreach_mul_` by an f32 factor does (not the factor rounded
-/// to bf16 first).
-#[test]
-fn a_bf16_gradient_is_scaled_by_the_f32_factor_rounded_once() {
+/// A bf16 and an f32 parameter with gradients of known values, in one
+/// store: `(a, b, ga, gb, grads)`.
+fn bf16_beside_f32() -> (Var, Var, Tensor, Tensor, candle_core::backprop::GradStore) {
     let dev = Device::Cpu;
     let a = Var::zeros(6, DType::BF16, &dev).unwrap();
     let b = Var::zeros(5, DType::F32, &dev).unwrap();
@@ -236,28 +171,81 @@ fn a_bf16_gradient_is_scaled_by_the_f32_factor_rounded_once() {
     let mut grads = loss.backward().unwrap();
     grads.insert(a.as_tensor(), ga.clone());
     grads.insert(b.as_tensor(), gb.clone());
-    let clipped = clip_grad_norm(&mut grads, &[a.clone(), b.clone()], 1.0, 2.0, false).unwrap();
+    (a, b, ga, gb, grads)
+}
+
+/// bf16 and f32 gradients together: each norm is taken in its gradient's
+/// dtype (bf16's accumulated in f32 and rounded, as PyTorch reduces bf16)
+/// and the total in the promoted dtype, f32, whichever parameter comes
+/// first (it used to be taken in the first gradient's dtype: 14.5625 in
+/// bf16 or 14.6045 in f32 for one set).
+#[test]
+fn a_total_over_bf16_and_f32_gradients_is_taken_in_f32_whatever_the_order() {
+    let total_of = |first_bf16: bool| {
+        let (a, b, _, _, mut grads) = bf16_beside_f32();
+        let order = match first_bf16 {
+            true => [a, b],
+            false => [b, a],
+        };
+        clip_grad_norm(&mut grads, &order, 1e9, 2.0, false)
+            .unwrap()
+            .total_norm
+    };
+    let (ab, ba) = (total_of(true), total_of(false));
+    assert_eq!(ab.to_bits(), ba.to_bits(), "{ab} against {ba}");
+    let (_, _, ga, gb, _) = bf16_beside_f32();
+    let norm = |g: &Tensor| -> f32 {
+        g.to_dtype(DType::F32)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .sqrt()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    };
+    // bf16's norm rounded to bf16, then widened; f32's as it is.
+    let na = Tensor::new(norm(&ga), &Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let nb = norm(&gb);
+    let expected = (na * na + nb * nb).sqrt();
+    assert_eq!(ab as f32, expected, "{ab} against {expected}");
+    assert_eq!(ab, ab as f32 as f64, "an f32 total");
+}
+
+/// The factor multiplies a bf16 gradient in f32, rounded once, as
+/// PyTorch's `_foreach_mul_` by an f32 factor does (not the factor rounded
+/// to bf16 first).
+#[test]
+fn a_bf16_gradient_is_scaled_by_the_f32_factor_rounded_once() {
+    let (a, b, ga, _, mut grads) = bf16_beside_f32();
+    let clipped = clip_grad_norm(&mut grads, &[a.clone(), b], 1.0, 2.0, false).unwrap();
     let factor = (1.0f32 / (clipped.total_norm as f32 + 1e-6)).min(1.0);
     assert_eq!(clipped.factor as f32, factor);
-    let expected: Vec<u16> = ga
+    let bf16_bits = |t: &Tensor| -> Vec<u16> {
+        t.to_vec1::<half::bf16>()
+            .unwrap()
+            .into_iter()
+            .map(|x| x.to_bits())
+            .collect()
+    };
+    let expected = ga
         .to_dtype(DType::F32)
         .unwrap()
         .affine(factor as f64, 0.0)
         .unwrap()
         .to_dtype(DType::BF16)
-        .unwrap()
-        .to_vec1::<half::bf16>()
-        .unwrap()
-        .into_iter()
-        .map(|x| x.to_bits())
-        .collect();
-    let got: Vec<u16> = grads
-        .get(a.as_tensor())
-        .unwrap()
-        .to_vec1::<half::bf16>()
-        .unwrap()
-        .into_iter()
-        .map(|x| x.to_bits())
-        .collect();
-    assert_eq!(got, expected);
+        .unwrap();
+    assert_eq!(
+        bf16_bits(grads.get(a.as_tensor()).unwrap()),
+        bf16_bits(&expected)
+    );
 }

@@ -358,42 +358,32 @@ fn a_rank_failing_inside_a_gather_is_named_on_every_rank_and_changes_nothing() {
     within(60, || {
         let init = init_deep();
         let data = batches(1, 8, 12);
-        let ranks = ThreadGroup::with_options(2, bounded());
-        let outcomes: Vec<(String, bool)> = std::thread::scope(|s| {
-            let handles: Vec<_> = ranks
-                .into_iter()
-                .map(|rank_pg| {
-                    let (init, data) = (&init, &data);
-                    s.spawn(move || {
-                        let rank = rank_pg.rank();
-                        // The 4th gather or scatter: inside the forward.
-                        let pg: Arc<dyn ProcessGroup> = Arc::new(FailingAt {
-                            fail_at: (rank == 1).then_some(3),
-                            inner: Arc::new(rank_pg),
-                            calls: AtomicUsize::new(0),
-                        });
-                        let varmap = varmap_from(init);
-                        let mut fsdp = FullyShardedDataParallel::from_units(
-                            pg,
-                            &varmap,
-                            DType::F32,
-                            &Device::Cpu,
-                            deep_units(),
-                            FsdpConfig::default(),
-                        )
-                        .unwrap();
-                        let before = snapshot(&varmap);
-                        let b = data[0].0.dim(0).unwrap() / 2;
-                        let x = data[0].0.narrow(0, rank * b, b).unwrap();
-                        let y = data[0].1.narrow(0, rank * b, b).unwrap();
-                        let err = fsdp
-                            .forward_backward(&x, &y, loss::cross_entropy)
-                            .expect_err("the step must fail");
-                        (err.to_string(), identical(&before, &snapshot(&varmap)))
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let outcomes = on_own_threads(2, bounded(), |rank_pg| {
+            let rank = rank_pg.rank();
+            // The 4th gather or scatter: inside the forward.
+            let pg: Arc<dyn ProcessGroup> = Arc::new(FailingAt {
+                fail_at: (rank == 1).then_some(3),
+                inner: Arc::new(rank_pg),
+                calls: AtomicUsize::new(0),
+            });
+            let varmap = varmap_from(&init);
+            let mut fsdp = FullyShardedDataParallel::from_units(
+                pg,
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                deep_units(),
+                FsdpConfig::default(),
+            )
+            .unwrap();
+            let before = snapshot(&varmap);
+            let b = data[0].0.dim(0).unwrap() / 2;
+            let x = data[0].0.narrow(0, rank * b, b).unwrap();
+            let y = data[0].1.narrow(0, rank * b, b).unwrap();
+            let err = fsdp
+                .forward_backward(&x, &y, loss::cross_entropy)
+                .expect_err("the step must fail");
+            (err.to_string(), identical(&before, &snapshot(&varmap)))
         });
         for (rank, (message, unchanged)) in outcomes.into_iter().enumerate() {
             assert!(message.contains(&format!("rank {rank}")), "{message}");
@@ -1062,43 +1052,33 @@ fn a_step_whose_loss_fails_leaves_the_batch_norm_statistics_untouched_on_every_r
         let data = batches(2, 12, 4);
         // Threads of their own: the failed step fails the group, which a
         // launcher would report instead of the ranks' outcomes.
-        let ranks = ThreadGroup::with_options(2, bounded());
-        let outcomes: Vec<anyhow::Result<bool>> = std::thread::scope(|s| {
-            let handles: Vec<_> = ranks
-                .into_iter()
-                .map(|pg| {
-                    let (init, data) = (&init, &data);
-                    s.spawn(move || -> anyhow::Result<bool> {
-                        let rank = pg.rank();
-                        let varmap = varmap_from(init);
-                        let mut fsdp = FullyShardedDataParallel::from_units(
-                            Arc::new(pg),
-                            &varmap,
-                            DType::F32,
-                            &Device::Cpu,
-                            normed_units(),
-                            FsdpConfig::default(),
-                        )?;
-                        let mut opt = adamw(&varmap)?;
-                        let mine = |x: &Tensor, y: &Tensor| -> candle_core::Result<_> {
-                            Ok((x.narrow(0, rank * 6, 6)?, y.narrow(0, rank * 6, 6)?))
-                        };
-                        // One good step first: rank 1's statistics then
-                        // differ from rank 0's (each updated with its rows).
-                        let (x, y) = mine(&data[0].0, &data[0].1)?;
-                        opt.step(&fsdp.forward_backward(&x, &y, loss::cross_entropy)?.grads)?;
-                        let before = snapshot(&varmap);
-                        let (x, y) = mine(&data[1].0, &data[1].1)?;
-                        let failed = fsdp.forward_backward(&x, &y, |o, y| match rank {
-                            0 => candle_core::bail!("the loss failed"),
-                            _ => loss::cross_entropy(o, y),
-                        });
-                        anyhow::ensure!(failed.is_err(), "rank {rank}: the step succeeded");
-                        Ok(identical(&before, &snapshot(&varmap)))
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let outcomes = on_own_threads(2, bounded(), |pg| -> anyhow::Result<bool> {
+            let rank = pg.rank();
+            let varmap = varmap_from(&init);
+            let mut fsdp = FullyShardedDataParallel::from_units(
+                Arc::new(pg),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                normed_units(),
+                FsdpConfig::default(),
+            )?;
+            let mut opt = adamw(&varmap)?;
+            let mine = |x: &Tensor, y: &Tensor| -> candle_core::Result<_> {
+                Ok((x.narrow(0, rank * 6, 6)?, y.narrow(0, rank * 6, 6)?))
+            };
+            // One good step first: rank 1's statistics then differ from
+            // rank 0's (each updated with its rows).
+            let (x, y) = mine(&data[0].0, &data[0].1)?;
+            opt.step(&fsdp.forward_backward(&x, &y, loss::cross_entropy)?.grads)?;
+            let before = snapshot(&varmap);
+            let (x, y) = mine(&data[1].0, &data[1].1)?;
+            let failed = fsdp.forward_backward(&x, &y, |o, y| match rank {
+                0 => candle_core::bail!("the loss failed"),
+                _ => loss::cross_entropy(o, y),
+            });
+            anyhow::ensure!(failed.is_err(), "rank {rank}: the step succeeded");
+            Ok(identical(&before, &snapshot(&varmap)))
         });
         for (rank, outcome) in outcomes.into_iter().enumerate() {
             assert!(outcome.unwrap(), "rank {rank}: the buffers moved");
