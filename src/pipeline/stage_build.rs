@@ -102,7 +102,7 @@ pub(crate) fn build_stage(
     device: &Device,
     first: usize,
     factories: &[super::LayerFactory],
-) -> crate::Result<Stage> {
+) -> crate::error::Result<Stage> {
     let backend = Arc::new(StageBackend {
         varmap: varmap.clone(),
         master_dtype: dtype,
