@@ -941,33 +941,46 @@ fn ranks_that_split_the_variables_into_other_units_are_refused_naming_the_rank()
             }),
         ];
         for (case, other) in cases {
-            let outcomes = spawn_with(2, bounded(), move |ctx| {
-                let units = match ctx.rank {
-                    0 => split(),
-                    _ => other(),
-                };
-                let varmap = VarMap::new();
-                let built = FullyShardedDataParallel::from_units(
-                    ctx.process_group(),
-                    &varmap,
-                    DType::F32,
-                    &Device::Cpu,
-                    units,
-                    FsdpConfig::default(),
-                );
-                Ok(match built {
-                    Err(Error::ModelMismatch { rank, detail }) => Some((rank, detail)),
-                    _ => None,
-                })
-            })
-            .unwrap();
-            for (me, outcome) in outcomes.into_iter().enumerate() {
-                let (rank, detail) = outcome.unwrap_or_else(|| panic!("{case}: rank {me} built"));
-                assert_eq!(rank, 1, "{case}: {detail}");
-                assert!(detail.contains("unit"), "{case}: {detail}");
+            let mismatches = mismatch_on_every_rank(move |rank| match rank {
+                0 => (split(), FsdpConfig::default()),
+                _ => (other(), FsdpConfig::default()),
+            });
+            for (me, (rank, detail)) in mismatches.into_iter().enumerate() {
+                assert_eq!(rank, 1, "{case}, rank {me}: {detail}");
+                assert!(detail.contains("unit"), "{case}, rank {me}: {detail}");
             }
         }
     });
+}
+
+/// Builds FSDP on 2 thread ranks, each from what `model_of(rank)` gives,
+/// and returns the `ModelMismatch` every rank got (the rank it names and
+/// its words); a rank that built, or failed otherwise, fails the test.
+fn mismatch_on_every_rank(
+    model_of: impl Fn(usize) -> (Vec<LayerFactory>, FsdpConfig) + Send + Sync + 'static,
+) -> Vec<(usize, String)> {
+    let outcomes = spawn_with(2, bounded(), move |ctx| {
+        let (units, config) = model_of(ctx.rank);
+        let built = FullyShardedDataParallel::from_units(
+            ctx.process_group(),
+            &VarMap::new(),
+            DType::F32,
+            &Device::Cpu,
+            units,
+            config,
+        );
+        Ok(match built {
+            Err(Error::ModelMismatch { rank, detail }) => Ok((rank, detail)),
+            Ok(_) => Err("built".to_string()),
+            Err(other) => Err(other.to_string()),
+        })
+    })
+    .unwrap();
+    outcomes
+        .into_iter()
+        .enumerate()
+        .map(|(me, outcome)| outcome.unwrap_or_else(|why| panic!("rank {me}: {why}")))
+        .collect()
 }
 
 /// One rule for a set of sharded states, FSDP's and ZeRO's alike: a
@@ -1121,29 +1134,16 @@ fn mixed_precision_with_a_tied_weight_and_no_sync_trains_to_the_bytes_of_ddp() {
 #[test]
 fn ranks_that_differ_on_prefetch_are_refused_naming_the_rank() {
     within(60, || {
-        let outcomes = spawn_with(2, bounded(), |ctx| {
+        let mismatches = mismatch_on_every_rank(|rank| {
             let config = FsdpConfig {
-                prefetch: ctx.rank == 0,
+                prefetch: rank == 0,
                 ..Default::default()
             };
-            let built = FullyShardedDataParallel::from_units(
-                ctx.process_group(),
-                &VarMap::new(),
-                DType::F32,
-                &Device::Cpu,
-                deep_units(),
-                config,
-            );
-            Ok(match built {
-                Err(Error::ModelMismatch { rank, detail }) => Some((rank, detail)),
-                _ => None,
-            })
-        })
-        .unwrap();
-        for (me, outcome) in outcomes.into_iter().enumerate() {
-            let (rank, detail) = outcome.unwrap_or_else(|| panic!("rank {me} built"));
-            assert_eq!(rank, 1, "{detail}");
-            assert!(detail.contains("prefetch"), "{detail}");
+            (deep_units(), config)
+        });
+        for (me, (rank, detail)) in mismatches.into_iter().enumerate() {
+            assert_eq!(rank, 1, "rank {me}: {detail}");
+            assert!(detail.contains("prefetch"), "rank {me}: {detail}");
         }
     });
 }
