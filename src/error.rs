@@ -374,6 +374,31 @@ pub enum Error {
         timeout: Duration,
     },
 
+    /// A [`FabricConfig`](crate::fabric::FabricConfig) that cannot be read
+    /// (an unknown name, a malformed file).
+    #[error("configuration: {0}")]
+    Config(String),
+
+    /// A strategy that cannot serve the model, the devices or the
+    /// settings it was given, found before anything runs.
+    #[error("strategy {strategy}: {reason}")]
+    Strategy {
+        /// The strategy, by name.
+        strategy: String,
+        /// What it cannot serve.
+        reason: String,
+    },
+
+    /// A [`FabricModel`](crate::fabric::FabricModel) used out of order (a
+    /// step without a backward, a resume that does not fit the run).
+    #[error("fabric: {0}")]
+    Fabric(String),
+
+    /// The ranks of [`Fabric::launch`](crate::fabric::Fabric::launch)
+    /// failed (the launcher's error names the rank).
+    #[error(transparent)]
+    Launch(#[from] Box<crate::launch::LaunchError>),
+
     /// An error from candle outside any replica (gather, reduce, checkpoint I/O).
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

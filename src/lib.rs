@@ -115,6 +115,7 @@ mod ddp;
 mod device_copy;
 mod device_label;
 mod error;
+pub mod fabric;
 pub mod fsdp;
 pub mod launch;
 pub mod loader;

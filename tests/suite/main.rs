@@ -34,6 +34,7 @@ mod dp_reference;
 mod equivalence;
 mod errors;
 mod example_flags;
+mod fabric;
 mod fsdp;
 mod grad_scaler;
 mod hardening;

@@ -1,0 +1,139 @@
+//! [`FabricArgs`]: the one set of command-line flags every program built on
+//! a [`Fabric`](super::Fabric) takes (as `fabric run` and `accelerate
+//! launch` take theirs), flattened into the program's own `clap` parser.
+
+use std::path::PathBuf;
+
+use super::config::{Accelerator, Devices, FabricConfig, Precision, Strategy};
+use crate::error::Result;
+
+/// The strategy, devices, precision and step settings as flags; each one
+/// given overrides the `--config` file (JSON), which overrides the
+/// defaults. Flatten it into a program's parser:
+///
+/// ```
+/// use clap::Parser;
+/// use candle_dp::fabric::{FabricArgs, Precision, Strategy};
+///
+/// #[derive(Parser)]
+/// struct Cli {
+///     #[command(flatten)]
+///     fabric: FabricArgs,
+///     /// The program's own flags.
+///     #[arg(long, default_value_t = 3)]
+///     epochs: usize,
+/// }
+///
+/// let cli = Cli::parse_from(["train", "--strategy", "zero2", "--devices", "2", "--precision", "bf16-mixed"]);
+/// let config = cli.fabric.config()?;
+/// assert_eq!(config.strategy, Strategy::Zero2);
+/// assert_eq!(config.precision, Precision::Bf16Mixed);
+/// assert_eq!(config.ranks(), 2);
+/// # Ok::<(), candle_dp::Error>(())
+/// ```
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct FabricArgs {
+    /// A configuration file (JSON, the fields of `FabricConfig`); the
+    /// flags below override it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// single, dp, ddp, ddp-overlap, zero1, zero2, fsdp, pipeline or
+    /// pipeline-ddp [default: single].
+    #[arg(long)]
+    pub strategy: Option<Strategy>,
+    /// cpu or cuda [default: cpu].
+    #[arg(long)]
+    pub accelerator: Option<Accelerator>,
+    /// How many devices (replicas, ranks or stages), or which CUDA
+    /// ordinals (0,1) [default: 1]. Under mpirun, the launcher decides the
+    /// ranks.
+    #[arg(long, alias = "replicas")]
+    pub devices: Option<Devices>,
+    /// 32-true, bf16-mixed or 16-mixed (also 32, bf16, 16, f32, f16)
+    /// [default: 32-true].
+    #[arg(long)]
+    pub precision: Option<Precision>,
+    /// 16-mixed: the loss scaler's first scale [default: 65536].
+    #[arg(long)]
+    pub init_scale: Option<f64>,
+    /// A ZeRO stage (1 or 2) with --strategy ddp.
+    #[arg(long)]
+    pub zero: Option<u8>,
+    /// pipeline-ddp: stages per rank [default: 2].
+    #[arg(long)]
+    pub stages: Option<usize>,
+    /// Pipelines: micro-batches per batch [default: one per stage].
+    #[arg(long)]
+    pub chunks: Option<usize>,
+    /// FSDP: keep each unit gathered from its forward to its backward.
+    #[arg(long)]
+    pub no_reshard_after_forward: bool,
+    /// Clips the total 2-norm of the gradients to X before every step.
+    #[arg(long, alias = "clip-grad-norm", value_name = "X")]
+    pub gradient_clip: Option<f64>,
+    /// Batches per optimizer step [default: 1].
+    #[arg(long)]
+    pub accumulation_steps: Option<u64>,
+    /// Where the training states are saved.
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Seconds a rank waits in a collective before the job fails.
+    #[arg(long, value_name = "SECONDS")]
+    pub timeout_secs: Option<f64>,
+    /// Seeds the initial weights and the data order [default: 0].
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+impl FabricArgs {
+    /// The configuration: the defaults, then the `--config` file, then
+    /// the flags given; checked.
+    ///
+    /// # Errors
+    ///
+    /// An unreadable or malformed file (naming it); what
+    /// [`FabricConfig::check`] refuses.
+    pub fn config(&self) -> Result<FabricConfig> {
+        let mut config = match &self.config {
+            Some(path) => FabricConfig::from_file(path)?,
+            None => FabricConfig::default(),
+        };
+        macro_rules! given {
+            ($($field:ident),*) => {$(
+                if let Some(value) = self.$field.clone() {
+                    config.$field = value;
+                }
+            )*};
+        }
+        given!(
+            strategy,
+            accelerator,
+            devices,
+            precision,
+            init_scale,
+            stages,
+            accumulation_steps,
+            seed
+        );
+        if self.zero.is_some() {
+            config.zero = self.zero;
+        }
+        if self.chunks.is_some() {
+            config.chunks = self.chunks;
+        }
+        if self.gradient_clip.is_some() {
+            config.gradient_clip = self.gradient_clip;
+        }
+        if self.checkpoint_dir.is_some() {
+            config.checkpoint_dir = self.checkpoint_dir.clone();
+        }
+        if self.timeout_secs.is_some() {
+            config.timeout_secs = self.timeout_secs;
+        }
+        if self.no_reshard_after_forward {
+            config.reshard_after_forward = false;
+        }
+        config.check()?;
+        Ok(config)
+    }
+}

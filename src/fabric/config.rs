@@ -1,0 +1,550 @@
+//! What a [`Fabric`](super::Fabric) runs: the strategy, the devices, the
+//! precision and the step's settings ([`FabricConfig`]), from code, from a
+//! JSON file (Accelerate's `accelerate config`), or from the command line
+//! ([`FabricArgs`](super::FabricArgs)).
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use candle_core::DType;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::precision::MixedPrecision;
+
+/// How the training is spread, by the name Fabric and Accelerate users
+/// know it by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// One device, one process (Fabric's `single_device`).
+    Single,
+    /// [`DataParallel`](crate::DataParallel): one process, a replica per
+    /// device, each batch split between them (Fabric's `dp`).
+    Dp,
+    /// [`DistributedDataParallel`](crate::DistributedDataParallel): one
+    /// rank per device (threads, or `mpirun`'s processes), gradients
+    /// all-reduced after the backward.
+    Ddp,
+    /// DDP reducing each bucket while the backward still runs (the model
+    /// given as [`units`](super::FabricModule::units)).
+    DdpOverlap,
+    /// DDP with the optimizer state sharded ([`ZeroStage::One`](crate::ZeroStage)).
+    Zero1,
+    /// DDP with the optimizer state and the gradients sharded
+    /// ([`ZeroStage::Two`](crate::ZeroStage)).
+    Zero2,
+    /// [`FullyShardedDataParallel`](crate::FullyShardedDataParallel):
+    /// parameters, gradients and optimizer state sharded (the model given
+    /// as units).
+    Fsdp,
+    /// A [`Pipeline`](crate::Pipeline) over the devices, one stage each
+    /// (the model given as units, at least two devices).
+    Pipeline,
+    /// A pipeline on every rank, the ranks' gradients all-reduced (DDP
+    /// around it): `devices` = ranks x stages.
+    PipelineDdp,
+}
+
+impl Strategy {
+    /// Every strategy, in the order of the documentation.
+    pub const ALL: [Strategy; 9] = [
+        Strategy::Single,
+        Strategy::Dp,
+        Strategy::Ddp,
+        Strategy::DdpOverlap,
+        Strategy::Zero1,
+        Strategy::Zero2,
+        Strategy::Fsdp,
+        Strategy::Pipeline,
+        Strategy::PipelineDdp,
+    ];
+
+    /// Its name on the command line and in files.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Single => "single",
+            Strategy::Dp => "dp",
+            Strategy::Ddp => "ddp",
+            Strategy::DdpOverlap => "ddp-overlap",
+            Strategy::Zero1 => "zero1",
+            Strategy::Zero2 => "zero2",
+            Strategy::Fsdp => "fsdp",
+            Strategy::Pipeline => "pipeline",
+            Strategy::PipelineDdp => "pipeline-ddp",
+        }
+    }
+
+    /// Whether it runs one rank per device (or per pipeline): the ranks
+    /// of [`launch`](super::Fabric::launch) are threads or `mpirun`'s
+    /// processes. The others run in one process.
+    pub fn is_distributed(self) -> bool {
+        !matches!(self, Strategy::Single | Strategy::Dp | Strategy::Pipeline)
+    }
+
+    /// Whether it needs the model as units (a plain module cannot serve it).
+    pub fn needs_units(self) -> bool {
+        matches!(
+            self,
+            Strategy::DdpOverlap | Strategy::Fsdp | Strategy::Pipeline | Strategy::PipelineDdp
+        )
+    }
+
+    /// Whether each rank keeps only its pieces of some state (its
+    /// checkpoints are sharded).
+    pub fn shards(self) -> bool {
+        matches!(self, Strategy::Zero1 | Strategy::Zero2 | Strategy::Fsdp)
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Strategy {
+    type Err = Error;
+
+    /// A strategy by its [`name`](Strategy::name); Fabric's and
+    /// Accelerate's spellings (`single_device`, `ddp_overlap`, `zero-2`,
+    /// `deepspeed_stage_2`, `fsdp`, `DDP`) are accepted too.
+    fn from_str(s: &str) -> Result<Self> {
+        let key = s.trim().to_ascii_lowercase().replace('_', "-");
+        let found = match key.as_str() {
+            "single" | "single-device" | "no" => Strategy::Single,
+            "dp" | "data-parallel" => Strategy::Dp,
+            "ddp" | "multi-cpu" | "multi-gpu" => Strategy::Ddp,
+            "ddp-overlap" | "overlap" => Strategy::DdpOverlap,
+            "zero1" | "zero-1" | "deepspeed-stage-1" => Strategy::Zero1,
+            "zero2" | "zero-2" | "deepspeed-stage-2" => Strategy::Zero2,
+            "fsdp" => Strategy::Fsdp,
+            "pipeline" | "pp" => Strategy::Pipeline,
+            "pipeline-ddp" | "pp-ddp" => Strategy::PipelineDdp,
+            _ => {
+                let names: Vec<&str> = Strategy::ALL.iter().map(|s| s.name()).collect();
+                return Err(Error::Config(format!(
+                    "unknown strategy `{s}`: one of {}",
+                    names.join(", ")
+                )));
+            }
+        };
+        Ok(found)
+    }
+}
+
+/// The dtype of the forward and backward (Fabric's `precision`); the
+/// master weights, the gradients the optimizer sees and its state stay in
+/// f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum Precision {
+    /// Everything in f32 (`32-true`).
+    #[default]
+    #[serde(rename = "32-true", alias = "32", alias = "no", alias = "f32")]
+    F32,
+    /// bf16 compute over f32 masters, gradients reduced in f32
+    /// (`bf16-mixed`); no loss scaling needed.
+    #[serde(rename = "bf16-mixed", alias = "bf16")]
+    Bf16Mixed,
+    /// f16 compute over f32 masters, gradients reduced in f32, with
+    /// PyTorch's dynamic loss scaling (`16-mixed`).
+    #[serde(rename = "16-mixed", alias = "16", alias = "fp16", alias = "f16")]
+    F16Mixed,
+}
+
+impl Precision {
+    /// Its name as Fabric writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "32-true",
+            Precision::Bf16Mixed => "bf16-mixed",
+            Precision::F16Mixed => "16-mixed",
+        }
+    }
+
+    /// The mixed-precision policy (`None` for f32: the model computes on
+    /// the masters themselves).
+    pub fn policy(self) -> Option<MixedPrecision> {
+        match self {
+            Precision::F32 => None,
+            Precision::Bf16Mixed => Some(MixedPrecision::bf16()),
+            Precision::F16Mixed => Some(MixedPrecision::f16()),
+        }
+    }
+
+    /// The dtype the model computes in.
+    pub fn compute_dtype(self) -> DType {
+        match self {
+            Precision::F32 => DType::F32,
+            Precision::Bf16Mixed => DType::BF16,
+            Precision::F16Mixed => DType::F16,
+        }
+    }
+
+    /// Whether the loss is scaled (f16's narrow range).
+    pub fn scales_loss(self) -> bool {
+        self == Precision::F16Mixed
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Precision {
+    type Err = Error;
+
+    /// Fabric's names (`32-true`, `bf16-mixed`, `16-mixed`, and `32`,
+    /// `bf16`, `16`) and Accelerate's (`no`, `bf16`, `fp16`).
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "32-true" | "32" | "no" | "f32" | "fp32" => Ok(Precision::F32),
+            "bf16-mixed" | "bf16" => Ok(Precision::Bf16Mixed),
+            "16-mixed" | "16" | "fp16" | "f16" => Ok(Precision::F16Mixed),
+            _ => Err(Error::Config(format!(
+                "unknown precision `{s}`: one of 32-true, bf16-mixed, 16-mixed"
+            ))),
+        }
+    }
+}
+
+/// Where the model runs (Fabric's `accelerator`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Accelerator {
+    /// CPU devices: several are several replicas, ranks or stages sharing
+    /// the cores.
+    #[default]
+    Cpu,
+    /// CUDA GPUs (feature `cuda`).
+    Cuda,
+}
+
+impl FromStr for Accelerator {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "cpu" => Ok(Accelerator::Cpu),
+            "cuda" | "gpu" => Ok(Accelerator::Cuda),
+            _ => Err(Error::Config(format!(
+                "unknown accelerator `{s}`: cpu or cuda"
+            ))),
+        }
+    }
+}
+
+/// How many devices, or which (Fabric's `devices=N` or `devices=[ids]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Devices {
+    /// The first `n` (CPU: `n` CPU devices).
+    Count(usize),
+    /// These CUDA ordinals, in order.
+    Ids(Vec<usize>),
+}
+
+impl Default for Devices {
+    fn default() -> Self {
+        Devices::Count(1)
+    }
+}
+
+impl Devices {
+    /// How many.
+    pub fn len(&self) -> usize {
+        match self {
+            Devices::Count(n) => *n,
+            Devices::Ids(ids) => ids.len(),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The CUDA ordinals they name.
+    pub fn ordinals(&self) -> Vec<usize> {
+        match self {
+            Devices::Count(n) => (0..*n).collect(),
+            Devices::Ids(ids) => ids.clone(),
+        }
+    }
+}
+
+impl FromStr for Devices {
+    type Err = Error;
+
+    /// `2` (a count) or `0,1` / `[1]` (CUDA ordinals).
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || {
+            Error::Config(format!(
+                "devices `{s}`: a count (2) or a list of CUDA ordinals (0,1 or [1])"
+            ))
+        };
+        let t = s.trim();
+        let listed = t.starts_with('[') || t.contains(',');
+        let t = t.trim_start_matches('[').trim_end_matches(']');
+        if !listed {
+            return t.parse().map(Devices::Count).map_err(|_| bad());
+        }
+        t.split(',')
+            .map(|id| id.trim().parse::<usize>().map_err(|_| bad()))
+            .collect::<Result<Vec<_>>>()
+            .map(Devices::Ids)
+    }
+}
+
+/// Everything a [`Fabric`](super::Fabric) needs to know before the loop:
+/// Fabric's constructor arguments and Accelerate's settings in one place.
+/// Every field has a default (one CPU device, f32, no clipping, no
+/// accumulation), so a configuration names only what it changes.
+///
+/// ```
+/// use candle_dp::fabric::{FabricConfig, Precision, Strategy};
+///
+/// let config = FabricConfig::from_json(r#"{"strategy": "fsdp", "devices": 2,
+///     "precision": "bf16-mixed", "gradient_clip": 1.0}"#)?;
+/// assert_eq!(config.strategy, Strategy::Fsdp);
+/// assert_eq!(config.precision, Precision::Bf16Mixed);
+/// assert_eq!(config.accumulation_steps, 1);
+/// # Ok::<(), candle_dp::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FabricConfig {
+    /// How the training is spread (default `single`).
+    pub strategy: Strategy,
+    /// CPU or CUDA (default CPU).
+    pub accelerator: Accelerator,
+    /// The devices: replicas (`dp`), ranks (`ddp`, `zero*`, `fsdp`),
+    /// stages (`pipeline`), ranks x stages (`pipeline-ddp`). Under
+    /// `mpirun` the number of ranks is the launcher's; each process uses
+    /// the device of its local rank (default 1).
+    pub devices: Devices,
+    /// The pipeline's stages per rank (`pipeline-ddp`; `pipeline` uses
+    /// one per device), default 2.
+    pub stages: usize,
+    /// The pipeline's micro-batches per batch (default: one per stage).
+    pub chunks: Option<usize>,
+    /// The compute dtype (default f32).
+    pub precision: Precision,
+    /// `16-mixed`: the loss scaler's first scale (PyTorch's `GradScaler`
+    /// `init_scale`, default 65536).
+    pub init_scale: f64,
+    /// A ZeRO stage on top of `ddp` (1 or 2): the same as the strategies
+    /// `zero1` and `zero2`, for command lines that name it apart.
+    pub zero: Option<u8>,
+    /// FSDP: free each unit's gathered parameters after its forward
+    /// (default true, FSDP2's default).
+    pub reshard_after_forward: bool,
+    /// FSDP: gather the next unit while this one computes (default true).
+    pub prefetch: bool,
+    /// Clips the total 2-norm of the gradients to this before every step
+    /// (default none).
+    pub gradient_clip: Option<f64>,
+    /// Batches whose gradients make one optimizer step (Accelerate's
+    /// `gradient_accumulation_steps`, default 1).
+    pub accumulation_steps: u64,
+    /// Where [`FabricModel::save`](super::FabricModel::save) writes the
+    /// training states (default none).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// How many of the newest states to keep (default 3).
+    pub keep: usize,
+    /// How long a rank waits in a collective before the job fails, in
+    /// seconds (default: the launcher's, 1800 or `CANDLE_DP_TIMEOUT`).
+    pub timeout_secs: Option<f64>,
+    /// Seeds the initial weights and the data order (default 0;
+    /// [`Fabric::seed_everything`](super::Fabric::seed_everything)
+    /// changes it).
+    pub seed: u64,
+}
+
+impl Default for FabricConfig {
+    fn default() -> Self {
+        Self {
+            strategy: Strategy::Single,
+            accelerator: Accelerator::Cpu,
+            devices: Devices::Count(1),
+            stages: 2,
+            chunks: None,
+            precision: Precision::F32,
+            init_scale: 65536.0,
+            zero: None,
+            reshard_after_forward: true,
+            prefetch: true,
+            gradient_clip: None,
+            accumulation_steps: 1,
+            checkpoint_dir: None,
+            keep: 3,
+            timeout_secs: None,
+            seed: 0,
+        }
+    }
+}
+
+impl FabricConfig {
+    /// The default configuration with `strategy` on `devices` CPU devices.
+    ///
+    /// ```
+    /// use candle_dp::fabric::{FabricConfig, Strategy};
+    /// let config = FabricConfig::new(Strategy::Ddp, 2);
+    /// assert_eq!(config.ranks(), 2);
+    /// ```
+    pub fn new(strategy: Strategy, devices: usize) -> Self {
+        Self {
+            strategy,
+            devices: Devices::Count(devices),
+            ..Self::default()
+        }
+    }
+
+    /// Sets the precision.
+    pub fn precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
+        self
+    }
+
+    /// Parses a configuration written as JSON (the fields of this type;
+    /// an unknown field is an error naming it).
+    pub fn from_json(text: &str) -> Result<Self> {
+        serde_json::from_str(text).map_err(|e| Error::Config(format!("{e}")))
+    }
+
+    /// Reads a configuration file (JSON), naming the file on any error.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::Config(format!("cannot read {}: {e}", path.display())))?;
+        serde_json::from_str(&text).map_err(|e| Error::Config(format!("{}: {e}", path.display())))
+    }
+
+    /// Writes it as JSON (what [`from_file`](Self::from_file) reads).
+    pub fn to_json(&self) -> String {
+        // Every field is a plain value: serialising cannot fail.
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+
+    /// The strategy in force: `ddp` with a [`zero`](Self::zero) stage is
+    /// `zero1` or `zero2`.
+    pub fn effective_strategy(&self) -> Strategy {
+        match (self.strategy, self.zero) {
+            (Strategy::Ddp, Some(1)) => Strategy::Zero1,
+            (Strategy::Ddp, Some(2)) => Strategy::Zero2,
+            (strategy, _) => strategy,
+        }
+    }
+
+    /// How many ranks run this configuration on thread ranks (under
+    /// `mpirun`, the launcher decides).
+    pub fn ranks(&self) -> usize {
+        let strategy = self.effective_strategy();
+        match strategy {
+            Strategy::Single | Strategy::Dp | Strategy::Pipeline => 1,
+            Strategy::PipelineDdp => self.devices.len() / self.stages.max(1),
+            _ => self.devices.len(),
+        }
+    }
+
+    /// The collective timeout.
+    pub fn timeout(&self) -> Option<Duration> {
+        self.timeout_secs.map(Duration::from_secs_f64)
+    }
+
+    /// Checks that the strategy can serve these devices and settings,
+    /// before anything runs: the error names the strategy and what it
+    /// cannot serve.
+    pub fn check(&self) -> Result<()> {
+        let strategy = self.effective_strategy();
+        let refuse = |reason: String| {
+            Err(Error::Strategy {
+                strategy: strategy.name().into(),
+                reason,
+            })
+        };
+        let devices = self.devices.len();
+        if devices == 0 {
+            return refuse("no devices: give at least one".into());
+        }
+        if let Devices::Ids(_) = self.devices {
+            if self.accelerator == Accelerator::Cpu {
+                return refuse(format!(
+                    "devices {:?} are CUDA ordinals but the accelerator is cpu: give a count, or \
+                     --accelerator cuda",
+                    self.devices.ordinals()
+                ));
+            }
+        }
+        match self.zero {
+            None => {}
+            Some(1 | 2) if self.strategy == Strategy::Ddp => {}
+            Some(stage @ (1 | 2)) => {
+                return Err(Error::Strategy {
+                    strategy: self.strategy.name().into(),
+                    reason: format!(
+                        "ZeRO stage {stage} shards DDP's optimizer state across ranks; {} has \
+                         no ranks to shard across: use --strategy ddp (or zero{stage})",
+                        self.strategy.name()
+                    ),
+                })
+            }
+            Some(other) => return refuse(format!("ZeRO stage {other}: 1 or 2")),
+        }
+        match strategy {
+            Strategy::Single if devices != 1 => {
+                return refuse(format!(
+                    "one device only, got {devices}: use dp or ddp for several"
+                ))
+            }
+            Strategy::Pipeline if devices < 2 => {
+                return refuse(format!(
+                    "a pipeline of {devices} stage: give at least 2 devices (one per stage)"
+                ))
+            }
+            Strategy::PipelineDdp if self.stages < 2 => {
+                return refuse(format!(
+                    "a pipeline of {} stage on each rank: stages must be at least 2",
+                    self.stages
+                ))
+            }
+            Strategy::PipelineDdp if !devices.is_multiple_of(self.stages) => {
+                return refuse(format!(
+                    "{devices} devices do not split into pipelines of {} stages (ranks x stages)",
+                    self.stages
+                ))
+            }
+            _ => {}
+        }
+        if self.chunks == Some(0) {
+            return refuse("chunks must be at least 1".into());
+        }
+        if self.accumulation_steps == 0 {
+            return refuse("accumulation_steps must be at least 1".into());
+        }
+        if let Some(clip) = self.gradient_clip {
+            if !(clip.is_finite() && clip > 0.0) {
+                return refuse(format!("gradient_clip {clip}: a finite number above 0"));
+            }
+        }
+        if !(self.init_scale.is_finite() && self.init_scale > 0.0) {
+            return refuse(format!(
+                "init_scale {}: a finite number above 0",
+                self.init_scale
+            ));
+        }
+        if self.keep == 0 {
+            return refuse("keep must be at least 1 state".into());
+        }
+        if let Some(t) = self.timeout_secs {
+            if !(t.is_finite() && t > 0.0) {
+                return refuse(format!("timeout_secs {t}: a finite number above 0"));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,364 @@
+//! A data loader sharded for the strategy: each rank its share, in the
+//! order PyTorch's tools give it. Two ways, because the two tools differ:
+//!
+//! - [`Sharding::Distributed`]: a `DistributedSampler` under the loader
+//!   (Fabric's `setup_dataloaders`, `torchrun`, `mp.spawn`): the samples
+//!   are dealt to the ranks one by one (20 samples, 2 ranks: rank 0 gets
+//!   0, 2, 4, ...), then each rank batches its own.
+//! - [`Sharding::BatchWise`]: Accelerate's `prepare`: the loader's batches
+//!   are dealt to the ranks whole, in turn (batch 10: rank 0 gets 0..9,
+//!   rank 1 gets 10..19), or each batch cut into one part per rank
+//!   (`split_batches`); `even_batches` completes the last round by cycling
+//!   from the start so that every rank has as many batches.
+
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::loader::{Dataset, Loader, LoaderIter};
+use crate::sampler::{randperm, DistributedSampler};
+
+/// How a loader's samples are shared between the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharding {
+    /// Sample by sample, `DistributedSampler`'s order (Fabric, `torchrun`).
+    Distributed,
+    /// Whole batches in turn (Accelerate's `BatchSamplerShard`).
+    BatchWise {
+        /// Cut each batch into one part per rank instead (the batch size
+        /// must divide by the number of ranks).
+        split_batches: bool,
+        /// Complete the last round by cycling from the start, so every
+        /// rank yields as many batches (Accelerate's default, true).
+        even_batches: bool,
+    },
+}
+
+impl Sharding {
+    /// Accelerate's defaults: whole batches, even.
+    pub fn accelerate() -> Self {
+        Sharding::BatchWise {
+            split_batches: false,
+            even_batches: true,
+        }
+    }
+}
+
+/// The loader's settings, as a PyTorch `DataLoader` takes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataOptions {
+    /// Shuffle every epoch (`randperm(n)` seeded with `seed + epoch`, as
+    /// `DistributedSampler`), default false.
+    pub shuffle: bool,
+    /// Drop the last, short batch (default false).
+    pub drop_last: bool,
+    /// How the ranks share the samples (default [`Sharding::Distributed`]).
+    pub sharding: Sharding,
+    /// Batches prepared ahead on a thread (default 0).
+    pub prefetch: usize,
+}
+
+impl Default for DataOptions {
+    fn default() -> Self {
+        Self {
+            shuffle: false,
+            drop_last: false,
+            sharding: Sharding::Distributed,
+            prefetch: 0,
+        }
+    }
+}
+
+/// This rank's loader: made by [`Fabric::setup_dataloader`](super::Fabric::setup_dataloader).
+pub struct FabricLoader {
+    dataset: Arc<dyn Dataset>,
+    batch_size: usize,
+    options: DataOptions,
+    rank: usize,
+    world_size: usize,
+    seed: u64,
+    epoch: u64,
+    skip: usize,
+}
+
+impl std::fmt::Debug for FabricLoader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FabricLoader")
+            .field("samples", &self.dataset.len())
+            .field("batch_size", &self.batch_size)
+            .field("options", &self.options)
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("epoch", &self.epoch)
+            .finish()
+    }
+}
+
+impl FabricLoader {
+    pub(crate) fn new(
+        dataset: Arc<dyn Dataset>,
+        batch_size: usize,
+        options: DataOptions,
+        rank: usize,
+        world_size: usize,
+        seed: u64,
+    ) -> Result<Self> {
+        if batch_size == 0 {
+            return Err(crate::loader::LoaderError::ZeroBatchSize.into());
+        }
+        if let Sharding::BatchWise {
+            split_batches: true,
+            ..
+        } = options.sharding
+        {
+            if !batch_size.is_multiple_of(world_size) {
+                return Err(Error::Config(format!(
+                    "split_batches cuts each batch of {batch_size} into {world_size} parts (one \
+                     per rank): the batch size must be a multiple of the number of ranks"
+                )));
+            }
+        }
+        Ok(Self {
+            dataset,
+            batch_size,
+            options,
+            rank,
+            world_size,
+            seed,
+            epoch: 0,
+            skip: 0,
+        })
+    }
+
+    /// Sets the epoch, which seeds the shuffling (call it at the start of
+    /// every epoch, as `DistributedSampler.set_epoch`).
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.epoch = epoch;
+    }
+
+    /// Starts the next passes at batch `k` (a run resumed mid-epoch).
+    pub fn skip_batches(&mut self, k: usize) {
+        self.skip = k;
+    }
+
+    /// This rank's batches of the current epoch, as sample indices.
+    pub fn batch_indices(&self) -> Result<Vec<Vec<usize>>> {
+        let n = self.dataset.len();
+        match self.options.sharding {
+            Sharding::Distributed => {
+                let mut sampler = DistributedSampler::new(n, self.world_size, self.rank)?
+                    .shuffle(self.options.shuffle)
+                    .seed(self.seed);
+                sampler.set_epoch(self.epoch);
+                let mine = sampler.indices();
+                let mut batches: Vec<Vec<usize>> = mine
+                    .chunks(self.batch_size)
+                    .map(<[usize]>::to_vec)
+                    .collect();
+                if self.options.drop_last
+                    && batches.last().is_some_and(|b| b.len() < self.batch_size)
+                {
+                    batches.pop();
+                }
+                Ok(batches)
+            }
+            Sharding::BatchWise {
+                split_batches,
+                even_batches,
+            } => {
+                let order = match self.options.shuffle {
+                    true => randperm(n, self.seed.wrapping_add(self.epoch)),
+                    false => (0..n).collect(),
+                };
+                Ok(batch_wise(
+                    &order,
+                    self.batch_size,
+                    self.world_size,
+                    self.rank,
+                    BatchWiseOptions {
+                        split_batches,
+                        even_batches,
+                        drop_last: self.options.drop_last,
+                    },
+                ))
+            }
+        }
+    }
+
+    /// The number of batches a pass gives this rank.
+    pub fn len(&self) -> Result<usize> {
+        Ok(self.batch_indices()?.len().saturating_sub(self.skip))
+    }
+
+    /// Whether a pass gives this rank no batch.
+    pub fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
+    }
+
+    /// The batches of this epoch, each the dataset's tensors stacked.
+    pub fn iter(&self) -> Result<LoaderIter> {
+        let batches = self.batch_indices()?;
+        // Every batch but the last is full, so one index list cut at the
+        // batch size gives the same batches back.
+        let size = batches.first().map_or(self.batch_size, Vec::len);
+        let indices: Vec<usize> = batches.into_iter().flatten().collect();
+        let loader = Loader::new(self.dataset.clone(), size.max(1))?
+            .indices(indices)
+            .prefetch(self.options.prefetch)
+            .skip_batches(self.skip);
+        Ok(loader.iter())
+    }
+}
+
+/// Settings of [`batch_wise`].
+#[derive(Debug, Clone, Copy)]
+struct BatchWiseOptions {
+    split_batches: bool,
+    even_batches: bool,
+    drop_last: bool,
+}
+
+/// Rank `rank`'s batches of `order` cut into batches of `batch_size` and
+/// dealt to `world` ranks as Accelerate's `BatchSamplerShard` does.
+fn batch_wise(
+    order: &[usize],
+    batch_size: usize,
+    world: usize,
+    rank: usize,
+    options: BatchWiseOptions,
+) -> Vec<Vec<usize>> {
+    let mut batches: Vec<Vec<usize>> = order.chunks(batch_size).map(<[usize]>::to_vec).collect();
+    if options.drop_last && batches.last().is_some_and(|b| b.len() < batch_size) {
+        batches.pop();
+    }
+    if options.split_batches {
+        return split_each(&batches, batch_size, world, rank, options);
+    }
+    let full = |b: &Vec<usize>| b.len() == batch_size;
+    // The batches every rank gets in full rounds: a round is yielded only
+    // when its last batch is full.
+    let rounds = batches.len() / world;
+    let complete = match rounds {
+        0 => 0,
+        _ if full(&batches[rounds * world - 1]) => rounds,
+        _ => rounds - 1,
+    };
+    let mut mine: Vec<Vec<usize>> = (0..complete)
+        .map(|round| batches[round * world + rank].clone())
+        .collect();
+    let rest = &batches[complete * world..];
+    if options.drop_last || order.is_empty() {
+        return mine;
+    }
+    if !options.even_batches {
+        if let Some(b) = rest.get(rank) {
+            mine.push(b.clone());
+        }
+        return mine;
+    }
+    if rest.is_empty() {
+        return mine;
+    }
+    // Complete the last round: the full batches as they are, then the
+    // short one and the missing ones filled from the start of the order.
+    let mut initial: Vec<usize> = batches.iter().take(world).flatten().copied().collect();
+    while initial.len() < world * batch_size {
+        initial.extend_from_within(..);
+    }
+    let mut cycle = 0;
+    for slot in 0..world {
+        let mut batch = rest.get(slot).cloned().unwrap_or_default();
+        if batch.len() < batch_size {
+            let need = batch_size - batch.len();
+            batch.extend_from_slice(&initial[cycle..cycle + need]);
+            cycle += need;
+        }
+        if slot == rank {
+            mine.push(batch);
+        }
+    }
+    mine
+}
+
+/// `split_batches`: every full batch cut into `world` parts; a short last
+/// batch completed from the start (`even_batches`) or cut as it is.
+fn split_each(
+    batches: &[Vec<usize>],
+    batch_size: usize,
+    world: usize,
+    rank: usize,
+    options: BatchWiseOptions,
+) -> Vec<Vec<usize>> {
+    let part = batch_size / world;
+    let piece =
+        |b: &[usize]| -> Vec<usize> { b.iter().skip(part * rank).take(part).copied().collect() };
+    let mut mine: Vec<Vec<usize>> = batches
+        .iter()
+        .filter(|b| b.len() == batch_size)
+        .map(|b| piece(b))
+        .collect();
+    let Some(last) = batches.last().filter(|b| b.len() < batch_size) else {
+        return mine;
+    };
+    if options.drop_last {
+        return mine;
+    }
+    if options.even_batches {
+        let mut initial: Vec<usize> = batches.first().cloned().unwrap_or_default();
+        while !initial.is_empty() && initial.len() < batch_size {
+            initial.extend_from_within(..);
+        }
+        let mut completed = last.clone();
+        completed.extend_from_slice(&initial);
+        mine.push(piece(&completed));
+    } else if last.len() > part * rank {
+        mine.push(piece(last));
+    }
+    mine
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn deal(
+        n: usize,
+        batch: usize,
+        world: usize,
+        split: bool,
+        even: bool,
+        drop: bool,
+    ) -> Vec<Vec<Vec<usize>>> {
+        let order: Vec<usize> = (0..n).collect();
+        (0..world)
+            .map(|rank| {
+                batch_wise(
+                    &order,
+                    batch,
+                    world,
+                    rank,
+                    BatchWiseOptions {
+                        split_batches: split,
+                        even_batches: even,
+                        drop_last: drop,
+                    },
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn batch_wise_gives_whole_batches_in_turn() {
+        let ranks = deal(20, 10, 2, false, true, false);
+        assert_eq!(ranks[0], vec![(0..10).collect::<Vec<_>>()]);
+        assert_eq!(ranks[1], vec![(10..20).collect::<Vec<_>>()]);
+    }
+
+    #[test]
+    fn even_batches_complete_the_last_round_from_the_start() {
+        // 7 samples, batch 2, 2 ranks: batches [0,1] [2,3] [4,5] [6];
+        // the second round is [4,5] and [6] completed with 0.
+        let ranks = deal(7, 2, 2, false, true, false);
+        assert_eq!(ranks[0], vec![vec![0, 1], vec![4, 5]]);
+        assert_eq!(ranks[1], vec![vec![2, 3], vec![6, 0]]);
+    }
+}

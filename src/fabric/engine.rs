@@ -1,0 +1,317 @@
+//! Each strategy's engine behind one interface: build it from the model's
+//! recipe, run a step's forward and backward (synchronised or only
+//! accumulating), name the variables its gradients are keyed by, and give
+//! back the whole model. The strategies differ here and only here.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, ModuleT, Tensor, Var};
+use candle_nn::VarMap;
+
+use super::config::{FabricConfig, Strategy};
+use super::module::FabricModule;
+use crate::comm::ProcessGroup;
+use crate::error::Result;
+use crate::fsdp::{FsdpConfig, FullyShardedDataParallel};
+use crate::pipeline::Pipeline;
+use crate::precision::cast_input;
+use crate::units::Units;
+use crate::vars::sorted_vars;
+use crate::{DataParallel, DdpConfig, DistributedDataParallel, LossReduction, ZeroStage};
+
+/// A loss from the model's output (in f32) and the targets.
+pub(crate) type LossFn = Arc<dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
+
+/// One rank's engine.
+pub(crate) enum Engine {
+    /// `single` and `dp`: a master model and a replica per device.
+    Replicas(DataParallel<Units>),
+    /// `ddp`, `zero1`, `zero2` (a module reduced after its backward), and
+    /// `ddp-overlap` (units reduced during it).
+    Ddp {
+        ddp: Box<DistributedDataParallel<Units>>,
+        overlapped: bool,
+    },
+    /// `fsdp`.
+    Fsdp(Box<FullyShardedDataParallel>),
+    /// `pipeline`.
+    Pipeline(Pipeline),
+    /// `pipeline-ddp`.
+    PipelineDdp(Box<DistributedDataParallel<Pipeline>>),
+}
+
+/// What one forward and backward gave: this rank's loss (unscaled), and
+/// the gradients when the step synchronised (`None` while a no-sync
+/// engine only accumulated).
+pub(crate) struct Ran {
+    pub(crate) loss: Tensor,
+    pub(crate) grads: Option<GradStore>,
+}
+
+impl Engine {
+    /// Builds `module` for `config`'s strategy on this rank's `devices`,
+    /// its variables in `varmap` (every rank's initial values are rank 0's).
+    pub(crate) fn build(
+        config: &FabricConfig,
+        pg: Arc<dyn ProcessGroup>,
+        devices: &[Device],
+        varmap: &VarMap,
+        module: &FabricModule,
+    ) -> Result<Self> {
+        let strategy = config.effective_strategy();
+        let policy = config.precision.policy();
+        let first = devices
+            .first()
+            .ok_or(crate::error::Error::NoDevices)?
+            .clone();
+        let ddp_builder = || {
+            let mut builder =
+                DistributedDataParallel::builder(pg.clone(), varmap, DType::F32, &first);
+            if let Some(policy) = policy.clone() {
+                builder = builder.mixed_precision(policy);
+            }
+            builder
+        };
+        let pipeline = |devices: &[Device]| {
+            let mut builder = Pipeline::builder(varmap, DType::F32, devices);
+            if let Some(chunks) = config.chunks {
+                builder = builder.chunks(chunks);
+            }
+            if let Some(policy) = policy.clone() {
+                builder = builder.mixed_precision(policy);
+            }
+            if let Some(timeout) = config.timeout() {
+                builder = builder.timeout(timeout);
+            }
+            builder.build(module.parts().to_vec())
+        };
+        Ok(match strategy {
+            Strategy::Single | Strategy::Dp => {
+                let mut builder = DataParallel::builder(varmap, DType::F32, devices);
+                if let Some(policy) = policy.clone() {
+                    builder = builder.mixed_precision(policy);
+                }
+                if let Some(timeout) = config.timeout() {
+                    builder = builder.timeout(timeout);
+                }
+                Engine::Replicas(builder.build(module.whole())?)
+            }
+            Strategy::Ddp => Engine::Ddp {
+                ddp: Box::new(ddp_builder().build(module.whole())?),
+                overlapped: false,
+            },
+            Strategy::Zero1 | Strategy::Zero2 => {
+                let stage = match strategy {
+                    Strategy::Zero1 => ZeroStage::One,
+                    _ => ZeroStage::Two,
+                };
+                Engine::Ddp {
+                    ddp: Box::new(ddp_builder().zero(stage).build(module.whole())?),
+                    overlapped: false,
+                }
+            }
+            Strategy::DdpOverlap => Engine::Ddp {
+                ddp: Box::new(ddp_builder().build_units(module.parts().to_vec())?),
+                overlapped: true,
+            },
+            Strategy::Fsdp => {
+                let fsdp = FullyShardedDataParallel::from_units(
+                    pg,
+                    varmap,
+                    DType::F32,
+                    &first,
+                    module.parts().to_vec(),
+                    FsdpConfig {
+                        reshard_after_forward: config.reshard_after_forward,
+                        prefetch: config.prefetch,
+                        mixed_precision: policy,
+                        ..FsdpConfig::default()
+                    },
+                )?;
+                Engine::Fsdp(Box::new(fsdp))
+            }
+            Strategy::Pipeline => Engine::Pipeline(pipeline(devices)?),
+            Strategy::PipelineDdp => {
+                let pipe = pipeline(devices)?;
+                Engine::PipelineDdp(Box::new(DistributedDataParallel::from_module(
+                    pg,
+                    varmap,
+                    pipe,
+                    DdpConfig::default(),
+                )?))
+            }
+        })
+    }
+
+    /// Whether this engine keeps gradients across `no_sync` steps itself
+    /// (the others' gradients are summed by the caller).
+    pub(crate) fn accumulates_itself(&self) -> bool {
+        matches!(
+            self,
+            Engine::Ddp { .. } | Engine::Fsdp(_) | Engine::PipelineDdp(_)
+        )
+    }
+
+    /// The DDP under the ZeRO optimizer, if this is one.
+    pub(crate) fn ddp(&self) -> Option<&DistributedDataParallel<Units>> {
+        match self {
+            Engine::Ddp { ddp, .. } => Some(ddp),
+            _ => None,
+        }
+    }
+
+    /// The variables the optimizer steps, named: the masters, this rank's
+    /// model, or (FSDP) this rank's pieces.
+    pub(crate) fn named_params(&self, varmap: &VarMap) -> Vec<(String, Var)> {
+        match self {
+            Engine::Fsdp(fsdp) => fsdp.shards().to_vec(),
+            Engine::Replicas(dp) => dp.vars().to_vec(),
+            _ => sorted_vars(varmap),
+        }
+    }
+
+    /// One forward and backward of `loss_fn(output, y)` times `factor` (the
+    /// loss scale over the accumulation steps); `sync` false: the engines
+    /// that can skip their reduction do (no_sync).
+    pub(crate) fn forward_backward(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        factor: f64,
+        sync: bool,
+        loss_fn: &LossFn,
+    ) -> Result<Ran> {
+        let scaled = {
+            let loss_fn = loss_fn.clone();
+            move |out: &Tensor, y: &Tensor| loss_fn(&to_f32(out)?, y)?.affine(factor, 0.0)
+        };
+        let unscale = |loss: &Tensor| -> Result<Tensor> { Ok(loss.affine(1.0 / factor, 0.0)?) };
+        match self {
+            Engine::Replicas(dp) => {
+                let dtype = dp.compute_dtype();
+                let step = dp.forward_backward(
+                    (x.clone(), y.clone()),
+                    LossReduction::Mean,
+                    move |m: &Units, (x, y): (Tensor, Tensor)| {
+                        let x = match dtype {
+                            Some(dtype) => cast_input(&x, dtype)?,
+                            None => x,
+                        };
+                        scaled(&m.forward_t(&x, true)?, &y)
+                    },
+                )?;
+                Ok(Ran {
+                    loss: unscale(&step.loss)?,
+                    grads: Some(step.grads),
+                })
+            }
+            Engine::Ddp { ddp, overlapped } => {
+                let overlapped = *overlapped;
+                let run = |ddp: &mut DistributedDataParallel<Units>| -> Result<Ran> {
+                    if overlapped {
+                        let step = ddp.forward_backward(x, y, scaled)?;
+                        return Ok(Ran {
+                            loss: unscale(&step.loss)?,
+                            grads: Some(step.grads),
+                        });
+                    }
+                    let loss = loss_fn(&to_f32(&ddp.forward_t(x, true)?)?, y)?;
+                    let grads = ddp.backward(&loss.affine(factor, 0.0)?)?;
+                    Ok(Ran {
+                        loss: loss.detach(),
+                        grads: Some(grads),
+                    })
+                };
+                let ran = match sync {
+                    true => run(ddp),
+                    false => ddp.no_sync(run),
+                }?;
+                Ok(only_when(sync, ran))
+            }
+            Engine::Fsdp(fsdp) => {
+                let run = |fsdp: &mut FullyShardedDataParallel| fsdp.forward_backward(x, y, scaled);
+                let step = match sync {
+                    true => run(fsdp),
+                    false => fsdp.no_sync(run),
+                }?;
+                Ok(only_when(
+                    sync,
+                    Ran {
+                        loss: unscale(&step.loss)?,
+                        grads: Some(step.grads),
+                    },
+                ))
+            }
+            Engine::Pipeline(pipe) => {
+                let step = pipe.forward_backward(x, y, LossReduction::Mean, scaled)?;
+                Ok(Ran {
+                    loss: unscale(&step.loss)?,
+                    grads: Some(step.grads),
+                })
+            }
+            Engine::PipelineDdp(ddp) => {
+                let run = |ddp: &mut DistributedDataParallel<Pipeline>| {
+                    ddp.forward_backward(x, y, LossReduction::Mean, scaled)
+                };
+                let step = match sync {
+                    true => run(ddp),
+                    false => ddp.no_sync(run),
+                }?;
+                Ok(only_when(
+                    sync,
+                    Ran {
+                        loss: unscale(&step.loss)?,
+                        grads: Some(step.grads),
+                    },
+                ))
+            }
+        }
+    }
+
+    /// The model's output for `x` in evaluation mode, in f32 (every rank
+    /// must call it: DDP broadcasts its buffers, FSDP gathers its units).
+    pub(crate) fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
+        let out = match self {
+            Engine::Replicas(dp) => dp.forward_t(x, false)?,
+            Engine::Ddp { ddp, .. } => ddp.forward_t(x, false)?,
+            Engine::Fsdp(fsdp) => fsdp.forward_t(x, false)?,
+            Engine::Pipeline(pipe) => pipe.forward_t(x, false)?,
+            Engine::PipelineDdp(ddp) => ddp.forward_t(x, false)?,
+        };
+        Ok(to_f32(&out)?)
+    }
+
+    /// The whole model's variables by name, on the CPU (FSDP gathers them:
+    /// every rank must call it).
+    pub(crate) fn full_state(&self, varmap: &VarMap) -> Result<HashMap<String, Tensor>> {
+        let whole = match self {
+            Engine::Fsdp(fsdp) => fsdp.full_state()?,
+            _ => sorted_vars(varmap)
+                .into_iter()
+                .map(|(name, var)| (name, var.as_tensor().clone()))
+                .collect(),
+        };
+        whole
+            .into_iter()
+            .map(|(name, t)| Ok((name, t.to_device(&Device::Cpu)?)))
+            .collect()
+    }
+}
+
+/// A step that ran inside no_sync returns no gradients.
+fn only_when(sync: bool, ran: Ran) -> Ran {
+    Ran {
+        loss: ran.loss,
+        grads: ran.grads.filter(|_| sync),
+    }
+}
+
+/// A floating-point tensor in f32 (the loss sees f32, as under autocast).
+fn to_f32(t: &Tensor) -> candle_core::Result<Tensor> {
+    match t.dtype() {
+        DType::BF16 | DType::F16 => t.to_dtype(DType::F32),
+        _ => Ok(t.clone()),
+    }
+}

@@ -1,0 +1,429 @@
+//! One training loop for every strategy: Lightning Fabric's and Hugging
+//! Face Accelerate's front door for candle-dp.
+//!
+//! A [`Fabric`] is one rank's handle on the run. [`Fabric::launch`] runs a
+//! function on every rank (thread ranks in this process, or this process
+//! as one rank under `mpirun` / `srun`: the environment decides, so one
+//! binary serves both); inside it, [`Fabric::setup`] builds the model and
+//! its optimizer for the configured [`Strategy`] and
+//! [`Fabric::setup_dataloader`] gives the rank its share of the data. The
+//! loop is then the same for every strategy, precision and number of
+//! devices: [`FabricModel::backward`], [`FabricModel::step`].
+//!
+//! ```
+//! use std::sync::Arc;
+//! use candle_core::{Device, Tensor};
+//! use candle_dp::fabric::{DataOptions, Fabric, FabricConfig, FabricModule, Strategy};
+//! use candle_dp::loader::TensorDataset;
+//! use candle_dp::optim::{AdamW, AdamWConfig};
+//! use candle_dp::pipeline::layer;
+//! use candle_nn::{linear, loss, Activation};
+//!
+//! // The strategy is one word: "single", "dp", "ddp", "ddp-overlap",
+//! // "zero1", "zero2", "fsdp", "pipeline" or "pipeline-ddp".
+//! let config = FabricConfig::new("fsdp".parse()?, 2);
+//! let x = Tensor::randn(0f32, 1., (16, 4), &Device::Cpu)?;
+//! let y = Tensor::from_vec((0..16u32).map(|i| i % 2).collect(), 16, &Device::Cpu)?;
+//! let data = Arc::new(TensorDataset::new(vec![x, y])?);
+//!
+//! let losses = Fabric::launch(config, |fabric| {
+//!     let module = FabricModule::units(vec![
+//!         layer(|vb| linear(4, 8, vb.pp("l1"))),
+//!         layer(|_| Ok(Activation::Relu)),
+//!         layer(|vb| linear(8, 2, vb.pp("l2"))),
+//!     ]);
+//!     let mut model = fabric.setup(module, |p| AdamW::new_named(p, AdamWConfig::default()))?;
+//!     // 8 samples per batch in all, each rank its share.
+//!     let mut loader = fabric.setup_dataloader(data.clone(), 8 / fabric.world_size(), DataOptions::default())?;
+//!     let mut last = 0.0;
+//!     for epoch in 0..2 {
+//!         loader.set_epoch(epoch);
+//!         for batch in loader.iter()? {
+//!             let batch = batch?;
+//!             let loss = model.backward(&batch[0], &batch[1], |out, y| loss::cross_entropy(out, y))?;
+//!             model.step()?;
+//!             last = fabric.all_reduce_mean(&loss)?;
+//!         }
+//!     }
+//!     Ok(last)
+//! })?;
+//! assert_eq!(losses.len(), 2); // one result per rank, the same on both
+//! assert_eq!(losses[0], losses[1]);
+//! # Ok::<(), candle_dp::Error>(())
+//! ```
+//!
+//! What differs from PyTorch's tools, and why, is in `docs/fabric.md`.
+
+mod args;
+mod config;
+mod data;
+mod engine;
+mod model;
+mod module;
+mod step_order;
+
+use std::fmt;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+pub use args::FabricArgs;
+pub use config::{Accelerator, Devices, FabricConfig, Precision, Strategy};
+pub use data::{DataOptions, FabricLoader, Sharding};
+pub use model::{FabricModel, StepOutcome};
+pub use module::FabricModule;
+
+use crate::comm::{all_gather_object, GroupOptions, ProcessGroup, ReduceOp};
+use crate::error::{Error, Result};
+use crate::launch::{Backend, RankContext};
+use crate::loader::Dataset;
+use crate::optim::StatefulOptimizer;
+use crate::units::Units;
+use crate::zero::ZeroOptimizer;
+use engine::Engine;
+use model::Stepper;
+use step_order::StepOrder;
+
+/// One rank's handle on a run: its place among the ranks, its devices,
+/// and the configuration. Made by [`Fabric::launch`] on every rank.
+pub struct Fabric {
+    config: FabricConfig,
+    ctx: RankContext,
+    devices: Vec<Device>,
+}
+
+impl fmt::Debug for Fabric {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Fabric")
+            .field("strategy", &self.config.effective_strategy())
+            .field("rank", &self.ctx.rank)
+            .field("world_size", &self.ctx.world_size)
+            .field("devices", &self.devices.len())
+            .field("precision", &self.config.precision)
+            .finish()
+    }
+}
+
+impl Fabric {
+    /// Runs `f` on every rank of `config`'s run and returns the results of
+    /// the ranks of this process, in rank order (Fabric's `launch`).
+    /// Under an MPI launcher (`mpirun`, `srun`; feature `mpi`) this
+    /// process is one rank and the launcher gives the number of ranks;
+    /// otherwise the ranks are threads of this process: one per device for
+    /// `ddp`, `ddp-overlap`, `zero1`, `zero2` and `fsdp`, one per pipeline
+    /// for `pipeline-ddp`, and a single one for `single`, `dp` and
+    /// `pipeline`, which spread over their devices inside it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Strategy`] before anything runs when the strategy cannot
+    /// serve the devices, the settings or the precision (naming both);
+    /// [`Error::Launch`] when a rank fails (naming it).
+    pub fn launch<T, F>(config: FabricConfig, f: F) -> Result<Vec<T>>
+    where
+        T: Send,
+        F: Fn(Fabric) -> anyhow::Result<T> + Sync,
+    {
+        config.check()?;
+        let strategy = config.effective_strategy();
+        let under_mpi = matches!(Backend::from_env(), Backend::Mpi { .. });
+        if under_mpi && !strategy.is_distributed() && Backend::world_size() > 1 {
+            return Err(Error::Strategy {
+                strategy: strategy.name().into(),
+                reason: format!(
+                    "it runs in one process, and this is one of {} processes of an MPI job: \
+                     start one process, or use ddp, zero1, zero2 or fsdp",
+                    Backend::world_size()
+                ),
+            });
+        }
+        // The devices are made (and their kernels tried) before any rank
+        // starts, so that a device or a precision it cannot serve stops
+        // the run on every rank alike.
+        let local = if under_mpi { Backend::local_rank() } else { 0 };
+        let ranks = if under_mpi { 1 } else { config.ranks() };
+        let devices: Vec<Vec<Device>> = (0..ranks)
+            .map(|r| rank_devices(&config, local + r))
+            .collect::<Result<_>>()?;
+        for device in devices.iter().flatten() {
+            check_precision(strategy, config.precision, device)?;
+        }
+        let mut options = GroupOptions::default();
+        if let Some(timeout) = config.timeout() {
+            options.timeout = Some(timeout);
+        }
+        crate::launch::run(config.ranks(), options, |ctx| {
+            let mine = match under_mpi {
+                true => devices[0].clone(),
+                false => devices[ctx.rank].clone(),
+            };
+            f(Fabric {
+                config: config.clone(),
+                ctx,
+                devices: mine,
+            })
+        })
+        .map_err(|e| Error::Launch(Box::new(e)))
+    }
+
+    /// The configuration of the run.
+    pub fn config(&self) -> &FabricConfig {
+        &self.config
+    }
+
+    /// The strategy in force.
+    pub fn strategy(&self) -> Strategy {
+        self.config.effective_strategy()
+    }
+
+    /// This rank, in `0..world_size` (Fabric's `global_rank`).
+    pub fn rank(&self) -> usize {
+        self.ctx.rank
+    }
+
+    /// The number of ranks (processes, or thread ranks): 1 for `single`,
+    /// `dp` and `pipeline`, which spread inside one.
+    pub fn world_size(&self) -> usize {
+        self.ctx.world_size
+    }
+
+    /// Whether this is rank 0 (Fabric's `is_global_zero`, Accelerate's
+    /// `is_main_process`).
+    pub fn is_global_zero(&self) -> bool {
+        self.ctx.rank == 0
+    }
+
+    /// This rank's devices: its replicas (`dp`), its stages (pipelines),
+    /// or its one device.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+
+    /// The group of the ranks, for the crate's collectives.
+    pub fn process_group(&self) -> Arc<dyn ProcessGroup> {
+        self.ctx.pg.clone()
+    }
+
+    /// Seeds the initial weights and the data order of everything set up
+    /// after it, the same on every rank (Fabric's `seed_everything`):
+    /// candle's own CPU generator cannot be seeded, so the weights are
+    /// drawn from a seeded generator instead ([`crate::seeded_varmap`]).
+    pub fn seed_everything(&mut self, seed: u64) {
+        self.config.seed = seed;
+    }
+
+    /// Prints `message` on rank 0 only (Fabric's `print`).
+    pub fn print(&self, message: impl fmt::Display) {
+        if self.is_global_zero() {
+            println!("{message}");
+        }
+    }
+
+    /// Waits until every rank has arrived (Fabric's `barrier`,
+    /// Accelerate's `wait_for_everyone`).
+    pub fn barrier(&self) -> Result<()> {
+        Ok(self.ctx.pg.barrier()?)
+    }
+
+    /// The element-wise reduction of `tensor` over every rank.
+    pub fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        Ok(self.ctx.pg.all_reduce(tensor, op)?)
+    }
+
+    /// The mean of a scalar (a loss) over every rank, as an f32.
+    pub fn all_reduce_mean(&self, scalar: &Tensor) -> Result<f32> {
+        let x = scalar
+            .to_dtype(DType::F32)?
+            .reshape(1)?
+            .to_device(&Device::Cpu)?;
+        let sum = self.ctx.pg.all_reduce(&x, ReduceOp::Sum)?;
+        Ok(sum.to_vec1::<f32>()?[0] / self.world_size() as f32)
+    }
+
+    /// Every rank's `tensor`, in rank order.
+    pub fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
+        Ok(self.ctx.pg.all_gather(tensor)?)
+    }
+
+    /// Every rank's `value` (any serde value), in rank order.
+    pub fn all_gather_object<T: Serialize + DeserializeOwned>(&self, value: &T) -> Result<Vec<T>> {
+        Ok(all_gather_object(self.ctx.pg.as_ref(), value)?)
+    }
+
+    /// Rank `root`'s `tensor` on every rank.
+    pub fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
+        Ok(self.ctx.pg.broadcast(tensor, root)?)
+    }
+
+    /// Builds `module` for the strategy on this rank's devices, its initial
+    /// weights drawn from the run's seed (the same on every rank and for
+    /// every strategy), and the optimizer `make` over the variables the
+    /// strategy steps: the whole model, or this rank's pieces (`zero1`,
+    /// `zero2`, `fsdp`). Fabric's `setup(model, optimizer)`. Every rank must
+    /// call it.
+    ///
+    /// ```
+    /// use candle_dp::fabric::{Fabric, FabricConfig, FabricModule, Strategy};
+    /// use candle_dp::optim::{Sgd, SgdConfig};
+    /// use candle_nn::linear;
+    ///
+    /// // FSDP works unit by unit: a plain module is refused, naming both.
+    /// let err = Fabric::launch(FabricConfig::new(Strategy::Fsdp, 2), |fabric| {
+    ///     let module = FabricModule::module(|vb| linear(4, 2, vb));
+    ///     Ok(fabric.setup(module, |p| Sgd::new_named(p, SgdConfig { lr: 0.1, ..Default::default() }))?.steps())
+    /// })
+    /// .unwrap_err();
+    /// assert!(err.to_string().contains("strategy fsdp"));
+    /// assert!(err.to_string().contains("plain module"));
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Strategy`] when the strategy needs units and `module` is
+    /// a plain module; the engine's construction errors (ranks whose
+    /// models differ, named); `make`'s.
+    pub fn setup<O, F>(&self, module: FabricModule, make: F) -> Result<FabricModel<O>>
+    where
+        O: StatefulOptimizer,
+        F: FnOnce(Vec<(String, Var)>) -> candle_core::Result<O>,
+    {
+        let strategy = self.strategy();
+        module.check_serves(strategy)?;
+        let varmap = self.initial_varmap(&module)?;
+        let engine = Engine::build(
+            &self.config,
+            self.ctx.pg.clone(),
+            &self.devices,
+            &varmap,
+            &module,
+        )?;
+        let zero = engine.ddp().filter(|ddp| ddp.zero_stage().is_some());
+        let (stepper, params) = match zero {
+            Some(ddp) => {
+                let zero = ZeroOptimizer::new(ddp, make)?;
+                let params = zero.grad_vars();
+                (Stepper::Zero(Box::new(zero)), params)
+            }
+            None => {
+                let named = engine.named_params(&varmap);
+                let params = named.iter().map(|(_, v)| v.clone()).collect();
+                (Stepper::Whole(make(named)?), params)
+            }
+        };
+        Ok(FabricModel {
+            strategy,
+            engine,
+            stepper,
+            order: StepOrder::new(self.config.precision.scales_loss(), self.config.init_scale)?,
+            pg: self.ctx.pg.clone(),
+            varmap,
+            params,
+            accumulation_steps: self.config.accumulation_steps,
+            gradient_clip: self.config.gradient_clip,
+            micro: 0,
+            pending: None,
+            grads: None,
+            unscaled: false,
+            clipped: false,
+            steps: 0,
+        })
+    }
+
+    /// The model's initial values, drawn from the run's seed so that every
+    /// strategy and every rank starts from the same weights. On several
+    /// distinct devices (a pipeline over GPUs) the engine creates them on
+    /// each stage's device instead, and DDP copies rank 0's to every rank.
+    fn initial_varmap(&self, module: &FabricModule) -> Result<candle_nn::VarMap> {
+        let first = &self.devices[0];
+        if self.devices.iter().any(|d| !d.same_device(first)) {
+            return Ok(candle_nn::VarMap::new());
+        }
+        let whole = module.whole();
+        Ok(crate::seeded_varmap(
+            self.config.seed,
+            DType::F32,
+            first,
+            |vb| -> candle_core::Result<Units> { whole(vb) },
+        )?)
+    }
+
+    /// This rank's loader over `dataset`, `batch_size` samples per batch
+    /// on each rank (as a PyTorch `DataLoader` in each process), sharded
+    /// as `options.sharding` says (Fabric's `setup_dataloaders`,
+    /// Accelerate's `prepare`). Shuffling is seeded with the run's seed.
+    /// With `single`, `dp` and `pipeline` (one rank) the batch is the whole
+    /// step's, which the replicas or the micro-batches split.
+    pub fn setup_dataloader(
+        &self,
+        dataset: Arc<dyn Dataset>,
+        batch_size: usize,
+        options: DataOptions,
+    ) -> Result<FabricLoader> {
+        FabricLoader::new(
+            dataset,
+            batch_size,
+            options,
+            self.rank(),
+            self.world_size(),
+            self.config.seed,
+        )
+    }
+}
+
+/// Rank `rank`'s devices: its replicas, its stages, or its one device.
+fn rank_devices(config: &FabricConfig, rank: usize) -> Result<Vec<Device>> {
+    let per_rank = match config.effective_strategy() {
+        Strategy::Dp | Strategy::Pipeline => config.devices.len(),
+        Strategy::PipelineDdp => config.stages,
+        _ => 1,
+    };
+    match config.accelerator {
+        config::Accelerator::Cpu => Ok(vec![Device::Cpu; per_rank]),
+        config::Accelerator::Cuda => {
+            let ordinals = config.devices.ordinals();
+            (0..per_rank)
+                .map(|k| cuda_device(config, ordinals[(rank * per_rank + k) % ordinals.len()]))
+                .collect()
+        }
+    }
+}
+
+/// CUDA device `ordinal`, with one stream that every thread driving it
+/// shares (see [`Error::ImplicitCudaStream`]).
+fn cuda_device(config: &FabricConfig, ordinal: usize) -> Result<Device> {
+    #[cfg(feature = "cuda")]
+    {
+        let _ = config;
+        Device::new_cuda_with_stream(ordinal).map_err(|e| Error::Strategy {
+            strategy: config.effective_strategy().name().into(),
+            reason: format!("cannot open cuda:{ordinal}: {e}"),
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(Error::Strategy {
+        strategy: config.effective_strategy().name().into(),
+        reason: format!(
+            "cuda:{ordinal} asked for, but candle-dp was built without its `cuda` feature"
+        ),
+    })
+}
+
+/// Tries the precision's kernels on `device` (a product and an
+/// exponential), so that a device without them is refused before the run.
+fn check_precision(strategy: Strategy, precision: Precision, device: &Device) -> Result<()> {
+    let dtype = precision.compute_dtype();
+    let tried = Tensor::ones((2, 2), dtype, device)
+        .and_then(|a| a.matmul(&a))
+        .and_then(|a| a.exp())
+        .and_then(|a| a.sum_all())
+        .and_then(|a| a.to_dtype(DType::F32));
+    tried.map(|_| ()).map_err(|e| Error::Strategy {
+        strategy: strategy.name().into(),
+        reason: format!(
+            "precision {precision} computes in {dtype:?}, which {} cannot: {e}",
+            crate::device_label(device)
+        ),
+    })
+}

@@ -1,0 +1,316 @@
+//! [`FabricModel`]: the model and its optimizer as a strategy set them up,
+//! with the step every loop writes the same way: `backward`, optionally
+//! `clip_gradients`, `step`.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+use candle_nn::{Optimizer, VarMap};
+
+use super::config::Strategy;
+use super::engine::{Engine, LossFn};
+use super::step_order::StepOrder;
+use crate::comm::ProcessGroup;
+use crate::error::{Error, Result};
+use crate::optim::{clip_grad_norm, Clipped, LrScheduler, StatefulOptimizer};
+use crate::vars::with_accumulated;
+use crate::zero::ZeroOptimizer;
+
+/// The optimizer as the strategy holds it: whole, or (ZeRO) each rank
+/// stepping its pieces.
+pub(crate) enum Stepper<O> {
+    Whole(O),
+    Zero(Box<ZeroOptimizer<O>>),
+}
+
+impl<O: Optimizer> Stepper<O> {
+    fn inner(&self) -> &O {
+        match self {
+            Stepper::Whole(opt) => opt,
+            Stepper::Zero(zero) => zero.inner(),
+        }
+    }
+
+    fn inner_mut(&mut self) -> &mut O {
+        match self {
+            Stepper::Whole(opt) => opt,
+            Stepper::Zero(zero) => zero.inner_mut(),
+        }
+    }
+}
+
+/// What [`FabricModel::step`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepOutcome {
+    /// The optimizer stepped.
+    Stepped,
+    /// The f16 loss scaler found an inf or NaN: no parameter changed, the
+    /// scale was lowered.
+    Skipped,
+    /// An accumulation step: the gradients were kept for the step that
+    /// completes the accumulation (Accelerate's `sync_gradients == False`).
+    Accumulating,
+}
+
+/// A model and its optimizer, set up by [`Fabric::setup`](super::Fabric::setup)
+/// for the configured strategy. Every strategy is trained the same way:
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_dp::fabric::{Fabric, FabricConfig, FabricModule, Strategy};
+/// use candle_dp::optim::{Sgd, SgdConfig};
+/// use candle_nn::{linear, loss};
+///
+/// let config = FabricConfig::new(Strategy::Ddp, 2);
+/// Fabric::launch(config, |fabric| {
+///     let module = FabricModule::module(|vb| linear(4, 2, vb.pp("fc")));
+///     let mut model = fabric.setup(module, |params| Sgd::new_named(params, SgdConfig { lr: 0.1, ..Default::default() }))?;
+///     let x = Tensor::ones((3, 4), candle_core::DType::F32, &Device::Cpu)?;
+///     let y = Tensor::new(&[0u32, 1, 0], &Device::Cpu)?;
+///     let loss = model.backward(&x, &y, |out, y| loss::cross_entropy(out, y))?;
+///     model.step()?;
+///     fabric.print(format!("loss {}", loss.to_scalar::<f32>()?));
+///     Ok(())
+/// })?;
+/// # Ok::<(), candle_dp::Error>(())
+/// ```
+pub struct FabricModel<O> {
+    pub(crate) strategy: Strategy,
+    pub(crate) engine: Engine,
+    pub(crate) stepper: Stepper<O>,
+    pub(crate) order: StepOrder,
+    pub(crate) pg: Arc<dyn ProcessGroup>,
+    pub(crate) varmap: VarMap,
+    /// The variables the gradients are keyed by (masters, pieces).
+    pub(crate) params: Vec<Var>,
+    pub(crate) accumulation_steps: u64,
+    pub(crate) gradient_clip: Option<f64>,
+    /// Backward passes since the last optimizer step.
+    pub(crate) micro: u64,
+    /// Summed gradients of the accumulation so far, for the engines that
+    /// do not keep them themselves.
+    pub(crate) pending: Option<GradStore>,
+    /// The step's gradients once the accumulation is complete.
+    pub(crate) grads: Option<GradStore>,
+    pub(crate) unscaled: bool,
+    pub(crate) clipped: bool,
+    /// Optimizer steps taken or skipped.
+    pub(crate) steps: u64,
+}
+
+impl<O: StatefulOptimizer> FabricModel<O> {
+    /// Runs the forward and the backward of `loss_fn(output, y)` on this
+    /// rank's batch `(x, y)`, the loss scaled for f16 and divided over the
+    /// accumulation steps, and returns the loss (this rank's, unscaled).
+    /// The output is handed to `loss_fn` in f32 whatever the precision.
+    ///
+    /// candle computes a backward in one call, with no hooks, so the
+    /// strategies that work unit by unit (FSDP's gathering, DDP's overlap,
+    /// the pipeline's schedule) need the loss as a function rather than
+    /// Fabric's `backward(loss)` of a loss already computed.
+    ///
+    /// # Errors
+    ///
+    /// The engine's (a collective's, naming the rank); a second backward
+    /// after the accumulation is complete, before [`step`](Self::step).
+    pub fn backward<F>(&mut self, x: &Tensor, y: &Tensor, loss_fn: F) -> Result<Tensor>
+    where
+        F: Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
+    {
+        if self.grads.is_some() {
+            return Err(Error::Fabric(format!(
+                "backward after the {} batch(es) of a step ({} accumulation step(s)) without \
+                 step(): call step() first",
+                self.micro, self.accumulation_steps
+            )));
+        }
+        let sync = self.micro + 1 == self.accumulation_steps;
+        let factor = self.order.loss_factor() / self.accumulation_steps as f64;
+        let loss_fn: LossFn = Arc::new(loss_fn);
+        let ran = self.engine.forward_backward(x, y, factor, sync, &loss_fn)?;
+        self.micro += 1;
+        if self.engine.accumulates_itself() {
+            self.grads = ran.grads;
+        } else if let Some(grads) = ran.grads {
+            let summed = match self.pending.take() {
+                Some(before) => add_grads(before, grads, &self.params)?,
+                None => grads,
+            };
+            match sync {
+                true => self.grads = Some(summed),
+                false => self.pending = Some(summed),
+            }
+        }
+        Ok(ran.loss)
+    }
+
+    /// Whether the next [`backward`](Self::backward) only accumulates
+    /// (Accelerate's `not accelerator.sync_gradients`).
+    pub fn is_accumulating(&self) -> bool {
+        self.micro + 1 < self.accumulation_steps
+    }
+
+    /// Unscales (f16) and clips the gradients of the step to a total
+    /// 2-norm of `max_norm`, over every rank's pieces where the strategy
+    /// shards them (Fabric's `clip_gradients`); `None` on an accumulation
+    /// step, whose gradients are not complete yet.
+    ///
+    /// # Errors
+    ///
+    /// No [`backward`](Self::backward) since the last step; clipping's.
+    pub fn clip_gradients(&mut self, max_norm: f64) -> Result<Option<Clipped>> {
+        if self.grads.is_none() && self.micro > 0 && self.micro < self.accumulation_steps {
+            return Ok(None);
+        }
+        self.unscale()?;
+        let Some(grads) = self.grads.as_mut() else {
+            return Err(Error::Fabric(
+                "clip_gradients before backward: there are no gradients to clip".into(),
+            ));
+        };
+        let clipped = match (&self.engine, &self.stepper) {
+            (_, Stepper::Zero(zero)) => zero.clip_grad_norm(grads, max_norm, 2.0, false)?,
+            (Engine::Fsdp(fsdp), _) => fsdp.clip_grad_norm(grads, max_norm, 2.0, false)?,
+            _ => clip_grad_norm(grads, &self.params, max_norm, 2.0, false)?,
+        };
+        self.clipped = true;
+        Ok(Some(clipped))
+    }
+
+    /// Completes the step: unscales (f16), clips to the configured
+    /// `gradient_clip` (unless [`clip_gradients`](Self::clip_gradients)
+    /// did), steps the optimizer at the schedule's rate (unless the
+    /// scaler found an inf or NaN), updates the scale, steps the schedule.
+    /// On an accumulation step it does nothing.
+    ///
+    /// # Errors
+    ///
+    /// No [`backward`](Self::backward) since the last step; the
+    /// optimizer's. A failed step leaves the parameters untouched.
+    pub fn step(&mut self) -> Result<StepOutcome> {
+        if self.grads.is_none() && self.micro > 0 && self.micro < self.accumulation_steps {
+            return Ok(StepOutcome::Accumulating);
+        }
+        if self.grads.is_none() {
+            return Err(Error::Fabric(
+                "step before backward: there are no gradients to step with".into(),
+            ));
+        }
+        if let (Some(max_norm), false) = (self.gradient_clip, self.clipped) {
+            self.clip_gradients(max_norm)?;
+        }
+        self.unscale()?;
+        let Some(mut grads) = self.grads.take() else {
+            return Err(Error::Fabric("the step's gradients are gone".into()));
+        };
+        self.order.apply_rate(self.stepper.inner_mut());
+        let stepper = &mut self.stepper;
+        let stepped = self
+            .order
+            .step(&mut grads, &self.params, |g| match stepper {
+                Stepper::Whole(opt) => Ok(opt.step(g)?),
+                Stepper::Zero(zero) => zero.step(g),
+            });
+        // Whatever happened, the next step starts afresh.
+        self.micro = 0;
+        self.unscaled = false;
+        self.clipped = false;
+        self.steps += 1;
+        Ok(match stepped? {
+            true => StepOutcome::Stepped,
+            false => StepOutcome::Skipped,
+        })
+    }
+
+    /// Unscales the step's gradients once (f16; a no-op otherwise).
+    fn unscale(&mut self) -> Result<()> {
+        if self.unscaled {
+            return Ok(());
+        }
+        if let Some(grads) = self.grads.as_mut() {
+            let across = self.strategy.shards().then_some(self.pg.as_ref());
+            self.order.unscale(grads, &self.params, across)?;
+            self.unscaled = true;
+        }
+        Ok(())
+    }
+
+    /// Steps the learning rate with `schedule` (its factor on the
+    /// optimizer's rate at each step, saved with the run).
+    pub fn set_schedule(&mut self, schedule: LrScheduler) {
+        self.order.set_schedule(schedule);
+    }
+
+    /// The optimizer (with ZeRO, this rank's, over its pieces).
+    pub fn optimizer(&self) -> &O {
+        self.stepper.inner()
+    }
+
+    /// The optimizer, to change its settings.
+    pub fn optimizer_mut(&mut self) -> &mut O {
+        self.stepper.inner_mut()
+    }
+
+    /// The model's output for `x` in evaluation mode, in f32: the whole
+    /// model on this rank's batch. Every rank must call it (DDP broadcasts
+    /// its buffers, FSDP gathers its units).
+    pub fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
+        self.engine.forward(x)
+    }
+
+    /// The whole model's weights by name, on the CPU: FSDP's gathered from
+    /// every rank (every rank must call it). Fabric's full state dict.
+    pub fn full_state(&self) -> Result<HashMap<String, Tensor>> {
+        self.engine.full_state(&self.varmap)
+    }
+
+    /// The strategy it was set up for.
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
+    /// Optimizer steps taken (skipped ones included).
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Steps the f16 loss scaler skipped.
+    pub fn skipped_steps(&self) -> u64 {
+        self.order.skipped()
+    }
+
+    /// The variables of this rank's model: the masters (`single`, `dp`),
+    /// this rank's copy, or FSDP's pieces of them.
+    pub fn varmap(&self) -> &VarMap {
+        &self.varmap
+    }
+}
+
+impl<O> fmt::Debug for FabricModel<O> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FabricModel")
+            .field("strategy", &self.strategy)
+            .field("rank", &self.pg.rank())
+            .field("params", &self.params.len())
+            .field("accumulation_steps", &self.accumulation_steps)
+            .field("gradient_clip", &self.gradient_clip)
+            .field("steps", &self.steps)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `before + grads`, variable by variable.
+fn add_grads(mut before: GradStore, grads: GradStore, params: &[Var]) -> Result<GradStore> {
+    for var in params {
+        if let Some(g) = grads.get(var) {
+            let sum = with_accumulated(before.get(var), Some(g.clone()))?;
+            if let Some(sum) = sum {
+                before.insert(var, sum);
+            }
+        }
+    }
+    Ok(before)
+}

@@ -1,0 +1,112 @@
+//! The model as a [`Fabric`](super::Fabric) takes it: a plain module, or
+//! the same model as units for the strategies that work unit by unit.
+
+use std::fmt;
+
+use candle_core::ModuleT;
+use candle_nn::VarBuilder;
+
+use super::config::Strategy;
+use crate::error::{Error, Result};
+use crate::units::{layer, LayerFactory, Units};
+
+/// A model's recipe: how to build it from a `VarBuilder`, as one module or
+/// as [`Units`] (each unit its own factory). Every strategy builds it as
+/// it needs: once, once per replica, once per rank, or a stage per device.
+///
+/// A plain module serves `single`, `dp`, `ddp`, `zero1` and `zero2`; the
+/// strategies that gather, reduce or place the model unit by unit
+/// (`ddp-overlap`, `fsdp`, `pipeline`, `pipeline-ddp`) need units, and
+/// refuse a plain module naming themselves.
+///
+/// ```
+/// use candle_dp::fabric::FabricModule;
+/// use candle_dp::pipeline::layer;
+/// use candle_nn::{linear, Activation};
+///
+/// let plain = FabricModule::module(|vb| linear(4, 2, vb.pp("fc")));
+/// let units = FabricModule::units(vec![
+///     layer(|vb| linear(4, 8, vb.pp("l1"))),
+///     layer(|_| Ok(Activation::Relu)),
+///     layer(|vb| linear(8, 2, vb.pp("l2"))),
+/// ]);
+/// assert!(!plain.is_units() && units.is_units());
+/// ```
+#[derive(Clone)]
+pub struct FabricModule {
+    parts: Vec<LayerFactory>,
+    units: bool,
+}
+
+impl FabricModule {
+    /// A plain module from its factory.
+    pub fn module<L, F>(factory: F) -> Self
+    where
+        L: ModuleT + 'static,
+        F: Fn(VarBuilder) -> candle_core::Result<L> + Send + Sync + 'static,
+    {
+        Self {
+            parts: vec![layer(factory)],
+            units: false,
+        }
+    }
+
+    /// A model as units, in order (see [`crate::units`]); it serves every
+    /// strategy.
+    pub fn units(parts: Vec<LayerFactory>) -> Self {
+        Self { parts, units: true }
+    }
+
+    /// Whether it was given as units.
+    pub fn is_units(&self) -> bool {
+        self.units
+    }
+
+    /// The factories (one for a plain module).
+    pub fn parts(&self) -> &[LayerFactory] {
+        &self.parts
+    }
+
+    /// Whether `strategy` can build it: an error naming both when not.
+    pub(crate) fn check_serves(&self, strategy: Strategy) -> Result<()> {
+        if strategy.needs_units() && !self.units {
+            return Err(Error::Strategy {
+                strategy: strategy.name().into(),
+                reason: format!(
+                    "it works on the model unit by unit, and a plain module (FabricModule::module) \
+                     has no units: give the model as FabricModule::units, or use {}",
+                    match strategy {
+                        Strategy::Fsdp => "zero2 (sharded optimizer state and gradients)",
+                        Strategy::DdpOverlap => "ddp (the reduction after the backward)",
+                        _ => "dp or ddp",
+                    }
+                ),
+            });
+        }
+        if self.parts.is_empty() {
+            return Err(Error::Strategy {
+                strategy: strategy.name().into(),
+                reason: "the model has no units".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// A factory of the whole model as [`Units`], for the engines that
+    /// build one module (once, per replica or per rank).
+    pub(crate) fn whole(
+        &self,
+    ) -> impl Fn(VarBuilder) -> candle_core::Result<Units> + Clone + Send + Sync + 'static {
+        let parts = self.parts.clone();
+        move |vb| Units::build(vb, &parts).map_err(candle_core::Error::wrap)
+    }
+}
+
+impl fmt::Debug for FabricModule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FabricModule")
+            .field("parts", &self.parts.len())
+            .field("units", &self.units)
+            .finish()
+    }
+}

@@ -1,0 +1,153 @@
+//! What happens around each optimizer step, in PyTorch's order: scale the
+//! loss, backward, unscale, clip, step (unless an inf or NaN), update the
+//! scale, step the schedule. One place for every strategy: the gradients
+//! come replicated (every rank the same) or sharded (each rank its pieces,
+//! so the checks and the norm span every rank).
+
+use candle_core::backprop::GradStore;
+use candle_core::Var;
+use candle_nn::Optimizer;
+
+use crate::comm::ProcessGroup;
+use crate::error::{Error, Result};
+use crate::optim::{GradScaler, GradScalerConfig, GradScalerState, LrScheduler, LrSchedulerState};
+
+/// The loss scaler (f16) and the learning-rate schedule of one run, and
+/// how many steps the scaler skipped.
+#[derive(Debug)]
+pub(crate) struct StepOrder {
+    scaler: Option<GradScaler>,
+    schedule: Option<LrScheduler>,
+    skipped: u64,
+}
+
+impl StepOrder {
+    /// A scaler with PyTorch's defaults but its first scale `init_scale`
+    /// when `scales_loss`, no schedule.
+    pub(crate) fn new(scales_loss: bool, init_scale: f64) -> Result<Self> {
+        let scaler = match scales_loss {
+            true => Some(GradScaler::new(GradScalerConfig {
+                init_scale,
+                ..GradScalerConfig::default()
+            })?),
+            false => None,
+        };
+        Ok(Self {
+            scaler,
+            schedule: None,
+            skipped: 0,
+        })
+    }
+
+    pub(crate) fn set_schedule(&mut self, schedule: LrScheduler) {
+        self.schedule = Some(schedule);
+    }
+
+    /// The factor the loss is multiplied by before the backward (1 without
+    /// a scaler).
+    pub(crate) fn loss_factor(&self) -> f64 {
+        self.scaler
+            .as_ref()
+            .map_or(1.0, |s| f64::from(s.scale_factor()))
+    }
+
+    /// Divides the gradients by the loss scale (and notes any inf or NaN);
+    /// with `pg`, the gradients are this rank's pieces and the finding is
+    /// shared by every rank.
+    pub(crate) fn unscale(
+        &mut self,
+        grads: &mut GradStore,
+        params: &[Var],
+        pg: Option<&dyn ProcessGroup>,
+    ) -> Result<()> {
+        if let Some(scaler) = &mut self.scaler {
+            match pg {
+                Some(pg) => scaler.unscale_across(grads, params, pg)?,
+                None => scaler.unscale(grads, params)?,
+            };
+        }
+        Ok(())
+    }
+
+    /// Sets the optimizer's rate for the coming step from the schedule.
+    pub(crate) fn apply_rate<O: Optimizer>(&self, opt: &mut O) {
+        if let Some(schedule) = &self.schedule {
+            schedule.apply(opt);
+        }
+    }
+
+    /// Steps through `apply` unless the scaler found an inf or NaN, updates
+    /// the scale, steps the schedule. Whether the optimizer stepped.
+    pub(crate) fn step(
+        &mut self,
+        grads: &mut GradStore,
+        params: &[Var],
+        apply: impl FnOnce(&GradStore) -> Result<()>,
+    ) -> Result<bool> {
+        let stepped = match &mut self.scaler {
+            Some(scaler) => {
+                let stepped = scaler.step(grads, params, apply)?;
+                scaler.update()?;
+                stepped
+            }
+            None => {
+                apply(grads)?;
+                true
+            }
+        };
+        if !stepped {
+            self.skipped += 1;
+        }
+        if let Some(schedule) = &mut self.schedule {
+            schedule.step()?;
+        }
+        Ok(stepped)
+    }
+
+    /// Steps the scaler skipped so far (an inf or NaN in f16).
+    pub(crate) fn skipped(&self) -> u64 {
+        self.skipped
+    }
+
+    /// What a training state keeps of it.
+    #[allow(dead_code)] // until FabricModel::save
+    pub(crate) fn state(&self) -> (Option<LrSchedulerState>, Option<GradScalerState>) {
+        (
+            self.schedule.as_ref().map(LrScheduler::state),
+            self.scaler.as_ref().map(GradScaler::state),
+        )
+    }
+
+    /// Continues from a saved schedule and scale, which must be there
+    /// exactly when this run has them.
+    #[allow(dead_code)] // until FabricModel::load
+    pub(crate) fn resume(
+        &mut self,
+        schedule: Option<&LrSchedulerState>,
+        scale: Option<&GradScalerState>,
+    ) -> Result<()> {
+        let refuse = |why: &str| Err(Error::Fabric(format!("cannot resume: {why}")));
+        match (&mut self.schedule, schedule) {
+            (Some(mine), Some(saved)) => mine.load_state(saved)?,
+            (Some(_), None) => return refuse("the saved state has no learning-rate schedule"),
+            (None, Some(saved)) => {
+                return refuse(&format!(
+                    "the saved state has a {} learning-rate schedule and this run none",
+                    saved.kind
+                ))
+            }
+            (None, None) => {}
+        }
+        match (&mut self.scaler, scale) {
+            (Some(mine), Some(saved)) => mine.load_state(saved)?,
+            (Some(_), None) => {
+                return refuse("the saved state has no loss scale: it was not a 16-mixed run")
+            }
+            (None, Some(_)) => {
+                return refuse("the saved state is of a 16-mixed run: resume with that precision")
+            }
+            (None, None) => {}
+        }
+        Ok(())
+    }
+}
