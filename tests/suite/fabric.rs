@@ -283,3 +283,244 @@ fn accumulation_and_clipping_match_one_device_under_every_strategy() {
         );
     }
 }
+
+/// Launches `config` and returns its error, checking that the loop never
+/// started when `before_running` (the refusal came before any rank ran).
+fn refusal(config: FabricConfig, module: FabricModule, before_running: bool) -> String {
+    let started = std::sync::atomic::AtomicBool::new(false);
+    let result = Fabric::launch(config, |fabric| {
+        started.store(true, std::sync::atomic::Ordering::SeqCst);
+        let model = fabric.setup(module.clone(), |p| Sgd::new_named(p, SgdConfig::default()))?;
+        Ok(model.steps())
+    });
+    let error = match result {
+        Ok(_) => panic!("the run was not refused"),
+        Err(e) => e.to_string(),
+    };
+    if before_running {
+        assert!(
+            !started.load(std::sync::atomic::Ordering::SeqCst),
+            "a rank ran before the refusal: {error}"
+        );
+    }
+    error
+}
+
+fn plain_module() -> FabricModule {
+    FabricModule::module(|vb| linear(6, 3, vb.pp("fc")))
+}
+
+#[test]
+fn strategies_that_work_unit_by_unit_refuse_a_plain_module_naming_both() {
+    for (strategy, devices) in [
+        (Strategy::Fsdp, 2),
+        (Strategy::DdpOverlap, 2),
+        (Strategy::Pipeline, 2),
+        (Strategy::PipelineDdp, 4),
+    ] {
+        let error = refusal(FabricConfig::new(strategy, devices), plain_module(), false);
+        assert!(
+            error.contains(&format!("strategy {strategy}")) && error.contains("plain module"),
+            "{strategy}: {error}"
+        );
+    }
+}
+
+#[test]
+fn strategies_that_cannot_serve_the_devices_or_settings_are_refused_before_anything_runs() {
+    let cases = [
+        (
+            FabricConfig::new(Strategy::Pipeline, 1),
+            "a pipeline of 1 stage",
+        ),
+        (
+            FabricConfig::new(Strategy::Single, 2),
+            "one device only, got 2",
+        ),
+        (
+            FabricConfig {
+                zero: Some(2),
+                ..FabricConfig::new(Strategy::Dp, 2)
+            },
+            "strategy dp: ZeRO stage 2",
+        ),
+        (
+            FabricConfig {
+                zero: Some(3),
+                ..FabricConfig::new(Strategy::Ddp, 2)
+            },
+            "ZeRO stage 3: 1 or 2",
+        ),
+        (
+            FabricConfig::new(Strategy::PipelineDdp, 3),
+            "3 devices do not split into pipelines of 2 stages",
+        ),
+        (FabricConfig::new(Strategy::Ddp, 0), "no devices"),
+        (
+            FabricConfig {
+                accumulation_steps: 0,
+                ..FabricConfig::new(Strategy::Ddp, 2)
+            },
+            "accumulation_steps must be at least 1",
+        ),
+        (
+            FabricConfig {
+                gradient_clip: Some(f64::NAN),
+                ..FabricConfig::new(Strategy::Fsdp, 2)
+            },
+            "gradient_clip NaN",
+        ),
+        (
+            FabricConfig {
+                devices: "0,1".parse().unwrap(),
+                ..FabricConfig::new(Strategy::Ddp, 2)
+            },
+            "CUDA ordinals but the accelerator is cpu",
+        ),
+    ];
+    for (config, expected) in cases {
+        let error = refusal(config.clone(), classifier(), true);
+        assert!(error.contains(expected), "{config:?}: {error}");
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn a_cuda_device_without_the_cuda_feature_is_refused_naming_it() {
+    let config = FabricConfig {
+        accelerator: "cuda".parse().unwrap(),
+        ..FabricConfig::new(Strategy::Ddp, 2)
+    };
+    let error = refusal(config, classifier(), true);
+    assert!(
+        error.contains("cuda:0") && error.contains("without its `cuda` feature"),
+        "{error}"
+    );
+}
+
+#[test]
+fn the_step_out_of_order_is_an_error_naming_what_is_missing() {
+    let config = FabricConfig::new(Strategy::Ddp, 2);
+    let data = dataset();
+    let errors = Fabric::launch(config, |fabric| {
+        let mut model = fabric.setup(classifier(), |p| Sgd::new_named(p, SgdConfig::default()))?;
+        let early = model.step().unwrap_err().to_string();
+        let (x, y) = (&data.tensors()[0], &data.tensors()[1]);
+        model.backward(x, y, loss::cross_entropy)?;
+        let twice = model
+            .backward(x, y, loss::cross_entropy)
+            .unwrap_err()
+            .to_string();
+        model.step()?;
+        Ok((early, twice))
+    })
+    .unwrap();
+    for (early, twice) in errors {
+        assert!(early.contains("step before backward"), "{early}");
+        assert!(twice.contains("without step()"), "{twice}");
+    }
+}
+
+#[test]
+fn strategy_and_precision_names_of_fabric_and_accelerate_are_understood() {
+    for (name, strategy) in [
+        ("single_device", Strategy::Single),
+        ("DDP", Strategy::Ddp),
+        ("ddp_overlap", Strategy::DdpOverlap),
+        ("deepspeed_stage_2", Strategy::Zero2),
+        ("zero-1", Strategy::Zero1),
+        ("fsdp", Strategy::Fsdp),
+        ("pipeline-ddp", Strategy::PipelineDdp),
+    ] {
+        assert_eq!(name.parse::<Strategy>().unwrap(), strategy, "{name}");
+    }
+    for strategy in Strategy::ALL {
+        assert_eq!(strategy.name().parse::<Strategy>().unwrap(), strategy);
+    }
+    let unknown = "fdsp".parse::<Strategy>().unwrap_err().to_string();
+    assert!(unknown.contains("unknown strategy `fdsp`") && unknown.contains("pipeline-ddp"));
+    for (name, precision) in [
+        ("32-true", Precision::F32),
+        ("no", Precision::F32),
+        ("bf16-mixed", Precision::Bf16Mixed),
+        ("bf16", Precision::Bf16Mixed),
+        ("16-mixed", Precision::F16Mixed),
+        ("fp16", Precision::F16Mixed),
+    ] {
+        assert_eq!(name.parse::<Precision>().unwrap(), precision, "{name}");
+    }
+    assert!("fp8".parse::<Precision>().is_err());
+}
+
+#[test]
+fn flags_override_the_config_file_which_overrides_the_defaults() {
+    use candle_dp::fabric::FabricArgs;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        fabric: FabricArgs,
+    }
+    let dir = tempdir();
+    let file = dir.join("fabric.json");
+    std::fs::write(
+        &file,
+        r#"{"strategy": "fsdp", "devices": 2, "precision": "bf16-mixed", "accumulation_steps": 4}"#,
+    )
+    .unwrap();
+    let from_file = Cli::parse_from(["prog", "--config", file.to_str().unwrap()])
+        .fabric
+        .config()
+        .unwrap();
+    assert_eq!(from_file.strategy, Strategy::Fsdp);
+    assert_eq!(from_file.accumulation_steps, 4);
+    let overridden = Cli::parse_from([
+        "prog",
+        "--config",
+        file.to_str().unwrap(),
+        "--strategy",
+        "ddp",
+        "--zero",
+        "2",
+        "--clip-grad-norm",
+        "1.5",
+        "--precision",
+        "f16",
+    ])
+    .fabric
+    .config()
+    .unwrap();
+    assert_eq!(overridden.effective_strategy(), Strategy::Zero2);
+    assert_eq!(overridden.precision, Precision::F16Mixed);
+    assert_eq!(overridden.gradient_clip, Some(1.5));
+    assert_eq!(overridden.accumulation_steps, 4, "kept from the file");
+    // A file round-trips through to_json.
+    assert_eq!(
+        FabricConfig::from_json(&overridden.to_json()).unwrap(),
+        overridden
+    );
+
+    std::fs::write(&file, r#"{"strategy": "ddp", "device": 2}"#).unwrap();
+    let error = FabricConfig::from_file(&file).unwrap_err().to_string();
+    assert!(
+        error.contains("fabric.json") && error.contains("unknown field `device`"),
+        "{error}"
+    );
+    let missing = FabricConfig::from_file(dir.join("nowhere.json"))
+        .unwrap_err()
+        .to_string();
+    assert!(missing.contains("nowhere.json"), "{missing}");
+}
+
+/// A fresh directory of this test's own.
+fn tempdir() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "candle-dp-fabric-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
