@@ -55,11 +55,13 @@
 //! What differs from PyTorch's tools, and why, is in `docs/fabric.md`.
 
 mod args;
+mod checkpoints;
 mod config;
 mod data;
 mod engine;
 mod model;
 mod module;
+mod saving;
 mod step_order;
 
 use std::fmt;
@@ -328,6 +330,9 @@ impl Fabric {
             unscaled: false,
             clipped: false,
             steps: 0,
+            checkpoint_dir: self.config.checkpoint_dir.clone(),
+            keep: self.config.keep,
+            seed: self.config.seed,
         })
     }
 

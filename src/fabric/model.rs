@@ -99,6 +99,11 @@ pub struct FabricModel<O> {
     pub(crate) clipped: bool,
     /// Optimizer steps taken or skipped.
     pub(crate) steps: u64,
+    /// Where [`save`](Self::save) writes, and how many states it keeps.
+    pub(crate) checkpoint_dir: Option<std::path::PathBuf>,
+    pub(crate) keep: usize,
+    /// The run's seed, saved with its states.
+    pub(crate) seed: u64,
 }
 
 impl<O: StatefulOptimizer> FabricModel<O> {

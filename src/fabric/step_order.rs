@@ -110,7 +110,6 @@ impl StepOrder {
     }
 
     /// What a training state keeps of it.
-    #[allow(dead_code)] // until FabricModel::save
     pub(crate) fn state(&self) -> (Option<LrSchedulerState>, Option<GradScalerState>) {
         (
             self.schedule.as_ref().map(LrScheduler::state),
@@ -120,7 +119,6 @@ impl StepOrder {
 
     /// Continues from a saved schedule and scale, which must be there
     /// exactly when this run has them.
-    #[allow(dead_code)] // until FabricModel::load
     pub(crate) fn resume(
         &mut self,
         schedule: Option<&LrSchedulerState>,

@@ -513,14 +513,157 @@ fn flags_override_the_config_file_which_overrides_the_defaults() {
     assert!(missing.contains("nowhere.json"), "{missing}");
 }
 
-/// A fresh directory of this test's own.
+/// A fresh directory of its own for each call.
 fn tempdir() -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "candle-dp-fabric-{}-{:?}",
-        std::process::id(),
-        std::thread::current().id()
-    ));
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let dir = std::env::temp_dir().join(format!("candle-dp-fabric-{}-{call}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
+}
+
+/// The loop of [`train`] with resuming and saving: it continues from the
+/// newest state in the checkpoint folder, and with `stop_at` saves the
+/// state after that step and stops (a run killed right after its save).
+fn train_resumable(
+    fabric: Fabric,
+    data: Arc<TensorDataset>,
+    stop_at: Option<u64>,
+) -> anyhow::Result<Trained> {
+    use candle_dp::training_state::Progress;
+    let mut model = fabric.setup(classifier(), |params| {
+        Sgd::new_named(
+            params,
+            SgdConfig {
+                lr: 0.05,
+                momentum: 0.9,
+                ..Default::default()
+            },
+        )
+    })?;
+    let from = model.load()?.unwrap_or_default();
+    let options = DataOptions {
+        shuffle: true,
+        ..DataOptions::default()
+    };
+    let per_batch = GLOBAL_BATCH / fabric.world_size();
+    let mut loader = fabric.setup_dataloader(data, per_batch, options)?;
+    let (mut losses, mut step) = (Vec::new(), from.step);
+    for epoch in from.epoch..EPOCHS {
+        loader.set_epoch(epoch);
+        let skip = if epoch == from.epoch { from.batch } else { 0 };
+        loader.skip_batches(skip as usize);
+        for (batch_index, batch) in (skip..).zip(loader.iter()?) {
+            let batch = batch?;
+            let loss = model.backward(&batch[0], &batch[1], loss::cross_entropy)?;
+            model.step()?;
+            losses.push(fabric.all_reduce_mean(&loss)?);
+            step += 1;
+            if stop_at == Some(step) {
+                let progress = Progress {
+                    epoch,
+                    batch: batch_index + 1,
+                    step,
+                };
+                model.save(progress)?;
+                return Ok((model.full_state()?, losses));
+            }
+        }
+    }
+    Ok((model.full_state()?, losses))
+}
+
+fn resumable_run(config: &FabricConfig, stop_at: Option<u64>) -> Trained {
+    let data = dataset();
+    Fabric::launch(config.clone(), |fabric| {
+        train_resumable(fabric, data.clone(), stop_at)
+    })
+    .unwrap_or_else(|e| panic!("{config:?}: {e}"))
+    .swap_remove(0)
+}
+
+#[test]
+fn a_run_stopped_after_its_save_resumes_to_the_same_bytes_under_every_strategy() {
+    for (strategy, precision) in Strategy::ALL
+        .map(|s| (s, Precision::F32))
+        .into_iter()
+        .chain([
+            (Strategy::Ddp, Precision::F16Mixed),
+            (Strategy::Fsdp, Precision::Bf16Mixed),
+        ])
+    {
+        let dir = tempdir().join(format!("{strategy}-{precision}"));
+        let config = FabricConfig {
+            checkpoint_dir: Some(dir),
+            ..config(strategy, precision)
+        };
+        let straight = resumable_run(
+            &FabricConfig {
+                checkpoint_dir: Some(tempdir().join("none")),
+                ..config.clone()
+            },
+            None,
+        );
+        // Stopped mid-epoch (step 3 of 4), then at the end of the first
+        // epoch's next state, then to the end.
+        resumable_run(&config, Some(3));
+        resumable_run(&config, Some(5));
+        let resumed = resumable_run(&config, None);
+        assert!(
+            identical(&resumed.0, &straight.0),
+            "{strategy} {precision}: resumed weights differ\n{}",
+            diff_report(&resumed.0, &straight.0)
+        );
+        assert_eq!(
+            resumed.1,
+            straight.1[5..],
+            "{strategy} {precision}: losses after the resume"
+        );
+    }
+}
+
+#[test]
+fn sharded_states_reshard_onto_another_number_of_ranks() {
+    let single = run(Strategy::Single, Precision::F32);
+    for strategy in [Strategy::Zero2, Strategy::Fsdp] {
+        let dir = tempdir().join(format!("reshard-{strategy}"));
+        let on = |devices| FabricConfig {
+            checkpoint_dir: Some(dir.clone()),
+            ..FabricConfig::new(strategy, devices)
+        };
+        resumable_run(&on(2), Some(3));
+        // 12 samples a step on 3 ranks, 4 each: the same global batches.
+        let resumed = resumable_run(&on(3), None);
+        let weights = max_rel_diff(&resumed.0, &single.0);
+        assert!(
+            weights <= 1e-6,
+            "{strategy} saved on 2 ranks, resumed on 3: {weights:.2e} from one device's\n{}",
+            diff_report(&resumed.0, &single.0)
+        );
+    }
+}
+
+#[test]
+fn a_state_of_another_layout_is_refused_naming_both_strategies() {
+    let dir = tempdir().join("layouts");
+    let fsdp = FabricConfig {
+        checkpoint_dir: Some(dir.clone()),
+        ..FabricConfig::new(Strategy::Fsdp, 2)
+    };
+    resumable_run(&fsdp, Some(2));
+    let ddp = FabricConfig {
+        checkpoint_dir: Some(dir),
+        ..FabricConfig::new(Strategy::Ddp, 2)
+    };
+    let data = dataset();
+    let error = Fabric::launch(ddp, |fabric| train_resumable(fabric, data.clone(), None))
+        .unwrap_err()
+        .to_string();
+    // DDP reads the state itself; the FSDP state's optimizer is in its
+    // shards, so either the layout or the missing optimizer is named.
+    assert!(
+        error.contains("strategy fsdp") && error.contains("strategy ddp"),
+        "{error}"
+    );
 }

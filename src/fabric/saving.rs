@@ -1,0 +1,240 @@
+//! [`FabricModel::save`] and [`FabricModel::load`]: the whole training
+//! state (weights, optimizer, schedule, loss scale, where the run is), in
+//! one folder, sharded where the strategy shards and resharded on load to
+//! any world size, so that a killed run resumes to the same bytes.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Tensor, Var};
+use candle_nn::VarMap;
+
+use super::checkpoints::Checkpoints;
+use super::config::Strategy;
+use super::engine::Engine;
+use super::model::{FabricModel, Stepper};
+use crate::checkpoint::Prefix;
+use crate::error::{Error, Result};
+use crate::lock::lock;
+use crate::optim::StatefulOptimizer;
+use crate::training_state::{check_ranks_agree, Progress, SamplerState, TrainingState};
+
+/// Every rank's shards of a state, as its strategy saved them.
+enum Shards {
+    None,
+    Zero(Vec<crate::optim::OptimizerState>),
+    Fsdp(Vec<super::checkpoints::FsdpSave>),
+}
+
+/// The metadata key naming the strategy that saved a state.
+const STRATEGY: &str = "fabric.strategy";
+
+/// How a strategy's states are laid out: states of one kind load into any
+/// strategy of the same kind, on any number of ranks.
+fn layout(strategy: Strategy) -> &'static str {
+    match strategy {
+        Strategy::Zero1 | Strategy::Zero2 => "ZeRO shards",
+        Strategy::Fsdp => "FSDP shards",
+        _ => "whole",
+    }
+}
+
+impl<O: StatefulOptimizer> FabricModel<O> {
+    /// Saves the whole training state at `progress` into the configured
+    /// `checkpoint_dir` (atomically: a kill leaves the previous states
+    /// whole), keeping the newest `keep`: each rank its shard where the
+    /// strategy shards (its optimizer state, and FSDP's pieces of the
+    /// weights), the rest once. Every rank must call it. Fabric's
+    /// `save`, Accelerate's `save_state`.
+    ///
+    /// # Errors
+    ///
+    /// No `checkpoint_dir` configured; the write's (naming the file).
+    pub fn save(&self, progress: Progress) -> Result<()> {
+        let checkpoints = self.checkpoints()?;
+        let (lr_scheduler, grad_scaler) = self.order.state();
+        let mut state = TrainingState {
+            progress,
+            sampler: Some(SamplerState {
+                seed: self.seed,
+                epoch: progress.epoch,
+            }),
+            lr_scheduler,
+            grad_scaler,
+            ..Default::default()
+        };
+        state
+            .metadata
+            .insert(STRATEGY.into(), self.strategy.name().into());
+        match (&self.engine, &self.stepper) {
+            (_, Stepper::Zero(zero)) => checkpoints.save_sharded(
+                self.pg.as_ref(),
+                &self.varmap,
+                &VarMap::new(),
+                zero.shard_state()?,
+                state,
+            ),
+            (Engine::Fsdp(fsdp), Stepper::Whole(opt)) => checkpoints.save_sharded(
+                self.pg.as_ref(),
+                &VarMap::new(),
+                &varmap_of(fsdp.pieces()?)?,
+                fsdp.shard_state(opt)?,
+                state,
+            ),
+            (_, Stepper::Whole(opt)) => {
+                // The state is the same on every rank: one writer, and no
+                // rank goes on before it is written.
+                if self.pg.rank() == 0 {
+                    state.optimizer = Some(opt.state()?);
+                    checkpoints.save(&self.varmap, &state)?;
+                }
+                Ok(self.pg.barrier()?)
+            }
+        }
+    }
+
+    /// Resumes from the newest complete state in `checkpoint_dir`: the
+    /// weights, the optimizer's state (resharded to this run's ranks where
+    /// the strategy shards), the schedule and the loss scale. Returns where
+    /// the run continues, `None` when there is no state (a fresh start).
+    /// Every rank must call it. Fabric's `load`, Accelerate's
+    /// `load_state`.
+    ///
+    /// # Errors
+    ///
+    /// No `checkpoint_dir`; a state of another layout (sharded by another
+    /// strategy), seed, schedule or precision, naming both; states exist
+    /// but none is complete; ranks that found different states
+    /// ([`Error::ResumeMismatch`]). Nothing is loaded then.
+    pub fn load(&mut self) -> Result<Option<Progress>> {
+        let checkpoints = self.checkpoints()?;
+        // What to load is found first, and every rank must have found the
+        // same step before anything changes.
+        let found = match (&self.engine, &self.stepper) {
+            (_, Stepper::Zero(_)) => checkpoints
+                .latest_zero()?
+                .map(|(saved, shards)| (saved, Shards::Zero(shards))),
+            (Engine::Fsdp(_), _) => checkpoints
+                .latest_fsdp()?
+                .map(|(saved, saves)| (saved, Shards::Fsdp(saves))),
+            _ => checkpoints.latest()?.map(|saved| (saved, Shards::None)),
+        };
+        let step = found.as_ref().map(|(saved, _)| saved.state.progress.step);
+        check_ranks_agree(self.pg.as_ref(), step)?;
+        let Some((saved, shards)) = found else {
+            return Ok(None);
+        };
+        check_layout(self.strategy, self.seed, &saved.state, &saved.path)?;
+        match (&mut self.engine, &mut self.stepper, shards) {
+            (_, Stepper::Zero(zero), Shards::Zero(shards)) => {
+                // The weights first (all or nothing), put back if the
+                // shards do not fit.
+                let before = snapshot(&self.varmap)?;
+                saved.restore(&self.varmap, None::<&mut O>)?;
+                if let Err(e) = zero.load_shards(&shards) {
+                    put_back(&before)?;
+                    return Err(e);
+                }
+            }
+            (Engine::Fsdp(fsdp), Stepper::Whole(opt), Shards::Fsdp(saves)) => {
+                let (pieces, states): (Vec<_>, Vec<_>) = saves.into_iter().unzip();
+                fsdp.load_resharded(&pieces, &states, opt)?;
+            }
+            (_, Stepper::Whole(opt), Shards::None) => saved.restore(&self.varmap, Some(opt))?,
+            _ => {
+                return Err(Error::Fabric(
+                    "the state found does not fit this strategy's layout".into(),
+                ))
+            }
+        }
+        let state = saved.state;
+        self.order
+            .resume(state.lr_scheduler.as_ref(), state.grad_scaler.as_ref())?;
+        self.steps = state.progress.step;
+        self.micro = 0;
+        self.pending = None;
+        self.grads = None;
+        Ok(Some(state.progress))
+    }
+
+    /// Writes the whole model's weights to one safetensors file at `path`
+    /// on rank 0 (FSDP gathers them: every rank must call it), loadable
+    /// with [`checkpoint::load`](crate::checkpoint::load) into any
+    /// strategy's model or plain candle: Fabric's full state dict export.
+    ///
+    /// # Errors
+    ///
+    /// The gathering's, the write's (naming the file).
+    pub fn save_full(&self, path: impl AsRef<Path>) -> Result<()> {
+        let whole = self.full_state()?;
+        if self.pg.rank() == 0 {
+            crate::checkpoint::save(&varmap_of(whole)?, path, Prefix::None)?;
+        }
+        Ok(self.pg.barrier()?)
+    }
+
+    fn checkpoints(&self) -> Result<Checkpoints> {
+        let dir: &PathBuf = self.checkpoint_dir.as_ref().ok_or_else(|| {
+            Error::Fabric(
+                "no checkpoint_dir configured: set FabricConfig::checkpoint_dir \
+                 (--checkpoint-dir) to save or load"
+                    .into(),
+            )
+        })?;
+        Checkpoints::new(dir, self.keep)
+    }
+}
+
+/// Refuses a state another strategy's layout or another seed wrote.
+fn check_layout(strategy: Strategy, seed: u64, state: &TrainingState, path: &Path) -> Result<()> {
+    if let Some(saved) = state.metadata.get(STRATEGY) {
+        let saved: Strategy = saved.parse()?;
+        if layout(saved) != layout(strategy) {
+            return Err(Error::Checkpoint(format!(
+                "{}: saved by strategy {saved} ({}), which strategy {strategy} ({}) cannot load: \
+                 resume with {saved}, or export it with save_full and start from its weights",
+                path.display(),
+                layout(saved),
+                layout(strategy)
+            )));
+        }
+    }
+    if let Some(sampler) = state.sampler {
+        if sampler.seed != seed {
+            return Err(Error::Checkpoint(format!(
+                "{}: saved by a run of seed {}, this run's is {seed}: its data order would differ",
+                path.display(),
+                sampler.seed
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Copies of `varmap`'s values.
+fn snapshot(varmap: &VarMap) -> Result<Vec<(Var, Tensor)>> {
+    lock(varmap.data())
+        .values()
+        .map(|var| Ok((var.clone(), var.as_tensor().copy()?)))
+        .collect()
+}
+
+/// Sets the variables back to `values`.
+fn put_back(values: &[(Var, Tensor)]) -> Result<()> {
+    for (var, value) in values {
+        var.set(value)?;
+    }
+    Ok(())
+}
+
+/// A `VarMap` holding `tensors`.
+fn varmap_of(tensors: HashMap<String, Tensor>) -> Result<VarMap> {
+    let varmap = VarMap::new();
+    {
+        let mut data = lock(varmap.data());
+        for (name, tensor) in tensors {
+            data.insert(name, Var::from_tensor(&tensor)?);
+        }
+    }
+    Ok(varmap)
+}
