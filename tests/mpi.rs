@@ -61,6 +61,10 @@ fn mpi_worker() {
 fn worker() -> anyhow::Result<()> {
     let scenario = std::env::var(SCENARIO).context("no scenario named")?;
     let out = PathBuf::from(std::env::var(OUT_DIR).context("no output directory")?);
+    // A Fabric launches its ranks itself.
+    if let Some(strategy) = scenario.strip_prefix("fabric-") {
+        return fabric_worker(strategy.parse()?, &out);
+    }
     let results = run(0, bounded(), |ctx| {
         let rank = ctx.rank;
         let outcome = scenario_by_name(&scenario, ctx, &out)?;
@@ -75,6 +79,36 @@ fn worker() -> anyhow::Result<()> {
 }
 
 type Tensors = HashMap<String, Tensor>;
+
+/// The one loop of the Fabric tests under `strategy` on this MPI process
+/// (two ranks' worth of devices: under mpirun the launcher decides).
+fn fabric_config(strategy: candle_dp::fabric::Strategy) -> candle_dp::fabric::FabricConfig {
+    candle_dp::fabric::FabricConfig {
+        timeout_secs: Some(30.0),
+        ..candle_dp::fabric::FabricConfig::new(strategy, 2)
+    }
+}
+
+/// Runs the Fabric loop and saves this rank's weights and losses.
+fn fabric_worker(strategy: candle_dp::fabric::Strategy, out: &Path) -> anyhow::Result<()> {
+    use candle_dp::fabric::Fabric;
+    let results = Fabric::launch(fabric_config(strategy), |fabric| {
+        let rank = fabric.rank();
+        Ok((rank, fabric_results(fabric)?))
+    })?;
+    for (rank, tensors) in results {
+        candle_core::safetensors::save(&tensors, out.join(format!("rank{rank}.safetensors")))?;
+    }
+    Ok(())
+}
+
+/// The loop's weights, and its losses as the tensor `losses`.
+fn fabric_results(fabric: candle_dp::fabric::Fabric) -> anyhow::Result<Tensors> {
+    let (mut weights, losses) = common::fabric_loop::train(fabric, common::fabric_loop::dataset())?;
+    let n = losses.len();
+    weights.insert("losses".into(), Tensor::from_vec(losses, n, &Device::Cpu)?);
+    Ok(weights)
+}
 
 /// Runs scenario `name` on this rank; `Some` results are saved for the test.
 fn scenario_by_name(name: &str, ctx: RankContext, out: &Path) -> anyhow::Result<Option<Tensors>> {
@@ -1049,6 +1083,29 @@ fn overlapped_ddp_on_1_to_4_processes_saves_the_bytes_of_ddp_without_units() {
     }
 }
 
+/// The one loop of the Fabric tests, unchanged, under `ddp`, `zero2` and
+/// `fsdp` on two MPI processes: the thread ranks' bytes, every rank the
+/// same, one device's weights within the thread tests' tolerance.
+#[test]
+fn the_fabric_loop_under_mpirun_saves_the_bytes_of_thread_ranks() {
+    use candle_dp::fabric::{Fabric, FabricConfig, Strategy};
+    let single = Fabric::launch(FabricConfig::new(Strategy::Single, 1), fabric_results)
+        .unwrap()
+        .swap_remove(0);
+    for strategy in [Strategy::Ddp, Strategy::Zero2, Strategy::Fsdp] {
+        let job = mpirun_ok(2, &format!("fabric-{strategy}"), None);
+        let threads = Fabric::launch(fabric_config(strategy), fabric_results).unwrap();
+        for (rank, threads) in threads.iter().enumerate() {
+            assert_bitwise_equal(&job.rank(rank), threads, &format!("{strategy} rank {rank}"));
+        }
+        let weights = max_rel_diff(&job.rank(0), &single);
+        assert!(
+            weights <= 1e-6,
+            "{strategy}: {weights:.2e} from one device's"
+        );
+    }
+}
+
 /// FSDP on 1 to 4 processes trains to DDP's bytes (AdamW), and to the
 /// thread ranks'.
 #[test]
@@ -1686,5 +1743,36 @@ mod tempdir {
         fn drop(&mut self) {
             let _ = std::fs::remove_dir_all(&self.0);
         }
+    }
+}
+
+/// The seed's demonstration under `mpirun -np 2`: `torchrun`'s script
+/// (`launch::run`), Fabric's and Accelerate's print what the real tools
+/// printed (`scripts/gen_fabric_reference.py`). `mp.spawn` is the
+/// in-process launcher, tested on thread ranks only.
+#[test]
+fn the_demonstration_under_mpirun_prints_what_pytorch_fabric_and_accelerate_print() {
+    let example = common::killing::example("which_batch");
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/data/fabric_reference.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    for script in ["torchrun", "fabric", "accelerate"] {
+        let mut command = mpirun_command(2, &example, None);
+        command.args(["--script", script]);
+        let output = run_bounded(command, script);
+        assert!(output.status.success(), "{script}: {output:?}");
+        let mut lines: Vec<String> = String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .filter(|line| line.starts_with("rank "))
+            .map(str::to_owned)
+            .collect();
+        lines.sort();
+        let want: Vec<String> = serde_json::from_value(reference["demo"][script].clone()).unwrap();
+        assert_eq!(lines, want, "{script} under mpirun");
     }
 }

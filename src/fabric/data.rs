@@ -94,7 +94,31 @@ impl std::fmt::Debug for FabricLoader {
 }
 
 impl FabricLoader {
-    pub(crate) fn new(
+    /// Rank `rank`'s loader of `world_size` over `dataset`, shuffled with
+    /// `seed` (what [`Fabric::setup_dataloader`](super::Fabric::setup_dataloader)
+    /// makes from the run's rank and seed).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use candle_core::{Device, Tensor};
+    /// use candle_dp::fabric::{DataOptions, FabricLoader, Sharding};
+    /// use candle_dp::loader::TensorDataset;
+    ///
+    /// let numbers = Tensor::arange(0u32, 20, &Device::Cpu)?;
+    /// let data = Arc::new(TensorDataset::new(vec![numbers])?);
+    /// let accelerate = DataOptions { sharding: Sharding::accelerate(), ..DataOptions::default() };
+    /// let rank1 = FabricLoader::for_rank(data.clone(), 10, accelerate, 1, 2, 0)?;
+    /// assert_eq!(rank1.batch_indices()?, vec![(10..20).collect::<Vec<_>>()]);
+    /// let fabric = FabricLoader::for_rank(data, 10, DataOptions::default(), 1, 2, 0)?;
+    /// assert_eq!(fabric.batch_indices()?, vec![(1..20).step_by(2).collect::<Vec<_>>()]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// A batch size of 0; `split_batches` with a batch size that the ranks
+    /// do not divide; a rank outside the world.
+    pub fn for_rank(
         dataset: Arc<dyn Dataset>,
         batch_size: usize,
         options: DataOptions,
@@ -105,6 +129,8 @@ impl FabricLoader {
         if batch_size == 0 {
             return Err(crate::loader::LoaderError::ZeroBatchSize.into());
         }
+        // The sampler's own check: a rank outside the world is named.
+        DistributedSampler::new(dataset.len(), world_size, rank)?;
         if let Sharding::BatchWise {
             split_batches: true,
             ..

@@ -366,7 +366,7 @@ impl Fabric {
         batch_size: usize,
         options: DataOptions,
     ) -> Result<FabricLoader> {
-        FabricLoader::new(
+        FabricLoader::for_rank(
             dataset,
             batch_size,
             options,

@@ -1,6 +1,7 @@
 //! Models and helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod fabric_loop;
 pub mod killing;
 
 use std::collections::HashMap;

@@ -5,89 +5,15 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use candle_dp::fabric::{
-    DataOptions, Fabric, FabricConfig, FabricModule, Precision, StepOutcome, Strategy,
-};
+use candle_dp::fabric::{DataOptions, Fabric, FabricConfig, FabricModule, Precision, Strategy};
 use candle_dp::loader::TensorDataset;
 use candle_dp::optim::{Sgd, SgdConfig};
-use candle_dp::pipeline::layer;
-use candle_nn::{linear, loss, Activation};
+use candle_nn::{linear, loss};
 
+use crate::common::fabric_loop::{
+    classifier, dataset, train, Trained, EPOCHS, GLOBAL_BATCH, SAMPLES,
+};
 use crate::common::{diff_report, identical, max_rel_diff};
-
-const SAMPLES: usize = 48;
-const GLOBAL_BATCH: usize = 12;
-const EPOCHS: u64 = 2;
-
-/// A small classifier as units (every strategy can build it).
-fn classifier() -> FabricModule {
-    FabricModule::units(vec![
-        layer(|vb| linear(6, 16, vb.pp("l1"))),
-        layer(|_| Ok(Activation::Relu)),
-        layer(|vb| linear(16, 16, vb.pp("l2"))),
-        layer(|_| Ok(Activation::Relu)),
-        layer(|vb| linear(16, 3, vb.pp("l3"))),
-    ])
-}
-
-/// 48 samples of 6 features and 3 classes, the same in every run.
-fn dataset() -> Arc<TensorDataset> {
-    let xs: Vec<f32> = (0..SAMPLES * 6)
-        .map(|i| ((i * 37 % 101) as f32 / 50.0 - 1.0) * 1.5)
-        .collect();
-    let ys: Vec<u32> = (0..SAMPLES as u32).map(|i| (i * 7 + i / 5) % 3).collect();
-    let x = Tensor::from_vec(xs, (SAMPLES, 6), &Device::Cpu).unwrap();
-    let y = Tensor::from_vec(ys, SAMPLES, &Device::Cpu).unwrap();
-    Arc::new(TensorDataset::new(vec![x, y]).unwrap())
-}
-
-/// What one run gives back: the whole model's final weights and the
-/// global loss of every step.
-type Trained = (HashMap<String, Tensor>, Vec<f32>);
-
-/// THE loop: the same code whatever the strategy.
-fn train(fabric: Fabric, data: Arc<TensorDataset>) -> anyhow::Result<Trained> {
-    // SGD with momentum: unlike Adam's, its update scales with the
-    // gradient, so a gradient averaged wrong cannot go unseen.
-    let mut model = fabric.setup(classifier(), |params| {
-        Sgd::new_named(
-            params,
-            SgdConfig {
-                lr: 0.05,
-                momentum: 0.9,
-                ..Default::default()
-            },
-        )
-    })?;
-    let options = DataOptions {
-        shuffle: true,
-        ..DataOptions::default()
-    };
-    // The global batch of a step is GLOBAL_BATCH samples, whatever the
-    // ranks and the accumulation.
-    let per_batch =
-        GLOBAL_BATCH / fabric.world_size() / fabric.config().accumulation_steps as usize;
-    let mut loader = fabric.setup_dataloader(data, per_batch, options)?;
-    let (mut losses, mut steps) = (Vec::new(), 0);
-    for epoch in 0..EPOCHS {
-        loader.set_epoch(epoch);
-        for batch in loader.iter()? {
-            let batch = batch?;
-            let loss = model.backward(&batch[0], &batch[1], loss::cross_entropy)?;
-            if model.step()? != StepOutcome::Accumulating {
-                steps += 1;
-            }
-            losses.push(fabric.all_reduce_mean(&loss)?);
-        }
-    }
-    anyhow::ensure!(model.skipped_steps() == 0, "the loss scaler skipped a step");
-    anyhow::ensure!(
-        steps == model.steps(),
-        "{steps} steps counted, {} taken",
-        model.steps()
-    );
-    Ok((model.full_state()?, losses))
-}
 
 /// `strategy` on as many CPU devices as it needs for two ranks, replicas
 /// or stages (`pipeline-ddp`: two ranks of two stages).
@@ -666,4 +592,83 @@ fn a_state_of_another_layout_is_refused_naming_both_strategies() {
         error.contains("strategy fsdp") && error.contains("strategy ddp"),
         "{error}"
     );
+}
+
+/// What real PyTorch, Lightning and Accelerate gave
+/// (`scripts/gen_fabric_reference.py`).
+fn reference() -> serde_json::Value {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/fabric_reference.json"
+    ))
+    .unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+#[test]
+fn batch_wise_dispatch_gives_every_rank_accelerates_batches() {
+    use candle_dp::fabric::{FabricLoader, Sharding};
+    let reference = reference();
+    let cases = reference["batch_wise"].as_array().unwrap();
+    assert!(cases.len() > 500, "the grid of cases is there");
+    for case in cases {
+        let n = case["n"].as_u64().unwrap() as u32;
+        let batch = case["batch"].as_u64().unwrap() as usize;
+        let world = case["world"].as_u64().unwrap() as usize;
+        let options = DataOptions {
+            sharding: Sharding::BatchWise {
+                split_batches: case["split_batches"].as_bool().unwrap(),
+                even_batches: case["even_batches"].as_bool().unwrap(),
+            },
+            drop_last: case["drop_last"].as_bool().unwrap(),
+            ..DataOptions::default()
+        };
+        let numbers = Tensor::arange(0u32, n, &Device::Cpu).unwrap();
+        let data = Arc::new(TensorDataset::new(vec![numbers]).unwrap());
+        for rank in 0..world {
+            let loader =
+                FabricLoader::for_rank(data.clone(), batch, options, rank, world, 0).unwrap();
+            let mine = loader.batch_indices().unwrap();
+            let want: Vec<Vec<usize>> =
+                serde_json::from_value(case["ranks"][rank].clone()).unwrap();
+            assert_eq!(mine, want, "rank {rank} of {case}");
+            // The loader yields exactly those samples.
+            let yielded: Vec<Vec<usize>> = loader
+                .iter()
+                .unwrap()
+                .map(|b| {
+                    let b = b.unwrap();
+                    b[0].to_vec1::<u32>()
+                        .unwrap()
+                        .into_iter()
+                        .map(|i| i as usize)
+                        .collect()
+                })
+                .collect();
+            assert_eq!(yielded, want, "rank {rank} of {case}: the loader's batches");
+        }
+    }
+}
+
+/// The four scripts of the demonstration, each run as the example
+/// `which_batch` on two thread ranks, print what PyTorch's did.
+#[test]
+fn the_demonstration_prints_what_pytorch_fabric_and_accelerate_print() {
+    use crate::common::killing::{bounded_output, example};
+    let reference = reference();
+    for script in ["spawn", "torchrun", "fabric", "accelerate"] {
+        let mut command = std::process::Command::new(example("which_batch"));
+        command.args(["--script", script]);
+        let output = bounded_output(command, std::time::Duration::from_secs(120));
+        assert!(output.status.success(), "{script}: {output:?}");
+        let mut lines: Vec<String> = String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        lines.sort();
+        let want: Vec<String> = serde_json::from_value(reference["demo"][script].clone()).unwrap();
+        assert_eq!(lines, want, "{script}");
+    }
+    // Accelerate's split is the other one.
+    assert_ne!(reference["demo"]["accelerate"], reference["demo"]["fabric"]);
 }

@@ -1,0 +1,87 @@
+//! The one training loop of the Fabric tests, shared by the thread-rank
+//! tests (`tests/suite/fabric.rs`) and the MPI ones (`tests/mpi.rs`): the
+//! same function whatever the strategy, the ranks or the processes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+use candle_dp::fabric::{DataOptions, Fabric, FabricModule, StepOutcome};
+use candle_dp::loader::TensorDataset;
+use candle_dp::optim::{Sgd, SgdConfig};
+use candle_dp::pipeline::layer;
+use candle_nn::{linear, loss, Activation};
+
+pub const SAMPLES: usize = 48;
+pub const GLOBAL_BATCH: usize = 12;
+pub const EPOCHS: u64 = 2;
+
+/// A small classifier as units (every strategy can build it).
+pub fn classifier() -> FabricModule {
+    FabricModule::units(vec![
+        layer(|vb| linear(6, 16, vb.pp("l1"))),
+        layer(|_| Ok(Activation::Relu)),
+        layer(|vb| linear(16, 16, vb.pp("l2"))),
+        layer(|_| Ok(Activation::Relu)),
+        layer(|vb| linear(16, 3, vb.pp("l3"))),
+    ])
+}
+
+/// 48 samples of 6 features and 3 classes, the same in every run.
+pub fn dataset() -> Arc<TensorDataset> {
+    let xs: Vec<f32> = (0..SAMPLES * 6)
+        .map(|i| ((i * 37 % 101) as f32 / 50.0 - 1.0) * 1.5)
+        .collect();
+    let ys: Vec<u32> = (0..SAMPLES as u32).map(|i| (i * 7 + i / 5) % 3).collect();
+    let x = Tensor::from_vec(xs, (SAMPLES, 6), &Device::Cpu).unwrap();
+    let y = Tensor::from_vec(ys, SAMPLES, &Device::Cpu).unwrap();
+    Arc::new(TensorDataset::new(vec![x, y]).unwrap())
+}
+
+/// What one run gives back: the whole model's final weights and the
+/// global loss of every step.
+pub type Trained = (HashMap<String, Tensor>, Vec<f32>);
+
+/// THE loop: the same code whatever the strategy.
+pub fn train(fabric: Fabric, data: Arc<TensorDataset>) -> anyhow::Result<Trained> {
+    // SGD with momentum: unlike Adam's, its update scales with the
+    // gradient, so a gradient averaged wrong cannot go unseen.
+    let mut model = fabric.setup(classifier(), |params| {
+        Sgd::new_named(
+            params,
+            SgdConfig {
+                lr: 0.05,
+                momentum: 0.9,
+                ..Default::default()
+            },
+        )
+    })?;
+    let options = DataOptions {
+        shuffle: true,
+        ..DataOptions::default()
+    };
+    // The global batch of a step is GLOBAL_BATCH samples, whatever the
+    // ranks and the accumulation.
+    let per_batch =
+        GLOBAL_BATCH / fabric.world_size() / fabric.config().accumulation_steps as usize;
+    let mut loader = fabric.setup_dataloader(data, per_batch, options)?;
+    let (mut losses, mut steps) = (Vec::new(), 0);
+    for epoch in 0..EPOCHS {
+        loader.set_epoch(epoch);
+        for batch in loader.iter()? {
+            let batch = batch?;
+            let loss = model.backward(&batch[0], &batch[1], loss::cross_entropy)?;
+            if model.step()? != StepOutcome::Accumulating {
+                steps += 1;
+            }
+            losses.push(fabric.all_reduce_mean(&loss)?);
+        }
+    }
+    anyhow::ensure!(model.skipped_steps() == 0, "the loss scaler skipped a step");
+    anyhow::ensure!(
+        steps == model.steps(),
+        "{steps} steps counted, {} taken",
+        model.steps()
+    );
+    Ok((model.full_state()?, losses))
+}
