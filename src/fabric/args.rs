@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use super::config::{Accelerator, Devices, FabricConfig, Precision, Strategy};
+use super::config::{Accelerator, Devices, DpBackward, FabricConfig, Precision, Strategy};
 use crate::error::Result;
 
 /// The strategy, devices, precision and step settings as flags; each one
@@ -65,6 +65,10 @@ pub struct FabricArgs {
     /// Pipelines: micro-batches per batch [default: one per stage].
     #[arg(long)]
     pub chunks: Option<usize>,
+    /// dp: parallel (each replica its loss and backward) or gathered (the
+    /// loss of the gathered output) [default: parallel].
+    #[arg(long)]
+    pub dp_backward: Option<DpBackward>,
     /// FSDP: keep each unit gathered from its forward to its backward.
     #[arg(long)]
     pub no_reshard_after_forward: bool,

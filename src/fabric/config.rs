@@ -212,6 +212,34 @@ impl FromStr for Precision {
     }
 }
 
+/// How `dp` (and `single`) computes the gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DpBackward {
+    /// Each replica computes the loss of its rows and its backward, in
+    /// parallel; the gradients are summed on the master
+    /// ([`DataParallel::forward_backward`](crate::DataParallel::forward_backward)).
+    #[default]
+    Parallel,
+    /// The loss of the gathered output, one backward through the gather
+    /// (`nn.DataParallel`'s drop-in way).
+    Gathered,
+}
+
+impl FromStr for DpBackward {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "parallel" | "fast" => Ok(DpBackward::Parallel),
+            "gathered" | "dropin" | "drop-in" => Ok(DpBackward::Gathered),
+            _ => Err(Error::Config(format!(
+                "unknown dp backward `{s}`: parallel or gathered"
+            ))),
+        }
+    }
+}
+
 /// Where the model runs (Fabric's `accelerator`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -340,6 +368,9 @@ pub struct FabricConfig {
     /// A ZeRO stage on top of `ddp` (1 or 2): the same as the strategies
     /// `zero1` and `zero2`, for command lines that name it apart.
     pub zero: Option<u8>,
+    /// `dp`: how the gradients are computed (default in parallel, each
+    /// replica its loss).
+    pub dp_backward: DpBackward,
     /// FSDP: free each unit's gathered parameters after its forward
     /// (default true, FSDP2's default).
     pub reshard_after_forward: bool,
@@ -376,6 +407,7 @@ impl Default for FabricConfig {
             precision: Precision::F32,
             init_scale: 65536.0,
             zero: None,
+            dp_backward: DpBackward::Parallel,
             reshard_after_forward: true,
             prefetch: true,
             gradient_clip: None,

@@ -10,7 +10,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, ModuleT, Tensor, Var};
 use candle_nn::VarMap;
 
-use super::config::{FabricConfig, Strategy};
+use super::config::{DpBackward, FabricConfig, Strategy};
 use super::module::FabricModule;
 use crate::comm::ProcessGroup;
 use crate::error::Result;
@@ -26,8 +26,12 @@ pub(crate) type LossFn = Arc<dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Ten
 
 /// One rank's engine.
 pub(crate) enum Engine {
-    /// `single` and `dp`: a master model and a replica per device.
-    Replicas(DataParallel<Units>),
+    /// `single` and `dp`: a master model and a replica per device, the
+    /// loss per replica or of the gathered output.
+    Replicas {
+        dp: DataParallel<Units>,
+        gathered: bool,
+    },
     /// `ddp`, `zero1`, `zero2` (a module reduced after its backward), and
     /// `ddp-overlap` (units reduced during it).
     Ddp {
@@ -96,7 +100,10 @@ impl Engine {
                 if let Some(timeout) = config.timeout() {
                     builder = builder.timeout(timeout);
                 }
-                Engine::Replicas(builder.build(module.whole())?)
+                Engine::Replicas {
+                    dp: builder.build(module.whole())?,
+                    gathered: config.dp_backward == DpBackward::Gathered,
+                }
             }
             Strategy::Ddp => Engine::Ddp {
                 ddp: Box::new(ddp_builder().build(module.whole())?),
@@ -167,7 +174,7 @@ impl Engine {
     pub(crate) fn named_params(&self, varmap: &VarMap) -> Vec<(String, Var)> {
         match self {
             Engine::Fsdp(fsdp) => fsdp.shards().to_vec(),
-            Engine::Replicas(dp) => dp.vars().to_vec(),
+            Engine::Replicas { dp, .. } => dp.vars().to_vec(),
             _ => sorted_vars(varmap),
         }
     }
@@ -189,7 +196,15 @@ impl Engine {
         };
         let unscale = |loss: &Tensor| -> Result<Tensor> { Ok(loss.affine(1.0 / factor, 0.0)?) };
         match self {
-            Engine::Replicas(dp) => {
+            Engine::Replicas { dp, gathered: true } => {
+                let loss = loss_fn(&to_f32(&dp.forward_t(x, true)?)?, y)?;
+                let grads = loss.affine(factor, 0.0)?.backward()?;
+                Ok(Ran {
+                    loss: loss.detach(),
+                    grads: Some(grads),
+                })
+            }
+            Engine::Replicas { dp, .. } => {
                 let dtype = dp.compute_dtype();
                 let step = dp.forward_backward(
                     (x.clone(), y.clone()),
@@ -274,7 +289,7 @@ impl Engine {
     /// must call it: DDP broadcasts its buffers, FSDP gathers its units).
     pub(crate) fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
         let out = match self {
-            Engine::Replicas(dp) => dp.forward_t(x, false)?,
+            Engine::Replicas { dp, .. } => dp.forward_t(x, false)?,
             Engine::Ddp { ddp, .. } => ddp.forward_t(x, false)?,
             Engine::Fsdp(fsdp) => fsdp.forward_t(x, false)?,
             Engine::Pipeline(pipe) => pipe.forward_t(x, false)?,

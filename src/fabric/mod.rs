@@ -72,10 +72,11 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 pub use args::FabricArgs;
-pub use config::{Accelerator, Devices, FabricConfig, Precision, Strategy};
+pub use config::{Accelerator, Devices, DpBackward, FabricConfig, Precision, Strategy};
 pub use data::{DataOptions, FabricLoader, Sharding};
 pub use model::{FabricModel, StepOutcome};
 pub use module::FabricModule;
+pub use saving::Resumed;
 
 use crate::comm::{all_gather_object, GroupOptions, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
@@ -128,9 +129,33 @@ impl Fabric {
         T: Send,
         F: Fn(Fabric) -> anyhow::Result<T> + Sync,
     {
+        let under_mpi = matches!(Backend::from_env(), Backend::Mpi { .. });
+        Self::start(config, f, under_mpi)
+    }
+
+    /// [`launch`](Self::launch) on thread ranks of this process, even
+    /// under an MPI launcher (as [`launch::spawn`](crate::launch::spawn)
+    /// beside [`launch::run`](crate::launch::run)): for a run inside one
+    /// process of a job, such as a one-device reference on rank 0.
+    ///
+    /// # Errors
+    ///
+    /// As [`launch`](Self::launch).
+    pub fn spawn<T, F>(config: FabricConfig, f: F) -> Result<Vec<T>>
+    where
+        T: Send,
+        F: Fn(Fabric) -> anyhow::Result<T> + Sync,
+    {
+        Self::start(config, f, false)
+    }
+
+    fn start<T, F>(config: FabricConfig, f: F, under_mpi: bool) -> Result<Vec<T>>
+    where
+        T: Send,
+        F: Fn(Fabric) -> anyhow::Result<T> + Sync,
+    {
         config.check()?;
         let strategy = config.effective_strategy();
-        let under_mpi = matches!(Backend::from_env(), Backend::Mpi { .. });
         if under_mpi && !strategy.is_distributed() && Backend::world_size() > 1 {
             return Err(Error::Strategy {
                 strategy: strategy.name().into(),
@@ -156,7 +181,7 @@ impl Fabric {
         if let Some(timeout) = config.timeout() {
             options.timeout = Some(timeout);
         }
-        crate::launch::run(config.ranks(), options, |ctx| {
+        let rank = |ctx: RankContext| {
             let mine = match under_mpi {
                 true => devices[0].clone(),
                 false => devices[ctx.rank].clone(),
@@ -166,8 +191,12 @@ impl Fabric {
                 ctx,
                 devices: mine,
             })
-        })
-        .map_err(|e| Error::Launch(Box::new(e)))
+        };
+        let ran = match under_mpi {
+            true => crate::launch::run(config.ranks(), options, rank),
+            false => crate::launch::spawn_with(config.ranks(), options, rank),
+        };
+        ran.map_err(|e| Error::Launch(Box::new(e)))
     }
 
     /// The configuration of the run.

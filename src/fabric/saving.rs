@@ -19,6 +19,15 @@ use crate::lock::lock;
 use crate::optim::StatefulOptimizer;
 use crate::training_state::{check_ranks_agree, Progress, SamplerState, TrainingState};
 
+/// Where a loaded run continues, and the state it came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resumed {
+    /// Where the run is: its epoch, the batch within it, its step.
+    pub progress: Progress,
+    /// The state's folder.
+    pub path: PathBuf,
+}
+
 /// Every rank's shards of a state, as its strategy saved them.
 enum Shards {
     None,
@@ -96,7 +105,8 @@ impl<O: StatefulOptimizer> FabricModel<O> {
     /// Resumes from the newest complete state in `checkpoint_dir`: the
     /// weights, the optimizer's state (resharded to this run's ranks where
     /// the strategy shards), the schedule and the loss scale. Returns where
-    /// the run continues, `None` when there is no state (a fresh start).
+    /// the run continues and the state's folder, `None` when there is no
+    /// state (a fresh start).
     /// Every rank must call it. Fabric's `load`, Accelerate's
     /// `load_state`.
     ///
@@ -106,7 +116,7 @@ impl<O: StatefulOptimizer> FabricModel<O> {
     /// strategy), seed, schedule or precision, naming both; states exist
     /// but none is complete; ranks that found different states
     /// ([`Error::ResumeMismatch`]). Nothing is loaded then.
-    pub fn load(&mut self) -> Result<Option<Progress>> {
+    pub fn load(&mut self) -> Result<Option<Resumed>> {
         let checkpoints = self.checkpoints()?;
         // What to load is found first, and every rank must have found the
         // same step before anything changes.
@@ -147,14 +157,17 @@ impl<O: StatefulOptimizer> FabricModel<O> {
                 ))
             }
         }
-        let state = saved.state;
+        let (state, path) = (saved.state, saved.path);
         self.order
             .resume(state.lr_scheduler.as_ref(), state.grad_scaler.as_ref())?;
         self.steps = state.progress.step;
         self.micro = 0;
         self.pending = None;
         self.grads = None;
-        Ok(Some(state.progress))
+        Ok(Some(Resumed {
+            progress: state.progress,
+            path,
+        }))
     }
 
     /// Writes the whole model's weights to one safetensors file at `path`

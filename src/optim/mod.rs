@@ -76,6 +76,7 @@ mod grad_scaler;
 mod lr_schedule;
 mod sgd;
 mod state;
+mod warmup_cosine;
 
 pub use adam::{Adam, AdamConfig, AdamW, AdamWConfig};
 pub use clip::{clip_grad_norm, Clipped};

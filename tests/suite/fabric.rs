@@ -468,7 +468,7 @@ fn train_resumable(
             },
         )
     })?;
-    let from = model.load()?.unwrap_or_default();
+    let from = model.load()?.map(|r| r.progress).unwrap_or_default();
     let options = DataOptions {
         shuffle: true,
         ..DataOptions::default()
@@ -671,4 +671,21 @@ fn the_demonstration_prints_what_pytorch_fabric_and_accelerate_print() {
     }
     // Accelerate's split is the other one.
     assert_ne!(reference["demo"]["accelerate"], reference["demo"]["fabric"]);
+}
+
+/// `dp` with the loss of the gathered output (`nn.DataParallel`'s way)
+/// trains as the loss per replica does.
+#[test]
+fn dp_with_the_gathered_loss_matches_one_device() {
+    use candle_dp::fabric::DpBackward;
+    let single = run(Strategy::Single, Precision::F32);
+    let gathered = run_with(Strategy::Dp, Precision::F32, |config| {
+        config.dp_backward = DpBackward::Gathered;
+    });
+    let weights = max_rel_diff(&gathered.0, &single.0);
+    assert!(
+        weights <= 1e-6,
+        "{weights:.2e}\n{}",
+        diff_report(&gathered.0, &single.0)
+    );
 }
