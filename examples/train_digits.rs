@@ -1,74 +1,64 @@
 //! The main job: train a digit classifier with DataParallel on CPU replicas,
 //! then the same run on one device, and compare.
 //!
+//! Every strategy trains through one loop on a [`Fabric`]
+//! (`candle_dp::fabric`): `--strategy` picks it, nothing else changes.
 //! `dp` (default): DataParallel over `--replicas` CPU replicas; `ddp`:
 //! DistributedDataParallel over `--replicas` thread ranks, or over the
 //! processes of an MPI job when started by `mpirun` (build with `--features
-//! mpi`), each rank with a `DistributedSampler` shard and a prefetching
-//! `Loader`; `fsdp`: fully sharded (each rank its pieces of every
-//! parameter, the layers gathered when used), on thread ranks or under
-//! `mpirun`; `single`: plain candle. `dp` and `ddp` are followed by the same
-//! run on one device. The initial weights come from `--seed`, so threads and
-//! processes train the same model to the same weights.
+//! mpi`), each rank with a `DistributedSampler` shard; `--zero 1|2` with it
+//! shards the optimizer state (and the gradients); `fsdp`: fully sharded
+//! (each rank its pieces of every parameter, the layers gathered when
+//! used), on thread ranks or under `mpirun`; `single`: one device. `dp` and
+//! `ddp` are followed by the same run on one device. The initial weights
+//! come from `--seed`, so threads and processes train the same model to the
+//! same weights.
 //!
 //! Data: the 8x8 handwritten digits bundled in `data/digits/` (1797
 //! samples, 80/20 train / held-out split), or MNIST from a local directory
-//! of IDX files with `--mnist DIR` (its own train / test files).
+//! of IDX files with `--mnist DIR` (its own train / test files). `dp` and
+//! `single` shuffle the global batches with the example's own order (one
+//! loader over the whole batch); the ranks of `ddp` and `fsdp` take theirs
+//! from a `DistributedSampler`.
 //!
 //! Every run reports the loss of its whole batch, as one device computing
 //! on that batch does: under DDP, ZeRO and FSDP (threads or MPI) the mean
-//! over every rank's rows (`examples/common/global_loss.rs`), not rank 0's
-//! own share, so the rows of the final table compare.
+//! over every rank's rows (`Fabric::global_mean`), not rank 0's own share,
+//! so the rows of the final table compare.
 
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-// Example code shared with the tests; each user needs only part of it.
+// The data sets, shared with the tests.
 #[allow(dead_code)]
 #[path = "common/datasets.rs"]
 mod datasets;
-
-#[path = "common/checkpoints.rs"]
-mod checkpoints;
 
 #[allow(dead_code)]
 #[path = "common/flags.rs"]
 mod flags;
 
-#[path = "common/global_loss.rs"]
-mod global_loss;
-
-#[path = "common/recipe.rs"]
-mod recipe;
-
+use std::collections::HashMap;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use std::path::PathBuf;
-
 use anyhow::{bail, Result};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_dp::checkpoint::{self, Prefix};
-use candle_dp::comm::GroupOptions;
-use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
-use candle_dp::launch::{self, Backend};
-use candle_dp::loader::{Loader, TensorDataset};
-use candle_dp::optim::{AdamW, AdamWConfig};
+use candle_dp::fabric::{self, DataOptions, DpBackward, Fabric, FabricConfig, FabricModule};
+use candle_dp::launch::Backend;
+use candle_dp::loader::TensorDataset;
+use candle_dp::optim::{AdamW, AdamWConfig, LrScheduler};
 use candle_dp::pipeline::{layer, LayerFactory};
-use candle_dp::precision::MixedPrecisionModel;
-use candle_dp::sampler::DistributedSampler;
-use candle_dp::training_state::{check_ranks_agree, Progress, SamplerState};
-use candle_dp::zero::{ZeroOptimizer, ZeroStage};
-use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParallel, LossReduction};
+use candle_dp::precision::{MixedPrecision, MixedPrecisionModel};
+use candle_dp::training_state::Progress;
 use candle_nn::{conv2d, linear, loss, Conv2d, Conv2dConfig, Linear, VarBuilder, VarMap};
-use checkpoints::Checkpoints;
 use clap::{Parser, ValueEnum};
 use datasets::{load_digits, load_mnist, shuffled_indices, LabelledImages};
-use global_loss::global_loss;
 use indicatif::{ProgressBar, ProgressStyle};
-use recipe::{Precision, Recipe, Schedule};
 
 /// The user's model: plain candle code, unaware of data parallelism.
 enum Net {
@@ -331,13 +321,42 @@ fn timeout_arg(value: &str) -> std::result::Result<Timeout, String> {
         .map_err(|e| e.replace("CANDLE_DP_TIMEOUT=", "--timeout "))
 }
 
+/// The dtype of the forward and backward (master weights and optimizer
+/// state stay in f32).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum Precision {
+    /// Everything in f32.
+    F32,
+    /// bf16 compute, f32 reduction; no loss scaling needed.
+    Bf16,
+    /// f16 compute, f32 reduction, with dynamic loss scaling.
+    F16,
+}
+
+impl Precision {
+    fn fabric(self) -> fabric::Precision {
+        match self {
+            Precision::F32 => fabric::Precision::F32,
+            Precision::Bf16 => fabric::Precision::Bf16Mixed,
+            Precision::F16 => fabric::Precision::F16Mixed,
+        }
+    }
+}
+
+/// The learning rate over the run.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum Schedule {
+    /// The `--lr` throughout.
+    Constant,
+    /// A linear warm-up from 1% of `--lr` over `--warmup-steps`, then a
+    /// cosine decay to 0 at the last step (PyTorch's SequentialLR of
+    /// LinearLR and CosineAnnealingLR).
+    WarmupCosine,
+}
+
 impl Args {
     fn replicas(&self) -> usize {
         self.replicas as usize
-    }
-
-    fn batch(&self) -> usize {
-        self.batch as usize
     }
 
     fn hidden(&self) -> usize {
@@ -356,71 +375,32 @@ impl Args {
         move |vb| Net::new(vb, model, height, width, hidden)
     }
 
-    fn fast_backward(&self) -> bool {
-        self.backward == Backward::Fast
-    }
-
-    /// The precision, clipping and schedule of a run of `total_steps`.
-    fn recipe(&self, total_steps: u64) -> Result<Recipe> {
-        let warmup = self.warmup_steps.unwrap_or((total_steps / 20).max(1));
-        Recipe::new(
-            self.precision,
-            self.clip_grad_norm,
-            self.lr_schedule,
-            self.lr,
-            warmup,
-            total_steps,
-        )
+    /// The Fabric's configuration of `strategy` on `devices` (the one
+    /// flag that picks the strategy, with the settings every run shares).
+    fn fabric(&self, strategy: fabric::Strategy, devices: usize) -> FabricConfig {
+        FabricConfig {
+            // ZeRO is a setting of DDP: the one-device reference has none.
+            zero: self.zero.filter(|_| strategy == fabric::Strategy::Ddp),
+            precision: self.precision.fabric(),
+            gradient_clip: self.clip_grad_norm,
+            dp_backward: match self.backward {
+                Backward::Fast => DpBackward::Parallel,
+                Backward::Dropin => DpBackward::Gathered,
+            },
+            timeout_secs: self
+                .timeout
+                .map(|Timeout(t)| t.map_or(f64::INFINITY, |d| d.as_secs_f64())),
+            checkpoint_dir: self.checkpoint_dir.clone(),
+            keep: self.keep as usize,
+            seed: self.seed,
+            ..FabricConfig::new(strategy, devices)
+        }
     }
 }
 
-/// `net` computing in `args.precision` over `varmap`'s f32 variables.
-fn in_precision(
-    args: &Args,
-    varmap: &VarMap,
-    net: impl FnOnce(VarBuilder) -> candle_core::Result<Net>,
-) -> Result<MixedPrecisionModel<Net>> {
-    Ok(MixedPrecisionModel::new(
-        varmap,
-        DType::F32,
-        &Device::Cpu,
-        args.precision.policy(),
-        net,
-    )?)
-}
-
-/// The mean cross-entropy of low-precision logits, computed in f32.
+/// The mean cross-entropy (the logits come in f32 whatever the precision).
 fn loss_of(logits: &Tensor, labels: &Tensor) -> candle_core::Result<Tensor> {
-    loss::cross_entropy(&logits.to_dtype(DType::F32)?, labels)
-}
-
-/// The variables of `varmap` sorted by name (buffers get no gradient and
-/// are skipped by the scaler and the clipping).
-fn params_of(varmap: &VarMap) -> Vec<candle_core::Var> {
-    let data = varmap.data().lock().expect("lock");
-    let mut named: Vec<_> = data.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
-    named.into_iter().map(|(_, v)| v).collect()
-}
-
-/// Train and held-out sets.
-fn load_data(args: &Args) -> Result<(LabelledImages, LabelledImages, String)> {
-    if let Some(dir) = &args.mnist {
-        return Ok((
-            load_mnist(dir, true)?,
-            load_mnist(dir, false)?,
-            format!("MNIST from {dir}"),
-        ));
-    }
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/digits/digits.csv.gz");
-    let all = load_digits(path)?;
-    let order = shuffled_indices(all.len(), args.seed);
-    let cut = all.len() * 4 / 5;
-    Ok((
-        all.select(&order[..cut])?,
-        all.select(&order[cut..])?,
-        "8x8 digits (scikit-learn)".into(),
-    ))
+    loss::cross_entropy(logits, labels)
 }
 
 struct Outcome {
@@ -440,437 +420,238 @@ struct Outcome {
     skipped: u64,
 }
 
-/// The losses of one epoch, and its held-out accuracy, outside the timing.
-#[derive(Default)]
-struct EpochLog {
-    losses: Vec<f32>,
-    history: Vec<(f32, f64)>,
-    evaluating: std::time::Duration,
+/// What one run needs besides its strategy.
+struct Job<'a> {
+    args: &'a Args,
+    train: &'a LabelledImages,
+    test: &'a LabelledImages,
+    /// Whether this run saves and resumes its states (`--checkpoint-dir`).
+    saves: bool,
 }
 
-impl EpochLog {
-    fn end_epoch(&mut self, model: &MixedPrecisionModel<Net>, test: &LabelledImages) -> Result<()> {
-        let start = Instant::now();
-        let mean = self.losses.iter().sum::<f32>() / self.losses.len().max(1) as f32;
-        self.losses.clear();
-        self.history.push((mean, accuracy(model, test)?));
-        self.evaluating += start.elapsed();
-        Ok(())
-    }
-}
-
-/// One training run. `replicas == 0` means plain candle on one device.
+/// One run of `strategy` on `devices`: the same loop for every strategy.
+/// `in_process`: thread ranks even under `mpirun` (the one-device
+/// reference on rank 0). `None` on the ranks other than 0.
 fn train(
-    args: &Args,
-    replicas: usize,
-    init: &VarMap,
-    train: &LabelledImages,
-    test: &LabelledImages,
-    checkpoints: Option<&Checkpoints>,
-) -> Result<Outcome> {
-    let varmap = copy_varmap(init)?;
-    let factory = args.net(train);
-    let dp = if replicas > 0 {
-        Some(
-            DataParallel::builder(&varmap, DType::F32, &cpu_devices(replicas))
-                .mixed_precision(args.precision.policy())
-                .build(factory.clone())?,
-        )
-    } else {
-        None
-    };
-    let single = in_precision(args, &varmap, factory)?;
-    let params = params_of(&varmap);
-    let mut opt = adamw(&varmap, args.lr)?;
-    let steps_per_epoch = train.len().div_ceil(args.batch());
-    let mut recipe = args.recipe((args.epochs * steps_per_epoch) as u64)?;
-    let from = match checkpoints {
-        Some(c) => c.resume(&varmap, &mut opt, true)?,
-        None => None,
-    };
-    if let Some(state) = &from {
-        recipe.resume(state)?;
-    }
-    let from = from.map(|s| s.progress).unwrap_or_default();
-
-    let bar = progress_bar((args.epochs * steps_per_epoch) as u64)?;
-    bar.set_position(from.step);
-    bar.set_prefix(if replicas > 0 {
-        format!("DP x{replicas}")
-    } else {
-        "1 device".into()
-    });
-
-    let (mut samples, mut last_loss) = (0, f32::NAN);
-    let mut log = EpochLog::default();
-    let start = Instant::now();
-    let mut step = from.step;
-    for epoch in from.epoch as usize..args.epochs {
-        let order = shuffled_indices(train.len(), args.seed.wrapping_add(1 + epoch as u64));
-        // A resumed epoch continues with the batch it had not trained on.
-        let skip = if epoch as u64 == from.epoch {
-            from.batch as usize
-        } else {
-            0
-        };
-        for (index, batch) in order.chunks(args.batch()).enumerate().skip(skip) {
-            let b = train.select(batch)?;
-            recipe.before_step(&mut opt);
-            let (loss, mut grads) = match &dp {
-                Some(dp) if args.fast_backward() => {
-                    // Each replica: forward, loss on its rows (scaled for
-                    // f16), backward; gradients summed.
-                    let (factor, dtype) = (recipe.loss_factor(), args.precision.dtype());
-                    let step = dp.forward_backward(
-                        (b.images, b.labels),
-                        LossReduction::Mean,
-                        move |m, (x, y)| {
-                            let loss = loss_of(&m.forward(&x.to_dtype(dtype)?)?, &y)?;
-                            loss.affine(f64::from(factor), 0.0)
-                        },
-                    )?;
-                    let loss = step.loss.affine(1.0 / f64::from(factor), 0.0)?;
-                    (loss, step.grads)
-                }
-                Some(dp) => {
-                    let loss = loss_of(&dp.forward(&b.images)?, &b.labels)?;
-                    let grads = recipe.scale(&loss)?.backward()?;
-                    (loss, grads)
-                }
-                None => {
-                    let loss = loss_of(&single.forward(&b.images)?, &b.labels)?;
-                    let grads = recipe.scale(&loss)?.backward()?;
-                    (loss, grads)
-                }
-            };
-            recipe.finish(&mut grads, &params, &mut opt)?;
-            samples += batch.len();
-            last_loss = loss.to_scalar::<f32>()?;
-            log.losses.push(last_loss);
-            bar.inc(1);
-            step += 1;
-            if let Some(c) = checkpoints {
-                let progress = Progress {
-                    epoch: epoch as u64,
-                    batch: index as u64 + 1,
-                    step,
-                };
-                let at = recipe.state();
-                c.after_step(&varmap, &opt, progress, steps_per_epoch as u64, None, at)?;
-            }
-        }
-        bar.set_message(format!("epoch {} loss {last_loss:.4}", epoch + 1));
-        log.end_epoch(&single, test)?;
-    }
-    let seconds = (start.elapsed() - log.evaluating).as_secs_f64();
-    bar.finish();
-
-    Ok(Outcome {
-        seconds,
-        samples,
-        last_loss,
-        accuracy: accuracy(&single, test)?,
-        history: log.history,
-        varmap,
-        skipped: recipe.skipped,
-    })
-}
-
-/// DistributedDataParallel over `args.replicas` thread ranks, or over the
-/// processes of an MPI job: each rank reads its `DistributedSampler` shard
-/// through a prefetching `Loader`. Only rank 0 shows progress and saves.
-/// `None` on the processes other than rank 0's.
-fn train_ddp(
-    args: &Args,
-    init: &VarMap,
-    train: &LabelledImages,
-    test: &LabelledImages,
-    checkpoints: Option<&Checkpoints>,
+    job: &Job,
+    strategy: fabric::Strategy,
+    devices: usize,
+    in_process: bool,
 ) -> Result<Option<Outcome>> {
+    let Job {
+        args, train, test, ..
+    } = *job;
+    let mut config = args.fabric(strategy, devices);
+    if !job.saves {
+        config.checkpoint_dir = None;
+    }
     let dataset = Arc::new(TensorDataset::new(vec![
         train.images.clone(),
         train.labels.clone(),
     ])?);
-    let net = args.net(train);
-    let mut options = GroupOptions::default();
-    if let Some(Timeout(timeout)) = args.timeout {
-        options.timeout = timeout;
-    }
-    let ranks = launch::run(args.replicas(), options, |ctx| {
-        let (rank, world) = (ctx.rank, ctx.world_size);
-        let per_rank = (args.batch() / world).max(1);
-        let varmap = copy_varmap(init)?;
-        let mut opt;
-        let mut engine = if args.strategy == Strategy::Fsdp {
-            let (model, h, w, hidden) = (args.model, train.height, train.width, args.hidden());
-            let fsdp = FullyShardedDataParallel::from_units(
-                ctx.process_group(),
-                &varmap,
-                DType::F32,
-                &Device::Cpu,
-                net_units(model, h, w, hidden),
-                FsdpConfig {
-                    mixed_precision: Some(args.precision.policy()),
+    let (height, width, hidden) = (train.height, train.width, args.hidden());
+    let rank_loop = |fabric: Fabric| -> Result<Option<Outcome>> {
+        let (rank, world) = (fabric.rank(), fabric.world_size());
+        let units = FabricModule::units(net_units(args.model, height, width, hidden));
+        let lr = args.lr;
+        let mut model = fabric.setup(units, |params| {
+            AdamW::new_named(
+                params,
+                AdamWConfig {
+                    lr,
                     ..Default::default()
                 },
-            )?;
-            // Over the VarMap's variables: this rank's pieces now.
-            opt = adamw(&varmap, args.lr)?;
-            Engine::Fsdp(Box::new(fsdp))
-        } else {
-            let mut builder = DistributedDataParallel::builder(
-                ctx.process_group(),
-                &varmap,
-                DType::F32,
-                &Device::Cpu,
             )
-            .mixed_precision(args.precision.policy());
-            let zero = args.zero.and_then(ZeroStage::from_number);
-            if let Some(stage) = zero {
-                builder = builder.zero(stage);
-            }
-            let ddp = builder.build(net.clone())?;
-            opt = adamw(&varmap, args.lr)?;
-            // With ZeRO, each rank's AdamW holds the state of its pieces.
-            let sharded = match zero {
-                Some(_) => Some(Box::new(ZeroOptimizer::new(&ddp, |mine| {
-                    AdamW::new_named(
-                        mine,
-                        AdamWConfig {
-                            lr: args.lr,
-                            ..Default::default()
-                        },
-                    )
-                })?)),
-                None => None,
-            };
-            Engine::Ddp(Box::new(ddp), sharded)
-        };
-        let mut sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
-        // Every rank reads the state itself; all must resume from the same.
-        // With ZeRO the state holds the weights, and each rank's shard of the
-        // optimizer's state is in a folder of that rank's; with FSDP each
-        // rank's folder holds its pieces of the weights too.
-        let resumed = match (checkpoints, &mut engine) {
-            (Some(c), Engine::Ddp(_, Some(sharded))) => {
-                match c.resume_sharded(&varmap, rank == 0)? {
-                    Some((state, shards)) => {
-                        sharded.load_shards(&shards)?;
-                        Some(state)
-                    }
-                    None => None,
-                }
-            }
-            (Some(c), Engine::Fsdp(fsdp)) => match c.resume_fsdp(rank == 0)? {
-                Some((state, saves)) => {
-                    let (pieces, states): (Vec<_>, Vec<_>) = saves.into_iter().unzip();
-                    fsdp.load_resharded(&pieces, &states, &mut opt)?;
-                    Some(state)
-                }
-                None => None,
+        })?;
+        // One process over the whole global batch shuffles with the
+        // example's own order; ranks take theirs from a DistributedSampler.
+        let per_rank = (args.batch as usize / world).max(1);
+        let mut loader = fabric.setup_dataloader(
+            dataset.clone(),
+            per_rank,
+            DataOptions {
+                shuffle: true,
+                prefetch: 2,
+                ..DataOptions::default()
             },
-            (Some(c), Engine::Ddp(_, None)) => c.resume(&varmap, &mut opt, rank == 0)?,
-            (None, _) => None,
-        };
-        if checkpoints.is_some_and(|c| c.resume) {
-            let step = resumed.as_ref().map(|s| s.progress.step);
-            check_ranks_agree(ctx.pg.as_ref(), step)?;
+        )?;
+        if !strategy.is_distributed() {
+            let (n, seed) = (train.len(), args.seed);
+            loader =
+                loader.with_order(move |epoch| shuffled_indices(n, seed.wrapping_add(1 + epoch)));
         }
-        let batches = sampler.len().div_ceil(per_rank) as u64;
-        let mut recipe = args.recipe(batches * args.epochs as u64)?;
-        let params = params_of(&varmap);
-        let from = match &resumed {
-            Some(state) => {
-                recipe.resume(state)?;
-                if let Some(saved) = state.sampler {
-                    saved.apply_to(&mut sampler)?;
-                }
-                state.progress
-            }
-            None => Default::default(),
-        };
-        // Timed from here, as the other runs: MPI's start-up is not training.
-        let start = Instant::now();
+        let batches = loader.len()? as u64;
+        let total = batches * args.epochs as u64;
+        if args.lr_schedule == Schedule::WarmupCosine {
+            let warmup = args.warmup_steps.unwrap_or((total / 20).max(1));
+            model.set_schedule(LrScheduler::warmup_cosine(args.lr, warmup, total)?);
+        }
+        let from = resume(&mut model, args, job.saves, rank == 0)?;
         let bar = if rank == 0 {
-            let bar = progress_bar(batches * args.epochs as u64)?;
-            bar.set_prefix(match &engine {
-                Engine::Fsdp(_) => format!("FSDP x{world}"),
-                Engine::Ddp(..) => format!("DDP x{world}"),
+            let bar = progress_bar(total)?;
+            bar.set_prefix(match strategy {
+                fabric::Strategy::Single => "1 device".to_string(),
+                fabric::Strategy::Dp => format!("DP x{devices}"),
+                fabric::Strategy::Fsdp => format!("FSDP x{world}"),
+                _ => format!("DDP x{world}"),
             });
             bar.set_position(from.step);
             bar
         } else {
             ProgressBar::hidden()
         };
-        let mut step = from.step;
-        let (mut samples, mut last_loss) = (0, f32::NAN);
-        let mut log = EpochLog::default();
-        // Evaluates the model as it is: over the trained variables, or with
-        // FSDP over the whole parameters gathered from every rank.
-        let evaluated = |engine: &Engine| -> Result<(VarMap, MixedPrecisionModel<Net>)> {
-            let whole = match engine {
-                Engine::Fsdp(fsdp) => varmap_of(fsdp.full_state()?)?,
-                Engine::Ddp(..) => varmap.clone(),
-            };
-            let model = in_precision(args, &whole, net.clone())?;
-            Ok((whole, model))
-        };
-        for epoch in from.epoch as usize..args.epochs {
-            sampler.set_epoch(epoch as u64);
+        // Timed from here: MPI's start-up is not training.
+        let start = Instant::now();
+        let (mut samples, mut last_loss, mut step) = (0, f32::NAN, from.step);
+        let (mut losses, mut history, mut evaluating) =
+            (Vec::new(), Vec::new(), Default::default());
+        for epoch in from.epoch..args.epochs as u64 {
+            loader.set_epoch(epoch);
             // A resumed epoch continues with the batch it had not trained on.
-            let skip = if epoch as u64 == from.epoch {
-                from.batch
-            } else {
-                0
-            };
-            let loader = Loader::new(dataset.clone(), per_rank)?
-                .indices(sampler.indices())
-                .prefetch(2)
-                .skip_batches(skip as usize);
-            for (index, batch) in (skip..).zip(&loader) {
+            let skip = if epoch == from.epoch { from.batch } else { 0 };
+            loader.skip_batches(skip as usize);
+            for (index, batch) in (skip..).zip(loader.iter()?) {
                 let batch = batch?;
-                let loss = match &mut engine {
-                    Engine::Ddp(ddp, sharded) => {
-                        match sharded {
-                            Some(sharded) => recipe.before_step(sharded.inner_mut()),
-                            None => recipe.before_step(&mut opt),
-                        }
-                        let loss = loss_of(&ddp.forward(&batch[0])?, &batch[1])?;
-                        let mut grads = ddp.backward(&recipe.scale(&loss)?)?;
-                        match sharded {
-                            Some(sharded) => {
-                                recipe.finish_zero(&mut grads, sharded, ctx.pg.as_ref())?
-                            }
-                            None => recipe.finish(&mut grads, &params, &mut opt)?,
-                        };
-                        loss
-                    }
-                    Engine::Fsdp(fsdp) => {
-                        recipe.before_step(&mut opt);
-                        let factor = f64::from(recipe.loss_factor());
-                        let step = fsdp.forward_backward(&batch[0], &batch[1], |out, y| {
-                            loss_of(out, y)?.affine(factor, 0.0)
-                        })?;
-                        let mut grads = step.grads;
-                        recipe.finish_fsdp(&mut grads, fsdp, &mut opt)?;
-                        step.loss.affine(1.0 / factor, 0.0)?
-                    }
-                };
+                let loss = model.backward(&batch[0], &batch[1], loss_of)?;
+                model.step()?;
                 let rows = batch[0].dim(0)?;
                 samples += rows;
-                // `loss` is this rank's, over its rows: the table, the
-                // chart and the bar show the global batch's, as one
-                // device's run does (every rank takes part).
-                last_loss = global_loss(ctx.pg.as_ref(), &loss, rows)?;
-                log.losses.push(last_loss);
+                last_loss = fabric.global_mean(&loss, rows)?;
+                losses.push(last_loss);
                 bar.inc(1);
                 step += 1;
-                if let Some(c) = checkpoints {
-                    let progress = Progress {
-                        epoch: epoch as u64,
-                        batch: index + 1,
-                        step,
-                    };
-                    let position = Some(SamplerState::from(&sampler));
-                    match (&engine, c.due(progress, batches)) {
-                        // ZeRO: every rank saves its shard; the state that
-                        // names the step is written once all shards are.
-                        (Engine::Ddp(_, Some(sharded)), Some(due)) => c.save_zero(
-                            ctx.pg.as_ref(),
-                            &varmap,
-                            sharded,
-                            due,
-                            position,
-                            recipe.state(),
-                        )?,
-                        // FSDP: every rank saves its pieces and its
-                        // optimizer's state over them, no gathering.
-                        (Engine::Fsdp(fsdp), Some(due)) => c.save_sharded(
-                            ctx.pg.as_ref(),
-                            &VarMap::new(),
-                            &varmap,
-                            fsdp.shard_state(&opt)?,
-                            due,
-                            position,
-                            recipe.state(),
-                        )?,
-                        (Engine::Ddp(_, Some(_)) | Engine::Fsdp(_), None) => {}
-                        // One writer: the state is the same on every rank.
-                        (Engine::Ddp(_, None), _) if rank == 0 => c.after_step(
-                            &varmap,
-                            &opt,
-                            progress,
-                            batches,
-                            position,
-                            recipe.state(),
-                        )?,
-                        (Engine::Ddp(_, None), _) => {}
-                    }
+                let progress = Progress {
+                    epoch,
+                    batch: index + 1,
+                    step,
+                };
+                if let Some(progress) = due(args, job.saves, progress, batches) {
+                    model.save(progress)?;
                 }
             }
             bar.set_message(format!("epoch {} loss {last_loss:.4}", epoch + 1));
             // Every rank takes part in FSDP's gathering; rank 0 evaluates.
-            let gathering = Instant::now();
-            let (_, model) = evaluated(&engine)?;
-            log.evaluating += gathering.elapsed();
+            let evaluation = Instant::now();
+            let weights = varmap_of(model.full_state()?)?;
             if rank == 0 {
-                log.end_epoch(&model, test)?;
+                let mean = losses.iter().sum::<f32>() / losses.len().max(1) as f32;
+                losses.clear();
+                history.push((mean, accuracy(&in_precision(args, &weights, train)?, test)?));
             }
+            evaluating += evaluation.elapsed();
         }
-        let seconds = (start.elapsed() - log.evaluating).as_secs_f64();
+        let seconds = (start.elapsed() - evaluating).as_secs_f64();
         bar.finish();
-        let (varmap, model) = evaluated(&engine)?;
+        let varmap = varmap_of(model.full_state()?)?;
         if rank != 0 {
             return Ok(None);
         }
-        if let Some(path) = &args.save {
-            checkpoint::save(&varmap, path, Prefix::None)?;
-        }
-        // Every rank trains on as many samples (the sampler pads).
+        let accuracy = accuracy(&in_precision(args, &varmap, train)?, test)?;
         Ok(Some(Outcome {
             seconds,
+            // Every rank trains on as many samples (the sampler pads).
             samples: samples * world,
             last_loss,
-            accuracy: accuracy(&model, test)?,
-            history: log.history,
+            accuracy,
+            history,
             varmap,
-            skipped: recipe.skipped,
+            skipped: model.skipped_steps(),
         }))
-    })?;
+    };
+    let ranks = match in_process {
+        true => Fabric::spawn(config, rank_loop)?,
+        false => Fabric::launch(config, rank_loop)?,
+    };
     Ok(ranks.into_iter().flatten().next())
 }
 
-/// A rank's engine under `--strategy ddp` (ZeRO's optimizer with it) or
-/// `fsdp`.
-enum Engine {
-    Ddp(
-        Box<DistributedDataParallel<Net>>,
-        Option<Box<ZeroOptimizer<AdamW>>>,
-    ),
-    Fsdp(Box<FullyShardedDataParallel>),
+/// Continues from the newest complete state when `--resume` asks for it
+/// (saying where, or that there is none); where the run starts.
+fn resume(
+    model: &mut fabric::FabricModel<AdamW>,
+    args: &Args,
+    saves: bool,
+    speaks: bool,
+) -> Result<Progress> {
+    if !(saves && args.resume) {
+        return Ok(Progress::default());
+    }
+    let resumed = model.load()?;
+    if speaks {
+        match &resumed {
+            Some(r) => eprintln!(
+                "resuming from {}: epoch {}, batch {}, step {}",
+                r.path.display(),
+                r.progress.epoch + 1,
+                r.progress.batch,
+                r.progress.step
+            ),
+            None => eprintln!(
+                "no complete training state in {}: starting from scratch",
+                args.checkpoint_dir
+                    .as_deref()
+                    .unwrap_or(std::path::Path::new(""))
+                    .display()
+            ),
+        }
+    }
+    Ok(resumed.map(|r| r.progress).unwrap_or_default())
 }
 
-/// A `VarMap` of `tensors` (FSDP's gathered parameters).
-fn varmap_of(tensors: std::collections::HashMap<String, Tensor>) -> Result<VarMap> {
+/// Whether a state is due after the step that left the run at `progress`
+/// (`batches` in its epoch), and the progress to save then: every
+/// `--checkpoint-every` steps, or at the end of every epoch (a state at
+/// the end of an epoch continues with the next one).
+fn due(args: &Args, saves: bool, progress: Progress, batches: u64) -> Option<Progress> {
+    if !saves {
+        return None;
+    }
+    let end_of_epoch = progress.batch >= batches;
+    let due = match args.checkpoint_every {
+        Some(n) => progress.step.is_multiple_of(n),
+        None => end_of_epoch,
+    };
+    match (due, end_of_epoch) {
+        (false, _) => None,
+        (true, true) => Some(Progress {
+            epoch: progress.epoch + 1,
+            batch: 0,
+            step: progress.step,
+        }),
+        (true, false) => Some(progress),
+    }
+}
+
+/// The classifier in the run's precision over `varmap`'s f32 weights.
+fn in_precision(
+    args: &Args,
+    varmap: &VarMap,
+    data: &LabelledImages,
+) -> Result<MixedPrecisionModel<Net>> {
+    let policy = match args.precision {
+        Precision::F32 => MixedPrecision::new(DType::F32),
+        Precision::Bf16 => MixedPrecision::bf16(),
+        Precision::F16 => MixedPrecision::f16(),
+    };
+    Ok(MixedPrecisionModel::new(
+        varmap,
+        DType::F32,
+        &Device::Cpu,
+        policy,
+        args.net(data),
+    )?)
+}
+
+/// A `VarMap` of `tensors` (the whole model, from any strategy).
+fn varmap_of(tensors: HashMap<String, Tensor>) -> Result<VarMap> {
     let varmap = VarMap::new();
     {
         let mut data = varmap.data().lock().map_err(|_| anyhow::anyhow!("lock"))?;
         for (name, tensor) in tensors {
-            data.insert(name, candle_core::Var::from_tensor(&tensor)?);
+            data.insert(name, Var::from_tensor(&tensor)?);
         }
     }
     Ok(varmap)
-}
-
-/// candle-dp's AdamW (PyTorch's formulas; its state can be saved).
-fn adamw(varmap: &VarMap, lr: f64) -> Result<AdamW> {
-    Ok(AdamW::from_varmap(
-        varmap,
-        AdamWConfig {
-            lr,
-            ..Default::default()
-        },
-    )?)
 }
 
 fn progress_bar(steps: u64) -> Result<ProgressBar> {
@@ -902,24 +683,29 @@ fn sorted_weights(varmap: &VarMap) -> Vec<Tensor> {
     named.into_iter().map(|(_, t)| t).collect()
 }
 
-fn copy_varmap(from: &VarMap) -> Result<VarMap> {
-    let to = VarMap::new();
-    {
-        let src = from.data().lock().expect("lock");
-        let mut dst = to.data().lock().expect("lock");
-        for (name, var) in src.iter() {
-            dst.insert(
-                name.clone(),
-                candle_core::Var::from_tensor(&var.as_tensor().copy()?)?,
-            );
-        }
-    }
-    Ok(to)
-}
-
 fn main() -> ExitCode {
     // Errors as whole lines, prefixed with the rank under mpirun.
     candle_dp::launch::report::exit_code(run(Args::parse()))
+}
+
+/// Train and held-out sets.
+fn load_data(args: &Args) -> Result<(LabelledImages, LabelledImages, String)> {
+    if let Some(dir) = &args.mnist {
+        return Ok((
+            load_mnist(dir, true)?,
+            load_mnist(dir, false)?,
+            format!("MNIST from {dir}"),
+        ));
+    }
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/digits/digits.csv.gz");
+    let all = load_digits(path)?;
+    let order = shuffled_indices(all.len(), args.seed);
+    let cut = all.len() * 4 / 5;
+    Ok((
+        all.select(&order[..cut])?,
+        all.select(&order[cut..])?,
+        "8x8 digits (scikit-learn)".into(),
+    ))
 }
 
 fn run(args: Args) -> Result<()> {
@@ -940,104 +726,49 @@ fn run(args: Args) -> Result<()> {
     let speaks = Backend::process_rank() == 0;
     let (train_set, test_set, name) = load_data(&args)?;
     if speaks {
-        println!(
-            "data: {name}: {} training and {} held-out samples of {}x{} pixels",
-            train_set.len(),
-            test_set.len(),
-            train_set.height,
-            train_set.width
-        );
-        let model = match args.model {
-            Model::Mlp => format!(
-                "MLP {}-{}-10",
-                train_set.height * train_set.width,
-                args.hidden()
-            ),
-            Model::Conv => {
-                let c = args.hidden();
-                format!(
-                    "conv net (conv 3x3 1-{c}, conv 3x3 {c}-{}, maxpool 2, linear to 10)",
-                    2 * c
-                )
-            }
-        };
-        let mut recipe = String::new();
-        if args.lr_schedule == Schedule::WarmupCosine {
-            recipe += " with warm-up and cosine decay";
-        }
-        if let Some(x) = args.clip_grad_norm {
-            recipe += &format!(", gradients clipped to norm {x}");
-        }
-        match args.precision {
-            Precision::F32 => {}
-            Precision::Bf16 => recipe += ", bf16 compute",
-            Precision::F16 => recipe += ", f16 compute with loss scaling",
-        }
-        println!(
-            "model: {model}, AdamW lr {}{recipe}, global batch {}, {} epochs, {} backward, seed {}",
-            args.lr,
-            args.batch,
-            args.epochs,
-            match args.backward {
-                Backward::Fast => "parallel (per-replica loss)",
-                Backward::Dropin => "drop-in (loss on gathered output)",
-            },
-            args.seed
-        );
+        describe(&args, &train_set, &test_set, &name);
     }
-
-    // One initialisation, from the seed, shared by every run (and every
-    // process), so they can be compared.
-    let init = seeded_varmap(args.seed, DType::F32, &Device::Cpu, args.net(&train_set))?;
-
-    // The states of the run that is saved: the parallel one, or the one
-    // device run of `--strategy single`.
-    let checkpoints = Checkpoints::new(
-        args.checkpoint_dir.as_deref(),
-        args.checkpoint_every,
-        args.keep as usize,
-        args.resume,
-    )?;
+    let job = Job {
+        args: &args,
+        train: &train_set,
+        test: &test_set,
+        saves: args.checkpoint_dir.is_some(),
+    };
+    // The saved run: the parallel one, or the one device of `single`.
     let parallel = match args.strategy {
         Strategy::Dp => Some((
             format!("DataParallel, {} CPU replicas", args.replicas),
-            train(
-                &args,
-                args.replicas(),
-                &init,
-                &train_set,
-                &test_set,
-                checkpoints.as_ref(),
-            )?,
+            train(&job, fabric::Strategy::Dp, args.replicas(), false)?,
         )),
         Strategy::Ddp | Strategy::Fsdp => {
-            let ddp = match (args.strategy, args.zero) {
-                (Strategy::Fsdp, _) => "FSDP".to_string(),
-                (_, Some(stage)) => format!("DDP with ZeRO stage {stage}"),
-                (_, None) => "DDP".to_string(),
+            let (strategy, ddp) = match (args.strategy, args.zero) {
+                (Strategy::Fsdp, _) => (fabric::Strategy::Fsdp, "FSDP".to_string()),
+                (_, Some(stage)) => (
+                    fabric::Strategy::Ddp,
+                    format!("DDP with ZeRO stage {stage}"),
+                ),
+                (_, None) => (fabric::Strategy::Ddp, "DDP".to_string()),
             };
             let label = match Backend::from_env() {
                 Backend::Threads => format!("{ddp}, {} thread ranks", args.replicas),
                 Backend::Mpi { .. } => format!("{ddp}, {} MPI processes", Backend::world_size()),
             };
-            match train_ddp(&args, &init, &train_set, &test_set, checkpoints.as_ref())? {
-                Some(outcome) => Some((label, outcome)),
+            match train(&job, strategy, args.replicas(), false)? {
+                Some(outcome) => Some((label, Some(outcome))),
                 None => return Ok(()), // not rank 0
             }
         }
         Strategy::Single => None,
     };
+    let parallel = parallel.map(|(label, outcome)| (label, outcome.expect("rank 0's outcome")));
+    let reference = Job {
+        saves: false,
+        ..job
+    };
     let one = match (&parallel, args.no_reference) {
         (Some(_), true) => None,
-        (Some(_), false) => Some(train(&args, 0, &init, &train_set, &test_set, None)?),
-        (None, _) => Some(train(
-            &args,
-            0,
-            &init,
-            &train_set,
-            &test_set,
-            checkpoints.as_ref(),
-        )?),
+        (Some(_), false) => train(&reference, fabric::Strategy::Single, 1, true)?,
+        (None, _) => train(&job, fabric::Strategy::Single, 1, true)?,
     };
     // Every run, the saved one first: the parallel run, or the one device.
     let mut runs: Vec<(String, &Outcome)> = Vec::new();
@@ -1047,12 +778,7 @@ fn run(args: Args) -> Result<()> {
     if let Some(outcome) = &one {
         runs.push(("one device".to_string(), outcome));
     }
-    // DDP's rank 0 saved its own.
-    if let (Some(path), false, Some((_, saved))) = (
-        &args.save,
-        matches!(args.strategy, Strategy::Ddp | Strategy::Fsdp),
-        runs.first(),
-    ) {
+    if let (Some(path), Some((_, saved))) = (&args.save, runs.first()) {
         checkpoint::save(&saved.varmap, path, Prefix::None)?;
     }
 
@@ -1103,6 +829,54 @@ fn run(args: Args) -> Result<()> {
     chart(&args.chart, &curves)?;
     println!("loss and accuracy per epoch: {}", args.chart.display());
     Ok(())
+}
+
+/// What is trained, on what, said once.
+fn describe(args: &Args, train_set: &LabelledImages, test_set: &LabelledImages, name: &str) {
+    println!(
+        "data: {name}: {} training and {} held-out samples of {}x{} pixels",
+        train_set.len(),
+        test_set.len(),
+        train_set.height,
+        train_set.width
+    );
+    let model = match args.model {
+        Model::Mlp => format!(
+            "MLP {}-{}-10",
+            train_set.height * train_set.width,
+            args.hidden()
+        ),
+        Model::Conv => {
+            let c = args.hidden();
+            format!(
+                "conv net (conv 3x3 1-{c}, conv 3x3 {c}-{}, maxpool 2, linear to 10)",
+                2 * c
+            )
+        }
+    };
+    let mut recipe = String::new();
+    if args.lr_schedule == Schedule::WarmupCosine {
+        recipe += " with warm-up and cosine decay";
+    }
+    if let Some(x) = args.clip_grad_norm {
+        recipe += &format!(", gradients clipped to norm {x}");
+    }
+    match args.precision {
+        Precision::F32 => {}
+        Precision::Bf16 => recipe += ", bf16 compute",
+        Precision::F16 => recipe += ", f16 compute with loss scaling",
+    }
+    println!(
+        "model: {model}, AdamW lr {}{recipe}, global batch {}, {} epochs, {} backward, seed {}",
+        args.lr,
+        args.batch,
+        args.epochs,
+        match args.backward {
+            Backward::Fast => "parallel (per-replica loss)",
+            Backward::Dropin => "drop-in (loss on gathered output)",
+        },
+        args.seed
+    );
 }
 
 /// Two panels, training loss and held-out accuracy per epoch, one line per run.

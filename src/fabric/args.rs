@@ -81,7 +81,8 @@ pub struct FabricArgs {
     /// Where the training states are saved.
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
-    /// Seconds a rank waits in a collective before the job fails.
+    /// Seconds a rank waits in a collective before the job fails (inf: no
+    /// limit).
     #[arg(long, value_name = "SECONDS")]
     pub timeout_secs: Option<f64>,
     /// Seeds the initial weights and the data order [default: 0].
@@ -115,6 +116,7 @@ impl FabricArgs {
             devices,
             precision,
             init_scale,
+            dp_backward,
             stages,
             accumulation_steps,
             seed

@@ -388,7 +388,8 @@ pub struct FabricConfig {
     /// How many of the newest states to keep (default 3).
     pub keep: usize,
     /// How long a rank waits in a collective before the job fails, in
-    /// seconds (default: the launcher's, 1800 or `CANDLE_DP_TIMEOUT`).
+    /// seconds; infinite: no limit (default: the launcher's, 1800 or
+    /// `CANDLE_DP_TIMEOUT`).
     pub timeout_secs: Option<f64>,
     /// Seeds the initial weights and the data order (default 0;
     /// [`Fabric::seed_everything`](super::Fabric::seed_everything)
@@ -483,9 +484,12 @@ impl FabricConfig {
         }
     }
 
-    /// The collective timeout.
-    pub fn timeout(&self) -> Option<Duration> {
-        self.timeout_secs.map(Duration::from_secs_f64)
+    /// The configured timeout: `None` for the default, `Some(None)` for
+    /// no limit.
+    pub fn timeout(&self) -> Option<Option<Duration>> {
+        // Past what a Duration holds is no limit either.
+        self.timeout_secs
+            .map(|t| Duration::try_from_secs_f64(t).ok())
     }
 
     /// Checks that the strategy can serve these devices and settings,
@@ -519,8 +523,9 @@ impl FabricConfig {
                 return Err(Error::Strategy {
                     strategy: self.strategy.name().into(),
                     reason: format!(
-                        "ZeRO stage {stage} shards DDP's optimizer state across ranks; {} has \
-                         no ranks to shard across: use --strategy ddp (or zero{stage})",
+                        "ZeRO stage {stage} is a setting of ddp (the strategies zero1 and \
+                         zero2); {} cannot take it: use --strategy ddp --zero {stage}, or \
+                         zero{stage}",
                         self.strategy.name()
                     ),
                 })
@@ -573,8 +578,10 @@ impl FabricConfig {
             return refuse("keep must be at least 1 state".into());
         }
         if let Some(t) = self.timeout_secs {
-            if !(t.is_finite() && t > 0.0) {
-                return refuse(format!("timeout_secs {t}: a finite number above 0"));
+            if t.is_nan() || t <= 0.0 {
+                return refuse(format!(
+                    "timeout_secs {t}: a number of seconds above 0 (infinite: no limit)"
+                ));
             }
         }
         Ok(())

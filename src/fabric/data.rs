@@ -17,6 +17,9 @@ use crate::error::{Error, Result};
 use crate::loader::{Dataset, Loader, LoaderIter};
 use crate::sampler::{randperm, DistributedSampler};
 
+/// Each epoch's global order of the samples.
+type Order = Arc<dyn Fn(u64) -> Vec<usize> + Send + Sync>;
+
 /// How a loader's samples are shared between the ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sharding {
@@ -71,6 +74,8 @@ impl Default for DataOptions {
 /// This rank's loader: made by [`Fabric::setup_dataloader`](super::Fabric::setup_dataloader).
 pub struct FabricLoader {
     dataset: Arc<dyn Dataset>,
+    /// The original loader's sampler: each epoch's global order.
+    order: Option<Order>,
     batch_size: usize,
     options: DataOptions,
     rank: usize,
@@ -84,6 +89,7 @@ impl std::fmt::Debug for FabricLoader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FabricLoader")
             .field("samples", &self.dataset.len())
+            .field("own_order", &self.order.is_some())
             .field("batch_size", &self.batch_size)
             .field("options", &self.options)
             .field("rank", &self.rank)
@@ -145,6 +151,7 @@ impl FabricLoader {
         }
         Ok(Self {
             dataset,
+            order: None,
             batch_size,
             options,
             rank,
@@ -155,13 +162,28 @@ impl FabricLoader {
         })
     }
 
-    /// Sets the epoch, which seeds the shuffling (call it at the start of
-    /// every epoch, as `DistributedSampler.set_epoch`).
-    pub fn set_epoch(&mut self, epoch: u64) {
-        self.epoch = epoch;
+    /// Gives the loader its own sampler: `order(epoch)` is the global order
+    /// of the samples in that epoch (every index below the dataset's
+    /// length), which the ranks then share as [`Sharding`] says (dealt as
+    /// `DistributedSampler` deals its shuffled order, padded by repeating
+    /// from the start; or batch-wise, as Accelerate wraps a loader's own
+    /// sampler). It replaces `shuffle`.
+    pub fn with_order(mut self, order: impl Fn(u64) -> Vec<usize> + Send + Sync + 'static) -> Self {
+        self.order = Some(Arc::new(order));
+        self
     }
 
-    /// Starts the next passes at batch `k` (a run resumed mid-epoch).
+    /// Sets the epoch, which seeds the shuffling (call it at the start of
+    /// every epoch, as `DistributedSampler.set_epoch`); the epoch starts at
+    /// its first batch.
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.epoch = epoch;
+        self.skip = 0;
+    }
+
+    /// Starts this epoch's pass at batch `k` (a run resumed mid-epoch,
+    /// Accelerate's `skip_first_batches`); the next
+    /// [`set_epoch`](Self::set_epoch) starts from the first batch again.
     pub fn skip_batches(&mut self, k: usize) {
         self.skip = k;
     }
@@ -169,13 +191,32 @@ impl FabricLoader {
     /// This rank's batches of the current epoch, as sample indices.
     pub fn batch_indices(&self) -> Result<Vec<Vec<usize>>> {
         let n = self.dataset.len();
+        let given = match &self.order {
+            Some(order) => {
+                let order = order(self.epoch);
+                if let Some(&bad) = order.iter().find(|&&i| i >= n) {
+                    return Err(Error::Config(format!(
+                        "the loader's order for epoch {} holds index {bad}, past the dataset's \
+                         {n} samples",
+                        self.epoch
+                    )));
+                }
+                Some(order)
+            }
+            None => None,
+        };
         match self.options.sharding {
             Sharding::Distributed => {
-                let mut sampler = DistributedSampler::new(n, self.world_size, self.rank)?
-                    .shuffle(self.options.shuffle)
-                    .seed(self.seed);
-                sampler.set_epoch(self.epoch);
-                let mine = sampler.indices();
+                let mine = match given {
+                    Some(order) => deal(&order, self.world_size, self.rank),
+                    None => {
+                        let mut sampler = DistributedSampler::new(n, self.world_size, self.rank)?
+                            .shuffle(self.options.shuffle)
+                            .seed(self.seed);
+                        sampler.set_epoch(self.epoch);
+                        sampler.indices()
+                    }
+                };
                 let mut batches: Vec<Vec<usize>> = mine
                     .chunks(self.batch_size)
                     .map(<[usize]>::to_vec)
@@ -191,9 +232,10 @@ impl FabricLoader {
                 split_batches,
                 even_batches,
             } => {
-                let order = match self.options.shuffle {
-                    true => randperm(n, self.seed.wrapping_add(self.epoch)),
-                    false => (0..n).collect(),
+                let order = match (given, self.options.shuffle) {
+                    (Some(order), _) => order,
+                    (None, true) => randperm(n, self.seed.wrapping_add(self.epoch)),
+                    (None, false) => (0..n).collect(),
                 };
                 Ok(batch_wise(
                     &order,
@@ -233,6 +275,20 @@ impl FabricLoader {
             .skip_batches(self.skip);
         Ok(loader.iter())
     }
+}
+
+/// Rank `rank`'s positions `rank, rank + world, ...` of `order` padded to
+/// a multiple of `world` by repeating it from the start, as
+/// `DistributedSampler` deals its order.
+fn deal(order: &[usize], world: usize, rank: usize) -> Vec<usize> {
+    if order.is_empty() {
+        return Vec::new();
+    }
+    let total = order.len().div_ceil(world) * world;
+    (rank..total)
+        .step_by(world)
+        .map(|p| order[p % order.len()])
+        .collect()
 }
 
 /// Settings of [`batch_wise`].

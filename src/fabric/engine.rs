@@ -86,7 +86,7 @@ impl Engine {
             if let Some(policy) = policy.clone() {
                 builder = builder.mixed_precision(policy);
             }
-            if let Some(timeout) = config.timeout() {
+            if let Some(Some(timeout)) = config.timeout() {
                 builder = builder.timeout(timeout);
             }
             builder.build(module.parts().to_vec())
@@ -97,7 +97,7 @@ impl Engine {
                 if let Some(policy) = policy.clone() {
                     builder = builder.mixed_precision(policy);
                 }
-                if let Some(timeout) = config.timeout() {
+                if let Some(Some(timeout)) = config.timeout() {
                     builder = builder.timeout(timeout);
                 }
                 Engine::Replicas {

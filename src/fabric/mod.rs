@@ -52,7 +52,8 @@
 //! # Ok::<(), candle_dp::Error>(())
 //! ```
 //!
-//! What differs from PyTorch's tools, and why, is in `docs/fabric.md`.
+//! The manual's page `docs/fabric.md` shows the loop beside Fabric's,
+//! Accelerate's and `torchrun`'s, and what differs from them and why.
 
 mod args;
 mod checkpoints;
@@ -161,7 +162,8 @@ impl Fabric {
                 strategy: strategy.name().into(),
                 reason: format!(
                     "it runs in one process, and this is one of {} processes of an MPI job: \
-                     start one process, or use ddp, zero1, zero2 or fsdp",
+                     start one process, or use ddp, ddp-overlap, zero1, zero2, fsdp or \
+                     pipeline-ddp",
                     Backend::world_size()
                 ),
             });
@@ -179,7 +181,7 @@ impl Fabric {
         }
         let mut options = GroupOptions::default();
         if let Some(timeout) = config.timeout() {
-            options.timeout = Some(timeout);
+            options.timeout = timeout;
         }
         let rank = |ctx: RankContext| {
             let mine = match under_mpi {
@@ -271,6 +273,27 @@ impl Fabric {
             .to_device(&Device::Cpu)?;
         let sum = self.ctx.pg.all_reduce(&x, ReduceOp::Sum)?;
         Ok(sum.to_vec1::<f32>()?[0] / self.world_size() as f32)
+    }
+
+    /// The mean of a per-row mean (a loss over this rank's `rows` rows)
+    /// over every rank's rows: the ranks weighted by their rows, in f64,
+    /// as one device computing on the whole global batch reports it.
+    pub fn global_mean(&self, value: &Tensor, rows: usize) -> Result<f32> {
+        let value = value
+            .to_dtype(DType::F64)?
+            .to_device(&Device::Cpu)?
+            .to_scalar::<f64>()?;
+        let rows = rows as f64;
+        let mine = Tensor::new(&[value * rows, rows], &Device::Cpu)?;
+        let sums = self
+            .ctx
+            .pg
+            .all_reduce(&mine, ReduceOp::Sum)?
+            .to_vec1::<f64>()?;
+        Ok(match sums.as_slice() {
+            &[weighted, total] if total > 0.0 => (weighted / total) as f32,
+            _ => f32::NAN,
+        })
     }
 
     /// Every rank's `tensor`, in rank order.
@@ -395,6 +418,20 @@ impl Fabric {
         batch_size: usize,
         options: DataOptions,
     ) -> Result<FabricLoader> {
+        if let Sharding::BatchWise {
+            even_batches: false,
+            ..
+        } = options.sharding
+        {
+            if self.world_size() > 1 && !options.drop_last {
+                return Err(Error::Config(format!(
+                    "even_batches false gives the {} ranks different numbers of batches, and a \
+                     rank with one more would wait in a collective the others never join: keep \
+                     even_batches (Accelerate's default) or drop_last",
+                    self.world_size()
+                )));
+            }
+        }
         FabricLoader::for_rank(
             dataset,
             batch_size,
@@ -417,6 +454,20 @@ fn rank_devices(config: &FabricConfig, rank: usize) -> Result<Vec<Device>> {
         config::Accelerator::Cpu => Ok(vec![Device::Cpu; per_rank]),
         config::Accelerator::Cuda => {
             let ordinals = config.devices.ordinals();
+            // Under mpirun `rank` is the process's local rank: a process
+            // beyond the devices listed is refused, not put on a GPU
+            // another process drives.
+            if (rank + 1) * per_rank > ordinals.len() {
+                return Err(Error::Strategy {
+                    strategy: config.effective_strategy().name().into(),
+                    reason: format!(
+                        "the process of local rank {rank} needs {per_rank} device(s) past the \
+                         {} listed ({:?}): give each process of this machine its own",
+                        ordinals.len(),
+                        ordinals
+                    ),
+                });
+            }
             (0..per_rank)
                 .map(|k| cuda_device(config, ordinals[(rank * per_rank + k) % ordinals.len()]))
                 .collect()

@@ -136,19 +136,24 @@ impl<O: StatefulOptimizer> FabricModel<O> {
         let factor = self.order.loss_factor() / self.accumulation_steps as f64;
         let loss_fn: LossFn = Arc::new(loss_fn);
         let ran = self.engine.forward_backward(x, y, factor, sync, &loss_fn)?;
-        self.micro += 1;
         if self.engine.accumulates_itself() {
             self.grads = ran.grads;
         } else if let Some(grads) = ran.grads {
-            let summed = match self.pending.take() {
+            // Summed before anything is replaced: a failed sum keeps the
+            // batches accumulated so far.
+            let summed = match &self.pending {
                 Some(before) => add_grads(before, grads, &self.params)?,
                 None => grads,
             };
             match sync {
-                true => self.grads = Some(summed),
+                true => {
+                    self.pending = None;
+                    self.grads = Some(summed);
+                }
                 false => self.pending = Some(summed),
             }
         }
+        self.micro += 1;
         Ok(ran.loss)
     }
 
@@ -219,12 +224,14 @@ impl<O: StatefulOptimizer> FabricModel<O> {
                 Stepper::Whole(opt) => Ok(opt.step(g)?),
                 Stepper::Zero(zero) => zero.step(g),
             });
-        // Whatever happened, the next step starts afresh.
+        // Whatever happened, the next step starts afresh (a failed one
+        // changed no parameter, and its gradients are spent).
         self.micro = 0;
         self.unscaled = false;
         self.clipped = false;
+        let stepped = stepped?;
         self.steps += 1;
-        Ok(match stepped? {
+        Ok(match stepped {
             true => StepOutcome::Stepped,
             false => StepOutcome::Skipped,
         })
@@ -307,15 +314,29 @@ impl<O> fmt::Debug for FabricModel<O> {
     }
 }
 
-/// `before + grads`, variable by variable.
-fn add_grads(mut before: GradStore, grads: GradStore, params: &[Var]) -> Result<GradStore> {
+/// `before + grads`, variable by variable (a new store).
+fn add_grads(before: &GradStore, grads: GradStore, params: &[Var]) -> Result<GradStore> {
+    let mut sum = GradStore::default();
     for var in params {
-        if let Some(g) = grads.get(var) {
-            let sum = with_accumulated(before.get(var), Some(g.clone()))?;
-            if let Some(sum) = sum {
-                before.insert(var, sum);
-            }
+        let total = with_accumulated(before.get(var), grads.get(var).cloned())?;
+        if let Some(total) = total {
+            sum.insert(var, total);
         }
     }
-    Ok(before)
+    Ok(sum)
+}
+
+impl<O> FabricModel<O> {
+    /// Refuses `what` between a step's first backward and its step: the
+    /// gradients of its batches live only in memory.
+    pub(crate) fn between_steps(&self, what: &str) -> Result<()> {
+        if self.micro > 0 || self.grads.is_some() {
+            return Err(Error::Fabric(format!(
+                "{what} in the middle of a step ({} of its {} batch(es) back-propagated): call \
+                 it after step()",
+                self.micro, self.accumulation_steps
+            )));
+        }
+        Ok(())
+    }
 }

@@ -58,8 +58,12 @@ impl<O: StatefulOptimizer> FabricModel<O> {
     ///
     /// # Errors
     ///
-    /// No `checkpoint_dir` configured; the write's (naming the file).
+    /// No `checkpoint_dir` configured; a call between a step's first
+    /// backward and its step (those gradients cannot be saved); the
+    /// write's (naming the file). An error on one rank ends the run on
+    /// every rank (the launcher fails the group), as any rank's error does.
     pub fn save(&self, progress: Progress) -> Result<()> {
+        self.between_steps("save")?;
         let checkpoints = self.checkpoints()?;
         let (lr_scheduler, grad_scaler) = self.order.state();
         let mut state = TrainingState {
@@ -112,12 +116,20 @@ impl<O: StatefulOptimizer> FabricModel<O> {
     ///
     /// # Errors
     ///
-    /// No `checkpoint_dir`; a state of another layout (sharded by another
+    /// No `checkpoint_dir`; a call between a step's first backward and
+    /// its step (the batches back-propagated so far are not in a state);
+    /// a state of another layout (sharded by another
     /// strategy), seed, schedule or precision, naming both; states exist
     /// but none is complete; ranks that found different states
     /// ([`Error::ResumeMismatch`]). Nothing is loaded then.
     pub fn load(&mut self) -> Result<Option<Resumed>> {
+        self.between_steps("load")?;
         let checkpoints = self.checkpoints()?;
+        // The newest state names the strategy that wrote it: another
+        // layout is named as such, not as missing shards.
+        if let Some(newest) = checkpoints.latest()? {
+            check_layout(self.strategy, self.seed, &newest.state, &newest.path)?;
+        }
         // What to load is found first, and every rank must have found the
         // same step before anything changes.
         let found = match (&self.engine, &self.stepper) {
@@ -135,6 +147,12 @@ impl<O: StatefulOptimizer> FabricModel<O> {
             return Ok(None);
         };
         check_layout(self.strategy, self.seed, &saved.state, &saved.path)?;
+        // The schedule and the scale first, on copies: a state of another
+        // precision or schedule changes nothing.
+        self.order.check_resume(
+            saved.state.lr_scheduler.as_ref(),
+            saved.state.grad_scaler.as_ref(),
+        )?;
         match (&mut self.engine, &mut self.stepper, shards) {
             (_, Stepper::Zero(zero), Shards::Zero(shards)) => {
                 // The weights first (all or nothing), put back if the
@@ -161,9 +179,6 @@ impl<O: StatefulOptimizer> FabricModel<O> {
         self.order
             .resume(state.lr_scheduler.as_ref(), state.grad_scaler.as_ref())?;
         self.steps = state.progress.step;
-        self.micro = 0;
-        self.pending = None;
-        self.grads = None;
         Ok(Some(Resumed {
             progress: state.progress,
             path,

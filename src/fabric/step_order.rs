@@ -86,7 +86,16 @@ impl StepOrder {
     ) -> Result<bool> {
         let stepped = match &mut self.scaler {
             Some(scaler) => {
-                let stepped = scaler.step(grads, params, apply)?;
+                // A failed optimizer step leaves the scaler as before the
+                // step (its scale, and ready for the next one).
+                let before = scaler.state();
+                let stepped = match scaler.step(grads, params, apply) {
+                    Ok(stepped) => stepped,
+                    Err(e) => {
+                        scaler.load_state(&before)?;
+                        return Err(e);
+                    }
+                };
                 scaler.update()?;
                 stepped
             }
@@ -115,6 +124,21 @@ impl StepOrder {
             self.schedule.as_ref().map(LrScheduler::state),
             self.scaler.as_ref().map(GradScaler::state),
         )
+    }
+
+    /// Whether [`resume`](Self::resume) would take a saved schedule and
+    /// scale, checked on copies: an error says why, and nothing changed.
+    pub(crate) fn check_resume(
+        &self,
+        schedule: Option<&LrSchedulerState>,
+        scale: Option<&GradScalerState>,
+    ) -> Result<()> {
+        let mut copy = StepOrder {
+            scaler: self.scaler.clone(),
+            schedule: self.schedule.clone(),
+            skipped: self.skipped,
+        };
+        copy.resume(schedule, scale)
     }
 
     /// Continues from a saved schedule and scale, which must be there

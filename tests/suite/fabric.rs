@@ -413,6 +413,8 @@ fn flags_override_the_config_file_which_overrides_the_defaults() {
         "1.5",
         "--precision",
         "f16",
+        "--dp-backward",
+        "gathered",
     ])
     .fabric
     .config()
@@ -420,6 +422,10 @@ fn flags_override_the_config_file_which_overrides_the_defaults() {
     assert_eq!(overridden.effective_strategy(), Strategy::Zero2);
     assert_eq!(overridden.precision, Precision::F16Mixed);
     assert_eq!(overridden.gradient_clip, Some(1.5));
+    assert_eq!(
+        overridden.dp_backward,
+        candle_dp::fabric::DpBackward::Gathered
+    );
     assert_eq!(overridden.accumulation_steps, 4, "kept from the file");
     // A file round-trips through to_json.
     assert_eq!(
@@ -688,4 +694,160 @@ fn dp_with_the_gathered_loss_matches_one_device() {
         "{weights:.2e}\n{}",
         diff_report(&gathered.0, &single.0)
     );
+}
+
+/// An SGD whose step fails while `fail` is set.
+struct Failing(Sgd, Arc<std::sync::atomic::AtomicBool>);
+
+impl candle_nn::Optimizer for Failing {
+    type Config = SgdConfig;
+    fn new(_: Vec<candle_core::Var>, _: SgdConfig) -> candle_core::Result<Self> {
+        unimplemented!("built with Failing(..)")
+    }
+    fn step(&mut self, grads: &candle_core::backprop::GradStore) -> candle_core::Result<()> {
+        if self.1.load(std::sync::atomic::Ordering::SeqCst) {
+            candle_core::bail!("the optimizer failed on purpose");
+        }
+        self.0.step(grads)
+    }
+    fn learning_rate(&self) -> f64 {
+        self.0.learning_rate()
+    }
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.0.set_learning_rate(lr)
+    }
+}
+
+impl candle_dp::optim::StatefulOptimizer for Failing {
+    fn state(&self) -> candle_dp::Result<candle_dp::optim::OptimizerState> {
+        self.0.state()
+    }
+    fn load_state(&mut self, state: &candle_dp::optim::OptimizerState) -> candle_dp::Result<()> {
+        self.0.load_state(state)
+    }
+}
+
+/// A step whose optimizer fails changes no weight, and the next steps go
+/// on as if it had not been tried (the f16 scaler too); save and load are
+/// refused between a step's backward and its step.
+#[test]
+fn a_failed_step_changes_nothing_and_the_run_goes_on() {
+    for precision in [Precision::F32, Precision::F16Mixed] {
+        let data = dataset();
+        let config = FabricConfig {
+            checkpoint_dir: Some(tempdir()),
+            init_scale: 1024.0,
+            ..FabricConfig::new(Strategy::Ddp, 2).precision(precision)
+        };
+        let trained = Fabric::launch(config, |fabric| {
+            let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let flag = fail.clone();
+            let mut model = fabric.setup(classifier(), move |p| {
+                let sgd = Sgd::new_named(
+                    p,
+                    SgdConfig {
+                        lr: 0.05,
+                        ..Default::default()
+                    },
+                )?;
+                Ok(Failing(sgd, flag))
+            })?;
+            let (x, y) = (&data.tensors()[0], &data.tensors()[1]);
+            let (x, y) = (x.narrow(0, 0, 6)?, y.narrow(0, 0, 6)?);
+            model.backward(&x, &y, loss::cross_entropy)?;
+            let mid = model.save(Default::default()).unwrap_err().to_string();
+            assert!(mid.contains("in the middle of a step"), "{mid}");
+            let before = model.full_state()?;
+            fail.store(true, std::sync::atomic::Ordering::SeqCst);
+            let failed = model.step().unwrap_err().to_string();
+            assert!(failed.contains("failed on purpose"), "{failed}");
+            assert!(
+                identical(&model.full_state()?, &before),
+                "a failed step changed weights"
+            );
+            fail.store(false, std::sync::atomic::Ordering::SeqCst);
+            for _ in 0..3 {
+                model.backward(&x, &y, loss::cross_entropy)?;
+                model.step()?;
+            }
+            assert_eq!(model.steps(), 3);
+            Ok(model.full_state()?)
+        })
+        .unwrap_or_else(|e| panic!("{precision}: {e}"));
+        // The same three steps without the failed one.
+        let data = dataset();
+        let clean = Fabric::launch(
+            FabricConfig {
+                init_scale: 1024.0,
+                ..FabricConfig::new(Strategy::Ddp, 2).precision(precision)
+            },
+            |fabric| {
+                let mut model = fabric.setup(classifier(), |p| {
+                    Sgd::new_named(
+                        p,
+                        SgdConfig {
+                            lr: 0.05,
+                            ..Default::default()
+                        },
+                    )
+                })?;
+                let (x, y) = (&data.tensors()[0], &data.tensors()[1]);
+                let (x, y) = (x.narrow(0, 0, 6)?, y.narrow(0, 0, 6)?);
+                for _ in 0..3 {
+                    model.backward(&x, &y, loss::cross_entropy)?;
+                    model.step()?;
+                }
+                Ok(model.full_state()?)
+            },
+        )
+        .unwrap();
+        assert!(
+            identical(&trained[0], &clean[0]),
+            "{precision}: the run after the failure"
+        );
+    }
+}
+
+/// A state of another precision is refused before anything is loaded.
+#[test]
+fn a_state_of_another_precision_is_refused_and_nothing_is_loaded() {
+    let dir = tempdir();
+    let on = |precision| FabricConfig {
+        checkpoint_dir: Some(dir.clone()),
+        ..FabricConfig::new(Strategy::Ddp, 2).precision(precision)
+    };
+    resumable_run(&on(Precision::F32), Some(2));
+    let data = dataset();
+    let untouched = Fabric::launch(on(Precision::F16Mixed), |fabric| {
+        let mut model = fabric.setup(classifier(), |p| Sgd::new_named(p, SgdConfig::default()))?;
+        let before = model.full_state()?;
+        let error = model.load().unwrap_err().to_string();
+        assert!(error.contains("16-mixed"), "{error}");
+        let _ = &data;
+        Ok(identical(&model.full_state()?, &before))
+    })
+    .unwrap();
+    assert!(
+        untouched.iter().all(|&same| same),
+        "a refused load changed the weights"
+    );
+}
+
+#[test]
+fn uneven_batch_wise_loaders_are_refused_on_several_ranks() {
+    use candle_dp::fabric::Sharding;
+    let data = dataset();
+    let error = Fabric::launch(FabricConfig::new(Strategy::Ddp, 2), |fabric| {
+        let options = DataOptions {
+            sharding: Sharding::BatchWise {
+                split_batches: false,
+                even_batches: false,
+            },
+            ..DataOptions::default()
+        };
+        Ok(fabric.setup_dataloader(data.clone(), 5, options)?.len()?)
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("even_batches false"), "{error}");
 }
