@@ -24,9 +24,6 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[path = "common/datasets.rs"]
 mod datasets;
 
-#[path = "common/checkpoints.rs"]
-mod checkpoints;
-
 #[allow(dead_code)]
 #[path = "common/flags.rs"]
 mod flags;
@@ -34,12 +31,12 @@ mod flags;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
-use candle_dp::optim::{AdamW, AdamWConfig};
+use candle_dp::fabric::Resumed;
+use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
 use candle_dp::pipeline::{layer, Checkpoint, LayerFactory, Pipeline, Schedule};
-use candle_dp::training_state::Progress;
+use candle_dp::training_state::{Progress, StateDir, TrainingState};
 use candle_dp::{cpu_devices, seeded_varmap, LossReduction};
 use candle_nn::{linear, loss, Activation, Optimizer, VarBuilder, VarMap};
-use checkpoints::Checkpoints;
 use clap::{Parser, ValueEnum};
 use datasets::{load_digits, shuffled_indices, LabelledImages};
 use std::path::PathBuf;
@@ -207,18 +204,33 @@ fn run(args: Args) -> Result<()> {
         pipe.schedule()
     );
     let mut opt = adamw(&varmap)?;
-    let checkpoints = Checkpoints::new(
-        args.checkpoint_dir.as_deref(),
-        args.checkpoint_every,
-        3,
-        args.resume,
-    )?;
-    // The stages' variables are the VarMap's: a restored state is theirs.
-    let from = match &checkpoints {
-        Some(c) => c.resume(&varmap, &mut opt, true)?.map(|s| s.progress),
+    // The run's states (the newest 3 kept). The stages' variables are the
+    // VarMap's: a restored state is theirs.
+    let states = match &args.checkpoint_dir {
+        Some(dir) => Some(StateDir::new(dir)?.keep(3)),
         None => None,
-    }
-    .unwrap_or_default();
+    };
+    let from = match (&states, args.resume) {
+        (Some(states), true) => match states.latest()? {
+            Some(saved) => {
+                saved.restore(&varmap, Some(&mut opt))?;
+                let resumed = Resumed {
+                    progress: saved.state.progress,
+                    path: saved.path,
+                };
+                eprintln!("{resumed}");
+                resumed.progress
+            }
+            None => {
+                eprintln!(
+                    "no complete training state in {}: starting from scratch",
+                    states.path().display()
+                );
+                Progress::default()
+            }
+        },
+        _ => Progress::default(),
+    };
     let test_x = test.images.flatten_from(1)?;
     let mut bubble = Vec::new();
     // Per device, the most activation bytes held for the backward in any step.
@@ -245,13 +257,20 @@ fn run(args: Args) -> Result<()> {
                 *peak = (*peak).max(*step);
             }
             step_count += 1;
-            if let Some(c) = &checkpoints {
+            if let Some(states) = &states {
                 let progress = Progress {
                     epoch: epoch as u64,
                     batch: index as u64 + 1,
                     step: step_count,
                 };
-                c.after_step(&varmap, &opt, progress, per_epoch, None, (None, None))?;
+                if let Some(progress) = progress.due(per_epoch, args.checkpoint_every) {
+                    let state = TrainingState {
+                        progress,
+                        optimizer: Some(opt.state()?),
+                        ..Default::default()
+                    };
+                    states.save(&varmap, &state)?;
+                }
             }
         }
         let acc = accuracy(&pipe.forward_t(&test_x, false)?, &test.labels)?;

@@ -525,8 +525,10 @@ fn train(
                     batch: index + 1,
                     step,
                 };
-                if let Some(progress) = due(args, job.saves, progress, batches) {
-                    model.save(progress)?;
+                if let Some(progress) = progress.due(batches, args.checkpoint_every) {
+                    if job.saves {
+                        model.save(progress)?;
+                    }
                 }
             }
             bar.set_message(format!("epoch {} loss {last_loss:.4}", epoch + 1));
@@ -579,13 +581,7 @@ fn resume(
     let resumed = model.load()?;
     if speaks {
         match &resumed {
-            Some(r) => eprintln!(
-                "resuming from {}: epoch {}, batch {}, step {}",
-                r.path.display(),
-                r.progress.epoch + 1,
-                r.progress.batch,
-                r.progress.step
-            ),
+            Some(resumed) => eprintln!("{resumed}"),
             None => eprintln!(
                 "no complete training state in {}: starting from scratch",
                 args.checkpoint_dir
@@ -596,30 +592,6 @@ fn resume(
         }
     }
     Ok(resumed.map(|r| r.progress).unwrap_or_default())
-}
-
-/// Whether a state is due after the step that left the run at `progress`
-/// (`batches` in its epoch), and the progress to save then: every
-/// `--checkpoint-every` steps, or at the end of every epoch (a state at
-/// the end of an epoch continues with the next one).
-fn due(args: &Args, saves: bool, progress: Progress, batches: u64) -> Option<Progress> {
-    if !saves {
-        return None;
-    }
-    let end_of_epoch = progress.batch >= batches;
-    let due = match args.checkpoint_every {
-        Some(n) => progress.step.is_multiple_of(n),
-        None => end_of_epoch,
-    };
-    match (due, end_of_epoch) {
-        (false, _) => None,
-        (true, true) => Some(Progress {
-            epoch: progress.epoch + 1,
-            batch: 0,
-            step: progress.step,
-        }),
-        (true, false) => Some(progress),
-    }
 }
 
 /// The classifier in the run's precision over `varmap`'s f32 weights.

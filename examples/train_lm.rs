@@ -8,14 +8,15 @@
 //! cargo run --release --example train_lm -- --strategy pipeline --replicas 2 --precision bf16
 //! ```
 //!
-//! Strategies: `single` (one device), `dp` (`DataParallel`, `--replicas` CPU
-//! replicas), `ddp` (`--replicas` thread ranks, or the processes of
-//! `mpirun`), `zero` (DDP with ZeRO stage 2), `pipeline` (the model's units
-//! over `--replicas` CPU stages, `--chunks` micro-batches); with `ddp` and
-//! `zero`, `--overlap` gives DDP the model as units and reduces each
-//! gradient bucket during the backward. The model and
-//! its units: `examples/common/gpt.rs`; the data and its order:
-//! `examples/common/text.rs`; the step's recipe: `examples/common/recipe.rs`.
+//! Every strategy trains through one loop on a [`Fabric`]
+//! (`candle_dp::fabric`): `single` (one device), `dp` (`DataParallel`,
+//! `--replicas` CPU replicas), `ddp` (`--replicas` thread ranks, or the
+//! processes of `mpirun`), `zero` (DDP with ZeRO stage 2), `pipeline` (the
+//! model's units over `--replicas` CPU stages, `--chunks` micro-batches),
+//! `ddp-pipeline` (a pipeline of `--stages` inside each rank) and `fsdp`;
+//! with `ddp` and `zero`, `--overlap` reduces each gradient bucket during
+//! the backward. The model and its units: `examples/common/gpt.rs`; the
+//! data and its order: `examples/common/text.rs`.
 //! `scripts/train_lm_torch.py` trains the same model in PyTorch from
 //! `--save-init`'s weights on the same batches.
 
@@ -23,51 +24,34 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-// Example code shared with the tests; each user needs only part of it.
-#[allow(dead_code)]
-#[path = "common/checkpoints.rs"]
-mod checkpoints;
+// The model and the data, shared with the tests.
 #[allow(dead_code)]
 #[path = "common/flags.rs"]
 mod flags;
-#[path = "common/global_loss.rs"]
-mod global_loss;
 #[allow(dead_code)]
 #[path = "common/gpt.rs"]
 mod gpt;
 #[allow(dead_code)]
-#[path = "common/recipe.rs"]
-mod recipe;
-#[allow(dead_code)]
 #[path = "common/text.rs"]
 mod text;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_dp::checkpoint::{self, Prefix};
-use candle_dp::comm::{all_gather_object, GroupOptions};
-use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
-use candle_dp::launch::{self, Backend};
-use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
-use candle_dp::pipeline::Pipeline;
-use candle_dp::precision::MixedPrecisionModel;
-use candle_dp::training_state::{check_ranks_agree, Progress};
-use candle_dp::units::Units;
-use candle_dp::zero::{ZeroOptimizer, ZeroStage};
-use candle_dp::{
-    cpu_devices, seeded_varmap, DataParallel, DdpConfig, DistributedDataParallel, LossReduction,
-};
+use candle_dp::fabric::{self, Fabric, FabricConfig, FabricModel, FabricModule};
+use candle_dp::launch::Backend;
+use candle_dp::optim::{AdamW, AdamWConfig, LrScheduler};
+use candle_dp::precision::{MixedPrecision, MixedPrecisionModel};
+use candle_dp::seeded_varmap;
+use candle_dp::training_state::Progress;
 use candle_nn::VarMap;
-use checkpoints::Checkpoints;
 use clap::{Parser, ValueEnum};
-use global_loss::global_loss;
 use gpt::{lm_loss, units, Gpt, GptConfig};
-use recipe::{Precision, Recipe, Schedule};
 use text::{load_text, split, windows_at, Windows};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
@@ -91,48 +75,27 @@ enum Strategy {
     Fsdp,
 }
 
-/// A rank's model under DDP: whole, its units (`--overlap`), or a
-/// pipeline of its units.
-enum RankModel {
-    Whole(Box<DistributedDataParallel<Gpt>>),
-    Units(Box<DistributedDataParallel<Units>>),
-    Piped(Box<DistributedDataParallel<Pipeline>>),
+/// The dtype of the forward and backward (master weights and optimizer
+/// state stay in f32).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum Precision {
+    /// Everything in f32.
+    F32,
+    /// bf16 compute, f32 reduction; no loss scaling needed.
+    Bf16,
+    /// f16 compute, f32 reduction, with dynamic loss scaling.
+    F16,
 }
 
-impl RankModel {
-    fn params(&self) -> Vec<candle_core::Var> {
-        let params = match self {
-            RankModel::Whole(ddp) => ddp.params(),
-            RankModel::Units(ddp) => ddp.params(),
-            RankModel::Piped(ddp) => ddp.params(),
-        };
-        params.iter().map(|(_, v)| v.clone()).collect()
-    }
-
-    /// This rank's loss (unscaled) and the gradients averaged over the
-    /// ranks (scaled by the recipe's loss scale).
-    fn step(&mut self, x: &Tensor, y: &Tensor, recipe: &Recipe) -> Result<(Tensor, GradStore)> {
-        Ok(match self {
-            RankModel::Whole(ddp) => {
-                let loss = lm_loss(&ddp.forward(x)?, y)?;
-                let grads = ddp.backward(&recipe.scale(&loss)?)?;
-                (loss, grads)
-            }
-            RankModel::Units(ddp) => {
-                let factor = f64::from(recipe.loss_factor());
-                let step =
-                    ddp.forward_backward(x, y, |out, y| lm_loss(out, y)?.affine(factor, 0.0))?;
-                (step.loss.affine(1.0 / factor, 0.0)?, step.grads)
-            }
-            RankModel::Piped(ddp) => {
-                let factor = f64::from(recipe.loss_factor());
-                let step = ddp.forward_backward(x, y, LossReduction::Mean, move |out, y| {
-                    lm_loss(out, y)?.affine(factor, 0.0)
-                })?;
-                (step.loss.affine(1.0 / factor, 0.0)?, step.grads)
-            }
-        })
-    }
+/// The learning rate over the run.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum Schedule {
+    /// The `--lr` throughout.
+    Constant,
+    /// A linear warm-up from 1% of `--lr` over `--warmup-steps`, then a
+    /// cosine decay to 0 at the last step (PyTorch's SequentialLR of
+    /// LinearLR and CosineAnnealingLR).
+    WarmupCosine,
 }
 
 /// Train a GPT-style language model on a public-domain book.
@@ -240,23 +203,6 @@ impl Args {
         }
     }
 
-    fn recipe(&self) -> Result<Recipe> {
-        let warmup = self.warmup_steps.unwrap_or((self.steps / 20).max(1));
-        let clip = (self.clip_grad_norm > 0.0).then_some(self.clip_grad_norm);
-        Recipe::new(
-            self.precision,
-            clip,
-            self.lr_schedule,
-            self.lr,
-            warmup,
-            self.steps,
-        )
-    }
-
-    fn adamw(&self, varmap: &VarMap) -> Result<AdamW> {
-        Ok(AdamW::from_varmap(varmap, self.adamw_config())?)
-    }
-
     fn adamw_config(&self) -> AdamWConfig {
         AdamWConfig {
             lr: self.lr,
@@ -265,9 +211,45 @@ impl Args {
         }
     }
 
-    /// Ranks (ddp, zero) or replicas / stages (dp, pipeline) in one process.
-    fn replicas(&self) -> usize {
-        self.replicas as usize
+    /// The Fabric's configuration of `strategy`: the one flag that picks
+    /// the strategy, with the settings every run shares.
+    fn fabric(&self, strategy: Strategy) -> FabricConfig {
+        let replicas = self.replicas as usize;
+        let (fabric_strategy, devices) = match strategy {
+            Strategy::Single => (fabric::Strategy::Single, 1),
+            Strategy::Dp => (fabric::Strategy::Dp, replicas),
+            Strategy::Ddp => (fabric::Strategy::Ddp, replicas),
+            Strategy::Zero => (fabric::Strategy::Zero2, replicas),
+            Strategy::Pipeline => (fabric::Strategy::Pipeline, replicas),
+            Strategy::DdpPipeline => (
+                fabric::Strategy::PipelineDdp,
+                replicas * self.stages as usize,
+            ),
+            Strategy::Fsdp => (fabric::Strategy::Fsdp, replicas),
+        };
+        FabricConfig {
+            stages: self.stages as usize,
+            chunks: Some(self.chunks as usize),
+            precision: match self.precision {
+                Precision::F32 => fabric::Precision::F32,
+                Precision::Bf16 => fabric::Precision::Bf16Mixed,
+                Precision::F16 => fabric::Precision::F16Mixed,
+            },
+            overlap: self.overlap && matches!(strategy, Strategy::Ddp | Strategy::Zero),
+            gradient_clip: (self.clip_grad_norm > 0.0).then_some(self.clip_grad_norm),
+            checkpoint_dir: self.checkpoint_dir.clone(),
+            seed: self.seed,
+            ..FabricConfig::new(fabric_strategy, devices)
+        }
+    }
+
+    /// The mixed-precision policy of the evaluation model.
+    fn policy(&self) -> MixedPrecision {
+        match self.precision {
+            Precision::F32 => MixedPrecision::new(DType::F32),
+            Precision::Bf16 => MixedPrecision::bf16(),
+            Precision::F16 => MixedPrecision::f16(),
+        }
     }
 }
 
@@ -280,19 +262,8 @@ struct Outcome {
     tokens: u64,
     varmap: VarMap,
     skipped: u64,
-    /// Bytes held after the last step (the most on any rank): the
-    /// parameters, the gradients the step used, the optimizer's state.
-    param_bytes: usize,
-    grad_bytes: usize,
-    state_bytes: usize,
-}
-
-/// The bytes of `tensors`.
-fn bytes_of<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> usize {
-    tensors
-        .into_iter()
-        .map(|t| t.elem_count() * t.dtype().size_in_bytes())
-        .sum()
+    /// Bytes held after the last step (the most on any rank).
+    memory: fabric::Memory,
 }
 
 /// The mean loss over the held-out windows, in the run's precision.
@@ -349,29 +320,11 @@ struct Job<'a> {
     args: &'a Args,
     train: &'a Windows,
     held_out: &'a Windows,
-    init: &'a VarMap,
-    checkpoints: Option<&'a Checkpoints>,
+    /// Whether this run saves and resumes its states.
+    saves: bool,
 }
 
 impl Job<'_> {
-    fn copy_init(&self) -> Result<VarMap> {
-        let to = VarMap::new();
-        let from = self
-            .init
-            .data()
-            .lock()
-            .map_err(|_| anyhow::anyhow!("lock"))?;
-        let mut data = to.data().lock().map_err(|_| anyhow::anyhow!("lock"))?;
-        for (name, var) in from.iter() {
-            data.insert(
-                name.clone(),
-                candle_core::Var::from_tensor(&var.as_tensor().copy()?)?,
-            );
-        }
-        drop(data);
-        Ok(to)
-    }
-
     fn evaluate(
         &self,
         model: &MixedPrecisionModel<Gpt>,
@@ -389,422 +342,155 @@ impl Job<'_> {
 }
 
 /// The model computing in `args.precision` over `varmap`'s f32 variables
-/// (evaluation, sampling, one device's training).
+/// (evaluation, sampling).
 fn in_precision(args: &Args, varmap: &VarMap) -> Result<MixedPrecisionModel<Gpt>> {
     let config = args.config();
     Ok(MixedPrecisionModel::new(
         varmap,
         DType::F32,
         &Device::Cpu,
-        args.precision.policy(),
+        args.policy(),
         |vb| Gpt::new(config, vb),
     )?)
 }
 
-/// One device, DataParallel or the pipeline: one process, the whole batch.
-fn train_in_process(job: &Job) -> Result<Outcome> {
+/// One run of `strategy`: the same loop for every strategy; rank 0's
+/// outcome. `in_process`: thread ranks even under mpirun (the one-device
+/// comparison).
+fn train_run(job: &Job, strategy: Strategy, in_process: bool) -> Result<Option<Outcome>> {
     let args = job.args;
-    let config = args.config();
-    let varmap = job.copy_init()?;
-    let eval = in_precision(args, &varmap)?;
-    let devices = cpu_devices(args.replicas());
-    let dp = match args.strategy {
-        Strategy::Dp => Some(
-            DataParallel::builder(&varmap, DType::F32, &devices)
-                .mixed_precision(args.precision.policy())
-                .build(move |vb| Gpt::new(config, vb))?,
-        ),
-        _ => None,
-    };
-    let pipe = match args.strategy {
-        Strategy::Pipeline => Some(
-            Pipeline::builder(&varmap, DType::F32, &devices)
-                .chunks(args.chunks as usize)
-                .mixed_precision(args.precision.policy())
-                .build(units(config))?,
-        ),
-        _ => None,
-    };
-    let params = sorted(&varmap);
-    let mut opt = args.adamw(&varmap)?;
-    let mut recipe = args.recipe()?;
-    let from = resume(job, &varmap, Some(&mut opt), &mut recipe)?;
-    let mut outcome = Outcome::new(varmap.clone());
-    let start = Instant::now();
-    let mut evaluating = Duration::ZERO;
-    for step in from..args.steps {
-        let indices = windows_at(job.train, 1, 0, args.seed, args.batch as usize, step)?;
-        let (x, y) = job.train.batch(&indices)?;
-        let tokens = x.elem_count() as u64;
-        recipe.before_step(&mut opt);
-        let factor = recipe.loss_factor();
-        let (loss, mut grads) = match (&dp, &pipe) {
-            (Some(dp), _) => {
-                let step = dp.forward_backward(
-                    (x.clone(), y.clone()),
-                    LossReduction::Mean,
-                    move |m, (x, y)| lm_loss(&m.forward(&x)?, &y)?.affine(f64::from(factor), 0.0),
-                )?;
-                (step.loss.affine(1.0 / f64::from(factor), 0.0)?, step.grads)
-            }
-            (_, Some(pipe)) => {
-                let step = pipe.forward_backward(&x, &y, LossReduction::Mean, move |out, y| {
-                    lm_loss(out, y)?.affine(f64::from(factor), 0.0)
-                })?;
-                (step.loss.affine(1.0 / f64::from(factor), 0.0)?, step.grads)
-            }
-            _ => {
-                let loss = lm_loss(&eval.forward(&x)?, &y)?;
-                let grads = recipe.scale(&loss)?.backward()?;
-                (loss, grads)
-            }
-        };
-        recipe.finish(&mut grads, &params, &mut opt)?;
-        outcome.grad_bytes = bytes_of(params.iter().filter_map(|p| grads.get(p.as_tensor())));
-        outcome.record(loss.to_scalar::<f32>()?, tokens);
-        let done = step + 1;
-        let paused = Instant::now();
-        if done % args.eval_every == 0 || done == args.steps {
-            job.evaluate(&eval, done, &mut outcome.held_out)?;
-        }
-        if let Some(c) = job.checkpoints {
-            let progress = Progress {
-                epoch: 0,
-                batch: done,
-                step: done,
-            };
-            c.after_step(&varmap, &opt, progress, args.steps, None, recipe.state())?;
-        }
-        evaluating += paused.elapsed();
+    let mut config = args.fabric(strategy);
+    if !job.saves {
+        config.checkpoint_dir = None;
     }
-    outcome.training = start.elapsed() - evaluating;
-    outcome.skipped = recipe.skipped;
-    outcome.param_bytes = bytes_of(params.iter().map(|p| p.as_tensor()));
-    outcome.state_bytes = bytes_of(opt.state()?.tensors.values());
-    Ok(outcome)
-}
-
-/// DDP (or ZeRO-2) over thread ranks or MPI processes; rank 0's outcome.
-fn train_distributed(job: &Job) -> Result<Option<Outcome>> {
-    let args = job.args;
-    let config = args.config();
-    let ranks = launch::run(args.replicas(), GroupOptions::default(), |ctx| {
-        let (rank, world) = (ctx.rank, ctx.world_size);
+    let rank_loop = |fabric: Fabric| -> Result<Option<Outcome>> {
+        let (rank, world) = (fabric.rank(), fabric.world_size());
         if !(args.batch as usize).is_multiple_of(world) {
             bail!("--batch {} does not divide among {world} ranks", args.batch);
         }
         let per_rank = args.batch as usize / world;
-        let varmap = job.copy_init()?;
-        let mut model = if args.strategy == Strategy::DdpPipeline {
-            let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(args.stages as usize))
-                .chunks(args.chunks as usize)
-                .mixed_precision(args.precision.policy())
-                .build(units(config))?;
-            RankModel::Piped(Box::new(DistributedDataParallel::from_module(
-                ctx.process_group(),
-                &varmap,
-                pipe,
-                DdpConfig::default(),
-            )?))
-        } else {
-            let ddp_config = DdpConfig {
-                mixed_precision: Some(args.precision.policy()),
-                zero: (args.strategy == Strategy::Zero).then_some(ZeroStage::Two),
-                ..Default::default()
-            };
-            let (pg, cpu) = (ctx.process_group(), Device::Cpu);
-            match args.overlap {
-                true => RankModel::Units(Box::new(DistributedDataParallel::from_units(
-                    pg,
-                    &varmap,
-                    DType::F32,
-                    &cpu,
-                    units(config),
-                    ddp_config,
-                )?)),
-                false => RankModel::Whole(Box::new(DistributedDataParallel::new(
-                    pg,
-                    &varmap,
-                    DType::F32,
-                    &cpu,
-                    |vb| Gpt::new(config, vb),
-                    ddp_config,
-                )?)),
-            }
-        };
-        let eval = in_precision(args, &varmap)?;
-        let params = model.params();
-        let mut opt = args.adamw(&varmap)?;
-        let mut zero = match &model {
-            RankModel::Whole(ddp) if args.strategy == Strategy::Zero => {
-                Some(ZeroOptimizer::new(ddp, |mine| {
-                    AdamW::new_named(mine, args.adamw_config())
-                })?)
-            }
-            RankModel::Units(ddp) if args.strategy == Strategy::Zero => {
-                Some(ZeroOptimizer::new(ddp, |mine| {
-                    AdamW::new_named(mine, args.adamw_config())
-                })?)
-            }
-            _ => None,
-        };
-        let mut recipe = args.recipe()?;
-        let from = match (&mut zero, job.checkpoints) {
-            (Some(zero), Some(c)) => match c.resume_sharded(&varmap, rank == 0)? {
-                Some((state, shards)) => {
-                    zero.load_shards(&shards)?;
-                    recipe.resume(&state)?;
-                    state.progress.step
-                }
-                None => 0,
-            },
-            _ => resume(
-                job,
-                &varmap,
-                zero.is_none().then_some(&mut opt),
-                &mut recipe,
-            )?,
-        };
-        if job.checkpoints.is_some_and(|c| c.resume) {
-            check_ranks_agree(ctx.pg.as_ref(), Some(from))?;
+        let module = FabricModule::units(units(args.config()));
+        let mut model = fabric.setup(module, |p| AdamW::new_named(p, args.adamw_config()))?;
+        if args.lr_schedule == Schedule::WarmupCosine {
+            let warmup = args.warmup_steps.unwrap_or((args.steps / 20).max(1));
+            model.set_schedule(LrScheduler::warmup_cosine(args.lr, warmup, args.steps)?);
         }
-        let mut outcome = Outcome::new(varmap.clone());
+        let from = resume(&mut model, args, job.saves, rank == 0)?;
+        let mut outcome = Outcome::new();
         let start = Instant::now();
         let mut evaluating = Duration::ZERO;
         for step in from..args.steps {
             let indices = windows_at(job.train, world, rank, args.seed, per_rank, step)?;
             let (x, y) = job.train.batch(&indices)?;
-            match &mut zero {
-                Some(z) => recipe.before_step(z.inner_mut()),
-                None => recipe.before_step(&mut opt),
-            }
-            let (loss, mut grads) = model.step(&x, &y, &recipe)?;
-            match &mut zero {
-                Some(z) => recipe.finish_zero(&mut grads, z, ctx.pg.as_ref())?,
-                None => recipe.finish(&mut grads, &params, &mut opt)?,
-            };
-            outcome.grad_bytes = bytes_of(params.iter().filter_map(|p| grads.get(p.as_tensor())));
+            let loss = model.backward(&x, &y, lm_loss)?;
+            model.step()?;
             outcome.record(
-                global_loss(ctx.pg.as_ref(), &loss, x.dim(0)?)?,
-                (x.elem_count() * world) as u64,
-            );
-            let done = step + 1;
-            let paused = Instant::now();
-            if rank == 0 && (done % args.eval_every == 0 || done == args.steps) {
-                job.evaluate(&eval, done, &mut outcome.held_out)?;
-            }
-            if let Some(c) = job.checkpoints {
-                let progress = Progress {
-                    epoch: 0,
-                    batch: done,
-                    step: done,
-                };
-                match (&zero, c.due(progress, args.steps)) {
-                    (Some(z), Some(due)) => {
-                        c.save_zero(ctx.pg.as_ref(), &varmap, z, due, None, recipe.state())?
-                    }
-                    (None, _) if rank == 0 => {
-                        c.after_step(&varmap, &opt, progress, args.steps, None, recipe.state())?
-                    }
-                    _ => {}
-                }
-            }
-            evaluating += paused.elapsed();
-        }
-        outcome.training = start.elapsed() - evaluating;
-        outcome.skipped = recipe.skipped;
-        // What the rank holding the most holds, after the last step.
-        let state = match &zero {
-            Some(z) => z.state_bytes()?,
-            None => bytes_of(opt.state()?.tensors.values()),
-        };
-        let mine = (
-            bytes_of(params.iter().map(|p| p.as_tensor())),
-            outcome.grad_bytes,
-            state,
-        );
-        let all = all_gather_object(ctx.pg.as_ref(), &mine)?;
-        outcome.param_bytes = all.iter().map(|b| b.0).max().unwrap_or(0);
-        outcome.grad_bytes = all.iter().map(|b| b.1).max().unwrap_or(0);
-        outcome.state_bytes = all.iter().map(|b| b.2).max().unwrap_or(0);
-        Ok((rank == 0).then_some(outcome))
-    })?;
-    Ok(ranks.into_iter().flatten().next())
-}
-
-/// FSDP over thread ranks or MPI processes; rank 0's outcome.
-fn train_fsdp(job: &Job) -> Result<Option<Outcome>> {
-    let args = job.args;
-    let config = args.config();
-    let ranks = launch::run(args.replicas(), GroupOptions::default(), |ctx| {
-        let (rank, world) = (ctx.rank, ctx.world_size);
-        if !(args.batch as usize).is_multiple_of(world) {
-            bail!("--batch {} does not divide among {world} ranks", args.batch);
-        }
-        let per_rank = args.batch as usize / world;
-        let varmap = job.copy_init()?;
-        let mut fsdp = FullyShardedDataParallel::from_units(
-            ctx.process_group(),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-            units(config),
-            FsdpConfig {
-                mixed_precision: Some(args.precision.policy()),
-                ..Default::default()
-            },
-        )?;
-        // Over the VarMap's variables: this rank's pieces now.
-        let mut opt = args.adamw(&varmap)?;
-        let mut recipe = args.recipe()?;
-        let from = match job.checkpoints {
-            Some(c) => match c.resume_fsdp(Backend::process_rank() == 0)? {
-                Some((state, saves)) => {
-                    let (pieces, states): (Vec<_>, Vec<_>) = saves.into_iter().unzip();
-                    fsdp.load_resharded(&pieces, &states, &mut opt)?;
-                    recipe.resume(&state)?;
-                    state.progress.step
-                }
-                None => 0,
-            },
-            None => 0,
-        };
-        if job.checkpoints.is_some_and(|c| c.resume) {
-            check_ranks_agree(ctx.pg.as_ref(), Some(from))?;
-        }
-        let mut outcome = Outcome::new(VarMap::new());
-        let start = Instant::now();
-        let mut evaluating = Duration::ZERO;
-        for step in from..args.steps {
-            let indices = windows_at(job.train, world, rank, args.seed, per_rank, step)?;
-            let (x, y) = job.train.batch(&indices)?;
-            recipe.before_step(&mut opt);
-            let factor = f64::from(recipe.loss_factor());
-            let s = fsdp.forward_backward(&x, &y, |out, y| lm_loss(out, y)?.affine(factor, 0.0))?;
-            let mut grads = s.grads;
-            recipe.finish_fsdp(&mut grads, &fsdp, &mut opt)?;
-            outcome.grad_bytes = grad_bytes(&grads);
-            let loss = s.loss.affine(1.0 / factor, 0.0)?;
-            outcome.record(
-                global_loss(ctx.pg.as_ref(), &loss, x.dim(0)?)?,
+                fabric.global_mean(&loss, x.dim(0)?)?,
                 (x.elem_count() * world) as u64,
             );
             let done = step + 1;
             let paused = Instant::now();
             if done % args.eval_every == 0 || done == args.steps {
-                // Every rank takes part in the gathering; rank 0 evaluates.
-                let whole = whole_model(args, &fsdp)?;
+                // Every rank takes part in FSDP's gathering; rank 0 evaluates.
+                let whole = varmap_of(model.full_state()?)?;
                 if rank == 0 {
-                    job.evaluate(&whole.1, done, &mut outcome.held_out)?;
-                    outcome.varmap = whole.0;
+                    job.evaluate(&in_precision(args, &whole)?, done, &mut outcome.held_out)?;
+                    outcome.varmap = whole;
                 }
             }
-            if let Some(c) = job.checkpoints {
-                let progress = Progress {
-                    epoch: 0,
-                    batch: done,
-                    step: done,
-                };
-                if let Some(due) = c.due(progress, args.steps) {
-                    let shard = fsdp.shard_state(&opt)?;
-                    c.save_sharded(
-                        ctx.pg.as_ref(),
-                        &VarMap::new(),
-                        &varmap,
-                        shard,
-                        due,
-                        None,
-                        recipe.state(),
-                    )?;
+            let progress = Progress {
+                epoch: 0,
+                batch: done,
+                step: done,
+            };
+            if let Some(progress) = progress.due(args.steps, args.checkpoint_every) {
+                if job.saves {
+                    model.save(progress)?;
                 }
             }
             evaluating += paused.elapsed();
         }
         outcome.training = start.elapsed() - evaluating;
-        outcome.skipped = recipe.skipped;
-        let memory = fsdp.last_memory();
-        let mine = (
-            memory.shard_bytes,
-            outcome.grad_bytes,
-            bytes_of(opt.state()?.tensors.values()),
-            memory.peak_gathered_bytes,
-        );
-        let all = all_gather_object(ctx.pg.as_ref(), &mine)?;
-        outcome.param_bytes = all.iter().map(|b| b.0).max().unwrap_or(0);
-        outcome.grad_bytes = all.iter().map(|b| b.1).max().unwrap_or(0);
-        outcome.state_bytes = all.iter().map(|b| b.2).max().unwrap_or(0);
-        if rank == 0 {
+        outcome.skipped = model.skipped_steps();
+        if from == args.steps {
+            outcome.varmap = varmap_of(model.full_state()?)?;
+        }
+        // What the rank holding the most holds, after the last step.
+        let all = fabric.all_gather_object(&model.memory()?)?;
+        let most = |f: fn(&fabric::Memory) -> usize| all.iter().map(f).max().unwrap_or(0);
+        outcome.memory = fabric::Memory {
+            parameters: most(|m| m.parameters),
+            gradients: most(|m| m.gradients),
+            optimizer_state: most(|m| m.optimizer_state),
+            peak_gathered: all.iter().filter_map(|m| m.peak_gathered).max(),
+            whole_model: all[0].whole_model,
+        };
+        if let (0, Some(peak), Some(whole)) = (
+            rank,
+            outcome.memory.peak_gathered,
+            outcome.memory.whole_model,
+        ) {
             println!(
                 "FSDP: each rank holds {:.2} MB of parameters; a step gathered at most {:.2} MB \
                  of whole parameters at once (the model: {:.2} MB)",
-                memory.shard_bytes as f64 / 1e6,
-                all.iter().map(|b| b.3).max().unwrap_or(0) as f64 / 1e6,
-                memory.full_bytes as f64 / 1e6
+                outcome.memory.parameters as f64 / 1e6,
+                peak as f64 / 1e6,
+                whole as f64 / 1e6
             );
         }
         Ok((rank == 0).then_some(outcome))
-    })?;
+    };
+    let ranks = match in_process {
+        true => Fabric::spawn(config, rank_loop)?,
+        false => Fabric::launch(config, rank_loop)?,
+    };
     Ok(ranks.into_iter().flatten().next())
 }
 
-/// The whole model gathered from every rank's pieces (every rank must
-/// call it), as a `VarMap` and a model over it.
-fn whole_model(
-    args: &Args,
-    fsdp: &FullyShardedDataParallel,
-) -> Result<(VarMap, MixedPrecisionModel<Gpt>)> {
+/// Continues from the newest state when `--resume` asks for it (saying
+/// where, or that there is none); the step to continue from.
+fn resume(model: &mut FabricModel<AdamW>, args: &Args, saves: bool, speaks: bool) -> Result<u64> {
+    if !(saves && args.resume) {
+        return Ok(0);
+    }
+    let resumed = model.load()?;
+    if speaks {
+        match &resumed {
+            Some(resumed) => eprintln!("{resumed}"),
+            None => eprintln!(
+                "no complete training state in {}: starting from scratch",
+                args.checkpoint_dir
+                    .as_deref()
+                    .unwrap_or(std::path::Path::new(""))
+                    .display()
+            ),
+        }
+    }
+    Ok(resumed.map_or(0, |r| r.progress.step))
+}
+
+/// A `VarMap` of `tensors` (the whole model, from any strategy).
+fn varmap_of(tensors: HashMap<String, Tensor>) -> Result<VarMap> {
     let varmap = VarMap::new();
     {
         let mut data = varmap.data().lock().map_err(|_| anyhow::anyhow!("lock"))?;
-        for (name, tensor) in fsdp.full_state()? {
-            data.insert(name, candle_core::Var::from_tensor(&tensor)?);
+        for (name, tensor) in tensors {
+            data.insert(name, Var::from_tensor(&tensor)?);
         }
     }
-    let model = in_precision(args, &varmap)?;
-    Ok((varmap, model))
-}
-
-fn grad_bytes(grads: &GradStore) -> usize {
-    grads
-        .get_ids()
-        .filter_map(|id| grads.get_id(*id))
-        .map(|t| t.elem_count() * t.dtype().size_in_bytes())
-        .sum()
-}
-
-/// Restores the newest state when resuming; the step to continue from.
-fn resume<O: candle_dp::optim::StatefulOptimizer>(
-    job: &Job,
-    varmap: &VarMap,
-    opt: Option<&mut O>,
-    recipe: &mut Recipe,
-) -> Result<u64> {
-    let Some(c) = job.checkpoints else {
-        return Ok(0);
-    };
-    // Thread ranks share process rank 0: the first to get here speaks.
-    let speaks = Backend::process_rank() == 0;
-    match c.resume_with(varmap, opt, speaks)? {
-        Some(state) => {
-            recipe.resume(&state)?;
-            Ok(state.progress.step)
-        }
-        None => Ok(0),
-    }
+    Ok(varmap)
 }
 
 impl Outcome {
-    fn new(varmap: VarMap) -> Self {
+    fn new() -> Self {
         Self {
             losses: Vec::new(),
             held_out: Vec::new(),
             training: Duration::ZERO,
             tokens: 0,
-            varmap,
+            varmap: VarMap::new(),
             skipped: 0,
-            param_bytes: 0,
-            grad_bytes: 0,
-            state_bytes: 0,
+            memory: fabric::Memory::default(),
         }
     }
 
@@ -812,13 +498,6 @@ impl Outcome {
         self.losses.push(loss);
         self.tokens += tokens;
     }
-}
-
-fn sorted(varmap: &VarMap) -> Vec<candle_core::Var> {
-    let data = varmap.data().lock().expect("lock");
-    let mut named: Vec<_> = data.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
-    named.into_iter().map(|(_, v)| v).collect()
 }
 
 /// The training loss per step (thin) and the held-out loss per evaluation
@@ -904,9 +583,6 @@ fn run(args: Args) -> Result<()> {
     let speaks = Backend::process_rank() == 0;
     let text = load_text()?;
     let (train, held_out) = split(&text, args.context);
-    let init = seeded_varmap(args.seed, DType::F32, &Device::Cpu, |vb| {
-        Gpt::new(config, vb)
-    })?;
     if speaks {
         println!(
             "data: Around the World in Eighty Days, {} bytes: {} training and {} held-out windows of {} bytes",
@@ -930,33 +606,22 @@ fn run(args: Args) -> Result<()> {
             args.steps,
         );
         if let Some(path) = &args.save_init {
+            // The Fabric draws the same values from the seed.
+            let init = seeded_varmap(args.seed, DType::F32, &Device::Cpu, |vb| {
+                Gpt::new(config, vb)
+            })?;
             checkpoint::save(&init, path, Prefix::None)?;
             println!("initial weights saved to {}", path.display());
         }
     }
-    let checkpoints = Checkpoints::new(
-        args.checkpoint_dir.as_deref(),
-        args.checkpoint_every,
-        3,
-        args.resume,
-    )?;
     let job = Job {
         args: &args,
         train: &train,
         held_out: &held_out,
-        init: &init,
-        checkpoints: checkpoints.as_ref(),
+        saves: args.checkpoint_dir.is_some(),
     };
-    let outcome = match args.strategy {
-        Strategy::Ddp | Strategy::Zero | Strategy::DdpPipeline => match train_distributed(&job)? {
-            Some(outcome) => outcome,
-            None => return Ok(()), // not rank 0
-        },
-        Strategy::Fsdp => match train_fsdp(&job)? {
-            Some(outcome) => outcome,
-            None => return Ok(()), // not rank 0
-        },
-        _ => train_in_process(&job)?,
+    let Some(outcome) = train_run(&job, args.strategy, false)? else {
+        return Ok(()); // not rank 0
     };
     let label = match args.strategy {
         Strategy::Single => "one device".to_string(),
@@ -995,18 +660,11 @@ fn run(args: Args) -> Result<()> {
     let reference = match (args.compare, args.strategy) {
         (true, Strategy::Single) | (false, _) => None,
         (true, _) => {
-            let single = Args {
-                strategy: Strategy::Single,
-                checkpoint_dir: None,
-                resume: false,
-                ..args.clone()
-            };
             let job = Job {
-                args: &single,
-                checkpoints: None,
+                saves: false,
                 ..job
             };
-            Some(train_in_process(&job)?)
+            train_run(&job, Strategy::Single, true)?
         }
     };
     let mut runs = vec![(label, &outcome)];
@@ -1032,9 +690,9 @@ fn run(args: Args) -> Result<()> {
     for (label, o) in &runs {
         println!(
             "{label}: held after a step (the most on a rank): parameters {:.2} MB, gradients {:.2} MB, optimizer state {:.2} MB",
-            o.param_bytes as f64 / 1e6,
-            o.grad_bytes as f64 / 1e6,
-            o.state_bytes as f64 / 1e6
+            o.memory.parameters as f64 / 1e6,
+            o.memory.gradients as f64 / 1e6,
+            o.memory.optimizer_state as f64 / 1e6
         );
     }
     if let Some(one) = &reference {

@@ -15,6 +15,13 @@
 //! | stages across devices (GPipe, 1F1B, interleaved) | `torch.distributed.pipelining` | [`Pipeline`] | [`pipeline`] | `docs/pipelines.md` |
 //! | bf16 / f16 compute over f32 masters | `autocast`, `GradScaler`, `MixedPrecisionPolicy` | [`MixedPrecision`] | [`precision`], [`optim`] | `docs/mixed-precision.md` |
 //!
+//! **One loop for every strategy.** [`fabric`] is the front door, as
+//! Lightning Fabric and Accelerate are to PyTorch: a [`Fabric`] names the
+//! strategy by a string (`single`, `dp`, `ddp`, `ddp-overlap`, `zero1`,
+//! `zero2`, `fsdp`, `pipeline`, `pipeline-ddp`), launches the ranks, sets up
+//! the model, optimizer and data for it, and the loop (`backward`, `step`)
+//! stays the same for all of them (`docs/fabric.md`).
+//!
 //! Around them: [`launch`] runs one function on every rank (thread ranks,
 //! or the processes of `mpirun`/`srun`), [`comm`] holds the collectives,
 //! [`sampler`] and [`loader`] give each rank its share of the data
@@ -150,6 +157,7 @@ pub use ddp::{
 };
 pub use device_label::device_label;
 pub use error::{Error, Result};
+pub use fabric::{Fabric, FabricConfig};
 pub use fsdp::{FsdpConfig, FullyShardedDataParallel};
 pub use pipeline::{Pipeline, Schedule};
 pub use precision::MixedPrecision;

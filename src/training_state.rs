@@ -82,6 +82,38 @@ pub struct Progress {
     pub step: u64,
 }
 
+impl Progress {
+    /// After the step that left the run here, with `batches` batches in
+    /// the epoch: whether a state is due (every `every` steps, or with
+    /// `None` at the end of every epoch) and the progress to save then. A
+    /// state at the end of an epoch continues with the next one.
+    ///
+    /// ```
+    /// use candle_dp::training_state::Progress;
+    /// let mid = Progress { epoch: 0, batch: 3, step: 3 };
+    /// assert_eq!(mid.due(10, None), None);
+    /// assert_eq!(mid.due(10, Some(3)), Some(mid));
+    /// let end = Progress { epoch: 0, batch: 10, step: 10 };
+    /// assert_eq!(end.due(10, None), Some(Progress { epoch: 1, batch: 0, step: 10 }));
+    /// ```
+    pub fn due(self, batches: u64, every: Option<u64>) -> Option<Progress> {
+        let end_of_epoch = self.batch >= batches;
+        let due = match every {
+            Some(n) => n > 0 && self.step.is_multiple_of(n),
+            None => end_of_epoch,
+        };
+        match (due, end_of_epoch) {
+            (false, _) => None,
+            (true, true) => Some(Progress {
+                epoch: self.epoch + 1,
+                batch: 0,
+                step: self.step,
+            }),
+            (true, false) => Some(self),
+        }
+    }
+}
+
 /// A [`DistributedSampler`]'s position: its base seed and epoch.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SamplerState {

@@ -10,6 +10,7 @@
 //! cargo run --release --features mpi --example bench -- --zero --out bench-out
 //! cargo run --release --example bench -- --precision --out bench-out
 //! cargo run --release --features mpi --example bench -- --overlap --out bench-out
+//! cargo run --release --example bench -- --fabric --out bench-out
 //! ```
 //!
 //! `--pipeline` measures the pipeline instead (see `pipeline.rs`) and
@@ -53,6 +54,7 @@ static GLOBAL: alloc_count::Counting = alloc_count::Counting;
 mod all_reduce;
 mod alloc_count;
 mod child;
+mod fabric;
 // The command-line value parsers the examples share.
 #[allow(dead_code)]
 #[path = "../common/flags.rs"]
@@ -155,6 +157,14 @@ struct Args {
     /// Internal: run one overlap configuration (JSON) in this process.
     #[arg(long, hide = true, value_name = "SPEC")]
     overlap_child: Option<String>,
+    /// Measure the Fabric wrapper instead: the same training through a
+    /// `Fabric` and through the engines called directly, side by side
+    /// (writes fabric.md).
+    #[arg(long)]
+    fabric: bool,
+    /// Internal: run one Fabric configuration (JSON) in this process.
+    #[arg(long, hide = true, value_name = "SPEC")]
+    fabric_child: Option<String>,
     /// Internal: run one pipeline configuration (JSON) in this process.
     #[arg(long, hide = true, value_name = "SPEC")]
     pipeline_child: Option<String>,
@@ -173,6 +183,11 @@ fn run(args: Args) -> Result<()> {
         if Backend::process_rank() == 0 {
             println!("{}", serde_json::to_string(&measured)?);
         }
+        return Ok(());
+    }
+    if let Some(child) = &args.fabric_child {
+        let spec: fabric::FabricSpec = serde_json::from_str(child).context("a Fabric spec")?;
+        println!("{}", serde_json::to_string(&fabric::run_child(&spec)?)?);
         return Ok(());
     }
     if let Some(child) = &args.pipeline_child {
@@ -231,6 +246,15 @@ fn run(args: Args) -> Result<()> {
         println!("{report}");
         std::fs::write(out_dir.join("zero.md"), &report)?;
         println!("wrote {}", out_dir.join("zero.md").display());
+        return Ok(());
+    }
+    if args.fabric {
+        let steps = args.steps.unwrap_or(if quick { 5 } else { 20 });
+        let rounds = args.rounds.unwrap_or(if quick { 1 } else { 3 });
+        let report = fabric::run(quick, steps, rounds)?;
+        println!("{report}");
+        std::fs::write(out_dir.join("fabric.md"), &report)?;
+        println!("wrote {}", out_dir.join("fabric.md").display());
         return Ok(());
     }
     if args.overlap {

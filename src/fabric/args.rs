@@ -65,6 +65,10 @@ pub struct FabricArgs {
     /// Pipelines: micro-batches per batch [default: one per stage].
     #[arg(long)]
     pub chunks: Option<usize>,
+    /// ddp, zero: reduce each gradient bucket during the backward (the
+    /// model given as units).
+    #[arg(long)]
+    pub overlap: bool,
     /// dp: parallel (each replica its loss and backward) or gathered (the
     /// loss of the gathered output) [default: parallel].
     #[arg(long)]
@@ -135,6 +139,9 @@ impl FabricArgs {
         }
         if self.timeout_secs.is_some() {
             config.timeout_secs = self.timeout_secs;
+        }
+        if self.overlap {
+            config.overlap = true;
         }
         if self.no_reshard_after_forward {
             config.reshard_after_forward = false;

@@ -12,6 +12,7 @@ use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::pipeline::{Checkpoint, Schedule};
 use crate::precision::MixedPrecision;
 
 /// How the training is spread, by the name Fabric and Accelerate users
@@ -360,6 +361,12 @@ pub struct FabricConfig {
     pub stages: usize,
     /// The pipeline's micro-batches per batch (default: one per stage).
     pub chunks: Option<usize>,
+    /// The pipeline's schedule (default 1F1B; JSON `"gpipe"`, `"1f1b"`,
+    /// `{"interleaved": {"stages_per_device": 2}}`).
+    pub pipeline_schedule: Schedule,
+    /// The pipeline's activation checkpointing: which micro-batches each
+    /// stage recomputes before their backward (default never).
+    pub activation_checkpoint: Checkpoint,
     /// The compute dtype (default f32).
     pub precision: Precision,
     /// `16-mixed`: the loss scaler's first scale (PyTorch's `GradScaler`
@@ -368,6 +375,10 @@ pub struct FabricConfig {
     /// A ZeRO stage on top of `ddp` (1 or 2): the same as the strategies
     /// `zero1` and `zero2`, for command lines that name it apart.
     pub zero: Option<u8>,
+    /// `ddp`, `zero1`, `zero2`: reduce each gradient bucket while the
+    /// backward still runs (the model given as units); `ddp` with it is
+    /// `ddp-overlap` (default false).
+    pub overlap: bool,
     /// `dp`: how the gradients are computed (default in parallel, each
     /// replica its loss).
     pub dp_backward: DpBackward,
@@ -405,9 +416,12 @@ impl Default for FabricConfig {
             devices: Devices::Count(1),
             stages: 2,
             chunks: None,
+            pipeline_schedule: Schedule::OneFOneB,
+            activation_checkpoint: Checkpoint::Never,
             precision: Precision::F32,
             init_scale: 65536.0,
             zero: None,
+            overlap: false,
             dp_backward: DpBackward::Parallel,
             reshard_after_forward: true,
             prefetch: true,
@@ -466,11 +480,20 @@ impl FabricConfig {
     /// The strategy in force: `ddp` with a [`zero`](Self::zero) stage is
     /// `zero1` or `zero2`.
     pub fn effective_strategy(&self) -> Strategy {
-        match (self.strategy, self.zero) {
-            (Strategy::Ddp, Some(1)) => Strategy::Zero1,
-            (Strategy::Ddp, Some(2)) => Strategy::Zero2,
-            (strategy, _) => strategy,
+        match (self.strategy, self.zero, self.overlap) {
+            (Strategy::Ddp, Some(1), _) => Strategy::Zero1,
+            (Strategy::Ddp, Some(2), _) => Strategy::Zero2,
+            (Strategy::Ddp, None, true) => Strategy::DdpOverlap,
+            (strategy, _, _) => strategy,
         }
+    }
+
+    /// Whether DDP reduces during the backward: `ddp-overlap`, or
+    /// `overlap` with a ZeRO stage.
+    pub fn overlaps(&self) -> bool {
+        let strategy = self.effective_strategy();
+        strategy == Strategy::DdpOverlap
+            || (self.overlap && matches!(strategy, Strategy::Zero1 | Strategy::Zero2))
     }
 
     /// How many ranks run this configuration on thread ranks (under
@@ -538,15 +561,19 @@ impl FabricConfig {
                     "one device only, got {devices}: use dp or ddp for several"
                 ))
             }
-            Strategy::Pipeline if devices < 2 => {
+            Strategy::Pipeline if devices * self.pipeline_schedule.stages_per_device() < 2 => {
                 return refuse(format!(
-                    "a pipeline of {devices} stage: give at least 2 devices (one per stage)"
+                    "a pipeline of {} stage: give at least 2 devices (one stage each), or an \
+                     interleaved schedule of 2 stages per device",
+                    devices * self.pipeline_schedule.stages_per_device()
                 ))
             }
-            Strategy::PipelineDdp if self.stages < 2 => {
+            Strategy::PipelineDdp
+                if self.stages * self.pipeline_schedule.stages_per_device() < 2 =>
+            {
                 return refuse(format!(
                     "a pipeline of {} stage on each rank: stages must be at least 2",
-                    self.stages
+                    self.stages * self.pipeline_schedule.stages_per_device()
                 ))
             }
             Strategy::PipelineDdp if !devices.is_multiple_of(self.stages) => {
@@ -556,6 +583,18 @@ impl FabricConfig {
                 ))
             }
             _ => {}
+        }
+        if self.overlap
+            && !matches!(
+                strategy,
+                Strategy::DdpOverlap | Strategy::Zero1 | Strategy::Zero2
+            )
+        {
+            return refuse(
+                "overlap reduces DDP's buckets during the backward: use it with ddp, zero1 or \
+                 zero2"
+                    .into(),
+            );
         }
         if self.chunks == Some(0) {
             return refuse("chunks must be at least 1".into());

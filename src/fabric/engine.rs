@@ -79,7 +79,9 @@ impl Engine {
             builder
         };
         let pipeline = |devices: &[Device]| {
-            let mut builder = Pipeline::builder(varmap, DType::F32, devices);
+            let mut builder = Pipeline::builder(varmap, DType::F32, devices)
+                .schedule(config.pipeline_schedule)
+                .checkpoint(config.activation_checkpoint);
             if let Some(chunks) = config.chunks {
                 builder = builder.chunks(chunks);
             }
@@ -114,9 +116,15 @@ impl Engine {
                     Strategy::Zero1 => ZeroStage::One,
                     _ => ZeroStage::Two,
                 };
+                let builder = ddp_builder().zero(stage);
+                let overlapped = config.overlaps();
+                let ddp = match overlapped {
+                    true => builder.build_units(module.parts().to_vec())?,
+                    false => builder.build(module.whole())?,
+                };
                 Engine::Ddp {
-                    ddp: Box::new(ddp_builder().zero(stage).build(module.whole())?),
-                    overlapped: false,
+                    ddp: Box::new(ddp),
+                    overlapped,
                 }
             }
             Strategy::DdpOverlap => Engine::Ddp {
@@ -159,6 +167,22 @@ impl Engine {
             self,
             Engine::Ddp { .. } | Engine::Fsdp(_) | Engine::PipelineDdp(_)
         )
+    }
+
+    /// The bytes of this rank's parameters: its pieces (FSDP), or its
+    /// whole model.
+    pub(crate) fn param_bytes(&self, varmap: &VarMap) -> usize {
+        let bytes = |vars: &[(String, Var)]| -> usize {
+            vars.iter()
+                .map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes())
+                .sum()
+        };
+        match self {
+            Engine::Fsdp(fsdp) => fsdp.last_memory().shard_bytes,
+            Engine::Ddp { ddp, .. } => bytes(ddp.params()),
+            Engine::PipelineDdp(ddp) => bytes(ddp.params()),
+            _ => bytes(&sorted_vars(varmap)),
+        }
     }
 
     /// The DDP under the ZeRO optimizer, if this is one.

@@ -75,7 +75,7 @@ use serde::Serialize;
 pub use args::FabricArgs;
 pub use config::{Accelerator, Devices, DpBackward, FabricConfig, Precision, Strategy};
 pub use data::{DataOptions, FabricLoader, Sharding};
-pub use model::{FabricModel, StepOutcome};
+pub use model::{FabricModel, Memory, StepOutcome};
 pub use module::FabricModule;
 pub use saving::Resumed;
 
@@ -344,7 +344,7 @@ impl Fabric {
         F: FnOnce(Vec<(String, Var)>) -> candle_core::Result<O>,
     {
         let strategy = self.strategy();
-        module.check_serves(strategy)?;
+        module.check_serves(strategy, self.config.overlaps())?;
         let varmap = self.initial_varmap(&module)?;
         let engine = Engine::build(
             &self.config,
@@ -382,6 +382,7 @@ impl Fabric {
             unscaled: false,
             clipped: false,
             steps: 0,
+            grad_bytes: 0,
             checkpoint_dir: self.config.checkpoint_dir.clone(),
             keep: self.config.keep,
             seed: self.config.seed,

@@ -42,6 +42,21 @@ impl<O: Optimizer> Stepper<O> {
     }
 }
 
+/// What a rank holds after a step, in bytes ([`FabricModel::memory`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Memory {
+    /// Its parameters: the whole model, or (FSDP) its pieces.
+    pub parameters: usize,
+    /// The gradients its last step used (ZeRO-2 and FSDP: its pieces').
+    pub gradients: usize,
+    /// Its optimizer's state (ZeRO and FSDP: over its pieces).
+    pub optimizer_state: usize,
+    /// FSDP: the most whole parameters its last step held at once.
+    pub peak_gathered: Option<usize>,
+    /// FSDP: the whole model's parameters.
+    pub whole_model: Option<usize>,
+}
+
 /// What [`FabricModel::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepOutcome {
@@ -99,6 +114,8 @@ pub struct FabricModel<O> {
     pub(crate) clipped: bool,
     /// Optimizer steps taken or skipped.
     pub(crate) steps: u64,
+    /// The bytes of the last step's gradients.
+    pub(crate) grad_bytes: usize,
     /// Where [`save`](Self::save) writes, and how many states it keeps.
     pub(crate) checkpoint_dir: Option<std::path::PathBuf>,
     pub(crate) keep: usize,
@@ -216,6 +233,12 @@ impl<O: StatefulOptimizer> FabricModel<O> {
         let Some(mut grads) = self.grads.take() else {
             return Err(Error::Fabric("the step's gradients are gone".into()));
         };
+        self.grad_bytes = self
+            .params
+            .iter()
+            .filter_map(|p| grads.get(p))
+            .map(|g| g.elem_count() * g.dtype().size_in_bytes())
+            .sum();
         self.order.apply_rate(self.stepper.inner_mut());
         let stepper = &mut self.stepper;
         let stepped = self
@@ -277,6 +300,36 @@ impl<O: StatefulOptimizer> FabricModel<O> {
     /// every rank (every rank must call it). Fabric's full state dict.
     pub fn full_state(&self) -> Result<HashMap<String, Tensor>> {
         self.engine.full_state(&self.varmap)
+    }
+
+    /// What this rank holds after its last step: its parameters, the
+    /// gradients the step used, its optimizer's state; with FSDP, the most
+    /// it gathered at once.
+    ///
+    /// # Errors
+    ///
+    /// The optimizer's state cannot be copied.
+    pub fn memory(&self) -> Result<Memory> {
+        let optimizer_state = match &self.stepper {
+            Stepper::Zero(zero) => zero.state_bytes()?,
+            Stepper::Whole(opt) => opt
+                .state()?
+                .tensors
+                .values()
+                .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+                .sum(),
+        };
+        let fsdp = match &self.engine {
+            Engine::Fsdp(fsdp) => Some(fsdp.last_memory()),
+            _ => None,
+        };
+        Ok(Memory {
+            parameters: self.engine.param_bytes(&self.varmap),
+            gradients: self.grad_bytes,
+            optimizer_state,
+            peak_gathered: fsdp.map(|m| m.peak_gathered_bytes),
+            whole_model: fsdp.map(|m| m.full_bytes),
+        })
     }
 
     /// The strategy it was set up for.

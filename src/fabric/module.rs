@@ -68,8 +68,8 @@ impl FabricModule {
     }
 
     /// Whether `strategy` can build it: an error naming both when not.
-    pub(crate) fn check_serves(&self, strategy: Strategy) -> Result<()> {
-        if strategy.needs_units() && !self.units {
+    pub(crate) fn check_serves(&self, strategy: Strategy, overlaps: bool) -> Result<()> {
+        if (strategy.needs_units() || overlaps) && !self.units {
             return Err(Error::Strategy {
                 strategy: strategy.name().into(),
                 reason: format!(

@@ -28,6 +28,21 @@ pub struct Resumed {
     pub path: PathBuf,
 }
 
+impl std::fmt::Display for Resumed {
+    /// `resuming from DIR: epoch E, batch B, step S` (the epoch counted
+    /// from 1).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "resuming from {}: epoch {}, batch {}, step {}",
+            self.path.display(),
+            self.progress.epoch + 1,
+            self.progress.batch,
+            self.progress.step
+        )
+    }
+}
+
 /// Every rank's shards of a state, as its strategy saved them.
 enum Shards {
     None,

@@ -48,7 +48,8 @@ use crate::units::{fingerprint, Fingerprint};
 /// })?;
 /// # Ok::<(), candle_dp::Error>(())
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Checkpoint {
     /// Keep every micro-batch's activations (the default here; torchgpipe
     /// defaults to `ExceptLast`).

@@ -11,17 +11,20 @@
 use std::ops::Range;
 
 /// How the micro-batches of a step flow through the stages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Schedule {
     /// Every forward, then every backward (GPipe; PyTorch's
     /// `ScheduleGPipe`): each stage holds the activations of all
     /// micro-batches at once.
+    #[serde(rename = "gpipe")]
     GPipe,
     /// One forward, one backward (PyTorch's `Schedule1F1B`): stage `s` of
     /// `S` runs `min(chunks, S - s)` forwards ahead, then alternates, so it
     /// holds at most that many micro-batches of activations. Unlike
     /// PyTorch's, any number of micro-batches works.
     #[default]
+    #[serde(rename = "1f1b")]
     OneFOneB,
     /// Interleaved 1F1B (Megatron-LM's virtual stages; PyTorch's
     /// `ScheduleInterleaved1F1B`): the layers are split into
@@ -42,6 +45,7 @@ pub enum Schedule {
     /// runs PyTorch's order, task for task. With `stages_per_device: 1` it
     /// is [`Schedule::OneFOneB`] (whose warm-up is half PyTorch's
     /// interleaved one).
+    #[serde(rename = "interleaved")]
     Interleaved1F1B {
         /// Stages per device (Megatron's `v`, PyTorch's local stages).
         stages_per_device: usize,

@@ -16,7 +16,6 @@ use candle_nn::{VarBuilder, VarMap};
 
 use crate::common::{max_rel_diff, snapshot, varmap_from, within};
 use crate::example_gpt::{lm_loss, units, Gpt, GptConfig};
-use crate::example_recipe::{Precision, Recipe, Schedule};
 use crate::example_text::{load_text, split, windows_at, Windows};
 
 #[derive(serde::Deserialize)]
@@ -59,51 +58,51 @@ fn config_of(args: &Args) -> GptConfig {
 }
 
 /// f32 on one device, AdamW with warm-up + cosine and clipping, as
-/// `train_lm --strategy single` runs it: within 1e-4 of PyTorch's loss at
-/// every step (2.0e-7 measured over 30 steps of the reference).
+/// `train_lm --strategy single` runs it (through a `Fabric`): within 1e-4
+/// of PyTorch's loss at every step (2.0e-7 measured over 30 steps of the
+/// reference).
 #[test]
 fn the_language_model_reproduces_pytorchs_first_steps() {
+    use candle_dp::fabric::{Fabric, FabricConfig, FabricModule, Strategy};
+    use candle_dp::optim::LrScheduler;
     let reference = reference();
     let args = &reference.args;
     let config = config_of(args);
-    let varmap = seeded_varmap(args.seed, DType::F32, &Device::Cpu, |vb| {
-        Gpt::new(config, vb)
-    })
-    .unwrap();
-    let model = Gpt::new(
-        config,
-        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
-    )
-    .unwrap();
-    let params = varmap.all_vars();
-    let mut opt = AdamW::from_varmap(
-        &varmap,
-        AdamWConfig {
+    let (train, _) = split(&load_text().unwrap(), args.context);
+    let fabric_config = FabricConfig {
+        gradient_clip: Some(args.clip_grad_norm),
+        seed: args.seed,
+        ..FabricConfig::new(Strategy::Single, 1)
+    };
+    let steps = reference.losses.len();
+    let losses = Fabric::launch(fabric_config, |fabric| {
+        let adamw = AdamWConfig {
             lr: args.lr,
             weight_decay: args.weight_decay,
             ..Default::default()
-        },
-    )
-    .unwrap();
-    let mut recipe = Recipe::new(
-        Precision::F32,
-        Some(args.clip_grad_norm),
-        Schedule::WarmupCosine,
-        args.lr,
-        args.warmup_steps,
-        args.steps,
-    )
-    .unwrap();
-    let (train, _) = split(&load_text().unwrap(), args.context);
+        };
+        let mut model = fabric.setup(FabricModule::units(units(config)), |p| {
+            AdamW::new_named(p, adamw)
+        })?;
+        model.set_schedule(LrScheduler::warmup_cosine(
+            args.lr,
+            args.warmup_steps,
+            args.steps,
+        )?);
+        let mut losses = Vec::new();
+        for step in 0..steps {
+            let indices = windows_at(&train, 1, 0, args.seed, args.batch, step as u64)?;
+            let (x, y) = train.batch(&indices)?;
+            let loss = model.backward(&x, &y, lm_loss)?;
+            model.step()?;
+            losses.push(f64::from(loss.to_scalar::<f32>()?));
+        }
+        Ok(losses)
+    })
+    .unwrap()
+    .swap_remove(0);
     let mut worst = 0f64;
-    for (step, &expected) in reference.losses.iter().enumerate() {
-        let indices = windows_at(&train, 1, 0, args.seed, args.batch, step as u64).unwrap();
-        let (x, y) = train.batch(&indices).unwrap();
-        recipe.before_step(&mut opt);
-        let loss = lm_loss(&model.forward(&x).unwrap(), &y).unwrap();
-        let mut grads = loss.backward().unwrap();
-        recipe.finish(&mut grads, &params, &mut opt).unwrap();
-        let got = f64::from(loss.to_scalar::<f32>().unwrap());
+    for (step, (&got, &expected)) in losses.iter().zip(&reference.losses).enumerate() {
         let rel = ((got - expected) / expected).abs();
         assert!(
             rel <= 1e-4,

@@ -12,13 +12,10 @@ mod common;
 #[allow(dead_code)]
 #[path = "../../examples/common/datasets.rs"]
 mod example_datasets;
-/// The language model, its data and the training recipe of the examples.
+/// The language model and its data.
 #[allow(dead_code)]
 #[path = "../../examples/common/gpt.rs"]
 mod example_gpt;
-#[allow(dead_code)]
-#[path = "../../examples/common/recipe.rs"]
-mod example_recipe;
 #[allow(dead_code)]
 #[path = "../../examples/common/text.rs"]
 mod example_text;
