@@ -8,15 +8,16 @@ use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, ModuleT, Tensor, Var};
-use candle_nn::VarMap;
+use candle_nn::{VarBuilder, VarMap};
 
 use super::config::{DpBackward, FabricConfig, Strategy};
 use super::module::FabricModule;
+use crate::buffers::{is_batch_norm_buffer, BufferSnapshot};
 use crate::comm::ProcessGroup;
 use crate::error::Result;
 use crate::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use crate::pipeline::Pipeline;
-use crate::precision::cast_input;
+use crate::precision::{cast_input, MixedPrecisionModel};
 use crate::units::Units;
 use crate::vars::sorted_vars;
 use crate::{DataParallel, DdpConfig, DistributedDataParallel, LossReduction, ZeroStage};
@@ -24,8 +25,30 @@ use crate::{DataParallel, DdpConfig, DistributedDataParallel, LossReduction, Zer
 /// A loss from the model's output (in f32) and the targets.
 pub(crate) type LossFn = Arc<dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
 
+/// `single`'s model: the units themselves, or (mixed precision) computing
+/// on low-precision copies of them.
+pub(crate) enum Plain {
+    Units(Units),
+    Mixed(MixedPrecisionModel<Units>),
+}
+
+impl Plain {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        Ok(match self {
+            Plain::Units(units) => units.forward_t(x, train)?,
+            Plain::Mixed(model) => model.forward_t(x, train)?,
+        })
+    }
+}
+
 /// One rank's engine.
 pub(crate) enum Engine {
+    /// `single`: plain candle on one device, the step's buffers (BatchNorm
+    /// statistics) put back if it fails.
+    Single {
+        model: Box<Plain>,
+        buffers: Vec<(String, Var)>,
+    },
     /// `single` and `dp`: a master model and a replica per device, the
     /// loss per replica or of the gathered output.
     Replicas {
@@ -94,7 +117,31 @@ impl Engine {
             builder.build(module.parts().to_vec())
         };
         Ok(match strategy {
-            Strategy::Single | Strategy::Dp => {
+            Strategy::Single => {
+                let model = match policy {
+                    None => Plain::Units(module.whole()(VarBuilder::from_varmap(
+                        varmap,
+                        DType::F32,
+                        &first,
+                    ))?),
+                    Some(policy) => Plain::Mixed(MixedPrecisionModel::new(
+                        varmap,
+                        DType::F32,
+                        &first,
+                        policy,
+                        module.whole(),
+                    )?),
+                };
+                let buffers = sorted_vars(varmap)
+                    .into_iter()
+                    .filter(|(name, _)| is_batch_norm_buffer(name))
+                    .collect();
+                Engine::Single {
+                    model: Box::new(model),
+                    buffers,
+                }
+            }
+            Strategy::Dp => {
                 let mut builder = DataParallel::builder(varmap, DType::F32, devices);
                 if let Some(policy) = policy.clone() {
                     builder = builder.mixed_precision(policy);
@@ -220,6 +267,18 @@ impl Engine {
         };
         let unscale = |loss: &Tensor| -> Result<Tensor> { Ok(loss.affine(1.0 / factor, 0.0)?) };
         match self {
+            Engine::Single { model, buffers } => {
+                let before = BufferSnapshot::take(buffers)?;
+                let run = || -> Result<Ran> {
+                    let loss = loss_fn(&to_f32(&model.forward_t(x, true)?)?, y)?;
+                    let grads = loss.affine(factor, 0.0)?.backward()?;
+                    Ok(Ran {
+                        loss: loss.detach(),
+                        grads: Some(grads),
+                    })
+                };
+                run().inspect_err(|e| before.restore_after(e))
+            }
             Engine::Replicas { dp, gathered: true } => {
                 let loss = loss_fn(&to_f32(&dp.forward_t(x, true)?)?, y)?;
                 let grads = loss.affine(factor, 0.0)?.backward()?;
@@ -313,6 +372,7 @@ impl Engine {
     /// must call it: DDP broadcasts its buffers, FSDP gathers its units).
     pub(crate) fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
         let out = match self {
+            Engine::Single { model, .. } => model.forward_t(x, false)?,
             Engine::Replicas { dp, .. } => dp.forward_t(x, false)?,
             Engine::Ddp { ddp, .. } => ddp.forward_t(x, false)?,
             Engine::Fsdp(fsdp) => fsdp.forward_t(x, false)?,
