@@ -20,14 +20,6 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[allow(dead_code)]
-#[path = "common/datasets.rs"]
-mod datasets;
-
-#[allow(dead_code)]
-#[path = "common/flags.rs"]
-mod flags;
-
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
@@ -36,9 +28,10 @@ use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
 use candle_dp::pipeline::{layer, Checkpoint, LayerFactory, Pipeline, Schedule};
 use candle_dp::training_state::{Progress, StateDir, TrainingState};
 use candle_dp::{cpu_devices, seeded_varmap, LossReduction};
+use candle_dp_examples::datasets::{load_digits, shuffled_indices, LabelledImages};
+use candle_dp_examples::flags;
 use candle_nn::{linear, loss, Activation, Optimizer, VarBuilder, VarMap};
 use clap::{Parser, ValueEnum};
-use datasets::{load_digits, shuffled_indices, LabelledImages};
 use std::path::PathBuf;
 use std::process::ExitCode;
 

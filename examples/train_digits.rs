@@ -30,15 +30,6 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-// The data sets, shared with the tests.
-#[allow(dead_code)]
-#[path = "common/datasets.rs"]
-mod datasets;
-
-#[allow(dead_code)]
-#[path = "common/flags.rs"]
-mod flags;
-
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -55,9 +46,10 @@ use candle_dp::optim::{AdamW, AdamWConfig, LrScheduler};
 use candle_dp::pipeline::{layer, LayerFactory};
 use candle_dp::precision::{MixedPrecision, MixedPrecisionModel};
 use candle_dp::training_state::Progress;
+use candle_dp_examples::datasets::{load_digits, load_mnist, shuffled_indices, LabelledImages};
+use candle_dp_examples::flags;
 use candle_nn::{conv2d, linear, loss, Conv2d, Conv2dConfig, Linear, VarBuilder, VarMap};
 use clap::{Parser, ValueEnum};
-use datasets::{load_digits, load_mnist, shuffled_indices, LabelledImages};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// The user's model: plain candle code, unaware of data parallelism.

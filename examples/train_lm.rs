@@ -24,17 +24,6 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-// The model and the data, shared with the tests.
-#[allow(dead_code)]
-#[path = "common/flags.rs"]
-mod flags;
-#[allow(dead_code)]
-#[path = "common/gpt.rs"]
-mod gpt;
-#[allow(dead_code)]
-#[path = "common/text.rs"]
-mod text;
-
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -49,10 +38,11 @@ use candle_dp::optim::{AdamW, AdamWConfig, LrScheduler};
 use candle_dp::precision::{MixedPrecision, MixedPrecisionModel};
 use candle_dp::seeded_varmap;
 use candle_dp::training_state::Progress;
+use candle_dp_examples::flags;
+use candle_dp_examples::gpt::{lm_loss, units, Gpt, GptConfig};
+use candle_dp_examples::text::{load_text, split, windows_at, Windows};
 use candle_nn::VarMap;
 use clap::{Parser, ValueEnum};
-use gpt::{lm_loss, units, Gpt, GptConfig};
-use text::{load_text, split, windows_at, Windows};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum Strategy {

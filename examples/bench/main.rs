@@ -56,9 +56,7 @@ mod alloc_count;
 mod child;
 mod fabric;
 // The command-line value parsers the examples share.
-#[allow(dead_code)]
-#[path = "../common/flags.rs"]
-mod flags;
+use candle_dp_examples::flags;
 mod inputs;
 mod net;
 mod overlap;

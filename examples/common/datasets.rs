@@ -1,9 +1,8 @@
 //! Small real data sets for the examples and tests: the 8x8 handwritten
 //! digits bundled in `data/digits/` and MNIST from local IDX files.
 //!
-//! Example code, not part of candle-dp: a program includes it with
-//! `#[path = ".../examples/common/datasets.rs"] mod datasets;`, so the
-//! library does not depend on a gzip decoder.
+//! Example code, not part of candle-dp (`candle_dp_examples::datasets`),
+//! so that the library does not depend on a gzip decoder.
 
 use std::io::Read;
 use std::path::Path;

@@ -13,8 +13,7 @@
 //! or for a count `value_parser = flags::at_least_one::<usize>` (the type
 //! the field holds: clap checks it only when the field is read).
 //!
-//! Example code, not part of candle-dp: a program includes it with
-//! `#[path = "common/flags.rs"] mod flags;`.
+//! Example code, not part of candle-dp (`candle_dp_examples::flags`).
 
 /// Any finite number: NaN and the infinities are refused.
 pub fn finite_f64(value: &str) -> Result<f64, String> {

@@ -10,7 +10,10 @@ use candle_dp::sampler::DistributedSampler;
 
 /// The bundled text, as bytes.
 pub fn load_text() -> Result<Vec<u8>> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/text/eighty-days.txt.gz");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../data/text/eighty-days.txt.gz"
+    );
     let raw = std::fs::read(path).with_context(|| format!("reading {path}"))?;
     let mut text = Vec::new();
     flate2::read::GzDecoder::new(&raw[..])
@@ -38,6 +41,11 @@ impl Windows {
     /// How many whole windows there are.
     pub fn len(&self) -> usize {
         self.bytes.len().saturating_sub(1) / self.context
+    }
+
+    /// Whether there is no whole window.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// Inputs and targets (u32, rows x context) of windows `indices`.

@@ -11,9 +11,7 @@ use std::time::Duration;
 
 use common::killing::{bounded_output, example};
 
-#[allow(dead_code)]
-#[path = "../../examples/common/flags.rs"]
-mod flags;
+use candle_dp_examples::flags;
 
 /// Runs the example `name` with `args` (clap's messages without colours).
 fn run(name: &str, args: &[&str]) -> Output {

@@ -8,17 +8,9 @@
 
 #[path = "../common/mod.rs"]
 mod common;
-/// The examples' data sets (the digits, MNIST), which two subjects test.
-#[allow(dead_code)]
-#[path = "../../examples/common/datasets.rs"]
-mod example_datasets;
-/// The language model and its data.
-#[allow(dead_code)]
-#[path = "../../examples/common/gpt.rs"]
-mod example_gpt;
-#[allow(dead_code)]
-#[path = "../../examples/common/text.rs"]
-mod example_text;
+/// The examples' data sets (the digits, MNIST), which two subjects test,
+/// and the language model and its data.
+use candle_dp_examples::{datasets as example_datasets, gpt as example_gpt, text as example_text};
 
 mod checkpoint;
 mod clip;
