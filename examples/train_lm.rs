@@ -549,7 +549,7 @@ fn main() -> ExitCode {
 
 fn run(args: Args) -> Result<()> {
     // The flags' own ranges (at least 1, finite numbers) were checked as
-    // they were parsed (`examples/common/flags.rs`).
+    // they were parsed (`candle_dp_examples::flags`).
     let config = args.config();
     if !config.width.is_multiple_of(config.heads) {
         bail!(

@@ -2,7 +2,7 @@
 //! parsed, naming the flag and what is wrong: `train_lm --clip-grad-norm
 //! nan` used to train without clipping and `--checkpoint-every 0` to save
 //! nothing, both exiting 0. The shared parsers
-//! (`examples/common/flags.rs`) are tested here directly too.
+//! (`candle_dp_examples::flags`) are tested here directly too.
 
 use crate::common;
 
