@@ -30,14 +30,13 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
 use candle_dp::fabric::{self, DataOptions, DpBackward, Fabric, FabricConfig, FabricModule};
 use candle_dp::launch::Backend;
@@ -478,7 +477,7 @@ fn train(
             let warmup = args.warmup_steps.unwrap_or((total / 20).max(1));
             model.set_schedule(LrScheduler::warmup_cosine(args.lr, warmup, total)?);
         }
-        let from = resume(&mut model, args, job.saves, rank == 0)?;
+        let from = model.resume(job.saves && args.resume)?;
         let bar = if rank == 0 {
             let bar = progress_bar(total)?;
             bar.set_prefix(match strategy {
@@ -526,7 +525,7 @@ fn train(
             bar.set_message(format!("epoch {} loss {last_loss:.4}", epoch + 1));
             // Every rank takes part in FSDP's gathering; rank 0 evaluates.
             let evaluation = Instant::now();
-            let weights = varmap_of(model.full_state()?)?;
+            let weights = model.full_varmap()?;
             if rank == 0 {
                 let mean = losses.iter().sum::<f32>() / losses.len().max(1) as f32;
                 losses.clear();
@@ -536,7 +535,7 @@ fn train(
         }
         let seconds = (start.elapsed() - evaluating).as_secs_f64();
         bar.finish();
-        let varmap = varmap_of(model.full_state()?)?;
+        let varmap = model.full_varmap()?;
         if rank != 0 {
             return Ok(None);
         }
@@ -559,33 +558,6 @@ fn train(
     Ok(ranks.into_iter().flatten().next())
 }
 
-/// Continues from the newest complete state when `--resume` asks for it
-/// (saying where, or that there is none); where the run starts.
-fn resume(
-    model: &mut fabric::FabricModel<AdamW>,
-    args: &Args,
-    saves: bool,
-    speaks: bool,
-) -> Result<Progress> {
-    if !(saves && args.resume) {
-        return Ok(Progress::default());
-    }
-    let resumed = model.load()?;
-    if speaks {
-        match &resumed {
-            Some(resumed) => eprintln!("{resumed}"),
-            None => eprintln!(
-                "no complete training state in {}: starting from scratch",
-                args.checkpoint_dir
-                    .as_deref()
-                    .unwrap_or(std::path::Path::new(""))
-                    .display()
-            ),
-        }
-    }
-    Ok(resumed.map(|r| r.progress).unwrap_or_default())
-}
-
 /// The classifier in the run's precision over `varmap`'s f32 weights.
 fn in_precision(
     args: &Args,
@@ -604,18 +576,6 @@ fn in_precision(
         policy,
         args.net(data),
     )?)
-}
-
-/// A `VarMap` of `tensors` (the whole model, from any strategy).
-fn varmap_of(tensors: HashMap<String, Tensor>) -> Result<VarMap> {
-    let varmap = VarMap::new();
-    {
-        let mut data = varmap.data().lock().map_err(|_| anyhow::anyhow!("lock"))?;
-        for (name, tensor) in tensors {
-            data.insert(name, Var::from_tensor(&tensor)?);
-        }
-    }
-    Ok(varmap)
 }
 
 fn progress_bar(steps: u64) -> Result<ProgressBar> {

@@ -24,15 +24,14 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
-use candle_dp::fabric::{self, Fabric, FabricConfig, FabricModel, FabricModule};
+use candle_dp::fabric::{self, Fabric, FabricConfig, FabricModule};
 use candle_dp::launch::Backend;
 use candle_dp::optim::{AdamW, AdamWConfig, LrScheduler};
 use candle_dp::precision::{MixedPrecision, MixedPrecisionModel};
@@ -365,7 +364,7 @@ fn train_run(job: &Job, strategy: Strategy, in_process: bool) -> Result<Option<O
             let warmup = args.warmup_steps.unwrap_or((args.steps / 20).max(1));
             model.set_schedule(LrScheduler::warmup_cosine(args.lr, warmup, args.steps)?);
         }
-        let from = resume(&mut model, args, job.saves, rank == 0)?;
+        let from = model.resume(job.saves && args.resume)?.step;
         let mut outcome = Outcome::new();
         let start = Instant::now();
         let mut evaluating = Duration::ZERO;
@@ -382,7 +381,7 @@ fn train_run(job: &Job, strategy: Strategy, in_process: bool) -> Result<Option<O
             let paused = Instant::now();
             if done % args.eval_every == 0 || done == args.steps {
                 // Every rank takes part in FSDP's gathering; rank 0 evaluates.
-                let whole = varmap_of(model.full_state()?)?;
+                let whole = model.full_varmap()?;
                 if rank == 0 {
                     job.evaluate(&in_precision(args, &whole)?, done, &mut outcome.held_out)?;
                     outcome.varmap = whole;
@@ -403,7 +402,7 @@ fn train_run(job: &Job, strategy: Strategy, in_process: bool) -> Result<Option<O
         outcome.training = start.elapsed() - evaluating;
         outcome.skipped = model.skipped_steps();
         if from == args.steps {
-            outcome.varmap = varmap_of(model.full_state()?)?;
+            outcome.varmap = model.full_varmap()?;
         }
         // What the rank holding the most holds, after the last step.
         let all = fabric.all_gather_object(&model.memory()?)?;
@@ -435,40 +434,6 @@ fn train_run(job: &Job, strategy: Strategy, in_process: bool) -> Result<Option<O
         false => Fabric::launch(config, rank_loop)?,
     };
     Ok(ranks.into_iter().flatten().next())
-}
-
-/// Continues from the newest state when `--resume` asks for it (saying
-/// where, or that there is none); the step to continue from.
-fn resume(model: &mut FabricModel<AdamW>, args: &Args, saves: bool, speaks: bool) -> Result<u64> {
-    if !(saves && args.resume) {
-        return Ok(0);
-    }
-    let resumed = model.load()?;
-    if speaks {
-        match &resumed {
-            Some(resumed) => eprintln!("{resumed}"),
-            None => eprintln!(
-                "no complete training state in {}: starting from scratch",
-                args.checkpoint_dir
-                    .as_deref()
-                    .unwrap_or(std::path::Path::new(""))
-                    .display()
-            ),
-        }
-    }
-    Ok(resumed.map_or(0, |r| r.progress.step))
-}
-
-/// A `VarMap` of `tensors` (the whole model, from any strategy).
-fn varmap_of(tensors: HashMap<String, Tensor>) -> Result<VarMap> {
-    let varmap = VarMap::new();
-    {
-        let mut data = varmap.data().lock().map_err(|_| anyhow::anyhow!("lock"))?;
-        for (name, tensor) in tensors {
-            data.insert(name, Var::from_tensor(&tensor)?);
-        }
-    }
-    Ok(varmap)
 }
 
 impl Outcome {

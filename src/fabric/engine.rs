@@ -20,7 +20,7 @@ use crate::pipeline::Pipeline;
 use crate::precision::{cast_input, MixedPrecisionModel};
 use crate::units::Units;
 use crate::vars::sorted_vars;
-use crate::{DataParallel, DdpConfig, DistributedDataParallel, LossReduction, ZeroStage};
+use crate::{DataParallel, DdpConfig, DistributedDataParallel, LossReduction, Step, ZeroStage};
 
 /// A loss from the model's output (in f32) and the targets.
 pub(crate) type LossFn = Arc<dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
@@ -265,7 +265,6 @@ impl Engine {
             let loss_fn = loss_fn.clone();
             move |out: &Tensor, y: &Tensor| loss_fn(&to_f32(out)?, y)?.affine(factor, 0.0)
         };
-        let unscale = |loss: &Tensor| -> Result<Tensor> { Ok(loss.affine(1.0 / factor, 0.0)?) };
         match self {
             Engine::Single { model, buffers } => {
                 let before = BufferSnapshot::take(buffers)?;
@@ -300,20 +299,13 @@ impl Engine {
                         scaled(&m.forward_t(&x, true)?, &y)
                     },
                 )?;
-                Ok(Ran {
-                    loss: unscale(&step.loss)?,
-                    grads: Some(step.grads),
-                })
+                ran(step, factor, true)
             }
             Engine::Ddp { ddp, overlapped } => {
                 let overlapped = *overlapped;
                 let run = |ddp: &mut DistributedDataParallel<Units>| -> Result<Ran> {
                     if overlapped {
-                        let step = ddp.forward_backward(x, y, scaled)?;
-                        return Ok(Ran {
-                            loss: unscale(&step.loss)?,
-                            grads: Some(step.grads),
-                        });
+                        return ran(ddp.forward_backward(x, y, scaled)?, factor, true);
                     }
                     let loss = loss_fn(&to_f32(&ddp.forward_t(x, true)?)?, y)?;
                     let grads = ddp.backward(&loss.affine(factor, 0.0)?)?;
@@ -334,20 +326,11 @@ impl Engine {
                     true => run(fsdp),
                     false => fsdp.no_sync(run),
                 }?;
-                Ok(only_when(
-                    sync,
-                    Ran {
-                        loss: unscale(&step.loss)?,
-                        grads: Some(step.grads),
-                    },
-                ))
+                ran(step, factor, sync)
             }
             Engine::Pipeline(pipe) => {
                 let step = pipe.forward_backward(x, y, LossReduction::Mean, scaled)?;
-                Ok(Ran {
-                    loss: unscale(&step.loss)?,
-                    grads: Some(step.grads),
-                })
+                ran(step, factor, true)
             }
             Engine::PipelineDdp(ddp) => {
                 let run = |ddp: &mut DistributedDataParallel<Pipeline>| {
@@ -357,13 +340,7 @@ impl Engine {
                     true => run(ddp),
                     false => ddp.no_sync(run),
                 }?;
-                Ok(only_when(
-                    sync,
-                    Ran {
-                        loss: unscale(&step.loss)?,
-                        grads: Some(step.grads),
-                    },
-                ))
+                ran(step, factor, sync)
             }
         }
     }
@@ -397,6 +374,15 @@ impl Engine {
             .map(|(name, t)| Ok((name, t.to_device(&Device::Cpu)?)))
             .collect()
     }
+}
+
+/// What an engine's [`Step`] of a loss scaled by `factor` gave: the loss
+/// unscaled, and the gradients unless it ran inside no_sync.
+fn ran(step: Step, factor: f64, sync: bool) -> Result<Ran> {
+    Ok(Ran {
+        loss: step.loss.affine(1.0 / factor, 0.0)?,
+        grads: Some(step.grads).filter(|_| sync),
+    })
 }
 
 /// A step that ran inside no_sync returns no gradients.

@@ -209,11 +209,43 @@ impl<O: StatefulOptimizer> FabricModel<O> {
     ///
     /// The gathering's, the write's (naming the file).
     pub fn save_full(&self, path: impl AsRef<Path>) -> Result<()> {
-        let whole = self.full_state()?;
+        let whole = self.full_varmap()?;
         if self.pg.rank() == 0 {
-            crate::checkpoint::save(&varmap_of(whole)?, path, Prefix::None)?;
+            crate::checkpoint::save(&whole, path, Prefix::None)?;
         }
         Ok(self.pg.barrier()?)
+    }
+
+    /// [`load`](Self::load) when `resume` is set (a fresh start
+    /// otherwise), then says on rank 0, on standard error, where the run
+    /// continues (`resuming from DIR: epoch E, batch B, step S`) or that
+    /// there is no state (`no complete training state in DIR: starting
+    /// from scratch`). Where the run starts. Every rank must call it.
+    ///
+    /// # Errors
+    ///
+    /// As [`load`](Self::load).
+    pub fn resume(&mut self, resume: bool) -> Result<Progress> {
+        if !resume {
+            return Ok(Progress::default());
+        }
+        let resumed = self.load()?;
+        if self.pg.rank() == 0 {
+            match &resumed {
+                Some(resumed) => eprintln!("{resumed}"),
+                None => eprintln!(
+                    "no complete training state in {}: starting from scratch",
+                    self.checkpoints()?.path().display()
+                ),
+            }
+        }
+        Ok(resumed.map(|r| r.progress).unwrap_or_default())
+    }
+
+    /// The whole model's weights as a `VarMap` (FSDP gathers them: every
+    /// rank must call it), to build a model over for evaluation or export.
+    pub fn full_varmap(&self) -> Result<VarMap> {
+        varmap_of(self.full_state()?)
     }
 
     fn checkpoints(&self) -> Result<Checkpoints> {

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use candle_dp::fabric::{DataOptions, Fabric, FabricModule, StepOutcome};
+use candle_dp::fabric::{DataOptions, Fabric, FabricModel, FabricModule, StepOutcome};
 use candle_dp::loader::TensorDataset;
 use candle_dp::optim::{Sgd, SgdConfig};
 use candle_dp::pipeline::layer;
@@ -42,11 +42,11 @@ pub fn dataset() -> Arc<TensorDataset> {
 /// global loss of every step.
 pub type Trained = (HashMap<String, Tensor>, Vec<f32>);
 
-/// THE loop: the same code whatever the strategy.
-pub fn train(fabric: Fabric, data: Arc<TensorDataset>) -> anyhow::Result<Trained> {
-    // SGD with momentum: unlike Adam's, its update scales with the
-    // gradient, so a gradient averaged wrong cannot go unseen.
-    let mut model = fabric.setup(classifier(), |params| {
+/// The classifier and its optimizer set up for `fabric`'s strategy: SGD
+/// with momentum, whose update (unlike Adam's) scales with the gradient,
+/// so that a gradient averaged wrong cannot go unseen.
+pub fn setup(fabric: &Fabric) -> anyhow::Result<FabricModel<Sgd>> {
+    Ok(fabric.setup(classifier(), |params| {
         Sgd::new_named(
             params,
             SgdConfig {
@@ -55,7 +55,12 @@ pub fn train(fabric: Fabric, data: Arc<TensorDataset>) -> anyhow::Result<Trained
                 ..Default::default()
             },
         )
-    })?;
+    })?)
+}
+
+/// THE loop: the same code whatever the strategy.
+pub fn train(fabric: Fabric, data: Arc<TensorDataset>) -> anyhow::Result<Trained> {
+    let mut model = setup(&fabric)?;
     let options = DataOptions {
         shuffle: true,
         ..DataOptions::default()

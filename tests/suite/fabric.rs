@@ -464,16 +464,7 @@ fn train_resumable(
     stop_at: Option<u64>,
 ) -> anyhow::Result<Trained> {
     use candle_dp::training_state::Progress;
-    let mut model = fabric.setup(classifier(), |params| {
-        Sgd::new_named(
-            params,
-            SgdConfig {
-                lr: 0.05,
-                momentum: 0.9,
-                ..Default::default()
-            },
-        )
-    })?;
+    let mut model = crate::common::fabric_loop::setup(&fabric)?;
     let from = model.load()?.map(|r| r.progress).unwrap_or_default();
     let options = DataOptions {
         shuffle: true,
