@@ -139,38 +139,33 @@ pub fn run_child(spec: &FabricSpec) -> Result<FabricMeasured> {
                     }
                     m.weights_hash = hash(fsdp.full_state()?)?;
                 }
-                Strategy::Zero2 => {
-                    let mut ddp = DistributedDataParallel::builder(
-                        ctx.process_group(),
-                        &varmap,
-                        DType::F32,
-                        &Device::Cpu,
-                    )
-                    .zero(ZeroStage::Two)
-                    .build(whole)?;
-                    let mut opt = ZeroOptimizer::new(&ddp, |p| AdamW::new_named(p, adamw()))?;
-                    for step in 0..total {
-                        let start = Instant::now();
-                        let loss = loss::cross_entropy(&ddp.forward_t(&rows, true)?, &labels)?;
-                        opt.step(&ddp.backward(&loss)?)?;
-                        time(step, start);
-                    }
-                    m.weights_hash = hash_varmap(&varmap)?;
-                }
                 _ => {
                     // One device is DDP on one rank: the same calls.
-                    let mut ddp = DistributedDataParallel::builder(
+                    let mut builder = DistributedDataParallel::builder(
                         ctx.process_group(),
                         &varmap,
                         DType::F32,
                         &Device::Cpu,
-                    )
-                    .build(whole)?;
+                    );
+                    if strategy == Strategy::Zero2 {
+                        builder = builder.zero(ZeroStage::Two);
+                    }
+                    let mut ddp = builder.build(whole)?;
+                    let mut zero = match strategy {
+                        Strategy::Zero2 => {
+                            Some(ZeroOptimizer::new(&ddp, |p| AdamW::new_named(p, adamw()))?)
+                        }
+                        _ => None,
+                    };
                     let mut opt = AdamW::from_varmap(&varmap, adamw())?;
                     for step in 0..total {
                         let start = Instant::now();
                         let loss = loss::cross_entropy(&ddp.forward_t(&rows, true)?, &labels)?;
-                        opt.step(&ddp.backward(&loss)?)?;
+                        let grads = ddp.backward(&loss)?;
+                        match &mut zero {
+                            Some(zero) => zero.step(&grads)?,
+                            None => opt.step(&grads)?,
+                        }
                         time(step, start);
                     }
                     m.weights_hash = hash_varmap(&varmap)?;
