@@ -14,13 +14,15 @@ use super::config::{DpBackward, FabricConfig, Strategy};
 use super::module::FabricModule;
 use crate::buffers::{is_batch_norm_buffer, BufferSnapshot};
 use crate::comm::ProcessGroup;
+use crate::data_parallel::DataParallel;
+use crate::ddp::{DdpConfig, DistributedDataParallel, ZeroStage};
 use crate::error::Result;
 use crate::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use crate::pipeline::Pipeline;
 use crate::precision::{cast_input, MixedPrecisionModel};
+use crate::step::{LossReduction, Step};
 use crate::units::Units;
 use crate::vars::sorted_vars;
-use crate::{DataParallel, DdpConfig, DistributedDataParallel, LossReduction, Step, ZeroStage};
 
 /// A loss from the model's output (in f32) and the targets.
 pub(crate) type LossFn = Arc<dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync>;

@@ -399,7 +399,7 @@ impl Fabric {
             return Ok(candle_nn::VarMap::new());
         }
         let whole = module.whole();
-        Ok(crate::seeded_varmap(
+        Ok(crate::seeded_init::seeded_varmap(
             self.config.seed,
             DType::F32,
             first,
@@ -509,7 +509,7 @@ fn check_precision(strategy: Strategy, precision: Precision, device: &Device) ->
         strategy: strategy.name().into(),
         reason: format!(
             "precision {precision} computes in {dtype:?}, which {} cannot: {e}",
-            crate::device_label(device)
+            crate::device_label::device_label(device)
         ),
     })
 }
