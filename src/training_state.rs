@@ -83,18 +83,14 @@ pub struct Progress {
 }
 
 impl Progress {
-    /// After the step that left the run here, with `batches` batches in
-    /// the epoch: whether a state is due (every `every` steps, or with
-    /// `None` at the end of every epoch) and the progress to save then. A
-    /// state at the end of an epoch continues with the next one.
-    ///
+    /// After the step that left the run here (`batches` in its epoch): the
+    /// progress to save if a state is due (every `every` steps, or at each
+    /// epoch's end, which continues with the next epoch).
     /// ```
     /// use candle_dp::training_state::Progress;
-    /// let mid = Progress { epoch: 0, batch: 3, step: 3 };
-    /// assert_eq!(mid.due(10, None), None);
-    /// assert_eq!(mid.due(10, Some(3)), Some(mid));
     /// let end = Progress { epoch: 0, batch: 10, step: 10 };
     /// assert_eq!(end.due(10, None), Some(Progress { epoch: 1, batch: 0, step: 10 }));
+    /// assert_eq!(Progress { batch: 3, ..end }.due(10, None), None);
     /// ```
     pub fn due(self, batches: u64, every: Option<u64>) -> Option<Progress> {
         let end_of_epoch = self.batch >= batches;
@@ -102,15 +98,12 @@ impl Progress {
             Some(n) => n > 0 && self.step.is_multiple_of(n),
             None => end_of_epoch,
         };
-        match (due, end_of_epoch) {
-            (false, _) => None,
-            (true, true) => Some(Progress {
-                epoch: self.epoch + 1,
-                batch: 0,
-                step: self.step,
-            }),
-            (true, false) => Some(self),
-        }
+        let next = Progress {
+            epoch: self.epoch + 1,
+            batch: 0,
+            ..self
+        };
+        due.then_some(if end_of_epoch { next } else { self })
     }
 }
 

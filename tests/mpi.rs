@@ -62,8 +62,9 @@ fn worker() -> anyhow::Result<()> {
     let scenario = std::env::var(SCENARIO).context("no scenario named")?;
     let out = PathBuf::from(std::env::var(OUT_DIR).context("no output directory")?);
     // A Fabric launches its ranks itself.
-    if let Some(strategy) = scenario.strip_prefix("fabric-") {
-        return fabric_worker(strategy.parse()?, &out);
+    if let Some(run) = scenario.strip_prefix("fabric-") {
+        let (strategy, precision) = run.split_once('@').context("fabric-STRATEGY@PRECISION")?;
+        return fabric_worker(fabric_config(strategy.parse()?, precision.parse()?), &out);
     }
     let results = run(0, bounded(), |ctx| {
         let rank = ctx.rank;
@@ -80,19 +81,25 @@ fn worker() -> anyhow::Result<()> {
 
 type Tensors = HashMap<String, Tensor>;
 
-/// The one loop of the Fabric tests under `strategy` on this MPI process
-/// (two ranks' worth of devices: under mpirun the launcher decides).
-fn fabric_config(strategy: candle_dp::fabric::Strategy) -> candle_dp::fabric::FabricConfig {
+/// The one loop of the Fabric tests under `strategy` in `precision` on
+/// this MPI process (two ranks' worth of devices: under mpirun the
+/// launcher decides), f16's first scale one that no step overflows at, as
+/// on thread ranks.
+fn fabric_config(
+    strategy: candle_dp::fabric::Strategy,
+    precision: candle_dp::fabric::Precision,
+) -> candle_dp::fabric::FabricConfig {
     candle_dp::fabric::FabricConfig {
         timeout_secs: Some(30.0),
-        ..candle_dp::fabric::FabricConfig::new(strategy, 2)
+        init_scale: 1024.0,
+        ..candle_dp::fabric::FabricConfig::new(strategy, 2).precision(precision)
     }
 }
 
 /// Runs the Fabric loop and saves this rank's weights and losses.
-fn fabric_worker(strategy: candle_dp::fabric::Strategy, out: &Path) -> anyhow::Result<()> {
+fn fabric_worker(config: candle_dp::fabric::FabricConfig, out: &Path) -> anyhow::Result<()> {
     use candle_dp::fabric::Fabric;
-    let results = Fabric::launch(fabric_config(strategy), |fabric| {
+    let results = Fabric::launch(config, |fabric| {
         let rank = fabric.rank();
         Ok((rank, fabric_results(fabric)?))
     })?;
@@ -1084,25 +1091,36 @@ fn overlapped_ddp_on_1_to_4_processes_saves_the_bytes_of_ddp_without_units() {
 }
 
 /// The one loop of the Fabric tests, unchanged, under `ddp`, `zero2` and
-/// `fsdp` on two MPI processes: the thread ranks' bytes, every rank the
-/// same, one device's weights within the thread tests' tolerance.
+/// `fsdp` on two MPI processes, in f32, bf16 and f16: the thread ranks'
+/// bytes, every rank the same, one device's weights within the thread
+/// tests' tolerance of each precision.
 #[test]
 fn the_fabric_loop_under_mpirun_saves_the_bytes_of_thread_ranks() {
-    use candle_dp::fabric::{Fabric, FabricConfig, Strategy};
-    let single = Fabric::launch(FabricConfig::new(Strategy::Single, 1), fabric_results)
-        .unwrap()
-        .swap_remove(0);
-    for strategy in [Strategy::Ddp, Strategy::Zero2, Strategy::Fsdp] {
-        let job = mpirun_ok(2, &format!("fabric-{strategy}"), None);
-        let threads = Fabric::launch(fabric_config(strategy), fabric_results).unwrap();
-        for (rank, threads) in threads.iter().enumerate() {
-            assert_bitwise_equal(&job.rank(rank), threads, &format!("{strategy} rank {rank}"));
+    use candle_dp::fabric::{Fabric, Precision, Strategy};
+    for (precision, tolerance) in [
+        (Precision::F32, 1e-6),
+        (Precision::Bf16Mixed, 1e-2),
+        (Precision::F16Mixed, 1e-3),
+    ] {
+        let one = candle_dp::fabric::FabricConfig {
+            devices: candle_dp::fabric::Devices::Count(1),
+            ..fabric_config(Strategy::Single, precision)
+        };
+        let single = Fabric::launch(one, fabric_results).unwrap().swap_remove(0);
+        for strategy in [Strategy::Ddp, Strategy::Zero2, Strategy::Fsdp] {
+            let job = mpirun_ok(2, &format!("fabric-{strategy}@{precision}"), None);
+            let threads =
+                Fabric::launch(fabric_config(strategy, precision), fabric_results).unwrap();
+            for (rank, threads) in threads.iter().enumerate() {
+                let what = format!("{strategy} {precision} rank {rank}");
+                assert_bitwise_equal(&job.rank(rank), threads, &what);
+            }
+            let weights = max_rel_diff(&job.rank(0), &single);
+            assert!(
+                weights <= tolerance,
+                "{strategy} {precision}: {weights:.2e} from one device's"
+            );
         }
-        let weights = max_rel_diff(&job.rank(0), &single);
-        assert!(
-            weights <= 1e-6,
-            "{strategy}: {weights:.2e} from one device's"
-        );
     }
 }
 

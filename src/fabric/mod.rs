@@ -377,6 +377,7 @@ impl Fabric {
             accumulation_steps: self.config.accumulation_steps,
             gradient_clip: self.config.gradient_clip,
             micro: 0,
+            holding_sync: false,
             pending: None,
             grads: None,
             unscaled: false,

@@ -105,6 +105,8 @@ pub struct FabricModel<O> {
     pub(crate) gradient_clip: Option<f64>,
     /// Backward passes since the last optimizer step.
     pub(crate) micro: u64,
+    /// Inside [`no_backward_sync`](Self::no_backward_sync).
+    pub(crate) holding_sync: bool,
     /// Summed gradients of the accumulation so far, for the engines that
     /// do not keep them themselves.
     pub(crate) pending: Option<GradStore>,
@@ -149,7 +151,7 @@ impl<O: StatefulOptimizer> FabricModel<O> {
                 self.micro, self.accumulation_steps
             )));
         }
-        let sync = self.micro + 1 == self.accumulation_steps;
+        let sync = !self.holding_sync && self.micro + 1 >= self.accumulation_steps;
         let factor = self.order.loss_factor() / self.accumulation_steps as f64;
         let loss_fn: LossFn = Arc::new(loss_fn);
         let ran = self.engine.forward_backward(x, y, factor, sync, &loss_fn)?;
@@ -177,7 +179,39 @@ impl<O: StatefulOptimizer> FabricModel<O> {
     /// Whether the next [`backward`](Self::backward) only accumulates
     /// (Accelerate's `not accelerator.sync_gradients`).
     pub fn is_accumulating(&self) -> bool {
-        self.micro + 1 < self.accumulation_steps
+        self.holding_sync || self.micro + 1 < self.accumulation_steps
+    }
+
+    /// Runs `f` with gradient synchronisation held back (Fabric's
+    /// `no_backward_sync`): the backwards inside only accumulate (DDP's and
+    /// FSDP's `no_sync`), and the first backward after it completes the
+    /// step, whatever `accumulation_steps` says. Divide each loss by the
+    /// number of batches yourself, as with Fabric.
+    ///
+    /// ```
+    /// # use candle_core::{DType, Device, Tensor};
+    /// # use candle_dp::fabric::{Fabric, FabricConfig, FabricModule, StepOutcome, Strategy};
+    /// # use candle_dp::optim::{Sgd, SgdConfig};
+    /// # use candle_nn::{linear, loss};
+    /// Fabric::launch(FabricConfig::new(Strategy::Ddp, 2), |fabric| {
+    ///     let module = FabricModule::module(|vb| linear(4, 2, vb.pp("fc")));
+    ///     let mut model = fabric.setup(module, |p| Sgd::new_named(p, SgdConfig::default()))?;
+    ///     let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+    ///     let y = Tensor::new(&[0u32, 1, 0], &Device::Cpu)?;
+    ///     let half = |out: &Tensor, y: &Tensor| loss::cross_entropy(out, y)? / 2.0;
+    ///     model.no_backward_sync(|model| model.backward(&x, &y, half))?;
+    ///     assert_eq!(model.step()?, StepOutcome::Accumulating);
+    ///     model.backward(&x, &y, half)?; // synchronises the sum
+    ///     assert_eq!(model.step()?, StepOutcome::Stepped);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), candle_dp::Error>(())
+    /// ```
+    pub fn no_backward_sync<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        let before = std::mem::replace(&mut self.holding_sync, true);
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(self)));
+        self.holding_sync = before;
+        result.unwrap_or_else(|payload| std::panic::resume_unwind(payload))
     }
 
     /// Unscales (f16) and clips the gradients of the step to a total
@@ -189,7 +223,7 @@ impl<O: StatefulOptimizer> FabricModel<O> {
     ///
     /// No [`backward`](Self::backward) since the last step; clipping's.
     pub fn clip_gradients(&mut self, max_norm: f64) -> Result<Option<Clipped>> {
-        if self.grads.is_none() && self.micro > 0 && self.micro < self.accumulation_steps {
+        if self.grads.is_none() && self.micro > 0 {
             return Ok(None);
         }
         self.unscale()?;
@@ -218,7 +252,7 @@ impl<O: StatefulOptimizer> FabricModel<O> {
     /// No [`backward`](Self::backward) since the last step; the
     /// optimizer's. A failed step leaves the parameters untouched.
     pub fn step(&mut self) -> Result<StepOutcome> {
-        if self.grads.is_none() && self.micro > 0 && self.micro < self.accumulation_steps {
+        if self.grads.is_none() && self.micro > 0 {
             return Ok(StepOutcome::Accumulating);
         }
         if self.grads.is_none() {

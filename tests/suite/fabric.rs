@@ -1,6 +1,9 @@
 //! The front door: one training loop, unchanged, under every strategy
 //! string, against one device's training of the same global batches.
 
+// The Fabric's own calls return candle_dp::Result, as the crate's do.
+#![allow(clippy::result_large_err)]
+
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -14,6 +17,16 @@ use crate::common::fabric_loop::{
     classifier, dataset, train, Trained, EPOCHS, GLOBAL_BATCH, SAMPLES,
 };
 use crate::common::{diff_report, identical, max_rel_diff};
+
+/// [`Fabric::launch`] with every collective bounded (two minutes, unless
+/// the configuration says otherwise): a test that would hang fails.
+fn launch<T: Send>(
+    mut config: FabricConfig,
+    f: impl Fn(Fabric) -> anyhow::Result<T> + Sync,
+) -> candle_dp::Result<Vec<T>> {
+    config.timeout_secs.get_or_insert(120.0);
+    Fabric::launch(config, f)
+}
 
 /// `strategy` on as many CPU devices as it needs for two ranks, replicas
 /// or stages (`pipeline-ddp`: two ranks of two stages).
@@ -47,7 +60,7 @@ fn run_with(
     let data = dataset();
     let mut config = config(strategy, precision);
     tweak(&mut config);
-    let mut ranks = Fabric::launch(config, |fabric| train(fabric, data.clone()))
+    let mut ranks = launch(config, |fabric| train(fabric, data.clone()))
         .unwrap_or_else(|e| panic!("{strategy} {precision}: {e}"));
     let first = ranks.remove(0);
     for (rank, other) in ranks.iter().enumerate() {
@@ -214,7 +227,7 @@ fn accumulation_and_clipping_match_one_device_under_every_strategy() {
 /// started when `before_running` (the refusal came before any rank ran).
 fn refusal(config: FabricConfig, module: FabricModule, before_running: bool) -> String {
     let started = std::sync::atomic::AtomicBool::new(false);
-    let result = Fabric::launch(config, |fabric| {
+    let result = launch(config, |fabric| {
         started.store(true, std::sync::atomic::Ordering::SeqCst);
         let model = fabric.setup(module.clone(), |p| Sgd::new_named(p, SgdConfig::default()))?;
         Ok(model.steps())
@@ -328,7 +341,7 @@ fn a_cuda_device_without_the_cuda_feature_is_refused_naming_it() {
 fn the_step_out_of_order_is_an_error_naming_what_is_missing() {
     let config = FabricConfig::new(Strategy::Ddp, 2);
     let data = dataset();
-    let errors = Fabric::launch(config, |fabric| {
+    let errors = launch(config, |fabric| {
         let mut model = fabric.setup(classifier(), |p| Sgd::new_named(p, SgdConfig::default()))?;
         let early = model.step().unwrap_err().to_string();
         let (x, y) = (&data.tensors()[0], &data.tensors()[1]);
@@ -499,7 +512,7 @@ fn train_resumable(
 
 fn resumable_run(config: &FabricConfig, stop_at: Option<u64>) -> Trained {
     let data = dataset();
-    Fabric::launch(config.clone(), |fabric| {
+    launch(config.clone(), |fabric| {
         train_resumable(fabric, data.clone(), stop_at)
     })
     .unwrap_or_else(|e| panic!("{config:?}: {e}"))
@@ -580,7 +593,7 @@ fn a_state_of_another_layout_is_refused_naming_both_strategies() {
         ..FabricConfig::new(Strategy::Ddp, 2)
     };
     let data = dataset();
-    let error = Fabric::launch(ddp, |fabric| train_resumable(fabric, data.clone(), None))
+    let error = launch(ddp, |fabric| train_resumable(fabric, data.clone(), None))
         .unwrap_err()
         .to_string();
     // DDP reads the state itself; the FSDP state's optimizer is in its
@@ -730,7 +743,7 @@ fn a_failed_step_changes_nothing_and_the_run_goes_on() {
             init_scale: 1024.0,
             ..FabricConfig::new(Strategy::Ddp, 2).precision(precision)
         };
-        let trained = Fabric::launch(config, |fabric| {
+        let trained = launch(config, |fabric| {
             let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
             let flag = fail.clone();
             let mut model = fabric.setup(classifier(), move |p| {
@@ -767,7 +780,7 @@ fn a_failed_step_changes_nothing_and_the_run_goes_on() {
         .unwrap_or_else(|e| panic!("{precision}: {e}"));
         // The same three steps without the failed one.
         let data = dataset();
-        let clean = Fabric::launch(
+        let clean = launch(
             FabricConfig {
                 init_scale: 1024.0,
                 ..FabricConfig::new(Strategy::Ddp, 2).precision(precision)
@@ -809,7 +822,7 @@ fn a_state_of_another_precision_is_refused_and_nothing_is_loaded() {
     };
     resumable_run(&on(Precision::F32), Some(2));
     let data = dataset();
-    let untouched = Fabric::launch(on(Precision::F16Mixed), |fabric| {
+    let untouched = launch(on(Precision::F16Mixed), |fabric| {
         let mut model = fabric.setup(classifier(), |p| Sgd::new_named(p, SgdConfig::default()))?;
         let before = model.full_state()?;
         let error = model.load().unwrap_err().to_string();
@@ -828,7 +841,7 @@ fn a_state_of_another_precision_is_refused_and_nothing_is_loaded() {
 fn uneven_batch_wise_loaders_are_refused_on_several_ranks() {
     use candle_dp::fabric::Sharding;
     let data = dataset();
-    let error = Fabric::launch(FabricConfig::new(Strategy::Ddp, 2), |fabric| {
+    let error = launch(FabricConfig::new(Strategy::Ddp, 2), |fabric| {
         let options = DataOptions {
             sharding: Sharding::BatchWise {
                 split_batches: false,
@@ -841,4 +854,54 @@ fn uneven_batch_wise_loaders_are_refused_on_several_ranks() {
     .unwrap_err()
     .to_string();
     assert!(error.contains("even_batches false"), "{error}");
+}
+
+/// Fabric's `no_backward_sync` by hand (each global batch in two halves,
+/// the first held back, each loss halved) trains as one device on the
+/// whole batches, under every strategy that accumulates.
+#[test]
+fn no_backward_sync_by_hand_matches_one_device() {
+    use candle_dp::sampler::randperm;
+    let single = run(Strategy::Single, Precision::F32);
+    let data = dataset();
+    for strategy in [Strategy::Dp, Strategy::Ddp, Strategy::Zero2, Strategy::Fsdp] {
+        let trained = launch(config(strategy, Precision::F32), |fabric| {
+            let mut model = crate::common::fabric_loop::setup(&fabric)?;
+            let (x, y) = (&data.tensors()[0], &data.tensors()[1]);
+            let (rank, world) = (fabric.rank(), fabric.world_size());
+            let half = |out: &Tensor, y: &Tensor| loss::cross_entropy(out, y)? / 2.0;
+            for epoch in 0..EPOCHS {
+                // One device's order; each rank its share of each half, as
+                // a DistributedSampler over the global batch would deal it.
+                for batch in randperm(SAMPLES, epoch).chunks(GLOBAL_BATCH) {
+                    let mine: Vec<u32> = batch
+                        .iter()
+                        .skip(rank)
+                        .step_by(world)
+                        .map(|&i| i as u32)
+                        .collect();
+                    let (first, second) = mine.split_at(mine.len() / 2);
+                    let rows = |ids: &[u32]| -> anyhow::Result<(Tensor, Tensor)> {
+                        let ids = Tensor::new(ids, &Device::Cpu)?;
+                        Ok((x.index_select(&ids, 0)?, y.index_select(&ids, 0)?))
+                    };
+                    let (x1, y1) = rows(first)?;
+                    model.no_backward_sync(|model| model.backward(&x1, &y1, half))?;
+                    anyhow::ensure!(model.step()? == candle_dp::fabric::StepOutcome::Accumulating);
+                    let (x2, y2) = rows(second)?;
+                    model.backward(&x2, &y2, half)?;
+                    anyhow::ensure!(model.step()? == candle_dp::fabric::StepOutcome::Stepped);
+                }
+            }
+            Ok(model.full_state()?)
+        })
+        .unwrap_or_else(|e| panic!("{strategy}: {e}"))
+        .swap_remove(0);
+        let weights = max_rel_diff(&trained, &single.0);
+        assert!(
+            weights <= 1e-6,
+            "{strategy}: {weights:.2e} from one device's\n{}",
+            diff_report(&trained, &single.0)
+        );
+    }
 }
