@@ -114,6 +114,13 @@ struct Args {
     /// units' backward runs.
     #[arg(long)]
     overlap: bool,
+    /// Where to train: cpu, or cuda (a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    accelerator: fabric::Accelerator,
+    /// With cuda: the GPU of each rank, replica or stage, in order (`0,1`;
+    /// `0,0` puts two on one GPU; `[0]` one GPU) [default: 0, 1, ... one each].
+    #[arg(long)]
+    gpus: Option<fabric::Devices>,
     /// Bytes the model sees at once (at least 1).
     #[arg(long, default_value_t = 128, value_parser = flags::at_least_one::<usize>)]
     context: usize,
@@ -228,6 +235,15 @@ impl Args {
             gradient_clip: (self.clip_grad_norm > 0.0).then_some(self.clip_grad_norm),
             checkpoint_dir: self.checkpoint_dir.clone(),
             seed: self.seed,
+            accelerator: self.accelerator,
+            // The first GPUs listed, as many as the strategy takes (one
+            // for the one-device run beside a parallel one).
+            devices: match (&self.gpus, self.accelerator) {
+                (Some(gpus), fabric::Accelerator::Cuda) => {
+                    fabric::Devices::Ids(gpus.ordinals().into_iter().take(devices).collect())
+                }
+                _ => fabric::Devices::Count(devices),
+            },
             ..FabricConfig::new(fabric_strategy, devices)
         }
     }
@@ -371,6 +387,7 @@ fn train_run(job: &Job, strategy: Strategy, in_process: bool) -> Result<Option<O
         for step in from..args.steps {
             let indices = windows_at(job.train, world, rank, args.seed, per_rank, step)?;
             let (x, y) = job.train.batch(&indices)?;
+            let (x, y) = (fabric.to_device(&x)?, fabric.to_device(&y)?);
             let loss = model.backward(&x, &y, lm_loss)?;
             model.step()?;
             outcome.record(

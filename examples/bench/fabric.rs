@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_dp::comm::GroupOptions;
-use candle_dp::fabric::{Fabric, FabricConfig, FabricModule, Strategy};
+use candle_dp::fabric::{Accelerator, Devices, Fabric, FabricConfig, FabricModule, Strategy};
 use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use candle_dp::optim::{AdamW, AdamWConfig};
 use candle_dp::pipeline::{layer, LayerFactory};
@@ -40,6 +40,10 @@ pub struct FabricSpec {
     pub batch: usize,
     pub warmup: usize,
     pub steps: usize,
+    /// Every rank on GPU 0 (through a Fabric only; the device checks
+    /// count the host transfers of a step this way).
+    #[serde(default)]
+    pub cuda: bool,
 }
 
 impl FabricSpec {
@@ -82,15 +86,20 @@ pub fn run_child(spec: &FabricSpec) -> Result<FabricMeasured> {
     let (x, y) = global_batch(spec.batch)?;
     let strategy: Strategy = spec.strategy.parse()?;
     let answers = if spec.wrapped {
-        let config = FabricConfig {
+        let mut config = FabricConfig {
             seed: SEED,
             timeout_secs: Some(300.0),
             ..FabricConfig::new(strategy, spec.world)
         };
+        if spec.cuda {
+            config.accelerator = Accelerator::Cuda;
+            config.devices = Devices::Ids(vec![0; spec.world]);
+        }
         Fabric::launch(config, |fabric| {
             let module = FabricModule::units(units(spec.hidden));
             let mut model = fabric.setup(module, |p| AdamW::new_named(p, adamw()))?;
             let (rows, labels) = share(&x, &y, fabric.rank(), fabric.world_size())?;
+            let (rows, labels) = (fabric.to_device(&rows)?, fabric.to_device(&labels)?);
             let mut m = FabricMeasured::default();
             for step in 0..spec.warmup + spec.steps {
                 let start = Instant::now();
@@ -104,6 +113,7 @@ pub fn run_child(spec: &FabricSpec) -> Result<FabricMeasured> {
             Ok(m)
         })?
     } else {
+        anyhow::ensure!(!spec.cuda, "the direct engines run on the CPU only here");
         let options = GroupOptions {
             timeout: Some(Duration::from_secs(300)),
             ..Default::default()
@@ -227,6 +237,7 @@ fn specs(quick: bool, steps: usize) -> Vec<FabricSpec> {
                 batch: 256,
                 warmup: 2,
                 steps,
+                cuda: false,
             })
         })
         .collect()

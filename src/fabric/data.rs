@@ -13,8 +13,10 @@
 
 use std::sync::Arc;
 
+use candle_core::Device;
+
 use crate::error::{Error, Result};
-use crate::loader::{Dataset, Loader, LoaderIter};
+use crate::loader::{Batch, Dataset, Loader, LoaderIter};
 use crate::sampler::{randperm, DistributedSampler};
 
 /// Each epoch's global order of the samples.
@@ -58,6 +60,10 @@ pub struct DataOptions {
     pub sharding: Sharding,
     /// Batches prepared ahead on a thread (default 0).
     pub prefetch: usize,
+    /// Move every batch to the rank's device, as Fabric's
+    /// `setup_dataloaders(move_to_device=True)` and Accelerate's `prepare`
+    /// do (default true); false yields the dataset's tensors where they are.
+    pub move_to_device: bool,
 }
 
 impl Default for DataOptions {
@@ -67,6 +73,7 @@ impl Default for DataOptions {
             drop_last: false,
             sharding: Sharding::Distributed,
             prefetch: 0,
+            move_to_device: true,
         }
     }
 }
@@ -83,6 +90,8 @@ pub struct FabricLoader {
     seed: u64,
     epoch: u64,
     skip: usize,
+    /// Where the batches go (with `move_to_device`).
+    device: Device,
 }
 
 impl std::fmt::Debug for FabricLoader {
@@ -95,6 +104,7 @@ impl std::fmt::Debug for FabricLoader {
             .field("rank", &self.rank)
             .field("world_size", &self.world_size)
             .field("epoch", &self.epoch)
+            .field("device", &self.device)
             .finish()
     }
 }
@@ -159,7 +169,16 @@ impl FabricLoader {
             seed,
             epoch: 0,
             skip: 0,
+            device: Device::Cpu,
         })
+    }
+
+    /// Where the batches go when `move_to_device` is set (default the CPU;
+    /// [`Fabric::setup_dataloader`](super::Fabric::setup_dataloader) gives
+    /// the rank's device).
+    pub fn on_device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
     }
 
     /// Gives the loader its own sampler: `order(epoch)` is the global order
@@ -263,7 +282,7 @@ impl FabricLoader {
     }
 
     /// The batches of this epoch, each the dataset's tensors stacked.
-    pub fn iter(&self) -> Result<LoaderIter> {
+    pub fn iter(&self) -> Result<FabricBatches> {
         let batches = self.batch_indices()?;
         // Every batch but the last is full, so one index list cut at the
         // batch size gives the same batches back.
@@ -273,7 +292,47 @@ impl FabricLoader {
             .indices(indices)
             .prefetch(self.options.prefetch)
             .skip_batches(self.skip);
-        Ok(loader.iter())
+        Ok(FabricBatches {
+            inner: loader.iter(),
+            device: self.options.move_to_device.then(|| self.device.clone()),
+            failed: false,
+        })
+    }
+}
+
+/// One epoch of a [`FabricLoader`]: its batches, on the rank's device
+/// unless `move_to_device` is off. Stops after the first error.
+#[derive(Debug)]
+pub struct FabricBatches {
+    inner: LoaderIter,
+    device: Option<Device>,
+    failed: bool,
+}
+
+impl Iterator for FabricBatches {
+    type Item = Result<Batch>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.failed {
+            return None;
+        }
+        let moved = self
+            .inner
+            .next()?
+            .map_err(Error::from)
+            .and_then(|batch| match &self.device {
+                Some(device) => batch
+                    .iter()
+                    .map(|t| t.to_device(device).map_err(Error::from))
+                    .collect(),
+                None => Ok(batch),
+            });
+        self.failed = moved.is_err();
+        Some(moved)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.inner.size_hint()
     }
 }
 

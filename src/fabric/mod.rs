@@ -74,7 +74,7 @@ use serde::Serialize;
 
 pub use args::FabricArgs;
 pub use config::{Accelerator, Devices, DpBackward, FabricConfig, Precision, Strategy};
-pub use data::{DataOptions, FabricLoader, Sharding};
+pub use data::{DataOptions, FabricBatches, FabricLoader, Sharding};
 pub use model::{FabricModel, Memory, StepOutcome};
 pub use module::FabricModule;
 pub use saving::Resumed;
@@ -232,6 +232,20 @@ impl Fabric {
     /// or its one device.
     pub fn devices(&self) -> &[Device] {
         &self.devices
+    }
+
+    /// Where this rank's batches go (Fabric's `device`): its first device,
+    /// which is the master replica's (`dp`) and the first stage's
+    /// (pipelines). [`setup_dataloader`](Self::setup_dataloader)'s batches
+    /// are moved there; move tensors made by hand with [`to_device`](Self::to_device).
+    pub fn device(&self) -> &Device {
+        // Every rank has at least one device: `launch` refuses zero.
+        &self.devices[0]
+    }
+
+    /// `tensor` on this rank's [`device`](Self::device) (Fabric's `to_device`).
+    pub fn to_device(&self, tensor: &Tensor) -> Result<Tensor> {
+        Ok(tensor.to_device(self.device())?)
     }
 
     /// The group of the ranks, for the crate's collectives.
@@ -442,6 +456,7 @@ impl Fabric {
             self.world_size(),
             self.config.seed,
         )
+        .map(|loader| loader.on_device(self.device().clone()))
     }
 }
 
@@ -470,8 +485,20 @@ fn rank_devices(config: &FabricConfig, rank: usize) -> Result<Vec<Device>> {
                     ),
                 });
             }
+            // One device per GPU: two devices of one GPU would be two
+            // streams nothing orders (Error::TwoStreamsOfOneGpu), so
+            // replicas or stages listed on the same GPU share its device.
+            let mut opened: Vec<(usize, Device)> = Vec::new();
             (0..per_rank)
-                .map(|k| cuda_device(config, ordinals[(rank * per_rank + k) % ordinals.len()]))
+                .map(|k| {
+                    let ordinal = ordinals[(rank * per_rank + k) % ordinals.len()];
+                    if let Some((_, device)) = opened.iter().find(|(o, _)| *o == ordinal) {
+                        return Ok(device.clone());
+                    }
+                    let device = cuda_device(config, ordinal)?;
+                    opened.push((ordinal, device.clone()));
+                    Ok(device)
+                })
                 .collect()
         }
     }

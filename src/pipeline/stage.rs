@@ -471,7 +471,10 @@ impl StageWork {
             let target = loss.targets.get(m).ok_or_else(|| {
                 candle_core::Error::Msg(format!("no targets for micro-batch {m}"))
             })?;
-            let value = (loss.loss_fn)(&output, target)?;
+            // The targets come where the input came; the loss is where
+            // the last stage's output is (a GPU stage's, say).
+            let target = target.to_device(output.device())?;
+            let value = (loss.loss_fn)(&output, &target)?;
             if value.elem_count() != 1 {
                 candle_core::bail!("the loss must be a scalar, got shape {:?}", value.dims());
             }
