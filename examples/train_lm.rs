@@ -33,12 +33,12 @@ use candle_core::{DType, Device, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
 use candle_dp::fabric::{self, Fabric, FabricConfig, FabricModule};
 use candle_dp::launch::Backend;
-use candle_dp::optim::{AdamW, AdamWConfig, LrScheduler};
+use candle_dp::optim::{AdamWConfig, LrScheduler};
 use candle_dp::precision::{MixedPrecision, MixedPrecisionModel};
 use candle_dp::seeded_varmap;
 use candle_dp::training_state::Progress;
 use candle_dp_examples::flags;
-use candle_dp_examples::gpt::{lm_loss, units, Gpt, GptConfig};
+use candle_dp_examples::gpt::{adamw_groups, lm_loss, units, Gpt, GptConfig};
 use candle_dp_examples::text::{load_text, split, windows_at, Windows};
 use candle_nn::VarMap;
 use clap::{Parser, ValueEnum};
@@ -136,9 +136,15 @@ struct Args {
     /// AdamW's peak learning rate (a finite number above 0).
     #[arg(long, default_value_t = 1e-3, value_parser = flags::positive_f64)]
     lr: f64,
-    /// AdamW's weight decay (a finite number, 0 or more; 0: none).
+    /// AdamW's weight decay (a finite number, 0 or more; 0: none), on the
+    /// weight matrices only (embeddings and linear weights; not biases or
+    /// LayerNorm weights), as GPT-2 is trained: two parameter groups.
     #[arg(long, default_value_t = 0.1, value_parser = flags::non_negative_f64)]
     weight_decay: f64,
+    /// Decay every parameter, biases and LayerNorm weights too (one
+    /// parameter group: this example's behaviour before groups).
+    #[arg(long)]
+    decay_all: bool,
     #[arg(long, value_enum, default_value_t = Schedule::WarmupCosine)]
     lr_schedule: Schedule,
     /// Warm-up steps of `--lr-schedule warmup-cosine` (fewer than
@@ -375,7 +381,9 @@ fn train_run(job: &Job, strategy: Strategy, in_process: bool) -> Result<Option<O
         }
         let per_rank = args.batch as usize / world;
         let module = FabricModule::units(units(args.config()));
-        let mut model = fabric.setup(module, |p| AdamW::new_named(p, args.adamw_config()))?;
+        let mut model = fabric.setup(module, |p| {
+            adamw_groups(p, args.adamw_config(), args.decay_all)
+        })?;
         if args.lr_schedule == Schedule::WarmupCosine {
             let warmup = args.warmup_steps.unwrap_or((args.steps / 20).max(1));
             model.set_schedule(LrScheduler::warmup_cosine(args.lr, warmup, args.steps)?);
@@ -564,7 +572,7 @@ fn run(args: Args) -> Result<()> {
             args.context
         );
         println!(
-            "model: GPT, {} layers, width {}, {} heads, context {}: {:.2}M parameters; AdamW lr {} ({:?}), clip {}, {:?}, global batch {} windows, {} steps",
+            "model: GPT, {} layers, width {}, {} heads, context {}: {:.2}M parameters; AdamW lr {} ({:?}), decay {} on {}, clip {}, {:?}, global batch {} windows, {} steps",
             config.layers,
             config.width,
             config.heads,
@@ -572,6 +580,8 @@ fn run(args: Args) -> Result<()> {
             config.parameters() as f64 / 1e6,
             args.lr,
             args.lr_schedule,
+            args.weight_decay,
+            if args.decay_all { "all" } else { "matrices" },
             args.clip_grad_norm,
             args.precision,
             args.batch,

@@ -106,6 +106,11 @@ def parse():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument(
+        "--decay-all",
+        action="store_true",
+        help="decay every parameter (default: the weight matrices only, GPT-2's recipe)",
+    )
     ap.add_argument("--warmup-steps", type=int, default=None)
     ap.add_argument("--clip-grad-norm", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -141,7 +146,17 @@ def train(rank, a):
     net = model
     if a.world > 1:
         net = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+    if a.decay_all:
+        groups = [{"params": list(model.parameters()), "weight_decay": a.weight_decay}]
+    else:
+        # nanoGPT's configure_optimizers: matrices (2 dimensions or more:
+        # embeddings and linear weights) decayed, biases and norms not.
+        params = list(model.parameters())
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": a.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+    opt = torch.optim.AdamW(groups, lr=a.lr)
     warmup = a.warmup_steps if a.warmup_steps is not None else max(a.steps // 20, 1)
     sched = torch.optim.lr_scheduler.SequentialLR(
         opt,
@@ -155,7 +170,10 @@ def train(rank, a):
         range(windows), num_replicas=a.world, rank=rank, shuffle=True, seed=a.seed
     )
     per_rank = a.batch // a.world
-    per_epoch = max(len(sampler) // per_rank, 1)
+    # A pass is the whole global batches the windows fill (the remainder
+    # dropped), so a step's global batch is the same for every world size:
+    # the sampler's padding for the ranks is never reached.
+    per_epoch = max(windows // (per_rank * a.world), 1)
     losses = []
     start = time.perf_counter()
     for step in range(a.steps):

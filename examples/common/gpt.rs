@@ -52,6 +52,38 @@ impl GptConfig {
     }
 }
 
+/// Whether the parameter named `name` is one of the model's weight
+/// matrices (embeddings and linear weights: every parameter of two
+/// dimensions or more), which the GPT-2 recipe decays; biases and the
+/// LayerNorms' weights are not. By name, so that ZeRO's and FSDP's pieces
+/// (named as their parameters) are judged as their parameters.
+pub fn is_weight_matrix(name: &str) -> bool {
+    let norm = name.starts_with("ln_f.") || name.contains(".ln_1.") || name.contains(".ln_2.");
+    name.ends_with(".weight") && !norm
+}
+
+/// AdamW's parameter groups as the GPT-2 recipe (nanoGPT's
+/// `configure_optimizers`) makes them: the weight matrices in group 0 with
+/// `weight_decay`, everything else in group 1 without; `decay_all` puts
+/// every parameter in one group with `weight_decay`.
+pub fn adamw_groups(
+    params: Vec<(String, candle_core::Var)>,
+    config: candle_dp::optim::AdamWConfig,
+    decay_all: bool,
+) -> candle_core::Result<candle_dp::optim::AdamW> {
+    use candle_dp::optim::{AdamW, AdamWConfig};
+    if decay_all {
+        return AdamW::new_named(params, config);
+    }
+    let none = AdamWConfig {
+        weight_decay: 0.0,
+        ..config
+    };
+    AdamW::with_groups(params, vec![config, none], |name| {
+        usize::from(!is_weight_matrix(name))
+    })
+}
+
 const EPS: f32 = 1e-5;
 
 fn normal(stdev: f64) -> Init {

@@ -78,8 +78,17 @@ pub fn split(text: &[u8], context: usize) -> (Windows, Windows) {
 
 /// The windows rank `rank` of `world` trains on at `step` (global,
 /// from 0) with `per_rank` windows a step: PyTorch's `DistributedSampler`
-/// (shuffled with `seed`, `set_epoch(epoch)` each pass, the last partial
-/// batch of a pass dropped), passes repeating as long as the run lasts.
+/// (shuffled with `seed`, `set_epoch(epoch)` each pass), passes repeating
+/// as long as the run lasts.
+///
+/// A pass is as many whole global batches (`per_rank * world` windows) as
+/// the windows fill; the remainder is dropped. So the global batch of a
+/// step is the same windows for every number of ranks, at every step:
+/// every rank size shuffles the same `randperm`, the ranks' shares of a
+/// step are its positions `step * global ..` dealt out, and the padding
+/// `DistributedSampler` adds for the ranks lies past the last whole global
+/// batch, never used (it would make two ranks repeat a window, and run a
+/// step behind one device from the second pass on).
 pub fn windows_at(
     train: &Windows,
     world: usize,
@@ -89,13 +98,15 @@ pub fn windows_at(
     step: u64,
 ) -> Result<Vec<usize>> {
     let mut sampler = DistributedSampler::new(train.len(), world, rank)?.seed(seed);
-    let per_epoch = (sampler.len() / per_rank).max(1) as u64;
-    if sampler.len() < per_rank {
+    let global = per_rank * world;
+    if global == 0 || train.len() < global {
         anyhow::bail!(
-            "a batch of {per_rank} windows per rank is more than the {} a rank has per pass",
-            sampler.len()
+            "a global batch of {global} windows ({per_rank} per rank x {world}) is more than the \
+             {} windows of a pass",
+            train.len()
         );
     }
+    let per_epoch = (train.len() / global) as u64;
     sampler.set_epoch(step / per_epoch);
     let at = (step % per_epoch) as usize * per_rank;
     Ok(sampler.indices()[at..at + per_rank].to_vec())

@@ -11,6 +11,7 @@ use candle_nn::{Optimizer, VarMap};
 use super::element::{
     device_state, host_values, step_each, typed, write_back, Buffer, Element, PerParameter,
 };
+use super::groups::{param_groups, GroupSettings, Groups};
 use super::state::{
     by_position, check_finite, check_non_negative, check_unique, flag, invalid, named_vars,
     scalar_value, setting, sort_entries,
@@ -127,7 +128,7 @@ pub struct AdamW(AdamCore);
 #[derive(Debug)]
 struct AdamCore {
     params: Vec<(String, Var)>,
-    config: AdamConfig,
+    groups: Groups<AdamConfig>,
     decoupled: bool,
     slots: Vec<Option<Moments>>,
     steps: u64,
@@ -181,18 +182,58 @@ impl AdamConfig {
     }
 }
 
+impl GroupSettings for AdamConfig {
+    const NAME: &'static str = "adam";
+
+    fn lr(&self) -> f64 {
+        self.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+
+    fn settings(&self) -> Vec<(&'static str, f64)> {
+        let flag = |b: bool| f64::from(u8::from(b));
+        vec![
+            ("lr", self.lr),
+            ("beta1", self.beta1),
+            ("beta2", self.beta2),
+            ("eps", self.eps),
+            ("weight_decay", self.weight_decay),
+            ("amsgrad", flag(self.amsgrad)),
+            ("maximize", flag(self.maximize)),
+        ]
+    }
+
+    fn read(&self, state: &OptimizerState, key: &dyn Fn(&str) -> String) -> Result<Self> {
+        Ok(AdamConfig {
+            lr: setting(state, &key("lr"), self.lr),
+            beta1: setting(state, &key("beta1"), self.beta1),
+            beta2: setting(state, &key("beta2"), self.beta2),
+            eps: setting(state, &key("eps"), self.eps),
+            weight_decay: setting(state, &key("weight_decay"), self.weight_decay),
+            amsgrad: flag(state, &key("amsgrad"), self.amsgrad)?,
+            maximize: flag(state, &key("maximize"), self.maximize)?,
+        })
+    }
+
+    fn check(&self) -> candle_core::Result<()> {
+        AdamConfig::check(self, Self::NAME)
+    }
+}
+
 impl AdamCore {
     fn new(
         params: Vec<(String, Var)>,
-        config: AdamConfig,
+        groups: Groups<AdamConfig>,
         decoupled: bool,
     ) -> candle_core::Result<Self> {
-        config.check(Self::kind_of(decoupled))?;
         check_unique(Self::kind_of(decoupled), &params)?;
         Ok(Self {
             slots: params.iter().map(|_| None).collect(),
             params,
-            config,
+            groups,
             decoupled,
             steps: 0,
         })
@@ -213,7 +254,6 @@ impl AdamCore {
     }
 
     fn state(&self) -> Result<OptimizerState> {
-        let c = &self.config;
         let mut tensors = BTreeMap::new();
         for ((name, var), slots) in self.params.iter().zip(&self.slots) {
             let Some(s) = slots else { continue };
@@ -233,19 +273,10 @@ impl AdamCore {
                 );
             }
         }
-        let flag = |b: bool| f64::from(u8::from(b));
         Ok(OptimizerState {
             kind: Self::kind_of(self.decoupled).into(),
             steps: self.steps,
-            settings: BTreeMap::from([
-                ("lr".into(), c.lr),
-                ("beta1".into(), c.beta1),
-                ("beta2".into(), c.beta2),
-                ("eps".into(), c.eps),
-                ("weight_decay".into(), c.weight_decay),
-                ("amsgrad".into(), flag(c.amsgrad)),
-                ("maximize".into(), flag(c.maximize)),
-            ]),
+            settings: self.groups.save(&self.params),
             tensors,
             shard: None,
         })
@@ -254,23 +285,14 @@ impl AdamCore {
     fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
         let kind = Self::kind_of(self.decoupled);
         let entries = sort_entries(state, kind, &self.params, &SLOTS, &SETTINGS)?;
-        let c = self.config;
-        let config = AdamConfig {
-            lr: setting(state, "lr", c.lr),
-            beta1: setting(state, "beta1", c.beta1),
-            beta2: setting(state, "beta2", c.beta2),
-            eps: setting(state, "eps", c.eps),
-            weight_decay: setting(state, "weight_decay", c.weight_decay),
-            amsgrad: flag(state, "amsgrad", c.amsgrad)?,
-            maximize: flag(state, "maximize", c.maximize)?,
-        };
-        config.check(kind).map_err(|e| invalid(e.to_string()))?;
+        let configs = self.groups.load(state, &self.params)?;
         let mut slots = Vec::with_capacity(self.params.len());
-        for ((name, var), entry) in self.params.iter().zip(&entries) {
+        for (i, ((name, var), entry)) in self.params.iter().zip(&entries).enumerate() {
             if entry.is_empty() {
                 slots.push(None);
                 continue;
             }
+            let config = configs[self.groups.group_of(i)];
             let needed: &[&str] = if config.amsgrad {
                 &["step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
             } else {
@@ -298,7 +320,7 @@ impl AdamCore {
                     .transpose()?,
             }));
         }
-        self.config = config;
+        self.groups.set_configs(configs);
         self.slots = slots;
         self.steps = state.steps;
         Ok(())
@@ -311,7 +333,7 @@ impl PerParameter for AdamCore {
     }
 
     fn update<T: Element>(&mut self, i: usize, grad: &Tensor) -> candle_core::Result<()> {
-        let c = self.config;
+        let c = self.groups.of(i);
         let (name, var) = &self.params[i];
         let mut p: Vec<T> = host_values(var.as_tensor())?;
         let mut g: Vec<T> = host_values(grad)?;
@@ -386,7 +408,7 @@ impl PerParameter for AdamCore {
     }
 
     fn update_on_device(&mut self, i: usize, grad: &Tensor) -> candle_core::Result<()> {
-        let (c, decoupled) = (self.config, self.decoupled);
+        let (c, decoupled) = (self.groups.of(i), self.decoupled);
         let (name, var) = &self.params[i];
         let mut p = var.as_detached_tensor();
         let mut g = grad.detach().to_dtype(var.dtype())?;
@@ -465,12 +487,44 @@ macro_rules! adam_variant {
                 params: Vec<(String, Var)>,
                 config: $config,
             ) -> candle_core::Result<Self> {
-                Ok(Self(AdamCore::new(params, config.into(), $decoupled)?))
+                let groups = Groups::one(AdamConfig::from(config), params.len())?;
+                Ok(Self(AdamCore::new(params, groups, $decoupled)?))
             }
 
-            /// The settings in force.
+            /// Over `params` in parameter groups (PyTorch's
+            /// `param_groups`): the parameter named `name` in group
+            /// `group_of(name)`, stepped with `configs[group_of(name)]`. A
+            /// schedule sets group 0's rate and scales the others' by the
+            /// same factor. Through ZeRO and FSDP each piece is named as
+            /// its parameter, so it falls into its parameter's group.
+            ///
+            /// # Errors
+            ///
+            /// No group, a group index past `configs`, a group's setting
+            /// PyTorch refuses, or a first group's rate of 0 when there are
+            /// several.
+            pub fn with_groups(
+                params: Vec<(String, Var)>,
+                configs: Vec<$config>,
+                group_of: impl Fn(&str) -> usize,
+            ) -> candle_core::Result<Self> {
+                let configs = configs.into_iter().map(AdamConfig::from).collect();
+                let groups = Groups::new(&params, configs, group_of)?;
+                Ok(Self(AdamCore::new(params, groups, $decoupled)?))
+            }
+
+            /// The settings in force (of the first parameter group).
             pub fn config(&self) -> $config {
-                self.0.config.into()
+                self.0.groups.configs()[0].into()
+            }
+
+            /// Every parameter group's settings in force and its
+            /// parameters' names.
+            pub fn param_groups(&self) -> Vec<($config, Vec<String>)> {
+                param_groups(&self.0.groups, &self.0.params)
+                    .into_iter()
+                    .map(|(c, names)| (c.into(), names))
+                    .collect()
             }
         }
 
@@ -487,12 +541,16 @@ macro_rules! adam_variant {
                 self.0.step(grads)
             }
 
+            /// The first parameter group's rate.
             fn learning_rate(&self) -> f64 {
-                self.0.config.lr
+                self.0.groups.lr()
             }
 
+            /// Sets the first group's rate to `lr`, and every other group's
+            /// to its initial rate times the same factor (as a PyTorch
+            /// schedule does).
             fn set_learning_rate(&mut self, lr: f64) {
-                self.0.config.lr = lr;
+                self.0.groups.set_lr(lr);
             }
         }
 

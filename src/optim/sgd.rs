@@ -10,9 +10,10 @@ use candle_nn::{Optimizer, VarMap};
 use super::element::{
     device_state, host_values, step_each, typed, write_back, Buffer, Element, PerParameter,
 };
+use super::groups::{param_groups, GroupSettings, Groups};
 use super::state::{
-    by_position, check_finite, check_non_negative, check_unique, flag, invalid, named_vars,
-    setting, sort_entries,
+    by_position, check_finite, check_non_negative, check_unique, flag, named_vars, setting,
+    sort_entries,
 };
 use super::{OptimizerState, StatefulOptimizer};
 use crate::error::Result;
@@ -77,6 +78,44 @@ impl SgdConfig {
     }
 }
 
+impl GroupSettings for SgdConfig {
+    const NAME: &'static str = "SGD";
+
+    fn lr(&self) -> f64 {
+        self.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+
+    fn settings(&self) -> Vec<(&'static str, f64)> {
+        vec![
+            ("lr", self.lr),
+            ("momentum", self.momentum),
+            ("dampening", self.dampening),
+            ("weight_decay", self.weight_decay),
+            ("nesterov", f64::from(u8::from(self.nesterov))),
+            ("maximize", f64::from(u8::from(self.maximize))),
+        ]
+    }
+
+    fn read(&self, state: &OptimizerState, key: &dyn Fn(&str) -> String) -> Result<Self> {
+        Ok(SgdConfig {
+            lr: setting(state, &key("lr"), self.lr),
+            momentum: setting(state, &key("momentum"), self.momentum),
+            dampening: setting(state, &key("dampening"), self.dampening),
+            weight_decay: setting(state, &key("weight_decay"), self.weight_decay),
+            nesterov: flag(state, &key("nesterov"), self.nesterov)?,
+            maximize: flag(state, &key("maximize"), self.maximize)?,
+        })
+    }
+
+    fn check(&self) -> candle_core::Result<()> {
+        SgdConfig::check(self)
+    }
+}
+
 /// `torch.optim.SGD`: for each parameter with a gradient `g`,
 /// `g += weight_decay * p`; with momentum, `buf = momentum * buf + (1 -
 /// dampening) * g` (the first step: `buf = g`), then `g = g + momentum *
@@ -85,7 +124,7 @@ impl SgdConfig {
 #[derive(Debug)]
 pub struct Sgd {
     params: Vec<(String, Var)>,
-    config: SgdConfig,
+    groups: Groups<SgdConfig>,
     momentum_buffers: Vec<Option<Buffer>>,
     steps: u64,
 }
@@ -107,19 +146,47 @@ impl Sgd {
     ///
     /// As [`from_varmap`](Self::from_varmap).
     pub fn new_named(params: Vec<(String, Var)>, config: SgdConfig) -> candle_core::Result<Self> {
-        config.check()?;
+        let groups = Groups::one(config, params.len())?;
+        Self::over(params, groups)
+    }
+
+    /// Over `params` in parameter groups (PyTorch's `param_groups`): the
+    /// parameter named `name` in group `group_of(name)`, stepped with
+    /// `configs[group_of(name)]`. A schedule sets group 0's rate and scales
+    /// the others' by the same factor. Through ZeRO and FSDP each piece is
+    /// named as its parameter, so it falls into its parameter's group.
+    ///
+    /// # Errors
+    ///
+    /// No group, a group index past `configs`, a group's setting PyTorch
+    /// refuses, or a first group's rate of 0 when there are several.
+    pub fn with_groups(
+        params: Vec<(String, Var)>,
+        configs: Vec<SgdConfig>,
+        group_of: impl Fn(&str) -> usize,
+    ) -> candle_core::Result<Self> {
+        let groups = Groups::new(&params, configs, group_of)?;
+        Self::over(params, groups)
+    }
+
+    fn over(params: Vec<(String, Var)>, groups: Groups<SgdConfig>) -> candle_core::Result<Self> {
         check_unique("SGD", &params)?;
         Ok(Self {
             momentum_buffers: params.iter().map(|_| None).collect(),
             params,
-            config,
+            groups,
             steps: 0,
         })
     }
 
-    /// The settings in force.
+    /// The settings in force (of the first parameter group).
     pub fn config(&self) -> &SgdConfig {
-        &self.config
+        &self.groups.configs()[0]
+    }
+
+    /// Every parameter group's settings in force and its parameters' names.
+    pub fn param_groups(&self) -> Vec<(SgdConfig, Vec<String>)> {
+        param_groups(&self.groups, &self.params)
     }
 }
 
@@ -133,7 +200,7 @@ impl PerParameter for Sgd {
         i: usize,
         grad: &candle_core::Tensor,
     ) -> candle_core::Result<()> {
-        let c = self.config;
+        let c = self.groups.of(i);
         let (name, var) = &self.params[i];
         let mut p: Vec<T> = host_values(var.as_tensor())?;
         let mut g: Vec<T> = host_values(grad)?;
@@ -178,7 +245,7 @@ impl PerParameter for Sgd {
         i: usize,
         grad: &candle_core::Tensor,
     ) -> candle_core::Result<()> {
-        let c = self.config;
+        let c = self.groups.of(i);
         let (name, var) = &self.params[i];
         let p = var.as_detached_tensor();
         let mut g = grad.detach().to_dtype(var.dtype())?;
@@ -228,18 +295,20 @@ impl Optimizer for Sgd {
         Ok(())
     }
 
+    /// The first parameter group's rate.
     fn learning_rate(&self) -> f64 {
-        self.config.lr
+        self.groups.lr()
     }
 
+    /// Sets the first group's rate to `lr`, and every other group's to its
+    /// initial rate times the same factor (as a PyTorch schedule does).
     fn set_learning_rate(&mut self, lr: f64) {
-        self.config.lr = lr;
+        self.groups.set_lr(lr);
     }
 }
 
 impl StatefulOptimizer for Sgd {
     fn state(&self) -> Result<OptimizerState> {
-        let c = &self.config;
         let mut tensors = BTreeMap::new();
         for ((name, var), buffer) in self.params.iter().zip(&self.momentum_buffers) {
             if let Some(buffer) = buffer {
@@ -252,14 +321,7 @@ impl StatefulOptimizer for Sgd {
         Ok(OptimizerState {
             kind: "sgd".into(),
             steps: self.steps,
-            settings: BTreeMap::from([
-                ("lr".into(), c.lr),
-                ("momentum".into(), c.momentum),
-                ("dampening".into(), c.dampening),
-                ("weight_decay".into(), c.weight_decay),
-                ("nesterov".into(), f64::from(u8::from(c.nesterov))),
-                ("maximize".into(), f64::from(u8::from(c.maximize))),
-            ]),
+            settings: self.groups.save(&self.params),
             tensors,
             shard: None,
         })
@@ -280,16 +342,7 @@ impl StatefulOptimizer for Sgd {
                 "maximize",
             ],
         )?;
-        let c = self.config;
-        let config = SgdConfig {
-            lr: setting(state, "lr", c.lr),
-            momentum: setting(state, "momentum", c.momentum),
-            dampening: setting(state, "dampening", c.dampening),
-            weight_decay: setting(state, "weight_decay", c.weight_decay),
-            nesterov: flag(state, "nesterov", c.nesterov)?,
-            maximize: flag(state, "maximize", c.maximize)?,
-        };
-        config.check().map_err(|e| invalid(e.to_string()))?;
+        let configs = self.groups.load(state, &self.params)?;
         let buffers = self
             .params
             .iter()
@@ -301,7 +354,7 @@ impl StatefulOptimizer for Sgd {
                     .transpose()
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        self.config = config;
+        self.groups.set_configs(configs);
         self.momentum_buffers = buffers;
         self.steps = state.steps;
         Ok(())

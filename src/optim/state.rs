@@ -88,11 +88,43 @@ pub(crate) fn invalid(reason: impl Into<String>) -> Error {
     Error::OptimizerState(reason.into())
 }
 
+/// The setting holding a state's number of parameter groups (absent: one).
+pub(crate) const GROUPS: &str = "groups";
+/// The prefix of the settings that put a parameter in a group other than
+/// the first (`group_of.<parameter>`).
+pub(crate) const GROUP_OF: &str = "group_of.";
+
+/// Setting `name` of parameter group `g`: its own name for group 0 (a
+/// one-group state reads as before groups existed), `group<g>.<name>`
+/// for the others.
+pub(crate) fn group_key(g: usize, name: &str) -> String {
+    match g {
+        0 => name.to_string(),
+        _ => format!("group{g}.{name}"),
+    }
+}
+
+/// Whether `key` is one of `settings`, for any group, or records the
+/// groups ([`GROUPS`], [`GROUP_OF`]).
+fn known_setting(key: &str, settings: &[&str]) -> bool {
+    let of_a_group = || {
+        let rest = key.strip_prefix("group")?;
+        let (g, name) = rest.split_once('.')?;
+        let g: usize = g.parse().ok()?;
+        Some(g > 0 && settings.contains(&name))
+    };
+    settings.contains(&key)
+        || key == GROUPS
+        || key.starts_with(GROUP_OF)
+        || of_a_group().unwrap_or(false)
+}
+
 /// Checks that `state` is of `kind` and sorts its tensors by parameter:
 /// for each of `params`, its entries by slot. Every entry must name a
 /// parameter and one of `slots` (`(slot, whether it is a scalar)`), with
 /// the parameter's shape (a scalar slot: one value). Every setting must be
-/// one of `settings`.
+/// one of `settings` (of any parameter group), or say which group a
+/// parameter is in.
 pub(crate) fn sort_entries(
     state: &OptimizerState,
     kind: &str,
@@ -113,11 +145,7 @@ pub(crate) fn sort_entries(
              every rank's shard with ZeroOptimizer::load_shards"
         )));
     }
-    if let Some(unknown) = state
-        .settings
-        .keys()
-        .find(|k| !settings.contains(&k.as_str()))
-    {
+    if let Some(unknown) = state.settings.keys().find(|k| !known_setting(k, settings)) {
         return Err(invalid(format!(
             "unknown setting `{unknown}` for `{kind}` (known: {settings:?})"
         )));

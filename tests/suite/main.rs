@@ -33,6 +33,7 @@ mod loader;
 mod lr_schedule;
 mod nccl;
 mod optim;
+mod optim_groups;
 mod overlap;
 mod pipeline;
 mod precision;
