@@ -145,6 +145,10 @@ struct Args {
     /// parameter group: this example's behaviour before groups).
     #[arg(long)]
     decay_all: bool,
+    /// candle's composite ops instead of the crate's fused ones
+    /// (`candle_dp::ops`: GELU), for comparison.
+    #[arg(long)]
+    no_fused_ops: bool,
     #[arg(long, value_enum, default_value_t = Schedule::WarmupCosine)]
     lr_schedule: Schedule,
     /// Warm-up steps of `--lr-schedule warmup-cosine` (fewer than
@@ -202,6 +206,7 @@ impl Args {
             width: self.width,
             layers: self.layers,
             heads: self.heads,
+            fused_ops: !self.no_fused_ops,
         }
     }
 

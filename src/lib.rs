@@ -128,6 +128,7 @@ pub mod launch;
 pub mod loader;
 mod lock;
 mod no_grad;
+pub mod ops;
 pub mod optim;
 mod panic_message;
 pub mod pipeline;

@@ -57,6 +57,7 @@ fn config_of(args: &Args) -> GptConfig {
         width: args.width,
         layers: args.layers,
         heads: args.heads,
+        fused_ops: true,
     }
 }
 
@@ -124,6 +125,7 @@ const TINY: GptConfig = GptConfig {
     width: 32,
     layers: 2,
     heads: 2,
+    fused_ops: true,
 };
 const BATCH: usize = 4;
 

@@ -32,6 +32,7 @@ mod lm;
 mod loader;
 mod lr_schedule;
 mod nccl;
+mod ops;
 mod optim;
 mod optim_groups;
 mod overlap;

@@ -292,6 +292,7 @@ pub(crate) const TINY: GptConfig = GptConfig {
     width: 16,
     layers: 2,
     heads: 2,
+    fused_ops: true,
 };
 
 /// Windows of token ids `(i * 37 + step * 11) % modulus`: with 251, every

@@ -1,0 +1,221 @@
+//! GELU with the tanh approximation, fused: `0.5 x (1 + tanh(sqrt(2/pi)
+//! (x + 0.044715 x^3)))` forward, PyTorch's exact derivative backward.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
+
+/// `sqrt(2 / pi)`.
+const BETA: f64 = 0.797_884_560_802_865_4;
+/// The cubic term's weight.
+const KAPPA: f64 = 0.044_715;
+
+/// GELU (tanh approximation) of `x`, fused on CPU f32/f64 tensors, candle's
+/// `Tensor::gelu` elsewhere (see the [module docs](super)).
+///
+/// The forward is candle's formula, element for element; the backward is
+/// PyTorch's (`gelu_backward(approximate="tanh")`) in one pass over the
+/// input and the incoming gradient. A gradient of the gradient is not
+/// available (the backward is not itself differentiable).
+///
+/// ```
+/// use candle_core::{Device, Tensor, Var};
+/// let x = Var::new(&[-1.0f32, 0.0, 2.0], &Device::Cpu)?;
+/// let y = candle_dp::ops::gelu(x.as_tensor())?;
+/// let fused = y.to_vec1::<f32>()?;
+/// let candle = x.as_tensor().gelu()?.to_vec1::<f32>()?;
+/// assert_eq!(fused, candle);
+/// let grads = y.sum_all()?.backward()?;
+/// assert!(grads.get(x.as_tensor()).is_some());
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// candle's, for a tensor it cannot read.
+pub fn gelu(x: &Tensor) -> candle_core::Result<Tensor> {
+    match (x.device().is_cpu(), x.dtype()) {
+        (true, candle_core::DType::F32 | candle_core::DType::F64) => {
+            x.contiguous()?.apply_op1(Gelu)
+        }
+        _ => x.gelu(),
+    }
+}
+
+/// The forward op.
+struct Gelu;
+
+/// The backward: `(x, dy) -> dx`.
+struct GeluGrad;
+
+/// A contiguous layout's elements of `slice`, or an error naming `op`.
+fn elements<'a, T>(slice: &'a [T], layout: &Layout, op: &str) -> candle_core::Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&slice[start..end]),
+        None => candle_core::bail!("{op}: a strided input (make it contiguous first)"),
+    }
+}
+
+trait Float: Copy {
+    fn of(v: f64) -> Self;
+    fn tanh(self) -> Self;
+    fn mul(self, o: Self) -> Self;
+    fn add(self, o: Self) -> Self;
+    fn sub(self, o: Self) -> Self;
+}
+
+macro_rules! float {
+    ($t:ty) => {
+        impl Float for $t {
+            fn of(v: f64) -> Self {
+                v as $t
+            }
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
+            }
+            fn mul(self, o: Self) -> Self {
+                self * o
+            }
+            fn add(self, o: Self) -> Self {
+                self + o
+            }
+            fn sub(self, o: Self) -> Self {
+                self - o
+            }
+        }
+    };
+}
+float!(f32);
+float!(f64);
+
+/// Below this many elements an op runs on the calling thread alone
+/// (candle's own threshold for its elementwise pool).
+const PARALLEL_MIN: usize = 64 * 1024;
+
+/// `out[i] = f(i)` for every element, split over candle's number of CPU
+/// threads (scoped threads, each its own contiguous part) when `out` is
+/// large.
+fn fill<T: Send>(out: &mut [T], f: impl Fn(usize) -> T + Sync) {
+    let threads = candle_core::utils::get_num_threads().max(1);
+    if out.len() < PARALLEL_MIN || threads == 1 {
+        out.iter_mut().enumerate().for_each(|(i, o)| *o = f(i));
+        return;
+    }
+    let part = out.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        for (k, chunk) in out.chunks_mut(part).enumerate() {
+            let f = &f;
+            scope.spawn(move || {
+                let first = k * part;
+                chunk
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(i, o)| *o = f(first + i));
+            });
+        }
+    });
+}
+
+/// candle's forward, element for element: `0.5 v (1 + tanh(sqrt(2/pi) v
+/// (1 + 0.044715 v v)))`.
+fn forward<T: Float + Send + Sync>(x: &[T]) -> Vec<T> {
+    let (half, one, beta, kappa) = (T::of(0.5), T::of(1.0), T::of(BETA), T::of(KAPPA));
+    let mut out = vec![T::of(0.0); x.len()];
+    fill(&mut out, |i| {
+        let v = x[i];
+        let inner = beta.mul(v).mul(one.add(kappa.mul(v).mul(v)));
+        half.mul(v).mul(one.add(inner.tanh()))
+    });
+    out
+}
+
+/// PyTorch's backward (ATen's `GeluBackwardKernel`, tanh): with `t =
+/// tanh(beta (x + kappa x^3))`, `dx = dy (0.5 (1 + t) + 0.5 x (1 - t^2)
+/// beta (1 + 3 kappa x^2))`.
+fn backward<T: Float + Send + Sync>(x: &[T], dy: &[T]) -> Vec<T> {
+    let (half, one, beta, kappa) = (T::of(0.5), T::of(1.0), T::of(BETA), T::of(KAPPA));
+    let three_kappa = T::of(3.0 * KAPPA);
+    let mut out = vec![T::of(0.0); x.len()];
+    fill(&mut out, |i| {
+        let (x, dy) = (x[i], dy[i]);
+        let x_sq = x.mul(x);
+        let x_cube = x_sq.mul(x);
+        let t = beta.mul(x.add(kappa.mul(x_cube))).tanh();
+        let left = half.mul(x);
+        let right = one.add(t);
+        let left_derivative = half.mul(right);
+        let right_derivative = left
+            .mul(one.sub(t.mul(t)))
+            .mul(beta)
+            .mul(one.add(three_kappa.mul(x_sq)));
+        dy.mul(left_derivative.add(right_derivative))
+    });
+    out
+}
+
+impl CustomOp1 for Gelu {
+    fn name(&self) -> &'static str {
+        "candle-dp-gelu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let out = match storage {
+            CpuStorage::F32(x) => CpuStorage::F32(forward(elements(x, layout, "gelu")?)),
+            CpuStorage::F64(x) => CpuStorage::F64(forward(elements(x, layout, "gelu")?)),
+            other => candle_core::bail!("gelu: no fused kernel for {:?}", other.dtype()),
+        };
+        Ok((out, layout.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        arg: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let grad = arg.apply_op2_no_bwd(&grad_res.contiguous()?, &GeluGrad)?;
+        Ok(Some(grad))
+    }
+}
+
+impl CustomOp2 for GeluGrad {
+    fn name(&self) -> &'static str {
+        "candle-dp-gelu-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        dy: &CpuStorage,
+        dy_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        if x_layout.shape() != dy_layout.shape() {
+            candle_core::bail!(
+                "gelu backward: gradient of shape {:?} for an input of shape {:?}",
+                dy_layout.shape(),
+                x_layout.shape()
+            );
+        }
+        let op = "gelu backward";
+        let out = match (x, dy) {
+            (CpuStorage::F32(x), CpuStorage::F32(dy)) => CpuStorage::F32(backward(
+                elements(x, x_layout, op)?,
+                elements(dy, dy_layout, op)?,
+            )),
+            (CpuStorage::F64(x), CpuStorage::F64(dy)) => CpuStorage::F64(backward(
+                elements(x, x_layout, op)?,
+                elements(dy, dy_layout, op)?,
+            )),
+            (x, dy) => candle_core::bail!(
+                "gelu backward: input {:?} with gradient {:?}",
+                x.dtype(),
+                dy.dtype()
+            ),
+        };
+        Ok((out, x_layout.shape().clone()))
+    }
+}
