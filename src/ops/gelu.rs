@@ -55,37 +55,36 @@ fn elements<'a, T>(slice: &'a [T], layout: &Layout, op: &str) -> candle_core::Re
     }
 }
 
-trait Float: Copy {
+/// The element types with a fused kernel.
+trait Float:
+    Copy
+    + Send
+    + Sync
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+{
     fn of(v: f64) -> Self;
     fn tanh(self) -> Self;
-    fn mul(self, o: Self) -> Self;
-    fn add(self, o: Self) -> Self;
-    fn sub(self, o: Self) -> Self;
 }
 
-macro_rules! float {
-    ($t:ty) => {
-        impl Float for $t {
-            fn of(v: f64) -> Self {
-                v as $t
-            }
-            fn tanh(self) -> Self {
-                <$t>::tanh(self)
-            }
-            fn mul(self, o: Self) -> Self {
-                self * o
-            }
-            fn add(self, o: Self) -> Self {
-                self + o
-            }
-            fn sub(self, o: Self) -> Self {
-                self - o
-            }
-        }
-    };
+impl Float for f32 {
+    fn of(v: f64) -> Self {
+        v as f32
+    }
+    fn tanh(self) -> Self {
+        f32::tanh(self)
+    }
 }
-float!(f32);
-float!(f64);
+
+impl Float for f64 {
+    fn of(v: f64) -> Self {
+        v
+    }
+    fn tanh(self) -> Self {
+        f64::tanh(self)
+    }
+}
 
 /// Below this many elements an op runs on the calling thread alone
 /// (candle's own threshold for its elementwise pool).
@@ -116,38 +115,35 @@ fn fill<T: Send>(out: &mut [T], f: impl Fn(usize) -> T + Sync) {
 }
 
 /// candle's forward, element for element: `0.5 v (1 + tanh(sqrt(2/pi) v
-/// (1 + 0.044715 v v)))`.
-fn forward<T: Float + Send + Sync>(x: &[T]) -> Vec<T> {
+/// (1 + 0.044715 v v)))`, in its order of operations.
+fn forward<T: Float>(x: &[T]) -> Vec<T> {
     let (half, one, beta, kappa) = (T::of(0.5), T::of(1.0), T::of(BETA), T::of(KAPPA));
     let mut out = vec![T::of(0.0); x.len()];
     fill(&mut out, |i| {
         let v = x[i];
-        let inner = beta.mul(v).mul(one.add(kappa.mul(v).mul(v)));
-        half.mul(v).mul(one.add(inner.tanh()))
+        let inner = beta * v * (one + kappa * v * v);
+        half * v * (one + inner.tanh())
     });
     out
 }
 
 /// PyTorch's backward (ATen's `GeluBackwardKernel`, tanh): with `t =
 /// tanh(beta (x + kappa x^3))`, `dx = dy (0.5 (1 + t) + 0.5 x (1 - t^2)
-/// beta (1 + 3 kappa x^2))`.
-fn backward<T: Float + Send + Sync>(x: &[T], dy: &[T]) -> Vec<T> {
+/// beta (1 + 3 kappa x^2))`, in ATen's order of operations.
+fn backward<T: Float>(x: &[T], dy: &[T]) -> Vec<T> {
     let (half, one, beta, kappa) = (T::of(0.5), T::of(1.0), T::of(BETA), T::of(KAPPA));
     let three_kappa = T::of(3.0 * KAPPA);
     let mut out = vec![T::of(0.0); x.len()];
     fill(&mut out, |i| {
         let (x, dy) = (x[i], dy[i]);
-        let x_sq = x.mul(x);
-        let x_cube = x_sq.mul(x);
-        let t = beta.mul(x.add(kappa.mul(x_cube))).tanh();
-        let left = half.mul(x);
-        let right = one.add(t);
-        let left_derivative = half.mul(right);
-        let right_derivative = left
-            .mul(one.sub(t.mul(t)))
-            .mul(beta)
-            .mul(one.add(three_kappa.mul(x_sq)));
-        dy.mul(left_derivative.add(right_derivative))
+        let x_sq = x * x;
+        let x_cube = x_sq * x;
+        let t = (beta * (x + kappa * x_cube)).tanh();
+        let left = half * x;
+        let right = one + t;
+        let left_derivative = half * right;
+        let right_derivative = left * (one - t * t) * beta * (one + three_kappa * x_sq);
+        dy * (left_derivative + right_derivative)
     });
     out
 }
