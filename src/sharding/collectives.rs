@@ -30,6 +30,19 @@ pub(crate) fn reduce_scatter_grads(
     world: usize,
     collective: impl FnOnce(&Tensor, usize) -> Result<Tensor>,
 ) -> Result<Vec<Option<Tensor>>> {
+    // Alone, this rank's flags are the sum: none need ride in the table
+    // and be read back (a device-to-host copy per call on a GPU).
+    let local: Vec<f64>;
+    let presence = match (presence, world) {
+        (None, 1) => {
+            local = grads
+                .iter()
+                .map(|g| f64::from(u8::from(g.is_some())))
+                .collect();
+            Some(local.as_slice())
+        }
+        (presence, _) => presence,
+    };
     let mut wholes = Vec::with_capacity(grads.len());
     for (grad, layout) in grads.iter().zip(layouts) {
         wholes.push(match grad {
