@@ -73,6 +73,24 @@ fn run_with(
     first
 }
 
+/// `trained` against `against`: the weights' largest relative difference
+/// and the losses' largest absolute one, printed, both within `tolerance`.
+fn assert_close(label: &str, trained: &Trained, against: &Trained, tolerance: f32) {
+    let weights = max_rel_diff(&trained.0, &against.0);
+    let losses = trained
+        .1
+        .iter()
+        .zip(&against.1)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    println!("{label}: weights {weights:.2e}, losses {losses:.2e}");
+    assert_eq!(trained.1.len(), against.1.len(), "{label}: steps");
+    assert!(
+        weights <= tolerance && losses <= tolerance,
+        "{label}: weights {weights:.2e}, losses {losses:.2e} (tolerance {tolerance:.0e})\n{}",
+        diff_report(&trained.0, &against.0)
+    );
+}
+
 /// Every strategy against one device, in `precision`, printing the
 /// differences measured; `tolerance` bounds the weights' relative
 /// difference and the losses' absolute one.
@@ -85,19 +103,11 @@ fn every_strategy_matches_one_device(precision: Precision, tolerance: f32) {
         } else {
             run(strategy, precision)
         };
-        let weights = max_rel_diff(&trained.0, &single.0);
-        let losses = trained
-            .1
-            .iter()
-            .zip(&single.1)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        println!("{precision} {strategy}: weights {weights:.2e}, losses {losses:.2e}");
-        assert_eq!(trained.1.len(), single.1.len(), "{strategy}: steps");
-        assert!(
-            weights <= tolerance && losses <= tolerance,
-            "{precision} {strategy}: weights {weights:.2e}, losses {losses:.2e} from one \
-             device's (tolerance {tolerance:.0e})\n{}",
-            diff_report(&trained.0, &single.0)
+        assert_close(
+            &format!("{precision} {strategy}"),
+            &trained,
+            &single,
+            tolerance,
         );
         // ZeRO, FSDP and the overlap promise DDP's bytes (on 2 ranks).
         if matches!(
@@ -138,20 +148,12 @@ fn every_strategy_on_the_gpu_matches_one_gpu(precision: Precision, tolerance: f3
         config.devices = candle_dp::fabric::Devices::Ids(vec![0; config.devices.len()]);
     };
     let report = |what: &str, trained: &Trained, against: &Trained| {
-        let weights = max_rel_diff(&trained.0, &against.0);
-        let losses = trained
-            .1
-            .iter()
-            .zip(&against.1)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        println!("gpu {precision} {what}: weights {weights:.2e}, losses {losses:.2e}");
-        assert_eq!(trained.1.len(), against.1.len(), "{what}: steps");
-        assert!(
-            weights <= tolerance && losses <= tolerance,
-            "gpu {precision} {what}: weights {weights:.2e}, losses {losses:.2e} (tolerance \
-             {tolerance:.0e})\n{}",
-            diff_report(&trained.0, &against.0)
-        );
+        assert_close(
+            &format!("gpu {precision} {what}"),
+            trained,
+            against,
+            tolerance,
+        )
     };
     let gpu = run_with(Strategy::Single, precision, on_gpu);
     report(
