@@ -38,7 +38,7 @@ use candle_dp::precision::{MixedPrecision, MixedPrecisionModel};
 use candle_dp::seeded_varmap;
 use candle_dp::training_state::Progress;
 use candle_dp_examples::flags;
-use candle_dp_examples::gpt::{adamw_groups, lm_loss, units, Gpt, GptConfig};
+use candle_dp_examples::gpt::{adamw_groups, lm_loss, lm_loss_composite, units, Gpt, GptConfig};
 use candle_dp_examples::text::{load_text, split, windows_at, Windows};
 use candle_nn::VarMap;
 use clap::{Parser, ValueEnum};
@@ -146,7 +146,8 @@ struct Args {
     #[arg(long)]
     decay_all: bool,
     /// candle's composite ops instead of the crate's fused ones
-    /// (`candle_dp::ops`: GELU), for comparison.
+    /// (`candle_dp::ops`: linear layers, LayerNorm, the causal softmax,
+    /// GELU, the cross-entropy), for comparison.
     #[arg(long)]
     no_fused_ops: bool,
     #[arg(long, value_enum, default_value_t = Schedule::WarmupCosine)]
@@ -207,6 +208,14 @@ impl Args {
             layers: self.layers,
             heads: self.heads,
             fused_ops: !self.no_fused_ops,
+        }
+    }
+
+    /// The training loss: fused unless `--no-fused-ops`.
+    fn loss(&self) -> fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> {
+        match self.no_fused_ops {
+            true => lm_loss_composite,
+            false => lm_loss,
         }
     }
 
@@ -401,7 +410,7 @@ fn train_run(job: &Job, strategy: Strategy, in_process: bool) -> Result<Option<O
             let indices = windows_at(job.train, world, rank, args.seed, per_rank, step)?;
             let (x, y) = job.train.batch(&indices)?;
             let (x, y) = (fabric.to_device(&x)?, fabric.to_device(&y)?);
-            let loss = model.backward(&x, &y, lm_loss)?;
+            let loss = model.backward(&x, &y, args.loss())?;
             model.step()?;
             outcome.record(
                 fabric.global_mean(&loss, x.dim(0)?)?,

@@ -3,9 +3,22 @@ float32 and float64, one thread).
 
 Writes tests/data/ops_reference.json (see tests/data/FIXTURES.md), which
 tests/suite/ops.rs matches:
+Every case has the inputs, the outputs in its dtype, and `exact`: the
+outputs computed in float64 from the same input values (for float32, what
+the op would give without float32's rounding).
 - gelu: `torch.nn.functional.gelu(x, approximate="tanh")` and its
   gradient for an upstream gradient `dy`, over 4,099 values from -12 to 12
   (both signs' tails, zero, and the steep middle) in float32 and float64.
+- layer_norm: `layer_norm` over the last dimension (eps 1e-5) of 6 rows
+  of 37 at different scales and offsets, with its weight and bias, and
+  the gradients of all three.
+- causal_softmax: `softmax(scale * x + mask)` (mask -inf above the
+  diagonal) of 2 x 3 x 9 x 9 scores at scale 0.35, and its gradient.
+- cross_entropy: `cross_entropy` of 13 rows of 29 logits (some near
+  +-30) against class targets, times an upstream gradient of 1.7 (`dy`),
+  and the logits' gradient.
+- linear: `linear` of a 2 x 5 x 7 input with a 4 x 7 weight and a bias,
+  and the gradients of all three.
 
   python3 scripts/gen_ops_reference.py   (PyTorch installed, see
   scripts/requirements-bench.txt)
@@ -14,6 +27,39 @@ import json
 import os
 
 import torch
+
+
+def flat(t):
+    return t.detach().flatten().tolist()
+
+
+def outputs(op, names, inputs, dy):
+    """op(*inputs) and the gradients of sum(op * dy) (or op * dy for a
+    scalar) for each input, keyed `y` and `d<name>`."""
+    inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    y = op(*inputs)
+    (y * dy).sum().backward()
+    out = {"y": flat(y)}
+    for name, t in zip(names, inputs):
+        out["d" + name] = flat(t.grad)
+    return out
+
+
+def case(op, names, inputs, dy, **extra):
+    """The inputs (as given), their outputs in their dtype, and `exact`: the
+    outputs in float64 from the same values (float32's rounding apart)."""
+    out = {name: flat(t) for name, t in zip(names, inputs)}
+    out["shape"] = list(inputs[0].shape)
+    out["dy"] = flat(dy)
+    out.update(extra)
+    out.update(outputs(op, names, inputs, dy))
+    wide = [t.double() for t in inputs]
+    out["exact"] = outputs(op, names, wide, dy.double())
+    return out
+
+
+def randn(gen, dtype, *shapes):
+    return [torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for shape in shapes]
 
 
 def gelu_case(dtype):
@@ -26,22 +72,63 @@ def gelu_case(dtype):
         ]
     ).to(dtype)
     dy = (torch.randn(x.shape, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
-    x.requires_grad_(True)
-    y = torch.nn.functional.gelu(x, approximate="tanh")
-    (y * dy).sum().backward()
-    return {
-        "x": x.detach().tolist(),
-        "dy": dy.tolist(),
-        "y": y.detach().tolist(),
-        "dx": x.grad.tolist(),
-    }
+    gelu = lambda x: torch.nn.functional.gelu(x, approximate="tanh")  # noqa: E731
+    return case(gelu, ["x"], [x], dy)
+
+
+def layer_norm_case(dtype):
+    gen = torch.Generator().manual_seed(531)
+    (x, w, b, dy) = randn(gen, dtype, (6, 37), (37,), (37,), (6, 37))
+    # Rows at different scales and offsets, one nearly constant.
+    x = x * torch.tensor([[0.01], [1.0], [5.0], [100.0], [1.0], [1e-3]], dtype=dtype)
+    x = x + torch.tensor([[0.0], [3.0], [-2.0], [50.0], [0.0], [7.0]], dtype=dtype)
+    norm = lambda x, w, b: torch.nn.functional.layer_norm(x, (37,), w, b, 1e-5)  # noqa: E731
+    return case(norm, ["x", "w", "b"], [x, w, b], dy)
+
+
+def causal_softmax_case(dtype):
+    gen = torch.Generator().manual_seed(532)
+    (x, dy) = randn(gen, dtype, (2, 3, 9, 9), (2, 3, 9, 9))
+    x = x * 4.0
+
+    def softmax(x):
+        mask = torch.full((9, 9), float("-inf"), dtype=x.dtype).triu(1)
+        return torch.softmax(0.35 * x + mask, dim=-1)
+
+    return case(softmax, ["x"], [x], dy, scale=0.35)
+
+
+def cross_entropy_case(dtype):
+    gen = torch.Generator().manual_seed(533)
+    (x,) = randn(gen, dtype, (13, 29))
+    x = x * 3.0
+    x[2, 5] = 30.0
+    x[7, 0] = -30.0
+    targets = torch.randint(0, 29, (13,), generator=gen)
+    targets[7] = 0
+    loss = lambda x: torch.nn.functional.cross_entropy(x, targets)  # noqa: E731
+    return case(loss, ["x"], [x], torch.tensor(1.7, dtype=dtype), targets=targets.tolist())
+
+
+def linear_case(dtype):
+    gen = torch.Generator().manual_seed(534)
+    (x, w, b, dy) = randn(gen, dtype, (2, 5, 7), (4, 7), (4,), (2, 5, 4))
+    return case(torch.nn.functional.linear, ["x", "w", "b"], [x, w, b], dy)
+
+
+def both(case):
+    return {"f32": case(torch.float32), "f64": case(torch.float64)}
 
 
 def main():
     torch.set_num_threads(1)
     out = {
         "torch": torch.__version__,
-        "gelu": {"f32": gelu_case(torch.float32), "f64": gelu_case(torch.float64)},
+        "gelu": both(gelu_case),
+        "layer_norm": both(layer_norm_case),
+        "causal_softmax": both(causal_softmax_case),
+        "cross_entropy": both(cross_entropy_case),
+        "linear": both(linear_case),
     }
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.path.join(here, "..", "tests", "data", "ops_reference.json")

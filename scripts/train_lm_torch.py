@@ -2,7 +2,7 @@
 from the Rust run's initial weights (`train_lm --save-init FILE`), trained on
 the same batches (PyTorch's DistributedSampler over the same windows of the
 same text) with the same AdamW, warm-up + cosine schedule and clipping.
-Prints its loss per step and its tokens/s; with --json, writes them.
+Prints its loss per step and its tokens/s; with --json, writes them (and each step's seconds).
 --world 2 runs DDP (gloo) over 2 processes, each its DistributedSampler shard
 (rank 0's loss printed), as train_lm --strategy ddp.
 
@@ -175,8 +175,10 @@ def train(rank, a):
     # the sampler's padding for the ranks is never reached.
     per_epoch = max(windows // (per_rank * a.world), 1)
     losses = []
+    step_seconds = []
     start = time.perf_counter()
     for step in range(a.steps):
+        step_start = time.perf_counter()
         sampler.set_epoch(step // per_epoch)
         at = (step % per_epoch) * per_rank
         idx = list(sampler)[at : at + per_rank]
@@ -191,6 +193,7 @@ def train(rank, a):
         opt.step()
         sched.step()
         losses.append(loss.item())
+        step_seconds.append(time.perf_counter() - step_start)
         if rank == 0:
             print(f"step {step + 1} loss {loss.item():.6f}", flush=True)
     seconds = time.perf_counter() - start
@@ -208,7 +211,12 @@ def train(rank, a):
             args["layers"] = model.layers
             args["width"] = model.w("wte.weight").shape[1]
             json.dump(
-                {"torch": torch.__version__, "args": args, "losses": losses},
+                {
+                    "torch": torch.__version__,
+                    "args": args,
+                    "losses": losses,
+                    "step_seconds": step_seconds,
+                },
                 f,
                 indent=1,
             )

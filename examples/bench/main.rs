@@ -11,6 +11,8 @@
 //! cargo run --release --example bench -- --precision --out bench-out
 //! cargo run --release --features mpi --example bench -- --overlap --out bench-out
 //! cargo run --release --example bench -- --fabric --out bench-out
+//! cargo run --release --features mimalloc --example bench -- --lm --out bench-out \
+//!     [--torch-python venv/bin/python]
 //! ```
 //!
 //! `--pipeline` measures the pipeline instead (see `pipeline.rs`) and
@@ -58,6 +60,7 @@ mod fabric;
 // The command-line value parsers the examples share.
 use candle_dp_examples::flags;
 mod inputs;
+mod lm;
 mod net;
 mod overlap;
 mod pipeline;
@@ -163,6 +166,19 @@ struct Args {
     /// Internal: run one Fabric configuration (JSON) in this process.
     #[arg(long, hide = true, value_name = "SPEC")]
     fabric_child: Option<String>,
+    /// Measure the language model instead: `train_lm`'s step per strategy
+    /// (one device with the fused ops and with candle's, DDP, ZeRO-2 and
+    /// FSDP on 2 thread ranks), and with --torch-python the PyTorch twin,
+    /// in the same rounds, with the ratios (writes lm.md).
+    #[arg(long)]
+    lm: bool,
+    /// With --lm: a Python with PyTorch, to run `scripts/train_lm_torch.py`
+    /// on one process and as DDP over two beside candle-dp.
+    #[arg(long, value_name = "PYTHON", requires = "lm")]
+    torch_python: Option<PathBuf>,
+    /// Internal: run one language-model configuration (JSON) in this process.
+    #[arg(long, hide = true, value_name = "SPEC")]
+    lm_child: Option<String>,
     /// Internal: run one pipeline configuration (JSON) in this process.
     #[arg(long, hide = true, value_name = "SPEC")]
     pipeline_child: Option<String>,
@@ -186,6 +202,11 @@ fn run(args: Args) -> Result<()> {
     if let Some(child) = &args.fabric_child {
         let spec: fabric::FabricSpec = serde_json::from_str(child).context("a Fabric spec")?;
         println!("{}", serde_json::to_string(&fabric::run_child(&spec)?)?);
+        return Ok(());
+    }
+    if let Some(child) = &args.lm_child {
+        let spec: lm::LmSpec = serde_json::from_str(child).context("a language-model spec")?;
+        println!("{}", serde_json::to_string(&lm::run_child(&spec)?)?);
         return Ok(());
     }
     if let Some(child) = &args.pipeline_child {
@@ -253,6 +274,15 @@ fn run(args: Args) -> Result<()> {
         println!("{report}");
         std::fs::write(out_dir.join("fabric.md"), &report)?;
         println!("wrote {}", out_dir.join("fabric.md").display());
+        return Ok(());
+    }
+    if args.lm {
+        let steps = args.steps.unwrap_or(if quick { 3 } else { 10 });
+        let rounds = args.rounds.unwrap_or(if quick { 1 } else { 3 });
+        let report = lm::run(quick, steps, rounds, args.torch_python.as_deref(), out_dir)?;
+        println!("{report}");
+        std::fs::write(out_dir.join("lm.md"), &report)?;
+        println!("wrote {}", out_dir.join("lm.md").display());
         return Ok(());
     }
     if args.overlap {

@@ -36,8 +36,10 @@ pub struct GptConfig {
     pub width: usize,
     pub layers: usize,
     pub heads: usize,
-    /// The fused training ops of `candle_dp::ops` (GELU) instead of
-    /// candle's composite ones: the same model, a faster step.
+    /// The fused training ops of `candle_dp::ops` (linear layers, LayerNorm,
+    /// the causal softmax, GELU) instead of candle's composite ones: the
+    /// same model, a faster step. (The loss: [`lm_loss`] is fused,
+    /// [`lm_loss_composite`] not.)
     #[serde(default)]
     pub fused_ops: bool,
 }
@@ -101,22 +103,37 @@ fn linear(input: usize, output: usize, stdev: f64, vb: VarBuilder) -> candle_cor
     Ok(Linear::new(weight, Some(bias)))
 }
 
-/// A LayerNorm that trains: the plain-op form, in f32 inside.
+/// A LayerNorm that trains: `candle_dp::ops::layer_norm`, or the plain-op
+/// form (in f32 inside).
 struct Norm {
     weight: Tensor,
     bias: Tensor,
+    fused_ops: bool,
 }
 
 impl Norm {
-    fn new(width: usize, vb: VarBuilder) -> candle_core::Result<Self> {
+    fn new(width: usize, fused_ops: bool, vb: VarBuilder) -> candle_core::Result<Self> {
         Ok(Self {
             weight: vb.get_with_hints(width, "weight", Init::Const(1.0))?,
             bias: vb.get_with_hints(width, "bias", Init::Const(0.0))?,
+            fused_ops,
         })
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        candle_nn::ops::layer_norm_slow(x, &self.weight, &self.bias, EPS)
+        match self.fused_ops {
+            true => candle_dp::ops::layer_norm(x, &self.weight, &self.bias, EPS.into()),
+            false => candle_nn::ops::layer_norm_slow(x, &self.weight, &self.bias, EPS),
+        }
+    }
+}
+
+/// `linear`'s layer through `candle_dp::ops::linear` (one matrix product
+/// of every row, the bias's gradient one column sum), or candle-nn's.
+fn apply(layer: &Linear, x: &Tensor, fused_ops: bool) -> candle_core::Result<Tensor> {
+    match fused_ops {
+        true => candle_dp::ops::linear(x, layer.weight(), layer.bias()),
+        false => layer.forward(x),
     }
 }
 
@@ -163,10 +180,10 @@ impl Block {
         let w = config.width;
         let residual = 0.02 / ((2 * config.layers) as f64).sqrt();
         Ok(Self {
-            ln_1: Norm::new(w, vb.pp("ln_1"))?,
+            ln_1: Norm::new(w, config.fused_ops, vb.pp("ln_1"))?,
             c_attn: linear(w, 3 * w, 0.02, vb.pp("attn.c_attn"))?,
             attn_proj: linear(w, w, residual, vb.pp("attn.c_proj"))?,
-            ln_2: Norm::new(w, vb.pp("ln_2"))?,
+            ln_2: Norm::new(w, config.fused_ops, vb.pp("ln_2"))?,
             c_fc: linear(w, 4 * w, 0.02, vb.pp("mlp.c_fc"))?,
             mlp_proj: linear(4 * w, w, residual, vb.pp("mlp.c_proj"))?,
             heads: config.heads,
@@ -177,7 +194,7 @@ impl Block {
     fn attention(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t, w) = x.dims3()?;
         let (h, d) = (self.heads, w / self.heads);
-        let qkv = self.c_attn.forward(x)?;
+        let qkv = apply(&self.c_attn, x, self.fused_ops)?;
         let split = |k: usize| -> candle_core::Result<Tensor> {
             qkv.narrow(2, k * w, w)?
                 .reshape((b, t, h, d))?
@@ -185,11 +202,18 @@ impl Block {
                 .contiguous()
         };
         let (q, k, v) = (split(0)?, split(1)?, split(2)?);
-        let scores = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (d as f64).sqrt()))?;
-        let scores = scores.broadcast_add(&causal_mask(t, scores.dtype(), scores.device())?)?;
-        let weights = candle_nn::ops::softmax(&scores, D::Minus1)?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let scores = q.matmul(&k.t()?.contiguous()?)?;
+        let weights = match self.fused_ops {
+            true => candle_dp::ops::causal_softmax(&scores, scale)?,
+            false => {
+                let mask = causal_mask(t, scores.dtype(), scores.device())?;
+                let scores = (scores * scale)?.broadcast_add(&mask)?;
+                candle_nn::ops::softmax(&scores, D::Minus1)?
+            }
+        };
         let y = weights.matmul(&v)?.transpose(1, 2)?.reshape((b, t, w))?;
-        self.attn_proj.forward(&y)
+        apply(&self.attn_proj, &y, self.fused_ops)
     }
 }
 
@@ -210,12 +234,12 @@ fn causal_mask(t: usize, dtype: DType, device: &Device) -> candle_core::Result<T
 impl ModuleT for Block {
     fn forward_t(&self, x: &Tensor, _train: bool) -> candle_core::Result<Tensor> {
         let x = (x + self.attention(&self.ln_1.forward(x)?)?)?;
-        let fc = self.c_fc.forward(&self.ln_2.forward(&x)?)?;
+        let fc = apply(&self.c_fc, &self.ln_2.forward(&x)?, self.fused_ops)?;
         let hidden = match self.fused_ops {
             true => candle_dp::ops::gelu(&fc)?,
             false => fc.gelu()?,
         };
-        &x + self.mlp_proj.forward(&hidden)?
+        &x + apply(&self.mlp_proj, &hidden, self.fused_ops)?
     }
 }
 
@@ -223,13 +247,15 @@ impl ModuleT for Block {
 pub struct Head {
     ln_f: Norm,
     wte: Tensor,
+    fused_ops: bool,
 }
 
 impl Head {
     pub fn new(config: GptConfig, vb: VarBuilder) -> candle_core::Result<Self> {
         Ok(Self {
-            ln_f: Norm::new(config.width, vb.pp("ln_f"))?,
+            ln_f: Norm::new(config.width, config.fused_ops, vb.pp("ln_f"))?,
             wte: vb.get_with_hints((config.vocab, config.width), "wte.weight", normal(0.02))?,
+            fused_ops: config.fused_ops,
         })
     }
 }
@@ -237,7 +263,10 @@ impl Head {
 impl ModuleT for Head {
     fn forward_t(&self, x: &Tensor, _train: bool) -> candle_core::Result<Tensor> {
         let x = self.ln_f.forward(x)?;
-        x.broadcast_matmul(&self.wte.t()?)
+        match self.fused_ops {
+            true => candle_dp::ops::linear(&x, &self.wte, None),
+            false => x.broadcast_matmul(&self.wte.t()?),
+        }
     }
 }
 
@@ -282,8 +311,17 @@ impl Module for Gpt {
 }
 
 /// The mean next-token cross-entropy of `logits` (batch x time x vocab)
-/// against `targets` (batch x time), computed in f32.
+/// against `targets` (batch x time), computed in f32, with the fused
+/// `candle_dp::ops::cross_entropy`.
 pub fn lm_loss(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    let (b, t, v) = logits.dims3()?;
+    let logits = logits.to_dtype(DType::F32)?.reshape((b * t, v))?;
+    candle_dp::ops::cross_entropy(&logits, &targets.flatten_all()?)
+}
+
+/// [`lm_loss`] with candle-nn's composite cross-entropy (log-softmax,
+/// gather, mean): the loss of `--no-fused-ops`.
+pub fn lm_loss_composite(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
     let (b, t, v) = logits.dims3()?;
     let logits = logits.to_dtype(DType::F32)?.reshape((b * t, v))?;
     candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)

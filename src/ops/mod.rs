@@ -9,8 +9,34 @@
 //! - [`gelu`]: GELU, tanh approximation (`gelu(approximate="tanh")`,
 //!   candle's `Tensor::gelu`): candle's backward builds the derivative from
 //!   seven tensor ops, two `powf` among them, with constants cut to six
-//!   digits; this one computes PyTorch's derivative in one pass.
+//!   digits; this one computes PyTorch's derivative in one pass, with a
+//!   vectorised f32 `tanh`.
+//! - [`layer_norm`]: LayerNorm over the last dimension; candle's fused
+//!   `layer_norm` has no backward, and its composite `layer_norm_slow`
+//!   takes about a dozen ops each way.
+//! - [`causal_softmax`]: attention's scale, causal mask and softmax in one
+//!   op; the masked positions are never computed.
+//! - [`cross_entropy`]: the loss from logits and class indices, without a
+//!   log-softmax tensor kept for the backward.
+//! - [`linear`] and [`bias_add`]: a linear layer over any leading
+//!   dimensions as one matrix product, the bias's gradient one column sum
+//!   (candle-nn's `Linear` on a 3-D input makes one weight gradient per
+//!   batch entry and sums them).
+//!
+//! On CPU, each kernel splits large inputs into blocks of rows run on the
+//! current rayon pool (where candle's matmul runs), and the sums over rows (weight
+//! and bias gradients, the loss) add the blocks in order: the results are
+//! the same bytes on any number of threads.
 
+mod cross_entropy;
 mod gelu;
+mod kernel;
+mod layer_norm;
+mod linear;
+mod softmax;
 
+pub use cross_entropy::cross_entropy;
 pub use gelu::gelu;
+pub use layer_norm::layer_norm;
+pub use linear::{bias_add, linear};
+pub use softmax::causal_softmax;

@@ -1,0 +1,302 @@
+//! The language model part of the benchmark (`--lm`): `train_lm`'s model
+//! and step (AdamW in its two groups, the warm-up + cosine schedule,
+//! clipping at 1, the loss averaged over the ranks) timed per strategy
+//! through a `Fabric`, and, given a Python with PyTorch
+//! (`--torch-python`), the PyTorch twin (`scripts/train_lm_torch.py`) on
+//! one process and as DDP (gloo) over two, from the same initial weights,
+//! in the same rounds: tokens/s of each and the ratios.
+//!
+//! Each configuration runs in its own process (this binary with
+//! `--lm-child`, or the twin), configurations interleaved over the rounds;
+//! the first `WARMUP` steps of each run are not timed.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device};
+use candle_dp::checkpoint::{self, Prefix};
+use candle_dp::fabric::{Fabric, FabricConfig, FabricModule, Strategy};
+use candle_dp::optim::{AdamWConfig, LrScheduler};
+use candle_dp::seeded_varmap;
+use candle_dp_examples::gpt::{adamw_groups, lm_loss, lm_loss_composite, units, Gpt, GptConfig};
+use candle_dp_examples::text::{load_text, split, windows_at};
+use serde::{Deserialize, Serialize};
+
+use crate::plan::cores;
+use crate::stats::median;
+
+/// `train_lm`'s defaults.
+const SEED: u64 = 0;
+const BATCH: usize = 8;
+const LR: f64 = 1e-3;
+/// Steps run before the timed ones (allocations, first-touch pages).
+const WARMUP: usize = 2;
+
+fn config(fused_ops: bool) -> GptConfig {
+    GptConfig {
+        vocab: 256,
+        context: 128,
+        width: 128,
+        layers: 4,
+        heads: 4,
+        fused_ops,
+    }
+}
+
+/// One candle-dp configuration, sent to its child process as JSON.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LmSpec {
+    /// `single`, `ddp`, `zero2` or `fsdp`.
+    pub strategy: String,
+    pub world: usize,
+    /// `candle_dp::ops`' fused ops (the model's default) or candle's.
+    pub fused_ops: bool,
+    /// Steps timed after the warm-up.
+    pub steps: usize,
+}
+
+/// What one run measured: rank 0's step times.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct LmMeasured {
+    pub step_ms: Vec<f64>,
+}
+
+/// Runs one configuration in this process: `train_lm`'s loop without its
+/// evaluations.
+pub fn run_child(spec: &LmSpec) -> Result<LmMeasured> {
+    let gpt = config(spec.fused_ops);
+    let (train, _) = split(&load_text()?, gpt.context);
+    let strategy: Strategy = spec.strategy.parse()?;
+    let total = WARMUP + spec.steps;
+    let fabric_config = FabricConfig {
+        seed: SEED,
+        gradient_clip: Some(1.0),
+        timeout_secs: Some(300.0),
+        ..FabricConfig::new(strategy, spec.world)
+    };
+    let answers = Fabric::launch(fabric_config, |fabric| {
+        let (rank, world) = (fabric.rank(), fabric.world_size());
+        let per_rank = BATCH / world;
+        let adamw = AdamWConfig {
+            lr: LR,
+            weight_decay: 0.1,
+            ..Default::default()
+        };
+        let mut model = fabric.setup(FabricModule::units(units(gpt)), |p| {
+            adamw_groups(p, adamw, false)
+        })?;
+        model.set_schedule(LrScheduler::warmup_cosine(LR, 1, total as u64)?);
+        let mut measured = LmMeasured::default();
+        for step in 0..total {
+            let start = Instant::now();
+            let indices = windows_at(&train, world, rank, SEED, per_rank, step as u64)?;
+            let (x, y) = train.batch(&indices)?;
+            let loss = match spec.fused_ops {
+                true => model.backward(&x, &y, lm_loss)?,
+                false => model.backward(&x, &y, lm_loss_composite)?,
+            };
+            model.step()?;
+            fabric.global_mean(&loss, x.dim(0)?)?;
+            if step >= WARMUP {
+                measured.step_ms.push(start.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        Ok(measured)
+    })?;
+    Ok(answers.into_iter().next().unwrap_or_default())
+}
+
+/// A row of the report: a candle-dp configuration or the twin.
+#[derive(Debug, Clone)]
+enum Run {
+    CandleDp(LmSpec),
+    /// The PyTorch twin over this many processes (1: one process with
+    /// every core's threads; more: DDP over gloo).
+    Torch {
+        world: usize,
+    },
+}
+
+impl Run {
+    fn label(&self) -> String {
+        match self {
+            Run::CandleDp(spec) if spec.strategy == "single" => format!(
+                "candle-dp, one device ({})",
+                if spec.fused_ops {
+                    "fused ops"
+                } else {
+                    "candle's ops"
+                }
+            ),
+            Run::CandleDp(spec) => {
+                format!("candle-dp, {} x{} thread ranks", spec.strategy, spec.world)
+            }
+            Run::Torch { world: 1 } => format!("PyTorch, one process, {} threads", cores()),
+            Run::Torch { world } => format!(
+                "PyTorch DDP (gloo), {world} processes x {} thread(s)",
+                (cores() / world).max(1)
+            ),
+        }
+    }
+
+    /// The PyTorch run this one is compared with: one process for one
+    /// device, DDP for the parallel strategies.
+    fn torch_twin(&self) -> Option<usize> {
+        match self {
+            Run::CandleDp(spec) if spec.strategy == "single" => Some(1),
+            Run::CandleDp(spec) => Some(spec.world),
+            Run::Torch { .. } => None,
+        }
+    }
+}
+
+/// The twin's answer (`--json`): its per-step seconds.
+#[derive(Debug, Deserialize)]
+struct TwinJson {
+    step_seconds: Vec<f64>,
+}
+
+/// One run of the twin: rank 0's timed step times, in ms.
+fn run_torch(
+    python: &Path,
+    init: &Path,
+    out: &Path,
+    world: usize,
+    steps: usize,
+) -> Result<Vec<f64>> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/train_lm_torch.py");
+    let json = out.join(format!("lm-torch-{world}.json"));
+    let mut cmd = Command::new(python);
+    cmd.arg(script)
+        .arg("--init")
+        .arg(init)
+        .args(["--steps", &(WARMUP + steps).to_string()])
+        .args(["--world", &world.to_string()])
+        .arg("--json")
+        .arg(&json);
+    if world == 1 {
+        cmd.args(["--threads", &cores().to_string()]);
+    }
+    let label = Run::Torch { world }.label();
+    let output = cmd
+        .output()
+        .with_context(|| format!("{label}: starting {}", python.display()))?;
+    if !output.status.success() {
+        anyhow::bail!(
+            "{label} failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let twin: TwinJson = serde_json::from_str(&std::fs::read_to_string(&json)?)
+        .with_context(|| format!("{label}: {}", json.display()))?;
+    Ok(twin
+        .step_seconds
+        .iter()
+        .skip(WARMUP)
+        .map(|s| s * 1e3)
+        .collect())
+}
+
+fn runs(quick: bool, steps: usize, torch: bool) -> Vec<Run> {
+    let spec = |strategy: &str, world, fused_ops| {
+        Run::CandleDp(LmSpec {
+            strategy: strategy.into(),
+            world,
+            fused_ops,
+            steps,
+        })
+    };
+    let mut runs = vec![spec("single", 1, true)];
+    if !quick {
+        runs.push(spec("single", 1, false));
+        runs.extend([
+            spec("ddp", 2, true),
+            spec("zero2", 2, true),
+            spec("fsdp", 2, true),
+        ]);
+    }
+    if torch {
+        runs.push(Run::Torch { world: 1 });
+        if !quick {
+            runs.push(Run::Torch { world: 2 });
+        }
+    }
+    runs
+}
+
+/// Every configuration, interleaved over `rounds`; the report.
+pub fn run(
+    quick: bool,
+    steps: usize,
+    rounds: usize,
+    torch_python: Option<&Path>,
+    out: &Path,
+) -> Result<String> {
+    let runs = runs(quick, steps, torch_python.is_some());
+    let init = out.join("lm-init.safetensors");
+    if torch_python.is_some() {
+        // The twin starts from the weights the Fabric draws from the seed.
+        let varmap = seeded_varmap(SEED, DType::F32, &Device::Cpu, |vb| {
+            Gpt::new(config(true), vb)
+        })?;
+        checkpoint::save(&varmap, &init, Prefix::None)?;
+    }
+    let mut step_ms = vec![Vec::new(); runs.len()];
+    for _ in 0..rounds {
+        for (run, times) in runs.iter().zip(&mut step_ms) {
+            eprintln!("lm: {}", run.label());
+            match (run, torch_python) {
+                (Run::CandleDp(spec), _) => {
+                    let mut cmd = Command::new(std::env::current_exe()?);
+                    cmd.arg("--lm-child").arg(serde_json::to_string(spec)?);
+                    let got: LmMeasured = crate::child_answer(cmd, &run.label())?;
+                    times.extend(got.step_ms);
+                }
+                (Run::Torch { world }, Some(python)) => {
+                    times.extend(run_torch(python, &init, out, *world, steps)?);
+                }
+                (Run::Torch { .. }, None) => {}
+            }
+        }
+    }
+    Ok(report(&runs, &step_ms, steps, rounds))
+}
+
+fn report(runs: &[Run], step_ms: &[Vec<f64>], steps: usize, rounds: usize) -> String {
+    let gpt = config(true);
+    let tokens = (BATCH * gpt.context) as f64;
+    let per_s: Vec<f64> = step_ms.iter().map(|t| tokens / median(t) * 1e3).collect();
+    let torch_of = |world: usize| {
+        runs.iter()
+            .position(|r| matches!(r, Run::Torch { world: w } if *w == world))
+            .map(|i| per_s[i])
+    };
+    let mut s = format!(
+        "## The language model (`train_lm`'s defaults: {} layers, width {}, context {}, \
+         global batch {BATCH}; AdamW in two groups, warm-up + cosine, clipping at 1)\n\n\
+         Each run in its own process, {rounds} round(s) of {steps} timed steps after {WARMUP} \
+         untimed ones, interleaved; tokens/s from the median step. `vs PyTorch`: against \
+         PyTorch's one process for one device, against PyTorch's DDP of as many processes \
+         for the parallel runs. {}.\n\n\
+         | run | ms/step | tokens/s | vs PyTorch |\n|---|---:|---:|---:|\n",
+        gpt.layers,
+        gpt.width,
+        gpt.context,
+        crate::machine(crate::plan::DeviceKind::Cpu),
+    );
+    for (i, run) in runs.iter().enumerate() {
+        let ratio = run
+            .torch_twin()
+            .and_then(torch_of)
+            .map_or_else(|| "".to_string(), |t| format!("{:.2}x", per_s[i] / t));
+        s += &format!(
+            "| {} | {:.1} | {:.0} | {ratio} |\n",
+            run.label(),
+            median(&step_ms[i]),
+            per_s[i]
+        );
+    }
+    s
+}

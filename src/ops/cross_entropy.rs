@@ -1,0 +1,218 @@
+//! Cross-entropy from logits, fused: log-softmax and the negative
+//! log-likelihood in one pass, the gradient `softmax - one_hot` in one
+//! more, and no second vocabulary-sized tensor kept between them.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+
+use super::kernel::{add_blocks, each_item, elements, Float, BLOCK_ROWS};
+
+/// The mean over rows of `-log softmax(logits)[target]`: `logits` is rows
+/// x classes, `targets` one class index per row (u8, u32 or i64), as
+/// PyTorch's `cross_entropy` and candle-nn's `loss::cross_entropy`.
+///
+/// Fused on CPU f32/f64 logits: the forward keeps nothing but the loss;
+/// the backward recomputes each row's softmax from the logits and writes
+/// `(softmax - one_hot) * grad / rows` straight into the gradient.
+/// Elsewhere it is candle-nn's (log-softmax, gather, mean).
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let logits = Tensor::new(&[[0.0f32, 0.0], [10.0, -10.0]], &Device::Cpu)?;
+/// let targets = Tensor::new(&[1u32, 0], &Device::Cpu)?;
+/// let loss: f32 = candle_dp::ops::cross_entropy(&logits, &targets)?.to_scalar()?;
+/// assert!((loss - std::f32::consts::LN_2 / 2.0).abs() < 1e-6);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// Logits that are not 2-D, targets not one per row, or a target that is
+/// not a class (naming its row and value).
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    let (rows, classes) = logits.dims2()?;
+    if targets.dims() != [rows] {
+        candle_core::bail!(
+            "cross-entropy: targets of shape {:?} for {rows} rows of logits",
+            targets.dims()
+        );
+    }
+    let fused = logits.device().is_cpu()
+        && matches!(logits.dtype(), DType::F32 | DType::F64)
+        && matches!(targets.dtype(), DType::U8 | DType::U32 | DType::I64);
+    if !fused {
+        return candle_nn::loss::cross_entropy(logits, targets);
+    }
+    let targets = class_indices(targets, classes)?;
+    logits.contiguous()?.apply_op2(&targets, CrossEntropy)
+}
+
+/// The targets as u32 on the CPU, each checked to be a class.
+fn class_indices(targets: &Tensor, classes: usize) -> candle_core::Result<Tensor> {
+    let values: Vec<i64> = targets.to_dtype(DType::I64)?.to_vec1()?;
+    if let Some((row, value)) = values
+        .iter()
+        .enumerate()
+        .find(|(_, &v)| v < 0 || v as u64 >= classes as u64)
+    {
+        candle_core::bail!(
+            "cross-entropy: target {value} at row {row} is not one of the {classes} classes"
+        );
+    }
+    targets.to_dtype(DType::U32)
+}
+
+struct CrossEntropy;
+
+/// The backward: `(logits, targets, grad)` to the logits' gradient.
+struct CrossEntropyGrad;
+
+/// A row's largest value and `log sum exp`.
+fn log_sum_exp<T: Float>(row: &[T]) -> (T, T) {
+    let max = row.iter().fold(T::NEG_INFINITY, |m, &v| m.max(v));
+    let sum = row.iter().map(|&v| (v - max).exp()).sum::<T>();
+    (max, max + sum.ln())
+}
+
+fn forward<T: Float>(logits: &[T], targets: &[u32], classes: usize) -> T {
+    let classes = classes.max(1);
+    let blocks = logits.len().div_ceil(BLOCK_ROWS * classes);
+    let mut partials = vec![T::of(0.0); blocks];
+    let items: Vec<_> = logits
+        .chunks(BLOCK_ROWS * classes)
+        .zip(targets.chunks(BLOCK_ROWS))
+        .zip(partials.iter_mut())
+        .collect();
+    each_item(items, logits.len(), |((rows, targets), partial)| {
+        for (row, &target) in rows.chunks(classes).zip(targets) {
+            let (_, lse) = log_sum_exp(row);
+            *partial = *partial + (lse - row[target as usize]);
+        }
+    });
+    add_blocks(&partials, 1)[0] / T::of(targets.len().max(1) as f64)
+}
+
+fn backward<T: Float>(logits: &[T], targets: &[u32], classes: usize, grad: T) -> Vec<T> {
+    let classes = classes.max(1);
+    let factor = grad / T::of(targets.len().max(1) as f64);
+    let mut out = vec![T::of(0.0); logits.len()];
+    let items: Vec<_> = logits
+        .chunks(BLOCK_ROWS * classes)
+        .zip(targets.chunks(BLOCK_ROWS))
+        .zip(out.chunks_mut(BLOCK_ROWS * classes))
+        .collect();
+    each_item(items, logits.len(), |((rows, targets), outs)| {
+        for ((row, &target), out) in rows
+            .chunks(classes)
+            .zip(targets)
+            .zip(outs.chunks_mut(classes))
+        {
+            let (_, lse) = log_sum_exp(row);
+            for (o, &v) in out.iter_mut().zip(row) {
+                *o = (v - lse).exp() * factor;
+            }
+            let t = target as usize;
+            out[t] = out[t] - factor;
+        }
+    });
+    out
+}
+
+fn targets_of<'a>(s: &'a CpuStorage, layout: &Layout, op: &str) -> candle_core::Result<&'a [u32]> {
+    match s {
+        CpuStorage::U32(t) => elements(t, layout, op),
+        other => candle_core::bail!("{op}: targets of {:?}, not u32", other.dtype()),
+    }
+}
+
+/// The incoming gradient of the (scalar) loss.
+fn scalar<T: Copy>(grad: &[T], op: &str) -> candle_core::Result<T> {
+    match grad {
+        [g] => Ok(*g),
+        _ => candle_core::bail!(
+            "{op}: a gradient of {} values for a scalar loss",
+            grad.len()
+        ),
+    }
+}
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "candle-dp-cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        logits: &CpuStorage,
+        logits_layout: &Layout,
+        targets: &CpuStorage,
+        targets_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = "cross-entropy";
+        let classes = logits_layout.dims().last().copied().unwrap_or(1);
+        let targets = targets_of(targets, targets_layout, op)?;
+        let out = match logits {
+            CpuStorage::F32(l) => CpuStorage::F32(vec![forward(
+                elements(l, logits_layout, op)?,
+                targets,
+                classes,
+            )]),
+            CpuStorage::F64(l) => CpuStorage::F64(vec![forward(
+                elements(l, logits_layout, op)?,
+                targets,
+                classes,
+            )]),
+            other => candle_core::bail!("{op}: no fused kernel for {:?}", other.dtype()),
+        };
+        Ok((out, Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = logits.apply_op3_no_bwd(targets, &grad_res.contiguous()?, &CrossEntropyGrad)?;
+        Ok((Some(grad), None))
+    }
+}
+
+impl CustomOp3 for CrossEntropyGrad {
+    fn name(&self) -> &'static str {
+        "candle-dp-cross-entropy-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        logits: &CpuStorage,
+        logits_layout: &Layout,
+        targets: &CpuStorage,
+        targets_layout: &Layout,
+        grad: &CpuStorage,
+        grad_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = "cross-entropy backward";
+        let classes = logits_layout.dims().last().copied().unwrap_or(1);
+        let targets = targets_of(targets, targets_layout, op)?;
+        let out = match (logits, grad) {
+            (CpuStorage::F32(l), CpuStorage::F32(g)) => CpuStorage::F32(backward(
+                elements(l, logits_layout, op)?,
+                targets,
+                classes,
+                scalar(elements(g, grad_layout, op)?, op)?,
+            )),
+            (CpuStorage::F64(l), CpuStorage::F64(g)) => CpuStorage::F64(backward(
+                elements(l, logits_layout, op)?,
+                targets,
+                classes,
+                scalar(elements(g, grad_layout, op)?, op)?,
+            )),
+            (l, g) => {
+                candle_core::bail!("{op}: logits {:?} with gradient {:?}", l.dtype(), g.dtype())
+            }
+        };
+        Ok((out, logits_layout.shape().clone()))
+    }
+}

@@ -1,0 +1,259 @@
+//! LayerNorm over the last dimension, fused: one pass per row forward, one
+//! backward for the input, the weight and the bias together.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+
+use super::kernel::{add_blocks, each_item, elements, Float, BLOCK_ROWS};
+
+/// LayerNorm of `x` over its last dimension with `weight` and `bias` (that
+/// long) and `eps`: `(x - mean) / sqrt(var + eps) * weight + bias`, the
+/// biased variance, as PyTorch's `layer_norm` and candle's
+/// `layer_norm_slow`.
+///
+/// Fused on CPU f32/f64: the forward makes one output; the backward
+/// recomputes each row's mean and deviation (nothing else is kept) and
+/// gives the input's, the weight's and the bias's gradients in one pass
+/// over the rows. Elsewhere (CUDA, bf16/f16) it is candle's
+/// `layer_norm_slow`, which computes in f32.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let x = Tensor::new(&[[1.0f32, 2.0, 3.0, 4.0]], &Device::Cpu)?;
+/// let w = Tensor::ones(4, candle_core::DType::F32, &Device::Cpu)?;
+/// let b = Tensor::zeros(4, candle_core::DType::F32, &Device::Cpu)?;
+/// let y = candle_dp::ops::layer_norm(&x, &w, &b, 1e-5)?;
+/// let mean: f32 = y.sum_all()?.to_scalar()?;
+/// assert!(mean.abs() < 1e-6);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// A weight or bias not as long as `x`'s last dimension.
+pub fn layer_norm(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+) -> candle_core::Result<Tensor> {
+    let width = x.dims().last().copied().unwrap_or(1);
+    for (what, t) in [("weight", weight), ("bias", bias)] {
+        if t.dims() != [width] {
+            candle_core::bail!(
+                "layer norm: a {what} of shape {:?} for rows of width {width} (input {:?})",
+                t.dims(),
+                x.dims()
+            );
+        }
+    }
+    let fused = x.device().is_cpu()
+        && matches!(x.dtype(), DType::F32 | DType::F64)
+        && weight.dtype() == x.dtype()
+        && bias.dtype() == x.dtype();
+    if !fused {
+        return candle_nn::ops::layer_norm_slow(x, weight, bias, eps as f32);
+    }
+    x.contiguous()?.apply_op3(
+        &weight.contiguous()?,
+        &bias.contiguous()?,
+        LayerNorm { eps },
+    )
+}
+
+struct LayerNorm {
+    eps: f64,
+}
+
+/// The backward: `(x, weight, dy)` to the input's, the weight's and the
+/// bias's gradients, packed one after the other in one vector.
+struct LayerNormGrad {
+    eps: f64,
+}
+
+/// A row's mean and standard deviation `sqrt(var + eps)`, in f64 whatever
+/// the element type (a near-constant f32 row, `7 + 1e-3 noise`, loses a
+/// quarter of its deviations' digits to an f32 mean), the variance from
+/// the deviations (two passes, as candle's composite).
+fn moments<T: Float>(row: &[T], eps: f64) -> (f64, f64) {
+    let n = row.len() as f64;
+    let mean = row.iter().map(|v| v.to_f64()).sum::<f64>() / n;
+    let var = row
+        .iter()
+        .map(|v| (v.to_f64() - mean) * (v.to_f64() - mean))
+        .sum::<f64>()
+        / n;
+    (mean, (var + eps).sqrt())
+}
+
+fn forward<T: Float>(x: &[T], w: &[T], b: &[T], eps: f64) -> Vec<T> {
+    let width = w.len().max(1);
+    let mut out = vec![T::of(0.0); x.len()];
+    let items: Vec<_> = x
+        .chunks(BLOCK_ROWS * width)
+        .zip(out.chunks_mut(BLOCK_ROWS * width))
+        .collect();
+    each_item(items, x.len(), |(rows, outs)| {
+        for (row, out) in rows.chunks(width).zip(outs.chunks_mut(width)) {
+            let (mean, std) = moments(row, eps);
+            for (j, o) in out.iter_mut().enumerate() {
+                let xhat = (row[j].to_f64() - mean) / std;
+                *o = T::of(xhat * w[j].to_f64() + b[j].to_f64());
+            }
+        }
+    });
+    out
+}
+
+/// With `xhat = (x - mean) / std` and `g = dy * w`: `dx = (g - mean(g) -
+/// xhat mean(g xhat)) / std`, `dw = sum over rows of dy xhat`, `db = sum
+/// over rows of dy`; in f64 inside, the sums over rows in blocks added in
+/// block order.
+fn backward<T: Float>(x: &[T], w: &[T], dy: &[T], eps: f64) -> Vec<T> {
+    let width = w.len().max(1);
+    let n = width as f64;
+    let mut dx = vec![T::of(0.0); x.len()];
+    let blocks = x.len().div_ceil(BLOCK_ROWS * width);
+    let mut partials = vec![0f64; blocks * 2 * width];
+    let items: Vec<_> = x
+        .chunks(BLOCK_ROWS * width)
+        .zip(dy.chunks(BLOCK_ROWS * width))
+        .zip(dx.chunks_mut(BLOCK_ROWS * width))
+        .zip(partials.chunks_mut(2 * width))
+        .collect();
+    each_item(items, x.len(), |(((xs, dys), dxs), partial)| {
+        let (dw, db) = partial.split_at_mut(width);
+        for ((row, dy), dx) in xs
+            .chunks(width)
+            .zip(dys.chunks(width))
+            .zip(dxs.chunks_mut(width))
+        {
+            let (mean, std) = moments(row, eps);
+            let (mut mean_g, mut mean_g_xhat) = (0f64, 0f64);
+            for j in 0..width {
+                let (xhat, dy) = ((row[j].to_f64() - mean) / std, dy[j].to_f64());
+                let g = dy * w[j].to_f64();
+                mean_g += g;
+                mean_g_xhat += g * xhat;
+                dw[j] += dy * xhat;
+                db[j] += dy;
+            }
+            let (mean_g, mean_g_xhat) = (mean_g / n, mean_g_xhat / n);
+            for j in 0..width {
+                let xhat = (row[j].to_f64() - mean) / std;
+                let g = dy[j].to_f64() * w[j].to_f64();
+                dx[j] = T::of((g - mean_g - xhat * mean_g_xhat) / std);
+            }
+        }
+    });
+    // dx, then dw, then db.
+    let mut out = dx;
+    out.extend(add_blocks(&partials, 2 * width).into_iter().map(T::of));
+    out
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "candle-dp-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        w: &CpuStorage,
+        w_layout: &Layout,
+        b: &CpuStorage,
+        b_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = "layer norm";
+        let out = match (x, w, b) {
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
+                CpuStorage::F32(forward(
+                    elements(x, x_layout, op)?,
+                    elements(w, w_layout, op)?,
+                    elements(b, b_layout, op)?,
+                    self.eps,
+                ))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(b)) => {
+                CpuStorage::F64(forward(
+                    elements(x, x_layout, op)?,
+                    elements(w, w_layout, op)?,
+                    elements(b, b_layout, op)?,
+                    self.eps,
+                ))
+            }
+            (x, ..) => candle_core::bail!("layer norm: no fused kernel for {:?}", x.dtype()),
+        };
+        Ok((out, x_layout.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        _bias: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let packed = x.apply_op3_no_bwd(
+            weight,
+            &grad_res.contiguous()?,
+            &LayerNormGrad { eps: self.eps },
+        )?;
+        let (len, width) = (x.elem_count(), weight.elem_count());
+        let dx = packed.narrow(0, 0, len)?.reshape(x.shape())?;
+        let dw = packed.narrow(0, len, width)?;
+        let db = packed.narrow(0, len + width, width)?;
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+impl CustomOp3 for LayerNormGrad {
+    fn name(&self) -> &'static str {
+        "candle-dp-layer-norm-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        w: &CpuStorage,
+        w_layout: &Layout,
+        dy: &CpuStorage,
+        dy_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = "layer norm backward";
+        if x_layout.shape() != dy_layout.shape() {
+            candle_core::bail!(
+                "{op}: a gradient of shape {:?} for an input of shape {:?}",
+                dy_layout.shape(),
+                x_layout.shape()
+            );
+        }
+        let out = match (x, w, dy) {
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(dy)) => {
+                CpuStorage::F32(backward(
+                    elements(x, x_layout, op)?,
+                    elements(w, w_layout, op)?,
+                    elements(dy, dy_layout, op)?,
+                    self.eps,
+                ))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(dy)) => {
+                CpuStorage::F64(backward(
+                    elements(x, x_layout, op)?,
+                    elements(w, w_layout, op)?,
+                    elements(dy, dy_layout, op)?,
+                    self.eps,
+                ))
+            }
+            (x, _, dy) => {
+                candle_core::bail!("{op}: input {:?} with gradient {:?}", x.dtype(), dy.dtype())
+            }
+        };
+        let len = x_layout.shape().elem_count() + 2 * w_layout.shape().elem_count();
+        Ok((out, Shape::from(len)))
+    }
+}
