@@ -56,15 +56,27 @@ pub(crate) fn threads_per_worker(workers: usize) -> usize {
 }
 
 /// Prepares candle for `workers` CPU workers running at once in this
-/// process; nothing to do for one. Call it before the workers start.
+/// process. Call it before the workers start.
 ///
-/// Sets `RAYON_NUM_THREADS` to each worker's share of the cores and
-/// `CANDLE_NUM_THREADS=1`, each only when the user has not set it. If candle's
-/// elementwise pool had already started with threads (it starts at the
+/// Sets `RAYON_NUM_THREADS` to each worker's share of the cores (several
+/// workers) and `CANDLE_NUM_THREADS=1` (any number, one included), each
+/// only when the user has not set it. If candle's elementwise pool had
+/// already started with threads for several workers (it starts at the
 /// first large elementwise op, and cannot be resized), logs a warning once
 /// that says how to avoid it.
+///
+/// One worker too: candle's elementwise pool spins a thread per further
+/// core between ops, on the cores where the worker's rayon pool runs
+/// candle's matmul and `candle_dp::ops`' kernels. With the pool empty the
+/// language model's step on one device was faster in all five rounds
+/// (ratios 1.02 to 1.52, median 1.13; 2-core AMD EPYC), and the MLP and
+/// conv net's within noise (docs/notes/findings.md).
 pub(crate) fn share_cpu_between(workers: usize) {
-    if workers <= 1 {
+    if workers == 0 {
+        return;
+    }
+    if workers == 1 {
+        set_if_unset(CANDLE_NUM_THREADS, "1");
         return;
     }
     // gemm splits each matmul into RAYON_NUM_THREADS parts whatever pool it

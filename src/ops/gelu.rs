@@ -4,7 +4,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
 
-use super::kernel::{elements, fill, Float};
+use super::kernel::{elements, map1, map2, Float};
 
 /// `sqrt(2 / pi)`.
 const BETA: f64 = 0.797_884_560_802_865_4;
@@ -56,13 +56,10 @@ struct GeluGrad;
 /// (1 + 0.044715 v v)))`, in its order of operations.
 fn forward<T: Float>(x: &[T]) -> Vec<T> {
     let (half, one, beta, kappa) = (T::of(0.5), T::of(1.0), T::of(BETA), T::of(KAPPA));
-    let mut out = vec![T::of(0.0); x.len()];
-    fill(&mut out, |i| {
-        let v = x[i];
+    map1(x, move |v| {
         let inner = beta * v * (one + kappa * v * v);
         half * v * (one + inner.tanh())
-    });
-    out
+    })
 }
 
 /// PyTorch's backward (ATen's `GeluBackwardKernel`, tanh): with `t =
@@ -72,9 +69,7 @@ fn forward<T: Float>(x: &[T]) -> Vec<T> {
 fn backward<T: Float>(x: &[T], dy: &[T]) -> Vec<T> {
     let (half, one, beta, kappa) = (T::of(0.5), T::of(1.0), T::of(BETA), T::of(KAPPA));
     let three_kappa = T::of(3.0 * KAPPA);
-    let mut out = vec![T::of(0.0); x.len()];
-    fill(&mut out, |i| {
-        let (x, dy) = (x[i], dy[i]);
+    map2(x, dy, move |x, dy| {
         let x_sq = x * x;
         let x_cube = x_sq * x;
         let (t, sech2) = (beta * (x + kappa * x_cube)).tanh_and_sech2();
@@ -83,8 +78,7 @@ fn backward<T: Float>(x: &[T], dy: &[T]) -> Vec<T> {
         let left_derivative = half * right;
         let right_derivative = left * sech2 * beta * (one + three_kappa * x_sq);
         dy * (left_derivative + right_derivative)
-    });
-    out
+    })
 }
 
 impl CustomOp1 for Gelu {

@@ -105,17 +105,21 @@ impl Float for f64 {
 /// rounded to the nearest integer (`|r| <= ln 2 / 2`), `e^r` by its Taylor
 /// series to `r^7` (truncation under 6e-9), times `2^n` built in the
 /// exponent bits. Below -87 it is 0 (`e^-87` is near the smallest normal
-/// f32), above 88 it is `e^88`; NaN stays NaN.
+/// f32), above 88 it is `e^88`; NaN stays NaN. Integer work only on bits
+/// (no float-to-integer cast, whose saturation keeps the compiler from
+/// vectorising).
 fn exp_f32(x: f32) -> f32 {
     const LOG2_E: f32 = std::f32::consts::LOG2_E;
     // ln 2 in two parts, so that `n * LN2_HI` is exact for |n| < 2^9.
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
-    // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer
-    // (any |v| < 2^22) in plain SSE2, where `round` is a call.
+    // Adding 1.5 * 2^23 rounds to the nearest integer (any |v| < 2^22) and
+    // leaves it in the low bits of the sum; subtracting it gives `n` as a
+    // float.
     const ROUND: f32 = 12_582_912.0;
     let clamped = x.clamp(-87.0, 88.0);
-    let n = (clamped * LOG2_E + ROUND) - ROUND;
+    let shifted = clamped * LOG2_E + ROUND;
+    let n = shifted - ROUND;
     let r = clamped - n * LN2_HI - n * LN2_LO;
     let p = 1.0
         + r * (1.0
@@ -123,12 +127,12 @@ fn exp_f32(x: f32) -> f32 {
                 + r * (1.0 / 6.0
                     + r * (1.0 / 24.0
                         + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // `n + 127` in the exponent field: the sum's low bits hold `n`.
+    let n_bits = shifted.to_bits().wrapping_sub(ROUND.to_bits());
+    let scale = f32::from_bits(n_bits.wrapping_add(127) << 23);
     let y = p * scale;
     if x < -87.0 {
         0.0
-    } else if x.is_nan() {
-        x
     } else {
         y
     }
@@ -159,18 +163,36 @@ pub(super) fn each_item<I: Send>(items: Vec<I>, work: usize, f: impl Fn(I) + Syn
 /// order, so that the result is the same on any number of threads).
 pub(super) const BLOCK_ROWS: usize = 32;
 
-/// `out[i] = f(i)` for every element, in parallel when large.
-pub(super) fn fill<T: Send>(out: &mut [T], f: impl Fn(usize) -> T + Sync + Send) {
-    const CHUNK: usize = 16 * 1024;
-    let work = out.len();
-    let items: Vec<_> = out.chunks_mut(CHUNK).enumerate().collect();
-    each_item(items, work, |(k, chunk)| {
-        let first = k * CHUNK;
-        chunk
-            .iter_mut()
-            .enumerate()
-            .for_each(|(i, o)| *o = f(first + i));
+/// Elements per item of the element-wise kernels.
+const CHUNK: usize = 16 * 1024;
+
+/// `f(a[i])` for every element, in parallel when large; written as a zip
+/// over slices so that the compiler vectorises `f`.
+pub(super) fn map1<T: Float>(a: &[T], f: impl Fn(T) -> T + Sync + Send) -> Vec<T> {
+    let mut out = vec![T::of(0.0); a.len()];
+    let items: Vec<_> = out.chunks_mut(CHUNK).zip(a.chunks(CHUNK)).collect();
+    each_item(items, a.len(), |(out, a)| {
+        for (o, &a) in out.iter_mut().zip(a) {
+            *o = f(a);
+        }
     });
+    out
+}
+
+/// `f(a[i], b[i])` for every element (`a` and `b` of one length), in
+/// parallel when large.
+pub(super) fn map2<T: Float>(a: &[T], b: &[T], f: impl Fn(T, T) -> T + Sync + Send) -> Vec<T> {
+    let mut out = vec![T::of(0.0); a.len()];
+    let items: Vec<_> = out
+        .chunks_mut(CHUNK)
+        .zip(a.chunks(CHUNK).zip(b.chunks(CHUNK)))
+        .collect();
+    each_item(items, a.len(), |(out, (a, b))| {
+        for (o, (&a, &b)) in out.iter_mut().zip(a.iter().zip(b)) {
+            *o = f(a, b);
+        }
+    });
+    out
 }
 
 /// Per-column sums over the rows of a row-major `rows x width` matrix:
@@ -214,7 +236,8 @@ mod tests {
         for i in 0..=400_000 {
             let x = -90.0 + i as f32 * 0.00045;
             let want = (x as f64).exp();
-            if want > f32::MIN_POSITIVE as f64 && x <= 88.0 {
+            // Below -87 it is 0 by design (e^-87 is 1.6e-38).
+            if (-87.0..=88.0).contains(&x) {
                 exp_rel = exp_rel.max(((Float::exp(x) as f64) - want).abs() / want);
             }
             tanh_abs = tanh_abs.max(((Float::tanh(x) as f64) - (x as f64).tanh()).abs());

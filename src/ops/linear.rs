@@ -4,7 +4,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 
-use super::kernel::{column_sums, elements, fill, Float};
+use super::kernel::{column_sums, each_item, elements, Float, BLOCK_ROWS};
 
 /// `x W^T + b` over the last dimension of `x` (PyTorch's `nn.Linear`
 /// layout: `weight` is out x in), every leading dimension folded into the
@@ -87,7 +87,17 @@ struct ColumnSum;
 fn add_rows<T: Float>(x: &[T], bias: &[T]) -> Vec<T> {
     let width = bias.len().max(1);
     let mut out = vec![T::of(0.0); x.len()];
-    fill(&mut out, |i| x[i] + bias[i % width]);
+    let items: Vec<_> = out
+        .chunks_mut(BLOCK_ROWS * width)
+        .zip(x.chunks(BLOCK_ROWS * width))
+        .collect();
+    each_item(items, x.len(), |(outs, rows)| {
+        for (out, row) in outs.chunks_mut(width).zip(rows.chunks(width)) {
+            for ((o, &v), &b) in out.iter_mut().zip(row).zip(bias) {
+                *o = v + b;
+            }
+        }
+    });
     out
 }
 
