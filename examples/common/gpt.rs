@@ -22,7 +22,7 @@
 //! backward). No dropout. Initialisation as GPT-2: weights N(0, 0.02)
 //! (the residual projections N(0, 0.02 / sqrt(2 layers))), biases 0, norms 1.
 
-use candle_core::{DType, Device, Module, ModuleT, Tensor, D};
+use candle_core::{DType, Module, ModuleT, Tensor, D};
 use candle_dp::pipeline::{layer, LayerFactory};
 use candle_nn::{Init, Linear, VarBuilder};
 
@@ -207,7 +207,7 @@ impl Block {
         let weights = match self.fused_ops {
             true => candle_dp::ops::causal_softmax(&scores, scale)?,
             false => {
-                let mask = causal_mask(t, scores.dtype(), scores.device())?;
+                let mask = candle_dp::ops::causal_mask(t, &scores)?;
                 let scores = (scores * scale)?.broadcast_add(&mask)?;
                 candle_nn::ops::softmax(&scores, D::Minus1)?
             }
@@ -215,20 +215,6 @@ impl Block {
         let y = weights.matmul(&v)?.transpose(1, 2)?.reshape((b, t, w))?;
         apply(&self.attn_proj, &y, self.fused_ops)
     }
-}
-
-/// 0 on and below the diagonal, -inf above: no position sees a later one.
-fn causal_mask(t: usize, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
-    let mask: Vec<f32> = (0..t * t)
-        .map(|i| {
-            if i % t > i / t {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    Tensor::from_vec(mask, (t, t), device)?.to_dtype(dtype)
 }
 
 impl ModuleT for Block {

@@ -5,7 +5,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
-use super::kernel::{add_blocks, each_item, elements, Float, BLOCK_ROWS};
+use super::kernel::{add_blocks, each_item, elements, per_float, Float, BLOCK_ROWS};
 
 /// The mean over rows of `-log softmax(logits)[target]`: `logits` is rows
 /// x classes, `targets` one class index per row (u8, u32 or i64), as
@@ -151,19 +151,9 @@ impl CustomOp2 for CrossEntropy {
         let op = "cross-entropy";
         let classes = logits_layout.dims().last().copied().unwrap_or(1);
         let targets = targets_of(targets, targets_layout, op)?;
-        let out = match logits {
-            CpuStorage::F32(l) => CpuStorage::F32(vec![forward(
-                elements(l, logits_layout, op)?,
-                targets,
-                classes,
-            )]),
-            CpuStorage::F64(l) => CpuStorage::F64(vec![forward(
-                elements(l, logits_layout, op)?,
-                targets,
-                classes,
-            )]),
-            other => candle_core::bail!("{op}: no fused kernel for {:?}", other.dtype()),
-        };
+        let out = per_float!(logits.dtype(), op, T => {
+            T::storage(vec![forward(T::slice(logits, logits_layout, op)?, targets, classes)])
+        });
         Ok((out, Shape::from(())))
     }
 
@@ -196,23 +186,12 @@ impl CustomOp3 for CrossEntropyGrad {
         let op = "cross-entropy backward";
         let classes = logits_layout.dims().last().copied().unwrap_or(1);
         let targets = targets_of(targets, targets_layout, op)?;
-        let out = match (logits, grad) {
-            (CpuStorage::F32(l), CpuStorage::F32(g)) => CpuStorage::F32(backward(
-                elements(l, logits_layout, op)?,
-                targets,
-                classes,
-                scalar(elements(g, grad_layout, op)?, op)?,
-            )),
-            (CpuStorage::F64(l), CpuStorage::F64(g)) => CpuStorage::F64(backward(
-                elements(l, logits_layout, op)?,
-                targets,
-                classes,
-                scalar(elements(g, grad_layout, op)?, op)?,
-            )),
-            (l, g) => {
-                candle_core::bail!("{op}: logits {:?} with gradient {:?}", l.dtype(), g.dtype())
-            }
-        };
+        let out = per_float!(logits.dtype(), op, T => T::storage(backward(
+            T::slice(logits, logits_layout, op)?,
+            targets,
+            classes,
+            scalar(T::slice(grad, grad_layout, op)?, op)?,
+        )));
         Ok((out, logits_layout.shape().clone()))
     }
 }

@@ -4,7 +4,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
 
-use super::kernel::{elements, map1, map2, Float};
+use super::kernel::{map1, map2, per_float, Float};
 
 /// `sqrt(2 / pi)`.
 const BETA: f64 = 0.797_884_560_802_865_4;
@@ -91,11 +91,9 @@ impl CustomOp1 for Gelu {
         storage: &CpuStorage,
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let out = match storage {
-            CpuStorage::F32(x) => CpuStorage::F32(forward(elements(x, layout, "gelu")?)),
-            CpuStorage::F64(x) => CpuStorage::F64(forward(elements(x, layout, "gelu")?)),
-            other => candle_core::bail!("gelu: no fused kernel for {:?}", other.dtype()),
-        };
+        let out = per_float!(storage.dtype(), "gelu", T => {
+            T::storage(forward(T::slice(storage, layout, "gelu")?))
+        });
         Ok((out, layout.shape().clone()))
     }
 
@@ -130,21 +128,10 @@ impl CustomOp2 for GeluGrad {
             );
         }
         let op = "gelu backward";
-        let out = match (x, dy) {
-            (CpuStorage::F32(x), CpuStorage::F32(dy)) => CpuStorage::F32(backward(
-                elements(x, x_layout, op)?,
-                elements(dy, dy_layout, op)?,
-            )),
-            (CpuStorage::F64(x), CpuStorage::F64(dy)) => CpuStorage::F64(backward(
-                elements(x, x_layout, op)?,
-                elements(dy, dy_layout, op)?,
-            )),
-            (x, dy) => candle_core::bail!(
-                "gelu backward: input {:?} with gradient {:?}",
-                x.dtype(),
-                dy.dtype()
-            ),
-        };
+        let out = per_float!(x.dtype(), op, T => T::storage(backward(
+            T::slice(x, x_layout, op)?,
+            T::slice(dy, dy_layout, op)?,
+        )));
         Ok((out, x_layout.shape().clone()))
     }
 }

@@ -1,7 +1,28 @@
 //! What the fused ops' CPU kernels share: the element types, reading a
 //! contiguous input, and splitting a kernel's work over candle's threads.
 
-use candle_core::Layout;
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, Layout};
+
+/// Evaluates `$body` with the type `$t` the element type of `$dtype` (f32
+/// or f64: the types with fused kernels); an error naming `$op` for any
+/// other dtype.
+macro_rules! per_float {
+    ($dtype:expr, $op:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            candle_core::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            candle_core::DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            other => candle_core::bail!("{}: no fused kernel for {:?}", $op, other),
+        }
+    };
+}
+pub(super) use per_float;
 
 /// A contiguous layout's elements of `slice`, or an error naming `op`.
 pub(super) fn elements<'a, T>(
@@ -33,6 +54,15 @@ pub(super) trait Float:
     + std::iter::Sum
 {
     const NEG_INFINITY: Self;
+    /// The elements of `storage` (contiguous, in `layout`) if it holds this
+    /// type; an error naming `op` and the dtype it holds otherwise.
+    fn slice<'a>(
+        storage: &'a CpuStorage,
+        layout: &Layout,
+        op: &str,
+    ) -> candle_core::Result<&'a [Self]>;
+    /// `values` as a candle storage.
+    fn storage(values: Vec<Self>) -> CpuStorage;
     fn of(v: f64) -> Self;
     fn to_f64(self) -> f64;
     /// `(tanh x, 1 - tanh^2 x)`.
@@ -43,14 +73,41 @@ pub(super) trait Float:
     fn max(self, other: Self) -> Self;
 }
 
+/// The parts of [`Float`] that f32 and f64 implement alike: reading and
+/// making candle storages, conversions, `ln` and `max`.
+macro_rules! float_common {
+    ($t:ty, $variant:ident) => {
+        const NEG_INFINITY: Self = <$t>::NEG_INFINITY;
+        fn slice<'a>(
+            storage: &'a CpuStorage,
+            layout: &Layout,
+            op: &str,
+        ) -> candle_core::Result<&'a [Self]> {
+            match storage {
+                CpuStorage::$variant(values) => elements(values, layout, op),
+                other => candle_core::bail!("{op}: {:?} beside {}", other.dtype(), stringify!($t)),
+            }
+        }
+        fn storage(values: Vec<Self>) -> CpuStorage {
+            CpuStorage::$variant(values)
+        }
+        fn of(v: f64) -> Self {
+            v as $t
+        }
+        fn to_f64(self) -> f64 {
+            f64::from(self)
+        }
+        fn ln(self) -> Self {
+            <$t>::ln(self)
+        }
+        fn max(self, other: Self) -> Self {
+            <$t>::max(self, other)
+        }
+    };
+}
+
 impl Float for f32 {
-    const NEG_INFINITY: Self = f32::NEG_INFINITY;
-    fn of(v: f64) -> Self {
-        v as f32
-    }
-    fn to_f64(self) -> f64 {
-        f64::from(self)
-    }
+    float_common!(f32, F32);
     fn tanh_and_sech2(self) -> (Self, Self) {
         // With q = 2 / (e^(2|x|) + 1) = 1 - |tanh x|: 1 - tanh^2 x = q (2 -
         // q), without the cancellation of 1 - t * t where |t| is near 1
@@ -66,22 +123,10 @@ impl Float for f32 {
         let e = exp_f32(2.0 * self.abs().min(44.0));
         (1.0 - 2.0 / (e + 1.0)).copysign(self)
     }
-    fn ln(self) -> Self {
-        f32::ln(self)
-    }
-    fn max(self, other: Self) -> Self {
-        f32::max(self, other)
-    }
 }
 
 impl Float for f64 {
-    const NEG_INFINITY: Self = f64::NEG_INFINITY;
-    fn of(v: f64) -> Self {
-        v
-    }
-    fn to_f64(self) -> f64 {
-        self
-    }
+    float_common!(f64, F64);
     fn tanh_and_sech2(self) -> (Self, Self) {
         // PyTorch's order of operations (f64 has digits to spare).
         let t = self.tanh();
@@ -92,12 +137,6 @@ impl Float for f64 {
     }
     fn tanh(self) -> Self {
         f64::tanh(self)
-    }
-    fn ln(self) -> Self {
-        f64::ln(self)
-    }
-    fn max(self, other: Self) -> Self {
-        f64::max(self, other)
     }
 }
 

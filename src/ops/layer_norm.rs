@@ -4,7 +4,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
-use super::kernel::{add_blocks, each_item, elements, Float, BLOCK_ROWS};
+use super::kernel::{add_blocks, each_item, per_float, Float, BLOCK_ROWS};
 
 /// LayerNorm of `x` over its last dimension with `weight` and `bias` (that
 /// long) and `eps`: `(x - mean) / sqrt(var + eps) * weight + bias`, the
@@ -167,25 +167,12 @@ impl CustomOp3 for LayerNorm {
         b_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let op = "layer norm";
-        let out = match (x, w, b) {
-            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
-                CpuStorage::F32(forward(
-                    elements(x, x_layout, op)?,
-                    elements(w, w_layout, op)?,
-                    elements(b, b_layout, op)?,
-                    self.eps,
-                ))
-            }
-            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(b)) => {
-                CpuStorage::F64(forward(
-                    elements(x, x_layout, op)?,
-                    elements(w, w_layout, op)?,
-                    elements(b, b_layout, op)?,
-                    self.eps,
-                ))
-            }
-            (x, ..) => candle_core::bail!("layer norm: no fused kernel for {:?}", x.dtype()),
-        };
+        let out = per_float!(x.dtype(), op, T => T::storage(forward(
+            T::slice(x, x_layout, op)?,
+            T::slice(w, w_layout, op)?,
+            T::slice(b, b_layout, op)?,
+            self.eps,
+        )));
         Ok((out, x_layout.shape().clone()))
     }
 
@@ -232,27 +219,12 @@ impl CustomOp3 for LayerNormGrad {
                 x_layout.shape()
             );
         }
-        let out = match (x, w, dy) {
-            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(dy)) => {
-                CpuStorage::F32(backward(
-                    elements(x, x_layout, op)?,
-                    elements(w, w_layout, op)?,
-                    elements(dy, dy_layout, op)?,
-                    self.eps,
-                ))
-            }
-            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(dy)) => {
-                CpuStorage::F64(backward(
-                    elements(x, x_layout, op)?,
-                    elements(w, w_layout, op)?,
-                    elements(dy, dy_layout, op)?,
-                    self.eps,
-                ))
-            }
-            (x, _, dy) => {
-                candle_core::bail!("{op}: input {:?} with gradient {:?}", x.dtype(), dy.dtype())
-            }
-        };
+        let out = per_float!(x.dtype(), op, T => T::storage(backward(
+            T::slice(x, x_layout, op)?,
+            T::slice(w, w_layout, op)?,
+            T::slice(dy, dy_layout, op)?,
+            self.eps,
+        )));
         let len = x_layout.shape().elem_count() + 2 * w_layout.shape().elem_count();
         Ok((out, Shape::from(len)))
     }

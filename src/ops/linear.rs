@@ -4,7 +4,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 
-use super::kernel::{column_sums, each_item, elements, Float, BLOCK_ROWS};
+use super::kernel::{column_sums, each_item, per_float, Float, BLOCK_ROWS};
 
 /// `x W^T + b` over the last dimension of `x` (PyTorch's `nn.Linear`
 /// layout: `weight` is out x in), every leading dimension folded into the
@@ -114,19 +114,10 @@ impl CustomOp2 for BiasAdd {
         b_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let op = "bias add";
-        let out = match (x, b) {
-            (CpuStorage::F32(x), CpuStorage::F32(b)) => CpuStorage::F32(add_rows(
-                elements(x, x_layout, op)?,
-                elements(b, b_layout, op)?,
-            )),
-            (CpuStorage::F64(x), CpuStorage::F64(b)) => CpuStorage::F64(add_rows(
-                elements(x, x_layout, op)?,
-                elements(b, b_layout, op)?,
-            )),
-            (x, b) => {
-                candle_core::bail!("bias add: input {:?} with bias {:?}", x.dtype(), b.dtype())
-            }
-        };
+        let out = per_float!(x.dtype(), op, T => T::storage(add_rows(
+            T::slice(x, x_layout, op)?,
+            T::slice(b, b_layout, op)?,
+        )));
         Ok((out, x_layout.shape().clone()))
     }
 
@@ -155,11 +146,9 @@ impl CustomOp1 for ColumnSum {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let width = layout.dims().last().copied().unwrap_or(1);
         let op = "bias add backward";
-        let out = match storage {
-            CpuStorage::F32(g) => CpuStorage::F32(column_sums(elements(g, layout, op)?, width)),
-            CpuStorage::F64(g) => CpuStorage::F64(column_sums(elements(g, layout, op)?, width)),
-            other => candle_core::bail!("{op}: no fused kernel for {:?}", other.dtype()),
-        };
+        let out = per_float!(storage.dtype(), op, T => {
+            T::storage(column_sums(T::slice(storage, layout, op)?, width))
+        });
         Ok((out, Shape::from(width)))
     }
 }

@@ -39,4 +39,4 @@ pub use cross_entropy::cross_entropy;
 pub use gelu::gelu;
 pub use layer_norm::layer_norm;
 pub use linear::{bias_add, linear};
-pub use softmax::causal_softmax;
+pub use softmax::{causal_mask, causal_softmax};

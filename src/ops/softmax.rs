@@ -4,7 +4,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor, D};
 
-use super::kernel::{each_item, elements, Float, BLOCK_ROWS};
+use super::kernel::{each_item, per_float, Float, BLOCK_ROWS};
 
 /// `softmax(scale * scores + mask)` over the last dimension, where `mask`
 /// is 0 on and below the diagonal of each `T x T` matrix of the last two
@@ -42,20 +42,31 @@ pub fn causal_softmax(scores: &Tensor, scale: f64) -> candle_core::Result<Tensor
     match (scores.device().is_cpu(), scores.dtype()) {
         (true, DType::F32 | DType::F64) => scores.contiguous()?.apply_op1(CausalSoftmax { scale }),
         _ => {
-            let mask: Vec<f32> = (0..t * t)
-                .map(|i| {
-                    if i % t > i / t {
-                        f32::NEG_INFINITY
-                    } else {
-                        0.0
-                    }
-                })
-                .collect();
-            let mask = Tensor::from_vec(mask, (t, t), scores.device())?.to_dtype(scores.dtype())?;
-            let masked = (scores * scale)?.broadcast_add(&mask)?;
+            let masked = (scores * scale)?.broadcast_add(&causal_mask(t, scores)?)?;
             candle_nn::ops::softmax(&masked, D::Minus1)
         }
     }
+}
+
+/// The additive causal mask of `t` positions, in `like`'s dtype and on
+/// its device: 0 on and below the diagonal, -inf above it (row `i` sees
+/// positions `0..=i`). What [`causal_softmax`] applies, for a composite
+/// form of it.
+///
+/// # Errors
+///
+/// candle's, for a dtype or device it cannot make the mask in.
+pub fn causal_mask(t: usize, like: &Tensor) -> candle_core::Result<Tensor> {
+    let mask: Vec<f32> = (0..t * t)
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Tensor::from_vec(mask, (t, t), like.device())?.to_dtype(like.dtype())
 }
 
 struct CausalSoftmax {
@@ -133,11 +144,9 @@ impl CustomOp1 for CausalSoftmax {
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (op, t) = ("causal softmax", row_len(layout));
-        let out = match storage {
-            CpuStorage::F32(x) => CpuStorage::F32(forward(elements(x, layout, op)?, t, self.scale)),
-            CpuStorage::F64(x) => CpuStorage::F64(forward(elements(x, layout, op)?, t, self.scale)),
-            other => candle_core::bail!("{op}: no fused kernel for {:?}", other.dtype()),
-        };
+        let out = per_float!(storage.dtype(), op, T => {
+            T::storage(forward(T::slice(storage, layout, op)?, t, self.scale))
+        });
         Ok((out, layout.shape().clone()))
     }
 
@@ -176,25 +185,12 @@ impl CustomOp2 for CausalSoftmaxGrad {
             );
         }
         let t = row_len(y_layout);
-        let out = match (y, dy) {
-            (CpuStorage::F32(y), CpuStorage::F32(dy)) => CpuStorage::F32(backward(
-                elements(y, y_layout, op)?,
-                elements(dy, dy_layout, op)?,
-                t,
-                self.scale,
-            )),
-            (CpuStorage::F64(y), CpuStorage::F64(dy)) => CpuStorage::F64(backward(
-                elements(y, y_layout, op)?,
-                elements(dy, dy_layout, op)?,
-                t,
-                self.scale,
-            )),
-            (y, dy) => candle_core::bail!(
-                "{op}: output {:?} with gradient {:?}",
-                y.dtype(),
-                dy.dtype()
-            ),
-        };
+        let out = per_float!(y.dtype(), op, T => T::storage(backward(
+            T::slice(y, y_layout, op)?,
+            T::slice(dy, dy_layout, op)?,
+            t,
+            self.scale,
+        )));
         Ok((out, y_layout.shape().clone()))
     }
 }

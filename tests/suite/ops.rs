@@ -427,17 +427,7 @@ fn linear_composite(t: &[Tensor]) -> candle_core::Result<Tensor> {
 }
 
 fn causal_softmax_composite(x: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
-    let t = x.dim(candle_core::D::Minus1)?;
-    let mask: Vec<f32> = (0..t * t)
-        .map(|i| {
-            if i % t > i / t {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    let mask = Tensor::from_vec(mask, (t, t), x.device())?.to_dtype(x.dtype())?;
+    let mask = ops::causal_mask(x.dim(candle_core::D::Minus1)?, x)?;
     candle_nn::ops::softmax(&(x * scale)?.broadcast_add(&mask)?, candle_core::D::Minus1)
 }
 
