@@ -1,11 +1,11 @@
-//! Sharing the CPU between several workers of one process (DataParallel
-//! replicas, thread ranks), which candle's CPU kernels do not do by
-//! themselves.
+//! Sharing the CPU between the workers of one process (DataParallel
+//! replicas, thread ranks, or one of them alone), which candle's CPU
+//! kernels do not do by themselves.
 //!
-//! candle runs a CPU matmul on the current rayon pool, and large
-//! elementwise ops on one process-wide "barrier pool" of
-//! `CANDLE_NUM_THREADS - 1` spinning threads that serves one caller at a
-//! time. With several workers calling it at once, that pool serialises them
+//! candle runs a CPU matmul on the current rayon pool, split into
+//! `RAYON_NUM_THREADS` parts, and large elementwise ops on one
+//! process-wide "barrier pool" of `CANDLE_NUM_THREADS - 1` spinning threads
+//! that serves one caller at a time (the two variables are read apart). With several workers calling it at once, that pool serialises them
 //! and its spinning threads take cores from them: on 2 cores, 2 replicas of
 //! the benchmark's MLP took 43.5 ms per step with candle's defaults against
 //! 19.8 ms with the pool empty (README, Performance).
