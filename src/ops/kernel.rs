@@ -1,5 +1,5 @@
 //! What the fused ops' CPU kernels share: the element types, reading a
-//! contiguous input, and splitting a kernel's work over candle's threads.
+//! contiguous input, and splitting a kernel's work over the rayon pool.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout};
