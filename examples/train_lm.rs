@@ -117,9 +117,10 @@ struct Args {
     /// Where to train: cpu, or cuda (a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     accelerator: fabric::Accelerator,
-    /// With cuda: the GPU of each rank, replica or stage, in order (`0,1`;
-    /// `0,0` puts two on one GPU; `[0]` one GPU) [default: 0, 1, ... one each].
-    #[arg(long)]
+    /// With cuda: the GPU of each rank, replica or stage, in order (`0`:
+    /// GPU 0; `0,1`; `0,0` puts two on one GPU) [default: 0, 1, ... one
+    /// each].
+    #[arg(long, value_parser = flags::gpu_ordinals)]
     gpus: Option<fabric::Devices>,
     /// Bytes the model sees at once (at least 1).
     #[arg(long, default_value_t = 128, value_parser = flags::at_least_one::<usize>)]

@@ -73,3 +73,17 @@ pub fn at_least_one<T: TryFrom<u64>>(value: &str) -> Result<T, String> {
     let too_large = format!("must be a smaller number, got {n}");
     T::try_from(n).map_err(|_| too_large)
 }
+
+/// A list of CUDA ordinals, one per rank, replica or stage: `0`, `0,1`,
+/// `0,0` or `[1]`. A lone number is a GPU, not a count: `--gpus 0` is
+/// GPU 0 (the `Devices` rule of `--devices`, where `2` counts, made
+/// `--gpus 0` an empty list of GPUs).
+pub fn gpu_ordinals(value: &str) -> Result<candle_dp::fabric::Devices, String> {
+    let inner = value.trim().trim_start_matches('[').trim_end_matches(']');
+    let ordinals = inner
+        .split(',')
+        .map(|id| id.trim().parse::<usize>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| format!("must be GPU ordinals like 0 or 0,1, got '{value}'"))?;
+    Ok(candle_dp::fabric::Devices::Ids(ordinals))
+}

@@ -240,3 +240,23 @@ fn the_shared_parsers_keep_valid_values_as_they_are() {
     assert_eq!(flags::at_least_one::<u64>("1"), Ok(1));
     assert_eq!(flags::at_least_one::<u16>("65535"), Ok(u16::MAX));
 }
+
+/// `--gpus` lists GPUs: a lone number is one GPU (not a count, as in
+/// `--devices`), and anything but ordinals is refused saying so.
+#[test]
+fn gpu_lists_read_a_lone_number_as_one_gpu() {
+    use candle_dp::fabric::Devices;
+    assert_eq!(flags::gpu_ordinals("0"), Ok(Devices::Ids(vec![0])));
+    assert_eq!(flags::gpu_ordinals("[1]"), Ok(Devices::Ids(vec![1])));
+    assert_eq!(flags::gpu_ordinals("0, 0"), Ok(Devices::Ids(vec![0, 0])));
+    assert_eq!(
+        flags::gpu_ordinals("two"),
+        Err("must be GPU ordinals like 0 or 0,1, got 'two'".into())
+    );
+    let stderr = refused("train_lm", &["--gpus", "0,x"]);
+    names(
+        &stderr,
+        "--gpus",
+        "must be GPU ordinals like 0 or 0,1, got '0,x'",
+    );
+}
