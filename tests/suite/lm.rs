@@ -15,7 +15,7 @@ use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParalle
 use candle_nn::{VarBuilder, VarMap};
 
 use crate::common::{max_rel_diff, snapshot, varmap_from, within};
-use crate::example_gpt::{adamw_groups, lm_loss, units, Gpt, GptConfig};
+use crate::example_gpt::{adamw_groups, lm_loss, lm_loss_composite, units, Gpt, GptConfig};
 use crate::example_text::{load_text, split, windows_at, Windows};
 
 #[derive(serde::Deserialize)]
@@ -154,20 +154,45 @@ fn by_name(varmap: &VarMap, grads: &GradStore) -> HashMap<String, Tensor> {
 
 /// The first step's gradients of the whole model on one device.
 fn one_device() -> HashMap<String, Tensor> {
+    one_device_with(TINY, lm_loss).1
+}
+
+/// The first step's loss and gradients of the model of `config` on one
+/// device with `loss`.
+fn one_device_with(
+    config: GptConfig,
+    loss: fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+) -> (f32, HashMap<String, Tensor>) {
     let varmap = varmap_from(&tiny_init());
     let model = Gpt::new(
-        TINY,
+        config,
         VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
     )
     .unwrap();
     let (x, y) = data()
         .batch(&windows_at(&data(), 1, 0, 0, BATCH, 0).unwrap())
         .unwrap();
-    let grads = lm_loss(&model.forward(&x).unwrap(), &y)
-        .unwrap()
-        .backward()
-        .unwrap();
-    by_name(&varmap, &grads)
+    let loss = loss(&model.forward(&x).unwrap(), &y).unwrap();
+    let grads = loss.backward().unwrap();
+    (loss.to_scalar().unwrap(), by_name(&varmap, &grads))
+}
+
+/// `--no-fused-ops` (candle's composite ops and loss) and the fused ops
+/// are the same model: one step's loss and every gradient within 1e-5
+/// (each tensor against its largest element).
+#[test]
+fn the_fused_ops_and_candles_composite_ops_compute_the_same_step() {
+    let (fused_loss, fused) = one_device_with(TINY, lm_loss);
+    let composite_config = GptConfig {
+        fused_ops: false,
+        ..TINY
+    };
+    let (composite_loss, composite) = one_device_with(composite_config, lm_loss_composite);
+    assert_eq!(fused.len(), composite.len());
+    let gap = max_rel_diff(&fused, &composite);
+    println!("fused against composite: loss {fused_loss} / {composite_loss}, gradients {gap:.1e}");
+    assert!(((fused_loss - composite_loss) / composite_loss).abs() <= 1e-6);
+    assert!(gap <= 1e-5, "gradients differ by {gap:e}");
 }
 
 /// Every strategy computes the first step's gradients of the same global
