@@ -23,10 +23,10 @@ the op would give without float32's rounding).
   python3 scripts/gen_ops_reference.py   (PyTorch installed, see
   scripts/requirements-bench.txt)
 """
-import json
-import os
 
 import torch
+
+from fixture import write_fixture
 
 
 def flat(t):
@@ -130,10 +130,7 @@ def main():
         "cross_entropy": both(cross_entropy_case),
         "linear": both(linear_case),
     }
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(here, "..", "tests", "data", "ops_reference.json")
-    with open(path, "w") as f:
-        json.dump(out, f)
+    path = write_fixture("ops_reference.json", out)
     print(f"wrote {path}, torch {torch.__version__}")
 
 

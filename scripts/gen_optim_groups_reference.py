@@ -19,10 +19,10 @@ and "runs" {run: {"kind", "groups": [{"params", "settings"}], "final"
   python3 scripts/gen_optim_groups_reference.py   (PyTorch installed, see
   scripts/requirements-bench.txt)
 """
-import json
-import os
 
 import torch
+
+from fixture import write_fixture
 
 STEPS = 8
 SKIPPED = {2, 5}
@@ -115,10 +115,7 @@ def main():
             "lrs": lrs,
             "state": state,
         }
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(here, "..", "tests", "data", "optim_groups_reference.json")
-    with open(path, "w") as f:
-        json.dump(out, f)
+    path = write_fixture("optim_groups_reference.json", out)
     print(f"wrote {path}: {len(RUNS)} runs, torch {torch.__version__}")
 
 

@@ -112,7 +112,9 @@ fn forward<T: Float>(x: &[T], w: &[T], b: &[T], eps: f64) -> Vec<T> {
 fn backward<T: Float>(x: &[T], w: &[T], dy: &[T], eps: f64) -> Vec<T> {
     let width = w.len().max(1);
     let n = width as f64;
-    let mut dx = vec![T::of(0.0); x.len()];
+    // dx, then dw, then db, in one buffer (no copy to append the sums).
+    let mut out = vec![T::of(0.0); x.len() + 2 * width];
+    let (dx, sums) = out.split_at_mut(x.len());
     let blocks = x.len().div_ceil(BLOCK_ROWS * width);
     let mut partials = vec![0f64; blocks * 2 * width];
     let items: Vec<_> = x
@@ -146,9 +148,9 @@ fn backward<T: Float>(x: &[T], w: &[T], dy: &[T], eps: f64) -> Vec<T> {
             }
         }
     });
-    // dx, then dw, then db.
-    let mut out = dx;
-    out.extend(add_blocks(&partials, 2 * width).into_iter().map(T::of));
+    for (slot, sum) in sums.iter_mut().zip(add_blocks(&partials, 2 * width)) {
+        *slot = T::of(sum);
+    }
     out
 }
 
