@@ -36,6 +36,7 @@ mod protocol;
 mod ring;
 mod shards;
 mod shared_output;
+mod split;
 mod thread_group;
 mod timeout;
 
@@ -51,6 +52,7 @@ pub use membership::Membership;
 pub use mpi_group::{MpiGroup, MpiInitError};
 #[cfg(feature = "nccl")]
 pub use nccl_group::NcclGroup;
+pub use split::{Color, SubGroup};
 pub use thread_group::{GroupOptions, ThreadGroup, ThreadRank, DEFAULT_RING_THRESHOLD_BYTES};
 pub use timeout::{parse_timeout, DEFAULT_TIMEOUT, TIMEOUT_VARIABLE};
 
@@ -229,6 +231,18 @@ pub enum CommError {
         op: &'static str,
         /// candle's error.
         source: candle_core::Error,
+    },
+
+    /// The group does not implement this call (a group type that has no
+    /// sub-groups or point-to-point yet); the group is unaffected.
+    #[error("rank {rank}: {op} is not supported by {group}")]
+    Unsupported {
+        /// The rank reporting the error.
+        rank: usize,
+        /// The call.
+        op: &'static str,
+        /// The group's type.
+        group: &'static str,
     },
 
     /// [`all_gather_object`] received bytes it cannot decode as the
@@ -441,6 +455,112 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
 
     /// The group's first failure, if any.
     fn failure(&self) -> Option<Failure>;
+
+    /// Splits the group into sub-groups, MPI's `MPI_Comm_split`: a
+    /// collective of this group, which every rank calls (in the same order
+    /// as its other collectives). The ranks that pass the same
+    /// [`Color`] form one new group, ranked by `key` (ties: by their rank
+    /// here); [`Color::NONE`] joins none and gets `None`.
+    ///
+    /// A sub-group shares its parent's failures, both ways: a rank that
+    /// fails, times out or aborts in any group of the family fails every
+    /// group of it, so that no rank waits in one group for a rank that
+    /// died in another. The [`Failure`] then names the rank by its rank in
+    /// the family's first group (the world), since it may not be a member
+    /// of the group that reports it. Each sub-group starts with this rank's
+    /// timeout.
+    ///
+    /// Default: [`CommError::Unsupported`].
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use candle_dp::comm::{Color, ProcessGroup, ReduceOp};
+    /// use candle_dp::launch::spawn;
+    ///
+    /// // Ranks 0, 2 and 1, 3: two groups of two, by the rank's parity.
+    /// let sums = spawn(4, |ctx| {
+    ///     let half = ctx.pg.split(Color::new(ctx.rank as u32 % 2), 0)?.expect("a member");
+    ///     let x = Tensor::new(&[ctx.rank as f32], &Device::Cpu)?;
+    ///     Ok((half.rank(), half.all_reduce(&x, ReduceOp::Sum)?.to_vec1::<f32>()?))
+    /// })?;
+    /// assert_eq!(sums, [(0, vec![2.]), (0, vec![4.]), (1, vec![2.]), (1, vec![4.])]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    fn split(&self, color: Color, key: i64) -> Result<Option<SubGroup>> {
+        let _ = (color, key);
+        Err(unsupported(self, "split"))
+    }
+
+    /// The group of `ranks` (ranks of this group, in their order there),
+    /// PyTorch's `new_group`: a collective every rank of this group calls
+    /// with the same list, members or not; the members get `Some`. A rank
+    /// out of range, a repeated rank, or lists that differ between the
+    /// ranks give every rank [`CommError::InvalidInput`].
+    ///
+    /// ```
+    /// use candle_dp::comm::ProcessGroup;
+    /// use candle_dp::launch::spawn;
+    ///
+    /// let sizes = spawn(3, |ctx| {
+    ///     let pair = ctx.pg.new_group(&[2, 0])?;
+    ///     Ok(pair.map(|g| (g.rank(), g.world_size())))
+    /// })?;
+    /// assert_eq!(sizes, [Some((1, 2)), None, Some((0, 2))]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    fn new_group(&self, ranks: &[usize]) -> Result<Option<SubGroup>> {
+        split::new_group_by_split(self, ranks)
+    }
+
+    /// Sends a copy of `tensor` to rank `dst` (PyTorch's `send`). Messages
+    /// from one rank to another arrive in the order they were sent. The
+    /// call returns once the tensor is on its way: a group may buffer it,
+    /// so a send does not wait for the matching
+    /// [`recv`](ProcessGroup::recv) (thread ranks never do).
+    ///
+    /// Default: [`CommError::Unsupported`].
+    fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
+        let _ = (tensor, dst);
+        Err(unsupported(self, "send"))
+    }
+
+    /// The next tensor rank `src` sent to this rank, with `like`'s dtype,
+    /// shape and device (PyTorch's `recv` into `like`). A message of
+    /// another dtype or shape means the two ranks are out of step: the
+    /// group fails and the error names both shapes. The wait ends with an
+    /// error when the timeout expires or the group fails.
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use candle_dp::comm::ProcessGroup;
+    /// use candle_dp::launch::spawn;
+    ///
+    /// let got = spawn(2, |ctx| {
+    ///     let x = Tensor::new(&[7f32, 8.], &Device::Cpu)?;
+    ///     if ctx.rank == 0 {
+    ///         ctx.pg.send(&x, 1)?;
+    ///         return Ok(vec![]);
+    ///     }
+    ///     Ok(ctx.pg.recv(&x.zeros_like()?, 0)?.to_vec1::<f32>()?)
+    /// })?;
+    /// assert_eq!(got[1], [7., 8.]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// Default: [`CommError::Unsupported`].
+    fn recv(&self, like: &Tensor, src: usize) -> Result<Tensor> {
+        let _ = (like, src);
+        Err(unsupported(self, "recv"))
+    }
+}
+
+/// The error of a call `pg` does not implement.
+fn unsupported<P: ProcessGroup + ?Sized>(pg: &P, op: &'static str) -> CommError {
+    CommError::Unsupported {
+        rank: pg.rank(),
+        op,
+        group: std::any::type_name::<P>(),
+    }
 }
 
 /// [`ProcessGroup::all_reduce_concat`] by concatenating the tensors into one

@@ -13,10 +13,12 @@ pub(crate) enum Op {
     Reduce,
     Barrier,
     AllGatherBytes,
+    Send,
+    Recv,
 }
 
 impl Op {
-    const ALL: [Op; 8] = [
+    const ALL: [Op; 10] = [
         Op::AllReduce,
         Op::Broadcast,
         Op::AllGather,
@@ -25,6 +27,8 @@ impl Op {
         Op::Reduce,
         Op::Barrier,
         Op::AllGatherBytes,
+        Op::Send,
+        Op::Recv,
     ];
 
     /// The name, as in PyTorch (`all_reduce`, ...).
@@ -38,6 +42,8 @@ impl Op {
             Op::Reduce => "reduce",
             Op::Barrier => "barrier",
             Op::AllGatherBytes => "all_gather_bytes",
+            Op::Send => "send",
+            Op::Recv => "recv",
         }
     }
 

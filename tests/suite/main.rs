@@ -43,5 +43,6 @@ mod resume;
 mod sampler;
 mod scatter_gather;
 mod semantics;
+mod subgroups;
 mod training_state;
 mod zero;

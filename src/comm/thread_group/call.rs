@@ -40,7 +40,7 @@ impl ThreadRank {
                 rank: self.rank(),
                 op,
                 failure: Failure {
-                    rank: self.rank(),
+                    rank: self.shared.world_ranks[self.rank()],
                     cause: FailureCause::Left,
                 },
             });
@@ -95,7 +95,7 @@ impl Call<'_> {
         loop {
             match from.try_recv() {
                 Err(TryRecvError::Empty)
-                    if start.elapsed() < SPIN && self.pg.shared.failure.get().is_none() =>
+                    if start.elapsed() < SPIN && !self.pg.shared.has_failed() =>
                 {
                     std::thread::yield_now()
                 }

@@ -12,8 +12,8 @@ use crate::comm::op::Op;
 use crate::comm::protocol::{self, Header, OpSig, Piece, Signature, TensorMeta};
 use crate::comm::ring::{self, Link};
 use crate::comm::{
-    all_reduce_concat_copied, concat_flat, shards, CommError, Failure, FailureCause, Membership,
-    ProcessGroup, ReduceOp, Result,
+    all_reduce_concat_copied, concat_flat, shards, Color, CommError, Failure, FailureCause,
+    Membership, ProcessGroup, ReduceOp, Result, SubGroup,
 };
 
 impl ThreadRank {
@@ -326,5 +326,17 @@ impl ProcessGroup for ThreadRank {
 
     fn failure(&self) -> Option<Failure> {
         self.shared.failure()
+    }
+
+    fn split(&self, color: Color, key: i64) -> Result<Option<SubGroup>> {
+        self.split_off(color, key)
+    }
+
+    fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
+        self.send_to(tensor, dst)
+    }
+
+    fn recv(&self, like: &Tensor, src: usize) -> Result<Tensor> {
+        self.recv_from(like, src)
     }
 }

@@ -2,12 +2,14 @@
 //! channels, [`ThreadRank`] is one rank's handle, and the state its ranks
 //! share records the group's first failure.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::fmt;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use candle_core::Tensor;
 use crossbeam::channel::{self, Receiver, Sender};
 
 use crate::comm::protocol::Envelope;
@@ -118,65 +120,134 @@ impl ThreadGroup {
 
     /// The handles of a new group of `world_size` ranks, in rank order.
     pub fn with_options(world_size: usize, options: GroupOptions) -> Vec<ThreadRank> {
-        let (alarm_tx, alarm_rx) = channel::bounded(0);
+        let world_ranks = (0..world_size).collect();
+        Self::in_family(Family::new(), world_ranks, &options)
+    }
+
+    /// The handles of a group whose rank `r` is rank `world_ranks[r]` of
+    /// `family`'s first group, sharing its failures.
+    pub(super) fn in_family(
+        family: Arc<Family>,
+        world_ranks: Vec<usize>,
+        options: &GroupOptions,
+    ) -> Vec<ThreadRank> {
+        let world_size = world_ranks.len();
         let shared = Arc::new(Shared {
             ring_threshold_bytes: options.ring_threshold_bytes,
-            failure: OnceLock::new(),
-            alarm: Mutex::new(Some(alarm_tx)),
+            family,
+            world_ranks,
             entered: (0..world_size).map(|_| AtomicU64::new(0)).collect(),
+            splits: Mutex::new(HashMap::new()),
         });
-        // One channel per ordered pair: `to[src][dst]` and `from[dst][src]`.
-        let mut to: Vec<Vec<Sender<Envelope>>> = (0..world_size).map(|_| Vec::new()).collect();
-        let mut from: Vec<Vec<Receiver<Envelope>>> = (0..world_size).map(|_| Vec::new()).collect();
-        for senders in to.iter_mut() {
-            for receivers in from.iter_mut() {
-                let (tx, rx) = channel::unbounded();
-                senders.push(tx);
-                receivers.push(rx);
-            }
-        }
+        let (to, from) = channel_grid(world_size);
+        let (p2p_to, p2p_from) = channel_grid(world_size);
         to.into_iter()
             .zip(from)
+            .zip(p2p_to.into_iter().zip(p2p_from))
             .enumerate()
-            .map(|(rank, (to, from))| ThreadRank {
+            .map(|(rank, ((to, from), (p2p_to, p2p_from)))| ThreadRank {
                 membership: Membership::new(rank, world_size, options.timeout),
+                alarm: shared.family.alarm_rx.clone(),
                 shared: Arc::clone(&shared),
-                alarm: alarm_rx.clone(),
                 links: Mutex::new(Links {
                     seq: 0,
                     to,
                     from,
                     left: false,
                 }),
+                p2p: Mutex::new(PointToPoint {
+                    to: p2p_to,
+                    from: p2p_from,
+                }),
+                splits: AtomicU64::new(0),
             })
             .collect()
     }
 }
 
-/// State shared by all ranks of a group.
-pub(super) struct Shared {
-    pub(super) ring_threshold_bytes: usize,
-    /// The group's first failure.
-    pub(super) failure: OnceLock<Failure>,
+/// One channel per ordered pair of `world_size` ranks: `to[src][dst]` and
+/// `from[dst][src]` are its two ends.
+#[allow(clippy::type_complexity)]
+fn channel_grid<T>(world_size: usize) -> (Vec<Vec<Sender<T>>>, Vec<Vec<Receiver<T>>>) {
+    let mut to: Vec<Vec<Sender<T>>> = (0..world_size).map(|_| Vec::new()).collect();
+    let mut from: Vec<Vec<Receiver<T>>> = (0..world_size).map(|_| Vec::new()).collect();
+    for senders in to.iter_mut() {
+        for receivers in from.iter_mut() {
+            let (tx, rx) = channel::unbounded();
+            senders.push(tx);
+            receivers.push(rx);
+        }
+    }
+    (to, from)
+}
+
+/// What a group and every sub-group split from it share: the first
+/// failure of any of them, with the failed rank numbered in the first
+/// group (the world), and the alarm that wakes every wait of all of them.
+pub(super) struct Family {
+    failure: OnceLock<Failure>,
     /// Never carries a message: dropping it at the first failure disconnects
     /// every rank's `alarm` receiver, which wakes every wait at once.
     alarm: Mutex<Option<Sender<Infallible>>>,
+    alarm_rx: Receiver<Infallible>,
+}
+
+impl Family {
+    fn new() -> Arc<Family> {
+        let (alarm, alarm_rx) = channel::bounded(0);
+        Arc::new(Family {
+            failure: OnceLock::new(),
+            alarm: Mutex::new(Some(alarm)),
+            alarm_rx,
+        })
+    }
+}
+
+/// The handles of a sub-group being made by a split, which its members
+/// take one each.
+type Rendezvous = Vec<Option<ThreadRank>>;
+
+/// State shared by all ranks of a group.
+pub(super) struct Shared {
+    pub(super) ring_threshold_bytes: usize,
+    pub(super) family: Arc<Family>,
+    /// `world_ranks[r]`: rank `r`'s rank in the family's first group.
+    pub(super) world_ranks: Vec<usize>,
     /// How many collectives each rank has entered, to name the ranks a
     /// timed-out wait is missing.
     pub(super) entered: Vec<AtomicU64>,
+    /// The sub-groups being split off, by the split's number and colour.
+    pub(super) splits: Mutex<HashMap<(u64, u32), Rendezvous>>,
 }
 
 impl Shared {
-    /// Records `failure` unless the group already failed, and wakes every
-    /// wait. The failure is stored before the alarm sounds, so a woken wait
+    /// Records `failure` (with `rank` and any missing ranks numbered in
+    /// this group) unless the family already failed, and wakes every wait.
+    /// The failure is stored before the alarm sounds, so a woken wait
     /// always finds it.
     pub(super) fn fail(&self, failure: Failure) {
-        let _first = self.failure.set(failure);
-        lock(&self.alarm).take();
+        let world = |r: usize| self.world_ranks.get(r).copied().unwrap_or(r);
+        let cause = match failure.cause {
+            FailureCause::TimedOut { op, missing } => FailureCause::TimedOut {
+                op,
+                missing: missing.into_iter().map(world).collect(),
+            },
+            cause => cause,
+        };
+        let _first = self.family.failure.set(Failure {
+            rank: world(failure.rank),
+            cause,
+        });
+        lock(&self.family.alarm).take();
     }
 
+    /// The family's first failure (ranks numbered in the world).
     pub(super) fn failure(&self) -> Option<Failure> {
-        self.failure.get().cloned()
+        self.family.failure.get().cloned()
+    }
+
+    pub(super) fn has_failed(&self) -> bool {
+        self.family.failure.get().is_some()
     }
 }
 
@@ -195,6 +266,15 @@ impl GroupWatch {
     pub(crate) fn fail(&self, failure: Failure) {
         self.0.fail(failure);
     }
+}
+
+/// A rank's point-to-point channels, apart from the collectives' so that a
+/// message sent ahead never meets a collective's header.
+pub(super) struct PointToPoint {
+    /// `to[dst]`: this rank's channel to `dst`.
+    pub(super) to: Vec<Sender<Tensor>>,
+    /// `from[src]`: the channel from `src` to this rank.
+    pub(super) from: Vec<Receiver<Tensor>>,
 }
 
 /// The channels of one rank, behind a lock that serializes its collectives.
@@ -220,6 +300,10 @@ pub struct ThreadRank {
     pub(super) shared: Arc<Shared>,
     pub(super) alarm: Receiver<Infallible>,
     pub(super) links: Mutex<Links>,
+    pub(super) p2p: Mutex<PointToPoint>,
+    /// How many splits this rank has made: every rank of a group splits in
+    /// the same order, so the count names a split across the ranks.
+    pub(super) splits: AtomicU64,
 }
 
 impl fmt::Debug for ThreadRank {
@@ -260,5 +344,8 @@ impl ThreadRank {
         links.to.clear();
         links.from.clear();
         links.left = true;
+        let mut p2p = lock(&self.p2p);
+        p2p.to.clear();
+        p2p.from.clear();
     }
 }
