@@ -37,10 +37,7 @@ fn ranks_of_one_colour_form_a_group_ordered_by_key_then_by_rank() {
                 r => Color::new(r as u32 % 2),
             };
             let key = if rank == 5 { -1 } else { 0 };
-            let group = pg.split(color, key).unwrap();
-            let Some(group) = group else {
-                return None;
-            };
+            let group = pg.split(color, key).unwrap()?;
             let x = scalar(10f32.powi(rank as i32));
             let sum = value(&group.all_reduce(&x, ReduceOp::Sum).unwrap());
             let order = group
@@ -258,12 +255,9 @@ fn send_and_recv_deliver_copies_in_the_order_sent() {
                     vec![]
                 }
                 _ => {
-                    let mut got = vec![];
+                    let mut next = |src| pg.recv(&like, src).unwrap().to_vec1::<f32>().unwrap();
                     // Rank 1's message first, although rank 0 may have sent earlier.
-                    got.push(pg.recv(&like, 1).unwrap().to_vec1::<f32>().unwrap());
-                    got.push(pg.recv(&like, 0).unwrap().to_vec1::<f32>().unwrap());
-                    got.push(pg.recv(&like, 0).unwrap().to_vec1::<f32>().unwrap());
-                    got
+                    vec![next(1), next(0), next(0)]
                 }
             }
         })
