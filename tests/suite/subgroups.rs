@@ -255,7 +255,7 @@ fn send_and_recv_deliver_copies_in_the_order_sent() {
                     vec![]
                 }
                 _ => {
-                    let mut next = |src| pg.recv(&like, src).unwrap().to_vec1::<f32>().unwrap();
+                    let next = |src| pg.recv(&like, src).unwrap().to_vec1::<f32>().unwrap();
                     // Rank 1's message first, although rank 0 may have sent earlier.
                     vec![next(1), next(0), next(0)]
                 }
