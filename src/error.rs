@@ -195,6 +195,10 @@ pub enum Error {
     #[error(transparent)]
     Comm(#[from] crate::comm::CommError),
 
+    /// A [`DeviceMesh`](crate::comm::DeviceMesh) that does not fit.
+    #[error(transparent)]
+    Mesh(#[from] crate::comm::MeshError),
+
     /// Invalid sampler settings (see [`SamplerError`](crate::sampler::SamplerError)).
     #[error(transparent)]
     Sampler(#[from] crate::sampler::SamplerError),

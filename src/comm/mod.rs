@@ -27,6 +27,7 @@ mod buffer;
 #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
 mod device_call;
 mod membership;
+mod mesh;
 #[cfg(feature = "mpi")]
 mod mpi_group;
 #[cfg(feature = "nccl")]
@@ -48,6 +49,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 pub use membership::Membership;
+pub use mesh::{DeviceMesh, MeshError};
 #[cfg(feature = "mpi")]
 pub use mpi_group::{MpiGroup, MpiInitError};
 #[cfg(feature = "nccl")]

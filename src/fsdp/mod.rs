@@ -69,7 +69,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 
 use crate::buffers::{is_batch_norm_buffer, BufferPredicate};
-use crate::comm::ProcessGroup;
+use crate::comm::{DeviceMesh, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::lock::lock;
 use crate::precision::MixedPrecision;
@@ -107,6 +107,13 @@ fn plan_of(
             (dtype(policy.param_dtype), dtype(reduce), kept)
         }),
     }
+}
+
+/// The groups a [`FullyShardedDataParallel`] works over.
+struct Groups {
+    world: Arc<dyn ProcessGroup>,
+    shard: Arc<dyn ProcessGroup>,
+    replicate: Option<Arc<dyn ProcessGroup>>,
 }
 
 /// Settings of a [`FullyShardedDataParallel`].
@@ -167,7 +174,14 @@ impl std::fmt::Debug for FsdpConfig {
 /// Fully sharded data parallelism over a model given as units. See the
 /// [module docs](self).
 pub struct FullyShardedDataParallel {
+    /// The ranks the parameters are sharded over.
     pg: Arc<dyn ProcessGroup>,
+    /// Under HSDP, the ranks that hold the same pieces (one per shard
+    /// group), across which each reduced piece is averaged; else `None`.
+    replicate: Option<Arc<dyn ProcessGroup>>,
+    /// Every rank of the job: the shard group, or under HSDP the mesh's
+    /// whole group, over which the model is checked and broadcast.
+    world: Arc<dyn ProcessGroup>,
     factories: Vec<LayerFactory>,
     /// Per unit, the parameters it uses (indices into `shards`).
     unit_params: Vec<Vec<usize>>,
@@ -216,6 +230,100 @@ impl FullyShardedDataParallel {
         units: Vec<LayerFactory>,
         config: FsdpConfig,
     ) -> Result<Self> {
+        let groups = Groups {
+            world: Arc::clone(&pg),
+            shard: pg,
+            replicate: None,
+        };
+        Self::with_groups(groups, varmap, dtype, device, units, config)
+    }
+
+    /// [`from_units`](Self::from_units) on a mesh, as FSDP2's
+    /// `fully_shard(module, mesh=...)`: a mesh of one dimension shards over
+    /// its group; a mesh of two, `(replicate, shard)` in that order, is
+    /// **hybrid sharding** (HSDP): the parameters, gradients and optimizer
+    /// state are split among the ranks of the `shard` dimension (keep it
+    /// inside a machine) and replicated along `replicate` (across
+    /// machines). A step gathers within the shard group only, and each
+    /// gradient is reduce-scattered within it and the piece then averaged
+    /// across the replicas: only a piece of the gradients crosses between
+    /// the machines. The model is checked and copied from the mesh's rank
+    /// 0 over the whole mesh. The weights are FSDP's (and DDP's) up to
+    /// floating-point rounding: the sums run in another order.
+    ///
+    /// A checkpoint of an HSDP run is any one replica's pieces
+    /// ([`pieces`](Self::pieces) and [`shard_state`](Self::shard_state),
+    /// numbered in the shard group): every replica holds the same.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device};
+    /// use candle_dp::comm::DeviceMesh;
+    /// use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
+    /// use candle_dp::launch::spawn;
+    /// use candle_dp::pipeline::layer;
+    /// use candle_nn::{linear, VarMap};
+    ///
+    /// spawn(4, |ctx| {
+    ///     let mesh = DeviceMesh::new(ctx.process_group(), &[("replicate", 2), ("shard", 2)])?;
+    ///     let varmap = VarMap::new();
+    ///     let units = vec![layer(|vb| linear(4, 8, vb.pp("a")))];
+    ///     let _hsdp = FullyShardedDataParallel::from_units_on_mesh(
+    ///         &mesh, &varmap, DType::F32, &Device::Cpu, units, FsdpConfig::default())?;
+    ///     // Two ranks share `a.weight`'s 8 rows: 4 each, on both replicas.
+    ///     assert_eq!(varmap.data().lock().unwrap()["a.weight"].dims(), [4, 4]);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`from_units`](Self::from_units); [`Error::Fsdp`] for a mesh of
+    /// more than two dimensions.
+    pub fn from_units_on_mesh(
+        mesh: &DeviceMesh,
+        varmap: &VarMap,
+        dtype: DType,
+        device: &Device,
+        units: Vec<LayerFactory>,
+        config: FsdpConfig,
+    ) -> Result<Self> {
+        let names = mesh.dim_names();
+        let groups = match names {
+            [shard] => Groups {
+                world: Arc::clone(mesh.world()),
+                shard: Arc::clone(mesh.group(shard)?),
+                replicate: None,
+            },
+            [replicate, shard] => Groups {
+                world: Arc::clone(mesh.world()),
+                shard: Arc::clone(mesh.group(shard)?),
+                replicate: Some(Arc::clone(mesh.group(replicate)?)),
+            },
+            _ => {
+                return Err(Error::Fsdp(format!(
+                    "FSDP takes a mesh of one dimension (shard) or two (replicate, shard); \
+                     this one has {}: {names:?}",
+                    names.len()
+                )))
+            }
+        };
+        Self::with_groups(groups, varmap, dtype, device, units, config)
+    }
+
+    fn with_groups(
+        groups: Groups,
+        varmap: &VarMap,
+        dtype: DType,
+        device: &Device,
+        units: Vec<LayerFactory>,
+        config: FsdpConfig,
+    ) -> Result<Self> {
+        let Groups {
+            world: whole,
+            shard: pg,
+            replicate,
+        } = groups;
         let rank = pg.rank();
         let in_rank = |e: Error| Error::Rank {
             rank,
@@ -234,12 +342,12 @@ impl FullyShardedDataParallel {
         let vars = sorted_vars(varmap);
         // Every rank checks the same things after the ranks agree on the
         // variables, so that all refuse alike instead of some waiting.
-        verify_same_vars(pg.as_ref(), &vars)?;
+        verify_same_vars(whole.as_ref(), &vars)?;
         let (buffers, params): (Vec<_>, Vec<_>) = vars
             .iter()
             .cloned()
             .partition(|(name, _)| (config.is_buffer)(name));
-        verify_same_plan(pg.as_ref(), &plan_of(&built, &buffers, &params, &config))?;
+        verify_same_plan(whole.as_ref(), &plan_of(&built, &buffers, &params, &config))?;
         if let (Some((name, _)), Some(_)) = (buffers.first(), &config.mixed_precision) {
             return Err(in_rank(Error::Fsdp(format!(
                 "`{name}` is a buffer: FSDP's mixed precision does not handle buffers \
@@ -261,7 +369,7 @@ impl FullyShardedDataParallel {
                  piece and never train it; give FSDP a VarMap of this model alone"
             ))));
         }
-        broadcast_vars(pg.as_ref(), &vars, 0)?;
+        broadcast_vars(whole.as_ref(), &vars, 0)?;
         let index_of = |list: &[(String, Var)]| -> HashMap<String, usize> {
             list.iter()
                 .enumerate()
@@ -305,6 +413,8 @@ impl FullyShardedDataParallel {
         }
         Ok(FullyShardedDataParallel {
             pg,
+            replicate,
+            world: whole,
             factories: units,
             unit_params,
             first_use,
@@ -428,7 +538,7 @@ impl FullyShardedDataParallel {
     /// it: before each forward. Every rank calls it.
     pub(crate) fn sync_buffers(&self) -> Result<()> {
         if self.config.broadcast_buffers && !self.buffers.is_empty() {
-            broadcast_vars(self.pg.as_ref(), &self.buffers, 0)?;
+            broadcast_vars(self.world.as_ref(), &self.buffers, 0)?;
         }
         Ok(())
     }
@@ -472,6 +582,7 @@ impl std::fmt::Debug for FullyShardedDataParallel {
         f.debug_struct("FullyShardedDataParallel")
             .field("rank", &self.pg.rank())
             .field("world_size", &self.pg.world_size())
+            .field("replicas", &self.replicate.as_ref().map(|g| g.world_size()))
             .field("units", &self.factories.len())
             .field("params", &self.shards.len())
             .field("config", &self.config)

@@ -31,6 +31,7 @@ mod launch;
 mod lm;
 mod loader;
 mod lr_schedule;
+mod mesh;
 mod nccl;
 mod ops;
 mod optim;

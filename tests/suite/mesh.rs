@@ -1,0 +1,184 @@
+//! Device meshes and hybrid sharding (HSDP): which ranks each dimension's
+//! group holds, the refusals, and HSDP training to FSDP's and DDP's
+//! weights on every mesh shape of four thread ranks.
+
+use crate::common::*;
+use crate::overlap::{adamw, batches, bounded, deep_units, init_deep, share};
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+use candle_dp::comm::DeviceMesh;
+use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
+use candle_dp::launch::spawn_with;
+use candle_nn::{loss, Optimizer};
+
+type Weights = HashMap<String, Tensor>;
+
+#[test]
+fn each_dimensions_group_holds_the_ranks_that_differ_only_there() {
+    let seen = within(60, || {
+        spawn_with(6, bounded(), |ctx| {
+            let mesh = DeviceMesh::new(ctx.process_group(), &[("dp", 2), ("tp", 3)])?;
+            let mut out = Vec::new();
+            for dim in ["dp", "tp"] {
+                let group = mesh.group(dim)?;
+                let me = Tensor::new(&[ctx.rank as u32], &Device::Cpu)?;
+                let members: Vec<usize> = group
+                    .all_gather(&me)?
+                    .iter()
+                    .map(|t| t.to_vec1::<u32>().map(|v| v[0] as usize))
+                    .collect::<candle_core::Result<_>>()?;
+                anyhow::ensure!(members == mesh.ranks_along(dim)?, "{dim}: {members:?}");
+                anyhow::ensure!(group.rank() == mesh.local_rank(dim)?);
+                anyhow::ensure!(group.world_size() == mesh.size(dim)?);
+                out.push(members);
+            }
+            Ok((mesh.coordinate().to_vec(), out))
+        })
+        .unwrap()
+    });
+    assert_eq!(seen[4], (vec![1, 1], vec![vec![1, 4], vec![3, 4, 5]]));
+    assert_eq!(seen[2], (vec![0, 2], vec![vec![2, 5], vec![0, 1, 2]]));
+}
+
+#[test]
+fn a_mesh_that_does_not_fit_or_differs_between_ranks_is_refused_on_every_rank() {
+    let seen = within(60, || {
+        spawn_with(4, bounded(), |ctx| {
+            let pg = ctx.process_group();
+            let shape = DeviceMesh::new(pg.clone(), &[("dp", 3)]).unwrap_err();
+            let names = DeviceMesh::new(pg.clone(), &[("a", 2), ("a", 2)]).unwrap_err();
+            let size = if ctx.rank == 3 { 1 } else { 2 };
+            let differs = DeviceMesh::new(pg.clone(), &[("a", size), ("b", 2)]).unwrap_err();
+            let mesh = DeviceMesh::new(pg, &[("a", 4)])?;
+            let unknown = mesh.group("b").unwrap_err();
+            Ok([shape, names, differs, unknown].map(|e| e.to_string()))
+        })
+        .unwrap()
+    });
+    for [shape, names, differs, unknown] in &seen {
+        assert!(
+            shape.contains("shape [3] (dp=3) does not fit a group of 4"),
+            "{shape}"
+        );
+        assert!(names.contains("distinct"), "{names}");
+        assert!(
+            differs.contains("rank 3 asked for the mesh a=1, b=2"),
+            "{differs}"
+        );
+        assert!(unknown.contains("no dimension `b`"), "{unknown}");
+    }
+}
+
+/// HSDP on a `replicas x shards` mesh of the four ranks (FSDP over all
+/// four for `None`): each rank's whole weights after three AdamW steps.
+fn sharded_run(
+    mesh: Option<(usize, usize)>,
+    init: &Weights,
+    data: &[(Tensor, Tensor)],
+) -> Vec<Weights> {
+    let (init, data) = (init.clone(), data.to_vec());
+    spawn_with(4, bounded(), move |ctx| {
+        let varmap = varmap_from(&init);
+        let (dt, dev, config) = (DType::F32, Device::Cpu, FsdpConfig::default());
+        let mut fsdp = match mesh {
+            Some((r, s)) => {
+                let mesh = DeviceMesh::new(ctx.process_group(), &[("replicate", r), ("shard", s)])?;
+                FullyShardedDataParallel::from_units_on_mesh(
+                    &mesh,
+                    &varmap,
+                    dt,
+                    &dev,
+                    deep_units(),
+                    config,
+                )?
+            }
+            None => FullyShardedDataParallel::from_units(
+                ctx.process_group(),
+                &varmap,
+                dt,
+                &dev,
+                deep_units(),
+                config,
+            )?,
+        };
+        let mut opt = adamw(&varmap)?;
+        for (x, y) in &data {
+            let (x, y) = share(&ctx, x, y)?;
+            let step = fsdp.forward_backward(&x, &y, loss::cross_entropy)?;
+            opt.step(&step.grads)?;
+        }
+        Ok(fsdp.full_state()?)
+    })
+    .unwrap()
+}
+
+#[test]
+fn hsdp_trains_to_fsdps_weights_on_every_mesh_of_four_ranks() {
+    within(240, || {
+        let init = init_deep();
+        let data = batches(3, 16, 5);
+        let fsdp = sharded_run(None, &init, &data);
+        // One replica of four shards is FSDP itself: the same bytes.
+        let one_replica = sharded_run(Some((1, 4)), &init, &data);
+        assert!(
+            identical(&one_replica[0], &fsdp[0]),
+            "{}",
+            diff_report(&one_replica[0], &fsdp[0])
+        );
+        for shape in [(2, 2), (4, 1)] {
+            let hsdp = sharded_run(Some(shape), &init, &data);
+            for rank in 1..4 {
+                assert!(
+                    identical(&hsdp[rank], &hsdp[0]),
+                    "{shape:?}: rank {rank} differs"
+                );
+            }
+            let diff = max_rel_diff(&hsdp[0], &fsdp[0]);
+            eprintln!("HSDP {shape:?} against FSDP x4: max relative difference {diff:e}");
+            assert!(
+                diff < 1e-5,
+                "{shape:?}: {diff}: {}",
+                diff_report(&hsdp[0], &fsdp[0])
+            );
+            // Three steps move the weights far more than the tolerance.
+            assert!(max_rel_diff(&hsdp[0], &init) > 1e-3);
+        }
+    });
+}
+
+#[test]
+fn hsdp_holds_a_shard_groups_pieces_on_each_replica() {
+    let dims = within(60, || {
+        spawn_with(4, bounded(), |ctx| {
+            let varmap = varmap_from(&init_deep());
+            let mesh = DeviceMesh::new(ctx.process_group(), &[("replicate", 2), ("shard", 2)])?;
+            let fsdp = FullyShardedDataParallel::from_units_on_mesh(
+                &mesh,
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                deep_units(),
+                FsdpConfig::default(),
+            )?;
+            let three = DeviceMesh::new(ctx.process_group(), &[("a", 1), ("b", 2), ("c", 2)])?;
+            let refused = FullyShardedDataParallel::from_units_on_mesh(
+                &three,
+                &varmap_from(&init_deep()),
+                DType::F32,
+                &Device::Cpu,
+                deep_units(),
+                FsdpConfig::default(),
+            )
+            .unwrap_err()
+            .to_string();
+            anyhow::ensure!(refused.contains("this one has 3"), "{refused}");
+            let weight = fsdp.shards().iter().find(|(name, _)| name == "l0.weight");
+            Ok(weight.map(|(_, piece)| piece.dims().to_vec()))
+        })
+        .unwrap()
+    });
+    // l0.weight is 12 x 6: 6 rows on each of the two shard ranks.
+    assert_eq!(dims, vec![Some(vec![6, 6]); 4]);
+}
