@@ -137,6 +137,8 @@ fn scenario_by_name(name: &str, ctx: RankContext, out: &Path) -> anyhow::Result<
         "overlap_units" => overlap(&ctx, &input()?, true)?,
         "overlap_whole" => overlap(&ctx, &input()?, false)?,
         "fsdp" => fsdp(&ctx, &input()?)?,
+        "subgroups" => subgroups(&ctx)?,
+        "hsdp" => hsdp(&ctx, &input()?)?,
         fault => {
             run_fault(fault, &ctx)?;
             return Ok(None);
@@ -536,6 +538,117 @@ fn fsdp(ctx: &RankContext, input: &Tensors) -> anyhow::Result<Tensors> {
     Ok(fsdp.full_state()?)
 }
 
+/// Sub-groups on 4 ranks: a split by parity (small and ring-sized
+/// reductions), `new_group`, a 2 x 2 mesh, a split of a split, and
+/// messages passed around each pair and around the world.
+fn subgroups(ctx: &RankContext) -> anyhow::Result<Tensors> {
+    use candle_dp::comm::{Color, DeviceMesh};
+    let pg = ctx.pg.as_ref();
+    let rank = ctx.rank;
+    let mut out = Tensors::new();
+    let small = input(rank, 5, 1, DType::F32)?;
+    let large = input(rank, 70_001, 2, DType::F32)?;
+    // Keys reverse the order within each colour.
+    let parity = pg
+        .split(Color::new(rank as u32 % 2), -(rank as i64))?
+        .context("a coloured rank gets a group")?;
+    out.insert(
+        "parity.rank".into(),
+        Tensor::new(&[parity.rank() as u32], &Device::Cpu)?,
+    );
+    out.insert(
+        "parity.small".into(),
+        parity.all_reduce(&small, ReduceOp::Sum)?,
+    );
+    out.insert(
+        "parity.large".into(),
+        parity.all_reduce(&large, ReduceOp::Avg)?,
+    );
+    let pieces = parity.reduce_scatter(&large, ReduceOp::Sum, &[35_000, 35_001])?;
+    out.insert("parity.reduce_scatter".into(), pieces);
+    let none = pg.split(
+        if rank == 0 {
+            Color::NONE
+        } else {
+            Color::new(7)
+        },
+        0,
+    )?;
+    anyhow::ensure!(
+        none.is_some() == (rank != 0),
+        "rank {rank}: NONE gives no group"
+    );
+    if let Some(g) = pg.new_group(&[3, 1])? {
+        out.insert("pair.broadcast".into(), g.broadcast(&small, 0)?);
+    }
+    let mesh = DeviceMesh::new(ctx.process_group(), &[("dp", 2), ("shard", 2)])?;
+    for dim in ["dp", "shard"] {
+        let g = mesh.group(dim)?;
+        out.insert(format!("mesh.{dim}"), g.all_reduce(&large, ReduceOp::Sum)?);
+        let inner = g.split(Color::new(0), 0)?.context("one colour")?;
+        out.insert(format!("mesh.{dim}.inner"), inner.all_gather_into(&small)?);
+    }
+    // Each pair passes its ranks' tensors both ways; the world passes one
+    // around its ring, a large one (past MPI's eager sends).
+    let other = 1 - parity.rank();
+    if parity.rank() == 0 {
+        parity.send(&small, other)?;
+        out.insert("p2p.pair".into(), parity.recv(&small, other)?);
+    } else {
+        let got = parity.recv(&small, other)?;
+        parity.send(&small, other)?;
+        out.insert("p2p.pair".into(), got);
+    }
+    let world = ctx.world_size;
+    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+    if rank == 0 {
+        pg.send(&large, next)?;
+        out.insert("p2p.ring".into(), pg.recv(&large, prev)?);
+    } else {
+        let got = pg.recv(&large, prev)?;
+        pg.send(&(got.clone() + 1.0)?, next)?;
+        out.insert("p2p.ring".into(), got);
+    }
+    Ok(out)
+}
+
+/// HSDP on a 2 x 2 mesh: the weights after AdamW steps.
+fn hsdp(ctx: &RankContext, input: &Tensors) -> anyhow::Result<Tensors> {
+    use candle_dp::comm::DeviceMesh;
+    use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
+    use candle_dp::pipeline::layer;
+    let varmap = varmap_from(&init_of(input));
+    let (i, h, o) = SIZES;
+    let layers = vec![
+        layer(move |vb| candle_nn::linear(i, h, vb.pp("l1"))),
+        layer(|_| Ok(candle_nn::Activation::Relu)),
+        layer(move |vb| candle_nn::linear(h, o, vb.pp("l2"))),
+    ];
+    let mesh = DeviceMesh::new(ctx.process_group(), &[("replicate", 2), ("shard", 2)])?;
+    let mut fsdp = FullyShardedDataParallel::from_units_on_mesh(
+        &mesh,
+        &varmap,
+        DType::F32,
+        &Device::Cpu,
+        layers,
+        FsdpConfig::default(),
+    )?;
+    let mut adam = AdamW::new(
+        varmap.all_vars(),
+        ParamsAdamW {
+            lr: 0.01,
+            ..Default::default()
+        },
+    )?;
+    for (x, y) in batches(input) {
+        let b = x.dim(0)? / ctx.world_size;
+        let (x, y) = (x.narrow(0, ctx.rank * b, b)?, y.narrow(0, ctx.rank * b, b)?);
+        let step = fsdp.forward_backward(&x, &y, loss::cross_entropy)?;
+        adam.step(&step.grads)?;
+    }
+    Ok(fsdp.full_state()?)
+}
+
 /// Gradient accumulation over 3 micro-batches of 2 rows per rank.
 fn no_sync(ctx: &RankContext, input: &Tensors) -> anyhow::Result<Tensors> {
     let (k, micro, world) = (3, 2, ctx.world_size);
@@ -676,6 +789,22 @@ fn run_fault(fault: &str, ctx: &RankContext) -> anyhow::Result<()> {
                 panic!("rank 1 panics in its training loop");
             }
             pg.all_reduce(&x, ReduceOp::Sum)?;
+        }
+        "subgroup_abort" => {
+            // Pairs {0, 1} and {2}: rank 1 fails in its pair while rank 0
+            // waits there and rank 2 waits in the world.
+            let pair = pg
+                .split(candle_dp::comm::Color::new(u32::from(ctx.rank == 2)), 0)?
+                .context("a group")?;
+            match ctx.rank {
+                1 => {
+                    std::thread::sleep(Duration::from_millis(300));
+                    pair.abort("its pair's data ran out");
+                    pair.barrier()?;
+                }
+                0 => pair.barrier()?,
+                _ => pg.barrier()?,
+            }
         }
         "sigkill" => {
             if culprit {
@@ -1411,6 +1540,47 @@ fn a_rank_that_returns_while_its_handle_lives_on_counts_as_gone() {
         "keeps_handle",
         &[(Source::AnyRank, "rank 1 left the group")],
     );
+}
+
+#[test]
+fn a_rank_failing_in_a_sub_group_stops_the_ranks_of_every_group_naming_it() {
+    assert_fault(
+        "subgroup_abort",
+        &[
+            (Source::Rank(1), "rank 1 failed: its pair's data ran out"),
+            // Rank 2 is in no group with rank 1 but the world.
+            (
+                Source::AnyRank,
+                "because rank 1 failed: its pair's data ran out",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn sub_groups_meshes_and_messages_on_4_processes_equal_thread_ranks_bit_for_bit() {
+    let job = mpirun_ok(4, "subgroups", None);
+    let expected = on_threads(4, subgroups);
+    for (rank, expected) in expected.iter().enumerate() {
+        assert_bitwise_equal(&job.rank(rank), expected, &format!("rank {rank}"));
+    }
+}
+
+#[test]
+fn hsdp_on_4_processes_saves_the_bytes_of_thread_ranks_and_fsdps_weights() {
+    let input = training_input(12);
+    let job = mpirun_ok(4, "hsdp", Some(&input));
+    let threads = on_threads(4, |ctx| hsdp(ctx, &input));
+    let fsdp_threads = on_threads(4, |ctx| fsdp(ctx, &input));
+    for (rank, threads) in threads.iter().enumerate() {
+        assert!(
+            identical(&job.rank(rank), threads),
+            "rank {rank}: {}",
+            diff_report(&job.rank(rank), threads)
+        );
+        let diff = max_rel_diff(&job.rank(rank), &fsdp_threads[0]);
+        assert!(diff < 1e-5, "rank {rank}: {diff}");
+    }
 }
 
 #[test]

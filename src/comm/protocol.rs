@@ -22,13 +22,26 @@ use super::{CommError, ReduceOp, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) enum OpSig {
     AllReduce(ReduceOp),
-    Broadcast { root: usize },
+    Broadcast {
+        root: usize,
+    },
     AllGather,
-    Gather { root: usize },
-    Scatter { root: usize },
-    Reduce { root: usize, op: ReduceOp },
+    Gather {
+        root: usize,
+    },
+    Scatter {
+        root: usize,
+    },
+    Reduce {
+        root: usize,
+        op: ReduceOp,
+    },
     Barrier,
     AllGatherBytes,
+    /// Not a collective: a point-to-point message's signature.
+    Send,
+    /// Not a collective: the signature of a wait for one.
+    Recv,
 }
 
 impl OpSig {
@@ -43,6 +56,8 @@ impl OpSig {
             OpSig::Reduce { .. } => Op::Reduce,
             OpSig::Barrier => Op::Barrier,
             OpSig::AllGatherBytes => Op::AllGatherBytes,
+            OpSig::Send => Op::Send,
+            OpSig::Recv => Op::Recv,
         }
     }
 

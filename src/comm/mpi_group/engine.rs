@@ -32,8 +32,10 @@
 //!   is not zero-filled first (see `message_bytes`).
 
 // The engine's work by concern: the header exchange, the ring, waiting
-// for requests, failures and notices; this file holds the engine's types,
-// its loop and the collectives' dispatch.
+// for requests, failures and notices, the sub-groups' communicators and
+// point-to-point messages; this file holds the engine's types, its loop
+// and the collectives' dispatch.
+mod comms;
 mod failures;
 mod headers;
 mod ring;
@@ -70,6 +72,7 @@ use crate::comm::{CommError, Failure, FailureCause, ReduceOp};
 const TAG_HEADER: i32 = 1;
 const TAG_DATA: i32 = 2;
 const TAG_NOTICE: i32 = 3;
+const TAG_POINT_TO_POINT: i32 = 4;
 
 /// How often an idle engine looks for notices, so that
 /// [`ProcessGroup::failure`](crate::comm::ProcessGroup::failure) sees a
@@ -89,6 +92,18 @@ const NAP: Duration = Duration::from_micros(50);
 pub(super) enum Control {
     /// Run a collective.
     Call(Job),
+    /// Split communicator `comm` (all its ranks call this, after a
+    /// collective through which all arrived): `color` and `key` as
+    /// `MPI_Comm_split`'s; `members` are the new group's world ranks, in
+    /// order. Answers with the new communicator's number, `None` for no
+    /// colour.
+    Split {
+        comm: usize,
+        color: Option<u32>,
+        key: i64,
+        members: Vec<usize>,
+        reply: Sender<Result<Option<usize>, CommError>>,
+    },
     /// This rank has failed (recorded in [`Shared`]): tell the others.
     Abort,
     /// The last handle is gone: leave the group and finalize MPI, then
@@ -99,6 +114,8 @@ pub(super) enum Control {
 /// Which collective call of this rank, and its time limit.
 #[derive(Clone, Copy)]
 pub(super) struct Ticket {
+    /// The communicator: 0 for the world, else a sub-group's.
+    pub(super) comm: usize,
     pub(super) seq: u64,
     pub(super) op: &'static str,
     pub(super) deadline: Option<Instant>,
@@ -159,6 +176,15 @@ pub(super) enum Kind {
         parts: Vec<(Buffer, Vec<usize>)>,
     },
     Barrier,
+    /// A point-to-point message to `dst`, encoded.
+    Send {
+        dst: usize,
+        message: Vec<u8>,
+    },
+    /// The next point-to-point message from `src`.
+    Recv {
+        src: usize,
+    },
 }
 
 /// A collective's result on this rank.
@@ -209,6 +235,11 @@ pub(super) fn run(
     let mut engine = Engine {
         rank,
         world_size,
+        world_rank: rank,
+        world_total: world_size,
+        world_ranks: (0..world_size).collect(),
+        active: 0,
+        comms: vec![None],
         data: world.duplicate(),
         notices: world.duplicate(),
         shared,
@@ -222,6 +253,8 @@ pub(super) fn run(
     };
     let _ = started.send(Ok((rank, world_size)));
     engine.serve();
+    // The world's count of completed collectives goes with the notice.
+    let _world = engine.activate(0);
     let ack = engine.shutdown.take();
     // A failure a peer already announced must not be finalized over.
     engine.receive_notices();
@@ -248,16 +281,29 @@ pub(super) fn run(
 }
 
 struct Engine {
+    /// This rank in the active communicator, and its size.
     rank: usize,
     world_size: usize,
-    /// Headers and data.
+    /// This rank in `MPI_COMM_WORLD`, and its size: failures and notices
+    /// name world ranks.
+    world_rank: usize,
+    world_total: usize,
+    /// The active communicator's ranks as world ranks.
+    world_ranks: Vec<usize>,
+    /// Which communicator is active (0: the world).
+    active: usize,
+    /// The communicators that are not active, by number (`None` at the
+    /// active one's).
+    comms: Vec<Option<comms::Comm>>,
+    /// Headers and data, on the active communicator.
     data: SimpleCommunicator,
     /// Failure and departure notices, apart so they never match data.
     notices: SimpleCommunicator,
     shared: Arc<Shared>,
     control: Receiver<Control>,
-    /// For each rank that left the group: how many collectives it completed.
-    left: Vec<Option<u64>>,
+    /// For each world rank that left: how many of the world's collectives
+    /// it completed, and when its notice came.
+    left: Vec<Option<(u64, Instant)>>,
     /// Whether this rank's own failure has been sent to the others.
     announced: bool,
     /// The last collective this rank completed.
@@ -287,6 +333,15 @@ impl Engine {
         while self.shutdown.is_none() {
             match self.control.recv_timeout(IDLE_POLL) {
                 Ok(Control::Call(job)) => self.run_job(job),
+                Ok(Control::Split {
+                    comm,
+                    color,
+                    key,
+                    members,
+                    reply,
+                }) => {
+                    let _ = reply.send(self.split(comm, color, key, members));
+                }
                 Ok(Control::Abort) => self.announce_own_failure(),
                 Ok(Control::Shutdown(ack)) => self.shutdown = Some(ack),
                 Err(RecvTimeoutError::Timeout) => self.receive_notices(),
@@ -303,12 +358,21 @@ impl Engine {
             reply,
         } = job;
         let seq = ticket.seq;
+        if let Err(error) = self.activate(ticket.comm) {
+            let _ = reply.send(Err(error));
+            return;
+        }
         self.current = Some(Current {
             ticket,
             reply: Some(reply),
             waiting_for: Vec::new(),
         });
-        match self.collective(sig, kind) {
+        let result = match kind {
+            Kind::Send { dst, message } => self.send_message(dst, &message),
+            Kind::Recv { src } => self.recv_message(src),
+            kind => self.collective(sig, kind),
+        };
+        match result {
             Ok(result) => {
                 self.completed = seq;
                 self.report(Ok(result));
@@ -346,9 +410,21 @@ impl Engine {
         self.current.as_ref().map_or(0, |c| c.ticket.seq)
     }
 
+    /// The active communicator's other ranks.
     fn others(&self) -> impl Iterator<Item = usize> {
         let me = self.rank;
         (0..self.world_size).filter(move |&r| r != me)
+    }
+
+    /// The world's other ranks.
+    fn world_others(&self) -> impl Iterator<Item = usize> {
+        let me = self.world_rank;
+        (0..self.world_total).filter(move |&r| r != me)
+    }
+
+    /// Rank `r` of the active communicator as a world rank.
+    fn world_rank_of(&self, r: usize) -> usize {
+        self.world_ranks.get(r).copied().unwrap_or(r)
     }
 
     fn collective(&mut self, sig: Signature, kind: Kind) -> Result<Reply, Stop> {
@@ -459,6 +535,10 @@ impl Engine {
                 Ok(Reply::One(buffer, dims))
             }
             Kind::Barrier => Ok(Reply::Nothing),
+            Kind::Send { .. } | Kind::Recv { .. } => {
+                let detail = "a point-to-point message as a collective".into();
+                Err(self.unexpected(me, detail).into())
+            }
         }
     }
 

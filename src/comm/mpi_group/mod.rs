@@ -13,6 +13,7 @@
 
 mod engine;
 mod message_bytes;
+mod subgroups;
 mod wire;
 
 use std::fmt;
@@ -29,7 +30,8 @@ use super::buffer::{Buffer, Input};
 use super::op::Op;
 use super::protocol::{self, OpSig, Signature, TensorMeta};
 use super::{
-    CommError, Failure, FailureCause, GroupOptions, Membership, ProcessGroup, ReduceOp, Result,
+    Color, CommError, Failure, FailureCause, GroupOptions, Membership, ProcessGroup, ReduceOp,
+    Result, SubGroup,
 };
 use crate::lock::lock;
 
@@ -144,6 +146,11 @@ pub struct MpiGroup {
     engine: Mutex<Option<JoinHandle<()>>>,
     /// Whether this rank has left (see [`MpiGroup::leave`]).
     left: AtomicBool,
+    /// The engine's communicator: 0 for `MPI_COMM_WORLD`, else a
+    /// sub-group's (see [`ProcessGroup::split`]).
+    comm: usize,
+    /// This group's ranks as world ranks, which failures name.
+    world_ranks: Arc<Vec<usize>>,
 }
 
 impl fmt::Debug for MpiGroup {
@@ -200,7 +207,17 @@ impl MpiGroup {
             control,
             engine: Mutex::new(Some(engine)),
             left: AtomicBool::new(false),
+            comm: 0,
+            world_ranks: Arc::new((0..world_size).collect()),
         }))
+    }
+
+    /// This rank as a world rank.
+    fn world_rank(&self) -> usize {
+        self.world_ranks
+            .get(self.rank())
+            .copied()
+            .unwrap_or(self.rank())
     }
 
     /// Leaves the group now, as dropping the last handle would, even if
@@ -212,6 +229,13 @@ impl MpiGroup {
     /// the rank's function returns.
     pub fn leave(&self) {
         if self.left.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if self.comm != 0 {
+            // A sub-group's handle: the process stays in the job.
+            if thread::panicking() {
+                self.fail(FailureCause::Panicked);
+            }
             return;
         }
         if thread::panicking() {
@@ -241,7 +265,7 @@ impl MpiGroup {
         }
         if self.left.load(Ordering::SeqCst) {
             let failure = Failure {
-                rank: self.rank(),
+                rank: self.world_rank(),
                 cause: FailureCause::Left,
             };
             return Err(self.group_failed(op, failure));
@@ -251,6 +275,7 @@ impl MpiGroup {
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let (reply, result) = channel::bounded(1);
         let ticket = Ticket {
+            comm: self.comm,
             seq: *calls,
             op,
             deadline,
@@ -277,7 +302,7 @@ impl MpiGroup {
                     .collect();
                 self.fail(FailureCause::TimedOut {
                     op,
-                    missing: missing.clone(),
+                    missing: missing.iter().map(|&r| self.world_ranks[r]).collect(),
                 });
                 Err(CommError::Timeout {
                     rank: self.rank(),
@@ -292,7 +317,7 @@ impl MpiGroup {
 
     fn fail(&self, cause: FailureCause) {
         self.shared.fail(Failure {
-            rank: self.rank(),
+            rank: self.world_rank(),
             cause,
         });
         let _ = self.control.send(Control::Abort);
@@ -311,7 +336,7 @@ impl MpiGroup {
             "its MPI engine thread stopped".into(),
         ));
         let failure = self.shared.failure().unwrap_or(Failure {
-            rank: self.rank(),
+            rank: self.world_rank(),
             cause: FailureCause::Aborted("its MPI engine thread stopped".into()),
         });
         self.group_failed(op, failure)
@@ -648,6 +673,18 @@ impl ProcessGroup for MpiGroup {
 
     fn abort(&self, reason: &str) {
         self.fail(FailureCause::Aborted(reason.to_string()));
+    }
+
+    fn split(&self, color: Color, key: i64) -> Result<Option<SubGroup>> {
+        self.split_off(color, key)
+    }
+
+    fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
+        self.send_to(tensor, dst)
+    }
+
+    fn recv(&self, like: &Tensor, src: usize) -> Result<Tensor> {
+        self.recv_from(like, src)
     }
 
     fn failure(&self) -> Option<Failure> {

@@ -13,7 +13,7 @@ impl Engine {
 
     pub(super) fn group_failed_for(&self, op: &'static str) -> CommError {
         let failure = self.shared.failure().unwrap_or(Failure {
-            rank: self.rank,
+            rank: self.world_rank,
             cause: FailureCause::Aborted("stopped without a recorded failure".into()),
         });
         CommError::GroupFailed {
@@ -28,7 +28,7 @@ impl Engine {
     pub(super) fn unexpected(&self, src: usize, detail: String) -> CommError {
         let op = self.op();
         self.shared.fail(Failure {
-            rank: self.rank,
+            rank: self.world_rank,
             cause: FailureCause::Aborted(format!(
                 "received an unexpected message from rank {src} in {op}"
             )),
@@ -46,7 +46,7 @@ impl Engine {
         let Some(failure) = self.shared.failure() else {
             return;
         };
-        if self.announced || failure.rank != self.rank {
+        if self.announced || failure.rank != self.world_rank {
             return;
         }
         self.announced = true;
@@ -55,7 +55,7 @@ impl Engine {
 
     pub(super) fn announce(&self, notice: &Notice) {
         let bytes = notice.encode();
-        for dst in self.others() {
+        for dst in self.world_others() {
             // A notice is far below MPI's eager limit (see `wire`): the
             // send returns without waiting for the receiver.
             self.notices
@@ -80,7 +80,7 @@ impl Engine {
                 }),
                 Ok(Notice::Left { seq }) => {
                     if let Some(slot) = self.left.get_mut(src) {
-                        *slot = Some(seq);
+                        *slot = Some((seq, Instant::now()));
                     }
                 }
                 Err(detail) => self.shared.fail(Failure {

@@ -69,7 +69,7 @@ impl Engine {
         if self.shared.failure().is_none() {
             // Only a failed group may leave a collective half done.
             self.fail(Failure {
-                rank: self.rank,
+                rank: self.world_rank,
                 cause: FailureCause::Aborted(format!("gave up {}: {error}", self.op())),
             });
         }
@@ -85,6 +85,9 @@ impl Engine {
                 Ok(Control::Call(job)) => {
                     let error = self.group_failed_for(job.ticket.op);
                     let _ = job.reply.send(Err(error));
+                }
+                Ok(Control::Split { reply, .. }) => {
+                    let _ = reply.send(Err(self.group_failed_for("split")));
                 }
                 Ok(Control::Abort) => self.announce_own_failure(),
                 // The requests may never complete: MPI is not finalized,
@@ -103,14 +106,12 @@ impl Engine {
     pub(super) fn interruption(&mut self) -> Option<CommError> {
         self.receive_notices();
         if let Some(failure) = self.shared.failure() {
-            if failure.rank == self.rank {
+            if failure.rank == self.world_rank {
                 self.announce_own_failure();
             }
             return Some(self.group_failed_for(self.op()));
         }
-        let seq = self.seq();
-        if let Some(gone) = (0..self.world_size).find(|&r| self.left[r].is_some_and(|s| s < seq)) {
-            // It finished before entering this collective: it never will.
+        if let Some(gone) = self.departed() {
             self.shared.fail(Failure {
                 rank: gone,
                 cause: FailureCause::Left,
@@ -127,10 +128,10 @@ impl Engine {
             let ticket = current.ticket;
             let (op, timeout) = (ticket.op, ticket.timeout.unwrap_or_default());
             self.fail(Failure {
-                rank: self.rank,
+                rank: self.world_rank,
                 cause: FailureCause::TimedOut {
                     op,
-                    missing: missing.clone(),
+                    missing: missing.iter().map(|&r| self.world_rank_of(r)).collect(),
                 },
             });
             return Some(CommError::Timeout {

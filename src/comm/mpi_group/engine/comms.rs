@@ -1,0 +1,146 @@
+//! The communicators of the process's groups: the world's and every
+//! sub-group's (`MPI_Comm_split`), one active at a time, and the
+//! point-to-point messages sent on them.
+
+use super::waiting::InFlight;
+use super::*;
+
+/// How long after a peer's departure notice a sub-group's wait for it
+/// gives up. The world's collectives count the departed rank's completed
+/// calls instead; a sub-group's are not in that count, and a message the
+/// peer sent before it left may still be on its way.
+const LEFT_GRACE: Duration = Duration::from_secs(1);
+
+/// A communicator while another is active.
+pub(super) struct Comm {
+    data: SimpleCommunicator,
+    rank: usize,
+    size: usize,
+    world_ranks: Vec<usize>,
+    completed: u64,
+}
+
+impl Engine {
+    /// Makes communicator `id` the active one (the one `data`, `rank`,
+    /// `world_size` and `completed` describe).
+    pub(super) fn activate(&mut self, id: usize) -> Result<(), CommError> {
+        if id == self.active {
+            return Ok(());
+        }
+        let Some(next) = self.comms.get_mut(id).and_then(Option::take) else {
+            return Err(CommError::Protocol {
+                rank: self.rank,
+                op: "a collective",
+                peer: self.rank,
+                detail: format!("the engine has no communicator #{id}"),
+            });
+        };
+        let previous = Comm {
+            data: std::mem::replace(&mut self.data, next.data),
+            rank: std::mem::replace(&mut self.rank, next.rank),
+            size: std::mem::replace(&mut self.world_size, next.size),
+            world_ranks: std::mem::replace(&mut self.world_ranks, next.world_ranks),
+            completed: std::mem::replace(&mut self.completed, next.completed),
+        };
+        self.comms[self.active] = Some(previous);
+        self.active = id;
+        Ok(())
+    }
+
+    /// `MPI_Comm_split` of communicator `comm`: the new communicator's
+    /// number, or `None` for no colour. Every rank of `comm` calls it
+    /// right after a collective of `comm` through which all arrived, so
+    /// the split (which MPI cannot time out) completes.
+    pub(super) fn split(
+        &mut self,
+        comm: usize,
+        color: Option<u32>,
+        key: i64,
+        members: Vec<usize>,
+    ) -> Result<Option<usize>, CommError> {
+        self.activate(comm)?;
+        let invalid = |detail: String| CommError::Protocol {
+            rank: self.rank,
+            op: "split",
+            peer: self.rank,
+            detail,
+        };
+        let mpi_color = match color.map(i32::try_from) {
+            None => mpi::topology::Color::undefined(),
+            Some(Ok(value)) => mpi::topology::Color::with_value(value),
+            Some(Err(_)) => return Err(invalid(format!("colour {color:?} is beyond MPI's"))),
+        };
+        let key = i32::try_from(key).map_err(|_| invalid(format!("key {key} is beyond MPI's")))?;
+        let split = self.data.split_by_color_with_key(mpi_color, key);
+        let (Some(_), Some(data)) = (color, split) else {
+            return Ok(None);
+        };
+        let (rank, size) = (data.rank() as usize, data.size() as usize);
+        if members.len() != size || members.get(rank) != Some(&self.world_rank) {
+            return Err(invalid(format!(
+                "MPI made a group of {size} with this rank at {rank}, not the members {members:?}"
+            )));
+        }
+        self.comms.push(Some(Comm {
+            data,
+            rank,
+            size,
+            world_ranks: members,
+            completed: 0,
+        }));
+        Ok(Some(self.comms.len() - 1))
+    }
+
+    /// A rank of the active communicator that has left the job and will
+    /// not take part in the current call, as a world rank.
+    pub(super) fn departed(&self) -> Option<usize> {
+        let seq = self.seq();
+        (0..self.world_size)
+            .map(|r| self.world_rank_of(r))
+            .find(|&w| match self.left.get(w).copied().flatten() {
+                // It finished before entering this collective: it never will.
+                Some((completed, _)) if self.active == 0 => completed < seq,
+                Some((_, at)) => at.elapsed() >= LEFT_GRACE,
+                None => false,
+            })
+    }
+
+    /// Sends `message` to `dst` of the active communicator.
+    pub(super) fn send_message(&mut self, dst: usize, message: &[u8]) -> Result<Reply, Stop> {
+        self.set_waiting_for(vec![dst]);
+        mpi::request::scope(|scope| {
+            let send = self
+                .data
+                .process_at_rank(dst as i32)
+                .immediate_send_with_tag(scope, message, TAG_POINT_TO_POINT);
+            self.wait(vec![sending(send)], |_| Ok(true))
+        })?;
+        Ok(Reply::Nothing)
+    }
+
+    /// The next message from `src` of the active communicator: its
+    /// payload and shape.
+    pub(super) fn recv_message(&mut self, src: usize) -> Result<Reply, Stop> {
+        self.set_waiting_for(vec![src]);
+        let mut message = None;
+        // No request of its own: the wait polls the probe.
+        let nothing: Vec<InFlight<'static, [u8], mpi::request::StaticScope>> = Vec::new();
+        self.wait(nothing, |engine| {
+            let probed = engine
+                .data
+                .process_at_rank(src as i32)
+                .immediate_matched_probe_with_tag(TAG_POINT_TO_POINT);
+            if let Some(matched) = probed {
+                message = Some(matched.matched_receive_vec::<u8>().0);
+            }
+            Ok(message.is_some())
+        })?;
+        let message = message.unwrap_or_default();
+        let header =
+            wire::decode_header(&message).map_err(|detail| self.unexpected(src, detail))?;
+        match header.payload {
+            Some((buffer, dims)) => Ok(Reply::One(buffer, dims)),
+            None => Err(self.unexpected(src, "a message without data".into()).into()),
+        }
+    }
+}
