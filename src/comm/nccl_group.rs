@@ -52,7 +52,10 @@ use crossbeam::channel::{Receiver, Sender};
 
 use super::device_call::{agree, device_reduces, DeviceCall, Route};
 use super::protocol::{root_error, OpSig};
-use super::{all_gather_object, CommError, Failure, Membership, ProcessGroup, ReduceOp, Result};
+use super::{
+    all_gather_object, Color, CommError, Failure, Membership, ProcessGroup, ReduceOp, Result,
+    SubGroup,
+};
 use crate::lock::lock;
 
 /// The NCCL communicator of one rank.
@@ -598,6 +601,29 @@ impl ProcessGroup for NcclGroup {
 
     fn failure(&self) -> Option<Failure> {
         self.host.failure()
+    }
+
+    /// The host group's split, and an NCCL communicator over each
+    /// sub-group (a fresh NCCL id sent over it, as [`NcclGroup::new`]
+    /// does), on this group's GPU.
+    fn split(&self, color: Color, key: i64) -> Result<Option<SubGroup>> {
+        let Some(host) = self.host.split(color, key)? else {
+            return Ok(None);
+        };
+        let device = Device::Cuda(self.device.clone());
+        Ok(Some(Arc::new(NcclGroup::new(host, &device)?)))
+    }
+
+    /// Through the host group: the tensor travels through host memory
+    /// (NCCL's own send and recv are not used yet).
+    fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
+        self.host.send(tensor, dst)
+    }
+
+    /// Through the host group, as [`send`](ProcessGroup::send); the result
+    /// is on `like`'s device.
+    fn recv(&self, like: &Tensor, src: usize) -> Result<Tensor> {
+        self.host.recv(like, src)
     }
 }
 

@@ -343,3 +343,39 @@ fn zero_on_nccl_matches_its_all_reduce_and_ddp_bit_for_bit() {
         );
     })
 }
+
+#[test]
+fn nccl_sub_groups_reduce_on_the_gpu_and_messages_arrive_on_the_receivers_gpu() {
+    within(180, move || {
+        let seen = spawn_with(4, bounded(), |ctx| {
+            let device = gpu(ctx.rank);
+            let nccl = NcclGroup::new(ctx.process_group(), &device)?;
+            let pair = nccl
+                .split(candle_dp::comm::Color::new(ctx.rank as u32 % 2), 0)?
+                .expect("a coloured rank gets a group");
+            let x = Tensor::new(&[ctx.rank as f32, 1.0], &Device::Cpu)?.to_device(&device)?;
+            let sum = pair.all_reduce(&x, ReduceOp::Sum)?;
+            assert!(
+                sum.device().same_device(&device),
+                "the sum stays on the GPU"
+            );
+            let other = 1 - pair.rank();
+            let got = if pair.rank() == 0 {
+                pair.send(&x, other)?;
+                pair.recv(&x, other)?
+            } else {
+                let got = pair.recv(&x, other)?;
+                pair.send(&x, other)?;
+                got
+            };
+            assert!(
+                got.device().same_device(&device),
+                "the message lands on the GPU"
+            );
+            Ok((values(&sum), values(&got)))
+        })
+        .unwrap();
+        assert_eq!(seen[0], (vec![2.0, 2.0], vec![2.0, 1.0]));
+        assert_eq!(seen[3], (vec![4.0, 2.0], vec![1.0, 1.0]));
+    });
+}
