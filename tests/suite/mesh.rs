@@ -182,3 +182,111 @@ fn hsdp_holds_a_shard_groups_pieces_on_each_replica() {
     // l0.weight is 12 x 6: 6 rows on each of the two shard ranks.
     assert_eq!(dims, vec![Some(vec![6, 6]); 4]);
 }
+
+/// One rank's save: its pieces and its optimizer state over them.
+type Save = (Weights, candle_dp::optim::OptimizerState);
+
+/// AdamW under HSDP on a `replicas x shards` mesh, or FSDP over `world`
+/// ranks for `None`: loads `saves` first if given, saves before step
+/// `save_after`; every rank's save and whole weights.
+fn sharded_adamw(
+    world: usize,
+    mesh: Option<(usize, usize)>,
+    init: &Weights,
+    data: &[(Tensor, Tensor)],
+    saves: Option<Vec<Save>>,
+    save_after: Option<usize>,
+) -> Vec<(Option<Save>, Weights)> {
+    use candle_dp::optim::{AdamW, AdamWConfig};
+    let (init, data) = (init.clone(), data.to_vec());
+    spawn_with(world, bounded(), move |ctx| {
+        let varmap = varmap_from(&init);
+        let (dt, dev, config) = (DType::F32, Device::Cpu, FsdpConfig::default());
+        let mut fsdp = match mesh {
+            Some((r, s)) => {
+                let mesh = DeviceMesh::new(ctx.process_group(), &[("replicate", r), ("shard", s)])?;
+                FullyShardedDataParallel::from_units_on_mesh(
+                    &mesh,
+                    &varmap,
+                    dt,
+                    &dev,
+                    deep_units(),
+                    config,
+                )?
+            }
+            None => FullyShardedDataParallel::from_units(
+                ctx.process_group(),
+                &varmap,
+                dt,
+                &dev,
+                deep_units(),
+                config,
+            )?,
+        };
+        let adamw = AdamWConfig {
+            lr: 0.01,
+            ..Default::default()
+        };
+        let mut opt = AdamW::new_named(fsdp.shards().to_vec(), adamw)?;
+        if let Some(saves) = &saves {
+            let (pieces, states): (Vec<_>, Vec<_>) = saves.iter().cloned().unzip();
+            fsdp.load_resharded(&pieces, &states, &mut opt)?;
+        }
+        let mut saved = None;
+        for (s, (x, y)) in data.iter().enumerate() {
+            if Some(s) == save_after {
+                saved = Some((fsdp.pieces()?, fsdp.shard_state(&opt)?));
+            }
+            let (x, y) = share(&ctx, x, y)?;
+            let step = fsdp.forward_backward(&x, &y, loss::cross_entropy)?;
+            opt.step(&step.grads)?;
+        }
+        Ok((saved, fsdp.full_state()?))
+    })
+    .unwrap()
+}
+
+#[test]
+fn an_hsdp_checkpoint_is_one_replicas_pieces_and_reshards_to_other_meshes_and_fsdp() {
+    within(240, || {
+        let init = init_deep();
+        let data = batches(4, 16, 21);
+        let whole = sharded_adamw(4, Some((2, 2)), &init, &data, None, Some(2));
+        let saves: Vec<Save> = whole.iter().map(|(s, _)| s.clone().unwrap()).collect();
+        // Both replicas hold the same pieces: ranks 0, 2 and ranks 1, 3.
+        for (a, b) in [(0, 2), (1, 3)] {
+            assert!(
+                identical(&saves[a].0, &saves[b].0),
+                "ranks {a} and {b} differ"
+            );
+        }
+        let replica: Vec<Save> = saves[..2].to_vec();
+        // The same mesh: the last 2 steps from one replica's save, the same bytes.
+        let resumed = sharded_adamw(
+            4,
+            Some((2, 2)),
+            &init,
+            &data[2..],
+            Some(replica.clone()),
+            None,
+        );
+        for rank in 0..4 {
+            assert!(identical(&resumed[rank].1, &whole[0].1), "rank {rank}");
+        }
+        // Other meshes and plain FSDP: the same whole weights at the save,
+        // then the same training up to the reduction's order.
+        let two_steps = sharded_adamw(4, Some((2, 2)), &init, &data[..2], None, None);
+        for (world, mesh) in [(4, Some((4, 1))), (4, Some((1, 4))), (4, None), (1, None)] {
+            let at_save =
+                sharded_adamw(world, mesh, &init, &data[..0], Some(replica.clone()), None);
+            assert!(
+                identical(&at_save[0].1, &two_steps[0].1),
+                "{world} {mesh:?}"
+            );
+            let resumed =
+                sharded_adamw(world, mesh, &init, &data[2..], Some(replica.clone()), None);
+            let diff = max_rel_diff(&resumed[0].1, &whole[0].1);
+            assert!(diff < 1e-5, "{world} {mesh:?}: {diff}");
+        }
+    });
+}
