@@ -51,9 +51,10 @@ impl Checkpoints {
         self.states.latest()
     }
 
-    /// Saves a sharded run's state (every rank calls it): each rank its
-    /// shard (`pieces`, its part of the model if any, and `shard`, its
-    /// optimizer's state recording its rank and the world size); then,
+    /// Saves a sharded run's state (every rank calls it): each rank that
+    /// `writes_shard` its shard (`pieces`, its part of the model if any,
+    /// and `shard`, its optimizer's state recording its rank and the world
+    /// size: under HSDP, its rank in its shard group); then,
     /// after a barrier, rank 0 the state that names the step with
     /// `varmap`'s variables; then every rank prunes its shards to the steps
     /// the kept states name.
@@ -64,6 +65,7 @@ impl Checkpoints {
         pieces: &VarMap,
         shard: OptimizerState,
         state: TrainingState,
+        writes_shard: bool,
     ) -> Result<()> {
         let rank = pg.rank();
         let step = state.progress.step;
@@ -72,7 +74,9 @@ impl Checkpoints {
             optimizer: Some(shard),
             ..Default::default()
         };
-        self.shard_states(rank)?.save(pieces, &mine)?;
+        if writes_shard {
+            self.shard_states(rank)?.save(pieces, &mine)?;
+        }
         pg.barrier()?;
         // Rank 0 writes the state, then tells every rank which steps the
         // kept states name (from its own listing: another rank's view of
@@ -86,7 +90,7 @@ impl Checkpoints {
         let mut wanted = all_gather_object(pg, &named)?.swap_remove(0);
         wanted.push(step);
         // A failed pruning only costs disk: the save itself succeeded.
-        if let Ok(dir) = self.shard_states(rank) {
+        if let Some(Ok(dir)) = writes_shard.then(|| self.shard_states(rank)) {
             if let Err(e) = dir.retain_steps(|s| wanted.contains(&s)) {
                 tracing::warn!("rank {rank}: could not prune old shards: {e}");
             }

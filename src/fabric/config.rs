@@ -41,6 +41,11 @@ pub enum Strategy {
     /// parameters, gradients and optimizer state sharded (the model given
     /// as units).
     Fsdp,
+    /// Hybrid sharding (HSDP): FSDP within groups of
+    /// [`shard_size`](FabricConfig::shard_size) ranks (a machine's),
+    /// replicated across the groups (the machines); see
+    /// [`FullyShardedDataParallel::from_units_on_mesh`](crate::FullyShardedDataParallel::from_units_on_mesh).
+    Hsdp,
     /// A [`Pipeline`](crate::Pipeline) over the devices, one stage each
     /// (the model given as units, at least two devices).
     Pipeline,
@@ -51,7 +56,7 @@ pub enum Strategy {
 
 impl Strategy {
     /// Every strategy, in the order of the documentation.
-    pub const ALL: [Strategy; 9] = [
+    pub const ALL: [Strategy; 10] = [
         Strategy::Single,
         Strategy::Dp,
         Strategy::Ddp,
@@ -59,6 +64,7 @@ impl Strategy {
         Strategy::Zero1,
         Strategy::Zero2,
         Strategy::Fsdp,
+        Strategy::Hsdp,
         Strategy::Pipeline,
         Strategy::PipelineDdp,
     ];
@@ -73,6 +79,7 @@ impl Strategy {
             Strategy::Zero1 => "zero1",
             Strategy::Zero2 => "zero2",
             Strategy::Fsdp => "fsdp",
+            Strategy::Hsdp => "hsdp",
             Strategy::Pipeline => "pipeline",
             Strategy::PipelineDdp => "pipeline-ddp",
         }
@@ -89,14 +96,21 @@ impl Strategy {
     pub fn needs_units(self) -> bool {
         matches!(
             self,
-            Strategy::DdpOverlap | Strategy::Fsdp | Strategy::Pipeline | Strategy::PipelineDdp
+            Strategy::DdpOverlap
+                | Strategy::Fsdp
+                | Strategy::Hsdp
+                | Strategy::Pipeline
+                | Strategy::PipelineDdp
         )
     }
 
     /// Whether each rank keeps only its pieces of some state (its
     /// checkpoints are sharded).
     pub fn shards(self) -> bool {
-        matches!(self, Strategy::Zero1 | Strategy::Zero2 | Strategy::Fsdp)
+        matches!(
+            self,
+            Strategy::Zero1 | Strategy::Zero2 | Strategy::Fsdp | Strategy::Hsdp
+        )
     }
 }
 
@@ -122,6 +136,7 @@ impl FromStr for Strategy {
             "zero1" | "zero-1" | "deepspeed-stage-1" => Strategy::Zero1,
             "zero2" | "zero-2" | "deepspeed-stage-2" => Strategy::Zero2,
             "fsdp" => Strategy::Fsdp,
+            "hsdp" | "hybrid-shard" => Strategy::Hsdp,
             "pipeline" | "pp" => Strategy::Pipeline,
             "pipeline-ddp" | "pp-ddp" => Strategy::PipelineDdp,
             _ => {
@@ -387,6 +402,12 @@ pub struct FabricConfig {
     pub reshard_after_forward: bool,
     /// FSDP: gather the next unit while this one computes (default true).
     pub prefetch: bool,
+    /// HSDP: how many ranks share one copy of the parameters (the shard
+    /// group; the ranks `r` with the same `r / shard_size` form one).
+    /// Default: the ranks per machine as the MPI launcher says
+    /// (`OMPI_COMM_WORLD_LOCAL_SIZE` and the like), every rank on thread
+    /// ranks (one machine). It must divide the number of ranks.
+    pub shard_size: Option<usize>,
     /// Clips the total 2-norm of the gradients to this before every step
     /// (default none).
     pub gradient_clip: Option<f64>,
@@ -425,6 +446,7 @@ impl Default for FabricConfig {
             dp_backward: DpBackward::Parallel,
             reshard_after_forward: true,
             prefetch: true,
+            shard_size: None,
             gradient_clip: None,
             accumulation_steps: 1,
             checkpoint_dir: None,
@@ -582,6 +604,16 @@ impl FabricConfig {
                     self.stages
                 ))
             }
+            Strategy::Hsdp => match self.shard_size {
+                Some(0) => return refuse("shard_size must be at least 1 rank".into()),
+                Some(s) if !devices.is_multiple_of(s) => {
+                    return refuse(format!(
+                        "{devices} ranks do not split into shard groups of {s}: shard_size must \
+                         divide the number of ranks"
+                    ))
+                }
+                _ => {}
+            },
             _ => {}
         }
         if self.overlap

@@ -13,13 +13,14 @@ use candle_nn::{VarBuilder, VarMap};
 use super::config::{DpBackward, FabricConfig, Strategy};
 use super::module::FabricModule;
 use crate::buffers::{is_batch_norm_buffer, BufferSnapshot};
-use crate::comm::ProcessGroup;
+use crate::comm::{DeviceMesh, ProcessGroup};
 use crate::data_parallel::DataParallel;
 use crate::ddp::{DdpConfig, DistributedDataParallel, ZeroStage};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use crate::pipeline::Pipeline;
 use crate::precision::{cast_input, MixedPrecisionModel};
+use crate::process_env::Backend;
 use crate::step::{LossReduction, Step};
 use crate::units::Units;
 use crate::vars::sorted_vars;
@@ -180,20 +181,35 @@ impl Engine {
                 ddp: Box::new(ddp_builder().build_units(module.parts().to_vec())?),
                 overlapped: true,
             },
-            Strategy::Fsdp => {
-                let fsdp = FullyShardedDataParallel::from_units(
-                    pg,
-                    varmap,
-                    DType::F32,
-                    &first,
-                    module.parts().to_vec(),
-                    FsdpConfig {
-                        reshard_after_forward: config.reshard_after_forward,
-                        prefetch: config.prefetch,
-                        mixed_precision: policy,
-                        ..FsdpConfig::default()
-                    },
-                )?;
+            Strategy::Fsdp | Strategy::Hsdp => {
+                let fsdp_config = FsdpConfig {
+                    reshard_after_forward: config.reshard_after_forward,
+                    prefetch: config.prefetch,
+                    mixed_precision: policy,
+                    ..FsdpConfig::default()
+                };
+                let parts = module.parts().to_vec();
+                let fsdp = match strategy {
+                    Strategy::Hsdp => {
+                        let mesh = hybrid_mesh(pg, config.shard_size)?;
+                        FullyShardedDataParallel::from_units_on_mesh(
+                            &mesh,
+                            varmap,
+                            DType::F32,
+                            &first,
+                            parts,
+                            fsdp_config,
+                        )?
+                    }
+                    _ => FullyShardedDataParallel::from_units(
+                        pg,
+                        varmap,
+                        DType::F32,
+                        &first,
+                        parts,
+                        fsdp_config,
+                    )?,
+                };
                 Engine::Fsdp(Box::new(fsdp))
             }
             Strategy::Pipeline => Engine::Pipeline(pipeline(devices)?),
@@ -401,4 +417,28 @@ fn to_f32(t: &Tensor) -> candle_core::Result<Tensor> {
         DType::BF16 | DType::F16 => t.to_dtype(DType::F32),
         _ => Ok(t.clone()),
     }
+}
+
+/// HSDP's mesh over `pg`: `(replicate, shard)`, shard groups of
+/// `shard_size` ranks (default: the ranks per machine the MPI launcher
+/// reports, all ranks on threads).
+fn hybrid_mesh(pg: Arc<dyn ProcessGroup>, shard_size: Option<usize>) -> Result<DeviceMesh> {
+    let world = pg.world_size();
+    let shard = shard_size.unwrap_or(match Backend::from_env() {
+        Backend::Threads => world,
+        Backend::Mpi { .. } => Backend::local_processes(),
+    });
+    if shard == 0 || !world.is_multiple_of(shard) {
+        return Err(Error::Strategy {
+            strategy: Strategy::Hsdp.name().into(),
+            reason: format!(
+                "{world} ranks do not split into shard groups of {shard}: give a shard_size \
+                 that divides the number of ranks"
+            ),
+        });
+    }
+    Ok(DeviceMesh::new(
+        pg,
+        &[("replicate", world / shard), ("shard", shard)],
+    )?)
 }

@@ -76,7 +76,7 @@ impl FabricModule {
                     "it works on the model unit by unit, and a plain module (FabricModule::module) \
                      has no units: give the model as FabricModule::units, or use {}",
                     match strategy {
-                        Strategy::Fsdp => "zero2 (sharded optimizer state and gradients)",
+                        Strategy::Fsdp | Strategy::Hsdp => "zero2 (sharded optimizer state and gradients)",
                         Strategy::DdpOverlap => "ddp (the reduction after the backward)",
                         _ => "dp or ddp",
                     }

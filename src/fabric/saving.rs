@@ -58,7 +58,7 @@ const STRATEGY: &str = "fabric.strategy";
 fn layout(strategy: Strategy) -> &'static str {
     match strategy {
         Strategy::Zero1 | Strategy::Zero2 => "ZeRO shards",
-        Strategy::Fsdp => "FSDP shards",
+        Strategy::Fsdp | Strategy::Hsdp => "FSDP shards",
         _ => "whole",
     }
 }
@@ -101,13 +101,17 @@ impl<O: StatefulOptimizer> FabricModel<O> {
                 &VarMap::new(),
                 zero.shard_state()?,
                 state,
+                true,
             ),
+            // Under HSDP every replica holds the same pieces: the first
+            // replica's ranks write them (numbered in their shard group).
             (Engine::Fsdp(fsdp), Stepper::Whole(opt)) => checkpoints.save_sharded(
                 self.pg.as_ref(),
                 &VarMap::new(),
                 &varmap_of(fsdp.pieces()?)?,
                 fsdp.shard_state(opt)?,
                 state,
+                fsdp.replica_rank() == 0,
             ),
             (_, Stepper::Whole(opt)) => {
                 // The state is the same on every rank: one writer, and no

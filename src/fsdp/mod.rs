@@ -487,9 +487,16 @@ impl FullyShardedDataParallel {
         result.unwrap_or_else(|payload| resume_unwind(payload))
     }
 
-    /// This rank's process group.
+    /// The group the parameters are sharded over (under HSDP, this
+    /// rank's shard group).
     pub fn process_group(&self) -> &Arc<dyn ProcessGroup> {
         &self.pg
+    }
+
+    /// Under HSDP, which replica this rank's shard group is (its rank in
+    /// the replicate group); 0 otherwise.
+    pub fn replica_rank(&self) -> usize {
+        self.replicate.as_ref().map_or(0, |g| g.rank())
     }
 
     /// The number of units.

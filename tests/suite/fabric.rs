@@ -654,6 +654,63 @@ fn sharded_states_reshard_onto_another_number_of_ranks() {
 }
 
 #[test]
+fn hsdp_over_two_shard_groups_trains_to_one_devices_weights_and_its_state_reshards_onto_fsdp() {
+    let single = run(Strategy::Single, Precision::F32);
+    let dir = tempdir().join("hsdp");
+    // Four ranks, two shard groups of two (two "machines").
+    let hsdp = FabricConfig {
+        checkpoint_dir: Some(dir.clone()),
+        shard_size: Some(2),
+        ..FabricConfig::new(Strategy::Hsdp, 4)
+    };
+    let straight = resumable_run(
+        &FabricConfig {
+            checkpoint_dir: Some(tempdir().join("hsdp-straight")),
+            ..hsdp.clone()
+        },
+        None,
+    );
+    assert_close("hsdp 2 x 2", &straight, &single, 1e-6);
+    resumable_run(&hsdp, Some(3));
+    // The first replica's pieces were saved: two shards.
+    let shards = std::fs::read_dir(dir.join("zero-shards")).unwrap().count();
+    assert_eq!(shards, 2, "one shard per rank of a shard group");
+    let again = resumable_run(&hsdp, None);
+    assert!(
+        identical(&again.0, &straight.0),
+        "resumed on the same mesh\n{}",
+        diff_report(&again.0, &straight.0)
+    );
+    // The same state resumed by plain FSDP on 2 ranks.
+    let fsdp = resumable_run(
+        &FabricConfig {
+            checkpoint_dir: Some(dir),
+            ..FabricConfig::new(Strategy::Fsdp, 2)
+        },
+        None,
+    );
+    let weights = max_rel_diff(&fsdp.0, &single.0);
+    assert!(
+        weights <= 1e-6,
+        "HSDP's state resumed by FSDP: {weights:.2e}"
+    );
+    // A shard size that does not divide the ranks is refused before any rank runs.
+    let error = launch(
+        FabricConfig {
+            shard_size: Some(3),
+            ..FabricConfig::new(Strategy::Hsdp, 4)
+        },
+        |_| Ok(()),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.contains("do not split into shard groups of 3"),
+        "{error}"
+    );
+}
+
+#[test]
 fn a_state_of_another_layout_is_refused_naming_both_strategies() {
     let dir = tempdir().join("layouts");
     let fsdp = FabricConfig {
