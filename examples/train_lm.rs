@@ -62,6 +62,10 @@ enum Strategy {
     /// gradients and AdamW state; each unit gathered when used (thread
     /// ranks, or the processes of mpirun).
     Fsdp,
+    /// Hybrid sharding: FSDP within groups of `--shard-size` ranks (a
+    /// machine's), the groups replicas of each other; only a piece of each
+    /// gradient crosses between the groups.
+    Hsdp,
 }
 
 /// The dtype of the forward and backward (master weights and optimizer
@@ -97,6 +101,10 @@ struct Args {
     /// pipeline stages. At least 1.
     #[arg(long, default_value_t = 2, value_parser = flags::at_least_one::<u64>)]
     replicas: u64,
+    /// hsdp: ranks per shard group; it must divide the ranks [default:
+    /// the ranks per machine under mpirun, every rank on threads].
+    #[arg(long, value_parser = flags::at_least_one::<usize>)]
+    shard_size: Option<usize>,
     /// Pipeline stages in each rank (ddp-pipeline; at least 1).
     #[arg(long, default_value_t = 2, value_parser = flags::at_least_one::<u64>)]
     stages: u64,
@@ -243,6 +251,7 @@ impl Args {
                 replicas * self.stages as usize,
             ),
             Strategy::Fsdp => (fabric::Strategy::Fsdp, replicas),
+            Strategy::Hsdp => (fabric::Strategy::Hsdp, replicas),
         };
         FabricConfig {
             stages: self.stages as usize,
@@ -253,6 +262,7 @@ impl Args {
                 Precision::F16 => fabric::Precision::F16Mixed,
             },
             overlap: self.overlap && matches!(strategy, Strategy::Ddp | Strategy::Zero),
+            shard_size: self.shard_size,
             gradient_clip: (self.clip_grad_norm > 0.0).then_some(self.clip_grad_norm),
             checkpoint_dir: self.checkpoint_dir.clone(),
             seed: self.seed,
@@ -570,10 +580,14 @@ fn run(args: Args) -> Result<()> {
     if mpi
         && !matches!(
             args.strategy,
-            Strategy::Ddp | Strategy::Zero | Strategy::DdpPipeline | Strategy::Fsdp
+            Strategy::Ddp
+                | Strategy::Zero
+                | Strategy::DdpPipeline
+                | Strategy::Fsdp
+                | Strategy::Hsdp
         )
     {
-        bail!("under mpirun, use --strategy ddp, zero, ddp-pipeline or fsdp");
+        bail!("under mpirun, use --strategy ddp, zero, ddp-pipeline, fsdp or hsdp");
     }
     let speaks = Backend::process_rank() == 0;
     let text = load_text()?;
@@ -639,6 +653,17 @@ fn run(args: Args) -> Result<()> {
             Backend::Threads => format!("FSDP x{} (thread ranks)", args.replicas),
             Backend::Mpi { .. } => format!("FSDP x{} (MPI processes)", Backend::world_size()),
         },
+        Strategy::Hsdp => {
+            let (ranks, on) = match Backend::from_env() {
+                Backend::Threads => (args.replicas as usize, "thread ranks"),
+                Backend::Mpi { .. } => (Backend::world_size(), "MPI processes"),
+            };
+            let shard = args.shard_size.unwrap_or(match Backend::from_env() {
+                Backend::Threads => ranks,
+                Backend::Mpi { .. } => Backend::local_processes(),
+            });
+            format!("HSDP x{ranks} ({on}, shard groups of {shard})")
+        }
         Strategy::DdpPipeline => {
             let ranks = match Backend::from_env() {
                 Backend::Threads => format!("{} thread ranks", args.replicas),
