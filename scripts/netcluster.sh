@@ -19,9 +19,13 @@
 #   scripts/netcluster.sh run [--machines N] [--per-machine P]
 #           [--cut M --cut-after SECONDS [--restore-after T]]
 #           [--mca NAME VALUE]... [--export VAR]... [--wait-empty S]
-#           -- PROGRAM ARGS...
+#           [--block] [--link-bytes FILE] -- PROGRAM ARGS...
 #       runs PROGRAM as N*P ranks, P per machine (rank r on machine
-#       r % N + 1), and exits with mpirun's status; with --cut, machine M's
+#       r % N + 1; with --block, machine m holds ranks (m-1)*P..m*P-1, as a
+#       DeviceMesh expects: neighbouring ranks on one machine), and exits
+#       with mpirun's status; --link-bytes FILE writes each machine's bytes
+#       sent and received on its link over the run, one line per machine
+#       ("machine N tx BYTES rx BYTES"); with --cut, machine M's
 #       link goes down SECONDS after the start (a network partition), and
 #       with --restore-after T comes back T seconds after the start;
 #       --export passes an environment variable, if set, to every rank
@@ -46,6 +50,8 @@ CUT=""
 CUT_AFTER=""
 RESTORE_AFTER=""
 WAIT_EMPTY=10
+MAP_BY=node
+LINK_BYTES=""
 MCA=()
 
 die() { echo "netcluster: $*" >&2; exit 2; }
@@ -142,11 +148,18 @@ run() {
     fi
     local status=0
     ip netns exec "$(ns 1)" unshare --uts sh -c 'hostname node1; exec "$@"' sh \
-        mpirun --allow-run-as-root --oversubscribe --hostfile "$HOSTS" --map-by node -np "$np" \
+        mpirun --allow-run-as-root --oversubscribe --hostfile "$HOSTS" --map-by "$MAP_BY" -np "$np" \
         --mca plm_rsh_agent "$AGENT" --mca btl tcp,self \
         --mca btl_tcp_if_include "$NET.0/24" --mca oob_tcp_if_include "$NET.0/24" \
         "${MCA[@]}" "$@" || status=$?
     for p in $cutter $restorer; do kill "$p" 2>/dev/null || true; done
+    if [ -n "$LINK_BYTES" ]; then
+        : >"$LINK_BYTES"
+        for n in $(seq 1 "$MACHINES"); do
+            local stats=/sys/class/net/eth0/statistics
+            echo "machine $n tx $(ip netns exec "$(ns "$n")" cat $stats/tx_bytes) rx $(ip netns exec "$(ns "$n")" cat $stats/rx_bytes)" >>"$LINK_BYTES"
+        done
+    fi
     # A machine's processes may end after mpirun (a cut-off rank ends on
     # its own timeout): give them WAIT_EMPTY seconds before the teardown
     # reports and kills what is left.
@@ -208,6 +221,8 @@ case "$command" in
                 --mca) MCA+=(--mca "$2" "$3"); shift 3 ;;
                 --export) if [ -n "${!2+set}" ]; then MCA+=(-x "$2"); fi; shift 2 ;;
                 --wait-empty) WAIT_EMPTY=$2; shift 2 ;;
+                --block) MAP_BY=slot; shift ;;
+                --link-bytes) LINK_BYTES=$2; shift 2 ;;
                 --) shift; break ;;
                 *) die "unknown option $1" ;;
             esac

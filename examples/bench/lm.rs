@@ -55,12 +55,43 @@ pub struct LmSpec {
     pub fused_ops: bool,
     /// Steps timed after the warm-up.
     pub steps: usize,
+    /// On simulated machines (`bench --mesh`): also count the bytes each
+    /// machine's link carried over the timed steps.
+    #[serde(default)]
+    pub count_link_bytes: bool,
 }
 
-/// What one run measured: rank 0's step times.
+/// What one run measured: rank 0's step times, and with
+/// `count_link_bytes` each machine's bytes sent and received over the
+/// timed steps, in rank order of the machines' first ranks.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct LmMeasured {
     pub step_ms: Vec<f64>,
+    #[serde(default)]
+    pub link_bytes: Vec<(u64, u64)>,
+}
+
+/// The bytes this machine's network links (every interface but the
+/// loopback) have sent and received: inside a network namespace of
+/// `scripts/netcluster.sh`, the simulated machine's one link.
+fn link_counters() -> Result<(u64, u64)> {
+    let mut sent_received = (0, 0);
+    for entry in std::fs::read_dir("/sys/class/net")? {
+        let path = entry?.path();
+        if path.file_name().is_some_and(|n| n == "lo") {
+            continue;
+        }
+        let read = |what: &str| -> Result<u64> {
+            let file = path.join("statistics").join(what);
+            Ok(std::fs::read_to_string(&file)
+                .with_context(|| file.display().to_string())?
+                .trim()
+                .parse()?)
+        };
+        sent_received.0 += read("tx_bytes")?;
+        sent_received.1 += read("rx_bytes")?;
+    }
+    Ok(sent_received)
 }
 
 /// Runs one configuration in this process: `train_lm`'s loop without its
@@ -89,7 +120,17 @@ pub fn run_child(spec: &LmSpec) -> Result<LmMeasured> {
         })?;
         model.set_schedule(LrScheduler::warmup_cosine(LR, 1, total as u64)?);
         let mut measured = LmMeasured::default();
+        // The first rank of each machine counts its link (the ranks of a
+        // machine are neighbours: netcluster's --block).
+        let counts = spec.count_link_bytes && candle_dp::launch::Backend::local_rank() == 0;
+        let mut before = (0, 0);
         for step in 0..total {
+            if step == WARMUP && spec.count_link_bytes {
+                fabric.barrier()?;
+                if counts {
+                    before = link_counters()?;
+                }
+            }
             let start = Instant::now();
             let indices = windows_at(&train, world, rank, SEED, per_rank, step as u64)?;
             let (x, y) = train.batch(&indices)?;
@@ -102,6 +143,17 @@ pub fn run_child(spec: &LmSpec) -> Result<LmMeasured> {
             if step >= WARMUP {
                 measured.step_ms.push(start.elapsed().as_secs_f64() * 1e3);
             }
+        }
+        if spec.count_link_bytes {
+            fabric.barrier()?;
+            let mine = match counts {
+                true => {
+                    let after = link_counters()?;
+                    Some((after.0 - before.0, after.1 - before.1))
+                }
+                false => None,
+            };
+            measured.link_bytes = fabric.all_gather_object(&mine)?.into_iter().flatten().collect();
         }
         Ok(measured)
     })?;
@@ -206,6 +258,7 @@ fn runs(quick: bool, steps: usize, torch: bool) -> Vec<Run> {
             world,
             fused_ops,
             steps,
+            count_link_bytes: false,
         })
     };
     let mut runs = vec![spec("single", 1, true)];

@@ -54,6 +54,9 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 static GLOBAL: alloc_count::Counting = alloc_count::Counting;
 
 mod all_reduce;
+// Under mimalloc the counting allocator is not installed (its reads stay
+// at zero), so its allocator half goes unused.
+#[cfg_attr(feature = "mimalloc", allow(dead_code))]
 mod alloc_count;
 mod child;
 mod fabric;
@@ -61,6 +64,7 @@ mod fabric;
 use candle_dp_examples::flags;
 mod inputs;
 mod lm;
+mod mesh;
 mod net;
 mod overlap;
 mod pipeline;
@@ -176,6 +180,13 @@ struct Args {
     /// on one process and as DDP over two beside candle-dp.
     #[arg(long, value_name = "PYTHON", requires = "lm")]
     torch_python: Option<PathBuf>,
+    /// Measure the language model on two simulated machines of two ranks
+    /// each (`scripts/netcluster.sh`, as root; a build with `--features
+    /// mpi`): DDP, FSDP over all four ranks and HSDP (shard groups of a
+    /// machine's two), the step time and the bytes each machine's link
+    /// carries per step (writes mesh.md).
+    #[arg(long)]
+    mesh: bool,
     /// Internal: run one language-model configuration (JSON) in this process.
     #[arg(long, hide = true, value_name = "SPEC")]
     lm_child: Option<String>,
@@ -206,7 +217,11 @@ fn run(args: Args) -> Result<()> {
     }
     if let Some(child) = &args.lm_child {
         let spec: lm::LmSpec = serde_json::from_str(child).context("a language-model spec")?;
-        println!("{}", serde_json::to_string(&lm::run_child(&spec)?)?);
+        let measured = lm::run_child(&spec)?;
+        // Under mpirun every rank gets here; rank 0 reports.
+        if Backend::process_rank() == 0 {
+            println!("{}", serde_json::to_string(&measured)?);
+        }
         return Ok(());
     }
     if let Some(child) = &args.pipeline_child {
@@ -283,6 +298,15 @@ fn run(args: Args) -> Result<()> {
         println!("{report}");
         std::fs::write(out_dir.join("lm.md"), &report)?;
         println!("wrote {}", out_dir.join("lm.md").display());
+        return Ok(());
+    }
+    if args.mesh {
+        let steps = args.steps.unwrap_or(if quick { 3 } else { 10 });
+        let rounds = args.rounds.unwrap_or(if quick { 1 } else { 3 });
+        let report = mesh::run(steps, rounds)?;
+        println!("{report}");
+        std::fs::write(out_dir.join("mesh.md"), &report)?;
+        println!("wrote {}", out_dir.join("mesh.md").display());
         return Ok(());
     }
     if args.overlap {

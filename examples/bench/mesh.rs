@@ -1,0 +1,106 @@
+//! The mesh part of the benchmark (`--mesh`): the language model's step
+//! (`lm`'s child, through a `Fabric`) on two simulated machines of two
+//! ranks each (`scripts/netcluster.sh --block`: ranks 0, 1 on machine 1,
+//! ranks 2, 3 on machine 2, over TCP only), as DDP, as FSDP over all four
+//! ranks and as HSDP with a machine's two ranks as its shard group: the
+//! step time and the bytes each machine's link carries per step, read
+//! from the link's own counters around the timed steps.
+//!
+//! Runs interleaved over the rounds, each in its own `mpirun`; every
+//! process gets one thread (four processes share this machine's cores).
+
+use std::process::Command;
+
+use anyhow::Result;
+
+use crate::lm::{LmMeasured, LmSpec};
+use crate::stats::median;
+
+const MACHINES: usize = 2;
+const PER_MACHINE: usize = 2;
+
+/// The strategies compared, by the Fabric's names.
+const STRATEGIES: [&str; 3] = ["ddp", "fsdp", "hsdp"];
+
+/// `mpirun` of this binary's language-model child on the simulated
+/// machines.
+fn on_cluster(spec: &LmSpec) -> Result<Command> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/netcluster.sh");
+    let mut cmd = Command::new("bash");
+    cmd.arg(script)
+        .args(["run", "--machines", &MACHINES.to_string()])
+        .args(["--per-machine", &PER_MACHINE.to_string(), "--block"])
+        .args(["--export", "RAYON_NUM_THREADS", "--export", "CANDLE_NUM_THREADS"])
+        .args(["--mca", "hwloc_base_binding_policy", "none", "--"])
+        .arg(std::env::current_exe()?)
+        .arg("--lm-child")
+        .arg(serde_json::to_string(spec)?)
+        .env("RAYON_NUM_THREADS", "1")
+        .env("CANDLE_NUM_THREADS", "1");
+    Ok(cmd)
+}
+
+/// Every strategy, interleaved over `rounds`; the report.
+pub fn run(steps: usize, rounds: usize) -> Result<String> {
+    let specs: Vec<LmSpec> = STRATEGIES
+        .iter()
+        .map(|strategy| LmSpec {
+            strategy: strategy.to_string(),
+            world: MACHINES * PER_MACHINE,
+            fused_ops: true,
+            steps,
+            count_link_bytes: true,
+        })
+        .collect();
+    let mut measured: Vec<Vec<LmMeasured>> = vec![Vec::new(); specs.len()];
+    for round in 0..rounds {
+        for (spec, runs) in specs.iter().zip(&mut measured) {
+            eprintln!("mesh: {} (round {})", spec.strategy, round + 1);
+            runs.push(crate::child_answer(on_cluster(spec)?, &spec.strategy)?);
+        }
+    }
+    Ok(report(&specs, &measured, steps, rounds))
+}
+
+fn report(specs: &[LmSpec], measured: &[Vec<LmMeasured>], steps: usize, rounds: usize) -> String {
+    let mut s = format!(
+        "## The language model on {MACHINES} simulated machines x {PER_MACHINE} ranks\n\n\
+         `scripts/netcluster.sh --block` (TCP between network namespaces; ranks 0, 1 on \
+         machine 1, ranks 2, 3 on machine 2), one thread per rank, {rounds} round(s) of \
+         {steps} timed steps; `train_lm`'s model and step. HSDP's shard group is a \
+         machine's two ranks, replicated across the machines. Bytes: what each machine's \
+         link sent per timed step, the median over the rounds (with two machines, what one \
+         sends the other receives). {}.\n\n\
+         | run | ms/step | machine 1 sent, MB/step | machine 2 sent, MB/step | vs FSDP's bytes |\n\
+         |---|---:|---:|---:|---:|\n",
+        crate::machine(crate::plan::DeviceKind::Cpu),
+    );
+    let per_step = |runs: &[LmMeasured], machine: usize| -> f64 {
+        let sent: Vec<f64> = runs
+            .iter()
+            .filter_map(|m| m.link_bytes.get(machine))
+            .map(|&(tx, _)| tx as f64 / steps as f64 / 1e6)
+            .collect();
+        if sent.is_empty() {
+            f64::NAN
+        } else {
+            median(&sent)
+        }
+    };
+    let fsdp = specs
+        .iter()
+        .position(|s| s.strategy == "fsdp")
+        .map(|i| per_step(&measured[i], 0));
+    for (spec, runs) in specs.iter().zip(measured) {
+        let times: Vec<f64> = runs.iter().flat_map(|m| m.step_ms.iter().copied()).collect();
+        let (m1, m2) = (per_step(runs, 0), per_step(runs, 1));
+        let ratio = fsdp.map_or_else(String::new, |f| format!("{:.2}x", m1 / f));
+        s += &format!(
+            "| {} x{} | {:.0} | {m1:.2} | {m2:.2} | {ratio} |\n",
+            spec.strategy.to_uppercase(),
+            spec.world,
+            median(&times),
+        );
+    }
+    s
+}
