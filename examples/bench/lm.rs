@@ -153,7 +153,11 @@ pub fn run_child(spec: &LmSpec) -> Result<LmMeasured> {
                 }
                 false => None,
             };
-            measured.link_bytes = fabric.all_gather_object(&mine)?.into_iter().flatten().collect();
+            measured.link_bytes = fabric
+                .all_gather_object(&mine)?
+                .into_iter()
+                .flatten()
+                .collect();
         }
         Ok(measured)
     })?;

@@ -30,7 +30,12 @@ fn on_cluster(spec: &LmSpec) -> Result<Command> {
     cmd.arg(script)
         .args(["run", "--machines", &MACHINES.to_string()])
         .args(["--per-machine", &PER_MACHINE.to_string(), "--block"])
-        .args(["--export", "RAYON_NUM_THREADS", "--export", "CANDLE_NUM_THREADS"])
+        .args([
+            "--export",
+            "RAYON_NUM_THREADS",
+            "--export",
+            "CANDLE_NUM_THREADS",
+        ])
         .args(["--mca", "hwloc_base_binding_policy", "none", "--"])
         .arg(std::env::current_exe()?)
         .arg("--lm-child")
@@ -92,7 +97,10 @@ fn report(specs: &[LmSpec], measured: &[Vec<LmMeasured>], steps: usize, rounds: 
         .position(|s| s.strategy == "fsdp")
         .map(|i| per_step(&measured[i], 0));
     for (spec, runs) in specs.iter().zip(measured) {
-        let times: Vec<f64> = runs.iter().flat_map(|m| m.step_ms.iter().copied()).collect();
+        let times: Vec<f64> = runs
+            .iter()
+            .flat_map(|m| m.step_ms.iter().copied())
+            .collect();
         let (m1, m2) = (per_step(runs, 0), per_step(runs, 1));
         let ratio = fsdp.map_or_else(String::new, |f| format!("{:.2}x", m1 / f));
         s += &format!(

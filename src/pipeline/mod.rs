@@ -68,6 +68,8 @@ mod builder;
 mod deferred_norm;
 mod device_work;
 mod distributed;
+mod link;
+mod on_ranks;
 mod recompute;
 mod schedule;
 mod stage;
@@ -87,6 +89,7 @@ use crossbeam::channel;
 pub use crate::units::{layer, LayerFactory};
 pub use balance::Balance;
 pub use builder::PipelineBuilder;
+pub use on_ranks::{RankPipeline, RankPipelineConfig, RankStep};
 pub use recompute::Checkpoint;
 pub use schedule::Schedule;
 pub use timings::PipelineTimings;
@@ -100,6 +103,7 @@ use crate::step::{LossReduction, Step};
 use crate::units::build_layer;
 use crate::worker_pool::{Failure, NoAnswer, WorkerFailure, WorkerPool};
 use device_work::{DeviceFailure, DeviceOutput, DeviceWork};
+use link::{Inbox, Outbox};
 use stage::{Board, Doing, Links, LossFn, Stage, StageOutput, StageWork, TrainLoss};
 
 /// A model split into stages across devices, pipelined over micro-batches.
@@ -409,11 +413,11 @@ impl Pipeline {
         for s in 1..stages {
             let (act_tx, act_rx) = channel::unbounded();
             let (grad_tx, grad_rx) = channel::unbounded();
-            links[s - 1].to_next = Some(act_tx);
-            links[s].from_prev = Some(act_rx);
+            links[s - 1].to_next = Some(Outbox::Channel(act_tx));
+            links[s].from_prev = Some(Inbox::Channel(act_rx));
             if loss.is_some() {
-                links[s].grad_to_prev = Some(grad_tx);
-                links[s - 1].grad_from_next = Some(grad_rx);
+                links[s].grad_to_prev = Some(Outbox::Channel(grad_tx));
+                links[s - 1].grad_from_next = Some(Inbox::Channel(grad_rx));
             }
         }
         // Each taken once, by its stage's work.

@@ -7,9 +7,10 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor, Var};
 use candle_nn::ModuleT;
-use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
+use crossbeam::channel::{Receiver, RecvTimeoutError};
 
 use super::deferred_norm::{self, NormLayers, NormStep, NormUse};
+use super::link::{Inbox, Message, Outbox};
 use super::recompute::{self, Checkpoint, Fingerprints};
 use super::schedule::Op;
 use super::stage_var::StageVar;
@@ -18,9 +19,6 @@ use crate::lock::lock;
 use crate::units::boundary;
 use crate::units::Fingerprint;
 use crate::worker_pool::Cancel;
-
-/// A tensor for micro-batch `m`, between neighbouring stages.
-pub(crate) type Message = (usize, Tensor);
 
 /// What a training stage keeps of a micro-batch's forward for its
 /// backward.
@@ -157,10 +155,10 @@ pub(crate) struct StageFailure {
 /// The channels of one stage to its neighbours (absent at the ends).
 #[derive(Default)]
 pub(crate) struct Links {
-    pub(crate) from_prev: Option<Receiver<Message>>,
-    pub(crate) to_next: Option<Sender<Message>>,
-    pub(crate) grad_from_next: Option<Receiver<Message>>,
-    pub(crate) grad_to_prev: Option<Sender<Message>>,
+    pub(crate) from_prev: Option<Inbox>,
+    pub(crate) to_next: Option<Outbox>,
+    pub(crate) grad_from_next: Option<Inbox>,
+    pub(crate) grad_to_prev: Option<Outbox>,
 }
 
 /// What a stage hands back at the end of a step.
@@ -329,9 +327,11 @@ impl StageWork {
                         } else {
                             output
                         };
-                        // The neighbour may be gone after a failure: the
-                        // step is being abandoned, its error comes first.
-                        let _ = next.send((m, message));
+                        next.send(m, message).map_err(|reason| StageFailure {
+                            micro_batch: m,
+                            phase: Phase::Forward,
+                            source: candle_core::Error::Msg(reason),
+                        })?;
                     }
                     None if !self.training => run.out.outputs.push(output),
                     None => {}
@@ -580,16 +580,18 @@ impl StageWork {
                 Some(g) => g.clone(),
                 None => leaf.zeros_like().map_err(fail)?,
             };
-            let _ = prev.send((m, grad));
+            prev.send(m, grad)
+                .map_err(|reason| fail(candle_core::Error::Msg(reason)))?;
         }
         Ok(())
     }
 
     /// Waits for micro-batch `m` from a neighbour; gives up when the step
-    /// is abandoned (another stage failed or the step timed out).
+    /// is abandoned (another stage failed or the step timed out), or, from
+    /// another rank, when its group fails or times out.
     fn receive(
         &self,
-        rx: &Receiver<Message>,
+        inbox: &Inbox,
         m: usize,
         phase: Phase,
         cancel: &Cancel,
@@ -600,6 +602,20 @@ impl StageWork {
             phase,
             source: candle_core::Error::Msg(reason),
         };
+        let rx = match inbox {
+            Inbox::Channel(rx) => rx,
+            Inbox::Rank(route) => return route.port.receive(route, m).map_err(fail),
+        };
+        self.receive_channel(rx, m, fail, cancel)
+    }
+
+    fn receive_channel(
+        &self,
+        rx: &Receiver<Message>,
+        m: usize,
+        fail: impl Fn(String) -> StageFailure,
+        cancel: &Cancel,
+    ) -> Result<Tensor, StageFailure> {
         let mut gone_since: Option<Instant> = None;
         loop {
             if cancel.is_cancelled() {

@@ -38,6 +38,7 @@ mod optim;
 mod optim_groups;
 mod overlap;
 mod pipeline;
+mod pipeline_ranks;
 mod precision;
 mod recipe;
 mod resume;

@@ -1,0 +1,464 @@
+//! A pipeline whose stages live on the ranks of a group (processes,
+//! machines): [`RankPipeline`], PyTorch's `torch.distributed.pipelining`
+//! (`PipelineStage` and a schedule) on candle-dp's groups.
+//!
+//! Each rank builds and runs only its own stages, with the in-process
+//! pipeline's stage work (the same schedules, activation checkpointing,
+//! deferred BatchNorm), talking to the neighbouring ranks' stages with
+//! `send` and `recv` instead of channels ([`link`](super::link)). For the
+//! same split and schedule, the losses and gradients are the in-process
+//! pipeline's, bit for bit.
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarMap;
+use crossbeam::channel;
+
+use super::balance::layers_per_stage;
+use super::device_work::{stages_of, DeviceWork};
+use super::link::{Flow, Inbox, Outbox, RankPort, Route};
+use super::stage::{Doing, Links, LossFn, Stage, StageOutput, StageWork, TrainLoss};
+use super::stage_build::build_stage;
+use super::{Balance, Checkpoint, LayerFactory, Schedule};
+use crate::comm::{all_gather_object, ProcessGroup};
+use crate::error::{Error, Result};
+use crate::scatter_gather::chunk_sizes;
+use crate::step::LossReduction;
+use crate::worker_pool::Cancel;
+
+/// How a [`RankPipeline`] splits and runs the model. Every rank passes the
+/// same.
+#[derive(Debug, Clone)]
+pub struct RankPipelineConfig {
+    /// How many layers each stage gets (default [`Balance::Uniform`]).
+    pub balance: Balance,
+    /// Micro-batches per step (default: one per stage).
+    pub chunks: Option<usize>,
+    /// The schedule (default 1F1B); interleaved puts several stages on
+    /// each rank, stage `k` on rank `k % ranks`.
+    pub schedule: Schedule,
+    /// Which micro-batches each stage recomputes before their backward.
+    pub checkpoint: Checkpoint,
+}
+
+impl Default for RankPipelineConfig {
+    fn default() -> Self {
+        RankPipelineConfig {
+            balance: Balance::Uniform,
+            chunks: None,
+            schedule: Schedule::OneFOneB,
+            checkpoint: Checkpoint::Never,
+        }
+    }
+}
+
+/// What one rank's part of a step gives: the loss on the rank of the last
+/// stage (its micro-batches' weighted losses summed), and the gradients of
+/// this rank's stages' variables, for any candle optimizer over them.
+#[derive(Debug)]
+pub struct RankStep {
+    /// The step's loss, on the rank that holds the last stage; `None`
+    /// elsewhere.
+    pub loss: Option<Tensor>,
+    /// This rank's variables' gradients, accumulated over the
+    /// micro-batches.
+    pub grads: GradStore,
+}
+
+/// One rank's part of a pipeline whose stages are spread over the ranks
+/// of `pg`: with `R` ranks and `v` stages per rank (interleaved), stage `k`
+/// of `R·v` lives on rank `k % R`. The rank of stage 0 feeds the input,
+/// the rank of the last stage the targets and computes the loss;
+/// activations go forward and gradients backward between neighbouring
+/// ranks, point to point.
+///
+/// Each rank builds only its own stages' layers (the whole model never
+/// exists on one rank) in `varmap`: its optimizer steps those. The layers
+/// are built on this thread and stay on it (they need not be `Send`).
+///
+/// A failure on any rank (a layer's error, a lost rank, the group's
+/// timeout) fails the group, and every rank's step returns an error naming
+/// the stage.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_dp::launch::spawn;
+/// use candle_dp::pipeline::{layer, RankPipeline, RankPipelineConfig};
+/// use candle_dp::LossReduction;
+/// use candle_nn::{linear, loss, Activation, Optimizer, VarMap, SGD};
+///
+/// spawn(2, |ctx| {
+///     let layers = vec![
+///         layer(|vb| linear(4, 8, vb.pp("a"))),
+///         layer(|_| Ok(Activation::Relu)),
+///         layer(|vb| linear(8, 2, vb.pp("b"))),
+///     ];
+///     let varmap = VarMap::new();
+///     let pipe = RankPipeline::new(ctx.process_group(), &varmap, DType::F32, &Device::Cpu,
+///         layers, RankPipelineConfig { chunks: Some(3), ..Default::default() })?;
+///     let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
+///     let x = Tensor::randn(0f32, 1., (6, 4), &Device::Cpu)?;
+///     let y = Tensor::new(&[0u32, 1, 0, 1, 0, 1], &Device::Cpu)?;
+///     // Rank 0 holds the first stage, rank 1 the last.
+///     let (x, y) = (ctx.rank == 0).then_some(&x).zip(Some(&y)).unzip();
+///     let step = pipe.forward_backward(x, y.filter(|_| ctx.rank == 1), LossReduction::Mean,
+///         |out, y| loss::cross_entropy(out, y))?;
+///     assert_eq!(step.loss.is_some(), ctx.rank == 1);
+///     sgd.step(&step.grads)?;
+///     Ok(())
+/// })?;
+/// # Ok::<(), anyhow::Error>(())
+/// ```
+pub struct RankPipeline {
+    pg: Arc<dyn ProcessGroup>,
+    port: Arc<RankPort>,
+    device: Device,
+    /// This rank's stages, in the order of `indices`.
+    held: Vec<Stage>,
+    /// Their numbers in the pipeline.
+    indices: Vec<usize>,
+    /// Layers per stage.
+    balance: Vec<usize>,
+    config: RankPipelineConfig,
+}
+
+impl std::fmt::Debug for RankPipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankPipeline")
+            .field("rank", &self.pg.rank())
+            .field("stages", &self.indices)
+            .field("balance", &self.balance)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What every rank's pipeline must agree on.
+#[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Plan {
+    layers: usize,
+    balance: Vec<usize>,
+    chunks: Option<usize>,
+    schedule: String,
+    checkpoint: String,
+}
+
+impl RankPipeline {
+    /// Builds this rank's stages of `layers` on `device` (variables created
+    /// in `varmap` where missing). Every rank of `pg` calls it with the
+    /// same layers and configuration.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidBalance`] for a split that does not fit (fewer
+    /// layers than stages, a wrong explicit balance);
+    /// [`Error::ModelMismatch`] naming the first rank whose layers, split,
+    /// schedule, micro-batches or checkpointing differ from rank 0's; a
+    /// layer's factory failing.
+    pub fn new(
+        pg: Arc<dyn ProcessGroup>,
+        varmap: &VarMap,
+        dtype: DType,
+        device: &Device,
+        layers: Vec<LayerFactory>,
+        config: RankPipelineConfig,
+    ) -> Result<Self> {
+        let ranks = pg.world_size();
+        let stages = ranks * config.schedule.stages_per_device().max(1);
+        let balance = layers_per_stage(&config.balance, &layers, stages, dtype, device);
+        let plan = Plan {
+            layers: layers.len(),
+            balance: balance.as_ref().map_or_else(|_| Vec::new(), Clone::clone),
+            chunks: config.chunks,
+            schedule: format!("{:?}", config.schedule),
+            checkpoint: format!("{:?}", config.checkpoint),
+        };
+        let plans = all_gather_object(pg.as_ref(), &plan)?;
+        if let Some(rank) = plans.iter().position(|p| p != &plans[0]) {
+            return Err(Error::ModelMismatch {
+                rank,
+                detail: format!(
+                    "asks for another pipeline: {:?}, where rank 0 asks for {:?}",
+                    plans[rank], plans[0]
+                ),
+            });
+        }
+        let balance = balance?;
+        if config.chunks == Some(0) {
+            return Err(Error::Candle(candle_core::Error::Msg(
+                "a pipeline step needs at least one micro-batch".into(),
+            )));
+        }
+        let rank = pg.rank();
+        let indices: Vec<usize> = stages_of(rank, ranks, stages).collect();
+        let mut held = Vec::with_capacity(indices.len());
+        for &k in &indices {
+            let first: usize = balance[..k].iter().sum();
+            let factories = &layers[first..first + balance[k]];
+            held.push(build_stage(varmap, dtype, None, device, first, factories)?);
+        }
+        Ok(RankPipeline {
+            port: Arc::new(RankPort::new(Arc::clone(&pg))),
+            pg,
+            device: device.clone(),
+            held,
+            indices,
+            balance,
+            config,
+        })
+    }
+
+    /// The pipeline's stages in all.
+    fn stages(&self) -> usize {
+        self.balance.len()
+    }
+
+    /// The rank that holds stage `k`.
+    fn owner(&self, k: usize) -> usize {
+        k % self.pg.world_size().max(1)
+    }
+
+    /// The numbers of this rank's stages.
+    pub fn stages_held(&self) -> &[usize] {
+        &self.indices
+    }
+
+    /// Layers per stage.
+    pub fn balance(&self) -> &[usize] {
+        &self.balance
+    }
+
+    /// One training step: `x` on the rank of the first stage, `y` on the
+    /// rank of the last (the others pass `None`; what they pass is not
+    /// used). The batch is split into `torch.chunk` micro-batches; with
+    /// [`LossReduction::Mean`] each micro-batch's loss is weighted by its
+    /// share of the rows, so the gradients are the whole batch's.
+    ///
+    /// # Errors
+    ///
+    /// On every rank alike: no input on the first stage's rank, no targets
+    /// on the last one's, or targets of another length than the input;
+    /// then, a stage's failure on any rank ([`Error::Stage`] naming the
+    /// stage, the micro-batch and the phase), after which the group is
+    /// failed. The buffers (BatchNorm statistics) change only when the
+    /// step succeeds.
+    pub fn forward_backward<F>(
+        &self,
+        x: Option<&Tensor>,
+        y: Option<&Tensor>,
+        reduction: LossReduction,
+        loss_fn: F,
+    ) -> Result<RankStep>
+    where
+        F: Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
+    {
+        let last = self.stages() - 1;
+        let (first_rank, last_rank) = (self.owner(0), self.owner(last));
+        let me = self.pg.rank();
+        // The rows of the input and of the targets, from the ranks that
+        // hold them: every rank learns the micro-batches' sizes.
+        let rows = |t: Option<&Tensor>| t.and_then(|t| t.dims().first().copied());
+        let mine = (
+            rows(x.filter(|_| me == first_rank)),
+            rows(y.filter(|_| me == last_rank)),
+        );
+        let all: Vec<(Option<usize>, Option<usize>)> = all_gather_object(self.pg.as_ref(), &mine)?;
+        let refuse = |reason: String| Err(Error::Candle(candle_core::Error::Msg(reason)));
+        let (Some(rows), Some(target_rows)) = (all[first_rank].0, all[last_rank].1) else {
+            return refuse(format!(
+                "a pipeline step needs the input on rank {first_rank} (the first stage's) and \
+                 the targets on rank {last_rank} (the last stage's)"
+            ));
+        };
+        if rows != target_rows || rows == 0 {
+            return refuse(format!(
+                "the input has {rows} rows and the targets {target_rows}: a step needs as many, \
+                 at least one"
+            ));
+        }
+        let sizes = chunk_sizes(rows, self.config.chunks.unwrap_or(self.stages()));
+        let split = |t: &Tensor| -> Result<Vec<Tensor>> {
+            let mut start = 0;
+            sizes
+                .iter()
+                .map(|&n| {
+                    let part = t.narrow(0, start, n)?;
+                    start += n;
+                    Ok(part)
+                })
+                .collect()
+        };
+        let inputs = match x.filter(|_| me == first_rank) {
+            Some(x) => split(x)?,
+            None => Vec::new(),
+        };
+        let mut loss = match y.filter(|_| me == last_rank) {
+            Some(y) => Some(TrainLoss {
+                loss_fn: Arc::new(loss_fn) as Arc<LossFn>,
+                targets: split(y)?,
+                shares: sizes
+                    .iter()
+                    .map(|&n| match reduction {
+                        LossReduction::Mean => n as f64 / rows as f64,
+                        LossReduction::Sum => 1.0,
+                    })
+                    .collect(),
+            }),
+            None => None,
+        };
+        let chunks = sizes.len();
+        let outputs = self.run(inputs, &mut loss, chunks)?;
+        let mut grads = GradStore::default();
+        let mut buffers = Vec::new();
+        let mut losses = Vec::new();
+        for (stage, out) in self.held.iter().zip(outputs) {
+            for (var, grad) in stage.vars.iter().zip(out.grads) {
+                let Some(grad) = grad else { continue };
+                // A variable of two of this rank's stages gets the sum.
+                let sum = match grads.get(var.master.as_tensor()) {
+                    Some(earlier) => (earlier + grad)?,
+                    None => grad,
+                };
+                grads.insert(var.master.as_tensor(), sum);
+            }
+            buffers.extend(out.buffers);
+            losses.extend(out.losses);
+        }
+        // The step succeeded on this rank: its statistics are committed.
+        for (var, value) in buffers {
+            var.set(&value)?;
+        }
+        let loss = match losses.split_first() {
+            Some((first, rest)) => Some(rest.iter().try_fold(first.clone(), |sum, l| sum + l)?),
+            None => None,
+        };
+        Ok(RankStep { loss, grads })
+    }
+
+    /// Runs this rank's tasks of a step on this thread; a failure fails the
+    /// group (so that the other ranks' waits end) and is returned named.
+    fn run(
+        &self,
+        inputs: Vec<Tensor>,
+        loss: &mut Option<TrainLoss>,
+        chunks: usize,
+    ) -> Result<Vec<StageOutput>> {
+        let ranks = self.pg.world_size();
+        let last = self.stages() - 1;
+        let board = Arc::new(
+            (0..self.stages())
+                .map(|_| Mutex::new(Doing::NotStarted))
+                .collect(),
+        );
+        // Neighbouring stages on this very rank (one rank, interleaved)
+        // talk over channels: the boundary after stage `k`.
+        let mut local: HashMap<usize, Boundary> = HashMap::new();
+        for &k in self.indices.iter().filter(|&&k| k < last) {
+            if self.owner(k + 1) == self.pg.rank() {
+                local.insert(k, Boundary::new());
+            }
+        }
+        let route = |peer: usize, flow: Flow, from_stage: usize| Route {
+            port: Arc::clone(&self.port),
+            peer,
+            flow,
+            from_stage,
+        };
+        let mut inputs = Some(inputs);
+        let mut works = Vec::with_capacity(self.indices.len());
+        for &k in &self.indices {
+            let mut links = Links::default();
+            if k > 0 {
+                let prev = self.owner(k - 1);
+                match local.get_mut(&(k - 1)) {
+                    Some(boundary) => {
+                        links.from_prev = boundary.activations.1.take();
+                        links.grad_to_prev = boundary.gradients.0.take();
+                    }
+                    None => {
+                        links.from_prev = Some(Inbox::Rank(route(prev, Flow::Activation, k - 1)));
+                        links.grad_to_prev = Some(Outbox::Rank(route(prev, Flow::Gradient, k)));
+                    }
+                }
+            }
+            if k < last {
+                let next = self.owner(k + 1);
+                match local.get_mut(&k) {
+                    Some(boundary) => {
+                        links.to_next = boundary.activations.0.take();
+                        links.grad_from_next = boundary.gradients.1.take();
+                    }
+                    None => {
+                        links.to_next = Some(Outbox::Rank(route(next, Flow::Activation, k)));
+                        links.grad_from_next =
+                            Some(Inbox::Rank(route(next, Flow::Gradient, k + 1)));
+                    }
+                }
+            }
+            works.push(StageWork {
+                index: k,
+                chunks,
+                device: self.device.clone(),
+                inputs: if k == 0 {
+                    inputs.take().unwrap_or_default()
+                } else {
+                    Vec::new()
+                },
+                links,
+                board: Arc::clone(&board),
+                training: true,
+                loss: if k == last { loss.take() } else { None },
+                train: true,
+                checkpoint: self.config.checkpoint,
+                computing_since: Cell::new(None),
+                busy: Cell::new(Duration::ZERO),
+                checking: Cell::new(Duration::ZERO),
+            });
+        }
+        let work = DeviceWork {
+            stages: works,
+            tasks: self.config.schedule.tasks(self.pg.rank(), ranks, chunks),
+        };
+        match work.run(&self.held, &Cancel::default()) {
+            Ok(out) => Ok(out.stages),
+            Err(failed) => {
+                let f = failed.failure;
+                let error = Error::Stage {
+                    stage: failed.stage,
+                    device: format!("rank {}", self.pg.rank()),
+                    micro_batch: f.micro_batch,
+                    phase: f.phase.name(),
+                    source: Box::new(f.source),
+                };
+                // The neighbours' waits end with the group's failure.
+                self.pg.abort(&error.to_string());
+                Err(error)
+            }
+        }
+    }
+}
+
+/// The two channels between neighbouring stages of one rank, each end
+/// taken once by its stage.
+struct Boundary {
+    activations: (Option<Outbox>, Option<Inbox>),
+    gradients: (Option<Outbox>, Option<Inbox>),
+}
+
+impl Boundary {
+    fn new() -> Self {
+        let pair = || {
+            let (tx, rx) = channel::unbounded();
+            (Some(Outbox::Channel(tx)), Some(Inbox::Channel(rx)))
+        };
+        Boundary {
+            activations: pair(),
+            gradients: pair(),
+        }
+    }
+}

@@ -1,0 +1,260 @@
+//! A pipeline whose stages live on the ranks of a group (`RankPipeline`):
+//! the in-process pipeline's losses and gradients bit for bit on every
+//! schedule, and a stage failing on one rank ends every rank's step,
+//! named. Bounded: every rank has a timeout, every test a deadline.
+
+use crate::common::*;
+use crate::overlap::{batches, bounded, deep_units, init_deep};
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_dp::launch::spawn_with;
+use candle_dp::pipeline::{
+    layer, Balance, Checkpoint, LayerFactory, Pipeline, RankPipeline, RankPipelineConfig, Schedule,
+};
+use candle_dp::{cpu_devices, Error, LossReduction};
+use candle_nn::{loss, VarMap};
+
+/// Each variable's gradient bits, by name, and the loss's bits.
+type Bits = (HashMap<String, Vec<u64>>, Option<Vec<u64>>);
+
+fn grad_bits(
+    varmap: &VarMap,
+    grads: &candle_core::backprop::GradStore,
+) -> HashMap<String, Vec<u64>> {
+    varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|(name, var)| grads.get(var.as_tensor()).map(|g| (name.clone(), bits(g))))
+        .collect()
+}
+
+/// One step of the in-process pipeline over `devices` CPU devices.
+fn in_process(
+    init: &HashMap<String, Tensor>,
+    devices: usize,
+    config: &RankPipelineConfig,
+    x: &Tensor,
+    y: &Tensor,
+) -> Bits {
+    let varmap = varmap_from(init);
+    let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(devices))
+        .chunks(config.chunks.unwrap_or(devices))
+        .schedule(config.schedule)
+        .checkpoint(config.checkpoint)
+        .balance(config.balance.clone())
+        .build(deep_units())
+        .unwrap();
+    let step = pipe
+        .forward_backward(x, y, LossReduction::Mean, loss::cross_entropy)
+        .unwrap();
+    (grad_bits(&varmap, &step.grads), Some(bits(&step.loss)))
+}
+
+/// One step of a `RankPipeline` on `ranks` thread ranks: every rank's
+/// gradients merged, and the last stage's loss.
+fn on_ranks(
+    init: &HashMap<String, Tensor>,
+    ranks: usize,
+    config: &RankPipelineConfig,
+    x: &Tensor,
+    y: &Tensor,
+) -> Bits {
+    let (init, config, x, y) = (init.clone(), config.clone(), x.clone(), y.clone());
+    let per_rank = spawn_with(ranks, bounded(), move |ctx| {
+        let varmap = varmap_from(&init);
+        let pipe = RankPipeline::new(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            deep_units(),
+            config.clone(),
+        )?;
+        let step =
+            pipe.forward_backward(Some(&x), Some(&y), LossReduction::Mean, loss::cross_entropy)?;
+        Ok((
+            grad_bits(&varmap, &step.grads),
+            step.loss.as_ref().map(bits),
+        ))
+    })
+    .unwrap();
+    let mut grads = HashMap::new();
+    let mut loss = None;
+    for (rank_grads, rank_loss) in per_rank {
+        for (name, g) in rank_grads {
+            assert!(
+                grads.insert(name.clone(), g).is_none(),
+                "{name} on two ranks"
+            );
+        }
+        if rank_loss.is_some() {
+            assert!(loss.is_none(), "one rank has the loss");
+            loss = rank_loss;
+        }
+    }
+    (grads, loss)
+}
+
+#[test]
+fn stages_on_ranks_give_the_in_process_pipelines_loss_and_gradients_bit_for_bit() {
+    within(240, || {
+        let init = init_deep();
+        let (x, y) = batches(1, 12, 3).remove(0);
+        let interleaved = Schedule::Interleaved1F1B {
+            stages_per_device: 2,
+        };
+        let cases = [
+            (2, Schedule::GPipe, Checkpoint::Never, 4),
+            (2, Schedule::OneFOneB, Checkpoint::Never, 4),
+            (3, Schedule::OneFOneB, Checkpoint::ExceptLast, 5),
+            (2, interleaved, Checkpoint::Never, 4),
+            (2, interleaved, Checkpoint::Always, 3),
+            // One rank, two stages: neighbours on one rank.
+            (1, interleaved, Checkpoint::Never, 2),
+        ];
+        for (ranks, schedule, checkpoint, chunks) in cases {
+            let config = RankPipelineConfig {
+                chunks: Some(chunks),
+                schedule,
+                checkpoint,
+                ..Default::default()
+            };
+            let want = in_process(&init, ranks, &config, &x, &y);
+            let got = on_ranks(&init, ranks, &config, &x, &y);
+            let what = format!("{ranks} ranks, {schedule:?}, {checkpoint:?}, {chunks} chunks");
+            assert_eq!(got.1, want.1, "{what}: the loss");
+            assert_eq!(
+                got.0.len(),
+                want.0.len(),
+                "{what}: the variables with gradients"
+            );
+            for (name, g) in &want.0 {
+                assert_eq!(got.0.get(name), Some(g), "{what}: {name}");
+            }
+        }
+    });
+}
+
+/// A layer that fails at its `fail_at`-th forward.
+struct FailsAt {
+    calls: AtomicUsize,
+    fail_at: usize,
+}
+
+impl Module for FailsAt {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) == self.fail_at {
+            candle_core::bail!("the layer broke");
+        }
+        Ok(x.clone())
+    }
+}
+
+#[test]
+fn a_stage_failing_on_one_rank_ends_every_ranks_step_naming_it() {
+    // Each rank's own result: the launcher would report the group's failure.
+    let errors = within(120, || {
+        on_own_threads(3, bounded(), |pg| {
+            let rank = candle_dp::comm::ProcessGroup::rank(&pg);
+            let pg: std::sync::Arc<dyn candle_dp::comm::ProcessGroup> = std::sync::Arc::new(pg);
+            let mut units: Vec<LayerFactory> = deep_units();
+            // Layer 4 is on stage 1 (rank 1) with a uniform split of 10.
+            units.insert(
+                4,
+                layer(|_| {
+                    Ok(FailsAt {
+                        calls: AtomicUsize::new(0),
+                        fail_at: 2,
+                    })
+                }),
+            );
+            let varmap = VarMap::new();
+            let pipe = RankPipeline::new(
+                pg,
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                units,
+                RankPipelineConfig {
+                    chunks: Some(4),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let (x, y) = batches(1, 8, 1).remove(0);
+            let error = pipe
+                .forward_backward(Some(&x), Some(&y), LossReduction::Mean, loss::cross_entropy)
+                .unwrap_err();
+            format!("rank {rank}: {error}")
+        })
+    });
+    assert!(
+        errors[1].contains("stage 1")
+            && errors[1].contains("micro-batch 2")
+            && errors[1].contains("the layer broke"),
+        "{}",
+        errors[1]
+    );
+    for rank in [0, 2] {
+        assert!(
+            errors[rank].contains("rank 1 failed"),
+            "rank {rank}: {}",
+            errors[rank]
+        );
+    }
+}
+
+#[test]
+fn ranks_that_ask_for_other_pipelines_or_leave_out_the_batch_are_refused_on_every_rank() {
+    let errors = within(120, || {
+        spawn_with(2, bounded(), |ctx| {
+            let pg = ctx.process_group();
+            let differs = RankPipeline::new(
+                pg.clone(),
+                &VarMap::new(),
+                DType::F32,
+                &Device::Cpu,
+                deep_units(),
+                RankPipelineConfig {
+                    balance: if ctx.rank == 1 {
+                        Balance::Explicit(vec![4, 5])
+                    } else {
+                        Balance::Uniform
+                    },
+                    ..Default::default()
+                },
+            )
+            .unwrap_err()
+            .to_string();
+            let pipe = RankPipeline::new(
+                pg,
+                &VarMap::new(),
+                DType::F32,
+                &Device::Cpu,
+                deep_units(),
+                RankPipelineConfig::default(),
+            )?;
+            let (x, y) = batches(1, 8, 1).remove(0);
+            // Rank 1, the last stage's, forgets the targets.
+            let no_targets = pipe
+                .forward_backward(Some(&x), None, LossReduction::Mean, loss::cross_entropy)
+                .unwrap_err();
+            assert!(matches!(no_targets, Error::Candle(_)));
+            let _ = y;
+            Ok((differs, no_targets.to_string()))
+        })
+        .unwrap()
+    });
+    for (differs, no_targets) in &errors {
+        assert!(
+            differs.contains("rank 1") && differs.contains("another pipeline"),
+            "{differs}"
+        );
+        assert!(no_targets.contains("the targets on rank 1"), "{no_targets}");
+    }
+}
