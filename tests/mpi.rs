@@ -139,6 +139,7 @@ fn scenario_by_name(name: &str, ctx: RankContext, out: &Path) -> anyhow::Result<
         "fsdp" => fsdp(&ctx, &input()?)?,
         "subgroups" => subgroups(&ctx)?,
         "hsdp" => hsdp(&ctx, &input()?)?,
+        "rank_pipeline" => rank_pipeline(&ctx)?,
         fault => {
             run_fault(fault, &ctx)?;
             return Ok(None);
@@ -608,6 +609,87 @@ fn subgroups(ctx: &RankContext) -> anyhow::Result<Tensors> {
         let got = pg.recv(&large, prev)?;
         pg.send(&(got.clone() + 1.0)?, next)?;
         out.insert("p2p.ring".into(), got);
+    }
+    Ok(out)
+}
+
+/// A pipeline of 9 layers with stages on the ranks, 1F1B (one stage a
+/// rank) and interleaved (two a rank), activations of 64 KiB per
+/// micro-batch (past MPI's eager sends): each rank's own variables after
+/// two SGD steps, and the last stage's losses.
+fn rank_pipeline(ctx: &RankContext) -> anyhow::Result<Tensors> {
+    use candle_dp::pipeline::{layer, RankPipeline, RankPipelineConfig, Schedule};
+    use candle_dp::LossReduction;
+    const WIDE: usize = 256;
+    let layers = || {
+        let mut layers = vec![layer(|vb| candle_nn::linear(6, WIDE, vb.pp("l0")))];
+        for l in 1..4 {
+            layers.push(layer(|_| Ok(candle_nn::Activation::Relu)));
+            layers.push(layer(move |vb| {
+                candle_nn::linear(WIDE, WIDE, vb.pp(format!("l{l}")))
+            }));
+        }
+        layers.push(layer(|_| Ok(candle_nn::Activation::Relu)));
+        layers.push(layer(|vb| candle_nn::linear(WIDE, 5, vb.pp("l4"))));
+        layers
+    };
+    let rows = 256;
+    let x = Tensor::from_vec(
+        (0..rows * 6)
+            .map(|i| ((i * 37 % 101) as f32 - 50.) / 25.)
+            .collect(),
+        (rows, 6),
+        &Device::Cpu,
+    )?;
+    let y = Tensor::from_vec(
+        (0..rows as u32).map(|i| i * 7 % 5).collect(),
+        rows,
+        &Device::Cpu,
+    )?;
+    let mut out = Tensors::new();
+    let schedules = [
+        ("1f1b", Schedule::OneFOneB),
+        (
+            "interleaved",
+            Schedule::Interleaved1F1B {
+                stages_per_device: 2,
+            },
+        ),
+    ];
+    for (name, schedule) in schedules {
+        // The whole model's initial weights, the same on every rank.
+        let varmap = candle_dp::seeded_varmap(0, DType::F32, &Device::Cpu, |vb| {
+            layers().iter().try_for_each(|f| f(vb.clone()).map(drop))
+        })?;
+        let config = RankPipelineConfig {
+            chunks: Some(4),
+            schedule,
+            ..Default::default()
+        };
+        let pipe = RankPipeline::new(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            layers(),
+            config,
+        )?;
+        let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
+        for step in 0..2 {
+            let got = pipe.forward_backward(
+                Some(&x),
+                Some(&y),
+                LossReduction::Mean,
+                loss::cross_entropy,
+            )?;
+            if let Some(l) = got.loss {
+                out.insert(format!("{name}.loss{step}"), l);
+            }
+            sgd.step(&got.grads)?;
+        }
+        for (var, value) in varmap.data().lock().unwrap().iter() {
+            out.insert(format!("{name}.{var}"), value.as_tensor().copy()?);
+        }
     }
     Ok(out)
 }
@@ -1581,6 +1663,19 @@ fn hsdp_on_4_processes_saves_the_bytes_of_thread_ranks_and_fsdps_weights() {
         let diff = max_rel_diff(&job.rank(rank), &fsdp_threads[0]);
         assert!(diff < 1e-5, "rank {rank}: {diff}");
     }
+}
+
+#[test]
+fn a_pipeline_with_stages_on_4_processes_trains_to_the_bytes_of_stages_on_thread_ranks() {
+    let job = mpirun_ok(4, "rank_pipeline", None);
+    let expected = on_threads(4, rank_pipeline);
+    for (rank, expected) in expected.iter().enumerate() {
+        assert_bitwise_equal(&job.rank(rank), expected, &format!("rank {rank}"));
+    }
+    assert!(
+        job.rank(3).contains_key("1f1b.loss1"),
+        "the last stage's rank has the losses"
+    );
 }
 
 #[test]

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 use crossbeam::channel;
 
@@ -25,7 +25,7 @@ use super::link::{Flow, Inbox, Outbox, RankPort, Route};
 use super::stage::{Doing, Links, LossFn, Stage, StageOutput, StageWork, TrainLoss};
 use super::stage_build::build_stage;
 use super::{Balance, Checkpoint, LayerFactory, Schedule};
-use crate::comm::{all_gather_object, ProcessGroup};
+use crate::comm::{all_gather_object, ProcessGroup, ReduceOp, SubGroup};
 use crate::error::{Error, Result};
 use crate::scatter_gather::chunk_sizes;
 use crate::step::LossReduction;
@@ -86,7 +86,7 @@ pub struct RankStep {
 /// the stage.
 ///
 /// ```
-/// use candle_core::{DType, Device, Tensor};
+/// use candle_core::{DType, Device, Tensor, Var};
 /// use candle_dp::launch::spawn;
 /// use candle_dp::pipeline::{layer, RankPipeline, RankPipelineConfig};
 /// use candle_dp::LossReduction;
@@ -125,6 +125,10 @@ pub struct RankPipeline {
     /// Layers per stage.
     balance: Vec<usize>,
     config: RankPipelineConfig,
+    /// The variables this rank shares with stages on other ranks (tied
+    /// weights), by name, sorted, each with the group of the ranks that
+    /// use it.
+    tied: Vec<(String, Var, SubGroup)>,
 }
 
 impl std::fmt::Debug for RankPipeline {
@@ -202,6 +206,7 @@ impl RankPipeline {
             let factories = &layers[first..first + balance[k]];
             held.push(build_stage(varmap, dtype, None, device, first, factories)?);
         }
+        let tied = tie_across_ranks(pg.as_ref(), &held)?;
         Ok(RankPipeline {
             port: Arc::new(RankPort::new(Arc::clone(&pg))),
             pg,
@@ -210,6 +215,7 @@ impl RankPipeline {
             indices,
             balance,
             config,
+            tied,
         })
     }
 
@@ -329,6 +335,17 @@ impl RankPipeline {
             buffers.extend(out.buffers);
             losses.extend(out.losses);
         }
+        // A weight tied across ranks gets the sum of every rank's gradient
+        // (in rank order, the stages' order for two ranks), as a weight
+        // shared by stages in one process does.
+        for (_, var, group) in &self.tied {
+            let mine = match grads.get(var.as_tensor()) {
+                Some(g) => g.clone(),
+                None => var.zeros_like()?,
+            };
+            let sum = group.all_reduce(&mine, ReduceOp::Sum)?;
+            grads.insert(var.as_tensor(), sum);
+        }
         // The step succeeded on this rank: its statistics are committed.
         for (var, value) in buffers {
             var.set(&value)?;
@@ -441,6 +458,43 @@ impl RankPipeline {
             }
         }
     }
+}
+
+/// The variables of `held` that stages on other ranks use too (tied
+/// weights), each with a group of the ranks that use it, made here (every
+/// rank takes part in every group's making, in name order), and its value
+/// copied from the lowest of them, so that all start equal.
+fn tie_across_ranks(pg: &dyn ProcessGroup, held: &[Stage]) -> Result<Vec<(String, Var, SubGroup)>> {
+    let mut mine: Vec<String> = held
+        .iter()
+        .flat_map(|s| s.vars.iter().map(|v| v.name.clone()))
+        .collect();
+    mine.sort();
+    mine.dedup();
+    let all = all_gather_object(pg, &mine)?;
+    let mut users: std::collections::BTreeMap<&String, Vec<usize>> = Default::default();
+    for (rank, names) in all.iter().enumerate() {
+        for name in names {
+            users.entry(name).or_default().push(rank);
+        }
+    }
+    let mut tied = Vec::new();
+    for (name, ranks) in users.into_iter().filter(|(_, r)| r.len() > 1) {
+        let Some(group) = pg.new_group(&ranks)? else {
+            continue;
+        };
+        let var = held
+            .iter()
+            .flat_map(|s| &s.vars)
+            .find(|v| &v.name == name)
+            .map(|v| v.master.clone())
+            .ok_or_else(|| {
+                Error::Candle(candle_core::Error::Msg(format!("`{name}` is not held")))
+            })?;
+        var.set(&group.broadcast(var.as_tensor(), 0)?)?;
+        tied.push((name.clone(), var, group));
+    }
+    Ok(tied)
 }
 
 /// The two channels between neighbouring stages of one rank, each end

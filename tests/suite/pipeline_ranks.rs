@@ -258,3 +258,135 @@ fn ranks_that_ask_for_other_pipelines_or_leave_out_the_batch_are_refused_on_ever
         assert!(no_targets.contains("the targets on rank 1"), "{no_targets}");
     }
 }
+
+/// The head of `tied_layers`: the first layer's weight, transposed.
+struct TiedHead(Tensor);
+
+impl Module for TiedHead {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        x.matmul(&self.0)
+    }
+}
+
+/// 6 -> 8 -> 8 -> 6, the last layer the first one's weight transposed.
+fn tied_layers() -> Vec<LayerFactory> {
+    vec![
+        layer(|vb| Ok(candle_nn::Linear::new(vb.get((8, 6), "tie.weight")?, None))),
+        layer(|_| Ok(candle_nn::Activation::Relu)),
+        layer(|vb| candle_nn::linear(8, 8, vb.pp("mid"))),
+        layer(|vb| Ok(TiedHead(vb.get((8, 6), "tie.weight")?))),
+    ]
+}
+
+#[test]
+fn a_weight_tied_across_ranks_gets_the_sum_of_both_ranks_gradients_as_in_one_process() {
+    within(120, || {
+        let (x, y) = batches(1, 8, 2).remove(0);
+        let init = {
+            let varmap = VarMap::new();
+            let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+            for f in tied_layers() {
+                f(vb.clone()).unwrap();
+            }
+            snapshot(&varmap)
+        };
+        let varmap = varmap_from(&init);
+        let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+            .chunks(2)
+            .build(tied_layers())
+            .unwrap();
+        let want = pipe
+            .forward_backward(&x, &y, LossReduction::Mean, loss::cross_entropy)
+            .unwrap();
+        let want = grad_bits(&varmap, &want.grads);
+        let (init, xs, ys) = (init.clone(), x.clone(), y.clone());
+        let got = spawn_with(2, bounded(), move |ctx| {
+            let varmap = varmap_from(&init);
+            // Rank 1 starts from other values of the tied weight: rank 0's win.
+            if ctx.rank == 1 {
+                let w = &varmap.data().lock().unwrap()["tie.weight"];
+                w.set(&w.as_tensor().affine(2.0, 1.0)?)?;
+            }
+            let config = RankPipelineConfig {
+                chunks: Some(2),
+                ..Default::default()
+            };
+            let pipe = RankPipeline::new(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                tied_layers(),
+                config,
+            )?;
+            let step = pipe.forward_backward(
+                Some(&xs),
+                Some(&ys),
+                LossReduction::Mean,
+                loss::cross_entropy,
+            )?;
+            Ok(grad_bits(&varmap, &step.grads))
+        })
+        .unwrap();
+        for (rank, grads) in got.iter().enumerate() {
+            assert_eq!(
+                grads.get("tie.weight"),
+                want.get("tie.weight"),
+                "rank {rank}"
+            );
+        }
+        assert_eq!(got[0].get("mid.weight"), None, "mid is rank 1's");
+        assert_eq!(got[1].get("mid.weight"), want.get("mid.weight"));
+    });
+}
+
+#[test]
+fn the_language_model_on_four_ranks_one_unit_each_gives_the_in_process_pipelines_step() {
+    use crate::example_gpt::{lm_loss, units};
+    use crate::overlap::{init_gpt, tokens, TINY};
+    within(180, || {
+        let init = init_gpt();
+        let (x, y) = tokens(1, 4, 97).remove(0);
+        let varmap = varmap_from(&init);
+        let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(4))
+            .chunks(2)
+            .build(units(TINY))
+            .unwrap();
+        let want = pipe
+            .forward_backward(&x, &y, LossReduction::Mean, lm_loss)
+            .unwrap();
+        let want = (grad_bits(&varmap, &want.grads), Some(bits(&want.loss)));
+        let per_rank = spawn_with(4, bounded(), move |ctx| {
+            let varmap = varmap_from(&init);
+            let config = RankPipelineConfig {
+                chunks: Some(2),
+                ..Default::default()
+            };
+            let pipe = RankPipeline::new(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                units(TINY),
+                config,
+            )?;
+            let step = pipe.forward_backward(Some(&x), Some(&y), LossReduction::Mean, lm_loss)?;
+            Ok((
+                grad_bits(&varmap, &step.grads),
+                step.loss.as_ref().map(bits),
+            ))
+        })
+        .unwrap();
+        // The tied embedding (ranks 0 and 3) on both; every other variable on one rank.
+        let mut merged = HashMap::new();
+        for (grads, _) in &per_rank {
+            for (name, g) in grads {
+                if let Some(other) = merged.insert(name.clone(), g.clone()) {
+                    assert_eq!(&other, g, "{name} differs between its ranks");
+                }
+            }
+        }
+        assert_eq!(merged, want.0);
+        assert_eq!(per_rank[3].1, want.1, "the loss, on the last stage's rank");
+    });
+}

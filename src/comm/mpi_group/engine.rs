@@ -39,6 +39,7 @@ mod comms;
 mod failures;
 mod headers;
 mod ring;
+mod send_queue;
 mod waiting;
 
 use waiting::{receiving, sending};
@@ -242,6 +243,7 @@ pub(super) fn run(
         comms: vec![None],
         data: world.duplicate(),
         notices: world.duplicate(),
+        sends: send_queue::SendQueue::default(),
         shared,
         control,
         left: vec![None; world_size],
@@ -256,6 +258,7 @@ pub(super) fn run(
     // The world's count of completed collectives goes with the notice.
     let _world = engine.activate(0);
     let ack = engine.shutdown.take();
+    engine.finish_sends();
     // A failure a peer already announced must not be finalized over.
     engine.receive_notices();
     if engine.shared.failure().is_none() {
@@ -299,6 +302,8 @@ struct Engine {
     data: SimpleCommunicator,
     /// Failure and departure notices, apart so they never match data.
     notices: SimpleCommunicator,
+    /// Point-to-point sends still in flight.
+    sends: send_queue::SendQueue,
     shared: Arc<Shared>,
     control: Receiver<Control>,
     /// For each world rank that left: how many of the world's collectives
@@ -344,7 +349,10 @@ impl Engine {
                 }
                 Ok(Control::Abort) => self.announce_own_failure(),
                 Ok(Control::Shutdown(ack)) => self.shutdown = Some(ack),
-                Err(RecvTimeoutError::Timeout) => self.receive_notices(),
+                Err(RecvTimeoutError::Timeout) => {
+                    self.sends.progress();
+                    self.receive_notices();
+                }
                 Err(RecvTimeoutError::Disconnected) => return,
             }
         }
@@ -368,7 +376,7 @@ impl Engine {
             waiting_for: Vec::new(),
         });
         let result = match kind {
-            Kind::Send { dst, message } => self.send_message(dst, &message),
+            Kind::Send { dst, message } => self.send_message(dst, message),
             Kind::Recv { src } => self.recv_message(src),
             kind => self.collective(sig, kind),
         };

@@ -270,7 +270,11 @@ impl MpiGroup {
             };
             return Err(self.group_failed(op, failure));
         }
-        *calls += 1;
+        // Point-to-point calls are not collectives: they do not count in
+        // the sequence every rank's collectives share.
+        if !matches!(kind, Kind::Send { .. } | Kind::Recv { .. }) {
+            *calls += 1;
+        }
         let timeout = self.timeout();
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let (reply, result) = channel::bounded(1);

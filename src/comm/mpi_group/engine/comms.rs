@@ -4,12 +4,17 @@
 
 use super::waiting::InFlight;
 use super::*;
+use crate::comm::op::Op;
 
 /// How long after a peer's departure notice a sub-group's wait for it
 /// gives up. The world's collectives count the departed rank's completed
 /// calls instead; a sub-group's are not in that count, and a message the
 /// peer sent before it left may still be on its way.
 const LEFT_GRACE: Duration = Duration::from_secs(1);
+
+/// How long a healthy rank that leaves waits for its last sends to be
+/// received before it counts them as lost.
+const SEND_GRACE: Duration = Duration::from_secs(10);
 
 /// A communicator while another is active.
 pub(super) struct Comm {
@@ -91,30 +96,50 @@ impl Engine {
         Ok(Some(self.comms.len() - 1))
     }
 
+    /// Before leaving: waits for the sends in flight to be received. One
+    /// that no rank takes within [`SEND_GRACE`] fails this rank (MPI
+    /// could not be finalized over it), naming it.
+    pub(super) fn finish_sends(&mut self) {
+        let deadline = Instant::now() + SEND_GRACE;
+        while !self.sends.progress() && self.shared.failure().is_none() {
+            if Instant::now() >= deadline {
+                self.fail(Failure {
+                    rank: self.world_rank,
+                    cause: FailureCause::Aborted(
+                        "left with messages sent (send) that no rank received".into(),
+                    ),
+                });
+                return;
+            }
+            self.receive_notices();
+            thread::sleep(NAP);
+        }
+    }
+
     /// A rank of the active communicator that has left the job and will
     /// not take part in the current call, as a world rank.
     pub(super) fn departed(&self) -> Option<usize> {
         let seq = self.seq();
+        // A wait for a message counts no collectives.
+        let collective = self.op() != Op::Recv.as_str();
         (0..self.world_size)
             .map(|r| self.world_rank_of(r))
             .find(|&w| match self.left.get(w).copied().flatten() {
                 // It finished before entering this collective: it never will.
-                Some((completed, _)) if self.active == 0 => completed < seq,
+                Some((completed, _)) if self.active == 0 && collective => completed < seq,
                 Some((_, at)) => at.elapsed() >= LEFT_GRACE,
                 None => false,
             })
     }
 
-    /// Sends `message` to `dst` of the active communicator.
-    pub(super) fn send_message(&mut self, dst: usize, message: &[u8]) -> Result<Reply, Stop> {
-        self.set_waiting_for(vec![dst]);
-        mpi::request::scope(|scope| {
-            let send = self
-                .data
-                .process_at_rank(dst as i32)
-                .immediate_send_with_tag(scope, message, TAG_POINT_TO_POINT);
-            self.wait(vec![sending(send)], |_| Ok(true))
-        })?;
+    /// Starts sending `message` to `dst` of the active communicator; the
+    /// engine completes it while it goes on (see `send_queue`).
+    pub(super) fn send_message(&mut self, dst: usize, message: Vec<u8>) -> Result<Reply, Stop> {
+        if let Some(error) = self.interruption() {
+            return Err(error.into());
+        }
+        self.sends
+            .start(&self.data, dst as i32, TAG_POINT_TO_POINT, message);
         Ok(Reply::Nothing)
     }
 

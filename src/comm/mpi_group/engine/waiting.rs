@@ -104,6 +104,7 @@ impl Engine {
 
     /// Why the current wait must end now, if it must.
     pub(super) fn interruption(&mut self) -> Option<CommError> {
+        self.sends.progress();
         self.receive_notices();
         if let Some(failure) = self.shared.failure() {
             if failure.rank == self.world_rank {
