@@ -872,6 +872,45 @@ fn run_fault(fault: &str, ctx: &RankContext) -> anyhow::Result<()> {
             }
             pg.all_reduce(&x, ReduceOp::Sum)?;
         }
+        "stage_fails" => {
+            // Three stages on three processes; the layer of stage 1 (rank 1)
+            // fails in the forward of micro-batch 2.
+            use candle_dp::pipeline::{layer, RankPipeline, RankPipelineConfig};
+            struct Breaks(std::sync::atomic::AtomicUsize);
+            impl candle_core::Module for Breaks {
+                fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+                    if self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 2 {
+                        candle_core::bail!("stage 1's layer broke");
+                    }
+                    Ok(x.clone())
+                }
+            }
+            let layers = vec![
+                layer(|vb| candle_nn::linear(4, 4, vb.pp("a"))),
+                layer(|_| Ok(Breaks(Default::default()))),
+                layer(|vb| candle_nn::linear(4, 2, vb.pp("b"))),
+            ];
+            let config = RankPipelineConfig {
+                chunks: Some(4),
+                ..Default::default()
+            };
+            let pipe = RankPipeline::new(
+                ctx.process_group(),
+                &VarMap::new(),
+                DType::F32,
+                &Device::Cpu,
+                layers,
+                config,
+            )?;
+            let x = Tensor::ones((8, 4), DType::F32, &Device::Cpu)?;
+            let y = Tensor::zeros(8, DType::U32, &Device::Cpu)?;
+            pipe.forward_backward(
+                Some(&x),
+                Some(&y),
+                candle_dp::LossReduction::Mean,
+                loss::cross_entropy,
+            )?;
+        }
         "subgroup_abort" => {
             // Pairs {0, 1} and {2}: rank 1 fails in its pair while rank 0
             // waits there and rank 2 waits in the world.
@@ -1635,6 +1674,20 @@ fn a_rank_failing_in_a_sub_group_stops_the_ranks_of_every_group_naming_it() {
                 Source::AnyRank,
                 "because rank 1 failed: its pair's data ran out",
             ),
+        ],
+    );
+}
+
+#[test]
+fn a_stage_failing_on_one_process_stops_every_stage_naming_it() {
+    assert_fault(
+        "stage_fails",
+        &[
+            (
+                Source::Rank(1),
+                "in pipeline stage 1 on device rank 1, forward of micro-batch 2",
+            ),
+            (Source::AnyRank, "stage 1's layer broke"),
         ],
     );
 }

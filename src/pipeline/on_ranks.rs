@@ -25,7 +25,7 @@ use super::link::{Flow, Inbox, Outbox, RankPort, Route};
 use super::stage::{Doing, Links, LossFn, Stage, StageOutput, StageWork, TrainLoss};
 use super::stage_build::build_stage;
 use super::{Balance, Checkpoint, LayerFactory, Schedule};
-use crate::comm::{all_gather_object, ProcessGroup, ReduceOp, SubGroup};
+use crate::comm::{all_gather_object, DeviceMesh, ProcessGroup, ReduceOp, SubGroup};
 use crate::error::{Error, Result};
 use crate::scatter_gather::chunk_sizes;
 use crate::step::LossReduction;
@@ -129,6 +129,9 @@ pub struct RankPipeline {
     /// weights), by name, sorted, each with the group of the ranks that
     /// use it.
     tied: Vec<(String, Var, SubGroup)>,
+    /// On a mesh: the replicas of this rank's stages (the same stages on
+    /// other pipelines), across which the gradients are averaged.
+    replicas: Option<SubGroup>,
 }
 
 impl std::fmt::Debug for RankPipeline {
@@ -216,7 +219,53 @@ impl RankPipeline {
             balance,
             config,
             tied,
+            replicas: None,
         })
+    }
+
+    /// A pipeline on a two-dimensional mesh (pp x dp, each pipeline
+    /// replicated by data parallelism): the stages along dimension `pp`,
+    /// replicated along `dp`. Each pipeline trains on its share of the
+    /// global batch; after each step's backward every stage's gradients
+    /// are averaged across its replicas (and the last stages' losses), so
+    /// the weights are those of one pipeline on the whole batch (with a
+    /// mean loss and equal shares). The replicas start from the values of
+    /// the first pipeline (`dp` coordinate 0). Every rank of the mesh
+    /// calls it.
+    ///
+    /// # Errors
+    ///
+    /// As [`new`](Self::new); a dimension the mesh does not have.
+    pub fn on_mesh(
+        mesh: &DeviceMesh,
+        pp: &str,
+        dp: &str,
+        varmap: &VarMap,
+        dtype: DType,
+        device: &Device,
+        layers: Vec<LayerFactory>,
+        config: RankPipelineConfig,
+    ) -> Result<Self> {
+        let stages = Arc::clone(mesh.group(pp)?);
+        let replicas = Arc::clone(mesh.group(dp)?);
+        let mut pipe = Self::new(stages, varmap, dtype, device, layers, config)?;
+        for var in pipe.own_vars() {
+            var.set(&replicas.broadcast(var.as_tensor(), 0)?)?;
+        }
+        pipe.replicas = Some(replicas);
+        Ok(pipe)
+    }
+
+    /// This rank's variables (the `VarMap`'s), each once, by name.
+    fn own_vars(&self) -> Vec<Var> {
+        let mut vars: Vec<(&String, &Var)> = self
+            .held
+            .iter()
+            .flat_map(|s| s.vars.iter().map(|v| (&v.name, &v.master)))
+            .collect();
+        vars.sort_by(|a, b| a.0.cmp(b.0));
+        vars.dedup_by(|a, b| a.0 == b.0);
+        vars.into_iter().map(|(_, v)| v.clone()).collect()
     }
 
     /// The pipeline's stages in all.
@@ -237,6 +286,19 @@ impl RankPipeline {
     /// Layers per stage.
     pub fn balance(&self) -> &[usize] {
         &self.balance
+    }
+
+    /// The names of the variables this rank's stages use (what its
+    /// optimizer steps and its checkpoint holds), sorted.
+    pub fn variable_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .held
+            .iter()
+            .flat_map(|s| s.vars.iter().map(|v| v.name.clone()))
+            .collect();
+        names.sort();
+        names.dedup();
+        names
     }
 
     /// One training step: `x` on the rank of the first stage, `y` on the
@@ -346,14 +408,40 @@ impl RankPipeline {
             let sum = group.all_reduce(&mine, ReduceOp::Sum)?;
             grads.insert(var.as_tensor(), sum);
         }
-        // The step succeeded on this rank: its statistics are committed.
-        for (var, value) in buffers {
-            var.set(&value)?;
+        // On a mesh: every gradient averaged over the stage's replicas, in
+        // one collective, and the last stages' losses.
+        if let Some(replicas) = &self.replicas {
+            let vars = self.own_vars();
+            let mine = vars
+                .iter()
+                .map(|v| {
+                    grads
+                        .get(v.as_tensor())
+                        .cloned()
+                        .map_or_else(|| v.zeros_like(), Ok)
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let averaged = replicas.all_reduce_concat(&mine, ReduceOp::Avg)?;
+            let mut offset = 0;
+            for var in &vars {
+                let n = var.elem_count();
+                let g = averaged.narrow(0, offset, n)?.reshape(var.dims())?;
+                grads.insert(var.as_tensor(), g);
+                offset += n;
+            }
         }
         let loss = match losses.split_first() {
             Some((first, rest)) => Some(rest.iter().try_fold(first.clone(), |sum, l| sum + l)?),
             None => None,
         };
+        let loss = match (&self.replicas, loss) {
+            (Some(replicas), Some(loss)) => Some(replicas.all_reduce(&loss, ReduceOp::Avg)?),
+            (_, loss) => loss,
+        };
+        // The step succeeded on this rank: its statistics are committed.
+        for (var, value) in buffers {
+            var.set(&value)?;
+        }
         Ok(RankStep { loss, grads })
     }
 

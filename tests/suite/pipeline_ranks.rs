@@ -390,3 +390,101 @@ fn the_language_model_on_four_ranks_one_unit_each_gives_the_in_process_pipelines
         assert_eq!(per_rank[3].1, want.1, "the loss, on the last stage's rank");
     });
 }
+
+#[test]
+fn pipelines_on_a_dp_by_pp_mesh_train_to_the_weights_of_pipelines_inside_ddp() {
+    use candle_dp::comm::DeviceMesh;
+    use candle_dp::{DdpConfig, DistributedDataParallel};
+    use candle_nn::Optimizer;
+    within(240, || {
+        let init = init_deep();
+        let start = init.clone();
+        let data = batches(3, 12, 7);
+        let share = |rank: usize, x: &Tensor, y: &Tensor| {
+            let b = x.dim(0).unwrap() / 2;
+            (
+                x.narrow(0, rank * b, b).unwrap(),
+                y.narrow(0, rank * b, b).unwrap(),
+            )
+        };
+        let config = RankPipelineConfig {
+            chunks: Some(3),
+            ..Default::default()
+        };
+        // Two DDP ranks, each a pipeline of two stages in its process.
+        let (init2, data2, config2) = (init.clone(), data.clone(), config.clone());
+        let want = spawn_with(2, bounded(), move |ctx| {
+            let varmap = varmap_from(&init2);
+            let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
+                .chunks(config2.chunks.unwrap())
+                .build(deep_units())?;
+            let mut ddp = DistributedDataParallel::from_module(
+                ctx.process_group(),
+                &varmap,
+                pipe,
+                DdpConfig::default(),
+            )?;
+            let mut sgd = candle_nn::SGD::new(varmap.all_vars(), 0.1)?;
+            for (x, y) in &data2 {
+                let (x, y) = share(ctx.rank, x, y);
+                let step =
+                    ddp.forward_backward(&x, &y, LossReduction::Mean, loss::cross_entropy)?;
+                sgd.step(&step.grads)?;
+            }
+            Ok(snapshot(&varmap))
+        })
+        .unwrap()
+        .remove(0);
+        // The same on a 2 x 2 mesh: pipelines over "pp", replicated over "dp".
+        let got = spawn_with(4, bounded(), move |ctx| {
+            let varmap = varmap_from(&init);
+            let mesh = DeviceMesh::new(ctx.process_group(), &[("dp", 2), ("pp", 2)])?;
+            let pipe = RankPipeline::on_mesh(
+                &mesh,
+                "pp",
+                "dp",
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                deep_units(),
+                config.clone(),
+            )?;
+            let mut sgd = candle_nn::SGD::new(varmap.all_vars(), 0.1)?;
+            let replica = mesh.local_rank("dp")?;
+            for (x, y) in &data {
+                let (x, y) = share(replica, x, y);
+                let step = pipe.forward_backward(
+                    Some(&x),
+                    Some(&y),
+                    LossReduction::Mean,
+                    loss::cross_entropy,
+                )?;
+                sgd.step(&step.grads)?;
+            }
+            // This rank's own variables.
+            let own: Vec<String> = pipe.variable_names();
+            let weights = snapshot(&varmap);
+            Ok(own
+                .into_iter()
+                .map(|n| (n.clone(), weights[&n].clone()))
+                .collect::<HashMap<_, _>>())
+        })
+        .unwrap();
+        let mut merged = HashMap::new();
+        for (rank, weights) in got.iter().enumerate() {
+            for (name, w) in weights {
+                assert!(
+                    identical(
+                        &HashMap::from([(name.clone(), w.clone())]),
+                        &HashMap::from([(name.clone(), want[name].clone())])
+                    ),
+                    "rank {rank}: {name} differs from DDP's pipelines"
+                );
+                merged.insert(name.clone(), w.clone());
+            }
+        }
+        assert_eq!(merged.len(), want.len(), "every variable on some rank");
+        // Three steps moved the weights: the comparison is not of the start.
+        assert!(max_rel_diff(&merged, &start) > 1e-3);
+    });
+}
