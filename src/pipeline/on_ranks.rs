@@ -224,8 +224,8 @@ impl RankPipeline {
     }
 
     /// A pipeline on a two-dimensional mesh (pp x dp, each pipeline
-    /// replicated by data parallelism): the stages along dimension `pp`,
-    /// replicated along `dp`. Each pipeline trains on its share of the
+    /// replicated by data parallelism): `dims` = `(pp, dp)`, the stages
+    /// along dimension `pp`, replicated along `dp`. Each pipeline trains on its share of the
     /// global batch; after each step's backward every stage's gradients
     /// are averaged across its replicas (and the last stages' losses), so
     /// the weights are those of one pipeline on the whole batch (with a
@@ -238,14 +238,14 @@ impl RankPipeline {
     /// As [`new`](Self::new); a dimension the mesh does not have.
     pub fn on_mesh(
         mesh: &DeviceMesh,
-        pp: &str,
-        dp: &str,
+        dims: (&str, &str),
         varmap: &VarMap,
         dtype: DType,
         device: &Device,
         layers: Vec<LayerFactory>,
         config: RankPipelineConfig,
     ) -> Result<Self> {
+        let (pp, dp) = dims;
         let stages = Arc::clone(mesh.group(pp)?);
         let replicas = Arc::clone(mesh.group(dp)?);
         let mut pipe = Self::new(stages, varmap, dtype, device, layers, config)?;

@@ -441,8 +441,7 @@ fn pipelines_on_a_dp_by_pp_mesh_train_to_the_weights_of_pipelines_inside_ddp() {
             let mesh = DeviceMesh::new(ctx.process_group(), &[("dp", 2), ("pp", 2)])?;
             let pipe = RankPipeline::on_mesh(
                 &mesh,
-                "pp",
-                "dp",
+                ("pp", "dp"),
                 &varmap,
                 DType::F32,
                 &Device::Cpu,
