@@ -104,9 +104,9 @@ pub struct RankStep {
 ///     let mut sgd = SGD::new(varmap.all_vars(), 0.1)?;
 ///     let x = Tensor::randn(0f32, 1., (6, 4), &Device::Cpu)?;
 ///     let y = Tensor::new(&[0u32, 1, 0, 1, 0, 1], &Device::Cpu)?;
-///     // Rank 0 holds the first stage, rank 1 the last.
-///     let (x, y) = (ctx.rank == 0).then_some(&x).zip(Some(&y)).unzip();
-///     let step = pipe.forward_backward(x, y.filter(|_| ctx.rank == 1), LossReduction::Mean,
+///     // Rank 0 holds the first stage (the input), rank 1 the last (the targets).
+///     let (input, targets) = ((ctx.rank == 0).then_some(&x), (ctx.rank == 1).then_some(&y));
+///     let step = pipe.forward_backward(input, targets, LossReduction::Mean,
 ///         |out, y| loss::cross_entropy(out, y))?;
 ///     assert_eq!(step.loss.is_some(), ctx.rank == 1);
 ///     sgd.step(&step.grads)?;
