@@ -506,6 +506,21 @@ fn overlap(ctx: &RankContext, input: &Tensors, units: bool) -> anyhow::Result<Te
 /// The MLP given as units under FSDP (AdamW 0.01): the whole weights
 /// gathered at the end, on every rank.
 fn fsdp(ctx: &RankContext, input: &Tensors) -> anyhow::Result<Tensors> {
+    sharded(ctx, input, None)
+}
+
+/// HSDP on a 2 x 2 mesh: the weights after AdamW steps.
+fn hsdp(ctx: &RankContext, input: &Tensors) -> anyhow::Result<Tensors> {
+    sharded(ctx, input, Some((2, 2)))
+}
+
+/// FSDP over every rank, or HSDP on a `replicas x shards` mesh: the
+/// weights after AdamW steps.
+fn sharded(
+    ctx: &RankContext,
+    input: &Tensors,
+    mesh: Option<(usize, usize)>,
+) -> anyhow::Result<Tensors> {
     use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
     use candle_dp::pipeline::layer;
     let varmap = varmap_from(&init_of(input));
@@ -515,14 +530,24 @@ fn fsdp(ctx: &RankContext, input: &Tensors) -> anyhow::Result<Tensors> {
         layer(|_| Ok(candle_nn::Activation::Relu)),
         layer(move |vb| candle_nn::linear(h, o, vb.pp("l2"))),
     ];
-    let mut fsdp = FullyShardedDataParallel::from_units(
-        ctx.process_group(),
-        &varmap,
-        DType::F32,
-        &Device::Cpu,
-        layers,
-        FsdpConfig::default(),
-    )?;
+    let (dtype, device, config) = (DType::F32, Device::Cpu, FsdpConfig::default());
+    let mut fsdp = match mesh {
+        Some((r, s)) => {
+            let dims = [("replicate", r), ("shard", s)];
+            let mesh = candle_dp::comm::DeviceMesh::new(ctx.process_group(), &dims)?;
+            FullyShardedDataParallel::from_units_on_mesh(
+                &mesh, &varmap, dtype, &device, layers, config,
+            )?
+        }
+        None => FullyShardedDataParallel::from_units(
+            ctx.process_group(),
+            &varmap,
+            dtype,
+            &device,
+            layers,
+            config,
+        )?,
+    };
     let mut adam = AdamW::new(
         varmap.all_vars(),
         ParamsAdamW {
@@ -692,43 +717,6 @@ fn rank_pipeline(ctx: &RankContext) -> anyhow::Result<Tensors> {
         }
     }
     Ok(out)
-}
-
-/// HSDP on a 2 x 2 mesh: the weights after AdamW steps.
-fn hsdp(ctx: &RankContext, input: &Tensors) -> anyhow::Result<Tensors> {
-    use candle_dp::comm::DeviceMesh;
-    use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
-    use candle_dp::pipeline::layer;
-    let varmap = varmap_from(&init_of(input));
-    let (i, h, o) = SIZES;
-    let layers = vec![
-        layer(move |vb| candle_nn::linear(i, h, vb.pp("l1"))),
-        layer(|_| Ok(candle_nn::Activation::Relu)),
-        layer(move |vb| candle_nn::linear(h, o, vb.pp("l2"))),
-    ];
-    let mesh = DeviceMesh::new(ctx.process_group(), &[("replicate", 2), ("shard", 2)])?;
-    let mut fsdp = FullyShardedDataParallel::from_units_on_mesh(
-        &mesh,
-        &varmap,
-        DType::F32,
-        &Device::Cpu,
-        layers,
-        FsdpConfig::default(),
-    )?;
-    let mut adam = AdamW::new(
-        varmap.all_vars(),
-        ParamsAdamW {
-            lr: 0.01,
-            ..Default::default()
-        },
-    )?;
-    for (x, y) in batches(input) {
-        let b = x.dim(0)? / ctx.world_size;
-        let (x, y) = (x.narrow(0, ctx.rank * b, b)?, y.narrow(0, ctx.rank * b, b)?);
-        let step = fsdp.forward_backward(&x, &y, loss::cross_entropy)?;
-        adam.step(&step.grads)?;
-    }
-    Ok(fsdp.full_state()?)
 }
 
 /// Gradient accumulation over 3 micro-batches of 2 rows per rank.

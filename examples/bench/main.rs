@@ -420,20 +420,7 @@ static SIMULATED_MACHINES: std::sync::atomic::AtomicBool =
 /// process each, over TCP.
 fn mpirun_this(np: usize) -> Result<Command> {
     if SIMULATED_MACHINES.load(std::sync::atomic::Ordering::Relaxed) {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/netcluster.sh");
-        let mut cluster = Command::new("bash");
-        cluster
-            .arg(script)
-            .args(["run", "--machines", &np.to_string(), "--per-machine", "1"])
-            .args([
-                "--export",
-                "RAYON_NUM_THREADS",
-                "--export",
-                "CANDLE_NUM_THREADS",
-            ])
-            .args(["--mca", "hwloc_base_binding_policy", "none", "--"])
-            .arg(std::env::current_exe()?);
-        return Ok(cluster);
+        return on_simulated_machines(np, 1);
     }
     let mut mpirun = Command::new("mpirun");
     mpirun
@@ -446,6 +433,24 @@ fn mpirun_this(np: usize) -> Result<Command> {
         .args(["-np", &np.to_string()])
         .arg(std::env::current_exe()?);
     Ok(mpirun)
+}
+
+/// This binary as `machines x per_machine` MPI processes on the simulated
+/// machines of `scripts/netcluster.sh` (as root), one machine's ranks
+/// neighbours (`--block`), the thread settings passed on, the processes
+/// left unbound.
+fn on_simulated_machines(machines: usize, per_machine: usize) -> Result<Command> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/netcluster.sh");
+    let mut cluster = Command::new("bash");
+    cluster
+        .arg(script)
+        .args(["run", "--machines", &machines.to_string()])
+        .args(["--per-machine", &per_machine.to_string(), "--block"])
+        .args(["--export", "RAYON_NUM_THREADS"])
+        .args(["--export", "CANDLE_NUM_THREADS"])
+        .args(["--mca", "hwloc_base_binding_policy", "none", "--"])
+        .arg(std::env::current_exe()?);
+    Ok(cluster)
 }
 
 /// Runs a child process and reads the JSON on the last line it printed.

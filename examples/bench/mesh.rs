@@ -25,20 +25,8 @@ const STRATEGIES: [&str; 3] = ["ddp", "fsdp", "hsdp"];
 /// `mpirun` of this binary's language-model child on the simulated
 /// machines.
 fn on_cluster(spec: &LmSpec) -> Result<Command> {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/netcluster.sh");
-    let mut cmd = Command::new("bash");
-    cmd.arg(script)
-        .args(["run", "--machines", &MACHINES.to_string()])
-        .args(["--per-machine", &PER_MACHINE.to_string(), "--block"])
-        .args([
-            "--export",
-            "RAYON_NUM_THREADS",
-            "--export",
-            "CANDLE_NUM_THREADS",
-        ])
-        .args(["--mca", "hwloc_base_binding_policy", "none", "--"])
-        .arg(std::env::current_exe()?)
-        .arg("--lm-child")
+    let mut cmd = crate::on_simulated_machines(MACHINES, PER_MACHINE)?;
+    cmd.arg("--lm-child")
         .arg(serde_json::to_string(spec)?)
         .env("RAYON_NUM_THREADS", "1")
         .env("CANDLE_NUM_THREADS", "1");

@@ -189,6 +189,41 @@ pub(crate) fn root_error(root: usize, world_size: usize) -> Option<String> {
     (root >= world_size).then(|| format!("root {root} is out of range for world size {world_size}"))
 }
 
+/// Refuses `peer` as the other end of `rank`'s message (`op`) in a group
+/// of `world_size`: outside the group, or itself.
+pub(crate) fn check_peer(op: Op, peer: usize, rank: usize, world_size: usize) -> Result<()> {
+    let reason = if peer >= world_size {
+        format!("rank {peer} is not in a group of {world_size}")
+    } else if peer == rank {
+        "a rank cannot send to or receive from itself".to_string()
+    } else {
+        return Ok(());
+    };
+    Err(CommError::InvalidInput {
+        rank,
+        op: op.as_str(),
+        culprit: rank,
+        reason,
+    })
+}
+
+/// The message of a `recv` that got another dtype or shape than it
+/// expected: the two ranks are out of step.
+pub(crate) fn message_mismatch(
+    src: usize,
+    sent: &TensorMeta,
+    rank: usize,
+    wanted: &TensorMeta,
+) -> String {
+    format!(
+        "rank {src} sent {} {:?}, rank {rank} expected {} {:?}",
+        sent.dtype.as_str(),
+        sent.dims,
+        wanted.dtype.as_str(),
+        wanted.dims
+    )
+}
+
 /// The parts `rank` scatters from `root` (none unless it is the root), each
 /// made from its tensor by `part`, or why the root's argument cannot be
 /// used.

@@ -3,7 +3,7 @@
 //! weights on every mesh shape of four thread ranks.
 
 use crate::common::*;
-use crate::overlap::{adamw, batches, bounded, deep_units, init_deep, share};
+use crate::overlap::{batches, bounded, deep_units, init_deep, share};
 
 use std::collections::HashMap;
 
@@ -71,64 +71,27 @@ fn a_mesh_that_does_not_fit_or_differs_between_ranks_is_refused_on_every_rank() 
     }
 }
 
-/// HSDP on a `replicas x shards` mesh of the four ranks (FSDP over all
-/// four for `None`): each rank's whole weights after three AdamW steps.
-fn sharded_run(
-    mesh: Option<(usize, usize)>,
-    init: &Weights,
-    data: &[(Tensor, Tensor)],
-) -> Vec<Weights> {
-    let (init, data) = (init.clone(), data.to_vec());
-    spawn_with(4, bounded(), move |ctx| {
-        let varmap = varmap_from(&init);
-        let (dt, dev, config) = (DType::F32, Device::Cpu, FsdpConfig::default());
-        let mut fsdp = match mesh {
-            Some((r, s)) => {
-                let mesh = DeviceMesh::new(ctx.process_group(), &[("replicate", r), ("shard", s)])?;
-                FullyShardedDataParallel::from_units_on_mesh(
-                    &mesh,
-                    &varmap,
-                    dt,
-                    &dev,
-                    deep_units(),
-                    config,
-                )?
-            }
-            None => FullyShardedDataParallel::from_units(
-                ctx.process_group(),
-                &varmap,
-                dt,
-                &dev,
-                deep_units(),
-                config,
-            )?,
-        };
-        let mut opt = adamw(&varmap)?;
-        for (x, y) in &data {
-            let (x, y) = share(&ctx, x, y)?;
-            let step = fsdp.forward_backward(&x, &y, loss::cross_entropy)?;
-            opt.step(&step.grads)?;
-        }
-        Ok(fsdp.full_state()?)
-    })
-    .unwrap()
-}
-
 #[test]
 fn hsdp_trains_to_fsdps_weights_on_every_mesh_of_four_ranks() {
     within(240, || {
         let init = init_deep();
         let data = batches(3, 16, 5);
-        let fsdp = sharded_run(None, &init, &data);
+        let run = |mesh| -> Vec<Weights> {
+            sharded_adamw(4, mesh, &init, &data, None, None)
+                .into_iter()
+                .map(|(_, weights)| weights)
+                .collect()
+        };
+        let fsdp = run(None);
         // One replica of four shards is FSDP itself: the same bytes.
-        let one_replica = sharded_run(Some((1, 4)), &init, &data);
+        let one_replica = run(Some((1, 4)));
         assert!(
             identical(&one_replica[0], &fsdp[0]),
             "{}",
             diff_report(&one_replica[0], &fsdp[0])
         );
         for shape in [(2, 2), (4, 1)] {
-            let hsdp = sharded_run(Some(shape), &init, &data);
+            let hsdp = run(Some(shape));
             for rank in 1..4 {
                 assert!(
                     identical(&hsdp[rank], &hsdp[0]),

@@ -12,7 +12,7 @@ use super::engine::{Control, Kind, Reply};
 use super::{signature, too_large, wire, MpiGroup, MAX_MESSAGE_BYTES};
 use crate::comm::buffer::Buffer;
 use crate::comm::op::Op;
-use crate::comm::protocol::{OpSig, TensorMeta};
+use crate::comm::protocol::{self, OpSig, TensorMeta};
 use crate::comm::split::{members, Color, SubGroup};
 use crate::comm::{all_gather_object, CommError, FailureCause, Membership, ProcessGroup, Result};
 
@@ -66,19 +66,7 @@ impl MpiGroup {
     }
 
     fn peer_error(&self, op: Op, peer: usize) -> Result<()> {
-        let reason = if peer >= self.world_size() {
-            format!("rank {peer} is not in a group of {}", self.world_size())
-        } else if peer == self.rank() {
-            "a rank cannot send to or receive from itself".to_string()
-        } else {
-            return Ok(());
-        };
-        Err(CommError::InvalidInput {
-            rank: self.rank(),
-            op: op.as_str(),
-            culprit: self.rank(),
-            reason,
-        })
+        protocol::check_peer(op, peer, self.rank(), self.world_size())
     }
 
     /// [`ProcessGroup::send`]: the tensor's host copy, with its dtype and
@@ -112,14 +100,13 @@ impl MpiGroup {
         let Reply::One(buffer, dims) = self.call(sig, Kind::Recv { src })? else {
             return Err(self.wrong_reply(Op::Recv));
         };
-        if buffer.dtype() != like.dtype() || dims != like.dims() {
-            let detail = format!(
-                "rank {src} sent {} {dims:?}, rank {} expected {} {:?}",
-                buffer.dtype().as_str(),
-                self.rank(),
-                like.dtype().as_str(),
-                like.dims()
-            );
+        let sent = TensorMeta {
+            dtype: buffer.dtype(),
+            dims: dims.clone(),
+        };
+        let wanted = TensorMeta::of(like);
+        if sent != wanted {
+            let detail = protocol::message_mismatch(src, &sent, self.rank(), &wanted);
             self.fail(FailureCause::Aborted(format!(
                 "recv from rank {src}: {detail}"
             )));

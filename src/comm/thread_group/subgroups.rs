@@ -11,7 +11,7 @@ use crossbeam::select;
 
 use super::group::{ThreadGroup, ThreadRank};
 use crate::comm::op::Op;
-use crate::comm::protocol::TensorMeta;
+use crate::comm::protocol::{self, TensorMeta};
 use crate::comm::split::{members, Color, SubGroup};
 use crate::comm::{
     all_gather_object, CommError, Failure, FailureCause, GroupOptions, ProcessGroup, Result,
@@ -86,19 +86,7 @@ impl ThreadRank {
 
     /// Checks that `peer` is another rank of the group.
     fn peer_error(&self, op: Op, peer: usize) -> Result<()> {
-        let reason = if peer >= self.world_size() {
-            format!("rank {peer} is not in a group of {}", self.world_size())
-        } else if peer == self.rank() {
-            "a rank cannot send to or receive from itself".to_string()
-        } else {
-            return Ok(());
-        };
-        Err(CommError::InvalidInput {
-            rank: self.rank(),
-            op: op.as_str(),
-            culprit: self.rank(),
-            reason,
-        })
+        protocol::check_peer(op, peer, self.rank(), self.world_size())
     }
 
     /// `peer` is gone while this rank still needs it: the family fails.
@@ -188,14 +176,7 @@ impl ThreadRank {
         if sent != wanted {
             // The two ranks are out of step: nothing they exchange later
             // can be trusted.
-            let detail = format!(
-                "rank {src} sent {} {:?}, rank {} expected {} {:?}",
-                sent.dtype.as_str(),
-                sent.dims,
-                self.rank(),
-                wanted.dtype.as_str(),
-                wanted.dims
-            );
+            let detail = protocol::message_mismatch(src, &sent, self.rank(), &wanted);
             self.shared.fail(Failure {
                 rank: self.rank(),
                 cause: FailureCause::Aborted(format!("recv from rank {src}: {detail}")),
