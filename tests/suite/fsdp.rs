@@ -477,12 +477,9 @@ fn batch_norm_buffers_are_broadcast_updated_once_per_step_and_match_ddp() {
 }
 
 /// What each rank saved at the checkpoint: its pieces and optimizer state.
-type Save = (HashMap<String, Tensor>, candle_dp::optim::OptimizerState);
+pub(crate) type Save = (HashMap<String, Tensor>, candle_dp::optim::OptimizerState);
 
-/// FSDP with the crate's AdamW over `data`, on `world` ranks: from `init`,
-/// or from every rank's `saves` of another run (resharded). Returns each
-/// rank's save after `save_after` steps (if any) and the whole weights at
-/// the end.
+/// FSDP over `world` ranks with the crate's AdamW (see [`sharded_adamw`]).
 fn fsdp_adamw(
     units: fn() -> Vec<LayerFactory>,
     world: usize,
@@ -491,23 +488,65 @@ fn fsdp_adamw(
     saves: Option<Vec<Save>>,
     save_after: Option<usize>,
 ) -> Vec<(Option<Save>, Weights)> {
+    sharded_adamw(units, Ranks::Fsdp(world), init, data, saves, save_after)
+}
+
+/// How the ranks of [`sharded_adamw`] shard.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Ranks {
+    /// FSDP over this many ranks.
+    Fsdp(usize),
+    /// HSDP on a `replicas x shards` mesh.
+    Hsdp(usize, usize),
+}
+
+/// `units` under FSDP or HSDP with the crate's AdamW, from `init`: loads
+/// `saves` first if given, saves before step `save_after`; every rank's
+/// save and whole weights.
+pub(crate) fn sharded_adamw(
+    units: fn() -> Vec<LayerFactory>,
+    ranks: Ranks,
+    init: &Weights,
+    data: &[(Tensor, Tensor)],
+    saves: Option<Vec<Save>>,
+    save_after: Option<usize>,
+) -> Vec<(Option<Save>, Weights)> {
+    use candle_dp::comm::DeviceMesh;
     use candle_dp::optim::{AdamW, AdamWConfig};
     let (init, data) = (init.clone(), data.to_vec());
+    let world = match ranks {
+        Ranks::Fsdp(world) => world,
+        Ranks::Hsdp(r, s) => r * s,
+    };
     spawn_with(world, bounded(), move |ctx| {
         let varmap = varmap_from(&init);
-        let mut fsdp = FullyShardedDataParallel::from_units(
-            ctx.process_group(),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-            units(),
-            FsdpConfig::default(),
-        )?;
-        let config = AdamWConfig {
+        let (dt, dev, config) = (DType::F32, Device::Cpu, FsdpConfig::default());
+        let mut fsdp = match ranks {
+            Ranks::Hsdp(r, s) => {
+                let mesh = DeviceMesh::new(ctx.process_group(), &[("replicate", r), ("shard", s)])?;
+                FullyShardedDataParallel::from_units_on_mesh(
+                    &mesh,
+                    &varmap,
+                    dt,
+                    &dev,
+                    units(),
+                    config,
+                )?
+            }
+            Ranks::Fsdp(_) => FullyShardedDataParallel::from_units(
+                ctx.process_group(),
+                &varmap,
+                dt,
+                &dev,
+                units(),
+                config,
+            )?,
+        };
+        let adamw = AdamWConfig {
             lr: 0.01,
             ..Default::default()
         };
-        let mut opt = AdamW::new_named(fsdp.shards().to_vec(), config)?;
+        let mut opt = AdamW::new_named(fsdp.shards().to_vec(), adamw)?;
         if let Some(saves) = &saves {
             let (pieces, states): (Vec<_>, Vec<_>) = saves.iter().cloned().unzip();
             fsdp.load_resharded(&pieces, &states, &mut opt)?;

@@ -3,7 +3,8 @@
 //! weights on every mesh shape of four thread ranks.
 
 use crate::common::*;
-use crate::overlap::{batches, bounded, deep_units, init_deep, share};
+use crate::fsdp::{Ranks, Save};
+use crate::overlap::{batches, bounded, deep_units, init_deep};
 
 use std::collections::HashMap;
 
@@ -11,7 +12,6 @@ use candle_core::{DType, Device, Tensor};
 use candle_dp::comm::DeviceMesh;
 use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use candle_dp::launch::spawn_with;
-use candle_nn::{loss, Optimizer};
 
 type Weights = HashMap<String, Tensor>;
 
@@ -146,12 +146,8 @@ fn hsdp_holds_a_shard_groups_pieces_on_each_replica() {
     assert_eq!(dims, vec![Some(vec![6, 6]); 4]);
 }
 
-/// One rank's save: its pieces and its optimizer state over them.
-type Save = (Weights, candle_dp::optim::OptimizerState);
-
-/// AdamW under HSDP on a `replicas x shards` mesh, or FSDP over `world`
-/// ranks for `None`: loads `saves` first if given, saves before step
-/// `save_after`; every rank's save and whole weights.
+/// HSDP on a `replicas x shards` mesh, or FSDP over `world` ranks for
+/// `None`, of the deep MLP: [`sharded_adamw`] of the FSDP tests.
 fn sharded_adamw(
     world: usize,
     mesh: Option<(usize, usize)>,
@@ -160,53 +156,11 @@ fn sharded_adamw(
     saves: Option<Vec<Save>>,
     save_after: Option<usize>,
 ) -> Vec<(Option<Save>, Weights)> {
-    use candle_dp::optim::{AdamW, AdamWConfig};
-    let (init, data) = (init.clone(), data.to_vec());
-    spawn_with(world, bounded(), move |ctx| {
-        let varmap = varmap_from(&init);
-        let (dt, dev, config) = (DType::F32, Device::Cpu, FsdpConfig::default());
-        let mut fsdp = match mesh {
-            Some((r, s)) => {
-                let mesh = DeviceMesh::new(ctx.process_group(), &[("replicate", r), ("shard", s)])?;
-                FullyShardedDataParallel::from_units_on_mesh(
-                    &mesh,
-                    &varmap,
-                    dt,
-                    &dev,
-                    deep_units(),
-                    config,
-                )?
-            }
-            None => FullyShardedDataParallel::from_units(
-                ctx.process_group(),
-                &varmap,
-                dt,
-                &dev,
-                deep_units(),
-                config,
-            )?,
-        };
-        let adamw = AdamWConfig {
-            lr: 0.01,
-            ..Default::default()
-        };
-        let mut opt = AdamW::new_named(fsdp.shards().to_vec(), adamw)?;
-        if let Some(saves) = &saves {
-            let (pieces, states): (Vec<_>, Vec<_>) = saves.iter().cloned().unzip();
-            fsdp.load_resharded(&pieces, &states, &mut opt)?;
-        }
-        let mut saved = None;
-        for (s, (x, y)) in data.iter().enumerate() {
-            if Some(s) == save_after {
-                saved = Some((fsdp.pieces()?, fsdp.shard_state(&opt)?));
-            }
-            let (x, y) = share(&ctx, x, y)?;
-            let step = fsdp.forward_backward(&x, &y, loss::cross_entropy)?;
-            opt.step(&step.grads)?;
-        }
-        Ok((saved, fsdp.full_state()?))
-    })
-    .unwrap()
+    let ranks = match mesh {
+        Some((r, s)) => Ranks::Hsdp(r, s),
+        None => Ranks::Fsdp(world),
+    };
+    crate::fsdp::sharded_adamw(deep_units, ranks, init, data, saves, save_after)
 }
 
 #[test]
