@@ -140,6 +140,7 @@ fn scenario_by_name(name: &str, ctx: RankContext, out: &Path) -> anyhow::Result<
         "subgroups" => subgroups(&ctx)?,
         "hsdp" => hsdp(&ctx, &input()?)?,
         "rank_pipeline" => rank_pipeline(&ctx)?,
+        "recv_after_another_left" => recv_after_another_left(&ctx)?,
         fault => {
             run_fault(fault, &ctx)?;
             return Ok(None);
@@ -507,6 +508,25 @@ fn overlap(ctx: &RankContext, input: &Tensors, units: bool) -> anyhow::Result<Te
 /// gathered at the end, on every rank.
 fn fsdp(ctx: &RankContext, input: &Tensors) -> anyhow::Result<Tensors> {
     sharded(ctx, input, None)
+}
+
+/// Rank 2 is done and leaves at once; rank 1 sends to rank 0 only 2.5 s
+/// later. Rank 0's wait depends on rank 1 alone, and must not end because
+/// rank 2 left (as the last stage of a pipeline leaves first).
+fn recv_after_another_left(ctx: &RankContext) -> anyhow::Result<Tensors> {
+    let x = Tensor::new(&[ctx.rank as f32], &Device::Cpu)?;
+    let mut out = Tensors::new();
+    match ctx.rank {
+        0 => {
+            out.insert("got".into(), ctx.pg.recv(&x, 1)?);
+        }
+        1 => {
+            std::thread::sleep(Duration::from_millis(2500));
+            ctx.pg.send(&x, 0)?;
+        }
+        _ => {}
+    }
+    Ok(out)
 }
 
 /// HSDP on a 2 x 2 mesh: the weights after AdamW steps.
@@ -1664,6 +1684,12 @@ fn a_rank_failing_in_a_sub_group_stops_the_ranks_of_every_group_naming_it() {
             ),
         ],
     );
+}
+
+#[test]
+fn a_recv_waits_for_its_sender_although_another_rank_has_left() {
+    let job = mpirun_ok(3, "recv_after_another_left", None);
+    assert_eq!(job.rank(0)["got"].to_vec1::<f32>().unwrap(), [1.0]);
 }
 
 #[test]

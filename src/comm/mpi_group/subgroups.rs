@@ -4,12 +4,13 @@
 
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use candle_core::Tensor;
 use crossbeam::channel;
 
 use super::engine::{Control, Kind, Reply};
-use super::{signature, too_large, wire, MpiGroup, MAX_MESSAGE_BYTES};
+use super::{signature, too_large, wire, MpiGroup, ENGINE_GRACE, MAX_MESSAGE_BYTES};
 use crate::comm::buffer::Buffer;
 use crate::comm::op::Op;
 use crate::comm::protocol::{self, OpSig, TensorMeta};
@@ -47,8 +48,34 @@ impl MpiGroup {
         if self.control.send(split).is_err() {
             return Err(self.engine_gone("split"));
         }
-        let Ok(made) = answer.recv() else {
-            return Err(self.engine_gone("split"));
+        // The engine's MPI_Comm_split cannot be interrupted: past the
+        // timeout (and the engine's grace) the group fails, and this rank
+        // stops waiting for it.
+        let limit = self
+            .timeout()
+            .and_then(|t| Instant::now().checked_add(t + ENGINE_GRACE));
+        let made = match limit {
+            Some(limit) => answer.recv_deadline(limit).map_err(|e| e.is_timeout()),
+            None => answer.recv().map_err(|_| false),
+        };
+        let made = match made {
+            Ok(made) => made,
+            Err(true) => {
+                let others: Vec<usize> = (0..self.world_size())
+                    .filter(|&r| r != self.rank())
+                    .collect();
+                self.fail(FailureCause::TimedOut {
+                    op: "split",
+                    missing: others.iter().map(|&r| self.world_ranks[r]).collect(),
+                });
+                return Err(CommError::Timeout {
+                    rank: self.rank(),
+                    op: "split",
+                    timeout: self.timeout().unwrap_or_default(),
+                    missing: others,
+                });
+            }
+            Err(false) => return Err(self.engine_gone("split")),
         };
         let (Some(comm), Some(rank)) = (made?, position) else {
             return Ok(None);

@@ -12,10 +12,6 @@ use crate::comm::op::Op;
 /// peer sent before it left may still be on its way.
 const LEFT_GRACE: Duration = Duration::from_secs(1);
 
-/// How long a healthy rank that leaves waits for its last sends to be
-/// received before it counts them as lost.
-const SEND_GRACE: Duration = Duration::from_secs(10);
-
 /// A communicator while another is active.
 pub(super) struct Comm {
     data: SimpleCommunicator,
@@ -64,6 +60,12 @@ impl Engine {
         members: Vec<usize>,
     ) -> Result<Option<usize>, CommError> {
         self.activate(comm)?;
+        // MPI's split cannot be given up: it starts only while every rank
+        // is healthy (they all passed the gather just before).
+        self.receive_notices();
+        if self.shared.failure().is_some() {
+            return Err(self.group_failed_for("split"));
+        }
         let invalid = |detail: String| CommError::Protocol {
             rank: self.rank,
             op: "split",
@@ -96,13 +98,21 @@ impl Engine {
         Ok(Some(self.comms.len() - 1))
     }
 
-    /// Before leaving: waits for the sends in flight to be received. One
-    /// that no rank takes within [`SEND_GRACE`] fails this rank (MPI
-    /// could not be finalized over it), naming it.
+    /// Before leaving: waits for the sends in flight to be received,
+    /// however long the receivers take (a pipeline's previous stage may
+    /// still be working through its backwards), while the job is healthy.
+    /// Once every other rank has left and none took them, this rank fails
+    /// naming the lost messages: MPI could not be finalized over them.
     pub(super) fn finish_sends(&mut self) {
-        let deadline = Instant::now() + SEND_GRACE;
         while !self.sends.progress() && self.shared.failure().is_none() {
-            if Instant::now() >= deadline {
+            let everyone_left = self.world_others().all(|r| {
+                self.left
+                    .get(r)
+                    .copied()
+                    .flatten()
+                    .is_some_and(|(_, at)| at.elapsed() >= LEFT_GRACE)
+            });
+            if everyone_left {
                 self.fail(Failure {
                     rank: self.world_rank,
                     cause: FailureCause::Aborted(
@@ -116,20 +126,34 @@ impl Engine {
         }
     }
 
-    /// A rank of the active communicator that has left the job and will
-    /// not take part in the current call, as a world rank.
+    /// A rank the current call waits for that has left the job and will
+    /// not take part in it, as a world rank.
+    ///
+    /// A world collective knows from the count of collectives the rank
+    /// completed before it left. Elsewhere (a sub-group's collective, a
+    /// `recv`) that count says nothing: only the ranks the call still
+    /// waits for are looked at, once their notice is [`LEFT_GRACE`] old (a
+    /// message they sent before leaving may still be on its way). A `send`
+    /// waits for no one.
     pub(super) fn departed(&self) -> Option<usize> {
         let seq = self.seq();
-        // A wait for a message counts no collectives.
-        let collective = self.op() != Op::Recv.as_str();
-        (0..self.world_size)
+        let op = self.op();
+        let (send, recv) = (op == Op::Send.as_str(), op == Op::Recv.as_str());
+        let gone = |w: usize| self.left.get(w).copied().flatten();
+        if self.active == 0 && !send && !recv {
+            // It finished before entering this collective: it never will.
+            return (0..self.world_size).find(|&w| gone(w).is_some_and(|(done, _)| done < seq));
+        }
+        let waiting_for = self
+            .current
+            .as_ref()
+            .map(|c| c.waiting_for.clone())
+            .unwrap_or_default();
+        waiting_for
+            .into_iter()
+            .filter(|_| !send)
             .map(|r| self.world_rank_of(r))
-            .find(|&w| match self.left.get(w).copied().flatten() {
-                // It finished before entering this collective: it never will.
-                Some((completed, _)) if self.active == 0 && collective => completed < seq,
-                Some((_, at)) => at.elapsed() >= LEFT_GRACE,
-                None => false,
-            })
+            .find(|&w| gone(w).is_some_and(|(_, at)| at.elapsed() >= LEFT_GRACE))
     }
 
     /// Starts sending `message` to `dst` of the active communicator; the
