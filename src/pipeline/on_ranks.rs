@@ -122,6 +122,8 @@ pub struct RankPipeline {
     held: Vec<Stage>,
     /// Their numbers in the pipeline.
     indices: Vec<usize>,
+    /// The `VarMap`'s variables these stages use, each once, by name.
+    own: Vec<(String, Var)>,
     /// Layers per stage.
     balance: Vec<usize>,
     config: RankPipelineConfig,
@@ -209,13 +211,15 @@ impl RankPipeline {
             let factories = &layers[first..first + balance[k]];
             held.push(build_stage(varmap, dtype, None, device, first, factories)?);
         }
-        let tied = tie_across_ranks(pg.as_ref(), &held)?;
+        let own = own_vars(&held);
+        let tied = tie_across_ranks(pg.as_ref(), &own)?;
         Ok(RankPipeline {
             port: Arc::new(RankPort::new(Arc::clone(&pg))),
             pg,
             device: device.clone(),
             held,
             indices,
+            own,
             balance,
             config,
             tied,
@@ -249,23 +253,11 @@ impl RankPipeline {
         let stages = Arc::clone(mesh.group(pp)?);
         let replicas = Arc::clone(mesh.group(dp)?);
         let mut pipe = Self::new(stages, varmap, dtype, device, layers, config)?;
-        for var in pipe.own_vars() {
+        for (_, var) in &pipe.own {
             var.set(&replicas.broadcast(var.as_tensor(), 0)?)?;
         }
         pipe.replicas = Some(replicas);
         Ok(pipe)
-    }
-
-    /// This rank's variables (the `VarMap`'s), each once, by name.
-    fn own_vars(&self) -> Vec<Var> {
-        let mut vars: Vec<(&String, &Var)> = self
-            .held
-            .iter()
-            .flat_map(|s| s.vars.iter().map(|v| (&v.name, &v.master)))
-            .collect();
-        vars.sort_by(|a, b| a.0.cmp(b.0));
-        vars.dedup_by(|a, b| a.0 == b.0);
-        vars.into_iter().map(|(_, v)| v.clone()).collect()
     }
 
     /// The pipeline's stages in all.
@@ -291,14 +283,7 @@ impl RankPipeline {
     /// The names of the variables this rank's stages use (what its
     /// optimizer steps and its checkpoint holds), sorted.
     pub fn variable_names(&self) -> Vec<String> {
-        let mut names: Vec<String> = self
-            .held
-            .iter()
-            .flat_map(|s| s.vars.iter().map(|v| v.name.clone()))
-            .collect();
-        names.sort();
-        names.dedup();
-        names
+        self.own.iter().map(|(name, _)| name.clone()).collect()
     }
 
     /// One training step: `x` on the rank of the first stage, `y` on the
@@ -411,7 +396,7 @@ impl RankPipeline {
         // On a mesh: every gradient averaged over the stage's replicas, in
         // one collective, and the last stages' losses.
         if let Some(replicas) = &self.replicas {
-            let vars = self.own_vars();
+            let vars: Vec<&Var> = self.own.iter().map(|(_, v)| v).collect();
             let mine = vars
                 .iter()
                 .map(|v| {
@@ -423,7 +408,7 @@ impl RankPipeline {
                 .collect::<candle_core::Result<Vec<_>>>()?;
             let averaged = replicas.all_reduce_concat(&mine, ReduceOp::Avg)?;
             let mut offset = 0;
-            for var in &vars {
+            for var in vars {
                 let n = var.elem_count();
                 let g = averaged.narrow(0, offset, n)?.reshape(var.dims())?;
                 grads.insert(var.as_tensor(), g);
@@ -548,18 +533,27 @@ impl RankPipeline {
     }
 }
 
-/// The variables of `held` that stages on other ranks use too (tied
+/// The `VarMap`'s variables `held` uses, each once, by name.
+fn own_vars(held: &[Stage]) -> Vec<(String, Var)> {
+    let mut vars: Vec<(String, Var)> = held
+        .iter()
+        .flat_map(|s| s.vars.iter().map(|v| (v.name.clone(), v.master.clone())))
+        .collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    vars.dedup_by(|a, b| a.0 == b.0);
+    vars
+}
+
+/// The variables of `own` that stages on other ranks use too (tied
 /// weights), each with a group of the ranks that use it, made here (every
 /// rank takes part in every group's making, in name order), and its value
 /// copied from the lowest of them, so that all start equal.
-fn tie_across_ranks(pg: &dyn ProcessGroup, held: &[Stage]) -> Result<Vec<(String, Var, SubGroup)>> {
-    let mut mine: Vec<String> = held
-        .iter()
-        .flat_map(|s| s.vars.iter().map(|v| v.name.clone()))
-        .collect();
-    mine.sort();
-    mine.dedup();
-    let all = all_gather_object(pg, &mine)?;
+fn tie_across_ranks(
+    pg: &dyn ProcessGroup,
+    own: &[(String, Var)],
+) -> Result<Vec<(String, Var, SubGroup)>> {
+    let mine: Vec<String> = own.iter().map(|(name, _)| name.clone()).collect();
+    let all: Vec<Vec<String>> = all_gather_object(pg, &mine)?;
     let mut users: std::collections::BTreeMap<&String, Vec<usize>> = Default::default();
     for (rank, names) in all.iter().enumerate() {
         for name in names {
@@ -571,11 +565,10 @@ fn tie_across_ranks(pg: &dyn ProcessGroup, held: &[Stage]) -> Result<Vec<(String
         let Some(group) = pg.new_group(&ranks)? else {
             continue;
         };
-        let var = held
+        let var = own
             .iter()
-            .flat_map(|s| &s.vars)
-            .find(|v| &v.name == name)
-            .map(|v| v.master.clone())
+            .find(|(own_name, _)| own_name == name)
+            .map(|(_, var)| var.clone())
             .ok_or_else(|| {
                 Error::Candle(candle_core::Error::Msg(format!("`{name}` is not held")))
             })?;
