@@ -37,8 +37,8 @@ pub struct FabricArgs {
     /// flags below override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// single, dp, ddp, ddp-overlap, zero1, zero2, fsdp, pipeline or
-    /// pipeline-ddp [default: single].
+    /// single, dp, ddp, ddp-overlap, zero1, zero2, fsdp, hsdp, pipeline,
+    /// pipeline-ddp or pipeline-ranks [default: single].
     #[arg(long)]
     pub strategy: Option<Strategy>,
     /// cpu or cuda [default: cpu].
@@ -59,7 +59,8 @@ pub struct FabricArgs {
     /// A ZeRO stage (1 or 2) with --strategy ddp.
     #[arg(long)]
     pub zero: Option<u8>,
-    /// pipeline-ddp: stages per rank [default: 2].
+    /// pipeline-ddp: stages per rank; pipeline-ranks: ranks per pipeline
+    /// [default: 2].
     #[arg(long)]
     pub stages: Option<usize>,
     /// Pipelines: micro-batches per batch [default: one per stage].

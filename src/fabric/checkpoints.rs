@@ -52,9 +52,10 @@ impl Checkpoints {
     }
 
     /// Saves a sharded run's state (every rank calls it): each rank that
-    /// `writes_shard` its shard (`pieces`, its part of the model if any,
-    /// and `shard`, its optimizer's state recording its rank and the world
-    /// size: under HSDP, its rank in its shard group); then,
+    /// writes a shard (`writes_shard`: its number, `None` for a rank whose
+    /// shard another rank writes, an HSDP or pipeline replica's) writes
+    /// `pieces`, its part of the model if any, and `shard`, its optimizer's
+    /// state recording that number and how many shards there are; then,
     /// after a barrier, rank 0 the state that names the step with
     /// `varmap`'s variables; then every rank prunes its shards to the steps
     /// the kept states name.
@@ -65,7 +66,7 @@ impl Checkpoints {
         pieces: &VarMap,
         shard: OptimizerState,
         state: TrainingState,
-        writes_shard: bool,
+        writes_shard: Option<usize>,
     ) -> Result<()> {
         let rank = pg.rank();
         let step = state.progress.step;
@@ -74,8 +75,8 @@ impl Checkpoints {
             optimizer: Some(shard),
             ..Default::default()
         };
-        if writes_shard {
-            self.shard_states(rank)?.save(pieces, &mine)?;
+        if let Some(number) = writes_shard {
+            self.shard_states(number)?.save(pieces, &mine)?;
         }
         pg.barrier()?;
         // Rank 0 writes the state, then tells every rank which steps the
@@ -90,7 +91,7 @@ impl Checkpoints {
         let mut wanted = all_gather_object(pg, &named)?.swap_remove(0);
         wanted.push(step);
         // A failed pruning only costs disk: the save itself succeeded.
-        if let Some(Ok(dir)) = writes_shard.then(|| self.shard_states(rank)) {
+        if let Some(Ok(dir)) = writes_shard.map(|number| self.shard_states(number)) {
             if let Err(e) = dir.retain_steps(|s| wanted.contains(&s)) {
                 tracing::warn!("rank {rank}: could not prune old shards: {e}");
             }

@@ -52,11 +52,19 @@ pub enum Strategy {
     /// A pipeline on every rank, the ranks' gradients all-reduced (DDP
     /// around it): `devices` = ranks x stages.
     PipelineDdp,
+    /// A pipeline whose stages live on ranks (threads, or `mpirun`'s
+    /// processes on several machines), one rank per stage
+    /// ([`RankPipeline`](crate::pipeline::RankPipeline)): `stages` ranks
+    /// per pipeline, and with more `devices` than `stages` the pipelines
+    /// replicated by data parallelism (a `dp` x `pp` mesh, `devices` =
+    /// replicas x stages; each replica trains on its share of the data, see
+    /// [`Fabric::data_parallel_rank`](super::Fabric::data_parallel_rank)).
+    PipelineRanks,
 }
 
 impl Strategy {
     /// Every strategy, in the order of the documentation.
-    pub const ALL: [Strategy; 10] = [
+    pub const ALL: [Strategy; 11] = [
         Strategy::Single,
         Strategy::Dp,
         Strategy::Ddp,
@@ -67,6 +75,7 @@ impl Strategy {
         Strategy::Hsdp,
         Strategy::Pipeline,
         Strategy::PipelineDdp,
+        Strategy::PipelineRanks,
     ];
 
     /// Its name on the command line and in files.
@@ -82,6 +91,7 @@ impl Strategy {
             Strategy::Hsdp => "hsdp",
             Strategy::Pipeline => "pipeline",
             Strategy::PipelineDdp => "pipeline-ddp",
+            Strategy::PipelineRanks => "pipeline-ranks",
         }
     }
 
@@ -101,15 +111,20 @@ impl Strategy {
                 | Strategy::Hsdp
                 | Strategy::Pipeline
                 | Strategy::PipelineDdp
+                | Strategy::PipelineRanks
         )
     }
 
     /// Whether each rank keeps only its pieces of some state (its
-    /// checkpoints are sharded).
+    /// checkpoints are sharded; a pipeline on ranks: each rank its stages).
     pub fn shards(self) -> bool {
         matches!(
             self,
-            Strategy::Zero1 | Strategy::Zero2 | Strategy::Fsdp | Strategy::Hsdp
+            Strategy::Zero1
+                | Strategy::Zero2
+                | Strategy::Fsdp
+                | Strategy::Hsdp
+                | Strategy::PipelineRanks
         )
     }
 }
@@ -139,6 +154,7 @@ impl FromStr for Strategy {
             "hsdp" | "hybrid-shard" => Strategy::Hsdp,
             "pipeline" | "pp" => Strategy::Pipeline,
             "pipeline-ddp" | "pp-ddp" => Strategy::PipelineDdp,
+            "pipeline-ranks" | "pp-ranks" | "pipeline-parallel" => Strategy::PipelineRanks,
             _ => {
                 let names: Vec<&str> = Strategy::ALL.iter().map(|s| s.name()).collect();
                 return Err(Error::Config(format!(
@@ -367,12 +383,14 @@ pub struct FabricConfig {
     /// CPU or CUDA (default CPU).
     pub accelerator: Accelerator,
     /// The devices: replicas (`dp`), ranks (`ddp`, `zero*`, `fsdp`),
-    /// stages (`pipeline`), ranks x stages (`pipeline-ddp`). Under
+    /// stages (`pipeline`), ranks x stages (`pipeline-ddp`), replicas x
+    /// ranks per pipeline (`pipeline-ranks`). Under
     /// `mpirun` the number of ranks is the launcher's; each process uses
     /// the device of its local rank (default 1).
     pub devices: Devices,
     /// The pipeline's stages per rank (`pipeline-ddp`; `pipeline` uses
-    /// one per device), default 2.
+    /// one per device), or its ranks (`pipeline-ranks`, one stage each, or
+    /// `v` interleaved), default 2.
     pub stages: usize,
     /// The pipeline's micro-batches per batch (default: one per stage).
     pub chunks: Option<usize>,
@@ -601,6 +619,22 @@ impl FabricConfig {
             Strategy::PipelineDdp if !devices.is_multiple_of(self.stages) => {
                 return refuse(format!(
                     "{devices} devices do not split into pipelines of {} stages (ranks x stages)",
+                    self.stages
+                ))
+            }
+            Strategy::PipelineRanks
+                if self.stages * self.pipeline_schedule.stages_per_device() < 2 =>
+            {
+                return refuse(format!(
+                    "a pipeline of {} stage: stages (ranks per pipeline) must be at least 2, or \
+                     1 with an interleaved schedule",
+                    self.stages * self.pipeline_schedule.stages_per_device()
+                ))
+            }
+            Strategy::PipelineRanks if !devices.is_multiple_of(self.stages) => {
+                return refuse(format!(
+                    "{devices} ranks do not split into pipelines of {} ranks: devices must be a \
+                     multiple of stages (replicas x stages)",
                     self.stages
                 ))
             }

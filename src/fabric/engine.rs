@@ -18,7 +18,7 @@ use crate::data_parallel::DataParallel;
 use crate::ddp::{DdpConfig, DistributedDataParallel, ZeroStage};
 use crate::error::{Error, Result};
 use crate::fsdp::{FsdpConfig, FullyShardedDataParallel};
-use crate::pipeline::Pipeline;
+use crate::pipeline::{Pipeline, RankPipeline, RankPipelineConfig};
 use crate::precision::{cast_input, MixedPrecisionModel};
 use crate::process_env::Backend;
 use crate::step::{LossReduction, Step};
@@ -70,6 +70,8 @@ pub(crate) enum Engine {
     Pipeline(Pipeline),
     /// `pipeline-ddp`.
     PipelineDdp(Box<DistributedDataParallel<Pipeline>>),
+    /// `pipeline-ranks`: this rank's stages.
+    RankPipeline(Box<RankPipeline>),
 }
 
 /// What one forward and backward gave: this rank's loss (unscaled), and
@@ -222,7 +224,47 @@ impl Engine {
                     DdpConfig::default(),
                 )?))
             }
+            Strategy::PipelineRanks => {
+                // Pipelines of consecutive ranks (a machine's, when the
+                // launcher numbers them so), replicated across them.
+                let stages = config.stages.max(1);
+                let world = pg.world_size();
+                let mesh = DeviceMesh::new(pg, &[("dp", world / stages), ("pp", stages)])?;
+                let pipe_config = RankPipelineConfig {
+                    chunks: config.chunks,
+                    schedule: config.pipeline_schedule,
+                    checkpoint: config.activation_checkpoint,
+                    mixed_precision: policy,
+                    ..RankPipelineConfig::default()
+                };
+                Engine::RankPipeline(Box::new(RankPipeline::on_mesh(
+                    &mesh,
+                    ("pp", "dp"),
+                    varmap,
+                    DType::F32,
+                    &first,
+                    module.parts().to_vec(),
+                    pipe_config,
+                )?))
+            }
         })
+    }
+
+    /// A pipeline on ranks keeps only its stages' variables and buffers:
+    /// the `VarMap` of those (the others, built only to draw the seeded
+    /// initial values, are dropped). `None` for the other engines.
+    pub(crate) fn rank_varmap(&self) -> Result<Option<VarMap>> {
+        let Engine::RankPipeline(pipe) = self else {
+            return Ok(None);
+        };
+        let varmap = VarMap::new();
+        {
+            let mut data = crate::lock::lock(varmap.data());
+            for (name, var) in pipe.variables().iter().chain(pipe.buffers()) {
+                data.insert(name.clone(), var.clone());
+            }
+        }
+        Ok(Some(varmap))
     }
 
     /// Whether this engine keeps gradients across `no_sync` steps itself
@@ -264,6 +306,7 @@ impl Engine {
         match self {
             Engine::Fsdp(fsdp) => fsdp.shards().to_vec(),
             Engine::Replicas { dp, .. } => dp.vars().to_vec(),
+            Engine::RankPipeline(pipe) => pipe.variables().to_vec(),
             _ => sorted_vars(varmap),
         }
     }
@@ -360,6 +403,17 @@ impl Engine {
                 }?;
                 ran(step, factor, sync)
             }
+            Engine::RankPipeline(pipe) => {
+                // Every rank of a pipeline has the batch; the first stage
+                // reads the input, the last the targets. The loss (the
+                // replicas' mean on a mesh) then goes to every rank.
+                let step = pipe.forward_backward(Some(x), Some(y), LossReduction::Mean, scaled)?;
+                let loss = pipe.from_last_stage(step.loss.as_ref())?;
+                Ok(Ran {
+                    loss: loss.affine(1.0 / factor, 0.0)?,
+                    grads: Some(step.grads),
+                })
+            }
         }
     }
 
@@ -373,6 +427,10 @@ impl Engine {
             Engine::Fsdp(fsdp) => fsdp.forward_t(x, false)?,
             Engine::Pipeline(pipe) => pipe.forward_t(x, false)?,
             Engine::PipelineDdp(ddp) => ddp.forward_t(x, false)?,
+            Engine::RankPipeline(pipe) => {
+                let out = pipe.forward_t(Some(x), false)?;
+                pipe.from_last_stage(out.as_ref())?
+            }
         };
         Ok(to_f32(&out)?)
     }
@@ -382,6 +440,7 @@ impl Engine {
     pub(crate) fn full_state(&self, varmap: &VarMap) -> Result<HashMap<String, Tensor>> {
         let whole = match self {
             Engine::Fsdp(fsdp) => fsdp.full_state()?,
+            Engine::RankPipeline(pipe) => pipe.full_state()?,
             _ => sorted_vars(varmap)
                 .into_iter()
                 .map(|(name, var)| (name, var.as_tensor().clone()))

@@ -20,7 +20,8 @@
 //! use candle_nn::{linear, loss, Activation};
 //!
 //! // The strategy is one word: "single", "dp", "ddp", "ddp-overlap",
-//! // "zero1", "zero2", "fsdp", "pipeline" or "pipeline-ddp".
+//! // "zero1", "zero2", "fsdp", "hsdp", "pipeline", "pipeline-ddp" or
+//! // "pipeline-ranks".
 //! let config = FabricConfig::new("fsdp".parse()?, 2);
 //! let x = Tensor::randn(0f32, 1., (16, 4), &Device::Cpu)?;
 //! let y = Tensor::from_vec((0..16u32).map(|i| i % 2).collect(), 16, &Device::Cpu)?;
@@ -116,7 +117,8 @@ impl Fabric {
     /// Under an MPI launcher (`mpirun`, `srun`; feature `mpi`) this
     /// process is one rank and the launcher gives the number of ranks;
     /// otherwise the ranks are threads of this process: one per device for
-    /// `ddp`, `ddp-overlap`, `zero1`, `zero2` and `fsdp`, one per pipeline
+    /// `ddp`, `ddp-overlap`, `zero1`, `zero2`, `fsdp`, `hsdp` and
+    /// `pipeline-ranks` (one per stage of each pipeline), one per pipeline
     /// for `pipeline-ddp`, and a single one for `single`, `dp` and
     /// `pipeline`, which spread over their devices inside it.
     ///
@@ -162,8 +164,8 @@ impl Fabric {
                 strategy: strategy.name().into(),
                 reason: format!(
                     "it runs in one process, and this is one of {} processes of an MPI job: \
-                     start one process, or use ddp, ddp-overlap, zero1, zero2, fsdp or \
-                     pipeline-ddp",
+                     start one process, or use ddp, ddp-overlap, zero1, zero2, fsdp, hsdp, \
+                     pipeline-ddp or pipeline-ranks",
                     Backend::world_size()
                 ),
             });
@@ -220,6 +222,29 @@ impl Fabric {
     /// `dp` and `pipeline`, which spread inside one.
     pub fn world_size(&self) -> usize {
         self.ctx.world_size
+    }
+
+    /// Which share of the data this rank trains on, in
+    /// `0..data_parallel_size()`: its rank, except with `pipeline-ranks`,
+    /// where every rank of one pipeline trains on the same batch (its
+    /// replica's number). [`setup_dataloader`](Self::setup_dataloader)
+    /// splits by it; a loop that picks its own rows should too (Lightning
+    /// gives a model-parallel strategy's sampler the data-parallel rank
+    /// likewise).
+    pub fn data_parallel_rank(&self) -> usize {
+        match self.strategy() {
+            Strategy::PipelineRanks => self.ctx.rank / self.config.stages.max(1),
+            _ => self.ctx.rank,
+        }
+    }
+
+    /// Into how many shares the data is split: the number of ranks, or of
+    /// pipelines with `pipeline-ranks`.
+    pub fn data_parallel_size(&self) -> usize {
+        match self.strategy() {
+            Strategy::PipelineRanks => self.ctx.world_size / self.config.stages.max(1),
+            _ => self.ctx.world_size,
+        }
     }
 
     /// Whether this is rank 0 (Fabric's `is_global_zero`, Accelerate's
@@ -367,6 +392,8 @@ impl Fabric {
             &varmap,
             &module,
         )?;
+        // A rank of a pipeline keeps only its stages' variables.
+        let varmap = engine.rank_varmap()?.unwrap_or(varmap);
         let zero = engine.ddp().filter(|ddp| ddp.zero_stage().is_some());
         let (stepper, params) = match zero {
             Some(ddp) => {
@@ -439,12 +466,12 @@ impl Fabric {
             ..
         } = options.sharding
         {
-            if self.world_size() > 1 && !options.drop_last {
+            if self.data_parallel_size() > 1 && !options.drop_last {
                 return Err(Error::Config(format!(
                     "even_batches false gives the {} ranks different numbers of batches, and a \
                      rank with one more would wait in a collective the others never join: keep \
                      even_batches (Accelerate's default) or drop_last",
-                    self.world_size()
+                    self.data_parallel_size()
                 )));
             }
         }
@@ -452,8 +479,8 @@ impl Fabric {
             dataset,
             batch_size,
             options,
-            self.rank(),
-            self.world_size(),
+            self.data_parallel_rank(),
+            self.data_parallel_size(),
             self.config.seed,
         )
         .map(|loader| loader.on_device(self.device().clone()))

@@ -235,6 +235,7 @@ impl<O: StatefulOptimizer> FabricModel<O> {
         let clipped = match (&self.engine, &self.stepper) {
             (_, Stepper::Zero(zero)) => zero.clip_grad_norm(grads, max_norm, 2.0, false)?,
             (Engine::Fsdp(fsdp), _) => fsdp.clip_grad_norm(grads, max_norm, 2.0, false)?,
+            (Engine::RankPipeline(pipe), _) => pipe.clip_grad_norm(grads, max_norm, 2.0, false)?,
             _ => clip_grad_norm(grads, &self.params, max_norm, 2.0, false)?,
         };
         self.clipped = true;

@@ -59,6 +59,7 @@ fn layout(strategy: Strategy) -> &'static str {
     match strategy {
         Strategy::Zero1 | Strategy::Zero2 => "ZeRO shards",
         Strategy::Fsdp | Strategy::Hsdp => "FSDP shards",
+        Strategy::PipelineRanks => "pipeline stages",
         _ => "whole",
     }
 }
@@ -101,7 +102,7 @@ impl<O: StatefulOptimizer> FabricModel<O> {
                 &VarMap::new(),
                 zero.shard_state()?,
                 state,
-                true,
+                Some(self.pg.rank()),
             ),
             // Under HSDP every replica holds the same pieces: the first
             // replica's ranks write them (numbered in their shard group).
@@ -111,8 +112,21 @@ impl<O: StatefulOptimizer> FabricModel<O> {
                 &varmap_of(fsdp.pieces()?)?,
                 fsdp.shard_state(opt)?,
                 state,
-                fsdp.replica_rank() == 0,
+                (fsdp.replica_rank() == 0).then(|| fsdp.shard_rank()),
             ),
+            // Each rank of the first pipeline writes its stages, numbered
+            // in its pipeline.
+            (Engine::RankPipeline(pipe), Stepper::Whole(opt)) => {
+                let (values, stage_state) = pipe.stage_state(opt)?;
+                checkpoints.save_sharded(
+                    self.pg.as_ref(),
+                    &VarMap::new(),
+                    &varmap_of(values)?,
+                    stage_state,
+                    state,
+                    (pipe.replica_rank() == 0).then(|| pipe.group().rank()),
+                )
+            }
             (_, Stepper::Whole(opt)) => {
                 // The state is the same on every rank: one writer, and no
                 // rank goes on before it is written.
@@ -155,7 +169,7 @@ impl<O: StatefulOptimizer> FabricModel<O> {
             (_, Stepper::Zero(_)) => checkpoints
                 .latest_zero()?
                 .map(|(saved, shards)| (saved, Shards::Zero(shards))),
-            (Engine::Fsdp(_), _) => checkpoints
+            (Engine::Fsdp(_) | Engine::RankPipeline(_), _) => checkpoints
                 .latest_fsdp()?
                 .map(|(saved, saves)| (saved, Shards::Fsdp(saves))),
             _ => checkpoints.latest()?.map(|saved| (saved, Shards::None)),
@@ -186,6 +200,10 @@ impl<O: StatefulOptimizer> FabricModel<O> {
             (Engine::Fsdp(fsdp), Stepper::Whole(opt), Shards::Fsdp(saves)) => {
                 let (pieces, states): (Vec<_>, Vec<_>) = saves.into_iter().unzip();
                 fsdp.load_resharded(&pieces, &states, opt)?;
+            }
+            (Engine::RankPipeline(pipe), Stepper::Whole(opt), Shards::Fsdp(saves)) => {
+                let (values, states): (Vec<_>, Vec<_>) = saves.into_iter().unzip();
+                pipe.load_stages(&values, &states, opt)?;
             }
             (_, Stepper::Whole(opt), Shards::None) => saved.restore(&self.varmap, Some(opt))?,
             _ => {

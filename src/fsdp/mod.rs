@@ -499,6 +499,12 @@ impl FullyShardedDataParallel {
         self.replicate.as_ref().map_or(0, |g| g.rank())
     }
 
+    /// This rank's number among the ranks its parameters are sharded over
+    /// (under HSDP, its rank in its shard group): which piece it holds.
+    pub fn shard_rank(&self) -> usize {
+        self.pg.rank()
+    }
+
     /// The number of units.
     pub fn units(&self) -> usize {
         self.factories.len()

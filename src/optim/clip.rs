@@ -107,10 +107,36 @@ pub(crate) fn clip_grad_norm_across(
     norm_type: f64,
     error_if_nonfinite: bool,
 ) -> Result<Clipped> {
+    let counted = |_: &Var| true;
+    clip_grad_norm_across_counting(
+        pg,
+        grads,
+        params,
+        &counted,
+        max_norm,
+        norm_type,
+        error_if_nonfinite,
+    )
+}
+
+/// [`clip_grad_norm_across`] where some gradients are held by several
+/// ranks (a weight tied across a pipeline's ranks): only those `counted`
+/// on this rank enter the total, so each counts once; every gradient of
+/// `params` is clipped.
+pub(crate) fn clip_grad_norm_across_counting(
+    pg: &dyn ProcessGroup,
+    grads: &mut GradStore,
+    params: &[Var],
+    counted: &dyn Fn(&Var) -> bool,
+    max_norm: f64,
+    norm_type: f64,
+    error_if_nonfinite: bool,
+) -> Result<Clipped> {
     check_arguments(max_norm, norm_type)?;
     let local = LocalNorms::of(grads, params, norm_type)?;
     let mut mine = 0f64;
-    for n in &local.norms {
+    let counts = local.present.iter().map(|(i, _)| counted(&params[*i]));
+    for (n, _) in local.norms.iter().zip(counts).filter(|(_, c)| *c) {
         let n = n.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         mine = if norm_type.is_infinite() {
             mine.max(n)

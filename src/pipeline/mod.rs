@@ -70,6 +70,7 @@ mod device_work;
 mod distributed;
 mod link;
 mod on_ranks;
+mod rank_state;
 mod recompute;
 mod schedule;
 mod stage;

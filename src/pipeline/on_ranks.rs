@@ -24,9 +24,11 @@ use super::device_work::{stages_of, DeviceWork};
 use super::link::{Flow, Inbox, Outbox, RankPort, Route};
 use super::stage::{Doing, Links, LossFn, Stage, StageOutput, StageWork, TrainLoss};
 use super::stage_build::build_stage;
+use super::stage_var::StageVar;
 use super::{Balance, Checkpoint, LayerFactory, Schedule};
 use crate::comm::{all_gather_object, DeviceMesh, ProcessGroup, ReduceOp, SubGroup};
 use crate::error::{Error, Result};
+use crate::precision::{cast_input, MixedPrecision};
 use crate::scatter_gather::chunk_sizes;
 use crate::step::LossReduction;
 use crate::worker_pool::Cancel;
@@ -44,6 +46,11 @@ pub struct RankPipelineConfig {
     pub schedule: Schedule,
     /// Which micro-batches each stage recomputes before their backward.
     pub checkpoint: Checkpoint,
+    /// The stages compute on low-precision copies of the variables (bf16
+    /// or f16), their gradients kept in the variables' dtype, as the
+    /// in-process pipeline's [`mixed_precision`](super::PipelineBuilder::mixed_precision);
+    /// `None`: on the variables themselves.
+    pub mixed_precision: Option<MixedPrecision>,
 }
 
 impl Default for RankPipelineConfig {
@@ -53,6 +60,7 @@ impl Default for RankPipelineConfig {
             chunks: None,
             schedule: Schedule::OneFOneB,
             checkpoint: Checkpoint::Never,
+            mixed_precision: None,
         }
     }
 }
@@ -115,25 +123,28 @@ pub struct RankStep {
 /// # Ok::<(), anyhow::Error>(())
 /// ```
 pub struct RankPipeline {
-    pg: Arc<dyn ProcessGroup>,
+    pub(super) pg: Arc<dyn ProcessGroup>,
     port: Arc<RankPort>,
-    device: Device,
+    pub(super) device: Device,
     /// This rank's stages, in the order of `indices`.
     held: Vec<Stage>,
     /// Their numbers in the pipeline.
     indices: Vec<usize>,
     /// The `VarMap`'s variables these stages use, each once, by name.
-    own: Vec<(String, Var)>,
+    pub(super) own: Vec<(String, Var)>,
+    /// The `VarMap`'s buffers (BatchNorm statistics) these stages update,
+    /// each once, by name.
+    pub(super) buffers: Vec<(String, Var)>,
     /// Layers per stage.
     balance: Vec<usize>,
     config: RankPipelineConfig,
     /// The variables this rank shares with stages on other ranks (tied
     /// weights), by name, sorted, each with the group of the ranks that
     /// use it.
-    tied: Vec<(String, Var, SubGroup)>,
+    pub(super) tied: Vec<(String, Var, SubGroup)>,
     /// On a mesh: the replicas of this rank's stages (the same stages on
     /// other pipelines), across which the gradients are averaged.
-    replicas: Option<SubGroup>,
+    pub(super) replicas: Option<SubGroup>,
 }
 
 impl std::fmt::Debug for RankPipeline {
@@ -155,6 +166,7 @@ struct Plan {
     chunks: Option<usize>,
     schedule: String,
     checkpoint: String,
+    precision: String,
 }
 
 impl RankPipeline {
@@ -186,6 +198,7 @@ impl RankPipeline {
             chunks: config.chunks,
             schedule: format!("{:?}", config.schedule),
             checkpoint: format!("{:?}", config.checkpoint),
+            precision: format!("{:?}", config.mixed_precision),
         };
         let plans = all_gather_object(pg.as_ref(), &plan)?;
         if let Some(rank) = plans.iter().position(|p| p != &plans[0]) {
@@ -209,9 +222,17 @@ impl RankPipeline {
         for &k in &indices {
             let first: usize = balance[..k].iter().sum();
             let factories = &layers[first..first + balance[k]];
-            held.push(build_stage(varmap, dtype, None, device, first, factories)?);
+            held.push(build_stage(
+                varmap,
+                dtype,
+                config.mixed_precision.as_ref(),
+                device,
+                first,
+                factories,
+            )?);
         }
-        let own = own_vars(&held);
+        let own = named_once(held.iter().flat_map(|s| &s.vars));
+        let buffers = named_once(held.iter().flat_map(|s| &s.buffers));
         let tied = tie_across_ranks(pg.as_ref(), &own)?;
         Ok(RankPipeline {
             port: Arc::new(RankPort::new(Arc::clone(&pg))),
@@ -220,6 +241,7 @@ impl RankPipeline {
             held,
             indices,
             own,
+            buffers,
             balance,
             config,
             tied,
@@ -253,7 +275,7 @@ impl RankPipeline {
         let stages = Arc::clone(mesh.group(pp)?);
         let replicas = Arc::clone(mesh.group(dp)?);
         let mut pipe = Self::new(stages, varmap, dtype, device, layers, config)?;
-        for (_, var) in &pipe.own {
+        for (_, var) in pipe.own.iter().chain(&pipe.buffers) {
             var.set(&replicas.broadcast(var.as_tensor(), 0)?)?;
         }
         pipe.replicas = Some(replicas);
@@ -261,12 +283,12 @@ impl RankPipeline {
     }
 
     /// The pipeline's stages in all.
-    fn stages(&self) -> usize {
+    pub(super) fn stages(&self) -> usize {
         self.balance.len()
     }
 
     /// The rank that holds stage `k`.
-    fn owner(&self, k: usize) -> usize {
+    pub(super) fn owner(&self, k: usize) -> usize {
         k % self.pg.world_size().max(1)
     }
 
@@ -284,6 +306,132 @@ impl RankPipeline {
     /// optimizer steps and its checkpoint holds), sorted.
     pub fn variable_names(&self) -> Vec<String> {
         self.own.iter().map(|(name, _)| name.clone()).collect()
+    }
+
+    /// The variables this rank's stages use, by name, sorted: what its
+    /// optimizer steps (the gradients of [`RankStep`] are keyed by them).
+    pub fn variables(&self) -> &[(String, Var)] {
+        &self.own
+    }
+
+    /// The buffers (BatchNorm statistics) this rank's stages update, by
+    /// name, sorted.
+    pub fn buffers(&self) -> &[(String, Var)] {
+        &self.buffers
+    }
+
+    /// The group of this pipeline's ranks (on a mesh, the `pp` group).
+    pub fn group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.pg
+    }
+
+    /// On a mesh, which replica of the pipeline this rank's is (its `dp`
+    /// coordinate); 0 otherwise.
+    pub fn replica_rank(&self) -> usize {
+        self.replicas.as_ref().map_or(0, |r| r.rank())
+    }
+
+    /// The model's output for `x` (given on the rank of the first stage),
+    /// the micro-batches run forward through the stages (in evaluation
+    /// mode unless `train`): on the rank of the last stage, `None`
+    /// elsewhere ([`from_last_stage`](Self::from_last_stage) gives it to
+    /// every rank). The buffers (BatchNorm statistics) change only in
+    /// `train` mode. Every rank of the pipeline calls it.
+    ///
+    /// # Errors
+    ///
+    /// On every rank alike: no input on the first stage's rank; then a
+    /// stage's failure on any rank, after which the group is failed.
+    pub fn forward_t(&self, x: Option<&Tensor>, train: bool) -> Result<Option<Tensor>> {
+        let sizes = self.micro_batch_sizes(x, None)?;
+        let inputs = self.first_stage_inputs(x, &sizes)?;
+        let outputs = self.run(inputs, &mut None, sizes.len(), false, train)?;
+        let mut last = None;
+        let mut buffers = Vec::new();
+        for (&k, out) in self.indices.iter().zip(outputs) {
+            buffers.extend(out.buffers);
+            if k + 1 == self.stages() {
+                last = Some(match out.outputs.as_slice() {
+                    [only] => only.clone(),
+                    all => Tensor::cat(all, 0)?,
+                });
+            }
+        }
+        for (var, value) in buffers {
+            var.set(&value)?;
+        }
+        Ok(last)
+    }
+
+    /// Every rank learns the micro-batches' sizes from the rows of the
+    /// input (on the first stage's rank) and, when `y` is asked for
+    /// (`Some`), of the targets (on the last stage's).
+    fn micro_batch_sizes(
+        &self,
+        x: Option<&Tensor>,
+        y: Option<Option<&Tensor>>,
+    ) -> Result<Vec<usize>> {
+        let (first_rank, last_rank) = (self.owner(0), self.owner(self.stages() - 1));
+        let me = self.pg.rank();
+        let rows = |t: Option<&Tensor>| t.and_then(|t| t.dims().first().copied());
+        let mine = (
+            rows(x.filter(|_| me == first_rank)),
+            rows(y.flatten().filter(|_| me == last_rank)),
+        );
+        let all: Vec<(Option<usize>, Option<usize>)> = all_gather_object(self.pg.as_ref(), &mine)?;
+        let refuse = |reason: String| Err(Error::Candle(candle_core::Error::Msg(reason)));
+        let Some(rows) = all[first_rank].0 else {
+            return refuse(format!(
+                "a pipeline step needs the input on rank {first_rank} (the first stage's)"
+            ));
+        };
+        if y.is_some() {
+            let Some(target_rows) = all[last_rank].1 else {
+                return refuse(format!(
+                    "a pipeline step needs the targets on rank {last_rank} (the last stage's)"
+                ));
+            };
+            if rows != target_rows {
+                return refuse(format!(
+                    "the input has {rows} rows and the targets {target_rows}: a step needs as                      many"
+                ));
+            }
+        }
+        if rows == 0 {
+            return refuse("a pipeline step needs at least one row".into());
+        }
+        Ok(chunk_sizes(
+            rows,
+            self.config.chunks.unwrap_or(self.stages()),
+        ))
+    }
+
+    /// `t` split into micro-batches of `sizes` rows.
+    fn split_rows(t: &Tensor, sizes: &[usize]) -> Result<Vec<Tensor>> {
+        let mut start = 0;
+        sizes
+            .iter()
+            .map(|&n| {
+                let part = t.narrow(0, start, n)?;
+                start += n;
+                Ok(part)
+            })
+            .collect()
+    }
+
+    /// The first stage's micro-batches of `x` (in the compute dtype), on
+    /// its rank; none elsewhere.
+    fn first_stage_inputs(&self, x: Option<&Tensor>, sizes: &[usize]) -> Result<Vec<Tensor>> {
+        match x.filter(|_| self.pg.rank() == self.owner(0)) {
+            Some(x) => {
+                let x = match &self.config.mixed_precision {
+                    Some(policy) => cast_input(x, policy.param_dtype)?,
+                    None => x.clone(),
+                };
+                Self::split_rows(&x, sizes)
+            }
+            None => Ok(Vec::new()),
+        }
     }
 
     /// One training step: `x` on the rank of the first stage, `y` on the
@@ -310,50 +458,14 @@ impl RankPipeline {
     where
         F: Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
     {
-        let last = self.stages() - 1;
-        let (first_rank, last_rank) = (self.owner(0), self.owner(last));
-        let me = self.pg.rank();
-        // The rows of the input and of the targets, from the ranks that
-        // hold them: every rank learns the micro-batches' sizes.
-        let rows = |t: Option<&Tensor>| t.and_then(|t| t.dims().first().copied());
-        let mine = (
-            rows(x.filter(|_| me == first_rank)),
-            rows(y.filter(|_| me == last_rank)),
-        );
-        let all: Vec<(Option<usize>, Option<usize>)> = all_gather_object(self.pg.as_ref(), &mine)?;
-        let refuse = |reason: String| Err(Error::Candle(candle_core::Error::Msg(reason)));
-        let (Some(rows), Some(target_rows)) = (all[first_rank].0, all[last_rank].1) else {
-            return refuse(format!(
-                "a pipeline step needs the input on rank {first_rank} (the first stage's) and \
-                 the targets on rank {last_rank} (the last stage's)"
-            ));
-        };
-        if rows != target_rows || rows == 0 {
-            return refuse(format!(
-                "the input has {rows} rows and the targets {target_rows}: a step needs as many, \
-                 at least one"
-            ));
-        }
-        let sizes = chunk_sizes(rows, self.config.chunks.unwrap_or(self.stages()));
-        let split = |t: &Tensor| -> Result<Vec<Tensor>> {
-            let mut start = 0;
-            sizes
-                .iter()
-                .map(|&n| {
-                    let part = t.narrow(0, start, n)?;
-                    start += n;
-                    Ok(part)
-                })
-                .collect()
-        };
-        let inputs = match x.filter(|_| me == first_rank) {
-            Some(x) => split(x)?,
-            None => Vec::new(),
-        };
-        let mut loss = match y.filter(|_| me == last_rank) {
+        let last_rank = self.owner(self.stages() - 1);
+        let sizes = self.micro_batch_sizes(x, Some(y))?;
+        let rows: usize = sizes.iter().sum();
+        let inputs = self.first_stage_inputs(x, &sizes)?;
+        let mut loss = match y.filter(|_| self.pg.rank() == last_rank) {
             Some(y) => Some(TrainLoss {
                 loss_fn: Arc::new(loss_fn) as Arc<LossFn>,
-                targets: split(y)?,
+                targets: Self::split_rows(y, &sizes)?,
                 shares: sizes
                     .iter()
                     .map(|&n| match reduction {
@@ -364,8 +476,7 @@ impl RankPipeline {
             }),
             None => None,
         };
-        let chunks = sizes.len();
-        let outputs = self.run(inputs, &mut loss, chunks)?;
+        let outputs = self.run(inputs, &mut loss, sizes.len(), true, true)?;
         let mut grads = GradStore::default();
         let mut buffers = Vec::new();
         let mut losses = Vec::new();
@@ -430,13 +541,17 @@ impl RankPipeline {
         Ok(RankStep { loss, grads })
     }
 
-    /// Runs this rank's tasks of a step on this thread; a failure fails the
-    /// group (so that the other ranks' waits end) and is returned named.
+    /// Runs this rank's tasks of a step on this thread (`training`: the
+    /// forwards and backwards of a training step; otherwise the forwards
+    /// only, the layers told `train`); a failure fails the group (so that
+    /// the other ranks' waits end) and is returned named.
     fn run(
         &self,
         inputs: Vec<Tensor>,
         loss: &mut Option<TrainLoss>,
         chunks: usize,
+        training: bool,
+        train: bool,
     ) -> Result<Vec<StageOutput>> {
         let ranks = self.pg.world_size();
         let last = self.stages() - 1;
@@ -501,9 +616,9 @@ impl RankPipeline {
                 },
                 links,
                 board: Arc::clone(&board),
-                training: true,
+                training,
                 loss: if k == last { loss.take() } else { None },
-                train: true,
+                train,
                 checkpoint: self.config.checkpoint,
                 computing_since: Cell::new(None),
                 busy: Cell::new(Duration::ZERO),
@@ -512,7 +627,13 @@ impl RankPipeline {
         }
         let work = DeviceWork {
             stages: works,
-            tasks: self.config.schedule.tasks(self.pg.rank(), ranks, chunks),
+            tasks: match training {
+                true => self.config.schedule.tasks(self.pg.rank(), ranks, chunks),
+                false => self
+                    .config
+                    .schedule
+                    .forward_tasks(self.pg.rank(), ranks, chunks),
+            },
         };
         match work.run(&self.held, &Cancel::default()) {
             Ok(out) => Ok(out.stages),
@@ -533,12 +654,9 @@ impl RankPipeline {
     }
 }
 
-/// The `VarMap`'s variables `held` uses, each once, by name.
-fn own_vars(held: &[Stage]) -> Vec<(String, Var)> {
-    let mut vars: Vec<(String, Var)> = held
-        .iter()
-        .flat_map(|s| s.vars.iter().map(|v| (v.name.clone(), v.master.clone())))
-        .collect();
+/// The `VarMap`'s variables of `vars`, each once, by name.
+fn named_once<'a>(vars: impl Iterator<Item = &'a StageVar>) -> Vec<(String, Var)> {
+    let mut vars: Vec<(String, Var)> = vars.map(|v| (v.name.clone(), v.master.clone())).collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     vars.dedup_by(|a, b| a.0 == b.0);
     vars

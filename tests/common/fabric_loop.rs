@@ -68,7 +68,7 @@ pub fn train(fabric: Fabric, data: Arc<TensorDataset>) -> anyhow::Result<Trained
     // The global batch of a step is GLOBAL_BATCH samples, whatever the
     // ranks and the accumulation.
     let per_batch =
-        GLOBAL_BATCH / fabric.world_size() / fabric.config().accumulation_steps as usize;
+        GLOBAL_BATCH / fabric.data_parallel_size() / fabric.config().accumulation_steps as usize;
     let mut loader = fabric.setup_dataloader(data, per_batch, options)?;
     let (mut losses, mut steps) = (Vec::new(), 0);
     for epoch in 0..EPOCHS {

@@ -556,7 +556,7 @@ fn train_resumable(
         shuffle: true,
         ..DataOptions::default()
     };
-    let per_batch = GLOBAL_BATCH / fabric.world_size();
+    let per_batch = GLOBAL_BATCH / fabric.data_parallel_size();
     let mut loader = fabric.setup_dataloader(data, per_batch, options)?;
     let (mut losses, mut step) = (Vec::new(), from.step);
     for epoch in from.epoch..EPOCHS {
