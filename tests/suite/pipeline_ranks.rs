@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::{DType, Device, Module, Tensor};
+use candle_dp::fabric::FabricConfig;
 use candle_dp::launch::spawn_with;
 use candle_dp::pipeline::{
     layer, Balance, Checkpoint, LayerFactory, Pipeline, RankPipeline, RankPipelineConfig, Schedule,
@@ -485,5 +486,135 @@ fn pipelines_on_a_dp_by_pp_mesh_train_to_the_weights_of_pipelines_inside_ddp() {
         assert_eq!(merged.len(), want.len(), "every variable on some rank");
         // Three steps moved the weights: the comparison is not of the start.
         assert!(max_rel_diff(&merged, &start) > 1e-3);
+    });
+}
+
+/// What [`lm_through_the_fabric`] gives back: the whole model after the
+/// run, every step's loss, and the model's output for the first batch.
+type LmRun = (HashMap<String, Tensor>, Vec<f32>, Tensor);
+
+/// The tiny language model trained by the Fabric's one loop for `steps`
+/// steps of 4 windows (each data-parallel rank its rows): AdamW in two
+/// groups, the gradients clipped to a norm the step always exceeds (so a
+/// tied weight counted twice would clip by another factor). With
+/// `stop_at`, saves there and stops; a run finds its newest state first.
+fn lm_through_the_fabric(config: FabricConfig, steps: usize, stop_at: Option<u64>) -> LmRun {
+    use crate::example_gpt::{adamw_groups, lm_loss, units};
+    use crate::overlap::{tokens, TINY};
+    use candle_dp::fabric::{Fabric, FabricModule};
+    use candle_dp::optim::AdamWConfig;
+    use candle_dp::training_state::Progress;
+    let batches = tokens(steps, 4, 97);
+    let config = FabricConfig {
+        gradient_clip: Some(0.05),
+        chunks: Some(2),
+        timeout_secs: Some(120.0),
+        ..config
+    };
+    let mut ranks = Fabric::launch(config, |fabric| {
+        let mut model = fabric.setup(FabricModule::units(units(TINY)), |p| {
+            adamw_groups(p, AdamWConfig::default(), false)
+        })?;
+        let from = model.resume(fabric.config().checkpoint_dir.is_some())?.step;
+        let (share, shares) = (fabric.data_parallel_rank(), fabric.data_parallel_size());
+        let rows = 4 / shares;
+        let mut losses = Vec::new();
+        for (step, (x, y)) in batches.iter().enumerate().skip(from as usize) {
+            let (x, y) = (
+                x.narrow(0, share * rows, rows)?,
+                y.narrow(0, share * rows, rows)?,
+            );
+            let loss = model.backward(&x, &y, lm_loss)?;
+            model.step()?;
+            losses.push(fabric.global_mean(&loss, rows)?);
+            let done = step as u64 + 1;
+            if stop_at == Some(done) {
+                model.save(Progress {
+                    epoch: 0,
+                    batch: done,
+                    step: done,
+                })?;
+                break;
+            }
+        }
+        let output = model.forward(&batches[0].0)?;
+        Ok((model.full_state()?, losses, output))
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    ranks.swap_remove(0)
+}
+
+/// A fresh folder for a test's checkpoints.
+fn checkpoint_dir(name: &str) -> std::path::PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("candle-dp-rank-pipe-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+#[test]
+fn the_language_model_through_the_fabric_on_ranks_trains_to_one_devices_weights_and_resumes_on_another_split(
+) {
+    use candle_dp::fabric::Strategy;
+    within(600, || {
+        let steps = 4;
+        let single = lm_through_the_fabric(FabricConfig::new(Strategy::Single, 1), steps, None);
+        let ranks = |replicas: usize, stages: usize| FabricConfig {
+            stages,
+            ..FabricConfig::new(Strategy::PipelineRanks, replicas * stages)
+        };
+        let close = |label: &str, run: &LmRun| {
+            let weights = max_rel_diff(&run.0, &single.0);
+            let losses = run
+                .1
+                .iter()
+                .zip(&single.1)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            let output = (&run.2 - &single.2)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap();
+            let output = output.to_scalar::<f32>().unwrap();
+            println!("{label}: weights {weights:.2e}, losses {losses:.2e}, output {output:.2e}");
+            assert_eq!(run.1.len(), single.1.len(), "{label}: steps");
+            assert!(
+                weights <= 1e-5 && losses <= 1e-5 && output <= 1e-4,
+                "{label}: weights {weights:.2e}, losses {losses:.2e}, output {output:.2e}\n{}",
+                diff_report(&run.0, &single.0)
+            );
+        };
+        // Four stages on four ranks, the tied embedding on the first and the last.
+        close("4 stages", &lm_through_the_fabric(ranks(1, 4), steps, None));
+        // Two pipelines of two stages (dp x pp = 2 x 2), stopped after its
+        // save at step 2, then resumed: on its own split, the bytes of the
+        // run without a stop; on four stages, one device's weights.
+        let straight = lm_through_the_fabric(ranks(2, 2), steps, None);
+        close("2 x 2", &straight);
+        let dir = checkpoint_dir("lm");
+        let saving = |config: FabricConfig| FabricConfig {
+            checkpoint_dir: Some(dir.clone()),
+            ..config
+        };
+        lm_through_the_fabric(saving(ranks(2, 2)), steps, Some(2));
+        let stages = std::fs::read_dir(dir.join("zero-shards")).unwrap().count();
+        assert_eq!(stages, 2, "the first pipeline's two ranks write its stages");
+        let resumed = lm_through_the_fabric(saving(ranks(2, 2)), steps, None);
+        assert!(
+            identical(&resumed.0, &straight.0),
+            "resumed on 2 x 2\n{}",
+            diff_report(&resumed.0, &straight.0)
+        );
+        let dir2 = checkpoint_dir("lm-split");
+        let saving2 = |config: FabricConfig| FabricConfig {
+            checkpoint_dir: Some(dir2.clone()),
+            ..config
+        };
+        lm_through_the_fabric(saving2(ranks(2, 2)), steps, Some(2));
+        let mut other = lm_through_the_fabric(saving2(ranks(1, 4)), steps, None);
+        // The resumed run records only its own steps' losses.
+        other.1 = single.1[..2].iter().copied().chain(other.1).collect();
+        close("2 x 2 resumed on 4 stages", &other);
     });
 }
