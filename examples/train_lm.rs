@@ -105,6 +105,13 @@ struct Args {
     /// the ranks per machine under mpirun, every rank on threads].
     #[arg(long, value_parser = flags::at_least_one::<usize>)]
     shard_size: Option<usize>,
+    /// The ranks as a mesh, `dp=2,pp=2`: with `--strategy pipeline`, `pp`
+    /// stages on ranks (threads, or mpirun's processes) replicated `dp`
+    /// times; with `hsdp`, `dp` replicas of `shard` ranks; with `ddp`,
+    /// `zero` and `fsdp`, `dp` ranks. Under mpirun the mesh must hold
+    /// every process. Replaces `--replicas` (and `--shard-size`).
+    #[arg(long, value_parser = flags::mesh_shape, conflicts_with_all = ["replicas", "shard_size"])]
+    mesh: Option<flags::MeshShape>,
     /// Pipeline stages in each rank (ddp-pipeline; at least 1).
     #[arg(long, default_value_t = 2, value_parser = flags::at_least_one::<u64>)]
     stages: u64,
@@ -239,12 +246,21 @@ impl Args {
     /// The Fabric's configuration of `strategy`: the one flag that picks
     /// the strategy, with the settings every run shares.
     fn fabric(&self, strategy: Strategy) -> FabricConfig {
-        let replicas = self.replicas as usize;
+        let mesh = self.mesh.filter(|_| strategy != Strategy::Single);
+        // Under mpirun the launcher's processes are the ranks.
+        let replicas = match (mesh, Backend::from_env()) {
+            (Some(m), _) => m.ranks(),
+            (None, Backend::Threads) => self.replicas as usize,
+            (None, Backend::Mpi { .. }) => Backend::world_size(),
+        };
         let (fabric_strategy, devices) = match strategy {
             Strategy::Single => (fabric::Strategy::Single, 1),
             Strategy::Dp => (fabric::Strategy::Dp, replicas),
             Strategy::Ddp => (fabric::Strategy::Ddp, replicas),
             Strategy::Zero => (fabric::Strategy::Zero2, replicas),
+            Strategy::Pipeline if self.stages_on_ranks() => {
+                (fabric::Strategy::PipelineRanks, replicas)
+            }
             Strategy::Pipeline => (fabric::Strategy::Pipeline, replicas),
             Strategy::DdpPipeline => (
                 fabric::Strategy::PipelineDdp,
@@ -253,8 +269,15 @@ impl Args {
             Strategy::Fsdp => (fabric::Strategy::Fsdp, replicas),
             Strategy::Hsdp => (fabric::Strategy::Hsdp, replicas),
         };
+        // A pipeline on ranks: `pp` ranks per pipeline (under mpirun
+        // without a mesh, every process a stage).
+        let stages = match (fabric_strategy, mesh) {
+            (fabric::Strategy::PipelineRanks, Some(m)) => m.pp,
+            (fabric::Strategy::PipelineRanks, None) => Backend::world_size(),
+            _ => self.stages as usize,
+        };
         FabricConfig {
-            stages: self.stages as usize,
+            stages,
             chunks: Some(self.chunks as usize),
             precision: match self.precision {
                 Precision::F32 => fabric::Precision::F32,
@@ -262,7 +285,7 @@ impl Args {
                 Precision::F16 => fabric::Precision::F16Mixed,
             },
             overlap: self.overlap && matches!(strategy, Strategy::Ddp | Strategy::Zero),
-            shard_size: self.shard_size,
+            shard_size: mesh.map_or(self.shard_size, |m| Some(m.shard)),
             gradient_clip: (self.clip_grad_norm > 0.0).then_some(self.clip_grad_norm),
             checkpoint_dir: self.checkpoint_dir.clone(),
             seed: self.seed,
@@ -277,6 +300,12 @@ impl Args {
             },
             ..FabricConfig::new(fabric_strategy, devices)
         }
+    }
+
+    /// Whether `--strategy pipeline` puts its stages on ranks (a mesh, or
+    /// the processes of mpirun) rather than on CPU devices of one process.
+    fn stages_on_ranks(&self) -> bool {
+        self.mesh.is_some() || Backend::from_env() != Backend::Threads
     }
 
     /// The mixed-precision policy of the evaluation model.
@@ -400,11 +429,13 @@ fn train_run(job: &Job, strategy: Strategy, in_process: bool) -> Result<Option<O
         config.checkpoint_dir = None;
     }
     let rank_loop = |fabric: Fabric| -> Result<Option<Outcome>> {
-        let (rank, world) = (fabric.rank(), fabric.world_size());
-        if !(args.batch as usize).is_multiple_of(world) {
-            bail!("--batch {} does not divide among {world} ranks", args.batch);
+        // The data's shares: one per rank, or per pipeline of ranks.
+        let rank = fabric.rank();
+        let (share, shares) = (fabric.data_parallel_rank(), fabric.data_parallel_size());
+        if !(args.batch as usize).is_multiple_of(shares) {
+            bail!("--batch {} does not divide among {shares} replicas", args.batch);
         }
-        let per_rank = args.batch as usize / world;
+        let per_rank = args.batch as usize / shares;
         let module = FabricModule::units(units(args.config()));
         let mut model = fabric.setup(module, |p| {
             adamw_groups(p, args.adamw_config(), args.decay_all)
@@ -418,14 +449,14 @@ fn train_run(job: &Job, strategy: Strategy, in_process: bool) -> Result<Option<O
         let start = Instant::now();
         let mut evaluating = Duration::ZERO;
         for step in from..args.steps {
-            let indices = windows_at(job.train, world, rank, args.seed, per_rank, step)?;
+            let indices = windows_at(job.train, shares, share, args.seed, per_rank, step)?;
             let (x, y) = job.train.batch(&indices)?;
             let (x, y) = (fabric.to_device(&x)?, fabric.to_device(&y)?);
             let loss = model.backward(&x, &y, args.loss())?;
             model.step()?;
             outcome.record(
                 fabric.global_mean(&loss, x.dim(0)?)?,
-                (x.elem_count() * world) as u64,
+                (x.elem_count() * shares) as u64,
             );
             let done = step + 1;
             let paused = Instant::now();
@@ -558,6 +589,77 @@ fn chart(path: &std::path::Path, runs: &[(String, &Outcome)], first: u64) -> Res
     Ok(())
 }
 
+/// How the run of `--strategy` is named in the results.
+fn label(args: &Args) -> String {
+    let config = args.fabric(args.strategy);
+    let ranks = config.devices.len();
+    let on = match Backend::from_env() {
+        Backend::Threads => "thread ranks",
+        Backend::Mpi { .. } => "MPI processes",
+    };
+    match args.strategy {
+        Strategy::Single => "one device".to_string(),
+        Strategy::Dp => format!("DataParallel x{ranks}"),
+        Strategy::Ddp | Strategy::Zero => {
+            let what = match (args.strategy == Strategy::Zero, args.overlap) {
+                (true, false) => "ZeRO-2",
+                (true, true) => "ZeRO-2 (overlapped)",
+                (false, false) => "DDP",
+                (false, true) => "DDP (overlapped)",
+            };
+            format!("{what} x{ranks} ({on})")
+        }
+        Strategy::Fsdp => format!("FSDP x{ranks} ({on})"),
+        Strategy::Hsdp => {
+            let shard = config.shard_size.unwrap_or(match Backend::from_env() {
+                Backend::Threads => ranks,
+                Backend::Mpi { .. } => Backend::local_processes(),
+            });
+            format!("HSDP x{ranks} ({on}, shard groups of {shard})")
+        }
+        Strategy::DdpPipeline => format!(
+            "DDP over {} {on}, each a pipeline of {} stages",
+            config.ranks(),
+            args.stages
+        ),
+        Strategy::Pipeline if args.stages_on_ranks() => format!(
+            "{} pipeline(s) of {} stages on {on}, {} micro-batches",
+            ranks / config.stages.max(1),
+            config.stages,
+            args.chunks
+        ),
+        Strategy::Pipeline => format!(
+            "pipeline x{ranks} stages, {} micro-batches",
+            args.chunks
+        ),
+    }
+}
+
+/// Whether `--mesh` fits `--strategy` (and, under mpirun, the processes).
+fn check_mesh(args: &Args, mesh: flags::MeshShape) -> Result<()> {
+    let fits = match args.strategy {
+        Strategy::Pipeline => mesh.shard == 1,
+        Strategy::Hsdp => mesh.pp == 1,
+        Strategy::Ddp | Strategy::Zero | Strategy::Fsdp => mesh.pp == 1 && mesh.shard == 1,
+        Strategy::Single | Strategy::Dp | Strategy::DdpPipeline => false,
+    };
+    if !fits {
+        bail!(
+            "--mesh {mesh} does not fit --strategy {:?}: pipeline takes dp and pp, hsdp dp and \
+             shard, ddp, zero and fsdp dp only",
+            args.strategy
+        );
+    }
+    if Backend::from_env() != Backend::Threads && mesh.ranks() != Backend::world_size() {
+        bail!(
+            "--mesh {mesh} lays out {} ranks, but mpirun started {} processes",
+            mesh.ranks(),
+            Backend::world_size()
+        );
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     candle_dp::launch::report::exit_code(run(Args::parse()))
 }
@@ -585,9 +687,13 @@ fn run(args: Args) -> Result<()> {
                 | Strategy::DdpPipeline
                 | Strategy::Fsdp
                 | Strategy::Hsdp
+                | Strategy::Pipeline
         )
     {
-        bail!("under mpirun, use --strategy ddp, zero, ddp-pipeline, fsdp or hsdp");
+        bail!("under mpirun, use --strategy ddp, zero, ddp-pipeline, fsdp, hsdp or pipeline");
+    }
+    if let Some(mesh) = args.mesh {
+        check_mesh(&args, mesh)?;
     }
     let speaks = Backend::process_rank() == 0;
     let text = load_text()?;
@@ -634,51 +740,7 @@ fn run(args: Args) -> Result<()> {
     let Some(outcome) = train_run(&job, args.strategy, false)? else {
         return Ok(()); // not rank 0
     };
-    let label = match args.strategy {
-        Strategy::Single => "one device".to_string(),
-        Strategy::Dp => format!("DataParallel x{}", args.replicas),
-        Strategy::Ddp | Strategy::Zero => {
-            let what = match (args.strategy == Strategy::Zero, args.overlap) {
-                (true, false) => "ZeRO-2",
-                (true, true) => "ZeRO-2 (overlapped)",
-                (false, false) => "DDP",
-                (false, true) => "DDP (overlapped)",
-            };
-            match Backend::from_env() {
-                Backend::Threads => format!("{what} x{} (thread ranks)", args.replicas),
-                Backend::Mpi { .. } => format!("{what} x{} (MPI processes)", Backend::world_size()),
-            }
-        }
-        Strategy::Fsdp => match Backend::from_env() {
-            Backend::Threads => format!("FSDP x{} (thread ranks)", args.replicas),
-            Backend::Mpi { .. } => format!("FSDP x{} (MPI processes)", Backend::world_size()),
-        },
-        Strategy::Hsdp => {
-            let (ranks, on) = match Backend::from_env() {
-                Backend::Threads => (args.replicas as usize, "thread ranks"),
-                Backend::Mpi { .. } => (Backend::world_size(), "MPI processes"),
-            };
-            let shard = args.shard_size.unwrap_or(match Backend::from_env() {
-                Backend::Threads => ranks,
-                Backend::Mpi { .. } => Backend::local_processes(),
-            });
-            format!("HSDP x{ranks} ({on}, shard groups of {shard})")
-        }
-        Strategy::DdpPipeline => {
-            let ranks = match Backend::from_env() {
-                Backend::Threads => format!("{} thread ranks", args.replicas),
-                Backend::Mpi { .. } => format!("{} MPI processes", Backend::world_size()),
-            };
-            format!(
-                "DDP over {ranks}, each a pipeline of {} stages",
-                args.stages
-            )
-        }
-        Strategy::Pipeline => format!(
-            "pipeline x{} stages, {} micro-batches",
-            args.replicas, args.chunks
-        ),
-    };
+    let label = label(&args);
     let reference = match (args.compare, args.strategy) {
         (true, Strategy::Single) | (false, _) => None,
         (true, _) => {

@@ -87,3 +87,64 @@ pub fn gpu_ordinals(value: &str) -> Result<candle_dp::fabric::Devices, String> {
         .map_err(|_| format!("must be GPU ordinals like 0 or 0,1, got '{value}'"))?;
     Ok(candle_dp::fabric::Devices::Ids(ordinals))
 }
+
+/// A mesh of ranks by named dimensions, `--mesh dp=2,pp=2`: `dp` (also
+/// `replicate`) data-parallel replicas, `pp` (also `pipeline`) pipeline
+/// stages on ranks, `shard` (also `fsdp`) ranks that shard the model
+/// (HSDP's shard groups). A dimension left out is 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MeshShape {
+    /// Data-parallel replicas.
+    pub dp: usize,
+    /// Pipeline stages, one rank each.
+    pub pp: usize,
+    /// Ranks of a shard group.
+    pub shard: usize,
+}
+
+impl MeshShape {
+    /// The ranks in all.
+    pub fn ranks(&self) -> usize {
+        self.dp * self.pp * self.shard
+    }
+}
+
+impl std::fmt::Display for MeshShape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "dp={},pp={},shard={}", self.dp, self.pp, self.shard)
+    }
+}
+
+/// `--mesh`'s value: `name=size` pairs separated by commas, each name
+/// once, each size at least 1.
+pub fn mesh_shape(value: &str) -> Result<MeshShape, String> {
+    let mut shape = MeshShape {
+        dp: 1,
+        pp: 1,
+        shard: 1,
+    };
+    let mut seen = Vec::new();
+    for part in value.split(',').map(str::trim) {
+        let (name, size) = part
+            .split_once('=')
+            .ok_or_else(|| format!("must be name=size pairs like dp=2,pp=2, got '{part}'"))?;
+        let size: usize = at_least_one(size.trim()).map_err(|e| format!("{name}: {e}"))?;
+        let dim = match name.trim() {
+            "dp" | "replicate" => &mut shape.dp,
+            "pp" | "pipeline" => &mut shape.pp,
+            "shard" | "fsdp" => &mut shape.shard,
+            other => {
+                return Err(format!(
+                    "unknown dimension '{other}': dp (replicas), pp (pipeline stages) or shard \
+                     (HSDP's shard groups)"
+                ))
+            }
+        };
+        if seen.contains(&name.trim()) {
+            return Err(format!("dimension '{}' given twice", name.trim()));
+        }
+        seen.push(name.trim());
+        *dim = size;
+    }
+    Ok(shape)
+}
