@@ -256,8 +256,10 @@ impl RankPipeline {
     /// are averaged across its replicas (and the last stages' losses), so
     /// the weights are those of one pipeline on the whole batch (with a
     /// mean loss and equal shares). The replicas start from the values of
-    /// the first pipeline (`dp` coordinate 0). Every rank of the mesh
-    /// calls it.
+    /// the first pipeline (`dp` coordinate 0), and each step from its
+    /// buffers (BatchNorm statistics: DDP's `broadcast_buffers`), which
+    /// every replica then updates with its own rows. Every rank of the
+    /// mesh calls it.
     ///
     /// # Errors
     ///
@@ -460,6 +462,13 @@ impl RankPipeline {
     {
         let last_rank = self.owner(self.stages() - 1);
         let sizes = self.micro_batch_sizes(x, Some(y))?;
+        // On a mesh each step starts from the first replica's statistics,
+        // as DDP's forward starts from rank 0's buffers.
+        if let Some(replicas) = &self.replicas {
+            for (_, var) in &self.buffers {
+                var.set(&replicas.broadcast(var.as_tensor(), 0)?)?;
+            }
+        }
         let rows: usize = sizes.iter().sum();
         let inputs = self.first_stage_inputs(x, &sizes)?;
         let mut loss = match y.filter(|_| self.pg.rank() == last_rank) {

@@ -64,7 +64,7 @@ fn init() -> VarMap {
 }
 
 /// A copy of `varmap` (fresh variables with the same values).
-fn copy_of(varmap: &VarMap) -> VarMap {
+pub(crate) fn copy_of(varmap: &VarMap) -> VarMap {
     let copy = VarMap::new();
     let mut data = copy.data().lock().unwrap();
     for (name, var) in varmap.data().lock().unwrap().iter() {
@@ -96,7 +96,7 @@ fn grads_by_name(
         .collect()
 }
 
-fn max_diff(a: &HashMap<String, Vec<f32>>, b: &HashMap<String, Vec<f32>>) -> f32 {
+pub(crate) fn max_diff(a: &HashMap<String, Vec<f32>>, b: &HashMap<String, Vec<f32>>) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
         .flat_map(|(name, va)| {
@@ -639,7 +639,7 @@ fn a_pipeline_keeps_working_after_a_failed_step() {
 /// 8 features, or (`spatial`) over 2 channels of 4 positions each. One norm
 /// only: a norm after another sees inputs normalised per micro-batch,
 /// which no pipeline can make equal to the whole batch's.
-fn bn_layers(momentum: f64, spatial: bool) -> Vec<LayerFactory> {
+pub(crate) fn bn_layers(momentum: f64, spatial: bool) -> Vec<LayerFactory> {
     bn_layers_with(
         candle_nn::BatchNormConfig {
             momentum,
@@ -676,7 +676,7 @@ fn bn_layers_with(config: candle_nn::BatchNormConfig, spatial: bool) -> Vec<Laye
 }
 
 /// The layers built on one device, applied in order.
-fn on_one_device(
+pub(crate) fn on_one_device(
     layers: &[LayerFactory],
     varmap: &VarMap,
 ) -> impl Fn(&Tensor, bool) -> candle_core::Result<Tensor> {
@@ -689,7 +689,7 @@ fn on_one_device(
     }
 }
 
-fn buffers_of(varmap: &VarMap) -> HashMap<String, Vec<f32>> {
+pub(crate) fn buffers_of(varmap: &VarMap) -> HashMap<String, Vec<f32>> {
     varmap
         .data()
         .lock()
@@ -703,7 +703,7 @@ fn buffers_of(varmap: &VarMap) -> HashMap<String, Vec<f32>> {
         .collect()
 }
 
-fn bn_init(momentum: f64, spatial: bool) -> VarMap {
+pub(crate) fn bn_init(momentum: f64, spatial: bool) -> VarMap {
     let layers = bn_layers(momentum, spatial);
     let varmap = seeded_varmap(5, DType::F32, &Device::Cpu, |vb| {
         layers.iter().try_for_each(|f| f(vb.clone()).map(|_| ()))

@@ -618,3 +618,74 @@ fn the_language_model_through_the_fabric_on_ranks_trains_to_one_devices_weights_
         close("2 x 2 resumed on 4 stages", &other);
     });
 }
+
+#[test]
+fn batch_norm_on_stage_ranks_keeps_the_whole_batchs_running_statistics_and_evaluates_with_them() {
+    use crate::pipeline::{bn_init, bn_layers, buffers_of, copy_of, max_diff, on_one_device};
+    within(240, || {
+        let momentum = 0.3;
+        let rows = 12;
+        let x = Tensor::randn(1f32, 3., (rows, 6), &Device::Cpu).unwrap();
+        let y = Tensor::from_vec((0..rows as u32).map(|i| i % 3).collect(), rows, &Device::Cpu)
+            .unwrap();
+        let start = bn_init(momentum, false);
+        let reference = copy_of(&start);
+        let one = on_one_device(&bn_layers(momentum, false), &reference);
+        let steps = 3;
+        for _ in 0..steps {
+            one(&x, true).unwrap();
+        }
+        let want = buffers_of(&reference);
+        let eval_want = one(&x, false).unwrap();
+        for (ranks, chunks, schedule) in [
+            (2, 3, Schedule::OneFOneB),
+            (3, 4, Schedule::GPipe),
+            (2, 4, Schedule::Interleaved { stages_per_device: 2 }),
+        ] {
+            let init = snapshot(&start);
+            let (x, y) = (x.clone(), y.clone());
+            let per_rank = spawn_with(ranks, bounded(), move |ctx| {
+                let varmap = varmap_from(&init);
+                let config = RankPipelineConfig {
+                    chunks: Some(chunks),
+                    schedule,
+                    ..Default::default()
+                };
+                let pipe = RankPipeline::new(
+                    ctx.process_group(),
+                    &varmap,
+                    DType::F32,
+                    &Device::Cpu,
+                    bn_layers(momentum, false),
+                    config,
+                )?;
+                for _ in 0..steps {
+                    pipe.forward_backward(Some(&x), Some(&y), LossReduction::Mean, |o, y| {
+                        loss::cross_entropy(o, y)
+                    })?;
+                }
+                let held: Vec<String> = pipe.buffers().iter().map(|(n, _)| n.clone()).collect();
+                let buffers: HashMap<String, Vec<f32>> = buffers_of(&varmap)
+                    .into_iter()
+                    .filter(|(name, _)| held.contains(name))
+                    .collect();
+                let eval = pipe.forward_t(Some(&x), false)?;
+                Ok((buffers, pipe.from_last_stage(eval.as_ref())?))
+            })
+            .unwrap();
+            let case = format!("{ranks} ranks, {chunks} chunks, {schedule:?}");
+            let mut merged = HashMap::new();
+            for (buffers, _) in &per_rank {
+                merged.extend(buffers.clone());
+            }
+            assert_eq!(merged.len(), want.len(), "{case}: every buffer on one rank");
+            let diff = max_diff(&merged, &want);
+            assert!(diff < 1e-5, "{case}: running statistics differ by {diff}");
+            for (rank, (_, eval)) in per_rank.iter().enumerate() {
+                let gap = (eval - &eval_want).unwrap().abs().unwrap().max_all().unwrap();
+                let gap = gap.to_scalar::<f32>().unwrap();
+                assert!(gap < 1e-4, "{case}: rank {rank}'s evaluation differs by {gap}");
+            }
+        }
+    });
+}
