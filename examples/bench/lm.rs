@@ -48,7 +48,8 @@ fn config(fused_ops: bool) -> GptConfig {
 /// One candle-dp configuration, sent to its child process as JSON.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LmSpec {
-    /// `single`, `ddp`, `zero2` or `fsdp`.
+    /// A Fabric strategy: `single`, `ddp`, `zero2`, `fsdp`, `hsdp`,
+    /// `pipeline-ranks`.
     pub strategy: String,
     pub world: usize,
     /// `candle_dp::ops`' fused ops (the model's default) or candle's.
@@ -59,6 +60,10 @@ pub struct LmSpec {
     /// machine's link carried over the timed steps.
     #[serde(default)]
     pub count_link_bytes: bool,
+    /// `pipeline-ranks`: the ranks of one pipeline (the rest replicate
+    /// it), with 4 micro-batches.
+    #[serde(default)]
+    pub stages: Option<usize>,
 }
 
 /// What one run measured: rank 0's step times, and with
@@ -105,11 +110,14 @@ pub fn run_child(spec: &LmSpec) -> Result<LmMeasured> {
         seed: SEED,
         gradient_clip: Some(1.0),
         timeout_secs: Some(300.0),
+        stages: spec.stages.unwrap_or(2),
+        chunks: spec.stages.map(|_| 4),
         ..FabricConfig::new(strategy, spec.world)
     };
     let answers = Fabric::launch(fabric_config, |fabric| {
-        let (rank, world) = (fabric.rank(), fabric.world_size());
-        let per_rank = BATCH / world;
+        // The data's shares: one per rank, or per pipeline of ranks.
+        let (share, shares) = (fabric.data_parallel_rank(), fabric.data_parallel_size());
+        let per_rank = BATCH / shares;
         let adamw = AdamWConfig {
             lr: LR,
             weight_decay: 0.1,
@@ -132,7 +140,7 @@ pub fn run_child(spec: &LmSpec) -> Result<LmMeasured> {
                 }
             }
             let start = Instant::now();
-            let indices = windows_at(&train, world, rank, SEED, per_rank, step as u64)?;
+            let indices = windows_at(&train, shares, share, SEED, per_rank, step as u64)?;
             let (x, y) = train.batch(&indices)?;
             let loss = match spec.fused_ops {
                 true => model.backward(&x, &y, lm_loss)?,
@@ -263,6 +271,7 @@ fn runs(quick: bool, steps: usize, torch: bool) -> Vec<Run> {
             fused_ops,
             steps,
             count_link_bytes: false,
+            stages: None,
         })
     };
     let mut runs = vec![spec("single", 1, true)];

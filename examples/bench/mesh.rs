@@ -2,9 +2,11 @@
 //! (`lm`'s child, through a `Fabric`) on two simulated machines of two
 //! ranks each (`scripts/netcluster.sh --block`: ranks 0, 1 on machine 1,
 //! ranks 2, 3 on machine 2, over TCP only), as DDP, as FSDP over all four
-//! ranks and as HSDP with a machine's two ranks as its shard group: the
-//! step time and the bytes each machine's link carries per step, read
-//! from the link's own counters around the timed steps.
+//! ranks, as HSDP with a machine's two ranks as its shard group, and as
+//! pipelines on ranks (four stages across both machines; two pipelines of
+//! two stages, one per machine, replicated across them): the step time and
+//! the bytes each machine's link carries per step, read from the link's
+//! own counters around the timed steps.
 //!
 //! Runs interleaved over the rounds, each in its own `mpirun`; every
 //! process gets one thread (four processes share this machine's cores).
@@ -19,8 +21,15 @@ use crate::stats::median;
 const MACHINES: usize = 2;
 const PER_MACHINE: usize = 2;
 
-/// The strategies compared, by the Fabric's names.
-const STRATEGIES: [&str; 3] = ["ddp", "fsdp", "hsdp"];
+/// The strategies compared, by the Fabric's names, with the ranks per
+/// pipeline of `pipeline-ranks`.
+const STRATEGIES: [(&str, Option<usize>); 5] = [
+    ("ddp", None),
+    ("fsdp", None),
+    ("hsdp", None),
+    ("pipeline-ranks", Some(4)),
+    ("pipeline-ranks", Some(2)),
+];
 
 /// `mpirun` of this binary's language-model child on the simulated
 /// machines.
@@ -37,12 +46,13 @@ fn on_cluster(spec: &LmSpec) -> Result<Command> {
 pub fn run(steps: usize, rounds: usize) -> Result<String> {
     let specs: Vec<LmSpec> = STRATEGIES
         .iter()
-        .map(|strategy| LmSpec {
+        .map(|&(strategy, stages)| LmSpec {
             strategy: strategy.to_string(),
             world: MACHINES * PER_MACHINE,
             fused_ops: true,
             steps,
             count_link_bytes: true,
+            stages,
         })
         .collect();
     let mut measured: Vec<Vec<LmMeasured>> = vec![Vec::new(); specs.len()];
@@ -61,7 +71,10 @@ fn report(specs: &[LmSpec], measured: &[Vec<LmMeasured>], steps: usize, rounds: 
          `scripts/netcluster.sh --block` (TCP between network namespaces; ranks 0, 1 on \
          machine 1, ranks 2, 3 on machine 2), one thread per rank, {rounds} round(s) of \
          {steps} timed steps; `train_lm`'s model and step. HSDP's shard group is a \
-         machine's two ranks, replicated across the machines. Bytes: what each machine's \
+         machine's two ranks, replicated across the machines. The pipelines on ranks run \
+         1F1B over 4 micro-batches: 4 stages, one per rank (stages 1 and 2 meet across the \
+         machines), or 2 x 2 (a pipeline of 2 stages on each machine, the two replicas \
+         averaging their gradients across). Bytes: what each machine's \
          link sent per timed step, the median over the rounds (with two machines, what one \
          sends the other receives). {}.\n\n\
          | run | ms/step | machine 1 sent, MB/step | machine 2 sent, MB/step | vs FSDP's bytes |\n\
@@ -91,10 +104,13 @@ fn report(specs: &[LmSpec], measured: &[Vec<LmMeasured>], steps: usize, rounds: 
             .collect();
         let (m1, m2) = (per_step(runs, 0), per_step(runs, 1));
         let ratio = fsdp.map_or_else(String::new, |f| format!("{:.2}x", m1 / f));
+        let label = match spec.stages {
+            Some(pp) if pp == spec.world => format!("pipeline, {pp} stages on ranks"),
+            Some(pp) => format!("pipeline, {} x {pp} (dp x pp)", spec.world / pp),
+            None => format!("{} x{}", spec.strategy.to_uppercase(), spec.world),
+        };
         s += &format!(
-            "| {} x{} | {:.0} | {m1:.2} | {m2:.2} | {ratio} |\n",
-            spec.strategy.to_uppercase(),
-            spec.world,
+            "| {label} | {:.0} | {m1:.2} | {m2:.2} | {ratio} |\n",
             median(&times),
         );
     }
