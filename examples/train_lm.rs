@@ -433,7 +433,10 @@ fn train_run(job: &Job, strategy: Strategy, in_process: bool) -> Result<Option<O
         let rank = fabric.rank();
         let (share, shares) = (fabric.data_parallel_rank(), fabric.data_parallel_size());
         if !(args.batch as usize).is_multiple_of(shares) {
-            bail!("--batch {} does not divide among {shares} replicas", args.batch);
+            bail!(
+                "--batch {} does not divide among {shares} replicas",
+                args.batch
+            );
         }
         let per_rank = args.batch as usize / shares;
         let module = FabricModule::units(units(args.config()));
@@ -628,10 +631,7 @@ fn label(args: &Args) -> String {
             config.stages,
             args.chunks
         ),
-        Strategy::Pipeline => format!(
-            "pipeline x{ranks} stages, {} micro-batches",
-            args.chunks
-        ),
+        Strategy::Pipeline => format!("pipeline x{ranks} stages, {} micro-batches", args.chunks),
     }
 }
 

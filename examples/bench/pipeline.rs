@@ -40,6 +40,10 @@ pub struct PipeSpec {
     /// Stages per device: above 1, interleaved 1F1B.
     #[serde(default = "one")]
     pub stages_per_device: usize,
+    /// The stages on thread ranks (`RankPipeline`, messages between
+    /// ranks) instead of the devices of one pipeline.
+    #[serde(default)]
+    pub on_ranks: bool,
 }
 
 fn one() -> usize {
@@ -48,6 +52,13 @@ fn one() -> usize {
 
 impl PipeSpec {
     fn label(&self) -> String {
+        match (self.on_ranks, self.stages) {
+            (true, Some(k)) => format!("{}, on {k} thread ranks", self.in_process_label()),
+            _ => self.in_process_label(),
+        }
+    }
+
+    fn in_process_label(&self) -> String {
         match self.stages {
             None => "one device".into(),
             Some(_) if self.chunks == 1 => "naive model parallel (1 micro-batch)".into(),
@@ -146,24 +157,15 @@ pub fn run_child(spec: &PipeSpec) -> Result<PipeMeasured> {
                 }
             }
         }
+        Some(_) if spec.on_ranks => return on_ranks(spec),
         Some(stages) => {
             // Stages of equal work (the relus weigh nothing), so that the
             // bubble measured is the schedule's, not an uneven split's.
             let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(stages))
                 .balance(Balance::ParameterBytes)
                 .chunks(spec.chunks)
-                .schedule(match (spec.gpipe, spec.stages_per_device) {
-                    (true, _) => Schedule::GPipe,
-                    (false, 1) => Schedule::OneFOneB,
-                    (false, v) => Schedule::Interleaved1F1B {
-                        stages_per_device: v,
-                    },
-                })
-                .checkpoint(match spec.checkpoint {
-                    0 => Checkpoint::Never,
-                    1 => Checkpoint::ExceptLast,
-                    _ => Checkpoint::Always,
-                })
+                .schedule(schedule_of(spec))
+                .checkpoint(checkpoint_of(spec))
                 .build(layers(spec.width, spec.depth))?;
             for step in 0..=spec.steps {
                 let start = Instant::now();
@@ -173,18 +175,90 @@ pub fn run_child(spec: &PipeSpec) -> Result<PipeMeasured> {
                     measured.step_ms.push(start.elapsed().as_secs_f64() * 1e3);
                     let t = pipe.last_timings();
                     measured.bubble.push(t.bubble());
-                    let total = |d: &[std::time::Duration]| {
-                        d.iter().map(std::time::Duration::as_secs_f64).sum::<f64>()
-                    };
-                    measured
-                        .check_share
-                        .push(total(&t.checking) / total(&t.busy).max(f64::MIN_POSITIVE));
+                    measured.check_share.push(check_share(&t));
                     measured.peak_saved_bytes = t.peak_saved_bytes;
                 }
             }
         }
     }
     Ok(measured)
+}
+
+/// `spec` with its stages on thread ranks (`RankPipeline`): each rank
+/// builds its stages from the same seeded values, steps its variables,
+/// and the bubble is the whole pipeline's (every rank's busy time).
+fn on_ranks(spec: &PipeSpec) -> Result<PipeMeasured> {
+    use candle_dp::pipeline::{RankPipeline, RankPipelineConfig};
+    let stages = spec.stages.unwrap_or(2);
+    let (x, y) = batch(spec.batch, spec.width, 1)?;
+    let config = RankPipelineConfig {
+        balance: Balance::ParameterBytes,
+        chunks: Some(spec.chunks),
+        schedule: schedule_of(spec),
+        checkpoint: checkpoint_of(spec),
+        ..Default::default()
+    };
+    let per_rank = candle_dp::launch::spawn(stages, |ctx| {
+        let varmap = init(spec.width, spec.depth, DType::F32)?;
+        let pipe = RankPipeline::new(
+            ctx.process_group(),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            layers(spec.width, spec.depth),
+            config.clone(),
+        )?;
+        let vars = pipe.variables().iter().map(|(_, v)| v.clone()).collect();
+        let mut sgd = SGD::new(vars, 0.01)?;
+        let mut measured = PipeMeasured::default();
+        for step in 0..=spec.steps {
+            let start = Instant::now();
+            let s = pipe.forward_backward(
+                Some(&x),
+                Some(&y),
+                LossReduction::Mean,
+                loss::cross_entropy,
+            )?;
+            sgd.step(&s.grads)?;
+            let elapsed = start.elapsed();
+            let t = pipe.gather_timings()?;
+            if step > 0 {
+                measured.step_ms.push(elapsed.as_secs_f64() * 1e3);
+                measured.bubble.push(t.bubble());
+                measured.check_share.push(check_share(&t));
+                measured.peak_saved_bytes = t.peak_saved_bytes;
+            }
+        }
+        Ok(measured)
+    })?;
+    Ok(per_rank.into_iter().next().unwrap_or_default())
+}
+
+/// The share of the devices' busy time spent checking recomputations.
+fn check_share(t: &candle_dp::pipeline::PipelineTimings) -> f64 {
+    let total =
+        |d: &[std::time::Duration]| d.iter().map(std::time::Duration::as_secs_f64).sum::<f64>();
+    total(&t.checking) / total(&t.busy).max(f64::MIN_POSITIVE)
+}
+
+/// The schedule `spec` asks for.
+fn schedule_of(spec: &PipeSpec) -> Schedule {
+    match (spec.gpipe, spec.stages_per_device) {
+        (true, _) => Schedule::GPipe,
+        (false, 1) => Schedule::OneFOneB,
+        (false, v) => Schedule::Interleaved1F1B {
+            stages_per_device: v,
+        },
+    }
+}
+
+/// The activation checkpointing `spec` asks for.
+fn checkpoint_of(spec: &PipeSpec) -> Checkpoint {
+    match spec.checkpoint {
+        0 => Checkpoint::Never,
+        1 => Checkpoint::ExceptLast,
+        _ => Checkpoint::Always,
+    }
 }
 
 fn run_in_child(spec: &PipeSpec) -> Result<PipeMeasured> {
@@ -219,6 +293,7 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
         steps,
         checkpoint,
         stages_per_device: 1,
+        on_ranks: false,
     };
     let mut specs = vec![spec(None, 1, false, 0)];
     for &chunks in chunk_counts {
@@ -237,6 +312,15 @@ pub fn run(quick: bool, steps: usize, rounds: usize) -> Result<String> {
         specs.push(PipeSpec {
             stages_per_device: per_device,
             ..spec(Some(stages), chunks, false, 0)
+        });
+    }
+    // The stages on thread ranks (messages between ranks instead of
+    // channels), beside the in-process rows of the same schedules.
+    for per_device in [1, 2] {
+        specs.push(PipeSpec {
+            stages_per_device: per_device,
+            on_ranks: true,
+            ..spec(Some(stages), 4, false, 0)
         });
     }
     // Activation checkpointing, every schedule, at 4 micro-batches.

@@ -25,7 +25,7 @@ use super::link::{Flow, Inbox, Outbox, RankPort, Route};
 use super::stage::{Doing, Links, LossFn, Stage, StageOutput, StageWork, TrainLoss};
 use super::stage_build::build_stage;
 use super::stage_var::StageVar;
-use super::{Balance, Checkpoint, LayerFactory, Schedule};
+use super::{Balance, Checkpoint, LayerFactory, PipelineTimings, Schedule};
 use crate::comm::{all_gather_object, DeviceMesh, ProcessGroup, ReduceOp, SubGroup};
 use crate::error::{Error, Result};
 use crate::precision::{cast_input, MixedPrecision};
@@ -145,6 +145,8 @@ pub struct RankPipeline {
     /// On a mesh: the replicas of this rank's stages (the same stages on
     /// other pipelines), across which the gradients are averaged.
     pub(super) replicas: Option<SubGroup>,
+    /// This rank's part of the latest successful step's timings.
+    pub(super) timings: Mutex<PipelineTimings>,
 }
 
 impl std::fmt::Debug for RankPipeline {
@@ -246,6 +248,7 @@ impl RankPipeline {
             config,
             tied,
             replicas: None,
+            timings: Mutex::new(PipelineTimings::default()),
         })
     }
 
@@ -644,8 +647,17 @@ impl RankPipeline {
                     .forward_tasks(self.pg.rank(), ranks, chunks),
             },
         };
+        let started = std::time::Instant::now();
         match work.run(&self.held, &Cancel::default()) {
-            Ok(out) => Ok(out.stages),
+            Ok(out) => {
+                *crate::lock::lock(&self.timings) = PipelineTimings {
+                    step: started.elapsed(),
+                    busy: vec![out.busy],
+                    checking: vec![out.checking],
+                    peak_saved_bytes: vec![out.peak_saved_bytes],
+                };
+                Ok(out.stages)
+            }
             Err(failed) => {
                 let f = failed.failure;
                 let error = Error::Stage {

@@ -7,13 +7,16 @@
 //! saved it, so a state resumes on another split of the stages too.
 
 use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::on_ranks::RankPipeline;
+use super::PipelineTimings;
 use crate::comm::all_gather_object;
 use crate::error::{Error, Result};
+use crate::lock::lock;
 use crate::optim::clip::clip_grad_norm_across_counting;
 use crate::optim::{Clipped, OptimizerState, ShardOf, StatefulOptimizer};
 
@@ -44,6 +47,35 @@ impl RankPipeline {
             None => Tensor::zeros(dims, parse_dtype(&dtype)?, &self.device)?,
         };
         Ok(self.pg.broadcast(&tensor, last_rank)?)
+    }
+
+    /// The latest successful step's timings on every rank of the pipeline,
+    /// one entry per rank (its stages' time computing, checking, and
+    /// activations held), the step's time the longest rank's: its
+    /// [`bubble`](super::PipelineTimings::bubble) is the pipeline's, as
+    /// [`Pipeline::last_timings`](super::Pipeline::last_timings) gives an
+    /// in-process pipeline's. Every rank of the pipeline calls it.
+    ///
+    /// # Errors
+    ///
+    /// A collective's.
+    pub fn gather_timings(&self) -> Result<PipelineTimings> {
+        let mine = lock(&self.timings).clone();
+        let secs = |d: &[std::time::Duration]| d.iter().map(|d| d.as_secs_f64()).sum::<f64>();
+        let row = (
+            mine.step.as_secs_f64(),
+            secs(&mine.busy),
+            secs(&mine.checking),
+            mine.peak_saved_bytes.iter().sum::<usize>(),
+        );
+        let rows: Vec<(f64, f64, f64, usize)> = all_gather_object(self.pg.as_ref(), &row)?;
+        let time = |s: f64| Duration::try_from_secs_f64(s).unwrap_or_default();
+        Ok(PipelineTimings {
+            step: time(rows.iter().map(|r| r.0).fold(0.0, f64::max)),
+            busy: rows.iter().map(|r| time(r.1)).collect(),
+            checking: rows.iter().map(|r| time(r.2)).collect(),
+            peak_saved_bytes: rows.iter().map(|r| r.3).collect(),
+        })
     }
 
     /// The whole model's variables and buffers by name, on the CPU,

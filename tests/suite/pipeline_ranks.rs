@@ -626,8 +626,12 @@ fn batch_norm_on_stage_ranks_keeps_the_whole_batchs_running_statistics_and_evalu
         let momentum = 0.3;
         let rows = 12;
         let x = Tensor::randn(1f32, 3., (rows, 6), &Device::Cpu).unwrap();
-        let y = Tensor::from_vec((0..rows as u32).map(|i| i % 3).collect(), rows, &Device::Cpu)
-            .unwrap();
+        let y = Tensor::from_vec(
+            (0..rows as u32).map(|i| i % 3).collect(),
+            rows,
+            &Device::Cpu,
+        )
+        .unwrap();
         let start = bn_init(momentum, false);
         let reference = copy_of(&start);
         let one = on_one_device(&bn_layers(momentum, false), &reference);
@@ -640,7 +644,13 @@ fn batch_norm_on_stage_ranks_keeps_the_whole_batchs_running_statistics_and_evalu
         for (ranks, chunks, schedule) in [
             (2, 3, Schedule::OneFOneB),
             (3, 4, Schedule::GPipe),
-            (2, 4, Schedule::Interleaved { stages_per_device: 2 }),
+            (
+                2,
+                4,
+                Schedule::Interleaved1F1B {
+                    stages_per_device: 2,
+                },
+            ),
         ] {
             let init = snapshot(&start);
             let (x, y) = (x.clone(), y.clone());
@@ -682,10 +692,102 @@ fn batch_norm_on_stage_ranks_keeps_the_whole_batchs_running_statistics_and_evalu
             let diff = max_diff(&merged, &want);
             assert!(diff < 1e-5, "{case}: running statistics differ by {diff}");
             for (rank, (_, eval)) in per_rank.iter().enumerate() {
-                let gap = (eval - &eval_want).unwrap().abs().unwrap().max_all().unwrap();
+                let gap = (eval - &eval_want)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap();
                 let gap = gap.to_scalar::<f32>().unwrap();
-                assert!(gap < 1e-4, "{case}: rank {rank}'s evaluation differs by {gap}");
+                assert!(
+                    gap < 1e-4,
+                    "{case}: rank {rank}'s evaluation differs by {gap}"
+                );
             }
         }
+    });
+}
+
+#[test]
+fn a_stage_checkpoint_that_does_not_fit_is_refused_naming_what_and_changes_nothing() {
+    use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
+    use candle_nn::Optimizer;
+    within(120, || {
+        let init = init_deep();
+        spawn_with(1, bounded(), move |ctx| {
+            let varmap = varmap_from(&init);
+            // One rank holding both stages of an interleaved pipeline: every variable.
+            let config = RankPipelineConfig {
+                schedule: Schedule::Interleaved1F1B {
+                    stages_per_device: 2,
+                },
+                ..Default::default()
+            };
+            let pipe = RankPipeline::new(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                deep_units(),
+                config,
+            )?;
+            let mut opt = AdamW::new_named(pipe.variables().to_vec(), AdamWConfig::default())?;
+            let (x, y) = batches(2, 8, 3).remove(0);
+            let step = |opt: &mut AdamW| -> anyhow::Result<()> {
+                let s = pipe.forward_backward(
+                    Some(&x),
+                    Some(&y),
+                    LossReduction::Mean,
+                    loss::cross_entropy,
+                )?;
+                opt.step(&s.grads)?;
+                Ok(())
+            };
+            step(&mut opt)?;
+            let (values, state) = pipe.stage_state(&opt)?;
+            step(&mut opt)?;
+            let (later_values, later_state) = pipe.stage_state(&opt)?;
+            let before = snapshot(&varmap);
+            let name = pipe.variable_names()[0].clone();
+            let refused =
+                |values: Vec<HashMap<String, Tensor>>, states: Vec<_>, opt: &mut AdamW| {
+                    let e = pipe
+                        .load_stages(&values, &states, opt)
+                        .unwrap_err()
+                        .to_string();
+                    assert!(
+                        identical(&snapshot(&varmap), &before),
+                        "a refused load changed weights: {e}"
+                    );
+                    assert_eq!(
+                        opt.state().unwrap().steps,
+                        2,
+                        "a refused load changed the optimizer"
+                    );
+                    e
+                };
+            let mut missing = values.clone();
+            missing.remove(&name);
+            let e = refused(vec![missing], vec![state.clone()], &mut opt);
+            assert!(e.contains(&format!("no rank saved `{name}`")), "{e}");
+            let mut reshaped = values.clone();
+            reshaped.insert(name.clone(), Tensor::zeros(3, DType::F32, &Device::Cpu)?);
+            let e = refused(vec![reshaped], vec![state.clone()], &mut opt);
+            assert!(e.contains(&name) && e.contains("shape"), "{e}");
+            let e = refused(
+                vec![values.clone(), later_values],
+                vec![state.clone(), later_state],
+                &mut opt,
+            );
+            assert!(e.contains("rank 1") && e.contains("different runs"), "{e}");
+            // The save of step 1 loads: its weights and optimizer come back.
+            pipe.load_stages(&[values.clone()], &[state.clone()], &mut opt)?;
+            for (name, var) in pipe.variables() {
+                assert_eq!(bits(var.as_tensor()), bits(&values[name]), "{name}");
+            }
+            assert_eq!(opt.state()?.steps, state.steps);
+            Ok(())
+        })
+        .unwrap();
     });
 }
