@@ -1348,8 +1348,9 @@ fn overlapped_ddp_on_1_to_4_processes_saves_the_bytes_of_ddp_without_units() {
     }
 }
 
-/// The one loop of the Fabric tests, unchanged, under `ddp`, `zero2` and
-/// `fsdp` on two MPI processes, in f32, bf16 and f16: the thread ranks'
+/// The one loop of the Fabric tests, unchanged, under `ddp`, `zero2`,
+/// `fsdp` and `pipeline-ranks` (a stage per process) on two MPI
+/// processes, in f32, bf16 and f16: the thread ranks'
 /// bytes, every rank the same, one device's weights within the thread
 /// tests' tolerance of each precision.
 #[test]
@@ -1365,7 +1366,12 @@ fn the_fabric_loop_under_mpirun_saves_the_bytes_of_thread_ranks() {
             ..fabric_config(Strategy::Single, precision)
         };
         let single = Fabric::launch(one, fabric_results).unwrap().swap_remove(0);
-        for strategy in [Strategy::Ddp, Strategy::Zero2, Strategy::Fsdp] {
+        for strategy in [
+            Strategy::Ddp,
+            Strategy::Zero2,
+            Strategy::Fsdp,
+            Strategy::PipelineRanks,
+        ] {
             let job = mpirun_ok(2, &format!("fabric-{strategy}@{precision}"), None);
             let threads =
                 Fabric::launch(fabric_config(strategy, precision), fabric_results).unwrap();
