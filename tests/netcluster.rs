@@ -197,3 +197,69 @@ fn a_machine_cut_off_mid_training_ends_every_rank_within_the_timeout_naming_it()
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The language model's four stages, one per process, over two machines
+/// (two stages each, `--block`: stages 1 and 2 meet across the link)
+/// train to the bytes of four stage thread ranks, the loss curve too.
+#[test]
+fn the_language_models_stages_on_two_simulated_machines_save_the_bytes_of_stage_thread_ranks() {
+    if let Some(why) = unavailable() {
+        println!("skipped: {why}");
+        return;
+    }
+    let exe = example("train_lm");
+    let dir = std::env::temp_dir().join(format!("candle_dp_netcluster_lm_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let args = |name: &str| -> Vec<std::ffi::OsString> {
+        let mut args: Vec<std::ffi::OsString> = [
+            "--strategy",
+            "pipeline",
+            "--mesh",
+            "pp=4",
+            "--steps",
+            "4",
+            "--eval-every",
+            "4",
+            "--width",
+            "32",
+            "--context",
+            "32",
+            "--sample",
+            "0",
+        ]
+        .iter()
+        .map(Into::into)
+        .collect();
+        args.extend(["--chart".into(), dir.join("chart.svg").into_os_string()]);
+        args.extend(["--save".into(), dir.join(format!("{name}.safetensors")).into()]);
+        args.extend(["--losses".into(), dir.join(format!("{name}.csv")).into()]);
+        args
+    };
+    let mut threads = Command::new(&exe);
+    threads.args(args("threads"));
+    let threads = bounded_output(threads, Duration::from_secs(240));
+    assert!(threads.status.success(), "{}", text(&threads));
+    let cluster_args = args("cluster");
+    let mut program = vec![exe.as_os_str()];
+    program.extend(cluster_args.iter().map(|a| a.as_os_str()));
+    let (output, took) = cluster(
+        &["--machines", "2", "--per-machine", "2", "--block"],
+        &program,
+        Duration::from_secs(240),
+    );
+    assert!(output.status.success(), "{}", text(&output));
+    assert!(
+        text(&output).contains("1 pipeline(s) of 4 stages on MPI processes"),
+        "{}",
+        text(&output)
+    );
+    for file in ["safetensors", "csv"] {
+        let read = |name: &str| std::fs::read(dir.join(format!("{name}.{file}"))).unwrap();
+        assert!(
+            read("threads") == read("cluster"),
+            "the {file} of 4 stages on two machines differs from 4 stage thread ranks'"
+        );
+    }
+    println!("4 stages on two machines: the bytes of thread ranks ({took:?})");
+    let _ = std::fs::remove_dir_all(&dir);
+}
