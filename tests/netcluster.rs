@@ -231,7 +231,10 @@ fn the_language_models_stages_on_two_simulated_machines_save_the_bytes_of_stage_
         .map(Into::into)
         .collect();
         args.extend(["--chart".into(), dir.join("chart.svg").into_os_string()]);
-        args.extend(["--save".into(), dir.join(format!("{name}.safetensors")).into()]);
+        args.extend([
+            "--save".into(),
+            dir.join(format!("{name}.safetensors")).into(),
+        ]);
         args.extend(["--losses".into(), dir.join(format!("{name}.csv")).into()]);
         args
     };

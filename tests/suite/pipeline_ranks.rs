@@ -781,7 +781,11 @@ fn a_stage_checkpoint_that_does_not_fit_is_refused_naming_what_and_changes_nothi
             );
             assert!(e.contains("rank 1") && e.contains("different runs"), "{e}");
             // The save of step 1 loads: its weights and optimizer come back.
-            pipe.load_stages(&[values.clone()], &[state.clone()], &mut opt)?;
+            pipe.load_stages(
+                std::slice::from_ref(&values),
+                std::slice::from_ref(&state),
+                &mut opt,
+            )?;
             for (name, var) in pipe.variables() {
                 assert_eq!(bits(var.as_tensor()), bits(&values[name]), "{name}");
             }
