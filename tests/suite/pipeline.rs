@@ -64,7 +64,7 @@ fn init() -> VarMap {
 }
 
 /// A copy of `varmap` (fresh variables with the same values).
-pub(crate) fn copy_of(varmap: &VarMap) -> VarMap {
+fn copy_of(varmap: &VarMap) -> VarMap {
     let copy = VarMap::new();
     let mut data = copy.data().lock().unwrap();
     for (name, var) in varmap.data().lock().unwrap().iter() {
@@ -676,7 +676,7 @@ fn bn_layers_with(config: candle_nn::BatchNormConfig, spatial: bool) -> Vec<Laye
 }
 
 /// The layers built on one device, applied in order.
-pub(crate) fn on_one_device(
+fn on_one_device(
     layers: &[LayerFactory],
     varmap: &VarMap,
 ) -> impl Fn(&Tensor, bool) -> candle_core::Result<Tensor> {
@@ -703,7 +703,7 @@ pub(crate) fn buffers_of(varmap: &VarMap) -> HashMap<String, Vec<f32>> {
         .collect()
 }
 
-pub(crate) fn bn_init(momentum: f64, spatial: bool) -> VarMap {
+fn bn_init(momentum: f64, spatial: bool) -> VarMap {
     let layers = bn_layers(momentum, spatial);
     let varmap = seeded_varmap(5, DType::F32, &Device::Cpu, |vb| {
         layers.iter().try_for_each(|f| f(vb.clone()).map(|_| ()))
@@ -719,6 +719,25 @@ pub(crate) fn bn_init(momentum: f64, spatial: bool) -> VarMap {
     varmap
 }
 
+/// One device's run of [`bn_layers`]: the starting values, and after
+/// `steps` training forwards of `x` the running statistics and the
+/// evaluation output of `x`.
+pub(crate) fn bn_reference(
+    momentum: f64,
+    spatial: bool,
+    x: &Tensor,
+    steps: usize,
+) -> (VarMap, HashMap<String, Vec<f32>>, Tensor) {
+    let start = bn_init(momentum, spatial);
+    let reference = copy_of(&start);
+    let one = on_one_device(&bn_layers(momentum, spatial), &reference);
+    for _ in 0..steps {
+        one(x, true).unwrap();
+    }
+    let eval = one(x, false).unwrap();
+    (start, buffers_of(&reference), eval)
+}
+
 #[test]
 fn batch_norm_running_statistics_equal_the_whole_batchs_for_any_micro_batches() {
     within(240, || {
@@ -732,15 +751,8 @@ fn batch_norm_running_statistics_equal_the_whole_batchs_for_any_micro_batches() 
         )
         .unwrap();
         for spatial in [false, true] {
-            let start = bn_init(momentum, spatial);
-            let reference = copy_of(&start);
-            let one = on_one_device(&bn_layers(momentum, spatial), &reference);
             let steps = 3;
-            for _ in 0..steps {
-                one(&x, true).unwrap();
-            }
-            let want = buffers_of(&reference);
-            let eval_want = one(&x, false).unwrap();
+            let (start, want, eval_want) = bn_reference(momentum, spatial, &x, steps);
             for stages in 1..=3 {
                 // 26 chunks: one row per micro-batch (one value per
                 // channel without the spatial dimensions).

@@ -621,7 +621,7 @@ fn the_language_model_through_the_fabric_on_ranks_trains_to_one_devices_weights_
 
 #[test]
 fn batch_norm_on_stage_ranks_keeps_the_whole_batchs_running_statistics_and_evaluates_with_them() {
-    use crate::pipeline::{bn_init, bn_layers, buffers_of, copy_of, max_diff, on_one_device};
+    use crate::pipeline::{bn_layers, bn_reference, buffers_of, max_diff};
     within(240, || {
         let momentum = 0.3;
         let rows = 12;
@@ -632,15 +632,8 @@ fn batch_norm_on_stage_ranks_keeps_the_whole_batchs_running_statistics_and_evalu
             &Device::Cpu,
         )
         .unwrap();
-        let start = bn_init(momentum, false);
-        let reference = copy_of(&start);
-        let one = on_one_device(&bn_layers(momentum, false), &reference);
         let steps = 3;
-        for _ in 0..steps {
-            one(&x, true).unwrap();
-        }
-        let want = buffers_of(&reference);
-        let eval_want = one(&x, false).unwrap();
+        let (start, want, eval_want) = bn_reference(momentum, false, &x, steps);
         for (ranks, chunks, schedule) in [
             (2, 3, Schedule::OneFOneB),
             (3, 4, Schedule::GPipe),
