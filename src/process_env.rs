@@ -52,8 +52,10 @@ impl Backend {
 
     /// The number of processes of this MPI job on this machine
     /// (`OMPI_COMM_WORLD_LOCAL_SIZE`, `MPI_LOCALNRANKS`, `PMI_LOCAL_SIZE`,
-    /// Slurm's `SLURM_NTASKS_PER_NODE`); 1 when the launcher does not say.
-    /// [`launch::run`](crate::launch::run) gives each its share of the cores.
+    /// Slurm's `SLURM_NTASKS_PER_NODE`, or this node's entry of Slurm's
+    /// `SLURM_STEP_TASKS_PER_NODE`, which `srun` always sets); 1 when the
+    /// launcher does not say. [`launch::run`](crate::launch::run) gives
+    /// each its share of the cores; HSDP's shard groups default to it.
     pub fn local_processes() -> usize {
         env_number(&[
             "OMPI_COMM_WORLD_LOCAL_SIZE",
@@ -61,6 +63,15 @@ impl Backend {
             "PMI_LOCAL_SIZE",
             "SLURM_NTASKS_PER_NODE",
         ])
+        .or_else(|| {
+            // A process that `srun` started directly has none of the
+            // above: Open MPI's local size comes from mpirun's daemons.
+            let list = std::env::var("SLURM_STEP_TASKS_PER_NODE")
+                .or_else(|_| std::env::var("SLURM_TASKS_PER_NODE"))
+                .ok()?;
+            let node = env_number(&["SLURM_NODEID"]).unwrap_or(0);
+            slurm_tasks_on_node(&list, node)
+        })
         .unwrap_or(1)
     }
 
@@ -76,10 +87,48 @@ impl Backend {
     }
 }
 
+/// Node `node`'s entry of Slurm's compressed list of tasks per node
+/// (`SLURM_STEP_TASKS_PER_NODE`: `4`, `2(x3),1`: two tasks on each of the
+/// first three nodes, one on the fourth); `None` for a list it cannot
+/// read or a node past its end.
+fn slurm_tasks_on_node(list: &str, node: usize) -> Option<usize> {
+    let mut first = 0;
+    for entry in list.split(',') {
+        let (tasks, nodes) = match entry.trim().split_once("(x") {
+            Some((tasks, repeat)) => (tasks, repeat.strip_suffix(')')?.parse().ok()?),
+            None => (entry.trim(), 1),
+        };
+        let tasks: usize = tasks.parse().ok()?;
+        if node < first + nodes {
+            return Some(tasks);
+        }
+        first += nodes;
+    }
+    None
+}
+
 /// The first of `variables` that is set, as a number.
 fn env_number(variables: &[&str]) -> Option<usize> {
     variables
         .iter()
         .find_map(|v| std::env::var(v).ok())
         .and_then(|value| value.trim().parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::slurm_tasks_on_node;
+
+    #[test]
+    fn slurms_tasks_per_node_list_gives_each_nodes_count() {
+        assert_eq!(slurm_tasks_on_node("4", 0), Some(4));
+        assert_eq!(slurm_tasks_on_node("4", 1), None);
+        let list = "2(x3),1";
+        let counts: Vec<_> = (0..5).map(|n| slurm_tasks_on_node(list, n)).collect();
+        assert_eq!(counts, [Some(2), Some(2), Some(2), Some(1), None]);
+        assert_eq!(slurm_tasks_on_node("3,1(x2)", 2), Some(1));
+        for unreadable in ["", "two", "2(x", "2(xz)"] {
+            assert_eq!(slurm_tasks_on_node(unreadable, 0), None, "{unreadable:?}");
+        }
+    }
 }

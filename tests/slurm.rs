@@ -1,0 +1,246 @@
+//! Under Slurm (`scripts/slurm.sh`: a one-node cluster of munge,
+//! slurmctld and slurmd on this machine): `srun` starts the ranks, Open
+//! MPI joins them through PMIx, and the main job trains to the bytes of as
+//! many thread ranks, on a flat group and on a mesh; `scancel` ends every
+//! rank of a running job and leaves no process behind.
+//!
+//! Needs root, Slurm and munge (`.ci/run` installs them when missing), Open
+//! MPI and the `mpi` feature; where Slurm cannot run, each test prints why
+//! and passes without running.
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use common::killing::{bounded_output, example};
+
+/// One cluster at a time: its daemons listen on fixed ports.
+static CLUSTER: Mutex<()> = Mutex::new(());
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/slurm.sh")
+}
+
+/// A one-node Slurm cluster, up while this lives.
+struct Cluster {
+    dir: PathBuf,
+    conf: PathBuf,
+}
+
+impl Cluster {
+    /// The cluster, or why there can be none here.
+    fn up(name: &str) -> Result<Cluster, String> {
+        let mut check = Command::new("bash");
+        check.arg(script()).arg("check");
+        let checked = bounded_output(check, Duration::from_secs(30));
+        if !checked.status.success() {
+            return Err(text(&checked).trim().to_string());
+        }
+        let dir =
+            std::env::temp_dir().join(format!("candle_dp_slurm_{}_{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut up = Command::new("bash");
+        up.arg(script()).arg("up").arg(&dir);
+        let started = bounded_output(up, Duration::from_secs(90));
+        let cluster = Cluster {
+            conf: dir.join("slurm.conf"),
+            dir,
+        };
+        assert!(started.status.success(), "slurm.sh up: {}", text(&started));
+        Ok(cluster)
+    }
+
+    /// A Slurm command against this cluster.
+    fn command(&self, program: &str) -> Command {
+        let mut command = Command::new(program);
+        command.env("SLURM_CONF", &self.conf);
+        command
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let mut down = Command::new("bash");
+        down.arg(script()).arg("down").arg(&self.dir);
+        bounded_output(down, Duration::from_secs(60));
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// `train_lm`'s flags for a short run of a small model that saves its
+/// weights and losses under `dir` as `name`.
+fn lm_args(dir: &Path, name: &str, run: &[&str]) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = run.iter().map(Into::into).collect();
+    for flag in [
+        "--steps",
+        "3",
+        "--eval-every",
+        "3",
+        "--width",
+        "32",
+        "--context",
+        "32",
+        "--sample",
+        "0",
+    ] {
+        args.push(flag.into());
+    }
+    let file = |ext: &str| dir.join(format!("{name}.{ext}")).into_os_string();
+    args.extend(["--chart".into(), file("svg")]);
+    args.extend(["--save".into(), file("safetensors")]);
+    args.extend(["--losses".into(), file("csv")]);
+    args
+}
+
+#[test]
+fn srun_trains_ddp_fsdp_hsdp_and_a_mesh_of_pipelines_to_the_bytes_of_thread_ranks() {
+    let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let cluster = match Cluster::up("bytes") {
+        Ok(cluster) => cluster,
+        Err(why) => return println!("skipped: {why}"),
+    };
+    let exe = example("train_lm");
+    let dir = cluster.dir.join("runs");
+    std::fs::create_dir_all(&dir).unwrap();
+    // (the strategy's flags on thread ranks, under srun, and the ranks)
+    let runs: [(&[&str], &[&str], usize); 4] = [
+        (
+            &["--strategy", "ddp", "--replicas", "2"],
+            &["--strategy", "ddp"],
+            2,
+        ),
+        (
+            &["--strategy", "fsdp", "--replicas", "2"],
+            &["--strategy", "fsdp"],
+            2,
+        ),
+        // srun's tasks per node give HSDP its shard groups (4 here, one node).
+        (
+            &["--strategy", "hsdp", "--replicas", "4"],
+            &["--strategy", "hsdp"],
+            4,
+        ),
+        (
+            &["--strategy", "pipeline", "--mesh", "dp=2,pp=2"],
+            &["--strategy", "pipeline", "--mesh", "dp=2,pp=2"],
+            4,
+        ),
+    ];
+    for (threads_run, srun_run, ranks) in runs {
+        let label = srun_run.join(" ");
+        let mut threads = Command::new(&exe);
+        threads.args(lm_args(&dir, "threads", threads_run));
+        let threads = bounded_output(threads, Duration::from_secs(240));
+        assert!(threads.status.success(), "{label}: {}", text(&threads));
+        let mut srun = cluster.command("srun");
+        srun.args([
+            "--mpi=pmix",
+            "--kill-on-bad-exit=1",
+            "-n",
+            &ranks.to_string(),
+        ])
+        .arg(&exe)
+        .args(lm_args(&dir, "srun", srun_run));
+        let start = Instant::now();
+        let srun = bounded_output(srun, Duration::from_secs(240));
+        assert!(srun.status.success(), "{label}: {}", text(&srun));
+        assert!(
+            text(&srun).contains("MPI processes"),
+            "{label}: not run as MPI processes\n{}",
+            text(&srun)
+        );
+        for file in ["safetensors", "csv"] {
+            let read = |name: &str| std::fs::read(dir.join(format!("{name}.{file}"))).unwrap();
+            assert!(
+                read("threads") == read("srun"),
+                "{label}: the {file} under srun -n {ranks} differs from {ranks} thread ranks'"
+            );
+        }
+        println!(
+            "srun -n {ranks} {label}: the bytes of thread ranks ({:?})",
+            start.elapsed()
+        );
+    }
+}
+
+/// The processes whose command line holds `marker`.
+fn processes_with(marker: &str) -> Vec<String> {
+    let output = Command::new("pgrep")
+        .args(["-f", "-a", marker])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter(|line| !line.contains("pgrep"))
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn scancel_ends_every_rank_of_a_running_job_and_leaves_no_process() {
+    let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let cluster = match Cluster::up("scancel") {
+        Ok(cluster) => cluster,
+        Err(why) => return println!("skipped: {why}"),
+    };
+    let exe = example("train_lm");
+    // A job that would run for hours; its chart's name marks its processes.
+    let marker = format!("candle_dp_scancel_{}", std::process::id());
+    let chart = cluster.dir.join(format!("{marker}.svg"));
+    let mut sbatch = cluster.command("sbatch");
+    sbatch
+        .args(["--parsable", "-n", "2", "--output"])
+        .arg(cluster.dir.join("job.out"))
+        .arg("--wrap")
+        .arg(format!(
+            "srun --mpi=pmix -n 2 {} --strategy ddp --steps 1000000 --eval-every 1000000 \
+             --width 32 --context 32 --sample 0 --chart {}",
+            exe.display(),
+            chart.display()
+        ));
+    let submitted = bounded_output(sbatch, Duration::from_secs(30));
+    assert!(submitted.status.success(), "sbatch: {}", text(&submitted));
+    let job = String::from_utf8_lossy(&submitted.stdout)
+        .trim()
+        .to_string();
+    // Both ranks running.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while processes_with(&marker).len() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "job {job}: its two ranks did not start within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let mut scancel = cluster.command("scancel");
+    scancel.arg(&job);
+    let cancelled = bounded_output(scancel, Duration::from_secs(30));
+    assert!(cancelled.status.success(), "scancel: {}", text(&cancelled));
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(30);
+    loop {
+        let left = processes_with(&marker);
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "30 s after scancel these processes of job {job} remain:\n{}",
+            left.join("\n")
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    println!("scancel: every rank gone after {:?}", start.elapsed());
+}
