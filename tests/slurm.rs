@@ -79,28 +79,30 @@ fn text(output: &Output) -> String {
     )
 }
 
-/// `train_lm`'s flags for a short run of a small model that saves its
-/// weights and losses under `dir` as `name`.
-fn lm_args(dir: &Path, name: &str, run: &[&str]) -> Vec<std::ffi::OsString> {
+/// `train_lm`'s flags for a run of `steps` steps of a small model that
+/// saves its weights and losses under `dir` as `name` (its chart there
+/// too: a name no other process's command line holds).
+fn lm_args(dir: &Path, name: &str, run: &[&str], steps: u32) -> Vec<std::ffi::OsString> {
     let mut args: Vec<std::ffi::OsString> = run.iter().map(Into::into).collect();
-    for flag in [
-        "--steps",
-        "3",
-        "--eval-every",
-        "3",
-        "--width",
-        "32",
-        "--context",
-        "32",
-        "--sample",
-        "0",
-    ] {
+    let steps = steps.to_string();
+    let small = ["--width", "32", "--context", "32", "--sample", "0"];
+    for flag in ["--steps", &steps, "--eval-every", &steps]
+        .into_iter()
+        .chain(small)
+    {
         args.push(flag.into());
     }
     let file = |ext: &str| dir.join(format!("{name}.{ext}")).into_os_string();
     args.extend(["--chart".into(), file("svg")]);
-    args.extend(["--save".into(), file("safetensors")]);
     args.extend(["--losses".into(), file("csv")]);
+    args
+}
+
+/// [`lm_args`] that also save the weights as `name.safetensors`.
+fn lm_args_saving(dir: &Path, name: &str, run: &[&str], steps: u32) -> Vec<std::ffi::OsString> {
+    let mut args = lm_args(dir, name, run, steps);
+    let file = dir.join(format!("{name}.safetensors"));
+    args.extend(["--save".into(), file.into_os_string()]);
     args
 }
 
@@ -141,7 +143,7 @@ fn srun_trains_ddp_fsdp_hsdp_and_a_mesh_of_pipelines_to_the_bytes_of_thread_rank
     for (threads_run, srun_run, ranks) in runs {
         let label = srun_run.join(" ");
         let mut threads = Command::new(&exe);
-        threads.args(lm_args(&dir, "threads", threads_run));
+        threads.args(lm_args_saving(&dir, "threads", threads_run, 3));
         let threads = bounded_output(threads, Duration::from_secs(240));
         assert!(threads.status.success(), "{label}: {}", text(&threads));
         let mut srun = cluster.command("srun");
@@ -152,7 +154,7 @@ fn srun_trains_ddp_fsdp_hsdp_and_a_mesh_of_pipelines_to_the_bytes_of_thread_rank
             &ranks.to_string(),
         ])
         .arg(&exe)
-        .args(lm_args(&dir, "srun", srun_run));
+        .args(lm_args_saving(&dir, "srun", srun_run, 3));
         let start = Instant::now();
         let srun = bounded_output(srun, Duration::from_secs(240));
         assert!(srun.status.success(), "{label}: {}", text(&srun));
@@ -175,7 +177,8 @@ fn srun_trains_ddp_fsdp_hsdp_and_a_mesh_of_pipelines_to_the_bytes_of_thread_rank
     }
 }
 
-/// The processes whose command line holds `marker`.
+/// The processes whose command line matches `marker` (a regular
+/// expression, as `pgrep -f` reads it).
 fn processes_with(marker: &str) -> Vec<String> {
     let output = Command::new("pgrep")
         .args(["-f", "-a", marker])
@@ -243,4 +246,144 @@ fn scancel_ends_every_rank_of_a_running_job_and_leaves_no_process() {
         std::thread::sleep(Duration::from_millis(200));
     }
     println!("scancel: every rank gone after {:?}", start.elapsed());
+}
+
+/// A state folder (`state-…`) in `dir`.
+fn has_a_state(dir: &Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with("state-"))
+    })
+}
+
+/// What [`lm_job`] trains: 2 DDP ranks, 400 steps.
+const JOB_RUN: [&str; 4] = ["--strategy", "ddp", "--replicas", "2"];
+const JOB_STEPS: u32 = 400;
+
+/// `scripts/train_lm.sbatch` as a job of two tasks training `train_lm`
+/// ([`JOB_RUN`] under srun: `--replicas` is the launcher's), a state every
+/// 20 steps, at most `max_restarts` restarts; its id.
+fn lm_job(cluster: &Cluster, max_restarts: u32) -> String {
+    let mut sbatch = cluster.command("sbatch");
+    sbatch
+        .current_dir(&cluster.dir)
+        .env("TRAIN_LM", example("train_lm"))
+        .env("CHECKPOINT_DIR", cluster.dir.join("states"))
+        .env("CHECKPOINT_EVERY", "20")
+        .env("MAX_RESTARTS", max_restarts.to_string())
+        .env("FINAL", cluster.dir.join("job.safetensors"))
+        .args(["--parsable", "-n", "2", "--output"])
+        .arg(cluster.dir.join("job.out"))
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/train_lm.sbatch"))
+        .args(lm_args(&cluster.dir, "job", &JOB_RUN, JOB_STEPS));
+    let submitted = bounded_output(sbatch, Duration::from_secs(30));
+    assert!(submitted.status.success(), "sbatch: {}", text(&submitted));
+    String::from_utf8_lossy(&submitted.stdout)
+        .trim()
+        .to_string()
+}
+
+/// Once the job has saved a state, kills one of its ranks (SIGKILL).
+fn kill_a_rank_after_a_state(cluster: &Cluster, job: &str) {
+    let marker = cluster.dir.join("job.svg").display().to_string();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let ranks: Vec<String> = processes_with(&marker)
+            .into_iter()
+            .filter(|line| !line.contains("srun") && !line.contains("slurm_script"))
+            .collect();
+        if ranks.len() == 2 && has_a_state(&cluster.dir.join("states")) {
+            let pid = ranks[1].split_whitespace().next().unwrap();
+            let killed = Command::new("kill").args(["-9", pid]).status().unwrap();
+            assert!(killed.success(), "kill -9 {pid}");
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "job {job}: no state with two ranks running within 120 s\n{}",
+            std::fs::read_to_string(cluster.dir.join("job.out")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Waits (at most `limit`) until the job has left the queue; a requeued
+/// job is made eligible at once (Slurm holds one for two minutes).
+fn wait_for_the_end(cluster: &Cluster, job: &str, limit: Duration) -> String {
+    let deadline = Instant::now() + limit;
+    loop {
+        let mut squeue = cluster.command("squeue");
+        squeue.args(["-h", "-j", job, "-o", "%T %r"]);
+        let state = text(&bounded_output(squeue, Duration::from_secs(30)));
+        if state.trim().is_empty() || state.contains("Invalid job id") {
+            break;
+        }
+        // Once the killed run's step has been cleaned up (a new step
+        // launched before fails to start).
+        let old_step = format!("slurmstepd: \\[{job}\\.");
+        if state.contains("BeginTime") && processes_with(&old_step).is_empty() {
+            let mut update = cluster.command("scontrol");
+            update.args(["update", &format!("JobId={job}"), "StartTime=now"]);
+            bounded_output(update, Duration::from_secs(30));
+        }
+        assert!(
+            Instant::now() < deadline,
+            "job {job} still queued after {limit:?}: {state}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::fs::read_to_string(cluster.dir.join("job.out")).unwrap_or_default()
+}
+
+#[test]
+fn a_job_whose_rank_is_killed_requeues_itself_and_resumes_to_the_bytes_of_an_uninterrupted_run() {
+    let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let cluster = match Cluster::up("requeue") {
+        Ok(cluster) => cluster,
+        Err(why) => return println!("skipped: {why}"),
+    };
+    let mut threads = Command::new(example("train_lm"));
+    threads.args(lm_args_saving(&cluster.dir, "threads", &JOB_RUN, JOB_STEPS));
+    let threads = bounded_output(threads, Duration::from_secs(240));
+    assert!(threads.status.success(), "{}", text(&threads));
+    let job = lm_job(&cluster, 2);
+    let start = Instant::now();
+    kill_a_rank_after_a_state(&cluster, &job);
+    let killed = start.elapsed();
+    let out = wait_for_the_end(&cluster, &job, Duration::from_secs(240));
+    assert!(out.contains("requeueing"), "{out}");
+    assert!(out.contains("restarts so far: 1 of at most 2"), "{out}");
+    assert!(out.contains("resuming from"), "{out}");
+    assert!(
+        out.contains("train_lm.sbatch: finished; the weights are in"),
+        "{out}"
+    );
+    let read = |name: &str| std::fs::read(cluster.dir.join(format!("{name}.safetensors")));
+    assert!(
+        read("job").unwrap() == read("threads").unwrap(),
+        "the requeued job's weights differ from an uninterrupted run's"
+    );
+    println!(
+        "killed after {killed:?}, finished to the same bytes after {:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn a_job_out_of_restarts_ends_failed_saying_why() {
+    let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let cluster = match Cluster::up("no-restarts") {
+        Ok(cluster) => cluster,
+        Err(why) => return println!("skipped: {why}"),
+    };
+    let job = lm_job(&cluster, 0);
+    kill_a_rank_after_a_state(&cluster, &job);
+    let out = wait_for_the_end(&cluster, &job, Duration::from_secs(120));
+    assert!(
+        out.contains("after 0 restarts, the most MAX_RESTARTS allows: giving up"),
+        "{out}"
+    );
+    assert!(!out.contains("train_lm.sbatch: finished"), "{out}");
+    assert!(!cluster.dir.join("job.safetensors").exists(), "{out}");
 }
