@@ -45,7 +45,7 @@ up() {
     host=$(hostname -s)
     cat > "$dir/slurm.conf" <<EOF
 ClusterName=candledp
-SlurmctldHost=$host
+SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root
 AuthType=auth/munge
 AuthInfo=socket=$dir/munge/munge.socket
@@ -71,7 +71,7 @@ SlurmdLogFile=$dir/log/slurmd.log
 KillWait=5
 InactiveLimit=0
 MinJobAge=5
-NodeName=$host CPUs=8 State=UNKNOWN
+NodeName=$host NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN
 PartitionName=local Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
 EOF
     chown munge:munge "$dir/munge"

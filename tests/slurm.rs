@@ -25,15 +25,26 @@ fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/slurm.sh")
 }
 
-/// A one-node Slurm cluster, up while this lives.
+/// A one-node Slurm cluster, up while this lives (one at a time: the
+/// next test's waits until this one is down).
 struct Cluster {
     dir: PathBuf,
     conf: PathBuf,
+    _one: std::sync::MutexGuard<'static, ()>,
 }
 
 impl Cluster {
+    /// The cluster for test `name`, or `None` after printing why there
+    /// can be none here.
+    fn for_test(name: &str) -> Option<Cluster> {
+        Cluster::up(name)
+            .inspect_err(|why| println!("skipped: {why}"))
+            .ok()
+    }
+
     /// The cluster, or why there can be none here.
     fn up(name: &str) -> Result<Cluster, String> {
+        let one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
         let mut check = Command::new("bash");
         check.arg(script()).arg("check");
         let checked = bounded_output(check, Duration::from_secs(30));
@@ -49,6 +60,7 @@ impl Cluster {
         let cluster = Cluster {
             conf: dir.join("slurm.conf"),
             dir,
+            _one: one,
         };
         assert!(started.status.success(), "slurm.sh up: {}", text(&started));
         Ok(cluster)
@@ -108,10 +120,8 @@ fn lm_args_saving(dir: &Path, name: &str, run: &[&str], steps: u32) -> Vec<std::
 
 #[test]
 fn srun_trains_ddp_fsdp_hsdp_and_a_mesh_of_pipelines_to_the_bytes_of_thread_ranks() {
-    let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
-    let cluster = match Cluster::up("bytes") {
-        Ok(cluster) => cluster,
-        Err(why) => return println!("skipped: {why}"),
+    let Some(cluster) = Cluster::for_test("bytes") else {
+        return;
     };
     let exe = example("train_lm");
     let dir = cluster.dir.join("runs");
@@ -193,10 +203,8 @@ fn processes_with(marker: &str) -> Vec<String> {
 
 #[test]
 fn scancel_ends_every_rank_of_a_running_job_and_leaves_no_process() {
-    let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
-    let cluster = match Cluster::up("scancel") {
-        Ok(cluster) => cluster,
-        Err(why) => return println!("skipped: {why}"),
+    let Some(cluster) = Cluster::for_test("scancel") else {
+        return;
     };
     let exe = example("train_lm");
     // A job that would run for hours; its chart's name marks its processes.
@@ -338,10 +346,8 @@ fn wait_for_the_end(cluster: &Cluster, job: &str, limit: Duration) -> String {
 
 #[test]
 fn a_job_whose_rank_is_killed_requeues_itself_and_resumes_to_the_bytes_of_an_uninterrupted_run() {
-    let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
-    let cluster = match Cluster::up("requeue") {
-        Ok(cluster) => cluster,
-        Err(why) => return println!("skipped: {why}"),
+    let Some(cluster) = Cluster::for_test("requeue") else {
+        return;
     };
     let mut threads = Command::new(example("train_lm"));
     threads.args(lm_args_saving(&cluster.dir, "threads", &JOB_RUN, JOB_STEPS));
@@ -372,10 +378,8 @@ fn a_job_whose_rank_is_killed_requeues_itself_and_resumes_to_the_bytes_of_an_uni
 
 #[test]
 fn a_job_out_of_restarts_ends_failed_saying_why() {
-    let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
-    let cluster = match Cluster::up("no-restarts") {
-        Ok(cluster) => cluster,
-        Err(why) => return println!("skipped: {why}"),
+    let Some(cluster) = Cluster::for_test("no-restarts") else {
+        return;
     };
     let job = lm_job(&cluster, 0);
     kill_a_rank_after_a_state(&cluster, &job);

@@ -398,7 +398,7 @@ impl RankPipeline {
             };
             if rows != target_rows {
                 return refuse(format!(
-                    "the input has {rows} rows and the targets {target_rows}: a step needs as                      many"
+                    "the input has {rows} rows and the targets {target_rows}: a step needs as many"
                 ));
             }
         }
