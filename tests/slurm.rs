@@ -265,14 +265,19 @@ fn has_a_state(dir: &Path) -> bool {
     })
 }
 
-/// What [`lm_job`] trains: 2 DDP ranks, 400 steps.
-const JOB_RUN: [&str; 4] = ["--strategy", "ddp", "--replicas", "2"];
+/// What [`lm_job`] trains, on two ranks, 400 steps: DDP (under srun the
+/// launcher decides the ranks, `--replicas` is for the thread-rank run),
+/// or a pipeline of two stages, one per rank.
+const JOB_RUNS: [[&str; 4]; 2] = [
+    ["--strategy", "ddp", "--replicas", "2"],
+    ["--strategy", "pipeline", "--mesh", "pp=2"],
+];
 const JOB_STEPS: u32 = 400;
 
 /// `scripts/train_lm.sbatch` as a job of two tasks training `train_lm`
-/// ([`JOB_RUN`] under srun: `--replicas` is the launcher's), a state every
-/// 20 steps, at most `max_restarts` restarts; its id.
-fn lm_job(cluster: &Cluster, max_restarts: u32) -> String {
+/// (`run`), a state every 20 steps, at most `max_restarts` restarts; its
+/// id.
+fn lm_job(cluster: &Cluster, run: &[&str], max_restarts: u32) -> String {
     let mut sbatch = cluster.command("sbatch");
     sbatch
         .current_dir(&cluster.dir)
@@ -284,7 +289,7 @@ fn lm_job(cluster: &Cluster, max_restarts: u32) -> String {
         .args(["--parsable", "-n", "2", "--output"])
         .arg(cluster.dir.join("job.out"))
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/train_lm.sbatch"))
-        .args(lm_args(&cluster.dir, "job", &JOB_RUN, JOB_STEPS));
+        .args(lm_args(&cluster.dir, "job", run, JOB_STEPS));
     let submitted = bounded_output(sbatch, Duration::from_secs(30));
     assert!(submitted.status.success(), "sbatch: {}", text(&submitted));
     String::from_utf8_lossy(&submitted.stdout)
@@ -346,34 +351,38 @@ fn wait_for_the_end(cluster: &Cluster, job: &str, limit: Duration) -> String {
 
 #[test]
 fn a_job_whose_rank_is_killed_requeues_itself_and_resumes_to_the_bytes_of_an_uninterrupted_run() {
-    let Some(cluster) = Cluster::for_test("requeue") else {
-        return;
-    };
-    let mut threads = Command::new(example("train_lm"));
-    threads.args(lm_args_saving(&cluster.dir, "threads", &JOB_RUN, JOB_STEPS));
-    let threads = bounded_output(threads, Duration::from_secs(240));
-    assert!(threads.status.success(), "{}", text(&threads));
-    let job = lm_job(&cluster, 2);
-    let start = Instant::now();
-    kill_a_rank_after_a_state(&cluster, &job);
-    let killed = start.elapsed();
-    let out = wait_for_the_end(&cluster, &job, Duration::from_secs(240));
-    assert!(out.contains("requeueing"), "{out}");
-    assert!(out.contains("restarts so far: 1 of at most 2"), "{out}");
-    assert!(out.contains("resuming from"), "{out}");
-    assert!(
-        out.contains("train_lm.sbatch: finished; the weights are in"),
-        "{out}"
-    );
-    let read = |name: &str| std::fs::read(cluster.dir.join(format!("{name}.safetensors")));
-    assert!(
-        read("job").unwrap() == read("threads").unwrap(),
-        "the requeued job's weights differ from an uninterrupted run's"
-    );
-    println!(
-        "killed after {killed:?}, finished to the same bytes after {:?}",
-        start.elapsed()
-    );
+    for (k, run) in JOB_RUNS.iter().enumerate() {
+        let Some(cluster) = Cluster::for_test(&format!("requeue-{k}")) else {
+            return;
+        };
+        let label = run.join(" ");
+        let mut threads = Command::new(example("train_lm"));
+        threads.args(lm_args_saving(&cluster.dir, "threads", run, JOB_STEPS));
+        let threads = bounded_output(threads, Duration::from_secs(240));
+        assert!(threads.status.success(), "{label}: {}", text(&threads));
+        let job = lm_job(&cluster, run, 2);
+        let start = Instant::now();
+        kill_a_rank_after_a_state(&cluster, &job);
+        let killed = start.elapsed();
+        let out = wait_for_the_end(&cluster, &job, Duration::from_secs(240));
+        for expected in [
+            "requeueing",
+            "restarts so far: 1 of at most 2",
+            "resuming from",
+            "train_lm.sbatch: finished; the weights are in",
+        ] {
+            assert!(out.contains(expected), "{label}: no `{expected}`\n{out}");
+        }
+        let read = |name: &str| std::fs::read(cluster.dir.join(format!("{name}.safetensors")));
+        assert!(
+            read("job").unwrap() == read("threads").unwrap(),
+            "{label}: the requeued job's weights differ from an uninterrupted run's"
+        );
+        println!(
+            "{label}: killed after {killed:?}, finished to the same bytes after {:?}",
+            start.elapsed()
+        );
+    }
 }
 
 #[test]
@@ -381,7 +390,7 @@ fn a_job_out_of_restarts_ends_failed_saying_why() {
     let Some(cluster) = Cluster::for_test("no-restarts") else {
         return;
     };
-    let job = lm_job(&cluster, 0);
+    let job = lm_job(&cluster, &JOB_RUNS[0], 0);
     kill_a_rank_after_a_state(&cluster, &job);
     let out = wait_for_the_end(&cluster, &job, Duration::from_secs(120));
     assert!(
