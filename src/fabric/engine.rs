@@ -253,9 +253,9 @@ impl Engine {
     /// A pipeline on ranks keeps only its stages' variables and buffers:
     /// the `VarMap` of those (the others, built only to draw the seeded
     /// initial values, are dropped). `None` for the other engines.
-    pub(crate) fn rank_varmap(&self) -> Result<Option<VarMap>> {
+    pub(crate) fn rank_varmap(&self) -> Option<VarMap> {
         let Engine::RankPipeline(pipe) = self else {
-            return Ok(None);
+            return None;
         };
         let varmap = VarMap::new();
         {
@@ -264,7 +264,7 @@ impl Engine {
                 data.insert(name.clone(), var.clone());
             }
         }
-        Ok(Some(varmap))
+        Some(varmap)
     }
 
     /// Whether this engine keeps gradients across `no_sync` steps itself

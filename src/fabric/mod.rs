@@ -393,7 +393,7 @@ impl Fabric {
             &module,
         )?;
         // A rank of a pipeline keeps only its stages' variables.
-        let varmap = engine.rank_varmap()?.unwrap_or(varmap);
+        let varmap = engine.rank_varmap().unwrap_or(varmap);
         let zero = engine.ddp().filter(|ddp| ddp.zero_stage().is_some());
         let (stepper, params) = match zero {
             Some(ddp) => {
