@@ -123,6 +123,49 @@ fn every_strategy_matches_one_device(precision: Precision, tolerance: f32) {
     }
 }
 
+/// Every rank's evaluation output (`FabricModel::forward`) for the whole
+/// data set, before any step, under `strategy` in `precision`.
+fn evaluated(strategy: Strategy, precision: Precision) -> Vec<Tensor> {
+    let data = dataset();
+    launch(config(strategy, precision), |fabric| {
+        let mut model = crate::common::fabric_loop::setup(&fabric)?;
+        let x = fabric.to_device(&data.tensors()[0])?;
+        Ok(model.forward(&x)?.to_device(&Device::Cpu)?)
+    })
+    .unwrap_or_else(|e| panic!("{strategy} {precision}: {e}"))
+}
+
+/// Measured: the very values of one device under every strategy and
+/// precision (a gap of 0); the bounds are the weights' of the training
+/// tests.
+#[test]
+fn every_strategys_evaluation_forward_gives_one_devices_output_on_every_rank() {
+    for (precision, tolerance) in [
+        (Precision::F32, 1e-6),
+        (Precision::Bf16Mixed, 1e-2),
+        (Precision::F16Mixed, 1e-3),
+    ] {
+        let single = evaluated(Strategy::Single, precision).remove(0);
+        for strategy in Strategy::ALL.into_iter().skip(1) {
+            for (rank, out) in evaluated(strategy, precision).iter().enumerate() {
+                assert_eq!(
+                    out.dims(),
+                    single.dims(),
+                    "{strategy} {precision} rank {rank}"
+                );
+                let gap = (out - &single)
+                    .and_then(|d| d.abs()?.max_all()?.to_scalar::<f32>())
+                    .unwrap();
+                println!("{strategy} {precision} rank {rank}: output {gap:.2e} from one device's");
+                assert!(
+                    gap <= tolerance,
+                    "{strategy} {precision} rank {rank}: output {gap:.2e} from one device's"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn one_loop_trains_every_strategy_to_one_devices_weights_in_f32() {
     every_strategy_matches_one_device(Precision::F32, 1e-6);
