@@ -403,6 +403,13 @@ pub enum Error {
     #[error(transparent)]
     Launch(#[from] Box<crate::launch::LaunchError>),
 
+    /// The thread ranks of [`Fabric::launch`](crate::fabric::Fabric::launch)
+    /// failed more often than
+    /// [`FabricConfig::max_restarts`](crate::fabric::FabricConfig::max_restarts)
+    /// allows.
+    #[error(transparent)]
+    Elastic(#[from] Box<crate::launch::ElasticError>),
+
     /// An error from candle outside any replica (gather, reduce, checkpoint I/O).
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -3,6 +3,12 @@
 //! and neighbours there. The launcher ([`launch`](crate::launch)) decides
 //! from it, and the reports name the rank from it.
 
+/// The environment variable through which an elastic supervisor
+/// ([`Elastic::supervise`](crate::launch::Elastic::supervise)) tells the
+/// ranks of a job it started which start it is (0 the first time), as
+/// torchrun sets `TORCHELASTIC_RESTART_COUNT`.
+pub const RESTART_VARIABLE: &str = "CANDLE_DP_RESTART";
+
 /// Where the ranks of [`launch::run`](crate::launch::run) come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Backend {
@@ -73,6 +79,14 @@ impl Backend {
             slurm_tasks_on_node(&list, node)
         })
         .unwrap_or(1)
+    }
+
+    /// Which start of an elastic job this process belongs to: the
+    /// supervisor's [`RESTART_VARIABLE`]
+    /// (torchrun's `TORCHELASTIC_RESTART_COUNT`); 0 when no supervisor
+    /// started it.
+    pub fn restart() -> usize {
+        env_number(&[RESTART_VARIABLE]).unwrap_or(0)
     }
 
     /// [`Backend::Mpi`] when the process was started by an MPI launcher,

@@ -90,6 +90,10 @@ pub struct FabricArgs {
     /// limit).
     #[arg(long, value_name = "SECONDS")]
     pub timeout_secs: Option<f64>,
+    /// How many times the thread ranks start again after one fails,
+    /// resuming from the newest state in --checkpoint-dir [default: 0].
+    #[arg(long, value_name = "N")]
+    pub max_restarts: Option<usize>,
     /// Seeds the initial weights and the data order [default: 0].
     #[arg(long)]
     pub seed: Option<u64>,
@@ -124,6 +128,7 @@ impl FabricArgs {
             dp_backward,
             stages,
             accumulation_steps,
+            max_restarts,
             seed
         );
         if self.zero.is_some() {

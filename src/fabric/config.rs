@@ -441,6 +441,12 @@ pub struct FabricConfig {
     /// seconds; infinite: no limit (default: the launcher's, 1800 or
     /// `CANDLE_DP_TIMEOUT`).
     pub timeout_secs: Option<f64>,
+    /// How many times the thread ranks start again after one fails, each
+    /// start resuming from the newest state in `checkpoint_dir` (the loop
+    /// resumes when [`Fabric::restart`](super::Fabric::restart) is not 0;
+    /// default 0). Processes are restarted from outside, by a supervisor:
+    /// [`Elastic::supervise`](crate::launch::Elastic::supervise).
+    pub max_restarts: usize,
     /// Seeds the initial weights and the data order (default 0;
     /// [`Fabric::seed_everything`](super::Fabric::seed_everything)
     /// changes it).
@@ -470,6 +476,7 @@ impl Default for FabricConfig {
             checkpoint_dir: None,
             keep: 3,
             timeout_secs: None,
+            max_restarts: 0,
             seed: 0,
         }
     }
@@ -681,6 +688,13 @@ impl FabricConfig {
         }
         if self.keep == 0 {
             return refuse("keep must be at least 1 state".into());
+        }
+        if self.max_restarts > 0 && self.checkpoint_dir.is_none() {
+            return refuse(format!(
+                "max_restarts {}: a restart resumes from the newest state in checkpoint_dir, and \
+                 none is set (each start would train from scratch)",
+                self.max_restarts
+            ));
         }
         if let Some(t) = self.timeout_secs {
             if t.is_nan() || t <= 0.0 {

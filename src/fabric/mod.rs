@@ -82,7 +82,7 @@ pub use saving::Resumed;
 
 use crate::comm::{all_gather_object, GroupOptions, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
-use crate::launch::{Backend, RankContext};
+use crate::launch::{Backend, Elastic, RankContext};
 use crate::loader::Dataset;
 use crate::optim::StatefulOptimizer;
 use crate::units::Units;
@@ -196,11 +196,26 @@ impl Fabric {
                 devices: mine,
             })
         };
-        let ran = match under_mpi {
-            true => crate::launch::run(config.ranks(), options, rank),
-            false => crate::launch::spawn_with(config.ranks(), options, rank),
-        };
-        ran.map_err(|e| Error::Launch(Box::new(e)))
+        match (under_mpi, config.max_restarts) {
+            (true, _) => crate::launch::run(config.ranks(), options, rank),
+            (false, 0) => crate::launch::spawn_with(config.ranks(), options, rank),
+            (false, restarts) => {
+                return Elastic::new(restarts)
+                    .spawn(config.ranks(), options, rank)
+                    .map(|run| run.results)
+                    .map_err(|e| Error::Elastic(Box::new(e)))
+            }
+        }
+        .map_err(|e| Error::Launch(Box::new(e)))
+    }
+
+    /// Which start of the job this is: 0 the first time, `k` after `k`
+    /// restarts (thread ranks restarted by
+    /// [`FabricConfig::max_restarts`], processes by a supervisor,
+    /// [`Elastic::supervise`]). Resume when it is not 0:
+    /// `model.resume(fabric.restart() > 0)`.
+    pub fn restart(&self) -> usize {
+        self.ctx.restart
     }
 
     /// The configuration of the run.

@@ -14,6 +14,8 @@
 
 use std::time::Duration;
 
+use super::signal::terminate;
+
 /// How long the rank's report is given to reach the launcher's output
 /// before the launcher is ended (it forwards output as it arrives).
 const REPORT_GRACE: Duration = Duration::from_millis(500);
@@ -57,17 +59,5 @@ impl Launcher {
             std::thread::sleep(Duration::from_millis(300));
             terminate(self.pid);
         }
-    }
-}
-
-/// Sends SIGTERM to `pid`.
-fn terminate(pid: u32) {
-    let Ok(pid) = libc::pid_t::try_from(pid) else {
-        return;
-    };
-    // SAFETY: kill(2) takes two integers and reads or writes no memory of
-    // this process.
-    unsafe {
-        libc::kill(pid, libc::SIGTERM);
     }
 }

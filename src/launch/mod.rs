@@ -23,6 +23,7 @@
 //! # Ok::<(), candle_dp::launch::LaunchError>(())
 //! ```
 
+mod elastic;
 #[cfg(feature = "nccl")]
 mod gpus;
 #[cfg(feature = "mpi")]
@@ -30,14 +31,18 @@ mod launcher;
 #[cfg(feature = "mpi")]
 mod mpi;
 pub mod report;
+mod signal;
+mod supervisor;
 mod threads;
 
 use std::sync::Arc;
 
 use crate::comm::{Failure, GroupOptions, ProcessGroup};
 
+pub use elastic::{Elastic, ElasticError, Restarted, RESTART_VARIABLE};
 #[cfg(feature = "nccl")]
 pub use gpus::run_on_gpus;
+pub use supervisor::{Attempt, Host, JobFailed, JobLauncher, Mpirun, Supervised};
 pub use threads::{spawn, spawn_with};
 
 /// What the closure given to [`run`] or [`spawn`] gets on each rank.
@@ -51,6 +56,11 @@ pub struct RankContext {
     /// [`ThreadRank`](crate::comm::ThreadRank) under [`spawn`], an
     /// `MpiGroup` (feature `mpi`) when [`run`] runs under `mpirun`.
     pub pg: Arc<dyn ProcessGroup>,
+    /// Which start of an elastic job this is: 0 the first time, `k` after
+    /// `k` restarts ([`Elastic`]; under a supervisor, read from
+    /// [`RESTART_VARIABLE`]). A loop resumes from its newest state when it
+    /// is not 0.
+    pub restart: usize,
 }
 
 impl RankContext {

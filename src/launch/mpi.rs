@@ -23,6 +23,7 @@ where
         rank,
         world_size: pg.world_size(),
         pg: Arc::clone(&pg) as Arc<dyn ProcessGroup>,
+        restart: crate::process_env::Backend::restart(),
     };
     let panic_hook = RankPanicHook::install(rank);
     // Unwind safety: after a panic only the group's failure state is used.

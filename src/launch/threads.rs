@@ -75,11 +75,25 @@ where
     T: Send,
     F: Fn(RankContext) -> anyhow::Result<T> + Sync,
 {
+    spawn_attempt(world_size, options, 0, &f)
+}
+
+/// [`spawn_with`] as start number `restart` of an elastic job (the ranks'
+/// [`RankContext::restart`]).
+pub(super) fn spawn_attempt<T, F>(
+    world_size: usize,
+    options: GroupOptions,
+    restart: usize,
+    f: &F,
+) -> Result<Vec<T>, LaunchError>
+where
+    T: Send,
+    F: Fn(RankContext) -> anyhow::Result<T> + Sync,
+{
     let ranks = ThreadGroup::with_options(world_size, options);
     let Some(watch) = ranks.first().map(ThreadRank::watch) else {
         return Err(LaunchError::EmptyWorld);
     };
-    let f = &f;
     cpu_threads::share_cpu_between(world_size);
     let threads = cpu_threads::threads_per_worker(world_size);
     let (outcomes, start_error) = thread::scope(|scope| {
@@ -89,7 +103,7 @@ where
             let rank = pg.rank();
             let started = thread::Builder::new()
                 .name(format!("candle-dp-rank-{rank}"))
-                .spawn_scoped(scope, move || run_rank(pg, threads, f));
+                .spawn_scoped(scope, move || run_rank(pg, threads, restart, f));
             match started {
                 Ok(handle) => handles.push(handle),
                 Err(source) => {
@@ -131,7 +145,7 @@ enum Outcome<T> {
 /// Runs `f` for rank `pg` with its own rayon pool of `threads` threads (its
 /// share of the cores, see [`cpu_threads`]), then tells the group how it
 /// ended.
-fn run_rank<T, F>(pg: ThreadRank, threads: usize, f: &F) -> Outcome<T>
+fn run_rank<T, F>(pg: ThreadRank, threads: usize, restart: usize, f: &F) -> Outcome<T>
 where
     T: Send,
     F: Fn(RankContext) -> anyhow::Result<T> + Sync,
@@ -144,6 +158,7 @@ where
         rank: pg.rank(),
         world_size: pg.world_size(),
         pg: Arc::clone(&pg) as Arc<dyn ProcessGroup>,
+        restart,
     };
     // Unwind safety: after a panic only the group's failure state is used,
     // and it is built to be read after any failure.

@@ -90,3 +90,61 @@ pub fn train(fabric: Fabric, data: Arc<TensorDataset>) -> anyhow::Result<Trained
     );
     Ok((model.full_state()?, losses))
 }
+
+/// What [`train_resumable`] does after a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterStep {
+    /// Goes on.
+    Go,
+    /// Saves the state, then goes on.
+    Save,
+    /// Saves the state and stops (a run killed right after its save).
+    SaveAndStop,
+}
+
+/// The loop of [`train`] with resuming and saving: it continues from the
+/// newest state in the checkpoint folder, if there is one, and after each
+/// step (counted from 1) does what `after_step` says, or fails with its
+/// error.
+pub fn train_resumable(
+    fabric: Fabric,
+    data: Arc<TensorDataset>,
+    after_step: impl Fn(&Fabric, u64) -> anyhow::Result<AfterStep>,
+) -> anyhow::Result<Trained> {
+    use candle_dp::training_state::Progress;
+    let mut model = setup(&fabric)?;
+    let from = model.load()?.map(|r| r.progress).unwrap_or_default();
+    let options = DataOptions {
+        shuffle: true,
+        ..DataOptions::default()
+    };
+    let per_batch = GLOBAL_BATCH / fabric.data_parallel_size();
+    let mut loader = fabric.setup_dataloader(data, per_batch, options)?;
+    let (mut losses, mut step) = (Vec::new(), from.step);
+    for epoch in from.epoch..EPOCHS {
+        loader.set_epoch(epoch);
+        let skip = if epoch == from.epoch { from.batch } else { 0 };
+        loader.skip_batches(skip as usize);
+        for (batch_index, batch) in (skip..).zip(loader.iter()?) {
+            let batch = batch?;
+            let loss = model.backward(&batch[0], &batch[1], loss::cross_entropy)?;
+            model.step()?;
+            losses.push(fabric.all_reduce_mean(&loss)?);
+            step += 1;
+            let progress = Progress {
+                epoch,
+                batch: batch_index + 1,
+                step,
+            };
+            match after_step(&fabric, step)? {
+                AfterStep::Go => {}
+                AfterStep::Save => model.save(progress)?,
+                AfterStep::SaveAndStop => {
+                    model.save(progress)?;
+                    return Ok((model.full_state()?, losses));
+                }
+            }
+        }
+    }
+    Ok((model.full_state()?, losses))
+}

@@ -14,7 +14,7 @@ use candle_dp::optim::{Sgd, SgdConfig};
 use candle_nn::{linear, loss};
 
 use crate::common::fabric_loop::{
-    classifier, dataset, train, Trained, EPOCHS, GLOBAL_BATCH, SAMPLES,
+    classifier, dataset, train, train_resumable, AfterStep, Trained, EPOCHS, GLOBAL_BATCH, SAMPLES,
 };
 use crate::common::{diff_report, identical, max_rel_diff};
 
@@ -584,52 +584,15 @@ fn tempdir() -> std::path::PathBuf {
     dir
 }
 
-/// The loop of [`train`] with resuming and saving: it continues from the
-/// newest state in the checkpoint folder, and with `stop_at` saves the
-/// state after that step and stops (a run killed right after its save).
-fn train_resumable(
-    fabric: Fabric,
-    data: Arc<TensorDataset>,
-    stop_at: Option<u64>,
-) -> anyhow::Result<Trained> {
-    use candle_dp::training_state::Progress;
-    let mut model = crate::common::fabric_loop::setup(&fabric)?;
-    let from = model.load()?.map(|r| r.progress).unwrap_or_default();
-    let options = DataOptions {
-        shuffle: true,
-        ..DataOptions::default()
-    };
-    let per_batch = GLOBAL_BATCH / fabric.data_parallel_size();
-    let mut loader = fabric.setup_dataloader(data, per_batch, options)?;
-    let (mut losses, mut step) = (Vec::new(), from.step);
-    for epoch in from.epoch..EPOCHS {
-        loader.set_epoch(epoch);
-        let skip = if epoch == from.epoch { from.batch } else { 0 };
-        loader.skip_batches(skip as usize);
-        for (batch_index, batch) in (skip..).zip(loader.iter()?) {
-            let batch = batch?;
-            let loss = model.backward(&batch[0], &batch[1], loss::cross_entropy)?;
-            model.step()?;
-            losses.push(fabric.all_reduce_mean(&loss)?);
-            step += 1;
-            if stop_at == Some(step) {
-                let progress = Progress {
-                    epoch,
-                    batch: batch_index + 1,
-                    step,
-                };
-                model.save(progress)?;
-                return Ok((model.full_state()?, losses));
-            }
-        }
-    }
-    Ok((model.full_state()?, losses))
-}
-
 fn resumable_run(config: &FabricConfig, stop_at: Option<u64>) -> Trained {
     let data = dataset();
     launch(config.clone(), |fabric| {
-        train_resumable(fabric, data.clone(), stop_at)
+        train_resumable(fabric, data.clone(), |_, step| {
+            Ok(match stop_at == Some(step) {
+                true => AfterStep::SaveAndStop,
+                false => AfterStep::Go,
+            })
+        })
     })
     .unwrap_or_else(|e| panic!("{config:?}: {e}"))
     .swap_remove(0)
@@ -766,9 +729,11 @@ fn a_state_of_another_layout_is_refused_naming_both_strategies() {
         ..FabricConfig::new(Strategy::Ddp, 2)
     };
     let data = dataset();
-    let error = launch(ddp, |fabric| train_resumable(fabric, data.clone(), None))
-        .unwrap_err()
-        .to_string();
+    let error = launch(ddp, |fabric| {
+        train_resumable(fabric, data.clone(), |_, _| Ok(AfterStep::Go))
+    })
+    .unwrap_err()
+    .to_string();
     // DDP reads the state itself; the FSDP state's optimizer is in its
     // shards, so either the layout or the missing optimizer is named.
     assert!(

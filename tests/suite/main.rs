@@ -20,6 +20,7 @@ mod datasets;
 mod ddp;
 mod ddp_reference;
 mod dp_reference;
+mod elastic;
 mod equivalence;
 mod errors;
 mod example_flags;

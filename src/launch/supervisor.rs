@@ -1,0 +1,377 @@
+//! [`Elastic::supervise`]: run a job's launcher (`mpirun`, `srun`) as a
+//! child process and, when the job fails, start it again on the hosts
+//! that still answer: torchrun's elastic agent, for processes that MPI or
+//! Slurm start.
+//!
+//! Before every start each host is probed (a one-rank job of the same
+//! launcher on that host, bounded by [`Elastic::probe_timeout`]); the job
+//! starts on the hosts whose probe ended well, as many ranks as their
+//! slots, if that is at least [`Elastic::min_ranks`]. A host lost once is
+//! probed again at the next start, so a machine that comes back is used
+//! again. The ranks learn which start it is from [`RESTART_VARIABLE`] and
+//! resume from their newest state; the job's own group timeout is what
+//! ends a start whose machine dropped off the network (see
+//! [`run`](super::run)), so give the job one.
+//!
+//! ```no_run
+//! use candle_dp::launch::{Elastic, Host, Mpirun};
+//!
+//! let hosts = Host::parse_list("node1:4,node2:4")?;
+//! let job = Mpirun::new("./train", ["--checkpoint-dir", "/shared/run"]);
+//! let run = Elastic::new(3).min_ranks(4).supervise(&hosts, &job)?;
+//! println!("finished after {} restart(s)", run.attempts.len() - 1);
+//! # Ok::<(), candle_dp::launch::ElasticError>(())
+//! ```
+
+use std::ffi::{OsStr, OsString};
+use std::fmt;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use super::elastic::{Elastic, ElasticError, RESTART_VARIABLE};
+use super::report;
+use super::signal::terminate;
+
+/// A machine a supervised job may run on, and how many ranks it takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Host {
+    /// The name the launcher knows it by (a host name or an address).
+    pub name: String,
+    /// How many ranks it runs.
+    pub slots: usize,
+}
+
+impl Host {
+    /// Reads `name:slots,name:slots,…` (a name alone has one slot), as
+    /// `mpirun --host` takes it.
+    ///
+    /// ```
+    /// use candle_dp::launch::Host;
+    ///
+    /// let hosts = Host::parse_list("node1:2,node2")?;
+    /// assert_eq!(hosts[0], Host { name: "node1".into(), slots: 2 });
+    /// assert_eq!(hosts[1].slots, 1);
+    /// assert!(Host::parse_list("node1:0").is_err());
+    /// # Ok::<(), candle_dp::launch::ElasticError>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// An empty list, an empty name, a slot count that is not a number of
+    /// at least 1, a name given twice: [`ElasticError::Hosts`] naming the
+    /// entry.
+    pub fn parse_list(list: &str) -> Result<Vec<Host>, ElasticError> {
+        let bad = |why: String| ElasticError::Hosts {
+            list: list.to_string(),
+            why,
+        };
+        let mut hosts: Vec<Host> = Vec::new();
+        for entry in list.split(',').map(str::trim) {
+            let (name, slots) = match entry.rsplit_once(':') {
+                Some((name, slots)) => match slots.parse::<usize>() {
+                    Ok(n) if n >= 1 => (name, n),
+                    _ => {
+                        return Err(bad(format!(
+                            "{entry:?}: slots must be a number of at least 1"
+                        )))
+                    }
+                },
+                None => (entry, 1),
+            };
+            if name.is_empty() {
+                return Err(bad(format!("{entry:?} has no host name")));
+            }
+            if hosts.iter().any(|h| h.name == name) {
+                return Err(bad(format!("{name} is given twice")));
+            }
+            hosts.push(Host {
+                name: name.to_string(),
+                slots,
+            });
+        }
+        Ok(hosts)
+    }
+}
+
+impl fmt::Display for Host {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.name, self.slots)
+    }
+}
+
+/// How a supervised job starts, and how a host is tried.
+pub trait JobLauncher: fmt::Debug + Sync {
+    /// The command that starts the job on `hosts`, one rank per slot, in
+    /// the hosts' order (ranks of one host next to each other).
+    fn job(&self, hosts: &[Host]) -> Command;
+
+    /// A command that ends with success, promptly, when `host` can run a
+    /// rank of the job now.
+    fn probe(&self, host: &Host) -> Command;
+}
+
+/// Open MPI's `mpirun` as a [`JobLauncher`]: `mpirun -np N --host
+/// h1:s1,h2:s2 --map-by slot -x CANDLE_DP_RESTART OPTIONS PROGRAM ARGS`;
+/// a host's probe is `mpirun -np 1 --host h:1 OPTIONS true`, which needs
+/// the host's daemon to start and reach this one.
+#[derive(Debug, Clone)]
+pub struct Mpirun {
+    /// The launcher to run [default: `mpirun`].
+    pub mpirun: OsString,
+    /// Options before the program, for both the job and the probes
+    /// (`--allow-run-as-root`, `--mca NAME VALUE`, …).
+    pub options: Vec<OsString>,
+    /// The program every rank runs.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<OsString>,
+}
+
+impl Mpirun {
+    /// `program args` under `mpirun`, with no further options.
+    pub fn new<I, S>(program: impl Into<PathBuf>, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        Mpirun {
+            mpirun: "mpirun".into(),
+            options: Vec::new(),
+            program: program.into(),
+            args: args.into_iter().map(|a| a.as_ref().to_owned()).collect(),
+        }
+    }
+
+    fn base(&self, ranks: usize, hosts: &str) -> Command {
+        let mut command = Command::new(&self.mpirun);
+        command
+            .arg("-np")
+            .arg(ranks.to_string())
+            .arg("--host")
+            .arg(hosts)
+            .args(&self.options);
+        command
+    }
+}
+
+impl JobLauncher for Mpirun {
+    fn job(&self, hosts: &[Host]) -> Command {
+        let list: Vec<String> = hosts.iter().map(Host::to_string).collect();
+        let ranks = hosts.iter().map(|h| h.slots).sum();
+        let mut command = self.base(ranks, &list.join(","));
+        command
+            .args(["--map-by", "slot", "-x", RESTART_VARIABLE])
+            .arg(&self.program)
+            .args(&self.args);
+        command
+    }
+
+    fn probe(&self, host: &Host) -> Command {
+        let mut command = self.base(1, &format!("{}:1", host.name));
+        command.arg("true");
+        command
+    }
+}
+
+/// One start of a supervised job.
+#[derive(Debug, Clone)]
+pub struct Attempt {
+    /// The hosts it ran on.
+    pub hosts: Vec<Host>,
+    /// The hosts whose probe failed or did not end in time.
+    pub lost: Vec<String>,
+    /// How long the probes took.
+    pub probing: Duration,
+    /// How long the job ran.
+    pub ran: Duration,
+    /// How it ended.
+    pub status: ExitStatus,
+}
+
+impl Attempt {
+    /// Its number of ranks.
+    pub fn ranks(&self) -> usize {
+        self.hosts.iter().map(|h| h.slots).sum()
+    }
+}
+
+/// A supervised job that finished: every start, the last one the one that
+/// ended well.
+#[derive(Debug, Clone)]
+pub struct Supervised {
+    /// Every start, in order.
+    pub attempts: Vec<Attempt>,
+}
+
+/// A start that ended badly (the `last` failure of
+/// [`ElasticError::OutOfRestarts`] under a supervisor).
+#[derive(Debug, thiserror::Error)]
+#[error("the job on {ranks} rank(s) ({hosts}) ended with {status}")]
+pub struct JobFailed {
+    /// Its ranks.
+    pub ranks: usize,
+    /// Its hosts, as `--host` lists them.
+    pub hosts: String,
+    /// How it ended.
+    pub status: ExitStatus,
+}
+
+/// How long a probe or a job asked to end (SIGTERM) is given before it is
+/// killed.
+const END_GRACE: Duration = Duration::from_secs(2);
+
+impl Elastic {
+    /// Runs the job `launcher` starts on `hosts` and starts it again after
+    /// each failure, at most [`max_restarts`](Elastic::max_restarts)
+    /// times, on the hosts that answer their probe (see the [module
+    /// docs](self)). The job's output is this process's. Each start is
+    /// said on standard error (`elastic: start 1 of at most 3: 2 rank(s)
+    /// on node1:2; lost: node2`).
+    ///
+    /// # Errors
+    ///
+    /// [`ElasticError::TooFewRanks`] when the hosts that answer have fewer
+    /// slots than `min_ranks`, naming the lost ones;
+    /// [`ElasticError::OutOfRestarts`] when the last allowed start fails
+    /// (its `last` is a [`JobFailed`]); [`ElasticError::Start`] when the
+    /// launcher cannot be run at all.
+    pub fn supervise(
+        &self,
+        hosts: &[Host],
+        launcher: &dyn JobLauncher,
+    ) -> Result<Supervised, ElasticError> {
+        if self.min_ranks == 0 {
+            return Err(ElasticError::NoMinimum);
+        }
+        if hosts.is_empty() {
+            return Err(ElasticError::Hosts {
+                list: String::new(),
+                why: "no host given".into(),
+            });
+        }
+        let mut attempts: Vec<Attempt> = Vec::new();
+        for restart in 0..=self.max_restarts {
+            let probing = Instant::now();
+            let (alive, lost) = self.probe_all(hosts, launcher);
+            let probing = probing.elapsed();
+            let ranks: usize = alive.iter().map(|h| h.slots).sum();
+            if ranks < self.min_ranks {
+                return Err(ElasticError::TooFewRanks {
+                    ranks,
+                    min_ranks: self.min_ranks,
+                    lost,
+                });
+            }
+            let list: Vec<String> = alive.iter().map(Host::to_string).collect();
+            let lost_text = match lost.is_empty() {
+                true => String::new(),
+                false => format!("; lost: {}", lost.join(", ")),
+            };
+            report::eprint_report(&format!(
+                "elastic: start {restart} of at most {}: {ranks} rank(s) on {} (probed in {:.2} s){lost_text}",
+                self.max_restarts,
+                list.join(","),
+                probing.as_secs_f64(),
+            ));
+            let mut job = launcher.job(&alive);
+            job.env(RESTART_VARIABLE, restart.to_string());
+            let started = Instant::now();
+            let status = job.status().map_err(|source| ElasticError::Start {
+                command: format!("{job:?}"),
+                source,
+            })?;
+            attempts.push(Attempt {
+                hosts: alive,
+                lost,
+                probing,
+                ran: started.elapsed(),
+                status,
+            });
+            if status.success() {
+                return Ok(Supervised { attempts });
+            }
+            report::eprint_report(&format!(
+                "elastic: start {restart} ended with {status} after {:.2} s",
+                started.elapsed().as_secs_f64()
+            ));
+        }
+        let last = attempts.pop().map(|a| JobFailed {
+            ranks: a.ranks(),
+            hosts: a
+                .hosts
+                .iter()
+                .map(Host::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+            status: a.status,
+        });
+        Err(ElasticError::OutOfRestarts {
+            max_restarts: self.max_restarts,
+            last: match last {
+                Some(last) => Box::new(last),
+                None => "no start was made".into(),
+            },
+        })
+    }
+
+    /// The hosts whose probe ends well within the probe timeout, and the
+    /// names of the others; all probed at once.
+    fn probe_all(&self, hosts: &[Host], launcher: &dyn JobLauncher) -> (Vec<Host>, Vec<String>) {
+        let answers: Vec<bool> = std::thread::scope(|scope| {
+            let probes: Vec<_> = hosts
+                .iter()
+                .map(|host| scope.spawn(move || answers(launcher.probe(host), self.probe_timeout)))
+                .collect();
+            probes
+                .into_iter()
+                .map(|probe| probe.join().unwrap_or(false))
+                .collect()
+        });
+        let mut alive = Vec::new();
+        let mut lost = Vec::new();
+        for (host, answered) in hosts.iter().zip(answers) {
+            match answered {
+                true => alive.push(host.clone()),
+                false => lost.push(host.name.clone()),
+            }
+        }
+        (alive, lost)
+    }
+}
+
+/// Whether `probe` ends with success within `timeout`; one that does not
+/// end in time is asked to end, then killed.
+fn answers(mut probe: Command, timeout: Duration) -> bool {
+    probe
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let Ok(mut child) = probe.spawn() else {
+        return false;
+    };
+    match wait_until(&mut child, Instant::now() + timeout) {
+        Some(status) => status.success(),
+        None => {
+            terminate(child.id());
+            if wait_until(&mut child, Instant::now() + END_GRACE).is_none() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            false
+        }
+    }
+}
+
+/// `child`'s status, once it ends before `deadline`.
+fn wait_until(child: &mut Child, deadline: Instant) -> Option<ExitStatus> {
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return Some(status),
+            Ok(None) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            _ => return None,
+        }
+    }
+}
