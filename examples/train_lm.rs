@@ -37,6 +37,7 @@ use candle_dp::optim::{AdamWConfig, LrScheduler};
 use candle_dp::precision::{MixedPrecision, MixedPrecisionModel};
 use candle_dp::seeded_varmap;
 use candle_dp::training_state::Progress;
+use candle_dp_examples::elastic::ElasticArgs;
 use candle_dp_examples::flags;
 use candle_dp_examples::gpt::{adamw_groups, lm_loss, lm_loss_composite, units, Gpt, GptConfig};
 use candle_dp_examples::text::{load_text, split, windows_at, Windows};
@@ -213,6 +214,14 @@ struct Args {
     /// Continues from the newest state in --checkpoint-dir.
     #[arg(long, requires = "checkpoint_dir")]
     resume: bool,
+    /// Seconds a rank waits in a collective for the others before the job
+    /// fails (a finite number above 0) [default: 1800, or
+    /// CANDLE_DP_TIMEOUT]. A job that should outlive a lost machine needs
+    /// a short one: the timeout is how its ranks learn of the loss.
+    #[arg(long, value_name = "SECONDS", value_parser = flags::positive_f64)]
+    timeout: Option<f64>,
+    #[command(flatten)]
+    elastic: ElasticArgs,
 }
 
 impl Args {
@@ -288,6 +297,7 @@ impl Args {
             shard_size: mesh.map_or(self.shard_size, |m| Some(m.shard)),
             gradient_clip: (self.clip_grad_norm > 0.0).then_some(self.clip_grad_norm),
             checkpoint_dir: self.checkpoint_dir.clone(),
+            timeout_secs: self.timeout,
             seed: self.seed,
             accelerator: self.accelerator,
             // The first GPUs listed, as many as the strategy takes (one
@@ -425,8 +435,10 @@ fn in_precision(args: &Args, varmap: &VarMap) -> Result<MixedPrecisionModel<Gpt>
 fn train_run(job: &Job, strategy: Strategy, in_process: bool) -> Result<Option<Outcome>> {
     let args = job.args;
     let mut config = args.fabric(strategy);
+    config.max_restarts = args.elastic.max_restarts;
     if !job.saves {
         config.checkpoint_dir = None;
+        config.max_restarts = 0;
     }
     let rank_loop = |fabric: Fabric| -> Result<Option<Outcome>> {
         // The data's shares: one per rank, or per pipeline of ranks.
@@ -447,7 +459,10 @@ fn train_run(job: &Job, strategy: Strategy, in_process: bool) -> Result<Option<O
             let warmup = args.warmup_steps.unwrap_or((args.steps / 20).max(1));
             model.set_schedule(LrScheduler::warmup_cosine(args.lr, warmup, args.steps)?);
         }
-        let from = model.resume(job.saves && args.resume)?.step;
+        // A restarted job (elastic) resumes whatever --resume says.
+        let from = model
+            .resume(job.saves && (args.resume || fabric.restart() > 0))?
+            .step;
         let mut outcome = Outcome::new();
         let start = Instant::now();
         let mut evaluating = Duration::ZERO;
@@ -665,6 +680,12 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<()> {
+    if let Some(supervised) = args.elastic.supervise() {
+        return supervised;
+    }
+    if args.elastic.max_restarts > 0 && args.checkpoint_dir.is_none() {
+        bail!("--max-restarts needs --checkpoint-dir: each start resumes from its newest state");
+    }
     // The flags' own ranges (at least 1, finite numbers) were checked as
     // they were parsed (`candle_dp_examples::flags`).
     let config = args.config();

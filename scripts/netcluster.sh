@@ -19,7 +19,7 @@
 #   scripts/netcluster.sh run [--machines N] [--per-machine P]
 #           [--cut M --cut-after SECONDS [--restore-after T]]
 #           [--mca NAME VALUE]... [--export VAR]... [--wait-empty S]
-#           [--block] [--link-bytes FILE] -- PROGRAM ARGS...
+#           [--block] [--link-bytes FILE] [--supervise] -- PROGRAM ARGS...
 #       runs PROGRAM as N*P ranks, P per machine (rank r on machine
 #       r % N + 1; with --block, machine m holds ranks (m-1)*P..m*P-1, as a
 #       DeviceMesh expects: neighbouring ranks on one machine), and exits
@@ -32,6 +32,13 @@
 #       (mpirun -x);
 #       --wait-empty S: after mpirun, how long the machines' processes may
 #       take to end before the teardown reports them and kills them (10)
+#       --supervise: runs PROGRAM itself on machine 1, not under mpirun, for
+#       a program that starts mpirun itself (an elastic supervisor, such as
+#       `train_lm --hosts 10.213.7.1:P,10.213.7.2:P`: machine N is
+#       10.213.7.N); the cluster's mpirun settings (launch agent, TCP on
+#       the cluster's network, running as root) are in its environment
+#       (OMPI_MCA_*), and NETCLUSTER_HOSTS lists the machines as
+#       ADDRESS:P,...
 #
 # Everything it creates (namespaces, links, the bridge, the agent and
 # hostfile, every process left in a namespace) is removed on exit, also on
@@ -52,6 +59,7 @@ RESTORE_AFTER=""
 WAIT_EMPTY=10
 MAP_BY=node
 LINK_BYTES=""
+SUPERVISE=""
 MCA=()
 
 die() { echo "netcluster: $*" >&2; exit 2; }
@@ -147,11 +155,23 @@ run() {
         fi
     fi
     local status=0
-    ip netns exec "$(ns 1)" unshare --uts sh -c 'hostname node1; exec "$@"' sh \
-        mpirun --allow-run-as-root --oversubscribe --hostfile "$HOSTS" --map-by "$MAP_BY" -np "$np" \
-        --mca plm_rsh_agent "$AGENT" --mca btl tcp,self \
-        --mca btl_tcp_if_include "$NET.0/24" --mca oob_tcp_if_include "$NET.0/24" \
-        "${MCA[@]}" "$@" || status=$?
+    if [ -n "$SUPERVISE" ]; then
+        local hosts
+        hosts=$(seq 1 "$MACHINES" | sed "s/^/$NET./; s/\$/:$PER_MACHINE/" | paste -sd,)
+        ip netns exec "$(ns 1)" unshare --uts env \
+            OMPI_MCA_plm_rsh_agent="$AGENT" OMPI_MCA_btl=tcp,self \
+            OMPI_MCA_btl_tcp_if_include="$NET.0/24" OMPI_MCA_oob_tcp_if_include="$NET.0/24" \
+            OMPI_MCA_rmaps_base_oversubscribe=1 \
+            OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+            NETCLUSTER_HOSTS="$hosts" \
+            sh -c 'hostname node1; exec "$@"' sh "$@" || status=$?
+    else
+        ip netns exec "$(ns 1)" unshare --uts sh -c 'hostname node1; exec "$@"' sh \
+            mpirun --allow-run-as-root --oversubscribe --hostfile "$HOSTS" --map-by "$MAP_BY" -np "$np" \
+            --mca plm_rsh_agent "$AGENT" --mca btl tcp,self \
+            --mca btl_tcp_if_include "$NET.0/24" --mca oob_tcp_if_include "$NET.0/24" \
+            "${MCA[@]}" "$@" || status=$?
+    fi
     for p in $cutter $restorer; do kill "$p" 2>/dev/null || true; done
     if [ -n "$LINK_BYTES" ]; then
         : >"$LINK_BYTES"
@@ -222,6 +242,7 @@ case "$command" in
                 --export) if [ -n "${!2+set}" ]; then MCA+=(-x "$2"); fi; shift 2 ;;
                 --wait-empty) WAIT_EMPTY=$2; shift 2 ;;
                 --block) MAP_BY=slot; shift ;;
+                --supervise) SUPERVISE=1; shift ;;
                 --link-bytes) LINK_BYTES=$2; shift 2 ;;
                 --) shift; break ;;
                 *) die "unknown option $1" ;;

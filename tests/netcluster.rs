@@ -266,3 +266,187 @@ fn the_language_models_stages_on_two_simulated_machines_save_the_bytes_of_stage_
     println!("4 stages on two machines: the bytes of thread ranks ({took:?})");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The language model's flags for the elastic runs: FSDP, a constant
+/// learning rate (so that a run of fewer steps follows the same curve), a
+/// 5 s group timeout (how the ranks learn of the loss).
+fn elastic_lm_args(dir: &Path, name: &str, steps: u64) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = vec!["--steps".into(), steps.to_string().into()];
+    args.extend(
+        [
+            "--strategy",
+            "fsdp",
+            "--lr-schedule",
+            "constant",
+            "--eval-every",
+            "300",
+            "--width",
+            "32",
+            "--context",
+            "32",
+            "--sample",
+            "0",
+            "--timeout",
+            "5",
+        ]
+        .map(Into::into),
+    );
+    args.extend(["--chart".into(), dir.join("chart.svg").into_os_string()]);
+    args.extend([
+        "--save".into(),
+        dir.join(format!("{name}.safetensors")).into(),
+    ]);
+    args
+}
+
+/// The supervisor on machine 1 of two (one rank each), machine 2 cut off
+/// 6 s after the start; `extra`: more flags for train_lm.
+fn supervised_lm_losing_machine_2(dir: &Path, extra: &[&str]) -> (Output, Duration) {
+    let exe = example("train_lm");
+    let mut args = elastic_lm_args(dir, "elastic", 300);
+    args.extend(
+        [
+            "--hosts",
+            "10.213.7.1:1,10.213.7.2:1",
+            "--probe-timeout",
+            "5",
+            "--checkpoint-every",
+            "10",
+        ]
+        .iter()
+        .chain(extra)
+        .map(Into::into),
+    );
+    args.extend([
+        "--checkpoint-dir".into(),
+        dir.join("states").into_os_string(),
+    ]);
+    let mut program = vec![exe.as_os_str()];
+    program.extend(args.iter().map(|a| a.as_os_str()));
+    cluster(
+        &[
+            "--machines",
+            "2",
+            "--supervise",
+            "--cut",
+            "2",
+            "--cut-after",
+            "6",
+            "--wait-empty",
+            "20",
+        ],
+        &program,
+        Duration::from_secs(300),
+    )
+}
+
+/// torchrun's elastic restart, on the simulated cluster: a machine lost
+/// mid-run ends the job (the group timeout); the supervisor finds the
+/// machine gone and starts the job again on the one left, which resumes
+/// FSDP's state of two ranks on one rank. Its final weights are the bytes
+/// of two thread ranks trained to that state and one thread rank resumed
+/// from it, and within rounding of an uninterrupted run.
+#[test]
+fn a_job_that_loses_a_machine_restarts_on_the_other_and_finishes_as_an_uninterrupted_run() {
+    if let Some(why) = unavailable() {
+        println!("skipped: {why}");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("candle_dp_elastic_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (output, took) = supervised_lm_losing_machine_2(&dir, &["--max-restarts", "2"]);
+    let said = text(&output);
+    assert!(output.status.success(), "{said}");
+    for expected in [
+        "machine 2 cut off",
+        "timed out",
+        "elastic: start 1 of at most 2: 1 rank(s) on 10.213.7.1:1",
+        "lost: 10.213.7.2",
+        "| 1 | 10.213.7.1:1 | 1 | 10.213.7.2 |",
+    ] {
+        assert!(said.contains(expected), "no {expected:?} in:\n{said}");
+    }
+    assert!(
+        !said.contains("still running at teardown"),
+        "a process outlived the job:\n{said}"
+    );
+    // "resuming from DIR/state-…: epoch E, batch B, step S"
+    let resumed_at: u64 = said
+        .lines()
+        .find_map(|l| {
+            l.split_once("resuming from ")?
+                .1
+                .rsplit_once(", step ")?
+                .1
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no resume in:\n{said}"));
+    assert!((1..300).contains(&resumed_at), "resumed at {resumed_at}");
+    // The same path on thread ranks: 2 ranks to the state, 1 from it.
+    let states = dir.join("threads");
+    let lm = |name: &str, steps: u64, extra: &[&str]| {
+        let mut command = Command::new(example("train_lm"));
+        command
+            .args(elastic_lm_args(&dir, name, steps))
+            .args(extra)
+            .arg("--checkpoint-dir")
+            .arg(&states);
+        let output = bounded_output(command, Duration::from_secs(240));
+        assert!(output.status.success(), "{}", text(&output));
+    };
+    lm("first", resumed_at, &["--replicas", "2"]);
+    lm("threads", 300, &["--replicas", "1", "--resume"]);
+    let load = |name: &str| {
+        let path = dir.join(format!("{name}.safetensors"));
+        candle_core::safetensors::load(path, &candle_core::Device::Cpu).unwrap()
+    };
+    assert!(
+        common::identical(&load("elastic"), &load("threads")),
+        "the elastic run differs from thread ranks that took its path"
+    );
+    // Against the run that lost nothing, and what two ranks against one
+    // differ by anyway.
+    let _ = std::fs::remove_dir_all(&states);
+    lm("straight", 300, &["--replicas", "2"]);
+    let _ = std::fs::remove_dir_all(&states);
+    lm("one", 300, &["--replicas", "1"]);
+    let elastic = common::relative_l2(&load("elastic"), &load("straight"));
+    let floor = common::relative_l2(&load("one"), &load("straight"));
+    assert!(elastic <= 1e-4, "{elastic:.2e} from the uninterrupted run");
+    println!(
+        "lost machine 2 of 2 at +6 s, resumed at step {resumed_at} on machine 1; finished in {took:?}; \
+         the weights are the bytes of thread ranks on the same path, {elastic:.2e} (relative L2) from \
+         the uninterrupted run on 2 ranks, where one rank's run is {floor:.2e} from it:\n{said}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The same loss with `--min-ranks 2`: one rank is left, fewer than the
+/// minimum, and the supervisor ends saying so, naming the lost machine.
+#[test]
+fn a_job_left_with_fewer_ranks_than_its_minimum_ends_naming_the_lost_machine() {
+    if let Some(why) = unavailable() {
+        println!("skipped: {why}");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("candle_dp_elastic_min_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (output, _) =
+        supervised_lm_losing_machine_2(&dir, &["--max-restarts", "2", "--min-ranks", "2"]);
+    let said = text(&output);
+    assert!(!output.status.success(), "{said}");
+    assert!(
+        said.contains("1 rank(s) can start, fewer than the minimum of 2 (lost: 10.213.7.2)"),
+        "{said}"
+    );
+    assert!(!said.contains("elastic: start 1"), "{said}");
+    assert!(
+        !said.contains("still running at teardown"),
+        "a process outlived the job:\n{said}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

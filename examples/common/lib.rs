@@ -4,6 +4,7 @@
 //! library: `candle_dp::fabric`); a dev-dependency of the package.
 
 pub mod datasets;
+pub mod elastic;
 pub mod flags;
 pub mod gpt;
 pub mod text;

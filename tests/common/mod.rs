@@ -154,6 +154,25 @@ pub fn max_rel_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) ->
     worst
 }
 
+/// The whole model's relative difference, `|a - b| / |b|` over every
+/// value of every tensor (2-norms): unlike [`max_rel_diff`], a tensor
+/// whose values are mostly rounding noise (a gradient that is 0 in exact
+/// arithmetic, which AdamW turns into steps of its learning rate) weighs
+/// by its size.
+pub fn relative_l2(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f64 {
+    let (mut diff, mut norm) = (0f64, 0f64);
+    for (name, tb) in b {
+        let ta = a.get(name).unwrap_or_else(|| panic!("missing {name}"));
+        let va = ta.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let vb = tb.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for (x, y) in va.iter().zip(&vb) {
+            diff += (f64::from(*x) - f64::from(*y)).powi(2);
+            norm += f64::from(*y).powi(2);
+        }
+    }
+    (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
+}
+
 /// Whether two snapshots are bit-identical.
 pub fn identical(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> bool {
     a.len() == b.len()

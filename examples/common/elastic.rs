@@ -1,0 +1,86 @@
+//! The examples' elastic flags (`--max-restarts`, `--min-ranks`,
+//! `--hosts`), flattened into their parsers, and the supervisor they start.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use candle_dp::launch::{Backend, Elastic, Host, Mpirun};
+
+/// Restarts after a failure: of the thread ranks in this process, or, with
+/// `--hosts`, of an `mpirun` job this process supervises.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ElasticArgs {
+    /// How many times the job starts again after a rank fails, each start
+    /// resuming from the newest state in --checkpoint-dir (thread ranks
+    /// restart in this process; with --hosts, mpirun starts them again).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub max_restarts: usize,
+    /// With --hosts: the fewest ranks a start may have.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = crate::flags::at_least_one::<usize>)]
+    pub min_ranks: usize,
+    /// Supervises the job: runs this program under mpirun on these hosts
+    /// (`name:slots,…`, one rank per slot) and, when it fails, starts it
+    /// again on the hosts that still answer (at most --max-restarts times).
+    #[arg(long, value_name = "LIST")]
+    pub hosts: Option<String>,
+    /// With --hosts: seconds a host's probe (`mpirun -np 1 true` there)
+    /// may take before the host counts as lost.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10.0, value_parser = crate::flags::positive_f64)]
+    pub probe_timeout: f64,
+    /// With --hosts: an option for mpirun, for the job and the probes
+    /// (repeat it: `--mpirun-option=--allow-run-as-root`).
+    #[arg(long, value_name = "OPTION", allow_hyphen_values = true)]
+    pub mpirun_option: Vec<String>,
+}
+
+impl ElasticArgs {
+    /// The library's setting.
+    pub fn elastic(&self) -> Elastic {
+        Elastic {
+            max_restarts: self.max_restarts,
+            min_ranks: self.min_ranks,
+            probe_timeout: Duration::from_secs_f64(self.probe_timeout),
+        }
+    }
+
+    /// With `--hosts` outside an MPI job: supervises this very program,
+    /// with the same arguments, under mpirun on the hosts, until it
+    /// finishes or cannot go on (`Some` with how that went); `None` where
+    /// this process should train (no `--hosts`, or a rank of the job).
+    pub fn supervise(&self) -> Option<Result<()>> {
+        let hosts = self.hosts.as_ref()?;
+        if Backend::from_env() != Backend::Threads {
+            return None;
+        }
+        Some(self.run_supervisor(hosts))
+    }
+
+    fn run_supervisor(&self, hosts: &str) -> Result<()> {
+        let hosts = Host::parse_list(hosts)?;
+        let program = std::env::current_exe().context("cannot find this program's path")?;
+        let job = Mpirun {
+            options: self.mpirun_option.iter().map(Into::into).collect(),
+            ..Mpirun::new(program, std::env::args_os().skip(1))
+        };
+        let run = self.elastic().supervise(&hosts, &job)?;
+        println!("\n| start | hosts | ranks | lost | probing, s | ran, s | ended |");
+        println!("|---|---|---|---|---|---|---|");
+        for (i, a) in run.attempts.iter().enumerate() {
+            let hosts: Vec<String> = a.hosts.iter().map(Host::to_string).collect();
+            println!(
+                "| {i} | {} | {} | {} | {:.2} | {:.2} | {} |",
+                hosts.join(","),
+                a.ranks(),
+                if a.lost.is_empty() {
+                    "-".to_string()
+                } else {
+                    a.lost.join(",")
+                },
+                a.probing.as_secs_f64(),
+                a.ran.as_secs_f64(),
+                a.status
+            );
+        }
+        Ok(())
+    }
+}
