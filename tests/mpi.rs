@@ -2006,6 +2006,78 @@ fn train_digits_in_f16_with_clipping_and_a_schedule_under_mpirun_saves_the_bytes
 /// SIGKILL, which ends the job: at pseudo-random moments, and rank 0 in
 /// the middle of a save) and resumed with `--resume` each time, saves the
 /// same bytes as an uninterrupted run.
+/// The elastic supervisor (`train_lm --hosts localhost:2 --max-restarts
+/// 2`): rank 0 killed as soon as a save is under way (inside it, or just
+/// after it, as the kill lands), mpirun ends the job, the supervisor
+/// starts it again on the same two slots, and it resumes from the newest
+/// complete state to the bytes of two thread ranks that were never killed.
+#[test]
+fn a_supervised_job_whose_rank_is_killed_as_it_saves_restarts_to_the_bytes_of_an_uninterrupted_run() {
+    use common::killing::{example, ranks_of, run_and_kill, KillAt};
+    let exe = example("train_lm");
+    let dir = tempdir::Dir::new("elastic");
+    let states = dir.path().join("states");
+    let lm = |save: &str| {
+        let mut command = Command::new(&exe);
+        command
+            .args(["--strategy", "ddp", "--steps", "40", "--eval-every", "40"])
+            .args(["--width", "32", "--context", "32", "--sample", "0"])
+            .arg("--chart")
+            .arg(dir.path().join("chart.svg"))
+            .arg("--save")
+            .arg(dir.path().join(save));
+        command
+    };
+    let mut straight = lm("straight.safetensors");
+    straight.args(["--replicas", "2"]);
+    let output = run_bounded(straight, "train_lm on 2 thread ranks");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let mut supervised = lm("elastic.safetensors");
+    supervised
+        .args([
+            "--hosts",
+            "localhost:2",
+            "--max-restarts",
+            "2",
+            "--timeout",
+            "60",
+        ])
+        .args(["--checkpoint-every", "5", "--checkpoint-dir"])
+        .arg(&states)
+        .args([
+            "--mpirun-option=--allow-run-as-root",
+            "--mpirun-option=--oversubscribe",
+        ]);
+    // Rank 0 writes the states: it is killed inside one. The supervisor's
+    // children are its probes and its mpirun; the ranks are mpirun's.
+    let killed = run_and_kill(supervised, KillAt::DuringSave, &states, |supervisor| {
+        ranks_of(supervisor.id())
+            .into_iter()
+            .flat_map(|(launcher, _)| ranks_of(launcher))
+            .find(|(_, rank)| *rank == Some(0))
+            .map(|(pid, _)| pid)
+    });
+    assert!(
+        killed.interrupted,
+        "the job ended before the kill: {killed:?}"
+    );
+    assert!(
+        killed.resumed.is_some(),
+        "the restarted job did not resume from a state: {killed:?}"
+    );
+    let read = |name: &str| std::fs::read(dir.path().join(name)).unwrap_or_default();
+    assert!(
+        !read("elastic.safetensors").is_empty()
+            && read("elastic.safetensors") == read("straight.safetensors"),
+        "the restarted job saved other weights (or none): {killed:?}"
+    );
+    println!("killed and restarted: {killed:?}");
+}
+
 #[test]
 fn train_digits_under_mpirun_killed_five_times_resumes_to_the_same_bytes() {
     use common::killing::{example, fractions, ranks_of, run_and_kill, KillAt};
