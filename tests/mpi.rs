@@ -2012,7 +2012,8 @@ fn train_digits_in_f16_with_clipping_and_a_schedule_under_mpirun_saves_the_bytes
 /// starts it again on the same two slots, and it resumes from the newest
 /// complete state to the bytes of two thread ranks that were never killed.
 #[test]
-fn a_supervised_job_whose_rank_is_killed_as_it_saves_restarts_to_the_bytes_of_an_uninterrupted_run() {
+fn a_supervised_job_whose_rank_is_killed_as_it_saves_restarts_to_the_bytes_of_an_uninterrupted_run()
+{
     use common::killing::{example, ranks_of, run_and_kill, KillAt};
     let exe = example("train_lm");
     let dir = tempdir::Dir::new("elastic");
@@ -2049,8 +2050,8 @@ fn a_supervised_job_whose_rank_is_killed_as_it_saves_restarts_to_the_bytes_of_an
         .args(["--checkpoint-every", "5", "--checkpoint-dir"])
         .arg(&states)
         .args([
-            "--mpirun-option=--allow-run-as-root",
-            "--mpirun-option=--oversubscribe",
+            "--launcher-option=--allow-run-as-root",
+            "--launcher-option=--oversubscribe",
         ]);
     // Rank 0 writes the states: it is killed inside one. The supervisor's
     // children are its probes and its mpirun; the ranks are mpirun's.

@@ -400,3 +400,86 @@ fn a_job_out_of_restarts_ends_failed_saying_why() {
     assert!(!out.contains("train_lm.sbatch: finished"), "{out}");
     assert!(!cluster.dir.join("job.safetensors").exists(), "{out}");
 }
+
+/// The pid of the rank `rank` (its `SLURM_PROCID`) among the processes
+/// whose command line holds `marker`.
+fn slurm_rank_with(marker: &str, rank: usize) -> Option<String> {
+    let wanted = format!("SLURM_PROCID={rank}");
+    processes_with(marker).into_iter().find_map(|line| {
+        let pid = line.split_whitespace().next()?.to_string();
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        environ
+            .split(|&b| b == 0)
+            .any(|v| v == wanted.as_bytes())
+            .then_some(pid)
+    })
+}
+
+/// The elastic supervisor with `srun` as its launcher (`train_lm --hosts
+/// NODE:2 --launcher srun`), as inside an allocation: a rank killed after
+/// the first state ends the step, the supervisor starts a new one on the
+/// node, which answers its probe, and the job resumes to the bytes of an
+/// uninterrupted run, without a requeue.
+#[test]
+fn a_supervisor_of_srun_restarts_a_step_whose_rank_is_killed_to_the_bytes_of_an_uninterrupted_run()
+{
+    let Some(cluster) = Cluster::for_test("elastic") else {
+        return;
+    };
+    let run = &JOB_RUNS[0];
+    let mut threads = Command::new(example("train_lm"));
+    threads.args(lm_args_saving(&cluster.dir, "threads", run, JOB_STEPS));
+    let threads = bounded_output(threads, Duration::from_secs(240));
+    assert!(threads.status.success(), "{}", text(&threads));
+    let mut sinfo = cluster.command("sinfo");
+    sinfo.args(["-h", "-o", "%N"]);
+    let node = text(&bounded_output(sinfo, Duration::from_secs(30)))
+        .trim()
+        .to_string();
+    let states = cluster.dir.join("states");
+    let mut supervisor = cluster.command(&example("train_lm").display().to_string());
+    supervisor
+        .args(lm_args_saving(&cluster.dir, "elastic", run, JOB_STEPS))
+        .args(["--hosts", &format!("{node}:2"), "--launcher", "srun"])
+        .args(["--launcher-option=--mpi=pmix", "--max-restarts", "2"])
+        .args([
+            "--timeout",
+            "60",
+            "--checkpoint-every",
+            "20",
+            "--checkpoint-dir",
+        ])
+        .arg(&states);
+    let marker = cluster.dir.join("elastic.svg").display().to_string();
+    let killer = std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while Instant::now() < deadline {
+            if let (true, Some(pid)) = (has_a_state(&states), slurm_rank_with(&marker, 1)) {
+                return Command::new("kill")
+                    .args(["-9", &pid])
+                    .status()
+                    .is_ok_and(|s| s.success());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        false
+    });
+    let output = bounded_output(supervisor, Duration::from_secs(300));
+    let said = text(&output);
+    assert!(
+        killer.join().unwrap(),
+        "no rank 1 with a state to kill:\n{said}"
+    );
+    assert!(output.status.success(), "{said}");
+    for expected in [
+        format!("elastic: start 1 of at most 2: 2 rank(s) on {node}:2"),
+        "resuming from".to_string(),
+    ] {
+        assert!(said.contains(&expected), "no `{expected}`:\n{said}");
+    }
+    let read = |name: &str| std::fs::read(cluster.dir.join(format!("{name}.safetensors")));
+    assert!(
+        read("elastic").unwrap() == read("threads").unwrap(),
+        "the restarted job's weights differ from an uninterrupted run's"
+    );
+}

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use candle_dp::launch::{Backend, Elastic, Host, Mpirun};
+use candle_dp::launch::{Backend, Elastic, Host, Mpirun, Srun};
 
 /// Restarts after a failure: of the thread ranks in this process, or, with
 /// `--hosts`, of an `mpirun` job this process supervises.
@@ -18,19 +18,32 @@ pub struct ElasticArgs {
     /// With --hosts: the fewest ranks a start may have.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = crate::flags::at_least_one::<usize>)]
     pub min_ranks: usize,
-    /// Supervises the job: runs this program under mpirun on these hosts
-    /// (`name:slots,…`, one rank per slot) and, when it fails, starts it
-    /// again on the hosts that still answer (at most --max-restarts times).
+    /// Supervises the job: runs this program under --launcher on these
+    /// hosts (`name:slots,…`, one rank per slot) and, when it fails, starts
+    /// it again on the hosts that still answer (at most --max-restarts
+    /// times).
     #[arg(long, value_name = "LIST")]
     pub hosts: Option<String>,
-    /// With --hosts: seconds a host's probe (`mpirun -np 1 true` there)
-    /// may take before the host counts as lost.
+    /// With --hosts: what starts the ranks.
+    #[arg(long, value_enum, default_value_t = Launcher::Mpirun)]
+    pub launcher: Launcher,
+    /// With --hosts: seconds a host's probe (a one-rank job there) may
+    /// take before the host counts as lost.
     #[arg(long, value_name = "SECONDS", default_value_t = 10.0, value_parser = crate::flags::positive_f64)]
     pub probe_timeout: f64,
-    /// With --hosts: an option for mpirun, for the job and the probes
-    /// (repeat it: `--mpirun-option=--allow-run-as-root`).
+    /// With --hosts: an option for the launcher, for the job and the
+    /// probes (repeat it: `--launcher-option=--allow-run-as-root`).
     #[arg(long, value_name = "OPTION", allow_hyphen_values = true)]
-    pub mpirun_option: Vec<String>,
+    pub launcher_option: Vec<String>,
+}
+
+/// What a supervisor starts the ranks with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Launcher {
+    /// Open MPI's `mpirun --host`.
+    Mpirun,
+    /// Slurm's `srun --nodelist`, inside an allocation.
+    Srun,
 }
 
 impl ElasticArgs {
@@ -58,11 +71,24 @@ impl ElasticArgs {
     fn run_supervisor(&self, hosts: &str) -> Result<()> {
         let hosts = Host::parse_list(hosts)?;
         let program = std::env::current_exe().context("cannot find this program's path")?;
-        let job = Mpirun {
-            options: self.mpirun_option.iter().map(Into::into).collect(),
-            ..Mpirun::new(program, std::env::args_os().skip(1))
-        };
-        let run = self.elastic().supervise(&hosts, &job)?;
+        let options = self.launcher_option.iter().map(Into::into).collect();
+        let args = std::env::args_os().skip(1);
+        let run = match self.launcher {
+            Launcher::Mpirun => self.elastic().supervise(
+                &hosts,
+                &Mpirun {
+                    options,
+                    ..Mpirun::new(program, args)
+                },
+            ),
+            Launcher::Srun => self.elastic().supervise(
+                &hosts,
+                &Srun {
+                    options,
+                    ..Srun::new(program, args)
+                },
+            ),
+        }?;
         println!("\n| start | hosts | ranks | lost | probing, s | ran, s | ended |");
         println!("|---|---|---|---|---|---|---|");
         for (i, a) in run.attempts.iter().enumerate() {

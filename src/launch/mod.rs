@@ -42,7 +42,7 @@ use crate::comm::{Failure, GroupOptions, ProcessGroup};
 pub use elastic::{Elastic, ElasticError, Restarted, RESTART_VARIABLE};
 #[cfg(feature = "nccl")]
 pub use gpus::run_on_gpus;
-pub use supervisor::{Attempt, Host, JobFailed, JobLauncher, Mpirun, Supervised};
+pub use supervisor::{Attempt, Host, JobFailed, JobLauncher, Mpirun, Srun, Supervised};
 pub use threads::{spawn, spawn_with};
 
 /// What the closure given to [`run`] or [`spawn`] gets on each rank.

@@ -1,4 +1,4 @@
-//! [`Elastic::supervise`]: run a job's launcher (`mpirun`, `srun`) as a
+//! [`Elastic::supervise`]: run a job's launcher ([`Mpirun`], [`Srun`]) as a
 //! child process and, when the job fails, start it again on the hosts
 //! that still answer: torchrun's elastic agent, for processes that MPI or
 //! Slurm start.
@@ -170,6 +170,71 @@ impl JobLauncher for Mpirun {
     fn probe(&self, host: &Host) -> Command {
         let mut command = self.base(1, &format!("{}:1", host.name));
         command.arg("true");
+        command
+    }
+}
+
+/// Slurm's `srun` as a [`JobLauncher`], for a supervisor inside an
+/// allocation (an `sbatch` script): `srun --nodes=K --ntasks=N
+/// --nodelist=h1,h2 --distribution=block --kill-on-bad-exit=1 OPTIONS
+/// PROGRAM ARGS`, N the hosts' slots summed (Slurm places them as the
+/// allocation allows; `srun` passes the environment, the restart's number
+/// included); a host's probe is a one-task step there, `srun --nodes=1
+/// --ntasks=1 --nodelist=h OPTIONS true`. Give `--mpi=pmix` in `options`
+/// where Slurm's default plugin is not PMIx.
+#[derive(Debug, Clone)]
+pub struct Srun {
+    /// The launcher to run [default: `srun`].
+    pub srun: OsString,
+    /// Options before the program, for both the job and the probes.
+    pub options: Vec<OsString>,
+    /// The program every rank runs.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<OsString>,
+}
+
+impl Srun {
+    /// `program args` under `srun`, with no further options.
+    pub fn new<I, S>(program: impl Into<PathBuf>, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        Srun {
+            srun: "srun".into(),
+            options: Vec::new(),
+            program: program.into(),
+            args: args.into_iter().map(|a| a.as_ref().to_owned()).collect(),
+        }
+    }
+
+    fn base(&self, hosts: &[Host], ranks: usize) -> Command {
+        let names: Vec<&str> = hosts.iter().map(|h| h.name.as_str()).collect();
+        let mut command = Command::new(&self.srun);
+        command
+            .arg(format!("--nodes={}", hosts.len()))
+            .arg(format!("--ntasks={ranks}"))
+            .arg(format!("--nodelist={}", names.join(",")));
+        command
+    }
+}
+
+impl JobLauncher for Srun {
+    fn job(&self, hosts: &[Host]) -> Command {
+        let ranks = hosts.iter().map(|h| h.slots).sum();
+        let mut command = self.base(hosts, ranks);
+        command
+            .args(["--distribution=block", "--kill-on-bad-exit=1"])
+            .args(&self.options)
+            .arg(&self.program)
+            .args(&self.args);
+        command
+    }
+
+    fn probe(&self, host: &Host) -> Command {
+        let mut command = self.base(std::slice::from_ref(host), 1);
+        command.args(&self.options).arg("true");
         command
     }
 }
