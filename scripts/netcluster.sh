@@ -19,7 +19,7 @@
 #   scripts/netcluster.sh run [--machines N] [--per-machine P]
 #           [--cut M --cut-after SECONDS [--restore-after T]]
 #           [--mca NAME VALUE]... [--export VAR]... [--wait-empty S]
-#           [--block] [--link-bytes FILE] [--supervise] -- PROGRAM ARGS...
+#           [--block] [--link-bytes FILE] [--supervise [--slurm]] -- PROGRAM ARGS...
 #       runs PROGRAM as N*P ranks, P per machine (rank r on machine
 #       r % N + 1; with --block, machine m holds ranks (m-1)*P..m*P-1, as a
 #       DeviceMesh expects: neighbouring ranks on one machine), and exits
@@ -39,6 +39,11 @@
 #       the cluster's network, running as root) are in its environment
 #       (OMPI_MCA_*), and NETCLUSTER_HOSTS lists the machines as
 #       ADDRESS:P,...
+#       --slurm: with --supervise, a Slurm cluster of the machines first
+#       (munge; slurmctld on machine 1; a slurmd on every machine, named
+#       node1..nodeN, PER_MACHINE CPUs each), SLURM_CONF in PROGRAM's
+#       environment: PROGRAM runs srun or sbatch itself; the daemons are
+#       stopped after it
 #
 # Everything it creates (namespaces, links, the bridge, the agent and
 # hostfile, every process left in a namespace) is removed on exit, also on
@@ -60,6 +65,7 @@ WAIT_EMPTY=10
 MAP_BY=node
 LINK_BYTES=""
 SUPERVISE=""
+SLURM=""
 MCA=()
 
 die() { echo "netcluster: $*" >&2; exit 2; }
@@ -76,6 +82,10 @@ leftovers() {
 
 teardown() {
     local n p left
+    # munged runs outside the namespaces (its socket is a file they share).
+    if [ -f "$WORK/slurm/munge/munged.pid" ]; then
+        kill "$(cat "$WORK/slurm/munge/munged.pid")" 2>/dev/null || true
+    fi
     left=$(leftovers)
     if [ -n "$left" ]; then
         echo "netcluster: processes still running at teardown (killed now):" >&2
@@ -140,9 +150,93 @@ AGENT
     chmod +x "$AGENT"
 }
 
+# A Slurm cluster of the machines: munge (its socket a file every
+# namespace sees), slurmctld on machine 1, slurmd nodeN on machine N.
+slurm_up() {
+    local dir="$WORK/slurm" n
+    mkdir -p "$dir"/{state,log,munge}
+    # munged runs as munge: it must reach its folder (mktemp's is 0700).
+    chmod 711 "$WORK" "$dir"
+    # Each node's own spool and temporary folders (PMIx makes its step's
+    # folder under TmpFS: one /tmp for every node would clash).
+    for n in $(seq 1 "$MACHINES"); do
+        mkdir -p "$dir/spool-node$n" "$dir/tmp-node$n"
+    done
+    {
+        cat <<EOF
+ClusterName=netcluster
+SlurmctldHost=node1($NET.1)
+SlurmUser=root
+AuthType=auth/munge
+AuthInfo=socket=$dir/munge/munge.socket
+CredType=cred/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SlurmdParameters=config_overrides
+ReturnToService=2
+SlurmdTimeout=10
+MessageTimeout=5
+StateSaveLocation=$dir/state
+SlurmdSpoolDir=$dir/spool-%n
+TmpFS=$dir/tmp-%n
+SlurmctldPidFile=$dir/slurmctld.pid
+SlurmdPidFile=$dir/slurmd-%n.pid
+SlurmctldLogFile=$dir/log/slurmctld.log
+SlurmdLogFile=$dir/log/slurmd-%n.log
+KillWait=5
+InactiveLimit=0
+MinJobAge=5
+EOF
+        for n in $(seq 1 "$MACHINES"); do
+            echo "NodeName=node$n NodeHostname=node$n NodeAddr=$NET.$n CPUs=$PER_MACHINE State=UNKNOWN"
+        done
+        echo "PartitionName=cluster Nodes=node[1-$MACHINES] Default=YES MaxTime=INFINITE State=UP"
+    } > "$dir/slurm.conf"
+    chown munge:munge "$dir/munge"
+    runuser -u munge -- munged --socket="$dir/munge/munge.socket" \
+        --pid-file="$dir/munge/munged.pid" --log-file="$dir/munge/munged.log" \
+        --seed-file="$dir/munge/munged.seed"
+    export SLURM_CONF="$dir/slurm.conf"
+    # nsenter, not `ip netns exec`, which mounts a /sys of its own without
+    # the cgroup file system slurmd looks for.
+    nsenter --net="/var/run/netns/$(ns 1)" unshare --uts sh -c 'hostname node1; exec slurmctld -c' ||
+        die "slurmctld did not start: $(tail -n 5 "$dir"/log/slurmctld.log 2>&1)"
+    for n in $(seq 1 "$MACHINES"); do
+        nsenter --net="/var/run/netns/$(ns "$n")" unshare --uts \
+            sh -c "hostname node$n; exec slurmd -c -N node$n" ||
+            die "slurmd node$n did not start: $(tail -n 5 "$dir/log/slurmd-node$n.log" 2>&1)"
+    done
+    local waited=0
+    until [ "$(ip netns exec "$(ns 1)" sinfo -h -o '%T %D' 2>/dev/null | awk '$1 == "idle" {print $2}')" = "$MACHINES" ]; do
+        sleep 1
+        waited=$((waited + 1))
+        if [ "$waited" -ge 60 ]; then
+            tail -n 20 "$dir"/log/*.log >&2 || true
+            die "the Slurm nodes did not become idle within 60 s"
+        fi
+    done
+}
+
+slurm_down() {
+    local dir="$WORK/slurm" f
+    ip netns exec "$(ns 1)" scancel --full --quiet 2>/dev/null || true
+    for f in "$dir"/slurmd-*.pid "$dir"/slurmctld.pid "$dir"/munge/munged.pid; do
+        if [ -f "$f" ]; then kill "$(cat "$f")" 2>/dev/null || true; fi
+    done
+}
+
 run() {
     [ $# -gt 0 ] || die "no program given (… run [options] -- PROGRAM ARGS)"
     up
+    if [ -n "$SLURM" ]; then
+        slurm_up
+    fi
     local np=$((MACHINES * PER_MACHINE))
     local cutter=""
     local restorer=""
@@ -163,8 +257,11 @@ run() {
             OMPI_MCA_btl_tcp_if_include="$NET.0/24" OMPI_MCA_oob_tcp_if_include="$NET.0/24" \
             OMPI_MCA_rmaps_base_oversubscribe=1 \
             OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
-            NETCLUSTER_HOSTS="$hosts" \
+            NETCLUSTER_HOSTS="$hosts" ${SLURM:+SLURM_CONF="$WORK/slurm/slurm.conf"} \
             sh -c 'hostname node1; exec "$@"' sh "$@" || status=$?
+        if [ -n "$SLURM" ]; then
+            slurm_down
+        fi
     else
         ip netns exec "$(ns 1)" unshare --uts sh -c 'hostname node1; exec "$@"' sh \
             mpirun --allow-run-as-root --oversubscribe --hostfile "$HOSTS" --map-by "$MAP_BY" -np "$np" \
@@ -243,6 +340,7 @@ case "$command" in
                 --wait-empty) WAIT_EMPTY=$2; shift 2 ;;
                 --block) MAP_BY=slot; shift ;;
                 --supervise) SUPERVISE=1; shift ;;
+                --slurm) SLURM=1; shift ;;
                 --link-bytes) LINK_BYTES=$2; shift 2 ;;
                 --) shift; break ;;
                 *) die "unknown option $1" ;;

@@ -267,15 +267,16 @@ fn the_language_models_stages_on_two_simulated_machines_save_the_bytes_of_stage_
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The language model's flags for the elastic runs: FSDP, a constant
+/// The language model's flags for these runs: `strategy`, a constant
 /// learning rate (so that a run of fewer steps follows the same curve), a
 /// 5 s group timeout (how the ranks learn of the loss).
-fn elastic_lm_args(dir: &Path, name: &str, steps: u64) -> Vec<std::ffi::OsString> {
-    let mut args: Vec<std::ffi::OsString> = vec!["--steps".into(), steps.to_string().into()];
+fn lm_args(dir: &Path, name: &str, steps: u64, strategy: &str) -> Vec<std::ffi::OsString> {
+    let steps = steps.to_string();
+    let mut args: Vec<std::ffi::OsString> = ["--steps", &steps, "--strategy", strategy]
+        .map(Into::into)
+        .to_vec();
     args.extend(
         [
-            "--strategy",
-            "fsdp",
             "--lr-schedule",
             "constant",
             "--eval-every",
@@ -299,45 +300,72 @@ fn elastic_lm_args(dir: &Path, name: &str, steps: u64) -> Vec<std::ffi::OsString
     args
 }
 
+/// How the supervisor starts the ranks in an elastic test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Via {
+    /// `mpirun --host 10.213.7.N:1`.
+    Mpirun,
+    /// `srun --nodelist nodeN` on a Slurm cluster of the machines.
+    Srun,
+}
+
+impl Via {
+    /// What the supervisor calls the machines.
+    fn host(self, machine: usize) -> String {
+        match self {
+            Via::Mpirun => format!("10.213.7.{machine}"),
+            Via::Srun => format!("node{machine}"),
+        }
+    }
+}
+
 /// The supervisor on machine 1 of two (one rank each), machine 2 cut off
 /// 6 s after the start; `extra`: more flags for train_lm.
-fn supervised_lm_losing_machine_2(dir: &Path, extra: &[&str]) -> (Output, Duration) {
+fn supervised_lm_losing_machine_2(dir: &Path, via: Via, extra: &[&str]) -> (Output, Duration) {
     let exe = example("train_lm");
-    let mut args = elastic_lm_args(dir, "elastic", 300);
-    args.extend(
-        [
-            "--hosts",
-            "10.213.7.1:1,10.213.7.2:1",
+    let mut args = lm_args(dir, "elastic", 300, "fsdp");
+    let hosts = format!("{}:1,{}:1", via.host(1), via.host(2));
+    args.extend(["--hosts", &hosts, "--checkpoint-every", "10"].map(Into::into));
+    // Slurm frees the lost node's job only once it marks the node down
+    // (SlurmdTimeout, 10 s here): the probe of the machine left waits.
+    args.extend(match via {
+        Via::Mpirun => ["--probe-timeout", "5"].map(Into::into).to_vec(),
+        Via::Srun => [
+            "--launcher",
+            "srun",
+            "--launcher-option=--mpi=pmix",
             "--probe-timeout",
-            "5",
-            "--checkpoint-every",
-            "10",
+            "40",
         ]
-        .iter()
-        .chain(extra)
-        .map(Into::into),
-    );
+        .map(Into::into)
+        .to_vec(),
+    });
+    args.extend(extra.iter().map(Into::into));
     args.extend([
         "--checkpoint-dir".into(),
         dir.join("states").into_os_string(),
     ]);
     let mut program = vec![exe.as_os_str()];
     program.extend(args.iter().map(|a| a.as_os_str()));
-    cluster(
-        &[
-            "--machines",
-            "2",
-            "--supervise",
-            "--cut",
-            "2",
-            "--cut-after",
-            "6",
-            "--wait-empty",
-            "20",
-        ],
-        &program,
-        Duration::from_secs(300),
-    )
+    let mut cluster_args = vec!["--machines", "2", "--supervise", "--cut", "2"];
+    cluster_args.extend(["--cut-after", "6", "--wait-empty", "10"]);
+    if via == Via::Srun {
+        cluster_args.push("--slurm");
+    }
+    cluster(&cluster_args, &program, Duration::from_secs(300))
+}
+
+/// Whether Slurm can run here (`scripts/slurm.sh check`), else why not.
+fn slurm_unavailable() -> Option<String> {
+    let mut check = Command::new("bash");
+    check
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/slurm.sh"))
+        .arg("check");
+    let output = bounded_output(check, Duration::from_secs(30));
+    match output.status.success() {
+        true => None,
+        false => Some(String::from_utf8_lossy(&output.stdout).trim().to_string()),
+    }
 }
 
 /// torchrun's elastic restart, on the simulated cluster: a machine lost
@@ -352,23 +380,47 @@ fn a_job_that_loses_a_machine_restarts_on_the_other_and_finishes_as_an_uninterru
         println!("skipped: {why}");
         return;
     }
-    let dir = std::env::temp_dir().join(format!("candle_dp_elastic_{}", std::process::id()));
+    elastic_run_losing_machine_2(Via::Mpirun);
+}
+
+/// The same under Slurm: a Slurm cluster of the two machines, the
+/// supervisor starting `srun` steps; the lost node's probe fails once
+/// Slurm marks it down.
+#[test]
+fn a_job_of_srun_steps_that_loses_a_node_restarts_on_the_other_and_finishes_as_an_uninterrupted_run(
+) {
+    if let Some(why) = unavailable().or_else(slurm_unavailable) {
+        println!("skipped: {why}");
+        return;
+    }
+    elastic_run_losing_machine_2(Via::Srun);
+}
+
+/// The lost-machine run through `via`, checked against thread ranks.
+fn elastic_run_losing_machine_2(via: Via) {
+    let dir =
+        std::env::temp_dir().join(format!("candle_dp_elastic_{via:?}_{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let (output, took) = supervised_lm_losing_machine_2(&dir, &["--max-restarts", "2"]);
+    let (output, took) = supervised_lm_losing_machine_2(&dir, via, &["--max-restarts", "2"]);
     let said = text(&output);
     assert!(output.status.success(), "{said}");
+    let (one, two) = (via.host(1), via.host(2));
     for expected in [
-        "machine 2 cut off",
-        "timed out",
-        "elastic: start 1 of at most 2: 1 rank(s) on 10.213.7.1:1",
-        "lost: 10.213.7.2",
-        "| 1 | 10.213.7.1:1 | 1 | 10.213.7.2 |",
+        "machine 2 cut off".to_string(),
+        "timed out".to_string(),
+        format!("elastic: start 1 of at most 2: 1 rank(s) on {one}:1"),
+        format!("lost: {two}"),
+        format!("| 1 | {one}:1 | 1 | {two} |"),
     ] {
-        assert!(said.contains(expected), "no {expected:?} in:\n{said}");
+        assert!(said.contains(&expected), "no {expected:?} in:\n{said}");
     }
+    // Under Slurm the cut-off node's slurmstepd waits for a controller it
+    // cannot reach (a real lost machine's would be gone with it); nothing
+    // may be left on the machine that went on.
     assert!(
-        !said.contains("still running at teardown"),
+        !said.contains("machine 1: pid")
+            && (via == Via::Srun || !said.contains("still running at teardown")),
         "a process outlived the job:\n{said}"
     );
     // "resuming from DIR/state-…: epoch E, batch B, step S"
@@ -390,7 +442,7 @@ fn a_job_that_loses_a_machine_restarts_on_the_other_and_finishes_as_an_uninterru
     let lm = |name: &str, steps: u64, extra: &[&str]| {
         let mut command = Command::new(example("train_lm"));
         command
-            .args(elastic_lm_args(&dir, name, steps))
+            .args(lm_args(&dir, name, steps, "fsdp"))
             .args(extra)
             .arg("--checkpoint-dir")
             .arg(&states);
@@ -417,9 +469,10 @@ fn a_job_that_loses_a_machine_restarts_on_the_other_and_finishes_as_an_uninterru
     let floor = common::relative_l2(&load("one"), &load("straight"));
     assert!(elastic <= 1e-4, "{elastic:.2e} from the uninterrupted run");
     println!(
-        "lost machine 2 of 2 at +6 s, resumed at step {resumed_at} on machine 1; finished in {took:?}; \
-         the weights are the bytes of thread ranks on the same path, {elastic:.2e} (relative L2) from \
-         the uninterrupted run on 2 ranks, where one rank's run is {floor:.2e} from it:\n{said}"
+        "{via:?}: lost machine 2 of 2 at +6 s, resumed at step {resumed_at} on machine 1; finished in \
+         {took:?}; the weights are the bytes of thread ranks on the same path, {elastic:.2e} \
+         (relative L2) from the uninterrupted run on 2 ranks, where one rank's run is {floor:.2e} \
+         from it:\n{said}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -435,8 +488,11 @@ fn a_job_left_with_fewer_ranks_than_its_minimum_ends_naming_the_lost_machine() {
     let dir = std::env::temp_dir().join(format!("candle_dp_elastic_min_{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let (output, _) =
-        supervised_lm_losing_machine_2(&dir, &["--max-restarts", "2", "--min-ranks", "2"]);
+    let (output, _) = supervised_lm_losing_machine_2(
+        &dir,
+        Via::Mpirun,
+        &["--max-restarts", "2", "--min-ranks", "2"],
+    );
     let said = text(&output);
     assert!(!output.status.success(), "{said}");
     assert!(
@@ -448,5 +504,50 @@ fn a_job_left_with_fewer_ranks_than_its_minimum_ends_naming_the_lost_machine() {
         !said.contains("still running at teardown"),
         "a process outlived the job:\n{said}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Slurm on several nodes: a Slurm cluster of two simulated machines
+/// (`--slurm`), `srun --nodes=2 --mpi=pmix train_lm` (one task a node,
+/// over TCP between them) saves the bytes of two thread ranks, under DDP
+/// and FSDP.
+#[test]
+fn srun_on_two_simulated_nodes_trains_to_the_bytes_of_thread_ranks() {
+    if let Some(why) = unavailable().or_else(slurm_unavailable) {
+        println!("skipped: {why}");
+        return;
+    }
+    let exe = example("train_lm");
+    let dir = std::env::temp_dir().join(format!("candle_dp_slurm_nodes_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for strategy in ["ddp", "fsdp"] {
+        let args = |name: &str| lm_args(&dir, name, 20, strategy);
+        let mut threads = Command::new(&exe);
+        threads.args(args("threads")).args(["--replicas", "2"]);
+        let threads = bounded_output(threads, Duration::from_secs(240));
+        assert!(threads.status.success(), "{}", text(&threads));
+        let srun_args = args("srun");
+        let mut program: Vec<&std::ffi::OsStr> = ["srun", "--nodes=2", "--ntasks=2", "--mpi=pmix"]
+            .map(|a| a.as_ref())
+            .to_vec();
+        program.push(exe.as_os_str());
+        program.extend(srun_args.iter().map(|a| a.as_os_str()));
+        let (output, took) = cluster(
+            &["--machines", "2", "--supervise", "--slurm"],
+            &program,
+            Duration::from_secs(240),
+        );
+        let said = text(&output);
+        assert!(output.status.success(), "{strategy}: {said}");
+        assert!(said.contains("x2 (MPI processes)"), "{strategy}: {said}");
+        assert!(!said.contains("still running at teardown"), "{said}");
+        let read = |name: &str| std::fs::read(dir.join(format!("{name}.safetensors"))).unwrap();
+        assert!(
+            read("srun") == read("threads"),
+            "{strategy}: srun on two nodes saved other weights than two thread ranks"
+        );
+        println!("{strategy}: srun on two simulated nodes, the bytes of thread ranks ({took:?})");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -179,9 +179,10 @@ impl JobLauncher for Mpirun {
 /// --nodelist=h1,h2 --distribution=block --kill-on-bad-exit=1 OPTIONS
 /// PROGRAM ARGS`, N the hosts' slots summed (Slurm places them as the
 /// allocation allows; `srun` passes the environment, the restart's number
-/// included); a host's probe is a one-task step there, `srun --nodes=1
-/// --ntasks=1 --nodelist=h OPTIONS true`. Give `--mpi=pmix` in `options`
-/// where Slurm's default plugin is not PMIx.
+/// included); a host's probe asks `sinfo` whether the node responds and is
+/// up, then runs a one-task step there, `srun --nodes=1 --ntasks=1
+/// --nodelist=h OPTIONS true`. Give `--mpi=pmix` in `options` where
+/// Slurm's default plugin is not PMIx.
 #[derive(Debug, Clone)]
 pub struct Srun {
     /// The launcher to run [default: `srun`].
@@ -233,8 +234,25 @@ impl JobLauncher for Srun {
     }
 
     fn probe(&self, host: &Host) -> Command {
-        let mut command = self.base(std::slice::from_ref(host), 1);
-        command.args(&self.options).arg("true");
+        // A node Slurm already knows is down or not responding fails at
+        // once: a step asked of it would wait in the queue until the
+        // probe's timeout. Any other node runs a one-task step, which
+        // waits until the node is free (a failed job may still be ending
+        // there).
+        let step = self.base(std::slice::from_ref(host), 1);
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg(
+                "sinfo --noheader --responding --states=idle,mix,alloc,comp --nodes=\"$1\" -o %n \
+                 | grep -qx \"$1\" && shift && exec \"$@\"",
+            )
+            .arg("sh")
+            .arg(&host.name)
+            .arg(step.get_program())
+            .args(step.get_args())
+            .args(&self.options)
+            .arg("true");
         command
     }
 }
