@@ -105,7 +105,7 @@ impl Backend {
 /// (`SLURM_STEP_TASKS_PER_NODE`: `4`, `2(x3),1`: two tasks on each of the
 /// first three nodes, one on the fourth); `None` for a list it cannot
 /// read or a node past its end.
-fn slurm_tasks_on_node(list: &str, node: usize) -> Option<usize> {
+pub(crate) fn slurm_tasks_on_node(list: &str, node: usize) -> Option<usize> {
     let mut first = 0;
     for entry in list.split(',') {
         let (tasks, nodes) = match entry.trim().split_once("(x") {

@@ -2,7 +2,10 @@
 //! slurmctld and slurmd on this machine): `srun` starts the ranks, Open
 //! MPI joins them through PMIx, and the main job trains to the bytes of as
 //! many thread ranks, on a flat group and on a mesh; `scancel` ends every
-//! rank of a running job and leaves no process behind.
+//! rank of a running job and leaves no process behind; a job whose rank is
+//! killed finishes to the bytes of an uninterrupted run, requeued by its
+//! batch script or restarted in its allocation by a supervisor of `srun`
+//! steps.
 //!
 //! Needs root, Slurm and munge (`.ci/run` installs them when missing), Open
 //! MPI and the `mpi` feature; where Slurm cannot run, each test prints why
@@ -275,9 +278,10 @@ const JOB_RUNS: [[&str; 4]; 2] = [
 const JOB_STEPS: u32 = 400;
 
 /// `scripts/train_lm.sbatch` as a job of two tasks training `train_lm`
-/// (`run`), a state every 20 steps, at most `max_restarts` restarts; its
+/// (`run`), a state every 20 steps, at most `step_restarts` restarts of
+/// its step in the allocation, then at most `max_restarts` requeues; its
 /// id.
-fn lm_job(cluster: &Cluster, run: &[&str], max_restarts: u32) -> String {
+fn lm_job(cluster: &Cluster, run: &[&str], max_restarts: u32, step_restarts: u32) -> String {
     let mut sbatch = cluster.command("sbatch");
     sbatch
         .current_dir(&cluster.dir)
@@ -285,6 +289,7 @@ fn lm_job(cluster: &Cluster, run: &[&str], max_restarts: u32) -> String {
         .env("CHECKPOINT_DIR", cluster.dir.join("states"))
         .env("CHECKPOINT_EVERY", "20")
         .env("MAX_RESTARTS", max_restarts.to_string())
+        .env("STEP_RESTARTS", step_restarts.to_string())
         .env("FINAL", cluster.dir.join("job.safetensors"))
         .args(["--parsable", "-n", "2", "--output"])
         .arg(cluster.dir.join("job.out"))
@@ -304,7 +309,10 @@ fn kill_a_rank_after_a_state(cluster: &Cluster, job: &str) {
     loop {
         let ranks: Vec<String> = processes_with(&marker)
             .into_iter()
-            .filter(|line| !line.contains("srun") && !line.contains("slurm_script"))
+            // The ranks (PMIx's rank in their environment): not srun, the
+            // batch script, or train_lm supervising its steps, whose
+            // command lines hold the marker too.
+            .filter(|line| is_pmix_rank(line))
             .collect();
         if ranks.len() == 2 && has_a_state(&cluster.dir.join("states")) {
             let pid = ranks[1].split_whitespace().next().unwrap();
@@ -360,7 +368,7 @@ fn a_job_whose_rank_is_killed_requeues_itself_and_resumes_to_the_bytes_of_an_uni
         threads.args(lm_args_saving(&cluster.dir, "threads", run, JOB_STEPS));
         let threads = bounded_output(threads, Duration::from_secs(240));
         assert!(threads.status.success(), "{label}: {}", text(&threads));
-        let job = lm_job(&cluster, run, 2);
+        let job = lm_job(&cluster, run, 2, 0);
         let start = Instant::now();
         kill_a_rank_after_a_state(&cluster, &job);
         let killed = start.elapsed();
@@ -390,7 +398,7 @@ fn a_job_out_of_restarts_ends_failed_saying_why() {
     let Some(cluster) = Cluster::for_test("no-restarts") else {
         return;
     };
-    let job = lm_job(&cluster, &JOB_RUNS[0], 0);
+    let job = lm_job(&cluster, &JOB_RUNS[0], 0, 0);
     kill_a_rank_after_a_state(&cluster, &job);
     let out = wait_for_the_end(&cluster, &job, Duration::from_secs(120));
     assert!(
@@ -399,6 +407,16 @@ fn a_job_out_of_restarts_ends_failed_saying_why() {
     );
     assert!(!out.contains("train_lm.sbatch: finished"), "{out}");
     assert!(!cluster.dir.join("job.safetensors").exists(), "{out}");
+}
+
+/// Whether the process of `line` (`pgrep -a`: pid first) is a rank that
+/// PMIx started (its environment has `PMIX_RANK`).
+fn is_pmix_rank(line: &str) -> bool {
+    let Some(pid) = line.split_whitespace().next() else {
+        return false;
+    };
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .is_ok_and(|env| env.split(|&b| b == 0).any(|v| v.starts_with(b"PMIX_RANK=")))
 }
 
 /// The pid of the rank `rank` (its `SLURM_PROCID`) among the processes
@@ -480,6 +498,39 @@ fn a_supervisor_of_srun_restarts_a_step_whose_rank_is_killed_to_the_bytes_of_an_
     let read = |name: &str| std::fs::read(cluster.dir.join(format!("{name}.safetensors")));
     assert!(
         read("elastic").unwrap() == read("threads").unwrap(),
+        "the restarted job's weights differ from an uninterrupted run's"
+    );
+}
+
+/// `STEP_RESTARTS=2`: the batch script supervises its srun steps
+/// (`train_lm --hosts slurm --launcher srun`); a killed rank's step starts
+/// again inside the allocation, without a requeue, and the job finishes to
+/// the bytes of an uninterrupted run.
+#[test]
+fn a_batch_job_with_step_restarts_restarts_its_step_without_a_requeue_to_the_bytes_of_an_uninterrupted_run(
+) {
+    let Some(cluster) = Cluster::for_test("step-restarts") else {
+        return;
+    };
+    let run = &JOB_RUNS[0];
+    let mut threads = Command::new(example("train_lm"));
+    threads.args(lm_args_saving(&cluster.dir, "threads", run, JOB_STEPS));
+    let threads = bounded_output(threads, Duration::from_secs(240));
+    assert!(threads.status.success(), "{}", text(&threads));
+    let job = lm_job(&cluster, run, 2, 2);
+    kill_a_rank_after_a_state(&cluster, &job);
+    let out = wait_for_the_end(&cluster, &job, Duration::from_secs(240));
+    for expected in [
+        "elastic: start 1 of at most 2: 2 rank(s)",
+        "resuming from",
+        "train_lm.sbatch: finished; the weights are in",
+    ] {
+        assert!(out.contains(expected), "no `{expected}`\n{out}");
+    }
+    assert!(!out.contains("requeueing"), "{out}");
+    let read = |name: &str| std::fs::read(cluster.dir.join(format!("{name}.safetensors")));
+    assert!(
+        read("job").unwrap() == read("threads").unwrap(),
         "the restarted job's weights differ from an uninterrupted run's"
     );
 }

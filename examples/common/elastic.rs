@@ -19,9 +19,9 @@ pub struct ElasticArgs {
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = crate::flags::at_least_one::<usize>)]
     pub min_ranks: usize,
     /// Supervises the job: runs this program under --launcher on these
-    /// hosts (`name:slots,…`, one rank per slot) and, when it fails, starts
-    /// it again on the hosts that still answer (at most --max-restarts
-    /// times).
+    /// hosts (`name:slots,…`, one rank per slot; `slurm`: the nodes and
+    /// tasks of this Slurm allocation) and, when it fails, starts it again
+    /// on the hosts that still answer (at most --max-restarts times).
     #[arg(long, value_name = "LIST")]
     pub hosts: Option<String>,
     /// With --hosts: what starts the ranks.
@@ -69,7 +69,10 @@ impl ElasticArgs {
     }
 
     fn run_supervisor(&self, hosts: &str) -> Result<()> {
-        let hosts = Host::parse_list(hosts)?;
+        let hosts = match hosts {
+            "slurm" => Host::from_slurm_allocation()?,
+            list => Host::parse_list(list)?,
+        };
         let program = std::env::current_exe().context("cannot find this program's path")?;
         let options = self.launcher_option.iter().map(Into::into).collect();
         let args = std::env::args_os().skip(1);

@@ -94,6 +94,60 @@ impl Host {
     }
 }
 
+impl Host {
+    /// The nodes of the Slurm allocation this process runs in (inside an
+    /// `sbatch` script): `SLURM_JOB_NODELIST` expanded by `scontrol show
+    /// hostnames`, each node's slots from `SLURM_TASKS_PER_NODE`
+    /// (`2(x3),1`).
+    ///
+    /// # Errors
+    ///
+    /// Outside an allocation (a variable missing), `scontrol` failing, or
+    /// a tasks list that does not cover the nodes: [`ElasticError::Hosts`]
+    /// naming what.
+    pub fn from_slurm_allocation() -> Result<Vec<Host>, ElasticError> {
+        let variable = |name: &str| {
+            std::env::var(name).map_err(|_| ElasticError::Hosts {
+                list: "slurm".into(),
+                why: format!("{name} is not set: not inside a Slurm allocation"),
+            })
+        };
+        let nodes = variable("SLURM_JOB_NODELIST")?;
+        let tasks = variable("SLURM_TASKS_PER_NODE")?;
+        let bad = |why: String| ElasticError::Hosts {
+            list: nodes.clone(),
+            why,
+        };
+        let output = Command::new("scontrol")
+            .args(["show", "hostnames", &nodes])
+            .output()
+            .map_err(|e| bad(format!("cannot run scontrol: {e}")))?;
+        if !output.status.success() {
+            return Err(bad(format!(
+                "scontrol show hostnames failed: {}",
+                String::from_utf8_lossy(&output.stderr).trim()
+            )));
+        }
+        String::from_utf8_lossy(&output.stdout)
+            .split_whitespace()
+            .enumerate()
+            .map(|(i, name)| {
+                let slots = crate::process_env::slurm_tasks_on_node(&tasks, i)
+                    .filter(|&n| n >= 1)
+                    .ok_or_else(|| {
+                        bad(format!(
+                            "SLURM_TASKS_PER_NODE={tasks} gives node {i} ({name}) no tasks"
+                        ))
+                    })?;
+                Ok(Host {
+                    name: name.to_string(),
+                    slots,
+                })
+            })
+            .collect()
+    }
+}
+
 impl fmt::Display for Host {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}", self.name, self.slots)
@@ -179,8 +233,8 @@ impl JobLauncher for Mpirun {
 /// --nodelist=h1,h2 --distribution=block --kill-on-bad-exit=1 OPTIONS
 /// PROGRAM ARGS`, N the hosts' slots summed (Slurm places them as the
 /// allocation allows; `srun` passes the environment, the restart's number
-/// included); a host's probe asks `sinfo` whether the node responds and is
-/// up, then runs a one-task step there, `srun --nodes=1 --ntasks=1
+/// included); a host's probe fails at once when `sinfo` says the node is
+/// down, drained or not responding, and otherwise runs a one-task step there, `srun --nodes=1 --ntasks=1
 /// --nodelist=h OPTIONS true`. Give `--mpi=pmix` in `options` where
 /// Slurm's default plugin is not PMIx.
 #[derive(Debug, Clone)]
@@ -234,18 +288,18 @@ impl JobLauncher for Srun {
     }
 
     fn probe(&self, host: &Host) -> Command {
-        // A node Slurm already knows is down or not responding fails at
-        // once: a step asked of it would wait in the queue until the
-        // probe's timeout. Any other node runs a one-task step, which
-        // waits until the node is free (a failed job may still be ending
-        // there).
+        // A node Slurm already says is down, drained, failing or not
+        // responding (a `*` after its state) fails at once: a step asked
+        // of it would wait in the queue until the probe's timeout. Any
+        // other node runs a one-task step, which waits until the node is
+        // free (a failed job may still be ending there).
         let step = self.base(std::slice::from_ref(host), 1);
         let mut command = Command::new("sh");
         command
             .arg("-c")
             .arg(
-                "sinfo --noheader --responding --states=idle,mix,alloc,comp --nodes=\"$1\" -o %n \
-                 | grep -qx \"$1\" && shift && exec \"$@\"",
+                "case \"$(sinfo --noheader --nodes=\"$1\" -o %T)\" in \
+                 *down*|*drain*|*fail*|*'*'*) exit 1 ;; esac; shift; exec \"$@\"",
             )
             .arg("sh")
             .arg(&host.name)
