@@ -680,14 +680,9 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<()> {
-    if let Some(supervised) = args.elastic.supervise() {
-        return supervised;
-    }
-    if args.elastic.max_restarts > 0 && args.checkpoint_dir.is_none() {
-        bail!("--max-restarts needs --checkpoint-dir: each start resumes from its newest state");
-    }
     // The flags' own ranges (at least 1, finite numbers) were checked as
-    // they were parsed (`candle_dp_examples::flags`).
+    // they were parsed (`candle_dp_examples::flags`); what a supervisor
+    // could not mend by restarting is refused before it starts anything.
     let config = args.config();
     if !config.width.is_multiple_of(config.heads) {
         bail!(
@@ -695,6 +690,15 @@ fn run(args: Args) -> Result<()> {
             config.width,
             config.heads
         );
+    }
+    if args.elastic.max_restarts > 0 && args.checkpoint_dir.is_none() {
+        bail!("--max-restarts needs --checkpoint-dir: each start resumes from its newest state");
+    }
+    if args.elastic.hosts.is_some() && !cfg!(feature = "mpi") {
+        bail!("--hosts starts this program under mpirun or srun: build it with --features mpi");
+    }
+    if let Some(supervised) = args.elastic.supervise() {
+        return supervised;
     }
     if args.overlap && !matches!(args.strategy, Strategy::Ddp | Strategy::Zero) {
         bail!("--overlap is for --strategy ddp or zero (DDP over the model's units)");

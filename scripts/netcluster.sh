@@ -70,6 +70,9 @@ MCA=()
 
 die() { echo "netcluster: $*" >&2; exit 2; }
 
+# shellcheck source=scripts/slurm_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/slurm_common.sh"
+
 ns() { echo "${TAG}m$1"; }
 
 # The processes still running in the namespaces.
@@ -163,45 +166,23 @@ slurm_up() {
         mkdir -p "$dir/spool-node$n" "$dir/tmp-node$n"
     done
     {
+        echo "ClusterName=netcluster"
+        echo "SlurmctldHost=node1($NET.1)"
+        slurm_common_settings "$dir"
         cat <<EOF
-ClusterName=netcluster
-SlurmctldHost=node1($NET.1)
-SlurmUser=root
-AuthType=auth/munge
-AuthInfo=socket=$dir/munge/munge.socket
-CredType=cred/munge
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SwitchType=switch/none
-MpiDefault=none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-SlurmdParameters=config_overrides
-ReturnToService=2
 SlurmdTimeout=10
 MessageTimeout=5
-StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool-%n
 TmpFS=$dir/tmp-%n
-SlurmctldPidFile=$dir/slurmctld.pid
 SlurmdPidFile=$dir/slurmd-%n.pid
-SlurmctldLogFile=$dir/log/slurmctld.log
 SlurmdLogFile=$dir/log/slurmd-%n.log
-KillWait=5
-InactiveLimit=0
-MinJobAge=5
 EOF
         for n in $(seq 1 "$MACHINES"); do
             echo "NodeName=node$n NodeHostname=node$n NodeAddr=$NET.$n CPUs=$PER_MACHINE State=UNKNOWN"
         done
         echo "PartitionName=cluster Nodes=node[1-$MACHINES] Default=YES MaxTime=INFINITE State=UP"
     } > "$dir/slurm.conf"
-    chown munge:munge "$dir/munge"
-    runuser -u munge -- munged --socket="$dir/munge/munge.socket" \
-        --pid-file="$dir/munge/munged.pid" --log-file="$dir/munge/munged.log" \
-        --seed-file="$dir/munge/munged.seed"
+    slurm_start_munged "$dir"
     export SLURM_CONF="$dir/slurm.conf"
     # nsenter, not `ip netns exec`, which mounts a /sys of its own without
     # the cgroup file system slurmd looks for.
@@ -348,6 +329,9 @@ case "$command" in
         done
         [[ "$MACHINES" =~ ^[1-9][0-9]?$ ]] || die "--machines must be 1-99"
         [[ "$PER_MACHINE" =~ ^[1-9][0-9]*$ ]] || die "--per-machine must be a positive number"
+        if [ -n "$SLURM" ] && [ -z "$SUPERVISE" ]; then
+            die "--slurm needs --supervise (the program starts srun itself)"
+        fi
         if [ -n "$CUT" ]; then
             [[ "$CUT" =~ ^[0-9]+$ ]] && [ "$CUT" -ge 1 ] && [ "$CUT" -le "$MACHINES" ] ||
                 die "--cut must name a machine, 1-$MACHINES"

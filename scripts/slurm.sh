@@ -21,6 +21,9 @@ set -euo pipefail
 
 die() { echo "slurm: $*" >&2; exit 2; }
 
+# shellcheck source=scripts/slurm_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/slurm_common.sh"
+
 check() {
     local missing=()
     for tool in munged slurmctld slurmd srun sinfo scancel; do
@@ -43,41 +46,21 @@ up() {
     dir=$(cd "$dir" && pwd)
     local host
     host=$(hostname -s)
-    cat > "$dir/slurm.conf" <<EOF
-ClusterName=candledp
-SlurmctldHost=$host(127.0.0.1)
-SlurmUser=root
-AuthType=auth/munge
-AuthInfo=socket=$dir/munge/munge.socket
-CredType=cred/munge
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SwitchType=switch/none
-MpiDefault=none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-SlurmdParameters=config_overrides
-ReturnToService=2
+    {
+        echo "ClusterName=candledp"
+        echo "SlurmctldHost=$host(127.0.0.1)"
+        slurm_common_settings "$dir"
+        cat <<EOF
 SlurmctldPort=6917
 SlurmdPort=6918
-StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
-SlurmctldPidFile=$dir/slurmctld.pid
 SlurmdPidFile=$dir/slurmd.pid
-SlurmctldLogFile=$dir/log/slurmctld.log
 SlurmdLogFile=$dir/log/slurmd.log
-KillWait=5
-InactiveLimit=0
-MinJobAge=5
 NodeName=$host NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN
 PartitionName=local Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
 EOF
-    chown munge:munge "$dir/munge"
-    runuser -u munge -- munged --socket="$dir/munge/munge.socket" \
-        --pid-file="$dir/munge/munged.pid" --log-file="$dir/munge/munged.log" \
-        --seed-file="$dir/munge/munged.seed"
+    } > "$dir/slurm.conf"
+    slurm_start_munged "$dir"
     export SLURM_CONF="$dir/slurm.conf"
     slurmctld -c
     slurmd -c

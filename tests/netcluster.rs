@@ -409,7 +409,7 @@ fn elastic_run_losing_machine_2(via: Via) {
     for expected in [
         "machine 2 cut off".to_string(),
         "timed out".to_string(),
-        format!("elastic: start 1 of at most 2: 1 rank(s) on {one}:1"),
+        format!("elastic: restart 1 of at most 2: 1 rank(s) on {one}:1"),
         format!("lost: {two}"),
         format!("| 1 | {one}:1 | 1 | {two} |"),
     ] {
@@ -499,7 +499,7 @@ fn a_job_left_with_fewer_ranks_than_its_minimum_ends_naming_the_lost_machine() {
         said.contains("1 rank(s) can start, fewer than the minimum of 2 (lost: 10.213.7.2)"),
         "{said}"
     );
-    assert!(!said.contains("elastic: start 1"), "{said}");
+    assert!(!said.contains("elastic: restart 1"), "{said}");
     assert!(
         !said.contains("still running at teardown"),
         "a process outlived the job:\n{said}"

@@ -490,7 +490,7 @@ fn a_supervisor_of_srun_restarts_a_step_whose_rank_is_killed_to_the_bytes_of_an_
     );
     assert!(output.status.success(), "{said}");
     for expected in [
-        format!("elastic: start 1 of at most 2: 2 rank(s) on {node}:2"),
+        format!("elastic: restart 1 of at most 2: 2 rank(s) on {node}:2"),
         "resuming from".to_string(),
     ] {
         assert!(said.contains(&expected), "no `{expected}`:\n{said}");
@@ -521,7 +521,7 @@ fn a_batch_job_with_step_restarts_restarts_its_step_without_a_requeue_to_the_byt
     kill_a_rank_after_a_state(&cluster, &job);
     let out = wait_for_the_end(&cluster, &job, Duration::from_secs(240));
     for expected in [
-        "elastic: start 1 of at most 2: 2 rank(s)",
+        "elastic: restart 1 of at most 2: 2 rank(s)",
         "resuming from",
         "train_lm.sbatch: finished; the weights are in",
     ] {

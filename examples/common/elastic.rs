@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use candle_dp::launch::{Backend, Elastic, Host, Mpirun, Srun};
+use candle_dp::launch::{Backend, Elastic, Host, Mpirun, Srun, RESTART_VARIABLE};
 
 /// Restarts after a failure: of the thread ranks in this process, or, with
 /// `--hosts`, of an `mpirun` job this process supervises.
@@ -52,7 +52,8 @@ impl ElasticArgs {
         Elastic {
             max_restarts: self.max_restarts,
             min_ranks: self.min_ranks,
-            probe_timeout: Duration::from_secs_f64(self.probe_timeout),
+            // A timeout past what a Duration holds is no limit.
+            probe_timeout: Duration::try_from_secs_f64(self.probe_timeout).unwrap_or(Duration::MAX),
         }
     }
 
@@ -60,12 +61,32 @@ impl ElasticArgs {
     /// with the same arguments, under mpirun on the hosts, until it
     /// finishes or cannot go on (`Some` with how that went); `None` where
     /// this process should train (no `--hosts`, or a rank of the job).
+    ///
+    /// `Some` with an error where the flags cannot do what they say: a
+    /// process that a supervisor started (its restart variable set) but
+    /// not as a rank of an MPI job (an `srun` without its MPI plugin would
+    /// make every task a supervisor), or `--hosts` / `--max-restarts`
+    /// under a launcher that no supervisor started (nothing would restart).
     pub fn supervise(&self) -> Option<Result<()>> {
-        let hosts = self.hosts.as_ref()?;
-        if Backend::from_env() != Backend::Threads {
-            return None;
+        let supervised = std::env::var_os(RESTART_VARIABLE).is_some();
+        match (Backend::from_env(), &self.hosts, supervised) {
+            (Backend::Threads, Some(_), true) => Some(Err(anyhow::anyhow!(
+                "started by an elastic supervisor ({RESTART_VARIABLE} is set) but not as a rank \
+                 of an MPI job: give the launcher its MPI plugin (srun: \
+                 --launcher-option=--mpi=pmix)"
+            ))),
+            (Backend::Threads, Some(hosts), false) => Some(self.run_supervisor(hosts)),
+            (Backend::Mpi { variable }, _, false)
+                if self.hosts.is_some() || self.max_restarts > 0 =>
+            {
+                Some(Err(anyhow::anyhow!(
+                    "--hosts and --max-restarts restart nothing under a launcher ({variable} is \
+                     set): the supervisor starts mpirun or srun itself; run this program \
+                     without one, with --hosts"
+                )))
+            }
+            _ => None,
         }
-        Some(self.run_supervisor(hosts))
     }
 
     fn run_supervisor(&self, hosts: &str) -> Result<()> {

@@ -126,7 +126,10 @@ impl Fabric {
     ///
     /// [`Error::Strategy`] before anything runs when the strategy cannot
     /// serve the devices, the settings or the precision (naming both);
-    /// [`Error::Launch`] when a rank fails (naming it).
+    /// [`Error::Launch`] when a rank fails (naming it); with
+    /// [`FabricConfig::max_restarts`] on thread ranks, [`Error::Elastic`]
+    /// once a rank has failed more often than it allows (naming the last
+    /// failure).
     pub fn launch<T, F>(config: FabricConfig, f: F) -> Result<Vec<T>>
     where
         T: Send,

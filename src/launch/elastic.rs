@@ -102,7 +102,7 @@ pub enum ElasticError {
     NoMinimum,
 
     /// Fewer ranks can start than `min_ranks`.
-    #[error("{ranks} rank(s) can start, fewer than the minimum of {min_ranks}{}", lost_hosts(.lost))]
+    #[error("{ranks} rank(s) can start, fewer than the minimum of {min_ranks}{}{}", lost_hosts(.lost), before_text(.before))]
     TooFewRanks {
         /// The ranks that could start.
         ranks: usize,
@@ -110,6 +110,8 @@ pub enum ElasticError {
         min_ranks: usize,
         /// The hosts that did not answer their probe.
         lost: Vec<String>,
+        /// How the start before ended, when there was one.
+        before: Option<String>,
     },
 
     /// A supervisor's host list that cannot be read.
@@ -131,7 +133,14 @@ pub enum ElasticError {
     },
 }
 
-/// `; lost: a, b` when hosts were lost.
+/// `; before: …` when a start came before.
+fn before_text(before: &Option<String>) -> String {
+    before
+        .as_ref()
+        .map_or_else(String::new, |b| format!("; before: {b}"))
+}
+
+/// ` (lost: a, b)` when hosts were lost.
 fn lost_hosts(lost: &[String]) -> String {
     match lost.is_empty() {
         true => String::new(),
@@ -162,8 +171,9 @@ impl Elastic {
     /// # Errors
     ///
     /// [`ElasticError::OutOfRestarts`] with the last failure;
-    /// [`ElasticError::Launch`] for a failure a restart cannot mend (an
-    /// empty world, a thread that could not start).
+    /// [`ElasticError::TooFewRanks`] for fewer ranks than `min_ranks` (an
+    /// empty world included); [`ElasticError::Launch`] for a failure a
+    /// restart cannot mend (a thread that could not start).
     pub fn spawn<T, F>(
         &self,
         world_size: usize,
@@ -182,6 +192,7 @@ impl Elastic {
                 ranks: world_size,
                 min_ranks: self.min_ranks,
                 lost: Vec::new(),
+                before: None,
             });
         }
         let mut failures = Vec::new();

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use super::elastic::{Elastic, ElasticError, RESTART_VARIABLE};
 use super::report;
-use super::signal::terminate;
+use super::signal::{end_with_parent, signal_group};
 
 /// A machine a supervised job may run on, and how many ranks it takes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -230,10 +230,10 @@ impl JobLauncher for Mpirun {
 
 /// Slurm's `srun` as a [`JobLauncher`], for a supervisor inside an
 /// allocation (an `sbatch` script): `srun --nodes=K --ntasks=N
-/// --nodelist=h1,h2 --distribution=block --kill-on-bad-exit=1 OPTIONS
-/// PROGRAM ARGS`, N the hosts' slots summed (Slurm places them as the
-/// allocation allows; `srun` passes the environment, the restart's number
-/// included); a host's probe fails at once when `sinfo` says the node is
+/// --nodelist=h1,h2 --distribution=block --kill-on-bad-exit=1 --export=ALL
+/// OPTIONS PROGRAM ARGS`, N the hosts' slots summed (Slurm places them as
+/// the allocation allows; the whole environment passes, the restart's
+/// number included, whatever `SLURM_EXPORT_ENV` says); a host's probe fails at once when `sinfo` says the node is
 /// down, drained or not responding, and otherwise runs a one-task step there, `srun --nodes=1 --ntasks=1
 /// --nodelist=h OPTIONS true`. Give `--mpi=pmix` in `options` where
 /// Slurm's default plugin is not PMIx.
@@ -280,7 +280,11 @@ impl JobLauncher for Srun {
         let ranks = hosts.iter().map(|h| h.slots).sum();
         let mut command = self.base(hosts, ranks);
         command
-            .args(["--distribution=block", "--kill-on-bad-exit=1"])
+            .args([
+                "--distribution=block",
+                "--kill-on-bad-exit=1",
+                "--export=ALL",
+            ])
             .args(&self.options)
             .arg(&self.program)
             .args(&self.args);
@@ -331,6 +335,20 @@ impl Attempt {
     pub fn ranks(&self) -> usize {
         self.hosts.iter().map(|h| h.slots).sum()
     }
+
+    /// How it ended, as an error.
+    pub fn failure(&self) -> JobFailed {
+        JobFailed {
+            ranks: self.ranks(),
+            hosts: self
+                .hosts
+                .iter()
+                .map(Host::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+            status: self.status,
+        }
+    }
 }
 
 /// A supervised job that finished: every start, the last one the one that
@@ -354,25 +372,26 @@ pub struct JobFailed {
     pub status: ExitStatus,
 }
 
-/// How long a probe or a job asked to end (SIGTERM) is given before it is
-/// killed.
+/// How long a probe asked to end (SIGTERM) is given before it is killed.
 const END_GRACE: Duration = Duration::from_secs(2);
 
 impl Elastic {
     /// Runs the job `launcher` starts on `hosts` and starts it again after
     /// each failure, at most [`max_restarts`](Elastic::max_restarts)
     /// times, on the hosts that answer their probe (see the [module
-    /// docs](self)). The job's output is this process's. Each start is
-    /// said on standard error (`elastic: start 1 of at most 3: 2 rank(s)
-    /// on node1:2; lost: node2`).
+    /// docs](self)). The job's output is this process's; the job gets
+    /// SIGTERM if this thread ends before it (a supervisor killed). Each
+    /// start is said on standard error (`elastic: start: 4 rank(s) on
+    /// node1:2,node2:2 (probed in 0.31 s)`, then `elastic: restart 1 of at
+    /// most 3: 2 rank(s) on node1:2 (probed in 0.56 s); lost: node2`).
     ///
     /// # Errors
     ///
     /// [`ElasticError::TooFewRanks`] when the hosts that answer have fewer
-    /// slots than `min_ranks`, naming the lost ones;
+    /// slots than `min_ranks`, naming the lost ones and the failure before;
     /// [`ElasticError::OutOfRestarts`] when the last allowed start fails
     /// (its `last` is a [`JobFailed`]); [`ElasticError::Start`] when the
-    /// launcher cannot be run at all.
+    /// launcher or a probe cannot be run at all.
     pub fn supervise(
         &self,
         hosts: &[Host],
@@ -389,8 +408,12 @@ impl Elastic {
         }
         let mut attempts: Vec<Attempt> = Vec::new();
         for restart in 0..=self.max_restarts {
+            let which = match restart {
+                0 => "start".to_string(),
+                k => format!("restart {k} of at most {}", self.max_restarts),
+            };
             let probing = Instant::now();
-            let (alive, lost) = self.probe_all(hosts, launcher);
+            let (alive, lost) = self.probe_all(hosts, launcher)?;
             let probing = probing.elapsed();
             let ranks: usize = alive.iter().map(|h| h.slots).sum();
             if ranks < self.min_ranks {
@@ -398,6 +421,7 @@ impl Elastic {
                     ranks,
                     min_ranks: self.min_ranks,
                     lost,
+                    before: attempts.last().map(|a| a.failure().to_string()),
                 });
             }
             let list: Vec<String> = alive.iter().map(Host::to_string).collect();
@@ -406,43 +430,37 @@ impl Elastic {
                 false => format!("; lost: {}", lost.join(", ")),
             };
             report::eprint_report(&format!(
-                "elastic: start {restart} of at most {}: {ranks} rank(s) on {} (probed in {:.2} s){lost_text}",
-                self.max_restarts,
+                "elastic: {which}: {ranks} rank(s) on {} (probed in {:.2} s){lost_text}",
                 list.join(","),
                 probing.as_secs_f64(),
             ));
             let mut job = launcher.job(&alive);
             job.env(RESTART_VARIABLE, restart.to_string());
+            end_with_parent(&mut job);
             let started = Instant::now();
             let status = job.status().map_err(|source| ElasticError::Start {
                 command: format!("{job:?}"),
                 source,
             })?;
-            attempts.push(Attempt {
+            let attempt = Attempt {
                 hosts: alive,
                 lost,
                 probing,
                 ran: started.elapsed(),
                 status,
-            });
+            };
             if status.success() {
+                attempts.push(attempt);
                 return Ok(Supervised { attempts });
             }
             report::eprint_report(&format!(
-                "elastic: start {restart} ended with {status} after {:.2} s",
-                started.elapsed().as_secs_f64()
+                "elastic: {} after {:.2} s",
+                attempt.failure(),
+                attempt.ran.as_secs_f64()
             ));
+            attempts.push(attempt);
         }
-        let last = attempts.pop().map(|a| JobFailed {
-            ranks: a.ranks(),
-            hosts: a
-                .hosts
-                .iter()
-                .map(Host::to_string)
-                .collect::<Vec<_>>()
-                .join(","),
-            status: a.status,
-        });
+        let last = attempts.pop().map(|a| a.failure());
         Err(ElasticError::OutOfRestarts {
             max_restarts: self.max_restarts,
             last: match last {
@@ -454,58 +472,70 @@ impl Elastic {
 
     /// The hosts whose probe ends well within the probe timeout, and the
     /// names of the others; all probed at once.
-    fn probe_all(&self, hosts: &[Host], launcher: &dyn JobLauncher) -> (Vec<Host>, Vec<String>) {
-        let answers: Vec<bool> = std::thread::scope(|scope| {
+    fn probe_all(
+        &self,
+        hosts: &[Host],
+        launcher: &dyn JobLauncher,
+    ) -> Result<(Vec<Host>, Vec<String>), ElasticError> {
+        let answered: Vec<Result<bool, ElasticError>> = std::thread::scope(|scope| {
             let probes: Vec<_> = hosts
                 .iter()
-                .map(|host| scope.spawn(move || answers(launcher.probe(host), self.probe_timeout)))
+                .map(|host| {
+                    scope.spawn(move || {
+                        let probe = launcher.probe(host);
+                        let command = format!("{probe:?}");
+                        answers(probe, Some(self.probe_timeout))
+                            .map_err(|source| ElasticError::Start { command, source })
+                    })
+                })
                 .collect();
             probes
                 .into_iter()
-                .map(|probe| probe.join().unwrap_or(false))
+                .map(|probe| probe.join().unwrap_or(Ok(false)))
                 .collect()
         });
         let mut alive = Vec::new();
         let mut lost = Vec::new();
-        for (host, answered) in hosts.iter().zip(answers) {
-            match answered {
+        for (host, answered) in hosts.iter().zip(answered) {
+            match answered? {
                 true => alive.push(host.clone()),
                 false => lost.push(host.name.clone()),
             }
         }
-        (alive, lost)
+        Ok((alive, lost))
     }
 }
 
-/// Whether `probe` ends with success within `timeout`; one that does not
-/// end in time is asked to end, then killed.
-fn answers(mut probe: Command, timeout: Duration) -> bool {
+/// Whether `probe` ends with success within `timeout` (none: no limit);
+/// one that does not end in time is asked to end, then killed, with
+/// everything it started (it leads a process group of its own).
+fn answers(mut probe: Command, timeout: Option<Duration>) -> std::io::Result<bool> {
+    use std::os::unix::process::CommandExt;
     probe
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    let Ok(mut child) = probe.spawn() else {
-        return false;
-    };
-    match wait_until(&mut child, Instant::now() + timeout) {
-        Some(status) => status.success(),
-        None => {
-            terminate(child.id());
-            if wait_until(&mut child, Instant::now() + END_GRACE).is_none() {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-            false
-        }
+        .stderr(Stdio::null())
+        .process_group(0);
+    let mut child = probe.spawn()?;
+    let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+    if let Some(status) = wait_until(&mut child, deadline) {
+        return Ok(status.success());
     }
+    signal_group(child.id(), false);
+    if wait_until(&mut child, Instant::now().checked_add(END_GRACE)).is_none() {
+        signal_group(child.id(), true);
+        let _ = child.wait();
+    }
+    Ok(false)
 }
 
-/// `child`'s status, once it ends before `deadline`.
-fn wait_until(child: &mut Child, deadline: Instant) -> Option<ExitStatus> {
+/// `child`'s status, once it ends before `deadline` (none: whenever it
+/// ends).
+fn wait_until(child: &mut Child, deadline: Option<Instant>) -> Option<ExitStatus> {
     loop {
         match child.try_wait() {
             Ok(Some(status)) => return Some(status),
-            Ok(None) if Instant::now() < deadline => {
+            Ok(None) if deadline.is_none_or(|d| Instant::now() < d) => {
                 std::thread::sleep(Duration::from_millis(20));
             }
             _ => return None,

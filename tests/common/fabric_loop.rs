@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use candle_dp::fabric::{DataOptions, Fabric, FabricModel, FabricModule, StepOutcome};
+use candle_dp::fabric::{DataOptions, Fabric, FabricModel, FabricModule, StepOutcome, Strategy};
 use candle_dp::loader::TensorDataset;
 use candle_dp::optim::{Sgd, SgdConfig};
 use candle_dp::pipeline::layer;
@@ -15,6 +15,16 @@ use candle_nn::{linear, loss, Activation};
 pub const SAMPLES: usize = 48;
 pub const GLOBAL_BATCH: usize = 12;
 pub const EPOCHS: u64 = 2;
+
+/// How many devices `strategy` takes for two ranks, replicas or stages
+/// (`single`: one; `pipeline-ddp`: two ranks of two stages).
+pub fn devices_for_two(strategy: Strategy) -> usize {
+    match strategy {
+        Strategy::Single => 1,
+        Strategy::PipelineDdp => 4,
+        _ => 2,
+    }
+}
 
 /// A small classifier as units (every strategy can build it).
 pub fn classifier() -> FabricModule {

@@ -12,7 +12,7 @@ use std::time::Duration;
 use candle_dp::fabric::{Fabric, FabricConfig, Strategy};
 use candle_dp::launch::{Elastic, ElasticError, Host, JobFailed, JobLauncher, LaunchError};
 
-use crate::common::fabric_loop::{dataset, train_resumable, AfterStep, Trained};
+use crate::common::fabric_loop::{dataset, devices_for_two, train_resumable, AfterStep, Trained};
 use crate::common::{diff_report, identical};
 
 /// A fresh directory of its own for each call.
@@ -26,11 +26,7 @@ fn tempdir(name: &str) -> PathBuf {
 /// `strategy` on two ranks (one where it spreads in one process), every
 /// collective bounded.
 fn config(strategy: Strategy, dir: PathBuf, max_restarts: usize) -> FabricConfig {
-    let devices = match strategy {
-        Strategy::Single => 1,
-        Strategy::PipelineDdp => 4,
-        _ => 2,
-    };
+    let devices = devices_for_two(strategy);
     FabricConfig {
         chunks: Some(2),
         checkpoint_dir: Some(dir),
@@ -207,7 +203,7 @@ fn a_supervised_job_below_its_minimum_or_out_of_restarts_ends_naming_why() {
     // Two ranks answer; four are needed.
     let error = elastic(3, 4).supervise(&hosts, &never).unwrap_err();
     assert!(
-        matches!(&error, ElasticError::TooFewRanks { ranks: 2, min_ranks: 4, lost } if lost == &["down1"]),
+        matches!(&error, ElasticError::TooFewRanks { ranks: 2, min_ranks: 4, lost, .. } if lost == &["down1"]),
         "{error}"
     );
     assert_eq!(
@@ -227,6 +223,74 @@ fn a_supervised_job_below_its_minimum_or_out_of_restarts_ends_naming_why() {
         error.to_string().starts_with("the job failed 2 time(s)"),
         "{error}"
     );
+}
+
+#[test]
+fn a_host_lost_after_a_failed_start_names_that_failure_and_a_probe_that_cannot_run_is_no_lost_host()
+{
+    let dir = tempdir("before");
+    // Host `once` answers its first probe only.
+    let job = Shell {
+        job: "exit 3".into(),
+    };
+    let launcher = OnceHost {
+        shell: job,
+        marker: dir.join("probed"),
+    };
+    let hosts = Host::parse_list("a:2,once:2").unwrap();
+    let error = elastic(3, 4).supervise(&hosts, &launcher).unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "2 rank(s) can start, fewer than the minimum of 4 (lost: once); before: the job on 4 \
+         rank(s) (a:2,once:2) ended with exit status: 3"
+    );
+    // A probe whose program does not exist is the launcher's fault, not
+    // the host's.
+    let error = elastic(3, 1).supervise(&hosts, &NoSuchProbe).unwrap_err();
+    assert!(
+        matches!(&error, ElasticError::Start { command, .. } if command.contains("no-such-launcher")),
+        "{error}"
+    );
+}
+
+/// [`Shell`], whose host `once` answers only its first probe.
+#[derive(Debug)]
+struct OnceHost {
+    shell: Shell,
+    marker: PathBuf,
+}
+
+impl JobLauncher for OnceHost {
+    fn job(&self, hosts: &[Host]) -> Command {
+        self.shell.job(hosts)
+    }
+
+    fn probe(&self, host: &Host) -> Command {
+        if host.name != "once" {
+            return self.shell.probe(host);
+        }
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg("[ ! -e \"$1\" ] && touch \"$1\"")
+            .arg("sh")
+            .arg(&self.marker);
+        command
+    }
+}
+
+/// A launcher whose probes cannot be started.
+#[derive(Debug)]
+struct NoSuchProbe;
+
+impl JobLauncher for NoSuchProbe {
+    fn job(&self, _: &[Host]) -> Command {
+        Command::new("true")
+    }
+
+    fn probe(&self, _: &Host) -> Command {
+        Command::new("no-such-launcher")
+    }
 }
 
 #[test]

@@ -14,7 +14,8 @@ use candle_dp::optim::{Sgd, SgdConfig};
 use candle_nn::{linear, loss};
 
 use crate::common::fabric_loop::{
-    classifier, dataset, train, train_resumable, AfterStep, Trained, EPOCHS, GLOBAL_BATCH, SAMPLES,
+    classifier, dataset, devices_for_two, train, train_resumable, AfterStep, Trained, EPOCHS,
+    GLOBAL_BATCH, SAMPLES,
 };
 use crate::common::{diff_report, identical, max_rel_diff};
 
@@ -31,11 +32,7 @@ fn launch<T: Send>(
 /// `strategy` on as many CPU devices as it needs for two ranks, replicas
 /// or stages (`pipeline-ddp`: two ranks of two stages).
 fn config(strategy: Strategy, precision: Precision) -> FabricConfig {
-    let devices = match strategy {
-        Strategy::Single => 1,
-        Strategy::PipelineDdp => 4,
-        _ => 2,
-    };
+    let devices = devices_for_two(strategy);
     FabricConfig {
         chunks: Some(2),
         // A first scale no step of this model overflows at, in any
