@@ -239,7 +239,10 @@ run() {
             OMPI_MCA_rmaps_base_oversubscribe=1 \
             OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
             NETCLUSTER_HOSTS="$hosts" ${SLURM:+SLURM_CONF="$WORK/slurm/slurm.conf"} \
-            sh -c 'hostname node1; exec "$@"' sh "$@" || status=$?
+            sh -c 'hostname node1; exec "$@"' sh "$@" &
+        # In the background, so that a TERM or INT reaches the trap (and
+        # the teardown) at once: bash runs traps only between commands.
+        wait $! || status=$?
         if [ -n "$SLURM" ]; then
             slurm_down
         fi
@@ -248,7 +251,8 @@ run() {
             mpirun --allow-run-as-root --oversubscribe --hostfile "$HOSTS" --map-by "$MAP_BY" -np "$np" \
             --mca plm_rsh_agent "$AGENT" --mca btl tcp,self \
             --mca btl_tcp_if_include "$NET.0/24" --mca oob_tcp_if_include "$NET.0/24" \
-            "${MCA[@]}" "$@" || status=$?
+            "${MCA[@]}" "$@" &
+        wait $! || status=$?
     fi
     for p in $cutter $restorer; do kill "$p" 2>/dev/null || true; done
     if [ -n "$LINK_BYTES" ]; then

@@ -355,6 +355,10 @@ fn supervised_lm_losing_machine_2(dir: &Path, via: Via, extra: &[&str]) -> (Outp
     cluster(&cluster_args, &program, Duration::from_secs(300))
 }
 
+/// One Slurm cluster of simulated machines at a time: two at once on two
+/// cores starve each other's daemons.
+static SLURM: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Whether Slurm can run here (`scripts/slurm.sh check`), else why not.
 fn slurm_unavailable() -> Option<String> {
     let mut check = Command::new("bash");
@@ -393,6 +397,7 @@ fn a_job_of_srun_steps_that_loses_a_node_restarts_on_the_other_and_finishes_as_a
         println!("skipped: {why}");
         return;
     }
+    let _one = SLURM.lock().unwrap_or_else(|e| e.into_inner());
     elastic_run_losing_machine_2(Via::Srun);
 }
 
@@ -517,6 +522,7 @@ fn srun_on_two_simulated_nodes_trains_to_the_bytes_of_thread_ranks() {
         println!("skipped: {why}");
         return;
     }
+    let _one = SLURM.lock().unwrap_or_else(|e| e.into_inner());
     let exe = example("train_lm");
     let dir = std::env::temp_dir().join(format!("candle_dp_slurm_nodes_{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

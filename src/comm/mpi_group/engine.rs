@@ -89,6 +89,14 @@ const SPIN: Duration = Duration::from_millis(2);
 /// The pause between polls after [`SPIN`].
 const NAP: Duration = Duration::from_micros(50);
 
+/// How long a notice to the other ranks may take to leave before the peer
+/// it is for counts as gone (a notice leaves at once to a live peer).
+const NOTICE_DEADLINE: Duration = Duration::from_secs(5);
+
+/// How long a rank leaving a healthy group waits for the others to say
+/// they left before it finalizes MPI anyway.
+const LEAVE_WAIT: Duration = Duration::from_secs(30);
+
 /// What a handle asks of the engine.
 pub(super) enum Control {
     /// Run a collective.
@@ -261,13 +269,20 @@ pub(super) fn run(
     engine.finish_sends();
     // A failure a peer already announced must not be finalized over.
     engine.receive_notices();
-    if engine.shared.failure().is_none() {
-        engine.announce(&Notice::Left {
+    let told = engine.shared.failure().is_none()
+        && engine.announce(&Notice::Left {
             seq: engine.completed,
         });
+    if told {
+        // No rank ends its process while another may still send to it:
+        // under `srun`, `MPI_Finalize` does not wait for the other ranks
+        // (seen: rank 0 exited while rank 1 was sending its notice). Past
+        // the wait, finalizing is what it was before.
+        engine.await_everyone_left(LEAVE_WAIT);
         drop(engine);
         drop(world);
-        // `MPI_Finalize`, which waits for the other ranks to finalize.
+        // `MPI_Finalize`, which waits for the other ranks to finalize
+        // under mpirun.
         drop(universe);
     } else {
         engine.announce_own_failure();

@@ -50,17 +50,53 @@ impl Engine {
             return;
         }
         self.announced = true;
-        self.announce(&Notice::failed(&failure));
+        // Best effort: a peer that cannot be told has failed too.
+        let _ = self.announce(&Notice::failed(&failure));
     }
 
-    pub(super) fn announce(&self, notice: &Notice) {
+    /// Sends `notice` to every other rank; whether every copy left within
+    /// [`NOTICE_DEADLINE`]. A notice is far below MPI's eager limit (see
+    /// `wire`), so its send completes without waiting for the receiver,
+    /// except to a peer whose process is gone: there Open MPI's blocking
+    /// send waited forever (seen under `srun`, where a rank that finalized
+    /// had already exited), so the copies are sent without blocking and
+    /// one not sent by the deadline is given up.
+    pub(super) fn announce(&self, notice: &Notice) -> bool {
         let bytes = notice.encode();
+        let mut sends = send_queue::SendQueue::default();
         for dst in self.world_others() {
-            // A notice is far below MPI's eager limit (see `wire`): the
-            // send returns without waiting for the receiver.
-            self.notices
-                .process_at_rank(dst as i32)
-                .send_with_tag(&bytes[..], TAG_NOTICE);
+            sends.start(&self.notices, dst as i32, TAG_NOTICE, bytes.clone());
+        }
+        let deadline = Instant::now() + NOTICE_DEADLINE;
+        loop {
+            if sends.progress() {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                // Dropping the queue leaves the unsent copies to the
+                // process's end (see `SendQueue`'s `Drop`).
+                return false;
+            }
+            thread::sleep(NAP);
+        }
+    }
+
+    /// Waits until every other rank has said it left (its `Left` notice),
+    /// a failure is recorded, or `limit` passes; whether every one did.
+    pub(super) fn await_everyone_left(&mut self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
+            self.receive_notices();
+            let all = self
+                .world_others()
+                .all(|r| self.left.get(r).copied().flatten().is_some());
+            if all {
+                return true;
+            }
+            if self.shared.failure().is_some() || Instant::now() >= deadline {
+                return false;
+            }
+            thread::sleep(IDLE_POLL);
         }
     }
 
