@@ -18,23 +18,6 @@
 //! the loop keeps across a restart is what its training state holds (the
 //! weights, the optimizer, the schedule, the loss scale, the step); what a
 //! rank did since the newest state is done again.
-//!
-//! ```
-//! use std::sync::atomic::{AtomicBool, Ordering};
-//! use candle_dp::launch::Elastic;
-//!
-//! // Rank 1 fails once; the job starts again and finishes.
-//! let failed = AtomicBool::new(false);
-//! let run = Elastic::new(2).spawn(2, Default::default(), |ctx| {
-//!     if ctx.rank == 1 && !failed.swap(true, Ordering::SeqCst) {
-//!         anyhow::bail!("lost its device");
-//!     }
-//!     Ok(ctx.restart)
-//! })?;
-//! assert_eq!(run.results, vec![1, 1]);
-//! assert_eq!(run.failures.len(), 1);
-//! # Ok::<(), candle_dp::launch::ElasticError>(())
-//! ```
 
 use std::time::Duration;
 
@@ -46,7 +29,28 @@ use crate::comm::GroupOptions;
 pub use crate::process_env::RESTART_VARIABLE;
 
 /// How a job restarts: at most `max_restarts` times, never on fewer than
-/// `min_ranks` ranks.
+/// `min_ranks` ranks. [`Elastic::spawn`] restarts thread ranks in this
+/// process; [`Elastic::supervise`] restarts the processes of a launcher
+/// (`mpirun`, `srun`) on the hosts that still answer. Each rank learns
+/// which start it is from [`RankContext::restart`] and resumes from its
+/// newest state when it is not 0.
+///
+/// ```
+/// use std::sync::atomic::{AtomicBool, Ordering};
+/// use candle_dp::launch::Elastic;
+///
+/// // Rank 1 fails once; the job starts again and finishes.
+/// let failed = AtomicBool::new(false);
+/// let run = Elastic::new(2).spawn(2, Default::default(), |ctx| {
+///     if ctx.rank == 1 && !failed.swap(true, Ordering::SeqCst) {
+///         anyhow::bail!("lost its device");
+///     }
+///     Ok(ctx.restart)
+/// })?;
+/// assert_eq!(run.results, vec![1, 1]);
+/// assert_eq!(run.failures.len(), 1);
+/// # Ok::<(), candle_dp::launch::ElasticError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Elastic {
     /// How many times a failed job starts again (0: it does not).

@@ -378,8 +378,16 @@ const END_GRACE: Duration = Duration::from_secs(2);
 impl Elastic {
     /// Runs the job `launcher` starts on `hosts` and starts it again after
     /// each failure, at most [`max_restarts`](Elastic::max_restarts)
-    /// times, on the hosts that answer their probe (see the [module
-    /// docs](self)). The job's output is this process's; the job gets
+    /// times. Before every start each host is probed (a one-rank job of
+    /// the same launcher there, bounded by
+    /// [`probe_timeout`](Elastic::probe_timeout)); the job starts on the
+    /// hosts whose probe ended well, one rank per slot, if that is at
+    /// least [`min_ranks`](Elastic::min_ranks). A host lost once is probed
+    /// again at the next start. The ranks learn which start it is from
+    /// [`RESTART_VARIABLE`] and should resume from their newest state; the
+    /// job's own group timeout is what ends a start whose machine dropped
+    /// off the network, so give the job one. The job's output is this
+    /// process's; the job gets
     /// SIGTERM if this thread ends before it (a supervisor killed). Each
     /// start is said on standard error (`elastic: start: 4 rank(s) on
     /// node1:2,node2:2 (probed in 0.31 s)`, then `elastic: restart 1 of at
