@@ -277,6 +277,20 @@ const JOB_RUNS: [[&str; 4]; 2] = [
 ];
 const JOB_STEPS: u32 = 400;
 
+/// What the jobs of `run` are compared with: the same training on two
+/// thread ranks, uninterrupted, saved as `threads.safetensors`.
+fn uninterrupted_on_threads(cluster: &Cluster, run: &[&str]) {
+    let mut threads = Command::new(example("train_lm"));
+    threads.args(lm_args_saving(&cluster.dir, "threads", run, JOB_STEPS));
+    let threads = bounded_output(threads, Duration::from_secs(240));
+    assert!(
+        threads.status.success(),
+        "{}: {}",
+        run.join(" "),
+        text(&threads)
+    );
+}
+
 /// `scripts/train_lm.sbatch` as a job of two tasks training `train_lm`
 /// (`run`), a state every 20 steps, at most `step_restarts` restarts of
 /// its step in the allocation, then at most `max_restarts` requeues; its
@@ -364,10 +378,7 @@ fn a_job_whose_rank_is_killed_requeues_itself_and_resumes_to_the_bytes_of_an_uni
             return;
         };
         let label = run.join(" ");
-        let mut threads = Command::new(example("train_lm"));
-        threads.args(lm_args_saving(&cluster.dir, "threads", run, JOB_STEPS));
-        let threads = bounded_output(threads, Duration::from_secs(240));
-        assert!(threads.status.success(), "{label}: {}", text(&threads));
+        uninterrupted_on_threads(&cluster, run);
         let job = lm_job(&cluster, run, 2, 0);
         let start = Instant::now();
         kill_a_rank_after_a_state(&cluster, &job);
@@ -445,10 +456,7 @@ fn a_supervisor_of_srun_restarts_a_step_whose_rank_is_killed_to_the_bytes_of_an_
         return;
     };
     let run = &JOB_RUNS[0];
-    let mut threads = Command::new(example("train_lm"));
-    threads.args(lm_args_saving(&cluster.dir, "threads", run, JOB_STEPS));
-    let threads = bounded_output(threads, Duration::from_secs(240));
-    assert!(threads.status.success(), "{}", text(&threads));
+    uninterrupted_on_threads(&cluster, run);
     let mut sinfo = cluster.command("sinfo");
     sinfo.args(["-h", "-o", "%N"]);
     let node = text(&bounded_output(sinfo, Duration::from_secs(30)))
@@ -513,10 +521,7 @@ fn a_batch_job_with_step_restarts_restarts_its_step_without_a_requeue_to_the_byt
         return;
     };
     let run = &JOB_RUNS[0];
-    let mut threads = Command::new(example("train_lm"));
-    threads.args(lm_args_saving(&cluster.dir, "threads", run, JOB_STEPS));
-    let threads = bounded_output(threads, Duration::from_secs(240));
-    assert!(threads.status.success(), "{}", text(&threads));
+    uninterrupted_on_threads(&cluster, run);
     let job = lm_job(&cluster, run, 2, 2);
     kill_a_rank_after_a_state(&cluster, &job);
     let out = wait_for_the_end(&cluster, &job, Duration::from_secs(240));
