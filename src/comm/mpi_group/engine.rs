@@ -279,6 +279,10 @@ pub(super) fn run(
         // (seen: rank 0 exited while rank 1 was sending its notice). Past
         // the wait, finalizing is what it was before.
         engine.await_everyone_left(LEAVE_WAIT);
+    }
+    // A peer's failure announced during the wait is not finalized over
+    // either.
+    if told && engine.shared.failure().is_none() {
         drop(engine);
         drop(world);
         // `MPI_Finalize`, which waits for the other ranks to finalize
