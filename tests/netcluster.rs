@@ -17,6 +17,14 @@ use std::time::{Duration, Instant};
 
 use common::killing::{bounded_output, example};
 
+/// An empty folder of this test process's for `name`.
+fn fresh_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("{name}_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/netcluster.sh")
 }
@@ -79,8 +87,7 @@ fn train_digits_on_two_simulated_machines_saves_the_same_weights_as_thread_ranks
         return;
     }
     let exe = example("train_digits");
-    let dir = std::env::temp_dir().join(format!("candle_dp_netcluster_{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("candle_dp_netcluster");
     for per_machine in [1, 2] {
         let ranks = 2 * per_machine;
         let save = |name: &str| dir.join(format!("{name}-{ranks}.safetensors"));
@@ -145,8 +152,7 @@ fn a_machine_cut_off_mid_training_ends_every_rank_within_the_timeout_naming_it()
         return;
     }
     let exe = example("train_digits");
-    let dir = std::env::temp_dir().join(format!("candle_dp_partition_{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("candle_dp_partition");
     let chart = dir.join("chart.svg");
     let program = [
         exe.as_os_str(),
@@ -208,8 +214,7 @@ fn the_language_models_stages_on_two_simulated_machines_save_the_bytes_of_stage_
         return;
     }
     let exe = example("train_lm");
-    let dir = std::env::temp_dir().join(format!("candle_dp_netcluster_lm_{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("candle_dp_netcluster_lm");
     let args = |name: &str| -> Vec<std::ffi::OsString> {
         let mut args: Vec<std::ffi::OsString> = [
             "--strategy",
@@ -403,10 +408,7 @@ fn a_job_of_srun_steps_that_loses_a_node_restarts_on_the_other_and_finishes_as_a
 
 /// The lost-machine run through `via`, checked against thread ranks.
 fn elastic_run_losing_machine_2(via: Via) {
-    let dir =
-        std::env::temp_dir().join(format!("candle_dp_elastic_{via:?}_{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir(&format!("candle_dp_elastic_{via:?}"));
     // Three restarts: a start may also fail for a reason of its own (on a
     // fresh machine, once, a rank crashed at its start under srun; the
     // supervisor started it again), and the loss must still be mended.
@@ -507,9 +509,7 @@ fn a_job_left_with_fewer_ranks_than_its_minimum_ends_naming_the_lost_machine() {
         println!("skipped: {why}");
         return;
     }
-    let dir = std::env::temp_dir().join(format!("candle_dp_elastic_min_{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("candle_dp_elastic_min");
     let (output, _) = supervised_lm_losing_machine_2(
         &dir,
         Via::Mpirun,
@@ -541,9 +541,7 @@ fn srun_on_two_simulated_nodes_trains_to_the_bytes_of_thread_ranks() {
     }
     let _one = SLURM.lock().unwrap_or_else(|e| e.into_inner());
     let exe = example("train_lm");
-    let dir = std::env::temp_dir().join(format!("candle_dp_slurm_nodes_{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("candle_dp_slurm_nodes");
     for strategy in ["ddp", "fsdp"] {
         let args = |name: &str| lm_args(&dir, name, 20, strategy);
         let mut threads = Command::new(&exe);
