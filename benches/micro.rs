@@ -1,11 +1,13 @@
 //! Micro-benchmarks: scatter / gather, gradient reduce-add, all-reduce
 //! bandwidth across 2 threads next to a plain memcpy of the same size, and
-//! the candle kernel that decides much of a CPU replica's backward.
+//! the candle kernel that decides much of a CPU replica's backward, and the
+//! fused causal attention against candle's ops at the language model's size.
 //!
 //! ```text
 //! cargo bench --bench micro            # everything
 //! cargo bench --bench micro -- all_reduce
 //! RAYON_NUM_THREADS=1 CANDLE_NUM_THREADS=1 cargo bench --bench micro -- grad_accumulate
+//! cargo bench --features mimalloc --bench micro -- attention
 //! ```
 
 #[cfg(feature = "mimalloc")]
@@ -141,11 +143,52 @@ fn grad_accumulate(c: &mut Criterion) {
     group.finish();
 }
 
+/// One attention layer of the language model (`train_lm`'s defaults: a
+/// batch of 8, 128 positions, width 128 in 4 heads), forward and backward:
+/// `candle_dp::ops::causal_attention` against the same attention in
+/// candle's ops (heads split out, two batched products, the fused causal
+/// softmax between them), as the model computed it before.
+fn attention(c: &mut Criterion) {
+    use candle_core::Var;
+    let mut group = c.benchmark_group("attention");
+    let (batch, t, width, heads) = (8, 128, 128, 4);
+    let qkv = Var::randn(0f32, 1., (batch, t, 3 * width), &Device::Cpu).unwrap();
+    let dy = Tensor::randn(0f32, 1., (batch, t, width), &Device::Cpu).unwrap();
+    let step = |f: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>| {
+        let y = f(qkv.as_tensor()).unwrap();
+        (y * &dy).unwrap().sum_all().unwrap().backward().unwrap()
+    };
+    let composite = |qkv: &Tensor| -> candle_core::Result<Tensor> {
+        let d = width / heads;
+        let part = |k: usize| {
+            qkv.narrow(2, k * width, width)?
+                .reshape((batch, t, heads, d))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+        let scores = q.matmul(&k.t()?.contiguous()?)?;
+        let weights = candle_dp::ops::causal_softmax(&scores, 1.0 / (d as f64).sqrt())?;
+        weights
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((batch, t, width))
+    };
+    group.bench_function("fused_8x128x128_4_heads", |b| {
+        b.iter(|| step(&|x| candle_dp::ops::causal_attention(x, heads)))
+    });
+    group.bench_function("candle_ops_8x128x128_4_heads", |b| {
+        b.iter(|| step(&composite))
+    });
+    group.finish();
+}
+
 criterion_group!(
     benches,
     scatter_gather,
     reduce_add,
     all_reduce,
-    grad_accumulate
+    grad_accumulate,
+    attention
 );
 criterion_main!(benches);

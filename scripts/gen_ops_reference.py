@@ -19,6 +19,10 @@ the op would give without float32's rounding).
   and the logits' gradient.
 - linear: `linear` of a 2 x 5 x 7 input with a 4 x 7 weight and a bias,
   and the gradients of all three.
+- causal_attention: `scaled_dot_product_attention(q, k, v,
+  is_causal=True)` with q, k and v the thirds of a packed 2 x 11 x 24
+  input in 2 heads of 4 (GPT-2's `c_attn` output), the heads put side by
+  side again, and the packed input's gradient.
 
   python3 scripts/gen_ops_reference.py   (PyTorch installed, see
   scripts/requirements-bench.txt)
@@ -116,6 +120,25 @@ def linear_case(dtype):
     return case(torch.nn.functional.linear, ["x", "w", "b"], [x, w, b], dy)
 
 
+def causal_attention_case(dtype):
+    gen = torch.Generator().manual_seed(535)
+    (batch, t, width, heads) = (2, 11, 8, 2)
+    (x, dy) = randn(gen, dtype, (batch, t, 3 * width), (batch, t, width))
+    x = x * 1.5
+
+    def attention(qkv):
+        def split(part):
+            cols = qkv[..., part * width : (part + 1) * width]
+            return cols.reshape(batch, t, heads, width // heads).transpose(1, 2)
+
+        y = torch.nn.functional.scaled_dot_product_attention(
+            split(0), split(1), split(2), is_causal=True
+        )
+        return y.transpose(1, 2).reshape(batch, t, width)
+
+    return case(attention, ["x"], [x], dy, heads=heads)
+
+
 def both(case):
     return {"f32": case(torch.float32), "f64": case(torch.float64)}
 
@@ -129,6 +152,7 @@ def main():
         "causal_softmax": both(causal_softmax_case),
         "cross_entropy": both(cross_entropy_case),
         "linear": both(linear_case),
+        "causal_attention": both(causal_attention_case),
     }
     path = write_fixture("ops_reference.json", out)
     print(f"wrote {path}, torch {torch.__version__}")

@@ -37,7 +37,7 @@ pub struct GptConfig {
     pub layers: usize,
     pub heads: usize,
     /// The fused training ops of `candle_dp::ops` (linear layers, LayerNorm,
-    /// the causal softmax, GELU) instead of candle's composite ones: the
+    /// causal attention, GELU) instead of candle's composite ones: the
     /// same model, a faster step. (The loss: [`lm_loss`] is fused,
     /// [`lm_loss_composite`] not.)
     #[serde(default)]
@@ -192,9 +192,20 @@ impl Block {
     }
 
     fn attention(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (b, t, w) = x.dims3()?;
-        let (h, d) = (self.heads, w / self.heads);
         let qkv = apply(&self.c_attn, x, self.fused_ops)?;
+        let y = match self.fused_ops {
+            true => candle_dp::ops::causal_attention(&qkv, self.heads)?,
+            false => self.attention_composite(&qkv)?,
+        };
+        apply(&self.attn_proj, &y, self.fused_ops)
+    }
+
+    /// Attention in candle's ops: the heads split out, the scaled scores,
+    /// the causal mask, the softmax, the weighted sum of the values.
+    fn attention_composite(&self, qkv: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t, packed) = qkv.dims3()?;
+        let w = packed / 3;
+        let (h, d) = (self.heads, w / self.heads);
         let split = |k: usize| -> candle_core::Result<Tensor> {
             qkv.narrow(2, k * w, w)?
                 .reshape((b, t, h, d))?
@@ -204,16 +215,10 @@ impl Block {
         let (q, k, v) = (split(0)?, split(1)?, split(2)?);
         let scale = 1.0 / (d as f64).sqrt();
         let scores = q.matmul(&k.t()?.contiguous()?)?;
-        let weights = match self.fused_ops {
-            true => candle_dp::ops::causal_softmax(&scores, scale)?,
-            false => {
-                let mask = candle_dp::ops::causal_mask(t, &scores)?;
-                let scores = (scores * scale)?.broadcast_add(&mask)?;
-                candle_nn::ops::softmax(&scores, D::Minus1)?
-            }
-        };
-        let y = weights.matmul(&v)?.transpose(1, 2)?.reshape((b, t, w))?;
-        apply(&self.attn_proj, &y, self.fused_ops)
+        let mask = candle_dp::ops::causal_mask(t, &scores)?;
+        let scores = (scores * scale)?.broadcast_add(&mask)?;
+        let weights = candle_nn::ops::softmax(&scores, D::Minus1)?;
+        weights.matmul(&v)?.transpose(1, 2)?.reshape((b, t, w))
     }
 }
 

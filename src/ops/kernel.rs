@@ -71,6 +71,10 @@ pub(super) trait Float:
     fn tanh(self) -> Self;
     fn ln(self) -> Self;
     fn max(self, other: Self) -> Self;
+    /// `self * a + b` rounded once (a fused multiply-add: one instruction
+    /// where the CPU has it, a slow library call where it does not; see
+    /// its use in the attention's kernels).
+    fn mul_add(self, a: Self, b: Self) -> Self;
 }
 
 /// The parts of [`Float`] that f32 and f64 implement alike: reading and
@@ -102,6 +106,9 @@ macro_rules! float_common {
         }
         fn max(self, other: Self) -> Self {
             <$t>::max(self, other)
+        }
+        fn mul_add(self, a: Self, b: Self) -> Self {
+            <$t>::mul_add(self, a, b)
         }
     };
 }

@@ -16,6 +16,9 @@
 //!   takes about a dozen ops each way.
 //! - [`causal_softmax`]: attention's scale, causal mask and softmax in one
 //!   op; the masked positions are never computed.
+//! - [`causal_attention`]: the whole of causal self-attention (scores,
+//!   mask, softmax, the weighted sum of the values) from the packed
+//!   `q | k | v` projection, without a `T x T` tensor kept or made.
 //! - [`cross_entropy`]: the loss from logits and class indices, without a
 //!   log-softmax tensor kept for the backward.
 //! - [`linear`] and [`bias_add`]: a linear layer over any leading
@@ -28,6 +31,7 @@
 //! and bias gradients, the loss) add the blocks in order: the results are
 //! the same bytes on any number of threads.
 
+mod attention;
 mod cross_entropy;
 mod gelu;
 mod kernel;
@@ -35,6 +39,7 @@ mod layer_norm;
 mod linear;
 mod softmax;
 
+pub use attention::causal_attention;
 pub use cross_entropy::cross_entropy;
 pub use gelu::gelu;
 pub use layer_norm::layer_norm;

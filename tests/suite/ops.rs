@@ -54,6 +54,9 @@ struct Case {
     scale: f64,
     #[serde(default)]
     targets: Vec<u32>,
+    /// Attention's heads.
+    #[serde(default)]
+    heads: usize,
     #[serde(flatten)]
     torch: Outputs,
     exact: Outputs,
@@ -73,6 +76,7 @@ struct Reference {
     causal_softmax: Both,
     cross_entropy: Both,
     linear: Both,
+    causal_attention: Both,
 }
 
 fn reference() -> Reference {
@@ -182,6 +186,13 @@ fn on_case(op: &str, fused: bool, case: &Case, dtype: DType) -> Run {
             };
             values_and_grads(&f, &[(x, shape)], &case.dy, dtype)
         }
+        "causal_attention" => {
+            let f = |t: &[Tensor]| match fused {
+                true => ops::causal_attention(&t[0], case.heads),
+                false => causal_attention_composite(&t[0], case.heads),
+            };
+            values_and_grads(&f, &[(x, shape)], &case.dy, dtype)
+        }
         "linear" => {
             let f: &Op<'_> = if fused { &linear } else { &linear_composite };
             let (o, i) = (b.len(), w.len() / b.len());
@@ -192,12 +203,13 @@ fn on_case(op: &str, fused: bool, case: &Case, dtype: DType) -> Run {
     }
 }
 
-const OPS: [&str; 5] = [
+const OPS: [&str; 6] = [
     "gelu",
     "layer_norm",
     "causal_softmax",
     "cross_entropy",
     "linear",
+    "causal_attention",
 ];
 
 fn cases<'a>(reference: &'a Reference, op: &str) -> &'a Both {
@@ -206,12 +218,14 @@ fn cases<'a>(reference: &'a Reference, op: &str) -> &'a Both {
         "layer_norm" => &reference.layer_norm,
         "causal_softmax" => &reference.causal_softmax,
         "cross_entropy" => &reference.cross_entropy,
+        "causal_attention" => &reference.causal_attention,
         _ => &reference.linear,
     }
 }
 
 /// Every op against PyTorch's (`gelu(approximate="tanh")`, `layer_norm`,
-/// the masked `softmax`, `cross_entropy`, `linear`), value and gradients:
+/// the masked `softmax`, `cross_entropy`, `linear`,
+/// `scaled_dot_product_attention(is_causal=True)`), value and gradients:
 /// f64 within 1e-11 of PyTorch's (LayerNorm's different order of sums
 /// over a row of 37 values at offset 50 is 1.3e-12 apart); f32 equal to PyTorch's f32 up to its
 /// rounding (within 1e-6 of PyTorch's f64 on the same inputs).
@@ -261,7 +275,9 @@ fn fused_ops_equal_candles_composite_ops_in_f32() {
 
 /// Inputs of 1024 x 128 values (f32 values, so that f64 computes on the
 /// same ones) shaped for `op`: attention scores 8 x 128 x 128, logits of
-/// 128 classes, a linear layer of 128 to 96.
+/// 128 classes, a linear layer of 128 to 96; for attention, 4 sequences of
+/// 130 positions (past two of the backward's blocks of 64 queries, not a
+/// whole number of tiles) in 2 heads of 32.
 fn large_case(op: &str) -> Case {
     let (rows, width) = (1024, 128);
     let f32s = |v: Vec<f64>| -> Vec<f64> { v.into_iter().map(|a| a as f32 as f64).collect() };
@@ -287,6 +303,13 @@ fn large_case(op: &str) -> Case {
                 .map(|r| (r * 37 + 11) % width as u32)
                 .collect(),
             dy: vec![1.3],
+            ..case
+        },
+        "causal_attention" => Case {
+            x: f32s(noise(4 * 130 * 3 * 64, 8, 1.5)),
+            shape: vec![4, 130, 3 * 64],
+            dy: f32s(noise(4 * 130 * 64, 9, 1.0)),
+            heads: 2,
             ..case
         },
         "linear" => Case {
@@ -431,6 +454,24 @@ fn causal_softmax_composite(x: &Tensor, scale: f64) -> candle_core::Result<Tenso
     candle_nn::ops::softmax(&(x * scale)?.broadcast_add(&mask)?, candle_core::D::Minus1)
 }
 
+/// Causal attention in candle's ops from a packed `(batch, T, 3 W)`
+/// input: the heads split out, `softmax(q k^T / sqrt(d) + mask) v`, the
+/// heads side by side again.
+fn causal_attention_composite(qkv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+    let (b, t, packed) = qkv.dims3()?;
+    let (w, d) = (packed / 3, packed / 3 / heads);
+    let part = |k: usize| {
+        qkv.narrow(2, k * w, w)?
+            .reshape((b, t, heads, d))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+    let scores = q.matmul(&k.t()?.contiguous()?)?;
+    let weights = causal_softmax_composite(&scores, 1.0 / (d as f64).sqrt())?;
+    weights.matmul(&v)?.transpose(1, 2)?.reshape((b, t, w))
+}
+
 /// Each input's values and shape.
 type Inputs = Vec<(Vec<f64>, Vec<usize>)>;
 
@@ -467,6 +508,12 @@ fn fused_ops_backward_passes_a_finite_difference_check_in_f64() {
             Box::new(move |t: &[Tensor]| ops::cross_entropy(&t[0], &targets(&labels))),
             vec![(logits, vec![6, 9])],
             vec![0.9],
+        ),
+        (
+            "causal attention",
+            Box::new(|t: &[Tensor]| ops::causal_attention(&t[0], 2)),
+            vec![(noise(2 * 5 * 12, 31, 1.5), vec![2, 5, 12])],
+            noise(2 * 5 * 4, 32, 1.0),
         ),
         (
             "linear",
@@ -537,7 +584,14 @@ fn fused_ops_give_the_same_bytes_on_one_thread_and_on_several() {
             DType::F32,
         );
         let gelu = values_and_grads(&|t| ops::gelu(&t[0]), &[(&x, &shape)], &dy, DType::F32);
-        (norm, soft, loss, gelu)
+        // 8 sequences of 128 positions, 2 heads of 32: 16 heads to split.
+        let attention = values_and_grads(
+            &|t| ops::causal_attention(&t[0], 2),
+            &[(&x[..8 * 128 * 192], &[8, 128, 192])],
+            &dy[..8 * 128 * 64],
+            DType::F32,
+        );
+        (norm, soft, loss, gelu, attention)
     };
     let pool = |threads| {
         rayon::ThreadPoolBuilder::new()
@@ -598,6 +652,23 @@ fn fused_ops_fall_back_to_candles_ops_where_they_have_no_kernel() {
             DType::BF16
         )
     );
+    let packed = noise(2 * 4 * 12, 55, 1.5);
+    let packed = [(&packed[..], &[2, 4, 12][..])];
+    let dy = noise(2 * 4 * 4, 56, 1.0);
+    assert_eq!(
+        values_and_grads(
+            &|t| ops::causal_attention(&t[0], 2),
+            &packed,
+            &dy,
+            DType::BF16
+        ),
+        values_and_grads(
+            &|t| causal_attention_composite(&t[0], 2),
+            &packed,
+            &dy,
+            DType::BF16
+        )
+    );
 }
 
 /// Bad input is refused with an error that names it.
@@ -635,6 +706,23 @@ fn fused_ops_refuse_bad_input_naming_it() {
 
     let e = message(ops::causal_softmax(&x, 1.0));
     assert!(e.contains("[3, 4]") && e.contains("T x T"), "{e}");
+
+    let e = message(ops::causal_attention(&x, 1));
+    assert!(
+        e.contains("[3, 4]") && e.contains("(batch, positions"),
+        "{e}"
+    );
+    let packed = Tensor::zeros((2, 3, 24), DType::F32, cpu).unwrap();
+    let e = message(ops::causal_attention(&packed, 3));
+    assert!(
+        e.contains("last dimension of 24") && e.contains("3 head(s)"),
+        "{e}"
+    );
+    let e = message(ops::causal_attention(&packed, 0));
+    assert!(e.contains("0 head(s)"), "{e}");
+    let odd = Tensor::zeros((2, 3, 25), DType::F32, cpu).unwrap();
+    let e = message(ops::causal_attention(&odd, 1));
+    assert!(e.contains("last dimension of 25"), "{e}");
 
     let weight = Tensor::zeros((5, 3), DType::F32, cpu).unwrap();
     let e = message(ops::linear(&x, &weight, None));
