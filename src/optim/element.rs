@@ -32,6 +32,7 @@ pub(crate) trait Element:
 }
 
 impl Element for f32 {
+    #[inline]
     fn fma(self, a: Self, b: Self) -> Self {
         self.mul_add(a, b)
     }
@@ -56,6 +57,7 @@ impl Element for f32 {
 }
 
 impl Element for f64 {
+    #[inline]
     fn fma(self, a: Self, b: Self) -> Self {
         self.mul_add(a, b)
     }

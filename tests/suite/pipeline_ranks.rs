@@ -579,8 +579,16 @@ fn the_language_model_through_the_fabric_on_ranks_trains_to_one_devices_weights_
             let output = output.to_scalar::<f32>().unwrap();
             println!("{label}: weights {weights:.2e}, losses {losses:.2e}, output {output:.2e}");
             assert_eq!(run.1.len(), single.1.len(), "{label}: steps");
+            // The weights within 2e-5: AdamW turns the rounding noise of
+            // the attention's key bias (its gradient is 0 in exact
+            // arithmetic) into steps of about the learning rate, so two
+            // exact computations of the same steps differ by about 1e-5
+            // here. Measured (4 steps, one device): the fused ops against
+            // candle's composite ones 8.5e-6, and candle's ops on a 2 x 2
+            // mesh against one device 6.2e-6 (findings.md, "what 'within
+            // 1e-5' can mean").
             assert!(
-                weights <= 1e-5 && losses <= 1e-5 && output <= 1e-4,
+                weights <= 2e-5 && losses <= 1e-5 && output <= 1e-4,
                 "{label}: weights {weights:.2e}, losses {losses:.2e}, output {output:.2e}\n{}",
                 diff_report(&run.0, &single.0)
             );
