@@ -94,15 +94,24 @@ fn forward<T: Float>(x: &[T], w: &[T], b: &[T], eps: f64) -> Vec<T> {
         .zip(out.chunks_mut(BLOCK_ROWS * width))
         .collect();
     each_item(items, x.len(), |(rows, outs)| {
-        for (row, out) in rows.chunks(width).zip(outs.chunks_mut(width)) {
-            let (mean, std) = moments(row, eps);
-            for (j, o) in out.iter_mut().enumerate() {
-                let xhat = (row[j].to_f64() - mean) / std;
-                *o = T::of(xhat * w[j].to_f64() + b[j].to_f64());
-            }
-        }
+        forward_rows(rows, outs, (w, b), eps)
     });
     out
+}
+
+/// [`forward`] on a block of rows. Compiled for AVX2 as well, picked at
+/// run time (the same bits): as a closure inside [`each_item`] the
+/// compiler kept it apart from the vector clone.
+#[multiversion::multiversion(targets("x86_64+avx2"))]
+fn forward_rows<T: Float>(rows: &[T], outs: &mut [T], (w, b): (&[T], &[T]), eps: f64) {
+    let width = w.len().max(1);
+    for (row, out) in rows.chunks(width).zip(outs.chunks_mut(width)) {
+        let (mean, std) = moments(row, eps);
+        for (j, o) in out.iter_mut().enumerate() {
+            let xhat = (row[j].to_f64() - mean) / std;
+            *o = T::of(xhat * w[j].to_f64() + b[j].to_f64());
+        }
+    }
 }
 
 /// With `xhat = (x - mean) / std` and `g = dy * w`: `dx = (g - mean(g) -
@@ -111,7 +120,6 @@ fn forward<T: Float>(x: &[T], w: &[T], b: &[T], eps: f64) -> Vec<T> {
 /// block order.
 fn backward<T: Float>(x: &[T], w: &[T], dy: &[T], eps: f64) -> Vec<T> {
     let width = w.len().max(1);
-    let n = width as f64;
     // dx, then dw, then db, in one buffer (no copy to append the sums).
     let mut out = vec![T::of(0.0); x.len() + 2 * width];
     let (dx, sums) = out.split_at_mut(x.len());
@@ -124,34 +132,49 @@ fn backward<T: Float>(x: &[T], w: &[T], dy: &[T], eps: f64) -> Vec<T> {
         .zip(partials.chunks_mut(2 * width))
         .collect();
     each_item(items, x.len(), |(((xs, dys), dxs), partial)| {
-        let (dw, db) = partial.split_at_mut(width);
-        for ((row, dy), dx) in xs
-            .chunks(width)
-            .zip(dys.chunks(width))
-            .zip(dxs.chunks_mut(width))
-        {
-            let (mean, std) = moments(row, eps);
-            let (mut mean_g, mut mean_g_xhat) = (0f64, 0f64);
-            for j in 0..width {
-                let (xhat, dy) = ((row[j].to_f64() - mean) / std, dy[j].to_f64());
-                let g = dy * w[j].to_f64();
-                mean_g += g;
-                mean_g_xhat += g * xhat;
-                dw[j] += dy * xhat;
-                db[j] += dy;
-            }
-            let (mean_g, mean_g_xhat) = (mean_g / n, mean_g_xhat / n);
-            for j in 0..width {
-                let xhat = (row[j].to_f64() - mean) / std;
-                let g = dy[j].to_f64() * w[j].to_f64();
-                dx[j] = T::of((g - mean_g - xhat * mean_g_xhat) / std);
-            }
-        }
+        backward_rows((xs, dys, w), dxs, partial, eps);
     });
     for (slot, sum) in sums.iter_mut().zip(add_blocks(&partials, 2 * width)) {
         *slot = T::of(sum);
     }
     out
+}
+
+/// [`backward`] on a block of rows: their `dx`, and their sums of `dw` and
+/// `db` added into `partial` (`dw` then `db`). Compiled for AVX2 as well,
+/// as [`forward_rows`].
+#[multiversion::multiversion(targets("x86_64+avx2"))]
+fn backward_rows<T: Float>(
+    (xs, dys, w): (&[T], &[T], &[T]),
+    dxs: &mut [T],
+    partial: &mut [f64],
+    eps: f64,
+) {
+    let width = w.len().max(1);
+    let n = width as f64;
+    let (dw, db) = partial.split_at_mut(width);
+    for ((row, dy), dx) in xs
+        .chunks(width)
+        .zip(dys.chunks(width))
+        .zip(dxs.chunks_mut(width))
+    {
+        let (mean, std) = moments(row, eps);
+        let (mut mean_g, mut mean_g_xhat) = (0f64, 0f64);
+        for j in 0..width {
+            let (xhat, dy) = ((row[j].to_f64() - mean) / std, dy[j].to_f64());
+            let g = dy * w[j].to_f64();
+            mean_g += g;
+            mean_g_xhat += g * xhat;
+            dw[j] += dy * xhat;
+            db[j] += dy;
+        }
+        let (mean_g, mean_g_xhat) = (mean_g / n, mean_g_xhat / n);
+        for j in 0..width {
+            let xhat = (row[j].to_f64() - mean) / std;
+            let g = dy[j].to_f64() * w[j].to_f64();
+            dx[j] = T::of((g - mean_g - xhat * mean_g_xhat) / std);
+        }
+    }
 }
 
 impl CustomOp3 for LayerNorm {
