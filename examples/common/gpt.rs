@@ -22,7 +22,7 @@
 //! backward). No dropout. Initialisation as GPT-2: weights N(0, 0.02)
 //! (the residual projections N(0, 0.02 / sqrt(2 layers))), biases 0, norms 1.
 
-use candle_core::{DType, Module, ModuleT, Tensor, D};
+use candle_core::{DType, Module, ModuleT, Tensor};
 use candle_dp::pipeline::{layer, LayerFactory};
 use candle_nn::{Init, Linear, VarBuilder};
 
@@ -195,30 +195,9 @@ impl Block {
         let qkv = apply(&self.c_attn, x, self.fused_ops)?;
         let y = match self.fused_ops {
             true => candle_dp::ops::causal_attention(&qkv, self.heads)?,
-            false => self.attention_composite(&qkv)?,
+            false => candle_dp::ops::causal_attention_unfused(&qkv, self.heads)?,
         };
         apply(&self.attn_proj, &y, self.fused_ops)
-    }
-
-    /// Attention in candle's ops: the heads split out, the scaled scores,
-    /// the causal mask, the softmax, the weighted sum of the values.
-    fn attention_composite(&self, qkv: &Tensor) -> candle_core::Result<Tensor> {
-        let (b, t, packed) = qkv.dims3()?;
-        let w = packed / 3;
-        let (h, d) = (self.heads, w / self.heads);
-        let split = |k: usize| -> candle_core::Result<Tensor> {
-            qkv.narrow(2, k * w, w)?
-                .reshape((b, t, h, d))?
-                .transpose(1, 2)?
-                .contiguous()
-        };
-        let (q, k, v) = (split(0)?, split(1)?, split(2)?);
-        let scale = 1.0 / (d as f64).sqrt();
-        let scores = q.matmul(&k.t()?.contiguous()?)?;
-        let mask = candle_dp::ops::causal_mask(t, &scores)?;
-        let scores = (scores * scale)?.broadcast_add(&mask)?;
-        let weights = candle_nn::ops::softmax(&scores, D::Minus1)?;
-        weights.matmul(&v)?.transpose(1, 2)?.reshape((b, t, w))
     }
 }
 

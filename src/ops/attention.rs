@@ -29,8 +29,7 @@ use super::kernel::{each_item, per_float, Float};
 /// (FlashAttention's scheme; the masked half of the scores is never
 /// computed). The products run in register tiles, compiled for AVX2 and
 /// FMA as well and picked at run time where the CPU has them. Elsewhere
-/// (CUDA, bf16/f16) it is candle's ops: the split into heads, two batched
-/// matrix products and [`causal_softmax`](super::causal_softmax).
+/// (CUDA, bf16/f16) it is candle's ops, [`causal_attention_unfused`].
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -50,13 +49,13 @@ use super::kernel::{each_item, per_float, Float};
 /// An input that is not `(batch, T, 3 W)` with `W` a multiple of `heads`,
 /// or no heads.
 pub fn causal_attention(qkv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
-    let shape = Heads::of(qkv.dims(), heads)?;
+    Heads::of(qkv.dims(), heads)?;
     match (qkv.device().is_cpu(), qkv.dtype()) {
         (true, DType::F32 | DType::F64) => qkv.contiguous()?.apply_op1(CausalAttention {
             heads,
             stats: Mutex::new(None),
         }),
-        _ => composite(qkv, shape),
+        _ => causal_attention_unfused(qkv, heads),
     }
 }
 
@@ -105,9 +104,17 @@ impl Heads {
     }
 }
 
-/// candle's ops: the heads split out, `softmax(q k^T scale + mask) v`,
-/// the heads put side by side again.
-fn composite(qkv: &Tensor, s: Heads) -> candle_core::Result<Tensor> {
+/// [`causal_attention`] in candle's ops alone, on any device and dtype:
+/// the heads split out, `softmax(q k^T / sqrt(d) + mask) v` (the mask of
+/// [`causal_mask`](super::causal_mask) added, candle-nn's softmax), the
+/// heads side by side again. What the fused op falls back to where it has
+/// no kernel, and what it is checked and measured against.
+///
+/// # Errors
+///
+/// As [`causal_attention`]'s.
+pub fn causal_attention_unfused(qkv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+    let s = Heads::of(qkv.dims(), heads)?;
     let part = |k: usize| -> candle_core::Result<Tensor> {
         qkv.narrow(2, k * s.width, s.width)?
             .reshape((s.batch, s.t, s.heads, s.d))?
@@ -115,15 +122,16 @@ fn composite(qkv: &Tensor, s: Heads) -> candle_core::Result<Tensor> {
             .contiguous()
     };
     let (q, k, v) = (part(0)?, part(1)?, part(2)?);
-    let scores = q.matmul(&k.t()?.contiguous()?)?;
-    let weights = super::causal_softmax(&scores, s.scale())?;
+    let scores = (q.matmul(&k.t()?.contiguous()?)? * s.scale())?;
+    let masked = scores.broadcast_add(&super::causal_mask(s.t, &scores)?)?;
+    let weights = candle_nn::ops::softmax(&masked, candle_core::D::Minus1)?;
     weights
         .matmul(&v)?
         .transpose(1, 2)?
         .reshape((s.batch, s.t, s.width))
 }
 
-/// The forward op. It keeps each query's [`Stats`] (`batch x heads x T`
+/// The forward op. It keeps each query's [`STATS`] (`batch x heads x T`
 /// pairs, as storage of the input's dtype) for its backward: candle's
 /// `CustomOp1` has one output, and the statistics belong to this
 /// application of the op alone (a new one is made for every call).

@@ -39,7 +39,7 @@ mod layer_norm;
 mod linear;
 mod softmax;
 
-pub use attention::causal_attention;
+pub use attention::{causal_attention, causal_attention_unfused};
 pub use cross_entropy::cross_entropy;
 pub use gelu::gelu;
 pub use layer_norm::layer_norm;

@@ -189,7 +189,7 @@ fn on_case(op: &str, fused: bool, case: &Case, dtype: DType) -> Run {
         "causal_attention" => {
             let f = |t: &[Tensor]| match fused {
                 true => ops::causal_attention(&t[0], case.heads),
-                false => causal_attention_composite(&t[0], case.heads),
+                false => ops::causal_attention_unfused(&t[0], case.heads),
             };
             values_and_grads(&f, &[(x, shape)], &case.dy, dtype)
         }
@@ -454,24 +454,6 @@ fn causal_softmax_composite(x: &Tensor, scale: f64) -> candle_core::Result<Tenso
     candle_nn::ops::softmax(&(x * scale)?.broadcast_add(&mask)?, candle_core::D::Minus1)
 }
 
-/// Causal attention in candle's ops from a packed `(batch, T, 3 W)`
-/// input: the heads split out, `softmax(q k^T / sqrt(d) + mask) v`, the
-/// heads side by side again.
-fn causal_attention_composite(qkv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
-    let (b, t, packed) = qkv.dims3()?;
-    let (w, d) = (packed / 3, packed / 3 / heads);
-    let part = |k: usize| {
-        qkv.narrow(2, k * w, w)?
-            .reshape((b, t, heads, d))?
-            .transpose(1, 2)?
-            .contiguous()
-    };
-    let (q, k, v) = (part(0)?, part(1)?, part(2)?);
-    let scores = q.matmul(&k.t()?.contiguous()?)?;
-    let weights = causal_softmax_composite(&scores, 1.0 / (d as f64).sqrt())?;
-    weights.matmul(&v)?.transpose(1, 2)?.reshape((b, t, w))
-}
-
 /// Each input's values and shape.
 type Inputs = Vec<(Vec<f64>, Vec<usize>)>;
 
@@ -663,7 +645,7 @@ fn fused_ops_fall_back_to_candles_ops_where_they_have_no_kernel() {
             DType::BF16
         ),
         values_and_grads(
-            &|t| causal_attention_composite(&t[0], 2),
+            &|t| ops::causal_attention_unfused(&t[0], 2),
             &packed,
             &dy,
             DType::BF16
