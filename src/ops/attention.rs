@@ -258,30 +258,15 @@ fn step<T: Float>(acc: &mut [[T; LANES]; ROWS], xs: [T; ROWS], b: &[T], fma: boo
     }
 }
 
-/// One head of one sequence, gathered from the packed input: `q`, `k` and
-/// `v` (`T x d`, padded) and `kt`, `vt` transposed (`d x T`).
-struct Head<T> {
-    q: Matrix<T>,
-    k: Matrix<T>,
-    v: Matrix<T>,
-    kt: Matrix<T>,
-    vt: Matrix<T>,
-}
-
-impl<T: Float> Head<T> {
-    fn gather(qkv: &[T], s: Heads, b: usize, h: usize) -> Self {
-        let part = |part: usize| -> Matrix<T> {
-            let mut m = Matrix::zeros(s.t, s.d);
-            for i in 0..s.t {
-                let at = s.packed_at(part, b, h, i);
-                m.row_mut(i)[..s.d].copy_from_slice(&qkv[at..at + s.d]);
-            }
-            m
-        };
-        let (q, k, v) = (part(0), part(1), part(2));
-        let (kt, vt) = (k.transposed(s.t, s.d), v.transposed(s.t, s.d));
-        Self { q, k, v, kt, vt }
+/// One head's `T x d` queries (`part` 0), keys (1) or values (2) of one
+/// sequence, gathered from the packed input, padded.
+fn head_part<T: Float>(qkv: &[T], s: Heads, (b, h): (usize, usize), part: usize) -> Matrix<T> {
+    let mut m = Matrix::zeros(s.t, s.d);
+    for i in 0..s.t {
+        let at = s.packed_at(part, b, h, i);
+        m.row_mut(i)[..s.d].copy_from_slice(&qkv[at..at + s.d]);
     }
+    m
 }
 
 /// This head's `T x d` rows of a `(batch, T, W)` tensor (an output or its
@@ -311,7 +296,12 @@ const STATS: usize = 2;
 /// queries at a time: their scores against the keys they see, the
 /// softmax, the weighted sum of the values.
 #[multiversion::multiversion(targets("x86_64+avx2+fma"))]
-fn head_forward<T: Float>(head: &Head<T>, s: Heads, out: &mut [T], stats: &mut [T]) {
+fn head_forward<T: Float>(
+    (q, kt, v): (&Matrix<T>, &Matrix<T>, &Matrix<T>),
+    s: Heads,
+    out: &mut [T],
+    stats: &mut [T],
+) {
     let (t, d, scale) = (s.t, s.d, T::of(s.scale()));
     let fma = multiversion::target::target_cfg_f!(target_feature = "fma");
     let mut p = Matrix::zeros(ROWS, t);
@@ -319,7 +309,7 @@ fn head_forward<T: Float>(head: &Head<T>, s: Heads, out: &mut [T], stats: &mut [
         // The keys the last of these queries sees.
         let n = (i0 + ROWS).min(t);
         for jb in (0..n).step_by(LANES) {
-            let scores = tile((&head.q, Read::Rows, i0, 0), (&head.kt, 0, jb), d, fma);
+            let scores = tile((q, Read::Rows, i0, 0), (kt, 0, jb), d, fma);
             for (r, scores) in scores.iter().enumerate() {
                 p.row_mut(r)[jb..jb + LANES].copy_from_slice(scores);
             }
@@ -339,7 +329,7 @@ fn head_forward<T: Float>(head: &Head<T>, s: Heads, out: &mut [T], stats: &mut [
             stats[STATS * i..STATS * (i + 1)].copy_from_slice(&[max, *sum]);
         }
         for cb in (0..d).step_by(LANES) {
-            let values = tile((&p, Read::Rows, 0, 0), (&head.v, 0, cb), n, fma);
+            let values = tile((&p, Read::Rows, 0, 0), (v, 0, cb), n, fma);
             for (r, (values, &sum)) in values.iter().zip(&sums).enumerate() {
                 let i = i0 + r;
                 if i < t {
@@ -370,7 +360,7 @@ const QUERY_BLOCK: usize = 64;
 /// backward sums over the weights too: 3.5e-7).
 #[multiversion::multiversion(targets("x86_64+avx2+fma"))]
 fn head_backward<T: Float>(
-    head: &Head<T>,
+    (q, k, kt, vt): (&Matrix<T>, &Matrix<T>, &Matrix<T>, &Matrix<T>),
     s: Heads,
     (dout, stats): (&Matrix<T>, &[T]),
     grads: &mut [T],
@@ -385,13 +375,8 @@ fn head_backward<T: Float>(
         for i0 in (0..here).step_by(ROWS) {
             let n = (blk + i0 + ROWS).min(t);
             for jb in (0..n).step_by(LANES) {
-                let scores = tile(
-                    (&head.q, Read::Rows, blk + i0, 0),
-                    (&head.kt, 0, jb),
-                    d,
-                    fma,
-                );
-                let dp = tile((dout, Read::Rows, blk + i0, 0), (&head.vt, 0, jb), d, fma);
+                let scores = tile((q, Read::Rows, blk + i0, 0), (kt, 0, jb), d, fma);
+                let dp = tile((dout, Read::Rows, blk + i0, 0), (vt, 0, jb), d, fma);
                 for r in 0..ROWS {
                     let i = blk + i0 + r;
                     if i >= t {
@@ -419,7 +404,7 @@ fn head_backward<T: Float>(
                     .for_each(|(g, &w)| *g = w * (*g - delta) * scale);
             }
             for cb in (0..d).step_by(LANES) {
-                let grad = tile((&ds, Read::Rows, i0, 0), (&head.k, 0, cb), n, fma);
+                let grad = tile((&ds, Read::Rows, i0, 0), (k, 0, cb), n, fma);
                 for (r, grad) in grad.iter().enumerate() {
                     let i = blk + i0 + r;
                     if i < t {
@@ -443,7 +428,7 @@ fn head_backward<T: Float>(
                 );
                 let grad_k = tile(
                     (&ds, Read::Columns, j0, from),
-                    (&head.q, blk + from, cb),
+                    (q, blk + from, cb),
                     len,
                     fma,
                 );
@@ -478,7 +463,11 @@ fn forward<T: Float>(qkv: &[T], s: Heads) -> (Vec<T>, Vec<T>) {
         .collect();
     each_item(items, work(s), |(n, (out, stats))| {
         let (b, h) = (n / s.heads, n % s.heads);
-        head_forward(&Head::gather(qkv, s, b, h), s, out, stats);
+        // What the forward reads: q, k transposed (`d x T`, so that the
+        // tiles run along keys), v.
+        let part = |p| head_part(qkv, s, (b, h), p);
+        let kt = part(1).transposed(t, d);
+        head_forward((&part(0), &kt, &part(2)), s, out, stats);
     });
     let mut y = vec![T::of(0.0); s.batch * t * s.width];
     for (n, slot) in slots.chunks(t * d).enumerate() {
@@ -500,7 +489,11 @@ fn backward<T: Float>(qkv: &[T], dy: &[T], stats: &[T], s: Heads) -> Vec<T> {
         let (b, h) = (n / s.heads, n % s.heads);
         let dout = head_rows(dy, s, b, h);
         let stats = &stats[n * t * STATS..(n + 1) * t * STATS];
-        head_backward(&Head::gather(qkv, s, b, h), s, (&dout, stats), grads);
+        // What the backward reads: q, k, and k and v transposed.
+        let part = |p| head_part(qkv, s, (b, h), p);
+        let (k, vt) = (part(1), part(2).transposed(t, d));
+        let kt = k.transposed(t, d);
+        head_backward((&part(0), &k, &kt, &vt), s, (&dout, stats), grads);
     });
     let mut dqkv = vec![T::of(0.0); qkv.len()];
     for (n, slot) in slots.chunks(3 * t * d).enumerate() {
