@@ -47,7 +47,7 @@ use super::kernel::{each_item, per_float, Float};
 /// # Errors
 ///
 /// An input that is not `(batch, T, 3 W)` with `W` a multiple of `heads`,
-/// or no heads.
+/// no heads, or no positions or columns (`T` or `W` 0).
 pub fn causal_attention(qkv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
     Heads::of(qkv.dims(), heads)?;
     match (qkv.device().is_cpu(), qkv.dtype()) {
@@ -84,6 +84,11 @@ impl Heads {
             );
         }
         let width = packed / 3;
+        if t == 0 || width == 0 {
+            candle_core::bail!(
+                "causal attention: an input of shape {dims:?} has no positions or no columns"
+            );
+        }
         Ok(Self {
             batch,
             t,

@@ -705,6 +705,14 @@ fn fused_ops_refuse_bad_input_naming_it() {
     let odd = Tensor::zeros((2, 3, 25), DType::F32, cpu).unwrap();
     let e = message(ops::causal_attention(&odd, 1));
     assert!(e.contains("last dimension of 25"), "{e}");
+    for empty in [(2, 0, 24), (2, 3, 0)] {
+        let empty = Tensor::zeros(empty, DType::F32, cpu).unwrap();
+        let e = message(ops::causal_attention(&empty, 1));
+        assert!(e.contains("no positions or no columns"), "{e}");
+    }
+    // No sequences is not an error: nothing to attend, an empty output.
+    let none = Tensor::zeros((0, 3, 24), DType::F32, cpu).unwrap();
+    assert_eq!(ops::causal_attention(&none, 2).unwrap().dims(), &[0, 3, 8]);
 
     let weight = Tensor::zeros((5, 3), DType::F32, cpu).unwrap();
     let e = message(ops::linear(&x, &weight, None));
