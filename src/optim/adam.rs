@@ -9,7 +9,8 @@ use candle_core::{Tensor, Var};
 use candle_nn::{Optimizer, VarMap};
 
 use super::element::{
-    device_state, host_values, step_each, typed, write_back, Buffer, Element, PerParameter,
+    device_state, host_values, step_each, typed, update_each, write_back, Buffer, Element,
+    PerParameter,
 };
 use super::groups::{param_groups, GroupSettings, Groups};
 use super::state::{
@@ -327,31 +328,6 @@ impl AdamCore {
     }
 }
 
-/// The moments' update over a parameter's elements, as ATen computes it:
-/// `exp_avg.lerp_(g, w = 1 - beta1)` (its vectorised lerp, two forms) and
-/// `exp_avg_sq.mul_(beta2).addcmul_(g, g, value=rest = 1 - beta2)` (its addcmul
-/// kernel, `v + (value * g) * g`, is compiled into a fused multiply-add:
-/// measured, a plain add differs from PyTorch by an ulp here and there).
-///
-/// Compiled for FMA as well, picked at run time: there each `fma` is one
-/// instruction instead of a library call (`fmaf`, 3.3% of the language
-/// model's DDP step), with the same bits either way.
-#[multiversion::multiversion(targets("x86_64+fma"))]
-fn moments<T: Element>(m: &mut [T], v: &mut [T], g: &[T], (w, beta2, rest): (T, T, T)) {
-    let small = w < T::of(0.5) && -w < T::of(0.5);
-    for (m, &g) in m.iter_mut().zip(g) {
-        let diff = g - *m;
-        *m = if small {
-            w.fma(diff, *m)
-        } else {
-            (w - T::of(1.0)).fma(diff, g)
-        };
-    }
-    for (v, &g) in v.iter_mut().zip(g) {
-        *v = (rest * g).fma(g, *v * beta2);
-    }
-}
-
 impl PerParameter for AdamCore {
     fn params(&self) -> &[(String, Var)] {
         &self.params
@@ -379,7 +355,7 @@ impl PerParameter for AdamCore {
                 p.iter_mut().for_each(|p| *p *= keep);
             } else {
                 let wd = T::of(c.weight_decay);
-                g.iter_mut().zip(&p).for_each(|(g, &p)| *g = p.fma(wd, *g));
+                update_each(&mut g, &p, |g, p| p.fma(wd, g));
             }
         }
         let Moments {
@@ -390,8 +366,18 @@ impl PerParameter for AdamCore {
         } = state;
         let m = typed::<T>(exp_avg, name, "exp_avg")?;
         let v = typed::<T>(exp_avg_sq, name, "exp_avg_sq")?;
-        let (w, beta2, rest) = (T::of(1.0 - c.beta1), T::of(c.beta2), T::of(1.0 - c.beta2));
-        moments(m, v, &g, (w, beta2, rest));
+        // exp_avg.lerp_(g, 1 - beta1): ATen's vectorised lerp, two forms.
+        let w = T::of(1.0 - c.beta1);
+        match w < T::of(0.5) && -w < T::of(0.5) {
+            true => update_each(m, &g, |m, g| w.fma(g - m, m)),
+            false => update_each(m, &g, |m, g| (w - T::of(1.0)).fma(g - m, g)),
+        }
+        // exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2): ATen's
+        // addcmul kernel, `v + (value * g) * g`, is compiled into a fused
+        // multiply-add (measured: a plain add differs from PyTorch by an
+        // ulp here and there).
+        let (beta2, rest) = (T::of(c.beta2), T::of(1.0 - c.beta2));
+        update_each(v, &g, |v, g| (rest * g).fma(g, v * beta2));
         let step_size = c.lr / (1.0 - c.beta1.powf(*step));
         let bc2_sqrt = T::of((1.0 - c.beta2.powf(*step)).powf(0.5));
         let (eps, minus_step) = (T::of(c.eps), T::of(-step_size));

@@ -31,6 +31,18 @@ pub(crate) trait Element:
     fn into_buffer(values: Vec<Self>) -> Buffer;
 }
 
+/// `x = f(x, y)` for every `x` of `xs` and its `y` of `ys`: the
+/// optimizers' element loops. Compiled for FMA as well, picked at run time:
+/// there each [`Element::fma`] in `f` is one instruction instead of a call
+/// to libm's software `fmaf` (3.3% of the language model's DDP step in
+/// AdamW's moments), with the same bits either way (both round once).
+#[multiversion::multiversion(targets("x86_64+fma"))]
+pub(crate) fn update_each<T: Element, F: Fn(T, T) -> T>(xs: &mut [T], ys: &[T], f: F) {
+    for (x, &y) in xs.iter_mut().zip(ys) {
+        *x = f(*x, y);
+    }
+}
+
 impl Element for f32 {
     #[inline]
     fn fma(self, a: Self, b: Self) -> Self {

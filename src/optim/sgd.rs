@@ -8,7 +8,8 @@ use candle_core::Var;
 use candle_nn::{Optimizer, VarMap};
 
 use super::element::{
-    device_state, host_values, step_each, typed, write_back, Buffer, Element, PerParameter,
+    device_state, host_values, step_each, typed, update_each, write_back, Buffer, Element,
+    PerParameter,
 };
 use super::groups::{param_groups, GroupSettings, Groups};
 use super::state::{
@@ -209,7 +210,7 @@ impl PerParameter for Sgd {
         }
         if c.weight_decay != 0.0 {
             let wd = T::of(c.weight_decay);
-            g.iter_mut().zip(&p).for_each(|(g, &p)| *g = p.fma(wd, *g));
+            update_each(&mut g, &p, |g, p| p.fma(wd, g));
         }
         if c.momentum != 0.0 {
             let mu = T::of(c.momentum);
@@ -218,25 +219,19 @@ impl PerParameter for Sgd {
                 slot @ None => slot.insert(T::into_buffer(g.clone())),
                 Some(buffer) => {
                     let b = typed::<T>(buffer, name, "momentum_buffer")?;
-                    b.iter_mut()
-                        .zip(&g)
-                        .for_each(|(b, &g)| *b = g.fma(keep, *b * mu));
+                    update_each(b, &g, |b, g| g.fma(keep, b * mu));
                     buffer
                 }
             };
             let b = typed::<T>(buf, name, "momentum_buffer")?;
             if c.nesterov {
-                g.iter_mut()
-                    .zip(b.iter())
-                    .for_each(|(g, &b)| *g = b.fma(mu, *g));
+                update_each(&mut g, b, |g, b| b.fma(mu, g));
             } else {
                 g.clone_from(b);
             }
         }
         let minus_lr = T::of(-c.lr);
-        p.iter_mut()
-            .zip(&g)
-            .for_each(|(p, &g)| *p = g.fma(minus_lr, *p));
+        update_each(&mut p, &g, |p, g| g.fma(minus_lr, p));
         write_back(var, p)
     }
 
