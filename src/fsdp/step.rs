@@ -301,10 +301,10 @@ impl FullyShardedDataParallel {
     {
         let n = self.factories.len();
         let last = n - 1;
-        let reshard = self.config.reshard_after_forward;
+        let recomputes = (0..n).any(|k| !self.kept_after_forward(k));
         self.sync_buffers()?;
         // The buffers as the forward finds them, for the recomputations.
-        let before = match reshard && !self.buffers.is_empty() {
+        let before = match recomputes && !self.buffers.is_empty() {
             true => self
                 .buffers
                 .iter()
@@ -318,7 +318,7 @@ impl FullyShardedDataParallel {
         let mut kept: Vec<Option<UnitRun>> = Vec::with_capacity(n);
         let mut saved: Vec<Option<(Tensor, Fingerprint)>> = Vec::with_capacity(n);
         self.forward_units(x, true, &mut held, |k, input, run, held| {
-            if k == last || !reshard {
+            if self.kept_after_forward(k) {
                 kept.push(Some(run));
                 saved.push(None);
             } else {
@@ -434,6 +434,19 @@ impl FullyShardedDataParallel {
             grads: store,
             without_grad: without,
         })
+    }
+
+    /// Whether unit `k` keeps its gathered parameters and graph from its
+    /// forward to its backward (no recomputation). Every unit does without
+    /// [`reshard_after_forward`](super::FsdpConfig::reshard_after_forward);
+    /// with it, the last two still do. The last unit's backward comes
+    /// right after its forward. The one before would be gathered again at
+    /// once (during the last one's backward, with prefetch): keeping it
+    /// holds no more whole parameters at a time than the walk does anyway,
+    /// only its activations besides, and saves its recomputation
+    /// (torchtitan keeps the last transformer block for this reason).
+    fn kept_after_forward(&self, k: usize) -> bool {
+        !self.config.reshard_after_forward || k + 2 >= self.factories.len()
     }
 
     /// With mixed precision, a floating-point input in the compute dtype.

@@ -289,26 +289,30 @@ fn the_language_model_with_its_tied_head_trains_to_the_bytes_of_ddp() {
 /// A unit that draws random numbers gives another output when recomputed:
 /// resharded, the step fails naming the unit on every rank (the group is
 /// failed: the others' collectives of the step cannot all come), and the
-/// pieces are as before; kept (no reshard), it trains.
+/// pieces are as before; kept (no reshard), it trains. So does it as the
+/// unit before the last, which is kept even with resharding (never
+/// recomputed).
 #[test]
 fn a_random_unit_recomputed_for_the_backward_fails_the_step_named() {
     // Bounded: a hang fails the test instead of stalling CI.
     within(60, || {
-        fn noisy_units() -> Vec<LayerFactory> {
-            vec![
+        fn noisy_units(dropout_at: usize) -> Vec<LayerFactory> {
+            let mut units = vec![
                 layer(|vb| linear(6, 8, vb.pp("a"))),
-                layer(|_| Ok(candle_nn::Dropout::new(0.5))),
-                layer(|vb| linear(8, 5, vb.pp("b"))),
-            ]
+                layer(|vb| linear(8, 8, vb.pp("b"))),
+                layer(|vb| linear(8, 5, vb.pp("c"))),
+            ];
+            units.insert(dropout_at, layer(|_| Ok(candle_nn::Dropout::new(0.5))));
+            units
         }
-        let run = |pg: Arc<dyn ProcessGroup>, reshard: bool| {
+        let run = |pg: Arc<dyn ProcessGroup>, dropout_at: usize, reshard: bool| {
             let varmap = VarMap::new();
             let mut fsdp = FullyShardedDataParallel::from_units(
                 pg.clone(),
                 &varmap,
                 DType::F32,
                 &Device::Cpu,
-                noisy_units(),
+                noisy_units(dropout_at),
                 FsdpConfig {
                     reshard_after_forward: reshard,
                     ..Default::default()
@@ -328,25 +332,29 @@ fn a_random_unit_recomputed_for_the_backward_fails_the_step_named() {
                 identical(&before, &snapshot(&varmap)),
             )
         };
-        for reshard in [true, false] {
+        // (where the Dropout is of 4 units, resharded, recomputed)
+        for (dropout_at, reshard, recomputed) in
+            [(1, true, true), (1, false, false), (2, true, false)]
+        {
             let ranks = ThreadGroup::with_options(2, bounded());
             let outcomes: Vec<_> = std::thread::scope(|s| {
                 let handles: Vec<_> = ranks
                     .into_iter()
-                    .map(|pg| s.spawn(move || run(Arc::new(pg), reshard)))
+                    .map(|pg| s.spawn(move || run(Arc::new(pg), dropout_at, reshard)))
                     .collect();
                 handles.into_iter().map(|h| h.join().unwrap()).collect()
             });
             for (rank, (result, unchanged)) in outcomes.into_iter().enumerate() {
-                if reshard {
-                    let message = result.expect_err("a resharded Dropout must fail");
+                let case = format!("rank {rank}, the Dropout unit {dropout_at}, reshard {reshard}");
+                if recomputed {
+                    let message = result.expect_err("a recomputed Dropout must fail");
                     assert!(
                         message.contains("Dropout") || message.contains("failed"),
-                        "{message}"
+                        "{case}: {message}"
                     );
-                    assert!(unchanged, "rank {rank}");
+                    assert!(unchanged, "{case}");
                 } else {
-                    assert!(result.is_ok(), "rank {rank}: {result:?}");
+                    assert!(result.is_ok(), "{case}: {result:?}");
                 }
             }
         }
