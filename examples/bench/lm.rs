@@ -64,6 +64,11 @@ pub struct LmSpec {
     /// it), with 4 micro-batches.
     #[serde(default)]
     pub stages: Option<usize>,
+    /// `fsdp`: keep each unit's gathered parameters and graph from its
+    /// forward to its backward (`false`: no recomputation) rather than the
+    /// default, resharding after the forward.
+    #[serde(default)]
+    pub reshard_after_forward: Option<bool>,
 }
 
 /// What one run measured: rank 0's step times, and with
@@ -112,6 +117,7 @@ pub fn run_child(spec: &LmSpec) -> Result<LmMeasured> {
         timeout_secs: Some(300.0),
         stages: spec.stages.unwrap_or(2),
         chunks: spec.stages.map(|_| 4),
+        reshard_after_forward: spec.reshard_after_forward.unwrap_or(true),
         ..FabricConfig::new(strategy, spec.world)
     };
     let answers = Fabric::launch(fabric_config, |fabric| {
@@ -194,9 +200,15 @@ impl Run {
                     "candle's ops"
                 }
             ),
-            Run::CandleDp(spec) => {
-                format!("candle-dp, {} x{} thread ranks", spec.strategy, spec.world)
-            }
+            Run::CandleDp(spec) => format!(
+                "candle-dp, {} x{} thread ranks{}",
+                spec.strategy,
+                spec.world,
+                match spec.reshard_after_forward {
+                    Some(false) => " (no reshard after forward)",
+                    _ => "",
+                }
+            ),
             Run::Torch { world: 1 } => format!("PyTorch, one process, {} threads", cores()),
             Run::Torch { world } => format!(
                 "PyTorch DDP (gloo), {world} processes x {} thread(s)",
@@ -272,6 +284,7 @@ fn runs(quick: bool, steps: usize, torch: bool) -> Vec<Run> {
             steps,
             count_link_bytes: false,
             stages: None,
+            reshard_after_forward: None,
         })
     };
     let mut runs = vec![spec("single", 1, true)];
@@ -282,6 +295,15 @@ fn runs(quick: bool, steps: usize, torch: bool) -> Vec<Run> {
             spec("zero2", 2, true),
             spec("fsdp", 2, true),
         ]);
+        // FSDP without its recomputation: the gathered parameters kept
+        // from each unit's forward to its backward (FSDP2's
+        // `reshard_after_forward=False`).
+        if let Some(Run::CandleDp(fsdp)) = runs.last() {
+            runs.push(Run::CandleDp(LmSpec {
+                reshard_after_forward: Some(false),
+                ..fsdp.clone()
+            }));
+        }
     }
     if torch {
         runs.push(Run::Torch { world: 1 });

@@ -53,6 +53,7 @@ pub fn run(steps: usize, rounds: usize) -> Result<String> {
             steps,
             count_link_bytes: true,
             stages,
+            reshard_after_forward: None,
         })
         .collect();
     let mut measured: Vec<Vec<LmMeasured>> = vec![Vec::new(); specs.len()];
