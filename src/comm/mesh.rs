@@ -49,6 +49,14 @@ pub enum MeshError {
         /// Rank 0's.
         first: String,
     },
+    /// A mesh with another number of dimensions than its use takes.
+    #[error("{expected}; this one has {}: {names:?}", names.len())]
+    Dims {
+        /// What the use takes.
+        expected: String,
+        /// The mesh's names.
+        names: Vec<String>,
+    },
     /// A collective failed while the mesh's groups were made.
     #[error(transparent)]
     Comm(#[from] CommError),

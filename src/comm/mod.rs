@@ -35,6 +35,7 @@ mod nccl_group;
 mod op;
 mod protocol;
 mod ring;
+mod shard_groups;
 mod shards;
 mod shared_output;
 mod split;
@@ -54,6 +55,7 @@ pub use mesh::{DeviceMesh, MeshError};
 pub use mpi_group::{MpiGroup, MpiInitError};
 #[cfg(feature = "nccl")]
 pub use nccl_group::NcclGroup;
+pub use shard_groups::ShardGroups;
 pub use split::{Color, SubGroup};
 pub use thread_group::{GroupOptions, ThreadGroup, ThreadRank, DEFAULT_RING_THRESHOLD_BYTES};
 pub use timeout::{parse_timeout, DEFAULT_TIMEOUT, TIMEOUT_VARIABLE};

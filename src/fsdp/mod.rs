@@ -70,7 +70,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 
 use crate::buffers::{is_batch_norm_buffer, BufferPredicate};
-use crate::comm::{DeviceMesh, ProcessGroup};
+use crate::comm::{DeviceMesh, ProcessGroup, ShardGroups};
 use crate::error::{Error, Result};
 use crate::lock::lock;
 use crate::precision::MixedPrecision;
@@ -108,13 +108,6 @@ fn plan_of(
             (dtype(policy.param_dtype), dtype(reduce), kept)
         }),
     }
-}
-
-/// The groups a [`FullyShardedDataParallel`] works over.
-struct Groups {
-    world: Arc<dyn ProcessGroup>,
-    shard: Arc<dyn ProcessGroup>,
-    replicate: Option<Arc<dyn ProcessGroup>>,
 }
 
 /// Settings of a [`FullyShardedDataParallel`].
@@ -176,14 +169,11 @@ impl std::fmt::Debug for FsdpConfig {
 /// Fully sharded data parallelism over a model given as units. See the
 /// [module docs](self).
 pub struct FullyShardedDataParallel {
-    /// The ranks the parameters are sharded over.
+    /// The ranks the parameters are sharded over (`groups.shard()`).
     pg: Arc<dyn ProcessGroup>,
-    /// Under HSDP, the ranks that hold the same pieces (one per shard
-    /// group), across which each reduced piece is averaged; else `None`.
-    replicate: Option<Arc<dyn ProcessGroup>>,
-    /// Every rank of the job: the shard group, or under HSDP the mesh's
-    /// whole group, over which the model is checked and broadcast.
-    world: Arc<dyn ProcessGroup>,
+    /// The shard group, the replicas under HSDP, and every rank of the
+    /// job (over which the model is checked and broadcast).
+    groups: ShardGroups,
     factories: Vec<LayerFactory>,
     /// Per unit, the parameters it uses (indices into `shards`).
     unit_params: Vec<Vec<usize>>,
@@ -232,11 +222,7 @@ impl FullyShardedDataParallel {
         units: Vec<LayerFactory>,
         config: FsdpConfig,
     ) -> Result<Self> {
-        let groups = Groups {
-            world: Arc::clone(&pg),
-            shard: pg,
-            replicate: None,
-        };
+        let groups = ShardGroups::flat(pg);
         Self::with_groups(groups, varmap, dtype, device, units, config)
     }
 
@@ -280,7 +266,7 @@ impl FullyShardedDataParallel {
     ///
     /// # Errors
     ///
-    /// As [`from_units`](Self::from_units); [`Error::Fsdp`] for a mesh of
+    /// As [`from_units`](Self::from_units); [`Error::Mesh`] for a mesh of
     /// more than two dimensions.
     pub fn from_units_on_mesh(
         mesh: &DeviceMesh,
@@ -290,42 +276,20 @@ impl FullyShardedDataParallel {
         units: Vec<LayerFactory>,
         config: FsdpConfig,
     ) -> Result<Self> {
-        let names = mesh.dim_names();
-        let groups = match names {
-            [shard] => Groups {
-                world: Arc::clone(mesh.world()),
-                shard: Arc::clone(mesh.group(shard)?),
-                replicate: None,
-            },
-            [replicate, shard] => Groups {
-                world: Arc::clone(mesh.world()),
-                shard: Arc::clone(mesh.group(shard)?),
-                replicate: Some(Arc::clone(mesh.group(replicate)?)),
-            },
-            _ => {
-                return Err(Error::Fsdp(format!(
-                    "FSDP takes a mesh of one dimension (shard) or two (replicate, shard); \
-                     this one has {}: {names:?}",
-                    names.len()
-                )))
-            }
-        };
+        let groups = ShardGroups::from_mesh(mesh)?;
         Self::with_groups(groups, varmap, dtype, device, units, config)
     }
 
     fn with_groups(
-        groups: Groups,
+        groups: ShardGroups,
         varmap: &VarMap,
         dtype: DType,
         device: &Device,
         units: Vec<LayerFactory>,
         config: FsdpConfig,
     ) -> Result<Self> {
-        let Groups {
-            world: whole,
-            shard: pg,
-            replicate,
-        } = groups;
+        let pg = Arc::clone(groups.shard());
+        let whole = Arc::clone(groups.world());
         let rank = pg.rank();
         let in_rank = |e: Error| Error::Rank {
             rank,
@@ -415,8 +379,7 @@ impl FullyShardedDataParallel {
         }
         Ok(FullyShardedDataParallel {
             pg,
-            replicate,
-            world: whole,
+            groups,
             factories: units,
             unit_params,
             first_use,
@@ -498,7 +461,7 @@ impl FullyShardedDataParallel {
     /// Under HSDP, which replica this rank's shard group is (its rank in
     /// the replicate group); 0 otherwise.
     pub fn replica_rank(&self) -> usize {
-        self.replicate.as_ref().map_or(0, |g| g.rank())
+        self.groups.replica_rank()
     }
 
     /// This rank's number among the ranks its parameters are sharded over
@@ -553,7 +516,7 @@ impl FullyShardedDataParallel {
     /// it: before each forward. Every rank calls it.
     pub(crate) fn sync_buffers(&self) -> Result<()> {
         if self.config.broadcast_buffers && !self.buffers.is_empty() {
-            broadcast_vars(self.world.as_ref(), &self.buffers, 0)?;
+            broadcast_vars(self.groups.world().as_ref(), &self.buffers, 0)?;
         }
         Ok(())
     }
@@ -597,7 +560,7 @@ impl std::fmt::Debug for FullyShardedDataParallel {
         f.debug_struct("FullyShardedDataParallel")
             .field("rank", &self.pg.rank())
             .field("world_size", &self.pg.world_size())
-            .field("replicas", &self.replicate.as_ref().map(|g| g.world_size()))
+            .field("replicas", &self.groups.replicate().map(|g| g.world_size()))
             .field("units", &self.factories.len())
             .field("params", &self.shards.len())
             .field("config", &self.config)

@@ -528,23 +528,7 @@ impl FullyShardedDataParallel {
         let world = self.pg.world_size();
         let grads: Vec<Option<Tensor>> = params.iter().map(|&p| full_grads[p].take()).collect();
         let layouts: Vec<&ShardLayout> = params.iter().map(|&p| &self.layouts[p]).collect();
-        // A shard group of one would read its own flags alone: under HSDP
-        // the replicas' flags are summed first, so all keep the same pieces.
-        let presence = match (&self.replicate, world) {
-            (Some(replicas), 1) => {
-                let mine: Vec<f64> = grads
-                    .iter()
-                    .map(|g| f64::from(u8::from(g.is_some())))
-                    .collect();
-                let flags = Tensor::new(mine, &candle_core::Device::Cpu)?;
-                Some(
-                    replicas
-                        .all_reduce(&flags, ReduceOp::Sum)?
-                        .to_vec1::<f64>()?,
-                )
-            }
-            _ => None,
-        };
+        let presence = self.groups.presence_across_replicas(&grads)?;
         let pieces = reduce_scatter_grads(
             &grads,
             &layouts,
@@ -553,17 +537,7 @@ impl FullyShardedDataParallel {
             &vec![self.dtype; params.len()],
             presence.as_deref(),
             world,
-            |table, section| {
-                let piece = self
-                    .pg
-                    .reduce_scatter(table, ReduceOp::Avg, &vec![section; world])?;
-                // HSDP: the replicas' pieces averaged (the presence flags
-                // stay above zero wherever any rank had a gradient).
-                Ok(match &self.replicate {
-                    Some(replicas) => replicas.all_reduce(&piece, ReduceOp::Avg)?,
-                    None => piece,
-                })
-            },
+            |table, section| Ok(self.groups.reduce_scatter(table, ReduceOp::Avg, section)?),
         )?;
         for (&p, piece) in params.iter().zip(pieces) {
             match piece {
