@@ -102,14 +102,15 @@ struct Args {
     /// pipeline stages. At least 1.
     #[arg(long, default_value_t = 2, value_parser = flags::at_least_one::<u64>)]
     replicas: u64,
-    /// hsdp: ranks per shard group; it must divide the ranks [default:
-    /// the ranks per machine under mpirun, every rank on threads].
+    /// hsdp and zero: ranks per shard group, each holding one copy of the
+    /// pieces; it must divide the ranks [default: hsdp the ranks per
+    /// machine under mpirun, every rank on threads; zero every rank].
     #[arg(long, value_parser = flags::at_least_one::<usize>)]
     shard_size: Option<usize>,
     /// The ranks as a mesh, `dp=2,pp=2`: with `--strategy pipeline`, `pp`
     /// stages on ranks (threads, or mpirun's processes) replicated `dp`
-    /// times; with `hsdp`, `dp` replicas of `shard` ranks; with `ddp`,
-    /// `zero` and `fsdp`, `dp` ranks. Under mpirun the mesh must hold
+    /// times; with `hsdp` and `zero`, `dp` replicas of `shard` ranks (zero
+    /// without `shard`: `dp` ranks); with `ddp` and `fsdp`, `dp` ranks. Under mpirun the mesh must hold
     /// every process. Replaces `--replicas` (and `--shard-size`).
     #[arg(long, value_parser = flags::mesh_shape, conflicts_with_all = ["replicas", "shard_size"])]
     mesh: Option<flags::MeshShape>,
@@ -294,7 +295,14 @@ impl Args {
                 Precision::F16 => fabric::Precision::F16Mixed,
             },
             overlap: self.overlap && matches!(strategy, Strategy::Ddp | Strategy::Zero),
-            shard_size: mesh.map_or(self.shard_size, |m| Some(m.shard)),
+            // Shard groups: HSDP's, and ZeRO's on a mesh.
+            shard_size: match strategy {
+                Strategy::Hsdp => mesh.map_or(self.shard_size, |m| Some(m.shard)),
+                Strategy::Zero => {
+                    mesh.map_or(self.shard_size, |m| (m.shard > 1).then_some(m.shard))
+                }
+                _ => None,
+            },
             gradient_clip: (self.clip_grad_norm > 0.0).then_some(self.clip_grad_norm),
             checkpoint_dir: self.checkpoint_dir.clone(),
             timeout_secs: self.timeout,
@@ -625,7 +633,10 @@ fn label(args: &Args) -> String {
                 (false, false) => "DDP",
                 (false, true) => "DDP (overlapped)",
             };
-            format!("{what} x{ranks} ({on})")
+            match config.shard_size {
+                Some(shard) => format!("{what} x{ranks} ({on}, shard groups of {shard})"),
+                None => format!("{what} x{ranks} ({on})"),
+            }
         }
         Strategy::Fsdp => format!("FSDP x{ranks} ({on})"),
         Strategy::Hsdp => {
@@ -654,14 +665,14 @@ fn label(args: &Args) -> String {
 fn check_mesh(args: &Args, mesh: flags::MeshShape) -> Result<()> {
     let fits = match args.strategy {
         Strategy::Pipeline => mesh.shard == 1,
-        Strategy::Hsdp => mesh.pp == 1,
-        Strategy::Ddp | Strategy::Zero | Strategy::Fsdp => mesh.pp == 1 && mesh.shard == 1,
+        Strategy::Hsdp | Strategy::Zero => mesh.pp == 1,
+        Strategy::Ddp | Strategy::Fsdp => mesh.pp == 1 && mesh.shard == 1,
         Strategy::Single | Strategy::Dp | Strategy::DdpPipeline => false,
     };
     if !fits {
         bail!(
-            "--mesh {mesh} does not fit --strategy {:?}: pipeline takes dp and pp, hsdp dp and \
-             shard, ddp, zero and fsdp dp only",
+            "--mesh {mesh} does not fit --strategy {:?}: pipeline takes dp and pp, hsdp and zero \
+             dp and shard, ddp and fsdp dp only",
             args.strategy
         );
     }
@@ -719,6 +730,9 @@ fn run(args: Args) -> Result<()> {
     }
     if let Some(mesh) = args.mesh {
         check_mesh(&args, mesh)?;
+    }
+    if args.shard_size.is_some() && !matches!(args.strategy, Strategy::Hsdp | Strategy::Zero) {
+        bail!("--shard-size splits the ranks into shard groups for --strategy hsdp and zero only");
     }
     let speaks = Backend::process_rank() == 0;
     let text = load_text()?;

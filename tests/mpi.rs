@@ -139,6 +139,7 @@ fn scenario_by_name(name: &str, ctx: RankContext, out: &Path) -> anyhow::Result<
         "fsdp" => fsdp(&ctx, &input()?)?,
         "subgroups" => subgroups(&ctx)?,
         "hsdp" => hsdp(&ctx, &input()?)?,
+        "zero_mesh" => zero_on_mesh(&ctx, &input()?, (2, 2))?,
         "rank_pipeline" => rank_pipeline(&ctx)?,
         "recv_after_another_left" => recv_after_another_left(&ctx)?,
         fault => {
@@ -527,6 +528,41 @@ fn recv_after_another_left(ctx: &RankContext) -> anyhow::Result<Tensors> {
         _ => {}
     }
     Ok(out)
+}
+
+/// ZeRO-2 on a `replicas x shards` mesh, the crate's AdamW over each
+/// rank's pieces: the weights.
+fn zero_on_mesh(
+    ctx: &RankContext,
+    input: &Tensors,
+    (replicas, shards): (usize, usize),
+) -> anyhow::Result<Tensors> {
+    use candle_dp::comm::{DeviceMesh, ShardGroups};
+    use candle_dp::optim::{AdamW, AdamWConfig};
+    use candle_dp::zero::{ZeroOptimizer, ZeroStage};
+    let varmap = varmap_from(&init_of(input));
+    let mesh = DeviceMesh::new(
+        ctx.process_group(),
+        &[("replicate", replicas), ("shard", shards)],
+    )?;
+    let config = DdpConfig {
+        zero: Some(ZeroStage::Two),
+        zero_groups: Some(ShardGroups::from_mesh(&mesh)?),
+        ..Default::default()
+    };
+    let mut ddp = mlp_ddp(ctx, &varmap, config)?;
+    let adamw = AdamWConfig {
+        lr: 0.01,
+        ..Default::default()
+    };
+    let mut opt = ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, adamw))?;
+    for (x, y) in batches(input) {
+        let b = x.dim(0)? / ctx.world_size;
+        let (x, y) = (x.narrow(0, ctx.rank * b, b)?, y.narrow(0, ctx.rank * b, b)?);
+        let loss = loss::cross_entropy(&ddp.forward(&x)?, &y)?;
+        opt.step(&ddp.backward(&loss)?)?;
+    }
+    Ok(snapshot(&varmap))
 }
 
 /// HSDP on a 2 x 2 mesh: the weights after AdamW steps.
@@ -1734,6 +1770,24 @@ fn hsdp_on_4_processes_saves_the_bytes_of_thread_ranks_and_fsdps_weights() {
             diff_report(&job.rank(rank), threads)
         );
         let diff = max_rel_diff(&job.rank(rank), &fsdp_threads[0]);
+        assert!(diff < 1e-5, "rank {rank}: {diff}");
+    }
+}
+
+#[test]
+fn zero_on_a_mesh_of_4_processes_saves_the_bytes_of_thread_ranks_and_flat_zeros_weights() {
+    let input = training_input(12);
+    let job = mpirun_ok(4, "zero_mesh", Some(&input));
+    let threads = on_threads(4, |ctx| zero_on_mesh(ctx, &input, (2, 2)));
+    // One replica of four shards: plain ZeRO over the four ranks.
+    let flat = on_threads(4, |ctx| zero_on_mesh(ctx, &input, (1, 4)));
+    for (rank, threads) in threads.iter().enumerate() {
+        assert!(
+            identical(&job.rank(rank), threads),
+            "rank {rank}: {}",
+            diff_report(&job.rank(rank), threads)
+        );
+        let diff = max_rel_diff(&job.rank(rank), &flat[0]);
         assert!(diff < 1e-5, "rank {rank}: {diff}");
     }
 }

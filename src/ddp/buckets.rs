@@ -6,7 +6,7 @@
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::ZeroStage;
-use crate::comm::{all_gather_object, ProcessGroup, ReduceOp};
+use crate::comm::{all_gather_object, ProcessGroup, ReduceOp, ShardGroups};
 use crate::error::{Error, Result};
 use crate::sharding::{reduce_scatter_grads, ShardLayout};
 
@@ -79,6 +79,8 @@ pub(crate) struct Reduced {
 /// What a bucket's reduction reads of its DDP.
 pub(crate) struct BucketReducer<'a> {
     pub(crate) pg: &'a dyn ProcessGroup,
+    /// Under ZeRO, the ranks the pieces split over (and their replicas).
+    pub(crate) zero_groups: Option<&'a ShardGroups>,
     pub(crate) comm_hook: CommHook,
     /// At stage 2 a rank keeps only its pieces of the gradients.
     pub(crate) zero: Option<ZeroStage>,
@@ -172,20 +174,25 @@ impl BucketReducer<'_> {
             .map(|k| grads.get(k).cloned().flatten())
             .collect();
         let device = self.params[bucket.params[0]].1.device();
-        let world = self.pg.world_size();
+        let groups = self
+            .zero_groups
+            .ok_or_else(|| Error::Zero("a ZeRO stage 2 reduction without ZeRO's groups".into()))?;
+        // A shard group of one on a mesh: the replicas' flags summed first.
+        let across = match presence {
+            Some(_) => None,
+            None => groups.presence_across_replicas(&grads)?,
+        };
         let pieces = reduce_scatter_grads(
             &grads,
             &layouts,
             bucket.dtype,
             device,
             &dtypes,
-            presence,
-            world,
+            presence.or(across.as_deref()),
+            groups.shard().world_size(),
             |table, section| {
                 self.through_hook(std::slice::from_ref(table), bucket.dtype, |pieces, op| {
-                    Ok(self
-                        .pg
-                        .reduce_scatter(&pieces[0], op, &vec![section; world])?)
+                    Ok(groups.reduce_scatter(&pieces[0], op, section)?)
                 })
             },
         )?;

@@ -9,7 +9,7 @@ use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
 
 use super::{CommHook, DdpConfig, DistributedDataParallel, JoinDivisor, ZeroStage};
-use crate::comm::ProcessGroup;
+use crate::comm::{DeviceMesh, ProcessGroup, ShardGroups};
 use crate::error::Result;
 use crate::precision::MixedPrecision;
 use crate::units::{LayerFactory, Units};
@@ -89,6 +89,47 @@ impl<M> DdpBuilder<M> {
     pub fn zero(mut self, stage: ZeroStage) -> Self {
         self.config.zero = Some(stage);
         self
+    }
+
+    /// ZeRO on a mesh: the pieces split along the mesh's shard dimension
+    /// (within a machine) and replicated along its replicate dimension
+    /// (across machines), as HSDP shards FSDP. At stage 2 each bucket is
+    /// reduce-scattered within the shard group, then each piece averaged
+    /// across the replicas; at both stages the updated pieces are
+    /// all-gathered within the shard group only. A mesh of one dimension
+    /// is plain ZeRO over it. The builder's group must be the mesh's whole
+    /// group (checked at build).
+    ///
+    /// ```
+    /// use candle_core::{DType, Device};
+    /// use candle_dp::comm::DeviceMesh;
+    /// use candle_dp::optim::{AdamW, AdamWConfig};
+    /// use candle_dp::zero::{ZeroOptimizer, ZeroStage};
+    /// use candle_dp::{launch::spawn, DistributedDataParallel};
+    /// use candle_nn::{linear, VarMap};
+    ///
+    /// spawn(4, |ctx| {
+    ///     let mesh = DeviceMesh::new(ctx.process_group(), &[("replicate", 2), ("shard", 2)])?;
+    ///     let varmap = VarMap::new();
+    ///     let ddp = DistributedDataParallel::builder(mesh.world().clone(), &varmap, DType::F32, &Device::Cpu)
+    ///         .zero_on_mesh(ZeroStage::Two, &mesh)?
+    ///         .build(|vb| linear(4, 6, vb))?;
+    ///     let opt = ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, AdamWConfig::default()))?;
+    ///     // Half of the weight's 6 rows: split over the 2 ranks of a shard group.
+    ///     assert_eq!(opt.shard_vars()[1].1.dims(), [3, 4]);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Mesh`](crate::Error::Mesh) for a mesh of more than two
+    /// dimensions.
+    pub fn zero_on_mesh(mut self, stage: ZeroStage, mesh: &DeviceMesh) -> Result<Self> {
+        self.config.zero = Some(stage);
+        self.config.zero_groups = Some(ShardGroups::from_mesh(mesh)?);
+        Ok(self)
     }
 
     /// How buckets are reduced (default [`CommHook::Average`]).

@@ -7,6 +7,7 @@ use std::time::Duration;
 use super::timeline::{hidden_fraction, Span};
 use super::CommHook;
 use crate::buffers::{is_batch_norm_buffer, BufferPredicate};
+use crate::comm::ShardGroups;
 use crate::precision::MixedPrecision;
 
 /// How much ZeRO shards (see [`crate::zero`]): a setting of DDP's, which
@@ -63,6 +64,12 @@ pub struct DdpConfig {
     /// Shard the optimizer state (and gradients) across ranks (default
     /// none): see [`crate::zero`].
     pub zero: Option<ZeroStage>,
+    /// ZeRO on a 2-D mesh (default none: the pieces split over every
+    /// rank): the pieces split over the mesh's shard group and replicated
+    /// across its replicas, as HSDP shards FSDP; see
+    /// [`DdpBuilder::zero_on_mesh`](super::DdpBuilder::zero_on_mesh). The
+    /// groups' whole group must be the DDP's group.
+    pub zero_groups: Option<ShardGroups>,
     /// Compute in a low dtype over the master variables, and reduce the
     /// buckets in the policy's reduce dtype (default none): see
     /// [`crate::precision`]. Applies to models built by
@@ -89,6 +96,7 @@ impl Default for DdpConfig {
             join_divisor: JoinDivisor::InitialWorldSize,
             is_buffer: Arc::new(is_batch_norm_buffer),
             zero: None,
+            zero_groups: None,
             mixed_precision: None,
             bucket_order: None,
         }
@@ -104,6 +112,7 @@ impl std::fmt::Debug for DdpConfig {
             .field("comm_hook", &self.comm_hook)
             .field("join_divisor", &self.join_divisor)
             .field("zero", &self.zero)
+            .field("zero_groups", &self.zero_groups)
             .field("mixed_precision", &self.mixed_precision)
             .field("bucket_order", &self.bucket_order)
             .finish_non_exhaustive()

@@ -52,7 +52,7 @@ pub use builder::DdpBuilder;
 pub use config::{DdpConfig, DdpTimings, JoinDivisor, ZeroStage};
 pub use timeline::{Activity, Span};
 
-use crate::comm::ProcessGroup;
+use crate::comm::{ProcessGroup, ShardGroups};
 use crate::error::{Error, Result};
 use crate::no_grad::NoGradCheck;
 use crate::precision::{build_in_precision, cast_input};
@@ -113,6 +113,8 @@ pub struct DistributedDataParallel<M> {
     without_grad: Vec<String>,
     /// With ZeRO: each parameter's split into pieces (empty without).
     zero_layouts: Vec<ShardLayout>,
+    /// With ZeRO, the ranks the pieces split over (and their replicas).
+    zero_groups: Option<ShardGroups>,
     /// With mixed precision: the module's low-precision copies of the
     /// variables, refreshed before every forward.
     copies: Option<ReplicaVars>,
@@ -247,12 +249,13 @@ impl<M> DistributedDataParallel<M> {
         let (buffers, params): (Vec<_>, Vec<_>) = vars
             .into_iter()
             .partition(|(name, _)| (config.is_buffer)(name));
+        let zero_groups = zero_groups_of(&pg, &config)?;
         // The ranks agree on the parameters' shapes (checked above), so
         // on their pieces.
-        let zero_layouts = match config.zero {
-            Some(_) => params
+        let zero_layouts = match &zero_groups {
+            Some(groups) => params
                 .iter()
-                .map(|(_, var)| ShardLayout::new(var.dims(), pg.world_size()))
+                .map(|(_, var)| ShardLayout::new(var.dims(), groups.shard().world_size()))
                 .collect(),
             None => Vec::new(),
         };
@@ -291,6 +294,7 @@ impl<M> DistributedDataParallel<M> {
             without_grad: Vec::new(),
             timings: DdpTimings::default(),
             zero_layouts,
+            zero_groups,
             copies: None,
             overlaps: false,
         };
@@ -323,6 +327,12 @@ impl<M> DistributedDataParallel<M> {
     /// [`params`](Self::params) (empty without ZeRO).
     pub(crate) fn zero_layouts(&self) -> &[ShardLayout] {
         &self.zero_layouts
+    }
+
+    /// With ZeRO, the ranks the pieces split over and, on a mesh, the
+    /// replicas holding the same pieces.
+    pub fn zero_groups(&self) -> Option<&ShardGroups> {
+        self.zero_groups.as_ref()
     }
 
     /// Whether the next backward synchronises, as decided at the latest
@@ -631,6 +641,7 @@ impl<M> DistributedDataParallel<M> {
         } as f64;
         BucketReducer {
             pg: self.pg.as_ref(),
+            zero_groups: self.zero_groups.as_ref(),
             comm_hook: self.config.comm_hook,
             zero: self.config.zero,
             params: &self.params,
@@ -661,5 +672,37 @@ impl<M> std::fmt::Debug for DistributedDataParallel<M> {
             .field("buckets", &self.buckets.len())
             .field("config", &self.config)
             .finish_non_exhaustive()
+    }
+}
+
+/// ZeRO's groups: the configured mesh's (checked to be `pg`'s ranks), or
+/// `pg` itself; none without ZeRO.
+fn zero_groups_of(pg: &Arc<dyn ProcessGroup>, config: &DdpConfig) -> Result<Option<ShardGroups>> {
+    let refuse = |why: String| Error::Rank {
+        rank: pg.rank(),
+        source: Box::new(Error::Zero(why)),
+    };
+    match (config.zero, &config.zero_groups) {
+        (None, None) => Ok(None),
+        (None, Some(_)) => Err(refuse(
+            "zero_groups without a ZeRO stage: set zero as well (DdpBuilder::zero_on_mesh sets \
+             both)"
+                .into(),
+        )),
+        (Some(_), None) => Ok(Some(ShardGroups::flat(Arc::clone(pg)))),
+        (Some(_), Some(groups)) => {
+            let world = groups.world();
+            if (world.rank(), world.world_size()) != (pg.rank(), pg.world_size()) {
+                return Err(refuse(format!(
+                    "ZeRO's mesh is not this DDP's group: the mesh's rank {} of {}, the group's \
+                     rank {} of {} (build DDP over mesh.world())",
+                    world.rank(),
+                    world.world_size(),
+                    pg.rank(),
+                    pg.world_size()
+                )));
+            }
+            Ok(Some(groups.clone()))
+        }
     }
 }

@@ -420,11 +420,14 @@ pub struct FabricConfig {
     pub reshard_after_forward: bool,
     /// FSDP: gather the next unit while this one computes (default true).
     pub prefetch: bool,
-    /// HSDP: how many ranks share one copy of the parameters (the shard
-    /// group; the ranks `r` with the same `r / shard_size` form one).
-    /// Default: the ranks per machine as the MPI launcher says
-    /// (`OMPI_COMM_WORLD_LOCAL_SIZE` and the like), every rank on thread
-    /// ranks (one machine). It must divide the number of ranks.
+    /// HSDP, and ZeRO (`zero1`, `zero2`) on a mesh: how many ranks share
+    /// one copy of the pieces (the shard group; the ranks `r` with the
+    /// same `r / shard_size` form one), the copies replicated across the
+    /// groups. HSDP's default: the ranks per machine as the MPI launcher
+    /// says (`OMPI_COMM_WORLD_LOCAL_SIZE` and the like), every rank on
+    /// thread ranks (one machine); ZeRO's: none, the pieces split over
+    /// every rank. It must divide the number of ranks; refused with the
+    /// other strategies.
     pub shard_size: Option<usize>,
     /// Clips the total 2-norm of the gradients to this before every step
     /// (default none).
@@ -645,7 +648,7 @@ impl FabricConfig {
                     self.stages
                 ))
             }
-            Strategy::Hsdp => match self.shard_size {
+            Strategy::Hsdp | Strategy::Zero1 | Strategy::Zero2 => match self.shard_size {
                 Some(0) => return refuse("shard_size must be at least 1 rank".into()),
                 Some(s) if !devices.is_multiple_of(s) => {
                     return refuse(format!(
@@ -655,6 +658,13 @@ impl FabricConfig {
                 }
                 _ => {}
             },
+            _ if self.shard_size.is_some() => {
+                return refuse(
+                    "shard_size splits the ranks into shard groups for hsdp, zero1 and zero2 \
+                     only"
+                        .into(),
+                )
+            }
             _ => {}
         }
         if self.overlap

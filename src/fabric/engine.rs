@@ -168,7 +168,15 @@ impl Engine {
                     Strategy::Zero1 => ZeroStage::One,
                     _ => ZeroStage::Two,
                 };
-                let builder = ddp_builder().zero(stage);
+                // With a shard size, ZeRO on a mesh: the pieces split
+                // within each shard group, replicated across them.
+                let builder = match config.shard_size {
+                    Some(size) => {
+                        let mesh = hybrid_mesh(strategy, pg.clone(), Some(size))?;
+                        ddp_builder().zero_on_mesh(stage, &mesh)?
+                    }
+                    None => ddp_builder().zero(stage),
+                };
                 let overlapped = config.overlaps();
                 let ddp = match overlapped {
                     true => builder.build_units(module.parts().to_vec())?,
@@ -193,7 +201,7 @@ impl Engine {
                 let parts = module.parts().to_vec();
                 let fsdp = match strategy {
                     Strategy::Hsdp => {
-                        let mesh = hybrid_mesh(pg, config.shard_size)?;
+                        let mesh = hybrid_mesh(strategy, pg, config.shard_size)?;
                         FullyShardedDataParallel::from_units_on_mesh(
                             &mesh,
                             varmap,
@@ -478,10 +486,15 @@ fn to_f32(t: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// HSDP's mesh over `pg`: `(replicate, shard)`, shard groups of
-/// `shard_size` ranks (default: the ranks per machine the MPI launcher
-/// reports, all ranks on threads).
-fn hybrid_mesh(pg: Arc<dyn ProcessGroup>, shard_size: Option<usize>) -> Result<DeviceMesh> {
+/// A hybrid mesh over `pg` for `strategy` (HSDP, or ZeRO given a shard
+/// size): `(replicate, shard)`, shard groups of `shard_size` ranks
+/// (default: the ranks per machine the MPI launcher reports, all ranks on
+/// threads).
+fn hybrid_mesh(
+    strategy: Strategy,
+    pg: Arc<dyn ProcessGroup>,
+    shard_size: Option<usize>,
+) -> Result<DeviceMesh> {
     let world = pg.world_size();
     let shard = shard_size.unwrap_or(match Backend::from_env() {
         Backend::Threads => world,
@@ -489,7 +502,7 @@ fn hybrid_mesh(pg: Arc<dyn ProcessGroup>, shard_size: Option<usize>) -> Result<D
     });
     if shard == 0 || !world.is_multiple_of(shard) {
         return Err(Error::Strategy {
-            strategy: Strategy::Hsdp.name().into(),
+            strategy: strategy.name().into(),
             reason: format!(
                 "{world} ranks do not split into shard groups of {shard}: give a shard_size \
                  that divides the number of ranks"

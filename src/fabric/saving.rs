@@ -96,13 +96,15 @@ impl<O: StatefulOptimizer> FabricModel<O> {
             .metadata
             .insert(STRATEGY.into(), self.strategy.name().into());
         match (&self.engine, &self.stepper) {
+            // On a mesh every replica holds the same pieces: the first
+            // replica's ranks write them (numbered in their shard group).
             (_, Stepper::Zero(zero)) => checkpoints.save_sharded(
                 self.pg.as_ref(),
                 &self.varmap,
                 &VarMap::new(),
                 zero.shard_state()?,
                 state,
-                Some(self.pg.rank()),
+                (zero.replica_rank() == 0).then(|| zero.shard_rank()),
             ),
             // Under HSDP every replica holds the same pieces: the first
             // replica's ranks write them (numbered in their shard group).

@@ -61,7 +61,14 @@ use crate::sharding::{all_gather_pieces, ShardLayout};
 /// ```
 pub struct ZeroOptimizer<O> {
     inner: O,
+    /// Every rank of the DDP: where the ranks agree on a step's outcome.
+    world: Arc<dyn ProcessGroup>,
+    /// The ranks the pieces split over (the DDP's group, or on a mesh
+    /// this rank's shard group): which piece this rank holds, and whose
+    /// pieces it gathers.
     pg: Arc<dyn ProcessGroup>,
+    /// On a mesh, which replica of the pieces this rank holds (0 without).
+    replica_rank: usize,
     stage: ZeroStage,
     /// The model's whole parameters, in DDP's order.
     params: Vec<(String, Var)>,
@@ -106,7 +113,11 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
                     .into(),
             ));
         };
-        let pg = Arc::clone(ddp.process_group());
+        let world = Arc::clone(ddp.process_group());
+        let (pg, replica_rank) = match ddp.zero_groups() {
+            Some(groups) => (Arc::clone(groups.shard()), groups.replica_rank()),
+            None => (Arc::clone(&world), 0),
+        };
         let params = ddp.params().to_vec();
         let layouts = ddp.zero_layouts().to_vec();
         let rank = pg.rank();
@@ -122,7 +133,9 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
         let groups = gather_groups(&params, &layouts);
         Ok(Self {
             inner,
+            world,
             pg,
+            replica_rank,
             stage,
             params,
             pieces,
@@ -157,7 +170,7 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
             .map_err(|e| e.to_string());
         // A rank whose update failed must not leave the others waiting in
         // the exchange: all learn every rank's outcome first.
-        let outcomes = all_gather_object(self.pg.as_ref(), &updated.err())?;
+        let outcomes = all_gather_object(self.world.as_ref(), &updated.err())?;
         if let Some((culprit, why)) = outcomes
             .iter()
             .enumerate()
@@ -241,7 +254,8 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
     /// `grads` at either stage: every rank clips by the factor of the
     /// total norm. At stage 1 each rank holds the whole averaged gradients
     /// and computes it alone (DDP's bytes); at stage 2 each rank's norm of
-    /// its pieces is combined with one all-reduce of one number (the total
+    /// its pieces is combined with one all-reduce of one number within the
+    /// shard group (on a mesh the replicas hold the same pieces; the total
     /// agrees with [`clip_grad_norm`](crate::optim::clip_grad_norm) of the
     /// whole gradients to rounding). Every rank must call it, before
     /// [`step`](Self::step).
@@ -304,6 +318,19 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
         self.stage
     }
 
+    /// Which piece of each parameter this rank holds: its rank among the
+    /// ranks the pieces split over (on a mesh, its shard group).
+    pub fn shard_rank(&self) -> usize {
+        self.pg.rank()
+    }
+
+    /// On a mesh ([`DdpBuilder::zero_on_mesh`](crate::DdpBuilder::zero_on_mesh)),
+    /// which replica of the pieces this rank holds; 0 otherwise. A save
+    /// needs one replica's shard states.
+    pub fn replica_rank(&self) -> usize {
+        self.replica_rank
+    }
+
     /// Each parameter's name and split.
     fn named_layouts(&self) -> Vec<(String, ShardLayout)> {
         named_layouts(&self.params, &self.layouts)
@@ -314,7 +341,8 @@ impl<O: StatefulOptimizer> ZeroOptimizer<O> {
     /// This rank's shard of the optimizer state: the state of its pieces,
     /// which rank of how many saved it ([`OptimizerState::shard`]), and
     /// each parameter's rows (`zero.rows.<name>` among its settings). Save
-    /// one per rank; [`load_shards`](Self::load_shards) takes them back.
+    /// one per rank (on a mesh, one per rank of one replica: the others
+    /// hold the same); [`load_shards`](Self::load_shards) takes them back.
     pub fn shard_state(&self) -> Result<OptimizerState> {
         let mut state = self.inner.state()?;
         let (rank, world) = (self.pg.rank(), self.pg.world_size());
@@ -376,8 +404,11 @@ impl<O> fmt::Debug for ZeroOptimizer<O> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ZeroOptimizer")
             .field("stage", &self.stage)
-            .field("rank", &self.pg.rank())
-            .field("world_size", &self.pg.world_size())
+            .field("rank", &self.world.rank())
+            .field("world_size", &self.world.world_size())
+            .field("shard_rank", &self.pg.rank())
+            .field("shard_size", &self.pg.world_size())
+            .field("replica_rank", &self.replica_rank)
             .field("parameters", &self.params.len())
             .finish_non_exhaustive()
     }

@@ -714,6 +714,62 @@ fn hsdp_over_two_shard_groups_trains_to_one_devices_weights_and_its_state_reshar
 }
 
 #[test]
+fn zero_on_a_mesh_trains_to_one_devices_weights_and_its_state_reshards_onto_plain_zero() {
+    let single = run(Strategy::Single, Precision::F32);
+    for strategy in [Strategy::Zero1, Strategy::Zero2] {
+        let dir = tempdir().join(format!("zero-mesh-{strategy}"));
+        // Four ranks, two shard groups of two.
+        let on_mesh = FabricConfig {
+            checkpoint_dir: Some(dir.clone()),
+            shard_size: Some(2),
+            ..FabricConfig::new(strategy, 4)
+        };
+        let straight = resumable_run(
+            &FabricConfig {
+                checkpoint_dir: Some(tempdir().join(format!("zero-mesh-straight-{strategy}"))),
+                ..on_mesh.clone()
+            },
+            None,
+        );
+        assert_close(&format!("{strategy} 2 x 2"), &straight, &single, 1e-6);
+        resumable_run(&on_mesh, Some(3));
+        // The first replica's shards were saved: two.
+        let shards = std::fs::read_dir(dir.join("zero-shards")).unwrap().count();
+        assert_eq!(shards, 2, "{strategy}: one shard per rank of a shard group");
+        let again = resumable_run(&on_mesh, None);
+        assert!(
+            identical(&again.0, &straight.0),
+            "{strategy} resumed on the same mesh\n{}",
+            diff_report(&again.0, &straight.0)
+        );
+        // The same state resumed by plain ZeRO on 3 ranks.
+        let plain = resumable_run(
+            &FabricConfig {
+                checkpoint_dir: Some(dir),
+                ..FabricConfig::new(strategy, 3)
+            },
+            None,
+        );
+        let weights = max_rel_diff(&plain.0, &single.0);
+        assert!(
+            weights <= 1e-6,
+            "{strategy} on a mesh resumed by plain ZeRO: {weights:.2e}"
+        );
+    }
+    // Shard groups mean nothing to DDP: refused before any rank runs.
+    let error = launch(
+        FabricConfig {
+            shard_size: Some(2),
+            ..FabricConfig::new(Strategy::Ddp, 4)
+        },
+        |_| Ok(()),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("for hsdp, zero1 and zero2 only"), "{error}");
+}
+
+#[test]
 fn a_state_of_another_layout_is_refused_naming_both_strategies() {
     let dir = tempdir().join("layouts");
     let fsdp = FabricConfig {

@@ -9,7 +9,7 @@ use crate::common;
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Module, Tensor, Var};
-use candle_dp::comm::{CommError, ReduceOp};
+use candle_dp::comm::{Color, CommError, DeviceMesh, ReduceOp};
 use candle_dp::launch::{spawn, RankContext};
 use candle_dp::optim::{AdamW, AdamWConfig, OptimizerState, StatefulOptimizer};
 use candle_dp::zero::{grad_bytes, ZeroOptimizer, ZeroStage};
@@ -302,13 +302,15 @@ fn init_of(model: Model) -> HashMap<String, Tensor> {
 type StepFn = Box<dyn FnMut(&mut DistributedDataParallel<AnyNet>, &Tensor) -> anyhow::Result<()>>;
 
 /// `world` thread ranks train `model` from `init` with DDP (`zero: None`)
-/// or ZeRO; rank 0's trained variables.
+/// or ZeRO, on a `(replicas, shards)` mesh if given; rank 0's trained
+/// variables.
 fn train(
     model: Model,
     init: &HashMap<String, Tensor>,
     opt: Opt,
     world: usize,
     zero: Option<ZeroStage>,
+    mesh: Option<(usize, usize)>,
 ) -> HashMap<String, Tensor> {
     let init = init.clone();
     let mut ranks = spawn(world, move |ctx| {
@@ -319,8 +321,14 @@ fn train(
             DType::F32,
             &Device::Cpu,
         );
-        if let Some(stage) = zero {
-            builder = builder.zero(stage);
+        match (zero, mesh) {
+            (Some(stage), Some((replicas, shards))) => {
+                let dims = [("replicate", replicas), ("shard", shards)];
+                let mesh = DeviceMesh::new(ctx.process_group(), &dims)?;
+                builder = builder.zero_on_mesh(stage, &mesh)?;
+            }
+            (Some(stage), None) => builder = builder.zero(stage),
+            (None, _) => {}
         }
         let mut ddp = builder.build(|vb| build(model, vb))?;
         let adamw = AdamWConfig {
@@ -394,19 +402,165 @@ fn zero_stages_1_and_2_train_to_the_bytes_of_ddp_on_1_to_4_ranks() {
             let init = init_of(model);
             for opt in [Opt::CandleSgd, Opt::AdamW] {
                 for world in 1..=4 {
-                    let ddp = train(model, &init, opt, world, None);
+                    let ddp = train(model, &init, opt, world, None, None);
                     assert!(
                         max_rel_diff(&ddp, &init) > 1e-4,
                         "training moved the weights"
                     );
                     let what = format!("{model:?} {opt:?} {world} ranks");
                     assert_both_stages_give(&ddp, &what, |stage| {
-                        train(model, &init, opt, world, Some(stage))
+                        train(model, &init, opt, world, Some(stage), None)
                     });
                 }
             }
         }
     });
+}
+
+/// ZeRO on a mesh of 4 ranks (pieces split within each shard group,
+/// replicated across): stage 1 reduces as DDP does, so every mesh gives
+/// DDP's bytes; at stage 2 one replica of four shards is flat ZeRO's
+/// reduce-scatter (DDP's bytes), and more replicas average their pieces
+/// in another order: within rounding of DDP. Every rank ends with the
+/// same weights (`train` checks).
+#[test]
+fn zero_on_a_mesh_trains_to_ddps_weights_and_stage_1_to_its_bytes() {
+    within(300, || {
+        for model in [Model::Net, Model::Tiny, Model::Mixed] {
+            let init = init_of(model);
+            for opt in [Opt::CandleSgd, Opt::AdamW] {
+                let ddp = train(model, &init, opt, 4, None, None);
+                for mesh in [(1, 4), (2, 2), (4, 1)] {
+                    let what = format!("{model:?} {opt:?} mesh {mesh:?}");
+                    let one = train(model, &init, opt, 4, Some(ZeroStage::One), Some(mesh));
+                    assert!(
+                        identical(&one, &ddp),
+                        "{what} stage 1: {}",
+                        diff_report(&one, &ddp)
+                    );
+                    let two = train(model, &init, opt, 4, Some(ZeroStage::Two), Some(mesh));
+                    let diff = max_rel_diff(&two, &ddp);
+                    match mesh {
+                        (1, _) => {
+                            assert!(identical(&two, &ddp), "{what}: {}", diff_report(&two, &ddp))
+                        }
+                        _ => assert!(
+                            diff < 1e-5,
+                            "{what} stage 2: {diff:e}: {}",
+                            diff_report(&two, &ddp)
+                        ),
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// A mesh's ranks split the pieces within their shard group: each holds
+/// half of the weight's rows on a 2 x 2 mesh; a mesh of three dimensions,
+/// a mesh that is not the DDP's group, and a mesh without a stage are
+/// refused, naming why.
+#[test]
+fn zero_on_a_mesh_holds_a_shard_groups_pieces_and_refuses_what_does_not_fit() {
+    let seen = within(60, || {
+        spawn(4, |ctx| {
+            let build = |builder: candle_dp::DdpBuilder<Net>| -> anyhow::Result<_> {
+                Ok(builder.build(Net::new)?)
+            };
+            let mesh = DeviceMesh::new(ctx.process_group(), &[("replicate", 2), ("shard", 2)])?;
+            let varmap = VarMap::new();
+            let ddp = build(
+                DistributedDataParallel::builder(
+                    mesh.world().clone(),
+                    &varmap,
+                    DType::F32,
+                    &Device::Cpu,
+                )
+                .zero_on_mesh(ZeroStage::Two, &mesh)?,
+            )?;
+            let opt =
+                ZeroOptimizer::new(&ddp, |mine| AdamW::new_named(mine, AdamWConfig::default()))?;
+            let pieces: Vec<(String, Vec<usize>)> = opt
+                .shard_vars()
+                .iter()
+                .map(|(name, v)| (name.clone(), v.dims().to_vec()))
+                .collect();
+            let whole: Vec<(String, Vec<usize>)> = ddp
+                .params()
+                .iter()
+                .map(|(name, v)| (name.clone(), v.dims().to_vec()))
+                .collect();
+            let three = DeviceMesh::new(ctx.process_group(), &[("a", 1), ("b", 2), ("c", 2)])?;
+            let builder = DistributedDataParallel::<Net>::builder(
+                ctx.process_group(),
+                &VarMap::new(),
+                DType::F32,
+                &Device::Cpu,
+            );
+            let three = builder
+                .zero_on_mesh(ZeroStage::One, &three)
+                .unwrap_err()
+                .to_string();
+            // A mesh over a sub-group of 2 ranks, given to DDP over all 4.
+            let pair = ctx
+                .process_group()
+                .split(Color::new((ctx.rank / 2) as u32), 0)?;
+            let pair = pair.ok_or_else(|| anyhow::anyhow!("no pair"))?;
+            let small = DeviceMesh::new(pair, &[("shard", 2)])?;
+            let other = build(
+                DistributedDataParallel::builder(
+                    ctx.process_group(),
+                    &VarMap::new(),
+                    DType::F32,
+                    &Device::Cpu,
+                )
+                .zero_on_mesh(ZeroStage::Two, &small)?,
+            )
+            .unwrap_err()
+            .to_string();
+            let config = candle_dp::DdpConfig {
+                zero_groups: Some(candle_dp::comm::ShardGroups::flat(ctx.process_group())),
+                ..Default::default()
+            };
+            let no_stage = DistributedDataParallel::new(
+                ctx.process_group(),
+                &VarMap::new(),
+                DType::F32,
+                &Device::Cpu,
+                Net::new,
+                config,
+            )
+            .unwrap_err()
+            .to_string();
+            Ok((
+                pieces,
+                whole,
+                opt.replica_rank(),
+                opt.shard_rank(),
+                three,
+                other,
+                no_stage,
+            ))
+        })
+        .unwrap()
+    });
+    for (rank, (pieces, whole, replica, shard, three, other, no_stage)) in
+        seen.into_iter().enumerate()
+    {
+        assert_eq!((replica, shard), (rank / 2, rank % 2), "rank {rank}");
+        let mut split = 0;
+        for ((name, piece), (_, dims)) in pieces.iter().zip(&whole) {
+            // A 0-dim parameter is one row, held by the shard group's rank 0.
+            if let (Some(rows), Some(all)) = (piece.first(), dims.first()) {
+                assert_eq!(*rows, all.div_ceil(2), "rank {rank}: {name}");
+                split += 1;
+            }
+        }
+        assert!(split >= 2, "rank {rank}: {whole:?}");
+        assert!(three.contains("this one has 3"), "{three}");
+        assert!(other.contains("not this DDP's group"), "{other}");
+        assert!(no_stage.contains("without a ZeRO stage"), "{no_stage}");
+    }
 }
 
 #[test]
