@@ -69,6 +69,10 @@ pub struct LmSpec {
     /// default, resharding after the forward.
     #[serde(default)]
     pub reshard_after_forward: Option<bool>,
+    /// `hsdp`, `zero1`, `zero2`: ranks per shard group (the Fabric's
+    /// `shard_size`; none: HSDP's default, plain ZeRO).
+    #[serde(default)]
+    pub shard_size: Option<usize>,
 }
 
 /// What one run measured: rank 0's step times, and with
@@ -118,6 +122,7 @@ pub fn run_child(spec: &LmSpec) -> Result<LmMeasured> {
         stages: spec.stages.unwrap_or(2),
         chunks: spec.stages.map(|_| 4),
         reshard_after_forward: spec.reshard_after_forward.unwrap_or(true),
+        shard_size: spec.shard_size,
         ..FabricConfig::new(strategy, spec.world)
     };
     let answers = Fabric::launch(fabric_config, |fabric| {
@@ -285,6 +290,7 @@ fn runs(quick: bool, steps: usize, torch: bool) -> Vec<Run> {
             count_link_bytes: false,
             stages: None,
             reshard_after_forward: None,
+            shard_size: None,
         })
     };
     let mut runs = vec![spec("single", 1, true)];

@@ -2,7 +2,8 @@
 //! (`lm`'s child, through a `Fabric`) on two simulated machines of two
 //! ranks each (`scripts/netcluster.sh --block`: ranks 0, 1 on machine 1,
 //! ranks 2, 3 on machine 2, over TCP only), as DDP, as FSDP over all four
-//! ranks, as HSDP with a machine's two ranks as its shard group, and as
+//! ranks, as ZeRO-2 over all four and on a mesh (a machine's two ranks
+//! a shard group), as HSDP with a machine's two ranks as its shard group, and as
 //! pipelines on ranks (four stages across both machines; two pipelines of
 //! two stages, one per machine, replicated across them): the step time and
 //! the bytes each machine's link carries per step, read from the link's
@@ -22,13 +23,16 @@ const MACHINES: usize = 2;
 const PER_MACHINE: usize = 2;
 
 /// The strategies compared, by the Fabric's names, with the ranks per
-/// pipeline of `pipeline-ranks`.
-const STRATEGIES: [(&str, Option<usize>); 5] = [
-    ("ddp", None),
-    ("fsdp", None),
-    ("hsdp", None),
-    ("pipeline-ranks", Some(4)),
-    ("pipeline-ranks", Some(2)),
+/// pipeline of `pipeline-ranks` and the ranks per shard group of ZeRO on a
+/// mesh.
+const STRATEGIES: [(&str, Option<usize>, Option<usize>); 7] = [
+    ("ddp", None, None),
+    ("zero2", None, None),
+    ("zero2", None, Some(PER_MACHINE)),
+    ("fsdp", None, None),
+    ("hsdp", None, None),
+    ("pipeline-ranks", Some(4), None),
+    ("pipeline-ranks", Some(2), None),
 ];
 
 /// `mpirun` of this binary's language-model child on the simulated
@@ -46,7 +50,7 @@ fn on_cluster(spec: &LmSpec) -> Result<Command> {
 pub fn run(steps: usize, rounds: usize) -> Result<String> {
     let specs: Vec<LmSpec> = STRATEGIES
         .iter()
-        .map(|&(strategy, stages)| LmSpec {
+        .map(|&(strategy, stages, shard_size)| LmSpec {
             strategy: strategy.to_string(),
             world: MACHINES * PER_MACHINE,
             fused_ops: true,
@@ -54,6 +58,7 @@ pub fn run(steps: usize, rounds: usize) -> Result<String> {
             count_link_bytes: true,
             stages,
             reshard_after_forward: None,
+            shard_size,
         })
         .collect();
     let mut measured: Vec<Vec<LmMeasured>> = vec![Vec::new(); specs.len()];
@@ -72,7 +77,8 @@ fn report(specs: &[LmSpec], measured: &[Vec<LmMeasured>], steps: usize, rounds: 
          `scripts/netcluster.sh --block` (TCP between network namespaces; ranks 0, 1 on \
          machine 1, ranks 2, 3 on machine 2), one thread per rank, {rounds} round(s) of \
          {steps} timed steps; `train_lm`'s model and step. HSDP's shard group is a \
-         machine's two ranks, replicated across the machines. The pipelines on ranks run \
+         machine's two ranks, replicated across the machines, and so is ZeRO-2's on a \
+         mesh. The pipelines on ranks run \
          1F1B over 4 micro-batches: 4 stages, one per rank (stages 1 and 2 meet across the \
          machines), or 2 x 2 (a pipeline of 2 stages on each machine, the two replicas \
          averaging their gradients across). Bytes: what each machine's \
@@ -108,7 +114,14 @@ fn report(specs: &[LmSpec], measured: &[Vec<LmMeasured>], steps: usize, rounds: 
         let label = match spec.stages {
             Some(pp) if pp == spec.world => format!("pipeline, {pp} stages on ranks"),
             Some(pp) => format!("pipeline, {} x {pp} (dp x pp)", spec.world / pp),
-            None => format!("{} x{}", spec.strategy.to_uppercase(), spec.world),
+            None => match spec.shard_size {
+                Some(shard) => format!(
+                    "{} x{}, shard groups of {shard} (one per machine)",
+                    spec.strategy.to_uppercase(),
+                    spec.world
+                ),
+                None => format!("{} x{}", spec.strategy.to_uppercase(), spec.world),
+            },
         };
         s += &format!(
             "| {label} | {:.0} | {m1:.2} | {m2:.2} | {ratio} |\n",
