@@ -708,7 +708,12 @@ fn run(args: Args) -> Result<()> {
     if args.elastic.hosts.is_some() && !cfg!(feature = "mpi") {
         bail!("--hosts starts this program under mpirun or srun: build it with --features mpi");
     }
-    if let Some(supervised) = args.elastic.supervise() {
+    // Each rank takes an equal share of the batch: a restart on fewer
+    // slots starts on the most ranks that share it (a mesh or a pipeline
+    // on ranks fixes its own numbers).
+    let dividing =
+        (args.mesh.is_none() && args.strategy != Strategy::Pipeline).then_some(args.batch as usize);
+    if let Some(supervised) = args.elastic.supervise(dividing) {
         return supervised;
     }
     if args.overlap && !matches!(args.strategy, Strategy::Ddp | Strategy::Zero) {

@@ -47,13 +47,15 @@ pub enum Launcher {
 }
 
 impl ElasticArgs {
-    /// The library's setting.
-    pub fn elastic(&self) -> Elastic {
+    /// The library's setting; a start's ranks must divide
+    /// `ranks_dividing` (the global batch) where given.
+    pub fn elastic(&self, ranks_dividing: Option<usize>) -> Elastic {
         Elastic {
             max_restarts: self.max_restarts,
             min_ranks: self.min_ranks,
             // A timeout past what a Duration holds is no limit.
             probe_timeout: Duration::try_from_secs_f64(self.probe_timeout).unwrap_or(Duration::MAX),
+            ranks_dividing,
         }
     }
 
@@ -61,13 +63,16 @@ impl ElasticArgs {
     /// with the same arguments, under mpirun on the hosts, until it
     /// finishes or cannot go on (`Some` with how that went); `None` where
     /// this process should train (no `--hosts`, or a rank of the job).
+    /// Each start's ranks divide `ranks_dividing` where given (the global
+    /// batch: a restart on fewer slots then starts on the most that share
+    /// it evenly, rather than failing again).
     ///
     /// `Some` with an error where the flags cannot do what they say: a
     /// process that a supervisor started (its restart variable set) but
     /// not as a rank of an MPI job (an `srun` without its MPI plugin would
     /// make every task a supervisor), or `--hosts` / `--max-restarts`
     /// under a launcher that no supervisor started (nothing would restart).
-    pub fn supervise(&self) -> Option<Result<()>> {
+    pub fn supervise(&self, ranks_dividing: Option<usize>) -> Option<Result<()>> {
         let supervised = std::env::var_os(RESTART_VARIABLE).is_some();
         match (Backend::from_env(), &self.hosts, supervised) {
             (Backend::Threads, Some(_), true) => Some(Err(anyhow::anyhow!(
@@ -75,7 +80,9 @@ impl ElasticArgs {
                  of an MPI job: give the launcher its MPI plugin (srun: \
                  --launcher-option=--mpi=pmix)"
             ))),
-            (Backend::Threads, Some(hosts), false) => Some(self.run_supervisor(hosts)),
+            (Backend::Threads, Some(hosts), false) => {
+                Some(self.run_supervisor(hosts, self.elastic(ranks_dividing)))
+            }
             (Backend::Mpi { variable }, _, false)
                 if self.hosts.is_some() || self.max_restarts > 0 =>
             {
@@ -89,7 +96,7 @@ impl ElasticArgs {
         }
     }
 
-    fn run_supervisor(&self, hosts: &str) -> Result<()> {
+    fn run_supervisor(&self, hosts: &str, elastic: Elastic) -> Result<()> {
         let hosts = match hosts {
             "slurm" => Host::from_slurm_allocation()?,
             list => Host::parse_list(list)?,
@@ -98,14 +105,14 @@ impl ElasticArgs {
         let options = self.launcher_option.iter().map(Into::into).collect();
         let args = std::env::args_os().skip(1);
         let run = match self.launcher {
-            Launcher::Mpirun => self.elastic().supervise(
+            Launcher::Mpirun => elastic.supervise(
                 &hosts,
                 &Mpirun {
                     options,
                     ..Mpirun::new(program, args)
                 },
             ),
-            Launcher::Srun => self.elastic().supervise(
+            Launcher::Srun => elastic.supervise(
                 &hosts,
                 &Srun {
                     options,

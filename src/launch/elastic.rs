@@ -61,6 +61,11 @@ pub struct Elastic {
     /// How long a supervisor waits for a host's probe before counting the
     /// host lost.
     pub probe_timeout: Duration,
+    /// A supervised start's number of ranks must divide this (the global
+    /// batch, so that each rank gets an equal share): the job starts on
+    /// the most slots that do, the last hosts' slots left unused (default
+    /// none: every slot that answers).
+    pub ranks_dividing: Option<usize>,
 }
 
 impl Default for Elastic {
@@ -69,6 +74,7 @@ impl Default for Elastic {
             max_restarts: 0,
             min_ranks: 1,
             probe_timeout: Duration::from_secs(10),
+            ranks_dividing: None,
         }
     }
 }
@@ -106,10 +112,15 @@ pub enum ElasticError {
     NoMinimum,
 
     /// Fewer ranks can start than `min_ranks`.
-    #[error("{ranks} rank(s) can start, fewer than the minimum of {min_ranks}{}{}", lost_hosts(.lost), before_text(.before))]
+    #[error("{ranks} rank(s) can start{}, fewer than the minimum of {min_ranks}{}{}", of_slots(*.ranks, *.slots, *.dividing), lost_hosts(.lost), before_text(.before))]
     TooFewRanks {
         /// The ranks that could start.
         ranks: usize,
+        /// The slots that answered (more than `ranks` where not all of
+        /// them divide `dividing`).
+        slots: usize,
+        /// [`Elastic::ranks_dividing`].
+        dividing: Option<usize>,
         /// The setting.
         min_ranks: usize,
         /// The hosts that did not answer their probe.
@@ -144,6 +155,14 @@ fn before_text(before: &Option<String>) -> String {
         .map_or_else(String::new, |b| format!("; before: {b}"))
 }
 
+/// ` (of 3 slots, the most that divide 8)` when not every slot can start.
+fn of_slots(ranks: usize, slots: usize, dividing: Option<usize>) -> String {
+    match dividing {
+        Some(n) if ranks < slots => format!(" (of {slots} slots, the most that divide {n})"),
+        _ => String::new(),
+    }
+}
+
 /// ` (lost: a, b)` when hosts were lost.
 fn lost_hosts(lost: &[String]) -> String {
     match lost.is_empty() {
@@ -164,6 +183,23 @@ impl Elastic {
     /// This setting with `min_ranks`.
     pub fn min_ranks(self, min_ranks: usize) -> Self {
         Elastic { min_ranks, ..self }
+    }
+
+    /// This setting with [`ranks_dividing`](Self::ranks_dividing) `n`.
+    pub fn ranks_dividing(self, n: usize) -> Self {
+        Elastic {
+            ranks_dividing: Some(n),
+            ..self
+        }
+    }
+
+    /// How many of `slots` a start uses: all, or the most that divide
+    /// [`ranks_dividing`](Self::ranks_dividing) (0 is divided by all).
+    pub(crate) fn usable_ranks(&self, slots: usize) -> usize {
+        match self.ranks_dividing {
+            Some(n) if n > 0 => (1..=slots).rev().find(|r| n % r == 0).unwrap_or(0),
+            _ => slots,
+        }
     }
 
     /// [`spawn_with`](super::spawn_with), started again after a failure:
@@ -194,6 +230,8 @@ impl Elastic {
         if world_size < self.min_ranks {
             return Err(ElasticError::TooFewRanks {
                 ranks: world_size,
+                slots: world_size,
+                dividing: None,
                 min_ranks: self.min_ranks,
                 lost: Vec::new(),
                 before: None,

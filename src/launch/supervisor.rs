@@ -381,8 +381,10 @@ impl Elastic {
     /// times. Before every start each host is probed (a one-rank job of
     /// the same launcher there, bounded by
     /// [`probe_timeout`](Elastic::probe_timeout)); the job starts on the
-    /// hosts whose probe ended well, one rank per slot, if that is at
-    /// least [`min_ranks`](Elastic::min_ranks). A host lost once is probed
+    /// hosts whose probe ended well, one rank per slot (with
+    /// [`ranks_dividing`](Elastic::ranks_dividing), on the first slots
+    /// whose number divides it), if that is at least
+    /// [`min_ranks`](Elastic::min_ranks). A host lost once is probed
     /// again at the next start. The ranks learn which start it is from
     /// [`RESTART_VARIABLE`] and should resume from their newest state; the
     /// job's own group timeout is what ends a start whose machine dropped
@@ -423,22 +425,30 @@ impl Elastic {
             let probing = Instant::now();
             let (alive, lost) = self.probe_all(hosts, launcher)?;
             let probing = probing.elapsed();
-            let ranks: usize = alive.iter().map(|h| h.slots).sum();
+            let slots: usize = alive.iter().map(|h| h.slots).sum();
+            let ranks = self.usable_ranks(slots);
             if ranks < self.min_ranks {
                 return Err(ElasticError::TooFewRanks {
                     ranks,
+                    slots,
+                    dividing: self.ranks_dividing,
                     min_ranks: self.min_ranks,
                     lost,
                     before: attempts.last().map(|a| a.failure().to_string()),
                 });
             }
+            let alive = first_slots(alive, ranks);
             let list: Vec<String> = alive.iter().map(Host::to_string).collect();
             let lost_text = match lost.is_empty() {
                 true => String::new(),
                 false => format!("; lost: {}", lost.join(", ")),
             };
+            let unused = match (slots - ranks, self.ranks_dividing) {
+                (0, _) | (_, None) => String::new(),
+                (_, Some(n)) => format!("; {slots} slots answered, {ranks} divide {n}"),
+            };
             report::eprint_report(&format!(
-                "elastic: {which}: {ranks} rank(s) on {} (probed in {:.2} s){lost_text}",
+                "elastic: {which}: {ranks} rank(s) on {} (probed in {:.2} s){unused}{lost_text}",
                 list.join(","),
                 probing.as_secs_f64(),
             ));
@@ -549,4 +559,18 @@ fn wait_until(child: &mut Child, deadline: Option<Instant>) -> Option<ExitStatus
             _ => return None,
         }
     }
+}
+
+/// The first `ranks` slots of `hosts`, in order: the last hosts' slots
+/// left unused (a host left with none dropped).
+fn first_slots(hosts: Vec<Host>, ranks: usize) -> Vec<Host> {
+    let mut left = ranks;
+    hosts
+        .into_iter()
+        .filter_map(|host| {
+            let slots = host.slots.min(left);
+            left -= slots;
+            (slots > 0).then_some(Host { slots, ..host })
+        })
+        .collect()
 }

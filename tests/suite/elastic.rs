@@ -225,6 +225,51 @@ fn a_supervised_job_below_its_minimum_or_out_of_restarts_ends_naming_why() {
     );
 }
 
+/// With `ranks_dividing` (the global batch), a start takes the most
+/// slots that divide it, the last hosts' slots left unused; below the
+/// minimum it ends naming the slots and the number.
+#[test]
+fn a_supervised_start_takes_the_most_slots_that_divide_the_batch() {
+    let dir = tempdir("dividing");
+    let log = dir.join("starts");
+    // Fails on its first start; each start writes its hosts.
+    let job = Shell {
+        job: format!(
+            "echo \"$HOSTS\" >> {log}; [ \"$CANDLE_DP_RESTART\" -ge 1 ]",
+            log = log.display()
+        ),
+    };
+    // 2 + 2 + 1 slots answer: 4 divide the batch of 8, 5 do not.
+    let hosts = Host::parse_list("a:2,down1:3,b:2,c:1").unwrap();
+    let run = elastic(1, 1)
+        .ranks_dividing(8)
+        .supervise(&hosts, &job)
+        .unwrap();
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "a:2,b:2\na:2,b:2\n");
+    assert_eq!(run.attempts[1].ranks(), 4);
+    // 3 slots answer for a batch of 9: all three; for 8, two.
+    let three = Host::parse_list("a:2,c:1").unwrap();
+    let both = Shell { job: "true".into() };
+    let run = elastic(0, 1)
+        .ranks_dividing(9)
+        .supervise(&three, &both)
+        .unwrap();
+    assert_eq!(run.attempts[0].ranks(), 3);
+    let run = elastic(0, 1)
+        .ranks_dividing(8)
+        .supervise(&three, &both)
+        .unwrap();
+    assert_eq!(run.attempts[0].ranks(), 2);
+    let error = elastic(0, 3)
+        .ranks_dividing(8)
+        .supervise(&three, &both)
+        .unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "2 rank(s) can start (of 3 slots, the most that divide 8), fewer than the minimum of 3"
+    );
+}
+
 #[test]
 fn a_host_lost_after_a_failed_start_names_that_failure_and_a_probe_that_cannot_run_is_no_lost_host()
 {
