@@ -138,6 +138,7 @@ fn scenario_by_name(name: &str, ctx: RankContext, out: &Path) -> anyhow::Result<
         "overlap_whole" => overlap(&ctx, &input()?, false)?,
         "fsdp" => fsdp(&ctx, &input()?)?,
         "subgroups" => subgroups(&ctx)?,
+        "groups_in_a_loop" => groups_in_a_loop(&ctx)?,
         "hsdp" => hsdp(&ctx, &input()?)?,
         "zero_mesh" => zero_on_mesh(&ctx, &input()?, (2, 2))?,
         "rank_pipeline" => rank_pipeline(&ctx)?,
@@ -623,6 +624,29 @@ fn sharded(
 /// Sub-groups on 4 ranks: a split by parity (small and ring-sized
 /// reductions), `new_group`, a 2 x 2 mesh, a split of a split, and
 /// messages passed around each pair and around the world.
+/// More sub-groups than Open MPI's communicators (ob1 numbers them in 16
+/// bits), made and dropped one after another: each freed when its last
+/// handle goes. Every thousandth sums the ranks' numbers plus one.
+const GROUPS_IN_A_LOOP: usize = 70_000;
+
+fn groups_in_a_loop(ctx: &RankContext) -> anyhow::Result<Tensors> {
+    use candle_dp::comm::Color;
+    let mut sums = Vec::new();
+    for i in 0..GROUPS_IN_A_LOOP {
+        let group = ctx
+            .pg
+            .split(Color::new(0), 0)?
+            .with_context(|| format!("group {i}: every rank has the colour"))?;
+        if i % 1000 == 0 {
+            let mine = Tensor::new(&[ctx.rank as f32 + 1.], &Device::Cpu)?;
+            sums.push(group.all_reduce(&mine, ReduceOp::Sum)?);
+        }
+    }
+    let mut out = Tensors::new();
+    out.insert("sums".into(), Tensor::cat(&sums, 0)?);
+    Ok(out)
+}
+
 fn subgroups(ctx: &RankContext) -> anyhow::Result<Tensors> {
     use candle_dp::comm::{Color, DeviceMesh};
     let pg = ctx.pg.as_ref();
@@ -1755,6 +1779,13 @@ fn sub_groups_meshes_and_messages_on_4_processes_equal_thread_ranks_bit_for_bit(
     for (rank, expected) in expected.iter().enumerate() {
         assert_bitwise_equal(&job.rank(rank), expected, &format!("rank {rank}"));
     }
+}
+
+#[test]
+fn sub_groups_made_in_a_loop_past_mpis_communicators_are_freed_as_they_go() {
+    let job = mpirun_ok(2, "groups_in_a_loop", None);
+    let sums = job.rank(0)["sums"].to_vec1::<f32>().unwrap();
+    assert_eq!(sums, vec![3.0; GROUPS_IN_A_LOOP / 1000]);
 }
 
 #[test]

@@ -113,6 +113,11 @@ pub(super) enum Control {
         members: Vec<usize>,
         reply: Sender<Result<Option<usize>, CommError>>,
     },
+    /// A sub-group's last handle is gone: free its communicator
+    /// (`MPI_Comm_free`, which lets the sends still in flight on it
+    /// complete), so that a program making groups in a loop does not run
+    /// out of MPI's communicators.
+    Free(usize),
     /// This rank has failed (recorded in [`Shared`]): tell the others.
     Abort,
     /// The last handle is gone: leave the group and finalize MPI, then
@@ -366,6 +371,7 @@ impl Engine {
                 }) => {
                     let _ = reply.send(self.split(comm, color, key, members));
                 }
+                Ok(Control::Free(comm)) => self.free(comm),
                 Ok(Control::Abort) => self.announce_own_failure(),
                 Ok(Control::Shutdown(ack)) => self.shutdown = Some(ack),
                 Err(RecvTimeoutError::Timeout) => {

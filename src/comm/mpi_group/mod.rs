@@ -232,10 +232,12 @@ impl MpiGroup {
             return;
         }
         if self.comm != 0 {
-            // A sub-group's handle: the process stays in the job.
+            // A sub-group's handle: the process stays in the job, and the
+            // communicator goes (after a shutdown nobody reads this).
             if thread::panicking() {
                 self.fail(FailureCause::Panicked);
             }
+            let _ = self.control.send(Control::Free(self.comm));
             return;
         }
         if thread::panicking() {

@@ -98,6 +98,19 @@ impl Engine {
         Ok(Some(self.comms.len() - 1))
     }
 
+    /// Frees sub-group communicator `id` (never the world's, 0): the world
+    /// made active again if it was, the slot emptied, and the communicator
+    /// dropped (`MPI_Comm_free`; MPI completes the operations still
+    /// pending on it). No handle is left to use it.
+    pub(super) fn free(&mut self, id: usize) {
+        if id == 0 || self.activate(0).is_err() {
+            return;
+        }
+        if let Some(slot) = self.comms.get_mut(id) {
+            *slot = None;
+        }
+    }
+
     /// Before leaving: waits for the sends in flight to be received,
     /// however long the receivers take (a pipeline's previous stage may
     /// still be working through its backwards), while the job is healthy.

@@ -90,6 +90,9 @@ impl Engine {
                     let _ = reply.send(Err(self.group_failed_for("split")));
                 }
                 Ok(Control::Abort) => self.announce_own_failure(),
+                // A failed group's requests may still be on a sub-group's
+                // communicator: it stays until the engine ends.
+                Ok(Control::Free(_)) => {}
                 // The requests may never complete: MPI is not finalized,
                 // and the handle need not wait for more than the notices.
                 Ok(Control::Shutdown(ack)) => {
