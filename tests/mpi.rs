@@ -624,9 +624,10 @@ fn sharded(
 /// Sub-groups on 4 ranks: a split by parity (small and ring-sized
 /// reductions), `new_group`, a 2 x 2 mesh, a split of a split, and
 /// messages passed around each pair and around the world.
-/// More sub-groups than Open MPI's communicators (ob1 numbers them in 16
-/// bits), made and dropped one after another: each freed when its last
-/// handle goes. Every thousandth sums the ranks' numbers plus one.
+/// More sub-groups than Open MPI has communicator ids (without the
+/// freeing this loop aborted in `MPI_Comm_split`), made and dropped one
+/// after another: each freed when its last handle goes. Every thousandth
+/// sums the ranks' numbers plus one.
 const GROUPS_IN_A_LOOP: usize = 70_000;
 
 fn groups_in_a_loop(ctx: &RankContext) -> anyhow::Result<Tensors> {
