@@ -709,10 +709,13 @@ fn run(args: Args) -> Result<()> {
         bail!("--hosts starts this program under mpirun or srun: build it with --features mpi");
     }
     // Each rank takes an equal share of the batch: a restart on fewer
-    // slots starts on the most ranks that share it (a mesh or a pipeline
-    // on ranks fixes its own numbers).
-    let dividing =
-        (args.mesh.is_none() && args.strategy != Strategy::Pipeline).then_some(args.batch as usize);
+    // slots starts on the most ranks that share it. Shard groups (hsdp,
+    // zero with --shard-size), a mesh and a pipeline on ranks fix numbers
+    // of their own, which the batch alone does not keep.
+    let own_numbers = args.mesh.is_some()
+        || args.shard_size.is_some()
+        || matches!(args.strategy, Strategy::Pipeline | Strategy::Hsdp);
+    let dividing = (!own_numbers).then_some(args.batch as usize);
     if let Some(supervised) = args.elastic.supervise(dividing) {
         return supervised;
     }

@@ -9,7 +9,8 @@
 //!   and the unit is built over them; after it, with
 //!   [`FsdpConfig::reshard_after_forward`] (FSDP2's default), the gathered
 //!   parameters and the unit's activations are dropped, keeping only its
-//!   input (except for the last two units, whose backward comes first);
+//!   input (except for the last unit and, with prefetch, the one before:
+//!   their backwards come first);
 //!   without it they stay until the backward (ZeRO-2's memory);
 //! - **backward**, last unit first: a resharded unit is gathered again and
 //!   its forward recomputed from its saved input (candle's graph holds the
@@ -115,8 +116,9 @@ fn plan_of(
 pub struct FsdpConfig {
     /// Drop a unit's gathered parameters and activations after its forward
     /// and gather and recompute it for its backward (default `true`,
-    /// FSDP2's default), except the last two units, whose backward comes
-    /// first (their parameters would be gathered again at once); `false`
+    /// FSDP2's default), except the last unit and, with `prefetch`, the
+    /// one before, whose backwards come first (their parameters would be
+    /// gathered again at once); `false`
     /// keeps every unit's until the backward: no second gather, no
     /// recomputation, a whole model's parameters held at the peak.
     pub reshard_after_forward: bool,

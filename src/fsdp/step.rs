@@ -439,14 +439,17 @@ impl FullyShardedDataParallel {
     /// Whether unit `k` keeps its gathered parameters and graph from its
     /// forward to its backward (no recomputation). Every unit does without
     /// [`reshard_after_forward`](super::FsdpConfig::reshard_after_forward);
-    /// with it, the last two still do. The last unit's backward comes
-    /// right after its forward. The one before would be gathered again at
-    /// once (during the last one's backward, with prefetch): keeping it
-    /// holds no more whole parameters at a time than the walk does anyway,
-    /// only its activations besides, and saves its recomputation
-    /// (torchtitan keeps the last transformer block for this reason).
+    /// with it, the last one still does (its backward comes right after
+    /// its forward), and with [`prefetch`](super::FsdpConfig::prefetch) the
+    /// one before too: it would be gathered again during the last one's
+    /// backward anyway, so keeping it holds no more whole parameters at a
+    /// time than the walk does, only its activations besides, and saves
+    /// its recomputation (torchtitan keeps the last transformer block for
+    /// this reason). Without prefetch the walk holds one unit at a time,
+    /// and keeping it would hold two.
     fn kept_after_forward(&self, k: usize) -> bool {
-        !self.config.reshard_after_forward || k + 2 >= self.factories.len()
+        let n = self.factories.len();
+        !self.config.reshard_after_forward || k + 1 >= n || (self.config.prefetch && k + 2 >= n)
     }
 
     /// With mixed precision, a floating-point input in the compute dtype.

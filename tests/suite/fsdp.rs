@@ -290,8 +290,9 @@ fn the_language_model_with_its_tied_head_trains_to_the_bytes_of_ddp() {
 /// resharded, the step fails naming the unit on every rank (the group is
 /// failed: the others' collectives of the step cannot all come), and the
 /// pieces are as before; kept (no reshard), it trains. So does it as the
-/// unit before the last, which is kept even with resharding (never
-/// recomputed).
+/// unit before the last, which is kept even with resharding when the
+/// walk prefetches (never recomputed); without prefetch that unit is
+/// resharded and recomputed as the others.
 #[test]
 fn a_random_unit_recomputed_for_the_backward_fails_the_step_named() {
     // Bounded: a hang fails the test instead of stalling CI.
@@ -305,7 +306,7 @@ fn a_random_unit_recomputed_for_the_backward_fails_the_step_named() {
             units.insert(dropout_at, layer(|_| Ok(candle_nn::Dropout::new(0.5))));
             units
         }
-        let run = |pg: Arc<dyn ProcessGroup>, dropout_at: usize, reshard: bool| {
+        let run = |pg: Arc<dyn ProcessGroup>, dropout_at: usize, reshard: bool, prefetch: bool| {
             let varmap = VarMap::new();
             let mut fsdp = FullyShardedDataParallel::from_units(
                 pg.clone(),
@@ -315,6 +316,7 @@ fn a_random_unit_recomputed_for_the_backward_fails_the_step_named() {
                 noisy_units(dropout_at),
                 FsdpConfig {
                     reshard_after_forward: reshard,
+                    prefetch,
                     ..Default::default()
                 },
             )
@@ -332,20 +334,25 @@ fn a_random_unit_recomputed_for_the_backward_fails_the_step_named() {
                 identical(&before, &snapshot(&varmap)),
             )
         };
-        // (where the Dropout is of 4 units, resharded, recomputed)
-        for (dropout_at, reshard, recomputed) in
-            [(1, true, true), (1, false, false), (2, true, false)]
-        {
+        // (where the Dropout is of 4 units, resharded, prefetched, recomputed)
+        for (dropout_at, reshard, prefetch, recomputed) in [
+            (1, true, true, true),
+            (1, false, true, false),
+            (2, true, true, false),
+            (2, true, false, true),
+        ] {
             let ranks = ThreadGroup::with_options(2, bounded());
             let outcomes: Vec<_> = std::thread::scope(|s| {
                 let handles: Vec<_> = ranks
                     .into_iter()
-                    .map(|pg| s.spawn(move || run(Arc::new(pg), dropout_at, reshard)))
+                    .map(|pg| s.spawn(move || run(Arc::new(pg), dropout_at, reshard, prefetch)))
                     .collect();
                 handles.into_iter().map(|h| h.join().unwrap()).collect()
             });
             for (rank, (result, unchanged)) in outcomes.into_iter().enumerate() {
-                let case = format!("rank {rank}, the Dropout unit {dropout_at}, reshard {reshard}");
+                let case = format!(
+                    "rank {rank}, the Dropout unit {dropout_at}, reshard {reshard}, prefetch {prefetch}"
+                );
                 if recomputed {
                     let message = result.expect_err("a recomputed Dropout must fail");
                     assert!(

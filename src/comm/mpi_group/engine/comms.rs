@@ -102,6 +102,12 @@ impl Engine {
     /// made active again if it was, the slot emptied, and the communicator
     /// dropped (`MPI_Comm_free`; MPI completes the operations still
     /// pending on it). No handle is left to use it.
+    ///
+    /// The standard calls `MPI_Comm_free` collective, but each rank frees
+    /// when its own last handle goes: Open MPI's (and MPICH's) free is
+    /// local, only marking the communicator for deallocation. A build whose
+    /// collective component tore communicators down group-wide (UCC,
+    /// HCOLL) could make this wait for the other ranks; none is used here.
     pub(super) fn free(&mut self, id: usize) {
         if id == 0 || self.activate(0).is_err() {
             return;
