@@ -138,20 +138,14 @@ impl ShardGroups {
             .iter()
             .map(|g| f64::from(u8::from(g.is_some())))
             .collect();
-        let flags = Tensor::new(mine, &Device::Cpu).map_err(|e| CommError::Tensor {
+        let tensor_error = |source| CommError::Tensor {
             rank: self.world.rank(),
             op: "presence flags",
-            source: e,
-        })?;
+            source,
+        };
+        let flags = Tensor::new(mine, &Device::Cpu).map_err(tensor_error)?;
         let summed = replicas.all_reduce(&flags, ReduceOp::Sum)?;
-        summed
-            .to_vec1::<f64>()
-            .map(Some)
-            .map_err(|e| CommError::Tensor {
-                rank: self.world.rank(),
-                op: "presence flags",
-                source: e,
-            })
+        summed.to_vec1::<f64>().map(Some).map_err(tensor_error)
     }
 }
 

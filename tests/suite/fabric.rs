@@ -656,117 +656,79 @@ fn sharded_states_reshard_onto_another_number_of_ranks() {
     }
 }
 
-#[test]
-fn hsdp_over_two_shard_groups_trains_to_one_devices_weights_and_its_state_reshards_onto_fsdp() {
+/// `strategy` on four ranks in two shard groups of two (two "machines"):
+/// within 1e-6 of one device's weights; saved after 3 steps as the first
+/// replica's two shards; resumed on the same mesh to the bytes of the run
+/// never stopped; resumed by `plain` on `plain_ranks` within 1e-6 of one
+/// device.
+fn a_mesh_state_resumes(strategy: Strategy, plain: Strategy, plain_ranks: usize) {
     let single = run(Strategy::Single, Precision::F32);
-    let dir = tempdir().join("hsdp");
-    // Four ranks, two shard groups of two (two "machines").
-    let hsdp = FabricConfig {
+    let dir = tempdir().join(format!("mesh-{strategy}"));
+    let on_mesh = FabricConfig {
         checkpoint_dir: Some(dir.clone()),
         shard_size: Some(2),
-        ..FabricConfig::new(Strategy::Hsdp, 4)
+        ..FabricConfig::new(strategy, 4)
     };
     let straight = resumable_run(
         &FabricConfig {
-            checkpoint_dir: Some(tempdir().join("hsdp-straight")),
-            ..hsdp.clone()
+            checkpoint_dir: Some(tempdir().join(format!("mesh-straight-{strategy}"))),
+            ..on_mesh.clone()
         },
         None,
     );
-    assert_close("hsdp 2 x 2", &straight, &single, 1e-6);
-    resumable_run(&hsdp, Some(3));
+    assert_close(&format!("{strategy} 2 x 2"), &straight, &single, 1e-6);
+    resumable_run(&on_mesh, Some(3));
     // The first replica's pieces were saved: two shards.
     let shards = std::fs::read_dir(dir.join("zero-shards")).unwrap().count();
-    assert_eq!(shards, 2, "one shard per rank of a shard group");
-    let again = resumable_run(&hsdp, None);
+    assert_eq!(shards, 2, "{strategy}: one shard per rank of a shard group");
+    let again = resumable_run(&on_mesh, None);
     assert!(
         identical(&again.0, &straight.0),
-        "resumed on the same mesh\n{}",
+        "{strategy} resumed on the same mesh\n{}",
         diff_report(&again.0, &straight.0)
     );
-    // The same state resumed by plain FSDP on 2 ranks.
-    let fsdp = resumable_run(
+    let resumed = resumable_run(
         &FabricConfig {
             checkpoint_dir: Some(dir),
-            ..FabricConfig::new(Strategy::Fsdp, 2)
+            ..FabricConfig::new(plain, plain_ranks)
         },
         None,
     );
-    let weights = max_rel_diff(&fsdp.0, &single.0);
+    let weights = max_rel_diff(&resumed.0, &single.0);
     assert!(
         weights <= 1e-6,
-        "HSDP's state resumed by FSDP: {weights:.2e}"
+        "{strategy}'s state resumed by {plain} on {plain_ranks} ranks: {weights:.2e}"
     );
-    // A shard size that does not divide the ranks is refused before any rank runs.
+}
+
+/// `shard_size` given to `strategy` on 4 ranks: refused before any rank
+/// runs, saying `why`.
+fn refused_shard_size(strategy: Strategy, shard_size: usize, why: &str) {
     let error = launch(
         FabricConfig {
-            shard_size: Some(3),
-            ..FabricConfig::new(Strategy::Hsdp, 4)
+            shard_size: Some(shard_size),
+            ..FabricConfig::new(strategy, 4)
         },
         |_| Ok(()),
     )
     .unwrap_err()
     .to_string();
-    assert!(
-        error.contains("do not split into shard groups of 3"),
-        "{error}"
-    );
+    assert!(error.contains(why), "{error}");
+}
+
+#[test]
+fn hsdp_over_two_shard_groups_trains_to_one_devices_weights_and_its_state_reshards_onto_fsdp() {
+    a_mesh_state_resumes(Strategy::Hsdp, Strategy::Fsdp, 2);
+    refused_shard_size(Strategy::Hsdp, 3, "do not split into shard groups of 3");
 }
 
 #[test]
 fn zero_on_a_mesh_trains_to_one_devices_weights_and_its_state_reshards_onto_plain_zero() {
-    let single = run(Strategy::Single, Precision::F32);
     for strategy in [Strategy::Zero1, Strategy::Zero2] {
-        let dir = tempdir().join(format!("zero-mesh-{strategy}"));
-        // Four ranks, two shard groups of two.
-        let on_mesh = FabricConfig {
-            checkpoint_dir: Some(dir.clone()),
-            shard_size: Some(2),
-            ..FabricConfig::new(strategy, 4)
-        };
-        let straight = resumable_run(
-            &FabricConfig {
-                checkpoint_dir: Some(tempdir().join(format!("zero-mesh-straight-{strategy}"))),
-                ..on_mesh.clone()
-            },
-            None,
-        );
-        assert_close(&format!("{strategy} 2 x 2"), &straight, &single, 1e-6);
-        resumable_run(&on_mesh, Some(3));
-        // The first replica's shards were saved: two.
-        let shards = std::fs::read_dir(dir.join("zero-shards")).unwrap().count();
-        assert_eq!(shards, 2, "{strategy}: one shard per rank of a shard group");
-        let again = resumable_run(&on_mesh, None);
-        assert!(
-            identical(&again.0, &straight.0),
-            "{strategy} resumed on the same mesh\n{}",
-            diff_report(&again.0, &straight.0)
-        );
-        // The same state resumed by plain ZeRO on 3 ranks.
-        let plain = resumable_run(
-            &FabricConfig {
-                checkpoint_dir: Some(dir),
-                ..FabricConfig::new(strategy, 3)
-            },
-            None,
-        );
-        let weights = max_rel_diff(&plain.0, &single.0);
-        assert!(
-            weights <= 1e-6,
-            "{strategy} on a mesh resumed by plain ZeRO: {weights:.2e}"
-        );
+        a_mesh_state_resumes(strategy, strategy, 3);
     }
-    // Shard groups mean nothing to DDP: refused before any rank runs.
-    let error = launch(
-        FabricConfig {
-            shard_size: Some(2),
-            ..FabricConfig::new(Strategy::Ddp, 4)
-        },
-        |_| Ok(()),
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(error.contains("for hsdp, zero1 and zero2 only"), "{error}");
+    // Shard groups mean nothing to DDP.
+    refused_shard_size(Strategy::Ddp, 2, "for hsdp, zero1 and zero2 only");
 }
 
 #[test]
