@@ -26,7 +26,13 @@
 #   `NcclGroup` on two
 #   thread ranks: collectives against the host group's, agreed errors, a
 #   lost rank named, DDP on NCCL against one GPU (tests/suite/nccl.rs; on a
-#   one-GPU machine both ranks share it, NCCL_MULTI_RANK_GPU_ENABLE=1);
+#   one-GPU machine both ranks share it, NCCL_MULTI_RANK_GPU_ENABLE=1, and
+#   an NCCL older than 2.30 skips them, saying so); the one Fabric loop
+#   under every strategy in f32, bf16 and f16 (tests/suite/fabric.rs);
+#   the optimizers and the fused ops on the GPU (optim.rs, ops.rs);
+# - the language model on the GPU (`train_lm`, lm.txt): one GPU against
+#   the CPU, then FSDP, ZeRO, DDP, HSDP, ZeRO on a mesh and pipelines on
+#   stage ranks beside one GPU (GPU_CHECK_LM=0 leaves it out);
 # - the training benchmark on the GPU (`bench --device cuda`): the
 #   reference MLP (launch-bound), a wide MLP 784-4096-4096-10 and the conv
 #   net at batch 8192 (compute-bound), one device against DataParallel
@@ -34,7 +40,8 @@
 # - the host transfers of a step, counted: each training kind of the
 #   benchmark (MLP, batch 256, 2 replicas or ranks) runs twice under
 #   scripts/cuda_api_count.c (CUPTI's driver-API callbacks), 10 and 30
-#   steps; the difference over 20 steps is the count per step.
+#   steps; the difference over 20 steps is the count per step; then the
+#   Fabric's strategies, a pipeline on stage ranks among them.
 # OUT gets device.txt (nvidia-smi, topology), tests.txt, transfers.md and
 # bench/ (bench.md, bench.csv, bench.svg). Under 10 minutes on an H100
 # once built.
@@ -89,7 +96,8 @@ cd "$(dirname "$0")/.."
 # older and none is carried).
 # A name with `::` is a filter of its own (one subject's GPU tests).
 read -r -a TESTS <<<"${GPU_CHECK_TESTS:-equivalence hardening errors pipeline scatter_gather \
-fabric::one_loop_trains_every_strategy_on_the_gpu optim::sgd_adam_and_adamw_follow_pytorch_on_the_gpu nccl}"
+fabric::one_loop_trains_every_strategy_on_the_gpu optim::sgd_adam_and_adamw_follow_pytorch_on_the_gpu \
+ops::fused_ops_on_the_gpu nccl}"
 FEATURES=nccl # implies cuda
 
 usage() {
@@ -169,8 +177,11 @@ count_transfers() {
     done
     # Through a Fabric, every rank on GPU 0, the crate's AdamW: the
     # strategies at world size 1 (whose collectives should stay on the
-    # GPU) and at 2 (a ThreadGroup: through host memory).
-    for kind in single:1 ddp:1 zero2:1 fsdp:1 ddp:2 zero2:2 fsdp:2; do
+    # GPU) and at 2 (a ThreadGroup: through host memory); a pipeline of 2
+    # stages in one process and on 2 stage ranks (activations and
+    # gradients sent point to point), and 2 such pipelines under DDP.
+    for kind in single:1 ddp:1 zero2:1 fsdp:1 ddp:2 zero2:2 fsdp:2 \
+        pipeline:2 pipeline-ranks:2 pipeline-ranks:4; do
         for steps in 10 30; do
             spec="{\"strategy\":\"${kind%:*}\",\"world\":${kind#*:},\"wrapped\":true,\"hidden\":1024,\"batch\":256,\"warmup\":3,\"steps\":$steps,\"cuda\":true}"
             CUDA_API_COUNT_OUT="$counts/fabric-${kind/:/-x}.$steps" LD_PRELOAD="$PWD/$bin/libcuda_api_count.so" \
@@ -185,7 +196,8 @@ def read(name):
         return dict(kv.split("=") for kv in f.read().split())
 kinds = ["single", "dp-fast", "dp-fromloss", "dp-dropin", "ddp", "ddp-nccl"]
 fabric = ["fabric-single-x1", "fabric-ddp-x1", "fabric-zero2-x1", "fabric-fsdp-x1",
-          "fabric-ddp-x2", "fabric-zero2-x2", "fabric-fsdp-x2"]
+          "fabric-ddp-x2", "fabric-zero2-x2", "fabric-fsdp-x2",
+          "fabric-pipeline-x2", "fabric-pipeline-ranks-x2", "fabric-pipeline-ranks-x4"]
 cols = ["h2d", "d2h", "d2d", "copy", "memset", "launch", "sync", "alloc", "free"]
 print("CUDA driver calls per training step (all replicas or ranks of the process together),")
 print("MLP 784-1024-1024-10, global batch 256, 2 replicas or ranks on GPU 0, SGD;")
@@ -253,10 +265,21 @@ run() {
     # NCCL prints its version at its first initialisation.
     export NCCL_DEBUG=${NCCL_DEBUG:-VERSION}
     unpack "$bin"
+    # NCCL before 2.30 refuses two ranks on one GPU ("Duplicate GPU
+    # detected"): on a one-GPU machine the nccl subject is then skipped,
+    # and the log says why.
+    local nccl gpus
+    nccl=$(python3 -c 'import ctypes; v = ctypes.c_int(); ctypes.CDLL("libnccl.so.2").ncclGetVersion(ctypes.byref(v)); print(v.value)' 2>/dev/null || echo 0)
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    echo "NCCL found: $nccl (major*10000+minor*100+patch), GPUs: $gpus" | tee -a "$out/tests.txt"
     local failed=0
     for t in "${TESTS[@]}"; do
         if [ ! -x "$bin/suite" ]; then
             echo "== $t: no test binary suite in $bin, not run" | tee -a "$out/tests.txt"
+            continue
+        fi
+        if [[ $t == nccl* ]] && [ "${gpus:-0}" -lt 2 ] && [ "$nccl" -lt 23000 ]; then
+            echo "== $t: skipped, NCCL $nccl refuses two ranks on one GPU (2.30+ needed)" | tee -a "$out/tests.txt"
             continue
         fi
         echo "== $t" | tee -a "$out/tests.txt"
@@ -273,7 +296,8 @@ run() {
                 tee "$out/bench.txt" || failed=1
         fi
     fi
-    if [ -x "$bin/train_lm" ]; then
+    # GPU_CHECK_LM=0 leaves the language model out.
+    if [ -x "$bin/train_lm" ] && [ "${GPU_CHECK_LM:-1}" != 0 ]; then
         # The language model on the GPU: one GPU against the CPU, and
         # FSDP, ZeRO and the overlapped DDP on two ranks of GPU 0 in bf16,
         # each beside its one-GPU run (--compare).
@@ -283,11 +307,15 @@ run() {
                 echo "== failed"
             echo "== train_lm, CPU"
             timeout 300 "$bin/train_lm" --steps 30 --eval-every 30 || echo "== failed"
-            for s in "fsdp" "zero --overlap" "ddp --precision bf16"; do
-                echo "== train_lm --strategy $s, 2 ranks on GPU 0, --compare"
+            # Then the mesh's strategies, 4 ranks on GPU 0: HSDP, ZeRO on
+            # a 2 x 2 mesh, and 2 pipelines of 2 stage ranks.
+            for s in "fsdp|0,0" "zero --overlap|0,0" "ddp --precision bf16|0,0" \
+                "hsdp --mesh dp=2,shard=2|0,0,0,0" "zero --mesh dp=2,shard=2|0,0,0,0" \
+                "pipeline --mesh dp=2,pp=2|0,0,0,0" "fsdp --precision f16|0,0"; do
+                echo "== train_lm --strategy ${s%|*}, ranks on GPUs ${s#*|}, --compare"
                 # shellcheck disable=SC2086
-                timeout 300 "$bin/train_lm" --strategy $s --steps 30 --eval-every 30 \
-                    --accelerator cuda --gpus 0,0 --compare || echo "== failed"
+                timeout 300 "$bin/train_lm" --strategy ${s%|*} --steps 30 --eval-every 30 \
+                    --accelerator cuda --gpus "${s#*|}" --compare || echo "== failed"
             done
         } 2>&1 | tee "$out/lm.txt" || failed=1
     fi

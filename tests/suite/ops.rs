@@ -156,11 +156,16 @@ fn assert_equal_up_to_rounding(what: &str, got: &Run, other: &Run, exact: &Run, 
 /// The op named `op` (the fused one, or candle's composite) on a case's
 /// inputs, in `dtype`.
 fn on_case(op: &str, fused: bool, case: &Case, dtype: DType) -> Run {
+    on_case_on(op, fused, case, dtype, &Device::Cpu)
+}
+
+/// [`on_case`] with the inputs on `device`.
+fn on_case_on(op: &str, fused: bool, case: &Case, dtype: DType, device: &Device) -> Run {
     let (x, w, b, shape) = (&case.x[..], &case.w[..], &case.b[..], &case.shape[..]);
     match op {
         "gelu" => {
             let f = |t: &[Tensor]| if fused { ops::gelu(&t[0]) } else { t[0].gelu() };
-            values_and_grads(&f, &[(x, shape)], &case.dy, dtype)
+            values_and_grads_on(&f, &[(x, shape)], &case.dy, dtype, device)
         }
         "layer_norm" => {
             let f: &Op<'_> = if fused {
@@ -169,35 +174,35 @@ fn on_case(op: &str, fused: bool, case: &Case, dtype: DType) -> Run {
                 &layer_norm_composite
             };
             let inputs = [(x, shape), (w, &[w.len()][..]), (b, &[b.len()][..])];
-            values_and_grads(f, &inputs, &case.dy, dtype)
+            values_and_grads_on(f, &inputs, &case.dy, dtype, device)
         }
         "causal_softmax" => {
             let f = |t: &[Tensor]| match fused {
                 true => ops::causal_softmax(&t[0], case.scale),
                 false => causal_softmax_composite(&t[0], case.scale),
             };
-            values_and_grads(&f, &[(x, shape)], &case.dy, dtype)
+            values_and_grads_on(&f, &[(x, shape)], &case.dy, dtype, device)
         }
         "cross_entropy" => {
-            let labels = targets(&case.targets);
+            let labels = targets(&case.targets).to_device(device).unwrap();
             let f = |t: &[Tensor]| match fused {
                 true => ops::cross_entropy(&t[0], &labels),
                 false => candle_nn::loss::cross_entropy(&t[0], &labels),
             };
-            values_and_grads(&f, &[(x, shape)], &case.dy, dtype)
+            values_and_grads_on(&f, &[(x, shape)], &case.dy, dtype, device)
         }
         "causal_attention" => {
             let f = |t: &[Tensor]| match fused {
                 true => ops::causal_attention(&t[0], case.heads),
                 false => ops::causal_attention_unfused(&t[0], case.heads),
             };
-            values_and_grads(&f, &[(x, shape)], &case.dy, dtype)
+            values_and_grads_on(&f, &[(x, shape)], &case.dy, dtype, device)
         }
         "linear" => {
             let f: &Op<'_> = if fused { &linear } else { &linear_composite };
             let (o, i) = (b.len(), w.len() / b.len());
             let inputs = [(x, shape), (w, &[o, i][..]), (b, &[o][..])];
-            values_and_grads(f, &inputs, &case.dy, dtype)
+            values_and_grads_on(f, &inputs, &case.dy, dtype, device)
         }
         other => panic!("no op {other}"),
     }
@@ -270,6 +275,32 @@ fn fused_ops_equal_candles_composite_ops_in_f32() {
         let composite = on_case(op, false, &case, DType::F32);
         let what = format!("{op}, input {:?}", case.shape);
         assert_equal_up_to_rounding(&what, &fused, &composite, &exact, 1e-6);
+    }
+}
+
+/// On a GPU every op is candle's CUDA op (no fused kernel there): in f32
+/// it equals candle's composite ops on the CPU up to their rounding, on
+/// the fixtures' inputs and on the large ones (attention's 4 x 130
+/// positions among them), value and every gradient.
+#[cfg(feature = "cuda")]
+#[test]
+fn fused_ops_on_the_gpu_equal_candles_composite_ops_on_the_cpu_in_f32() {
+    let gpu = Device::new_cuda(0).unwrap();
+    let reference = reference();
+    for op in OPS {
+        let case = &cases(&reference, op).f32;
+        let on_gpu = on_case_on(op, true, case, DType::F32, &gpu);
+        let composite = on_case(op, false, case, DType::F32);
+        let what = format!("{op} on the GPU");
+        assert_equal_up_to_rounding(&what, &on_gpu, &composite, &case.exact.run(), 1e-5);
+    }
+    for op in OPS {
+        let case = large_case(op);
+        let exact = on_case(op, true, &case, DType::F64);
+        let on_gpu = on_case_on(op, true, &case, DType::F32, &gpu);
+        let composite = on_case(op, false, &case, DType::F32);
+        let what = format!("{op} on the GPU, input {:?}", case.shape);
+        assert_equal_up_to_rounding(&what, &on_gpu, &composite, &exact, 1e-5);
     }
 }
 
@@ -382,19 +413,27 @@ fn values_and_grads(
     dy: &[f64],
     dtype: DType,
 ) -> (Vec<f64>, Vec<Vec<f64>>) {
+    values_and_grads_on(f, inputs, dy, dtype, &Device::Cpu)
+}
+
+/// [`values_and_grads`] with the inputs on `device`.
+fn values_and_grads_on(
+    f: &Op<'_>,
+    inputs: &[(&[f64], &[usize])],
+    dy: &[f64],
+    dtype: DType,
+    device: &Device,
+) -> (Vec<f64>, Vec<Vec<f64>>) {
     let vars: Vec<Var> = inputs
         .iter()
         .map(|(v, shape)| {
-            let t = Tensor::new(*v, &Device::Cpu)
-                .unwrap()
-                .reshape(*shape)
-                .unwrap();
+            let t = Tensor::new(*v, device).unwrap().reshape(*shape).unwrap();
             Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap()
         })
         .collect();
     let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let y = f(&tensors).unwrap();
-    let dy = Tensor::new(dy, &Device::Cpu)
+    let dy = Tensor::new(dy, device)
         .unwrap()
         .reshape(y.shape())
         .unwrap()
