@@ -27,9 +27,11 @@ use super::stage_build::build_stage;
 use super::stage_var::StageVar;
 use super::{Balance, Checkpoint, LayerFactory, PipelineTimings, Schedule};
 use crate::comm::{all_gather_object, DeviceMesh, ProcessGroup, ReduceOp, SubGroup};
+use crate::ddp::ZeroStage;
 use crate::error::{Error, Result};
 use crate::precision::{cast_input, MixedPrecision};
 use crate::scatter_gather::chunk_sizes;
+use crate::sharding::ShardLayout;
 use crate::step::LossReduction;
 use crate::worker_pool::Cancel;
 
@@ -51,6 +53,13 @@ pub struct RankPipelineConfig {
     /// in-process pipeline's [`mixed_precision`](super::PipelineBuilder::mixed_precision);
     /// `None`: on the variables themselves.
     pub mixed_precision: Option<MixedPrecision>,
+    /// On a mesh ([`RankPipeline::on_mesh`]), ZeRO across each stage's
+    /// replicas: every variable split into one piece per replica, the
+    /// optimizer state of this rank's pieces only (stage 1), and the
+    /// gradients reduce-scattered to them instead of averaged whole (stage
+    /// 2). Step with [`RankPipeline::zero_optimizer`]. `None` (default):
+    /// the replicas average whole gradients, as DDP.
+    pub zero: Option<ZeroStage>,
 }
 
 impl Default for RankPipelineConfig {
@@ -61,6 +70,7 @@ impl Default for RankPipelineConfig {
             schedule: Schedule::OneFOneB,
             checkpoint: Checkpoint::Never,
             mixed_precision: None,
+            zero: None,
         }
     }
 }
@@ -137,7 +147,7 @@ pub struct RankPipeline {
     pub(super) buffers: Vec<(String, Var)>,
     /// Layers per stage.
     balance: Vec<usize>,
-    config: RankPipelineConfig,
+    pub(super) config: RankPipelineConfig,
     /// The variables this rank shares with stages on other ranks (tied
     /// weights), by name, sorted, each with the group of the ranks that
     /// use it.
@@ -145,6 +155,10 @@ pub struct RankPipeline {
     /// On a mesh: the replicas of this rank's stages (the same stages on
     /// other pipelines), across which the gradients are averaged.
     pub(super) replicas: Option<SubGroup>,
+    /// On a mesh: every rank of it.
+    pub(super) world: Option<Arc<dyn ProcessGroup>>,
+    /// With ZeRO: each of [`own`](Self::own)'s split across the replicas.
+    pub(super) zero_layouts: Vec<ShardLayout>,
     /// This rank's part of the latest successful step's timings.
     pub(super) timings: Mutex<PipelineTimings>,
 }
@@ -169,6 +183,7 @@ struct Plan {
     schedule: String,
     checkpoint: String,
     precision: String,
+    zero: String,
 }
 
 impl RankPipeline {
@@ -191,6 +206,25 @@ impl RankPipeline {
         layers: Vec<LayerFactory>,
         config: RankPipelineConfig,
     ) -> Result<Self> {
+        if config.zero.is_some() {
+            return Err(Error::Zero(
+                "ZeRO splits each stage across its replicas: build the pipeline on a mesh \
+                 (RankPipeline::on_mesh)"
+                    .into(),
+            ));
+        }
+        Self::build(pg, varmap, dtype, device, layers, config)
+    }
+
+    /// [`new`](Self::new), and the stages of a pipeline on a mesh.
+    fn build(
+        pg: Arc<dyn ProcessGroup>,
+        varmap: &VarMap,
+        dtype: DType,
+        device: &Device,
+        layers: Vec<LayerFactory>,
+        config: RankPipelineConfig,
+    ) -> Result<Self> {
         let ranks = pg.world_size();
         let stages = ranks * config.schedule.stages_per_device().max(1);
         let balance = layers_per_stage(&config.balance, &layers, stages, dtype, device);
@@ -201,6 +235,7 @@ impl RankPipeline {
             schedule: format!("{:?}", config.schedule),
             checkpoint: format!("{:?}", config.checkpoint),
             precision: format!("{:?}", config.mixed_precision),
+            zero: format!("{:?}", config.zero),
         };
         let plans = all_gather_object(pg.as_ref(), &plan)?;
         if let Some(rank) = plans.iter().position(|p| p != &plans[0]) {
@@ -248,6 +283,8 @@ impl RankPipeline {
             config,
             tied,
             replicas: None,
+            world: None,
+            zero_layouts: Vec::new(),
             timings: Mutex::new(PipelineTimings::default()),
         })
     }
@@ -261,8 +298,10 @@ impl RankPipeline {
     /// mean loss and equal shares). The replicas start from the values of
     /// the first pipeline (`dp` coordinate 0), and each step from its
     /// buffers (BatchNorm statistics: DDP's `broadcast_buffers`), which
-    /// every replica then updates with its own rows. Every rank of the
-    /// mesh calls it.
+    /// every replica then updates with its own rows. With
+    /// [`zero`](RankPipelineConfig::zero), the replicas split each stage's
+    /// optimizer state (and at stage 2 its gradients) instead. Every rank
+    /// of the mesh calls it.
     ///
     /// # Errors
     ///
@@ -279,11 +318,19 @@ impl RankPipeline {
         let (pp, dp) = dims;
         let stages = Arc::clone(mesh.group(pp)?);
         let replicas = Arc::clone(mesh.group(dp)?);
-        let mut pipe = Self::new(stages, varmap, dtype, device, layers, config)?;
+        let mut pipe = Self::build(stages, varmap, dtype, device, layers, config)?;
         for (_, var) in pipe.own.iter().chain(&pipe.buffers) {
             var.set(&replicas.broadcast(var.as_tensor(), 0)?)?;
         }
+        if pipe.config.zero.is_some() {
+            pipe.zero_layouts = pipe
+                .own
+                .iter()
+                .map(|(_, var)| ShardLayout::new(var.dims(), replicas.world_size()))
+                .collect();
+        }
         pipe.replicas = Some(replicas);
+        pipe.world = Some(Arc::clone(mesh.world()));
         Ok(pipe)
     }
 
@@ -516,27 +563,11 @@ impl RankPipeline {
             let sum = group.all_reduce(&mine, ReduceOp::Sum)?;
             grads.insert(var.as_tensor(), sum);
         }
-        // On a mesh: every gradient averaged over the stage's replicas, in
-        // one collective, and the last stages' losses.
+        // On a mesh: every gradient averaged over the stage's replicas (or
+        // reduce-scattered to this rank's pieces), and the last stages'
+        // losses.
         if let Some(replicas) = &self.replicas {
-            let vars: Vec<&Var> = self.own.iter().map(|(_, v)| v).collect();
-            let mine = vars
-                .iter()
-                .map(|v| {
-                    grads
-                        .get(v.as_tensor())
-                        .cloned()
-                        .map_or_else(|| v.zeros_like(), Ok)
-                })
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            let averaged = replicas.all_reduce_concat(&mine, ReduceOp::Avg)?;
-            let mut offset = 0;
-            for var in vars {
-                let n = var.elem_count();
-                let g = averaged.narrow(0, offset, n)?.reshape(var.dims())?;
-                grads.insert(var.as_tensor(), g);
-                offset += n;
-            }
+            self.reduce_across_replicas(replicas, &mut grads)?;
         }
         let loss = match losses.split_first() {
             Some((first, rest)) => Some(rest.iter().try_fold(first.clone(), |sum, l| sum + l)?),

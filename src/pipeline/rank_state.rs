@@ -122,8 +122,9 @@ impl RankPipeline {
     /// [`clip_grad_norm`](crate::optim::clip_grad_norm) of the whole
     /// model would: a weight tied across ranks holds the same gradient on
     /// each and counts once. On a mesh the replicas hold the same
-    /// gradients (averaged by the step) and clip alike. Every rank of the
-    /// pipeline calls it.
+    /// gradients (averaged by the step) and clip alike; at ZeRO stage 2
+    /// each rank holds its pieces and the sum runs over the whole mesh
+    /// (every rank of it calls it). Every rank of the pipeline calls it.
     ///
     /// # Errors
     ///
@@ -143,7 +144,7 @@ impl RankPipeline {
             })
         };
         clip_grad_norm_across_counting(
-            self.pg.as_ref(),
+            self.norm_group().as_ref(),
             grads,
             &params,
             &counted,

@@ -37,6 +37,7 @@
 
 mod optimizer;
 
+pub(crate) use optimizer::ZeroSplit;
 pub use optimizer::{grad_bytes, ZeroOptimizer};
 
 /// How much ZeRO shards: a setting of DDP's ([`DdpConfig::zero`](crate::DdpConfig::zero)),

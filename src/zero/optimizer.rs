@@ -77,6 +77,31 @@ pub struct ZeroOptimizer<O> {
     pieces: Vec<(String, Var)>,
     layouts: Vec<ShardLayout>,
     groups: Vec<GatherGroup>,
+    /// Where the gradients' norm is summed: `None`, each rank holds whole
+    /// gradients that are every rank's (DDP's stage 1); else the ranks
+    /// whose gradients together are the model's.
+    norm_group: Option<Arc<dyn ProcessGroup>>,
+    /// Per parameter, whether this rank counts it in the norm (a weight
+    /// tied across a pipeline's ranks counts on one of them).
+    counted: Vec<bool>,
+}
+
+/// What a [`ZeroOptimizer`] splits, over which ranks: a ZeRO DDP's
+/// parameters, or a pipeline's stages across their replicas.
+pub(crate) struct ZeroSplit {
+    /// Every rank: where the ranks agree on a step's outcome.
+    pub(crate) world: Arc<dyn ProcessGroup>,
+    /// The ranks the pieces split over.
+    pub(crate) pg: Arc<dyn ProcessGroup>,
+    /// Which replica of the pieces this rank holds (0 without).
+    pub(crate) replica_rank: usize,
+    pub(crate) stage: ZeroStage,
+    pub(crate) params: Vec<(String, Var)>,
+    pub(crate) layouts: Vec<ShardLayout>,
+    /// See [`ZeroOptimizer`]'s field.
+    pub(crate) norm_group: Option<Arc<dyn ProcessGroup>>,
+    /// See [`ZeroOptimizer`]'s field.
+    pub(crate) counted: Vec<bool>,
 }
 
 /// Parameters of one dtype and device, whose pieces are all-gathered as
@@ -119,7 +144,35 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
             None => (Arc::clone(&world), 0),
         };
         let params = ddp.params().to_vec();
-        let layouts = ddp.zero_layouts().to_vec();
+        let split = ZeroSplit {
+            norm_group: (stage == ZeroStage::Two).then(|| Arc::clone(&pg)),
+            counted: vec![true; params.len()],
+            world,
+            pg,
+            replica_rank,
+            stage,
+            layouts: ddp.zero_layouts().to_vec(),
+            params,
+        };
+        Self::from_split(split, make)
+    }
+
+    /// The optimizer of `split`, built with `make` over this rank's
+    /// pieces.
+    pub(crate) fn from_split<F>(split: ZeroSplit, make: F) -> Result<Self>
+    where
+        F: FnOnce(Vec<(String, Var)>) -> candle_core::Result<O>,
+    {
+        let ZeroSplit {
+            world,
+            pg,
+            replica_rank,
+            stage,
+            params,
+            layouts,
+            norm_group,
+            counted,
+        } = split;
         let rank = pg.rank();
         let pieces = params
             .iter()
@@ -141,6 +194,8 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
             pieces,
             layouts,
             groups,
+            norm_group,
+            counted,
         })
     }
 
@@ -206,7 +261,8 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
                     };
                     return Err(Error::Zero(format!(
                         "the gradient of `{name}` has shape {:?}, not {want}: pass the \
-                         gradients of this DistributedDataParallel's backward",
+                         gradients of the backward this optimizer was built for (its \
+                         DistributedDataParallel's or RankPipeline's)",
                         grad.dims()
                     )));
                 }
@@ -257,8 +313,12 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
     /// its pieces is combined with one all-reduce of one number within the
     /// shard group (on a mesh the replicas hold the same pieces; the total
     /// agrees with [`clip_grad_norm`](crate::optim::clip_grad_norm) of the
-    /// whole gradients to rounding). Every rank must call it, before
-    /// [`step`](Self::step).
+    /// whole gradients to rounding). Over a pipeline's stages
+    /// ([`RankPipeline::zero_optimizer`](crate::pipeline::RankPipeline::zero_optimizer))
+    /// the norm is summed over every stage's rank (at stage 2 over the
+    /// whole mesh), a weight tied across stages counted once, as
+    /// [`RankPipeline::clip_grad_norm`](crate::pipeline::RankPipeline::clip_grad_norm)
+    /// does. Every rank must call it, before [`step`](Self::step).
     ///
     /// # Errors
     ///
@@ -272,18 +332,29 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
         error_if_nonfinite: bool,
     ) -> Result<crate::optim::Clipped> {
         let vars = self.grad_vars();
-        match self.stage {
-            ZeroStage::One => {
+        match &self.norm_group {
+            None => {
                 crate::optim::clip_grad_norm(grads, &vars, max_norm, norm_type, error_if_nonfinite)
             }
-            ZeroStage::Two => crate::optim::clip::clip_grad_norm_across(
-                self.pg.as_ref(),
-                grads,
-                &vars,
-                max_norm,
-                norm_type,
-                error_if_nonfinite,
-            ),
+            Some(group) => {
+                let counted = |var: &Var| {
+                    let id = var.as_tensor().id();
+                    let i = self
+                        .params
+                        .iter()
+                        .position(|(_, p)| p.as_tensor().id() == id);
+                    i.is_none_or(|i| self.counted[i])
+                };
+                crate::optim::clip::clip_grad_norm_across_counting(
+                    group.as_ref(),
+                    grads,
+                    &vars,
+                    &counted,
+                    max_norm,
+                    norm_type,
+                    error_if_nonfinite,
+                )
+            }
         }
     }
 

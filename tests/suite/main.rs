@@ -40,6 +40,7 @@ mod optim_groups;
 mod overlap;
 mod pipeline;
 mod pipeline_ranks;
+mod pipeline_zero;
 mod precision;
 mod recipe;
 mod resume;

@@ -261,7 +261,7 @@ fn ranks_that_ask_for_other_pipelines_or_leave_out_the_batch_are_refused_on_ever
 }
 
 /// The head of `tied_layers`: the first layer's weight, transposed.
-struct TiedHead(Tensor);
+pub(crate) struct TiedHead(Tensor);
 
 impl Module for TiedHead {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -270,7 +270,7 @@ impl Module for TiedHead {
 }
 
 /// 6 -> 8 -> 8 -> 6, the last layer the first one's weight transposed.
-fn tied_layers() -> Vec<LayerFactory> {
+pub(crate) fn tied_layers() -> Vec<LayerFactory> {
     vec![
         layer(|vb| Ok(candle_nn::Linear::new(vb.get((8, 6), "tie.weight")?, None))),
         layer(|_| Ok(candle_nn::Activation::Relu)),

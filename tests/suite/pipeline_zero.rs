@@ -1,0 +1,262 @@
+//! ZeRO across the replicas of a pipeline on stage ranks (a dp x pp mesh,
+//! `RankPipelineConfig::zero`): stage 1 trains to the replicated
+//! pipelines' bytes, stage 2 to their weights within rounding, each rank
+//! holding its pieces' optimizer state (and at stage 2 gradients), the
+//! norm clipped over the whole model with a weight tied across stages
+//! counted once. Bounded: every rank has a timeout, every test a deadline.
+
+use crate::common::*;
+use crate::overlap::{batches, bounded};
+use crate::pipeline_ranks::tied_layers;
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+use candle_dp::comm::DeviceMesh;
+use candle_dp::launch::spawn_with;
+use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
+use candle_dp::pipeline::{RankPipeline, RankPipelineConfig};
+use candle_dp::zero::ZeroStage;
+use candle_dp::{Error, LossReduction};
+use candle_nn::{loss, Optimizer, VarMap};
+
+/// What one rank of a run ends with: its stages' weights, every step's
+/// clipped total norm, its optimizer state's bytes, and the shape of
+/// each of its gradients in the last step.
+struct RankRun {
+    weights: HashMap<String, Tensor>,
+    norms: Vec<f64>,
+    state_bytes: usize,
+    grad_dims: HashMap<String, Vec<usize>>,
+}
+
+fn adamw() -> AdamWConfig {
+    AdamWConfig {
+        lr: 0.01,
+        weight_decay: 0.1,
+        ..Default::default()
+    }
+}
+
+/// Each step's inputs and targets (random inputs: made once per test).
+type Batches = Vec<(Tensor, Tensor)>;
+
+/// 4 steps of the tied model on 2 pipelines of 2 stage ranks (a 2 x 2
+/// mesh), each pipeline its half of 8 rows, AdamW, the gradients clipped
+/// to a norm every step exceeds; `zero` as given (`None`: the replicas
+/// average whole gradients, and a plain AdamW steps).
+fn run(init: &HashMap<String, Tensor>, data: &Batches, zero: Option<ZeroStage>) -> Vec<RankRun> {
+    let (init, data) = (init.clone(), data.clone());
+    spawn_with(4, bounded(), move |ctx| {
+        let varmap = varmap_from(&init);
+        let mesh = DeviceMesh::new(ctx.process_group(), &[("dp", 2), ("pp", 2)])?;
+        let config = RankPipelineConfig {
+            chunks: Some(2),
+            zero,
+            ..Default::default()
+        };
+        let pipe = RankPipeline::on_mesh(
+            &mesh,
+            ("pp", "dp"),
+            &varmap,
+            DType::F32,
+            &Device::Cpu,
+            tied_layers(),
+            config,
+        )?;
+        enum Opt {
+            Whole(AdamW),
+            Zero(Box<candle_dp::zero::ZeroOptimizer<AdamW>>),
+        }
+        let mut opt = match zero {
+            None => Opt::Whole(AdamW::new_named(pipe.variables().to_vec(), adamw())?),
+            Some(_) => Opt::Zero(Box::new(
+                pipe.zero_optimizer(|mine| AdamW::new_named(mine, adamw()))?,
+            )),
+        };
+        let replica = mesh.local_rank("dp")?;
+        let (mut norms, mut grad_dims) = (Vec::new(), HashMap::new());
+        for (x, y) in &data {
+            let x = x.narrow(0, replica * 4, 4)?;
+            let y = y.narrow(0, replica * 4, 4)?;
+            let mut step = pipe.forward_backward(
+                Some(&x),
+                Some(&y),
+                LossReduction::Mean,
+                loss::cross_entropy,
+            )?;
+            let clipped = match &opt {
+                Opt::Whole(_) => pipe.clip_grad_norm(&mut step.grads, 0.05, 2.0, false)?,
+                Opt::Zero(zero) => {
+                    // The pipeline's own clip and the optimizer's agree.
+                    let mut again = GradCopy::of(&pipe, &step.grads);
+                    let by_pipe = pipe.clip_grad_norm(&mut again.0, 0.05, 2.0, false)?;
+                    let by_zero = zero.clip_grad_norm(&mut step.grads, 0.05, 2.0, false)?;
+                    assert_eq!(by_pipe.total_norm, by_zero.total_norm);
+                    by_zero
+                }
+            };
+            norms.push(clipped.total_norm);
+            for (name, var) in pipe.variables() {
+                if let Some(g) = step.grads.get(var.as_tensor()) {
+                    grad_dims.insert(name.clone(), g.dims().to_vec());
+                }
+            }
+            match &mut opt {
+                Opt::Whole(adamw) => adamw.step(&step.grads)?,
+                Opt::Zero(zero) => zero.step(&step.grads)?,
+            }
+        }
+        let all = snapshot(&varmap);
+        let weights = pipe
+            .variable_names()
+            .into_iter()
+            .map(|n| (n.clone(), all[&n].clone()))
+            .collect();
+        let state_bytes = match &opt {
+            Opt::Whole(adamw) => bytes_of(&adamw.state()?),
+            Opt::Zero(zero) => zero.state_bytes()?,
+        };
+        Ok(RankRun {
+            weights,
+            norms,
+            state_bytes,
+            grad_dims,
+        })
+    })
+    .unwrap()
+}
+
+/// A copy of a step's gradients, for a second clip.
+struct GradCopy(candle_core::backprop::GradStore);
+
+impl GradCopy {
+    fn of(pipe: &RankPipeline, grads: &candle_core::backprop::GradStore) -> Self {
+        let mut copy = candle_core::backprop::GradStore::default();
+        for (_, var) in pipe.variables() {
+            if let Some(g) = grads.get(var.as_tensor()) {
+                copy.insert(var.as_tensor(), g.copy().unwrap());
+            }
+        }
+        GradCopy(copy)
+    }
+}
+
+fn bytes_of(state: &candle_dp::optim::OptimizerState) -> usize {
+    state
+        .tensors
+        .values()
+        .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+        .sum()
+}
+
+fn tied_init() -> HashMap<String, Tensor> {
+    let varmap = VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    for f in tied_layers() {
+        f(vb.clone()).unwrap();
+    }
+    snapshot(&varmap)
+}
+
+#[test]
+fn zero_across_a_pipelines_replicas_trains_to_the_replicated_pipelines_weights() {
+    within(240, || {
+        let (init, data) = (tied_init(), batches(4, 8, 3));
+        let replicated = run(&init, &data, None);
+        let one = run(&init, &data, Some(ZeroStage::One));
+        let two = run(&init, &data, Some(ZeroStage::Two));
+        for rank in 0..4 {
+            let (want, one, two) = (&replicated[rank], &one[rank], &two[rank]);
+            // Stage 1: the same whole gradients, the same norm, each
+            // element's update the same: the same bytes.
+            assert!(
+                identical(&one.weights, &want.weights),
+                "rank {rank}: stage 1 is not the replicated pipelines' bytes\n{}",
+                diff_report(&one.weights, &want.weights)
+            );
+            assert_eq!(one.norms, want.norms, "rank {rank}: stage 1's norms");
+            // Stage 2: the pieces summed in another order.
+            let d = max_rel_diff(&two.weights, &want.weights);
+            assert!(d < 1e-5, "rank {rank}: stage 2 is {d:e} from the replicas'");
+            for (a, b) in two.norms.iter().zip(&want.norms) {
+                assert!(
+                    (a - b).abs() <= 1e-6 * b,
+                    "rank {rank}: norm {a} against {b}"
+                );
+            }
+            // Every step clipped (a tied weight counted twice would clip
+            // by another factor and miss the bytes above).
+            assert!(want.norms.iter().all(|&n| n > 0.05), "{:?}", want.norms);
+            // Each replica holds half the rows' moments (8 rows in 2 pieces
+            // of 4, the stages' vectors alike; each parameter's step count,
+            // 8 bytes, whole), and at stage 2 half the rows' gradients.
+            let counts = 8 * want.grad_dims.len();
+            for zero in [one, two] {
+                assert_eq!(
+                    (zero.state_bytes - counts) * 2,
+                    want.state_bytes - counts,
+                    "rank {rank}"
+                );
+            }
+            for (name, dims) in &want.grad_dims {
+                assert_eq!(&one.grad_dims[name], dims, "rank {rank}: {name} at stage 1");
+                let mut half = dims.clone();
+                half[0] /= 2;
+                assert_eq!(two.grad_dims[name], half, "rank {rank}: {name} at stage 2");
+            }
+        }
+        // The two replicas of a stage end alike, and the run moved the
+        // weights (the comparison is not of the start).
+        assert!(identical(&two[0].weights, &two[2].weights));
+        let start: HashMap<String, Tensor> = replicated[0]
+            .weights
+            .keys()
+            .map(|n| (n.clone(), init[n].clone()))
+            .collect();
+        assert!(max_rel_diff(&replicated[0].weights, &start) > 1e-3);
+    });
+}
+
+#[test]
+fn zero_on_a_pipeline_without_replicas_or_without_zero_is_refused_naming_why() {
+    within(60, || {
+        let init = tied_init();
+        let refusals = spawn_with(2, bounded(), move |ctx| {
+            let varmap = varmap_from(&init);
+            let config = RankPipelineConfig {
+                zero: Some(ZeroStage::Two),
+                ..Default::default()
+            };
+            let flat = RankPipeline::new(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                tied_layers(),
+                config,
+            );
+            let plain = RankPipeline::new(
+                ctx.process_group(),
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                tied_layers(),
+                RankPipelineConfig::default(),
+            )?;
+            let no_zero = plain.zero_optimizer(|mine| AdamW::new_named(mine, adamw()));
+            Ok((flat.err(), no_zero.err()))
+        })
+        .unwrap();
+        for (flat, no_zero) in refusals {
+            assert!(
+                matches!(&flat, Some(Error::Zero(why)) if why.contains("on a mesh")),
+                "{flat:?}"
+            );
+            assert!(
+                matches!(&no_zero, Some(Error::Zero(why)) if why.contains("shards nothing")),
+                "{no_zero:?}"
+            );
+        }
+    });
+}
