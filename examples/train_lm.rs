@@ -114,6 +114,11 @@ struct Args {
     /// every process. Replaces `--replicas` (and `--shard-size`).
     #[arg(long, value_parser = flags::mesh_shape, conflicts_with_all = ["replicas", "shard_size"])]
     mesh: Option<flags::MeshShape>,
+    /// With `--strategy pipeline` on ranks: ZeRO across each stage's
+    /// replicas, 1 (optimizer state) or 2 (and gradients), each replica
+    /// holding its piece of the stage.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=2))]
+    pipeline_zero: Option<u8>,
     /// Pipeline stages in each rank (ddp-pipeline; at least 1).
     #[arg(long, default_value_t = 2, value_parser = flags::at_least_one::<u64>)]
     stages: u64,
@@ -303,6 +308,9 @@ impl Args {
                 }
                 _ => None,
             },
+            zero: self
+                .pipeline_zero
+                .filter(|_| fabric_strategy == fabric::Strategy::PipelineRanks),
             gradient_clip: (self.clip_grad_norm > 0.0).then_some(self.clip_grad_norm),
             checkpoint_dir: self.checkpoint_dir.clone(),
             timeout_secs: self.timeout,
@@ -652,10 +660,14 @@ fn label(args: &Args) -> String {
             args.stages
         ),
         Strategy::Pipeline if args.stages_on_ranks() => format!(
-            "{} pipeline(s) of {} stages on {on}, {} micro-batches",
+            "{} pipeline(s) of {} stages on {on}, {} micro-batches{}",
             ranks / config.stages.max(1),
             config.stages,
-            args.chunks
+            args.chunks,
+            match config.zero {
+                Some(stage) => format!(", ZeRO-{stage} across the pipelines"),
+                None => String::new(),
+            }
         ),
         Strategy::Pipeline => format!("pipeline x{ranks} stages, {} micro-batches", args.chunks),
     }
@@ -738,6 +750,14 @@ fn run(args: Args) -> Result<()> {
     }
     if let Some(mesh) = args.mesh {
         check_mesh(&args, mesh)?;
+    }
+    if args.pipeline_zero.is_some()
+        && (args.strategy != Strategy::Pipeline || !args.stages_on_ranks())
+    {
+        bail!(
+            "--pipeline-zero splits a pipeline's stages across its replicas: use it with \
+             --strategy pipeline on ranks (--mesh dp=D,pp=P, or under mpirun)"
+        );
     }
     if args.shard_size.is_some() && !matches!(args.strategy, Strategy::Hsdp | Strategy::Zero) {
         bail!("--shard-size splits the ranks into shard groups for --strategy hsdp and zero only");

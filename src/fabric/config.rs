@@ -406,7 +406,11 @@ pub struct FabricConfig {
     /// `init_scale`, default 65536).
     pub init_scale: f64,
     /// A ZeRO stage on top of `ddp` (1 or 2): the same as the strategies
-    /// `zero1` and `zero2`, for command lines that name it apart.
+    /// `zero1` and `zero2`, for command lines that name it apart. With
+    /// `pipeline-ranks`: ZeRO across each stage's replicas (the
+    /// pipelines of a dp x pp mesh), each replica holding the optimizer
+    /// state (and at 2 the gradients) of its piece of the stage
+    /// ([`RankPipelineConfig::zero`](crate::pipeline::RankPipelineConfig::zero)).
     pub zero: Option<u8>,
     /// `ddp`, `zero1`, `zero2`: reduce each gradient bucket while the
     /// backward still runs (the model given as units); `ddp` with it is
@@ -591,14 +595,14 @@ impl FabricConfig {
         }
         match self.zero {
             None => {}
-            Some(1 | 2) if self.strategy == Strategy::Ddp => {}
+            Some(1 | 2) if matches!(self.strategy, Strategy::Ddp | Strategy::PipelineRanks) => {}
             Some(stage @ (1 | 2)) => {
                 return Err(Error::Strategy {
                     strategy: self.strategy.name().into(),
                     reason: format!(
                         "ZeRO stage {stage} is a setting of ddp (the strategies zero1 and \
-                         zero2); {} cannot take it: use --strategy ddp --zero {stage}, or \
-                         zero{stage}",
+                         zero2) and of pipeline-ranks; {} cannot take it: use --strategy ddp \
+                         --zero {stage}, or zero{stage}",
                         self.strategy.name()
                     ),
                 })

@@ -243,6 +243,11 @@ impl Engine {
                     schedule: config.pipeline_schedule,
                     checkpoint: config.activation_checkpoint,
                     mixed_precision: policy,
+                    zero: match config.zero {
+                        Some(1) => Some(ZeroStage::One),
+                        Some(2) => Some(ZeroStage::Two),
+                        _ => None,
+                    },
                     ..RankPipelineConfig::default()
                 };
                 Engine::RankPipeline(Box::new(RankPipeline::on_mesh(
@@ -297,14 +302,6 @@ impl Engine {
             Engine::Ddp { ddp, .. } => bytes(ddp.params()),
             Engine::PipelineDdp(ddp) => bytes(ddp.params()),
             _ => bytes(&sorted_vars(varmap)),
-        }
-    }
-
-    /// The DDP under the ZeRO optimizer, if this is one.
-    pub(crate) fn ddp(&self) -> Option<&DistributedDataParallel<Units>> {
-        match self {
-            Engine::Ddp { ddp, .. } => Some(ddp),
-            _ => None,
         }
     }
 

@@ -412,14 +412,15 @@ impl Fabric {
         )?;
         // A rank of a pipeline keeps only its stages' variables.
         let varmap = engine.rank_varmap().unwrap_or(varmap);
-        let zero = engine.ddp().filter(|ddp| ddp.zero_stage().is_some());
-        let (stepper, params) = match zero {
-            Some(ddp) => {
-                let zero = ZeroOptimizer::new(ddp, make)?;
-                let params = zero.grad_vars();
-                (Stepper::Zero(Box::new(zero)), params)
-            }
-            None => {
+        let zero = match &engine {
+            Engine::Ddp { ddp, .. } => ddp.zero_stage().is_some(),
+            Engine::RankPipeline(pipe) => pipe.zero_stage().is_some(),
+            _ => false,
+        };
+        let (stepper, params) = match (&engine, zero) {
+            (Engine::Ddp { ddp, .. }, true) => zero_stepper(ZeroOptimizer::new(ddp, make)?),
+            (Engine::RankPipeline(pipe), true) => zero_stepper(pipe.zero_optimizer(make)?),
+            _ => {
                 let named = engine.named_params(&varmap);
                 let params = named.iter().map(|(_, v)| v.clone()).collect();
                 (Stepper::Whole(make(named)?), params)
@@ -585,4 +586,11 @@ fn check_precision(strategy: Strategy, precision: Precision, device: &Device) ->
             crate::device_label::device_label(device)
         ),
     })
+}
+
+/// A ZeRO optimizer as the Fabric's stepper, with the variables its
+/// gradients are keyed by.
+fn zero_stepper<O: StatefulOptimizer>(zero: ZeroOptimizer<O>) -> (Stepper<O>, Vec<Var>) {
+    let params = zero.grad_vars();
+    (Stepper::Zero(Box::new(zero)), params)
 }

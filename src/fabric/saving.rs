@@ -96,6 +96,23 @@ impl<O: StatefulOptimizer> FabricModel<O> {
             .metadata
             .insert(STRATEGY.into(), self.strategy.name().into());
         match (&self.engine, &self.stepper) {
+            // Each rank of the first pipeline writes its stages, numbered
+            // in its pipeline; with ZeRO across the replicas, its stages'
+            // state put together from every replica's pieces first.
+            (Engine::RankPipeline(pipe), stepper) => {
+                let (values, stage_state) = match stepper {
+                    Stepper::Whole(opt) => pipe.stage_state(opt)?,
+                    Stepper::Zero(zero) => pipe.zero_stage_state(zero)?,
+                };
+                checkpoints.save_sharded(
+                    self.pg.as_ref(),
+                    &VarMap::new(),
+                    &varmap_of(values)?,
+                    stage_state,
+                    state,
+                    (pipe.replica_rank() == 0).then(|| pipe.group().rank()),
+                )
+            }
             // On a mesh every replica holds the same pieces: the first
             // replica's ranks write them (numbered in their shard group).
             (_, Stepper::Zero(zero)) => checkpoints.save_sharded(
@@ -116,19 +133,6 @@ impl<O: StatefulOptimizer> FabricModel<O> {
                 state,
                 (fsdp.replica_rank() == 0).then(|| fsdp.shard_rank()),
             ),
-            // Each rank of the first pipeline writes its stages, numbered
-            // in its pipeline.
-            (Engine::RankPipeline(pipe), Stepper::Whole(opt)) => {
-                let (values, stage_state) = pipe.stage_state(opt)?;
-                checkpoints.save_sharded(
-                    self.pg.as_ref(),
-                    &VarMap::new(),
-                    &varmap_of(values)?,
-                    stage_state,
-                    state,
-                    (pipe.replica_rank() == 0).then(|| pipe.group().rank()),
-                )
-            }
             (_, Stepper::Whole(opt)) => {
                 // The state is the same on every rank: one writer, and no
                 // rank goes on before it is written.
@@ -168,12 +172,12 @@ impl<O: StatefulOptimizer> FabricModel<O> {
         // What to load is found first, and every rank must have found the
         // same step before anything changes.
         let found = match (&self.engine, &self.stepper) {
-            (_, Stepper::Zero(_)) => checkpoints
-                .latest_zero()?
-                .map(|(saved, shards)| (saved, Shards::Zero(shards))),
             (Engine::Fsdp(_) | Engine::RankPipeline(_), _) => checkpoints
                 .latest_fsdp()?
                 .map(|(saved, saves)| (saved, Shards::Fsdp(saves))),
+            (_, Stepper::Zero(_)) => checkpoints
+                .latest_zero()?
+                .map(|(saved, shards)| (saved, Shards::Zero(shards))),
             _ => checkpoints.latest()?.map(|saved| (saved, Shards::None)),
         };
         let step = found.as_ref().map(|(saved, _)| saved.state.progress.step);
@@ -203,9 +207,12 @@ impl<O: StatefulOptimizer> FabricModel<O> {
                 let (pieces, states): (Vec<_>, Vec<_>) = saves.into_iter().unzip();
                 fsdp.load_resharded(&pieces, &states, opt)?;
             }
-            (Engine::RankPipeline(pipe), Stepper::Whole(opt), Shards::Fsdp(saves)) => {
+            (Engine::RankPipeline(pipe), stepper, Shards::Fsdp(saves)) => {
                 let (values, states): (Vec<_>, Vec<_>) = saves.into_iter().unzip();
-                pipe.load_stages(&values, &states, opt)?;
+                match stepper {
+                    Stepper::Whole(opt) => pipe.load_stages(&values, &states, opt)?,
+                    Stepper::Zero(zero) => pipe.load_zero_stages(&values, &states, zero)?,
+                }
             }
             (_, Stepper::Whole(opt), Shards::None) => saved.restore(&self.varmap, Some(opt))?,
             _ => {

@@ -166,13 +166,21 @@ impl RankPipeline {
         &self,
         opt: &O,
     ) -> Result<(HashMap<String, Tensor>, OptimizerState)> {
+        self.stage_state_with(opt.state()?)
+    }
+
+    /// [`stage_state`](Self::stage_state) with the optimizer's `state` over
+    /// this rank's whole variables.
+    pub(super) fn stage_state_with(
+        &self,
+        mut state: OptimizerState,
+    ) -> Result<(HashMap<String, Tensor>, OptimizerState)> {
         let values = self
             .own
             .iter()
             .chain(&self.buffers)
             .map(|(name, var)| Ok((name.clone(), var.as_tensor().copy()?)))
             .collect::<Result<_>>()?;
-        let mut state = opt.state()?;
         state.shard = Some(ShardOf {
             rank: self.pg.rank(),
             world_size: self.pg.world_size(),
@@ -201,6 +209,17 @@ impl RankPipeline {
         values: &[HashMap<String, Tensor>],
         states: &[OptimizerState],
         opt: &mut O,
+    ) -> Result<()> {
+        self.load_stages_with(values, states, |state| opt.load_state(state))
+    }
+
+    /// [`load_stages`](Self::load_stages) with `load` taking the optimizer
+    /// state of this rank's whole variables.
+    pub(super) fn load_stages_with(
+        &self,
+        values: &[HashMap<String, Tensor>],
+        states: &[OptimizerState],
+        load: impl FnOnce(&OptimizerState) -> Result<()>,
     ) -> Result<()> {
         let fail = |what: String| Error::Checkpoint(format!("a pipeline's checkpoint: {what}"));
         let Some(first) = states.first() else {
@@ -281,7 +300,7 @@ impl RankPipeline {
         for (var, value) in &found {
             var.set(value)?;
         }
-        if let Err(e) = opt.load_state(&state) {
+        if let Err(e) = load(&state) {
             for (var, value) in &before {
                 var.set(value)?;
             }

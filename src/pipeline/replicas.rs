@@ -6,7 +6,7 @@
 //! its replicas holds the same split of gradients and optimizer state
 //! during a step).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
@@ -16,6 +16,7 @@ use super::on_ranks::RankPipeline;
 use crate::comm::{ProcessGroup, ReduceOp, SubGroup};
 use crate::ddp::ZeroStage;
 use crate::error::{Error, Result};
+use crate::optim::{OptimizerState, StatefulOptimizer};
 use crate::sharding::{reduce_scatter_grads, ShardLayout};
 use crate::zero::{ZeroOptimizer, ZeroSplit};
 
@@ -181,6 +182,39 @@ impl RankPipeline {
             counted,
         };
         ZeroOptimizer::from_split(split, make)
+    }
+
+    /// [`stage_state`](Self::stage_state) of a pipeline built with
+    /// [`zero`](super::RankPipelineConfig::zero): the optimizer state of
+    /// this rank's whole variables, put together from every replica's
+    /// pieces, so that the checkpoint is a plain pipeline's and resumes on
+    /// any split of stages and replicas, with or without ZeRO. Every rank
+    /// of the mesh calls it.
+    ///
+    /// # Errors
+    ///
+    /// A collective's; a copy that cannot be made.
+    pub fn zero_stage_state<O: StatefulOptimizer>(
+        &self,
+        zero: &ZeroOptimizer<O>,
+    ) -> Result<(HashMap<String, Tensor>, OptimizerState)> {
+        self.stage_state_with(zero.whole_state()?)
+    }
+
+    /// [`load_stages`](Self::load_stages) into a pipeline built with
+    /// [`zero`](super::RankPipelineConfig::zero): `zero` keeps its pieces'
+    /// part of the stages' saved state. No collective runs.
+    ///
+    /// # Errors
+    ///
+    /// As [`load_stages`](Self::load_stages).
+    pub fn load_zero_stages<O: StatefulOptimizer>(
+        &self,
+        values: &[HashMap<String, Tensor>],
+        states: &[OptimizerState],
+        zero: &mut ZeroOptimizer<O>,
+    ) -> Result<()> {
+        self.load_stages_with(values, states, |state| zero.load_whole_state(state))
     }
 
     /// The group the gradients' norm is summed over: the pipeline's ranks,

@@ -459,6 +459,55 @@ impl<O: StatefulOptimizer> ZeroOptimizer<O> {
         self.inner.load_state(&state)
     }
 
+    /// The optimizer state of the whole parameters, put together from
+    /// every piece of the ranks they split over (one all-gather per state
+    /// tensor; on a pipeline, the stage's replicas): what an optimizer over
+    /// the whole parameters would hold. Every rank of that group calls it
+    /// and gets the same.
+    ///
+    /// # Errors
+    ///
+    /// A collective's; the pieces' states not fitting together.
+    pub(crate) fn whole_state(&self) -> Result<OptimizerState> {
+        let mine = self.shard_state()?;
+        let world = self.pg.world_size();
+        let mut states = vec![mine.clone(); world];
+        for (key, tensor) in &mine.tensors {
+            for (state, theirs) in states.iter_mut().zip(self.pg.all_gather(tensor)?) {
+                state.tensors.insert(key.clone(), theirs);
+            }
+        }
+        for (rank, state) in states.iter_mut().enumerate() {
+            state.shard = Some(ShardOf {
+                rank,
+                world_size: world,
+            });
+        }
+        let fail = |what: String| Error::OptimizerState(format!("ZeRO pieces: {what}"));
+        reshard_states(&states, ROWS, &self.whole_layouts(), 0, &fail)
+    }
+
+    /// Loads a state of the whole parameters ([`whole_state`](Self::whole_state)'s,
+    /// or a plain optimizer's over them): this rank keeps its pieces' part.
+    /// No collective runs.
+    ///
+    /// # Errors
+    ///
+    /// As [`load_shards`](Self::load_shards).
+    pub(crate) fn load_whole_state(&mut self, whole: &OptimizerState) -> Result<()> {
+        let mut state = whole.clone();
+        mark_shard(&mut state, 0, 1, ROWS, &self.whole_layouts());
+        self.load_shards(&[state])
+    }
+
+    /// Each parameter's name beside a split into one piece.
+    fn whole_layouts(&self) -> Vec<(String, ShardLayout)> {
+        self.params
+            .iter()
+            .map(|(name, var)| (name.clone(), ShardLayout::new(var.dims(), 1)))
+            .collect()
+    }
+
     /// Bytes of optimizer state this rank holds.
     pub fn state_bytes(&self) -> Result<usize> {
         Ok(self

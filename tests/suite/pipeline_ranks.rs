@@ -491,14 +491,18 @@ fn pipelines_on_a_dp_by_pp_mesh_train_to_the_weights_of_pipelines_inside_ddp() {
 
 /// What [`lm_through_the_fabric`] gives back: the whole model after the
 /// run, every step's loss, and the model's output for the first batch.
-type LmRun = (HashMap<String, Tensor>, Vec<f32>, Tensor);
+pub(crate) type LmRun = (HashMap<String, Tensor>, Vec<f32>, Tensor);
 
 /// The tiny language model trained by the Fabric's one loop for `steps`
 /// steps of 4 windows (each data-parallel rank its rows): AdamW in two
 /// groups, the gradients clipped to a norm the step always exceeds (so a
 /// tied weight counted twice would clip by another factor). With
 /// `stop_at`, saves there and stops; a run finds its newest state first.
-fn lm_through_the_fabric(config: FabricConfig, steps: usize, stop_at: Option<u64>) -> LmRun {
+pub(crate) fn lm_through_the_fabric(
+    config: FabricConfig,
+    steps: usize,
+    stop_at: Option<u64>,
+) -> LmRun {
     use crate::example_gpt::{adamw_groups, lm_loss, units};
     use crate::overlap::{tokens, TINY};
     use candle_dp::fabric::{Fabric, FabricModule};
@@ -545,7 +549,7 @@ fn lm_through_the_fabric(config: FabricConfig, steps: usize, stop_at: Option<u64
 }
 
 /// A fresh folder for a test's checkpoints.
-fn checkpoint_dir(name: &str) -> std::path::PathBuf {
+pub(crate) fn checkpoint_dir(name: &str) -> std::path::PathBuf {
     let dir =
         std::env::temp_dir().join(format!("candle-dp-rank-pipe-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

@@ -7,7 +7,7 @@
 
 use crate::common::*;
 use crate::overlap::{batches, bounded};
-use crate::pipeline_ranks::tied_layers;
+use crate::pipeline_ranks::{checkpoint_dir, lm_through_the_fabric, tied_layers, LmRun};
 
 use std::collections::HashMap;
 
@@ -258,5 +258,95 @@ fn zero_on_a_pipeline_without_replicas_or_without_zero_is_refused_naming_why() {
                 "{no_zero:?}"
             );
         }
+    });
+}
+
+/// Through the Fabric (`pipeline-ranks` with `zero`): the language model
+/// on 2 pipelines of 2 stage ranks trains to one device's weights, stage
+/// 1 to the replicated pipelines' bytes; a state saved with ZeRO-2 resumes
+/// to the bytes of the run without a stop, and on 4 stages without ZeRO
+/// (the checkpoint is a plain pipeline's) to one device's weights.
+#[test]
+fn the_language_model_with_zero_across_pipelines_trains_to_one_devices_weights_and_resumes_without_it(
+) {
+    use candle_dp::fabric::{FabricConfig, Strategy};
+    within(600, || {
+        let steps = 4;
+        let single = lm_through_the_fabric(FabricConfig::new(Strategy::Single, 1), steps, None);
+        let ranks = |replicas: usize, stages: usize, zero: Option<u8>| FabricConfig {
+            stages,
+            zero,
+            ..FabricConfig::new(Strategy::PipelineRanks, replicas * stages)
+        };
+        let close = |label: &str, run: &LmRun| {
+            let weights = max_rel_diff(&run.0, &single.0);
+            let losses = run
+                .1
+                .iter()
+                .zip(&single.1)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            println!("{label}: weights {weights:.2e}, losses {losses:.2e}");
+            assert_eq!(run.1.len(), single.1.len(), "{label}: steps");
+            // 2e-5: as the replicated pipelines' test says (AdamW and the
+            // attention's key bias).
+            assert!(
+                weights <= 2e-5 && losses <= 1e-5,
+                "{label}: weights {weights:.2e}, losses {losses:.2e}\n{}",
+                diff_report(&run.0, &single.0)
+            );
+        };
+        let replicated = lm_through_the_fabric(ranks(2, 2, None), steps, None);
+        let one = lm_through_the_fabric(ranks(2, 2, Some(1)), steps, None);
+        assert!(
+            identical(&one.0, &replicated.0),
+            "ZeRO-1 across the pipelines is not the replicated pipelines' bytes\n{}",
+            diff_report(&one.0, &replicated.0)
+        );
+        let two = lm_through_the_fabric(ranks(2, 2, Some(2)), steps, None);
+        close("ZeRO-2 on 2 x 2", &two);
+        let dir = checkpoint_dir("zero-lm");
+        let saving = |config: FabricConfig| FabricConfig {
+            checkpoint_dir: Some(dir.clone()),
+            ..config
+        };
+        lm_through_the_fabric(saving(ranks(2, 2, Some(2))), steps, Some(2));
+        let stages = std::fs::read_dir(dir.join("zero-shards")).unwrap().count();
+        assert_eq!(stages, 2, "the first pipeline's two ranks write its stages");
+        let resumed = lm_through_the_fabric(saving(ranks(2, 2, Some(2))), steps, None);
+        assert!(
+            identical(&resumed.0, &two.0),
+            "resumed on 2 x 2 with ZeRO-2\n{}",
+            diff_report(&resumed.0, &two.0)
+        );
+        let dir2 = checkpoint_dir("zero-lm-split");
+        let saving2 = |config: FabricConfig| FabricConfig {
+            checkpoint_dir: Some(dir2.clone()),
+            ..config
+        };
+        lm_through_the_fabric(saving2(ranks(2, 2, Some(2))), steps, Some(2));
+        let mut other = lm_through_the_fabric(saving2(ranks(1, 4, None)), steps, None);
+        // The resumed run records only its own steps' losses.
+        other.1 = single.1[..2].iter().copied().chain(other.1).collect();
+        close("ZeRO-2 on 2 x 2 resumed on 4 stages without ZeRO", &other);
+        // And a plain pipeline's state resumes under ZeRO-1.
+        let dir3 = checkpoint_dir("zero-lm-plain");
+        let saving3 = |config: FabricConfig| FabricConfig {
+            checkpoint_dir: Some(dir3.clone()),
+            ..config
+        };
+        lm_through_the_fabric(saving3(ranks(1, 4, None)), steps, Some(2));
+        let mut back = lm_through_the_fabric(saving3(ranks(2, 2, Some(1))), steps, None);
+        back.1 = single.1[..2].iter().copied().chain(back.1).collect();
+        close("4 stages resumed on 2 x 2 with ZeRO-1", &back);
+        // zero is refused where it means nothing.
+        let refused = FabricConfig {
+            zero: Some(2),
+            ..FabricConfig::new(Strategy::Fsdp, 2)
+        }
+        .check();
+        assert!(
+            matches!(&refused, Err(candle_dp::Error::Strategy { reason, .. }) if reason.contains("pipeline-ranks")),
+            "{refused:?}"
+        );
     });
 }
