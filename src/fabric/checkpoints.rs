@@ -70,6 +70,7 @@ impl Checkpoints {
     ) -> Result<()> {
         let rank = pg.rank();
         let step = state.progress.step;
+        let shards = shard.shard.map(|s| s.world_size);
         let mine = TrainingState {
             progress: state.progress,
             optimizer: Some(shard),
@@ -94,6 +95,40 @@ impl Checkpoints {
         if let Some(Ok(dir)) = writes_shard.map(|number| self.shard_states(number)) {
             if let Err(e) = dir.retain_steps(|s| wanted.contains(&s)) {
                 tracing::warn!("rank {rank}: could not prune old shards: {e}");
+            }
+        }
+        // The folders of shard numbers this run does not write (a run of
+        // more ranks resumed on fewer): rank 0 prunes them alike, or they
+        // would keep their steps for ever.
+        if let (0, Some(shards)) = (rank, shards) {
+            if let Err(e) = self.prune_numbers_from(shards, &wanted) {
+                tracing::warn!("rank 0: could not prune the shards of earlier runs: {e}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Prunes the folders of shard numbers `from` and up to the steps in
+    /// `wanted`, and removes those left empty.
+    fn prune_numbers_from(&self, from: usize, wanted: &[u64]) -> Result<()> {
+        let root = self.path().join("zero-shards");
+        let Ok(entries) = std::fs::read_dir(&root) else {
+            return Ok(());
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let number = name
+                .to_str()
+                .and_then(|n| n.strip_prefix("rank-"))
+                .and_then(|n| n.parse::<usize>().ok());
+            if !number.is_some_and(|n| n >= from) {
+                continue;
+            }
+            let dir = StateDir::new(entry.path())?.keep(usize::MAX);
+            dir.retain_steps(|s| wanted.contains(&s))?;
+            if dir.steps()?.is_empty() {
+                // Only an empty folder goes: anything else in it stays.
+                let _ = std::fs::remove_dir(entry.path());
             }
         }
         Ok(())

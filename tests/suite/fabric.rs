@@ -656,6 +656,43 @@ fn sharded_states_reshard_onto_another_number_of_ranks() {
     }
 }
 
+/// A ZeRO-2 run of 3 ranks, saved every step, resumed on 2 ranks and saved
+/// every step to the end: once its kept states are all the 2-rank run's,
+/// the third rank's folder of shards is gone, not left with its steps.
+#[test]
+fn shards_of_a_rank_the_resumed_run_no_longer_has_are_pruned_with_their_states() {
+    let dir = tempdir().join("prune-orphans");
+    let on = |devices| FabricConfig {
+        checkpoint_dir: Some(dir.clone()),
+        keep: 2,
+        ..FabricConfig::new(Strategy::Zero2, devices)
+    };
+    let saving = |config: FabricConfig, stop_at: Option<u64>| {
+        let data = dataset();
+        launch(config, |fabric| {
+            train_resumable(fabric, data.clone(), |_, step| {
+                Ok(match stop_at == Some(step) {
+                    true => AfterStep::SaveAndStop,
+                    false => AfterStep::Save,
+                })
+            })
+        })
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let numbers = || -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir.join("zero-shards"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    saving(on(3), Some(3));
+    assert_eq!(numbers(), ["rank-0", "rank-1", "rank-2"]);
+    saving(on(2), None);
+    assert_eq!(numbers(), ["rank-0", "rank-1"], "rank 2's shards were kept");
+}
+
 /// `strategy` on four ranks in two shard groups of two (two "machines"):
 /// within 1e-6 of one device's weights; saved after 3 steps as the first
 /// replica's two shards; resumed on the same mesh to the bytes of the run
