@@ -121,7 +121,7 @@ impl Checkpoints {
                 .to_str()
                 .and_then(|n| n.strip_prefix("rank-"))
                 .and_then(|n| n.parse::<usize>().ok());
-            if !number.is_some_and(|n| n >= from) {
+            if number.is_none_or(|n| n < from) {
                 continue;
             }
             let dir = StateDir::new(entry.path())?.keep(usize::MAX);
