@@ -276,6 +276,17 @@ fn the_language_models_stages_on_two_simulated_machines_save_the_bytes_of_stage_
 /// learning rate (so that a run of fewer steps follows the same curve), a
 /// 5 s group timeout (how the ranks learn of the loss).
 fn lm_args(dir: &Path, name: &str, steps: u64, strategy: &str) -> Vec<std::ffi::OsString> {
+    let mut args = lm_flags(steps, strategy);
+    args.extend(["--chart".into(), dir.join("chart.svg").into_os_string()]);
+    args.extend([
+        "--save".into(),
+        dir.join(format!("{name}.safetensors")).into(),
+    ]);
+    args
+}
+
+/// The language model's flags of these tests, without the files.
+fn lm_flags(steps: u64, strategy: &str) -> Vec<std::ffi::OsString> {
     let steps = steps.to_string();
     let mut args: Vec<std::ffi::OsString> = ["--steps", &steps, "--strategy", strategy]
         .map(Into::into)
@@ -297,11 +308,6 @@ fn lm_args(dir: &Path, name: &str, steps: u64, strategy: &str) -> Vec<std::ffi::
         ]
         .map(Into::into),
     );
-    args.extend(["--chart".into(), dir.join("chart.svg").into_os_string()]);
-    args.extend([
-        "--save".into(),
-        dir.join(format!("{name}.safetensors")).into(),
-    ]);
     args
 }
 
@@ -584,5 +590,112 @@ fn srun_on_two_simulated_nodes_trains_to_the_bytes_of_thread_ranks() {
         );
         println!("{strategy}: srun on two simulated nodes, the bytes of thread ranks ({took:?})");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `sbatch --no-kill` over both simulated nodes, `scripts/train_lm.sbatch`
+/// restarting its step within the allocation (`STEP_RESTARTS`, no
+/// requeue): node 2 is cut off 8 s in; the supervisor finds it lost and
+/// starts the step again on node 1 in the same allocation, which finishes.
+/// Its weights are the bytes of thread ranks that took the same path (2
+/// ranks to the state it resumed, 1 from there).
+#[test]
+fn a_no_kill_batch_job_that_loses_a_node_finishes_on_the_other_within_its_allocation() {
+    if let Some(why) = unavailable().or_else(slurm_unavailable) {
+        println!("skipped: {why}");
+        return;
+    }
+    let _one = SLURM.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = fresh_dir("candle_dp_no_kill");
+    let exe = example("train_lm");
+    let (states, out) = (dir.join("states"), dir.join("job.out"));
+    let sbatch = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/train_lm.sbatch");
+    let mut program: Vec<std::ffi::OsString> = vec![
+        "env".into(),
+        format!("TRAIN_LM={}", exe.display()).into(),
+        format!("CHECKPOINT_DIR={}", states.display()).into(),
+        "STEP_RESTARTS=3".into(),
+        "MAX_RESTARTS=0".into(),
+        "CHECKPOINT_EVERY=10".into(),
+        "sbatch".into(),
+        "--wait".into(),
+        "--no-kill".into(),
+        "--nodes=2".into(),
+        "--ntasks-per-node=1".into(),
+        "--output".into(),
+        out.clone().into_os_string(),
+        sbatch.into_os_string(),
+    ];
+    program.extend(lm_flags(600, "fsdp"));
+    // Slurm marks the lost node down after SlurmdTimeout (10 s here).
+    program.extend(["--probe-timeout", "40"].map(Into::into));
+    let program: Vec<&std::ffi::OsStr> = program.iter().map(|a| a.as_os_str()).collect();
+    let cluster_args = [
+        "--machines",
+        "2",
+        "--supervise",
+        "--slurm",
+        "--cut",
+        "2",
+        "--cut-after",
+        "8",
+        "--wait-empty",
+        "10",
+    ];
+    let (output, took) = cluster(&cluster_args, &program, Duration::from_secs(300));
+    let job = std::fs::read_to_string(&out).unwrap_or_default();
+    let said = format!("{}\n{job}", text(&output));
+    assert!(output.status.success(), "{said}");
+    assert!(said.contains("machine 2 cut off"), "{said}");
+    assert!(
+        job.lines().any(|l| l.starts_with("elastic: restart ")
+            && l.contains(": 1 rank(s) on node1:1 ")
+            && l.ends_with("lost: node2")),
+        "no restart on node1 alone within the allocation:\n{said}"
+    );
+    assert!(
+        job.contains("train_lm.sbatch: finished") && !job.contains("requeueing"),
+        "{said}"
+    );
+    let resumed_at: u64 = job
+        .lines()
+        .rev()
+        .find_map(|l| {
+            l.split_once("resuming from ")?
+                .1
+                .rsplit_once(", step ")?
+                .1
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no resume in:\n{said}"));
+    // The same path on thread ranks.
+    let threads = dir.join("threads");
+    let lm = |name: &str, steps: u64, extra: &[&str]| {
+        let mut command = Command::new(&exe);
+        command
+            .args(lm_args(&dir, name, steps, "fsdp"))
+            .args(extra)
+            .arg("--checkpoint-dir")
+            .arg(&threads);
+        let output = bounded_output(command, Duration::from_secs(240));
+        assert!(output.status.success(), "{}", text(&output));
+    };
+    lm("first", resumed_at, &["--replicas", "2"]);
+    lm("path", 600, &["--replicas", "1", "--resume"]);
+    let load =
+        |path: PathBuf| candle_core::safetensors::load(path, &candle_core::Device::Cpu).unwrap();
+    assert!(
+        common::identical(
+            &load(states.join("final.safetensors")),
+            &load(dir.join("path.safetensors"))
+        ),
+        "the batch job's weights differ from thread ranks that took its path"
+    );
+    println!(
+        "sbatch --no-kill: node 2 lost at +8 s, the step restarted on node 1 at step {resumed_at} \
+         within the allocation; finished in {took:?}, the bytes of thread ranks on the same path"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

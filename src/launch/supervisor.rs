@@ -229,12 +229,12 @@ impl JobLauncher for Mpirun {
 }
 
 /// Slurm's `srun` as a [`JobLauncher`], for a supervisor inside an
-/// allocation (an `sbatch` script): `srun --nodes=K --ntasks=N
+/// allocation (an `sbatch` script): `srun --overlap --nodes=K --ntasks=N
 /// --nodelist=h1,h2 --distribution=block --kill-on-bad-exit=1 --export=ALL
 /// OPTIONS PROGRAM ARGS`, N the hosts' slots summed (Slurm places them as
 /// the allocation allows; the whole environment passes, the restart's
 /// number included, whatever `SLURM_EXPORT_ENV` says); a host's probe fails at once when `sinfo` says the node is
-/// down, drained or not responding, and otherwise runs a one-task step there, `srun --nodes=1 --ntasks=1
+/// down, drained or not responding, and otherwise runs a one-task step there, `srun --overlap --nodes=1 --ntasks=1
 /// --nodelist=h OPTIONS true`. Give `--mpi=pmix` in `options` where
 /// Slurm's default plugin is not PMIx.
 #[derive(Debug, Clone)]
@@ -267,7 +267,15 @@ impl Srun {
     fn base(&self, hosts: &[Host], ranks: usize) -> Command {
         let names: Vec<&str> = hosts.iter().map(|h| h.name.as_str()).collect();
         let mut command = Command::new(&self.srun);
+        // Inside an allocation that lost a node (`sbatch --no-kill`), the
+        // failed step never completes: its part on the lost node cannot
+        // report, so Slurm keeps holding the step's CPUs on the nodes
+        // left, and a new step there waits "Requested nodes are busy"
+        // (seen with Slurm 22.05 for over 75 s after the node was marked
+        // down). `--overlap` lets the probes and the restarted job use
+        // them; the failed step's ranks there have exited already.
         command
+            .arg("--overlap")
             .arg(format!("--nodes={}", hosts.len()))
             .arg(format!("--ntasks={ranks}"))
             .arg(format!("--nodelist={}", names.join(",")));
