@@ -124,11 +124,19 @@ impl Checkpoints {
             if number.is_none_or(|n| n < from) {
                 continue;
             }
-            let dir = StateDir::new(entry.path())?.keep(usize::MAX);
-            dir.retain_steps(|s| wanted.contains(&s))?;
-            if dir.steps()?.is_empty() {
+            // One folder that cannot be pruned does not stop the others.
+            let pruned = StateDir::new(entry.path()).and_then(|dir| {
+                let dir = dir.keep(usize::MAX);
+                dir.retain_steps(|s| wanted.contains(&s))?;
+                dir.steps()
+            });
+            match pruned {
                 // Only an empty folder goes: anything else in it stays.
-                let _ = std::fs::remove_dir(entry.path());
+                Ok(left) if left.is_empty() => {
+                    let _ = std::fs::remove_dir(entry.path());
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!("{}: {e}", entry.path().display()),
             }
         }
         Ok(())

@@ -100,10 +100,13 @@ impl<O: StatefulOptimizer> FabricModel<O> {
             // in its pipeline; with ZeRO across the replicas, its stages'
             // state put together from every replica's pieces first.
             (Engine::RankPipeline(pipe), stepper) => {
-                let (values, stage_state) = match stepper {
-                    Stepper::Whole(opt) => pipe.stage_state(opt)?,
+                let first = pipe.replica_rank() == 0;
+                let mine = match stepper {
+                    Stepper::Whole(opt) => first.then(|| pipe.stage_state(opt)).transpose()?,
                     Stepper::Zero(zero) => pipe.zero_stage_state(zero)?,
                 };
+                // The other replicas write nothing.
+                let (values, stage_state) = mine.unwrap_or_default();
                 checkpoints.save_sharded(
                     self.pg.as_ref(),
                     &VarMap::new(),

@@ -273,7 +273,11 @@ impl Srun {
         // left, and a new step there waits "Requested nodes are busy"
         // (seen with Slurm 22.05 for over 75 s after the node was marked
         // down). `--overlap` lets the probes and the restarted job use
-        // them; the failed step's ranks there have exited already.
+        // them. srun returns once the step's tasks on the nodes that answer
+        // are reported ended (`--kill-on-bad-exit`), so the restart does
+        // not share a node with the failed ranks; what it does not cover: a
+        // GPU or memory the stuck step still holds on a node left, and a
+        // Slurm before 20.11, which has no `--overlap`.
         command
             .arg("--overlap")
             .arg(format!("--nodes={}", hosts.len()))
@@ -303,8 +307,8 @@ impl JobLauncher for Srun {
         // A node Slurm already says is down, drained, failing or not
         // responding (a `*` after its state) fails at once: a step asked
         // of it would wait in the queue until the probe's timeout. Any
-        // other node runs a one-task step, which waits until the node is
-        // free (a failed job may still be ending there).
+        // other node runs a one-task step (with `--overlap`, see `base`: it
+        // does not wait for the CPUs of a step that cannot complete).
         let step = self.base(std::slice::from_ref(host), 1);
         let mut command = Command::new("sh");
         command

@@ -23,8 +23,8 @@ use crate::zero::{ZeroOptimizer, ZeroSplit};
 impl RankPipeline {
     /// Averages this rank's gradients over its stages' replicas: whole, in
     /// one collective, or at ZeRO stage 2 reduce-scattered, so that each
-    /// entry of `grads` holds this rank's piece (a variable no replica has
-    /// a gradient for gets none).
+    /// entry of `grads` holds this rank's piece (a missing gradient counts
+    /// as zeros in both).
     pub(super) fn reduce_across_replicas(
         &self,
         replicas: &SubGroup,
@@ -64,10 +64,14 @@ impl RankPipeline {
                 .filter(|&i| self.own[i].1.dtype().as_str() == dtype)
                 .collect();
             let dtype = self.own[members[0]].1.dtype();
+            // A missing gradient counts as zeros, as the replicas' average
+            // and stage 1 take it (the optimizer then decays it alike), and
+            // no presence flag is read back from the reduction.
             let wholes: Vec<Option<Tensor>> = members
                 .iter()
                 .map(|&i| grads.remove(self.own[i].1.as_tensor()))
                 .collect();
+            let present = vec![1.0; members.len()];
             let layouts: Vec<&ShardLayout> =
                 members.iter().map(|&i| &self.zero_layouts[i]).collect();
             let pieces = reduce_scatter_grads(
@@ -76,7 +80,7 @@ impl RankPipeline {
                 dtype,
                 &self.device,
                 &vec![dtype; members.len()],
-                None,
+                Some(&present),
                 world,
                 |table, section| {
                     Ok(replicas.reduce_scatter(table, ReduceOp::Avg, &vec![section; world])?)
@@ -185,11 +189,12 @@ impl RankPipeline {
     }
 
     /// [`stage_state`](Self::stage_state) of a pipeline built with
-    /// [`zero`](super::RankPipelineConfig::zero): the optimizer state of
-    /// this rank's whole variables, put together from every replica's
-    /// pieces, so that the checkpoint is a plain pipeline's and resumes on
-    /// any split of stages and replicas, with or without ZeRO. Every rank
-    /// of the mesh calls it.
+    /// [`zero`](super::RankPipelineConfig::zero), on the first replica's
+    /// ranks (the ones that write a checkpoint; `None` on the others): the
+    /// optimizer state of this rank's whole variables, put together on the
+    /// CPU from every replica's pieces, so that the checkpoint is a plain
+    /// pipeline's and resumes on any split of stages and replicas, with or
+    /// without ZeRO. Every rank of the mesh calls it.
     ///
     /// # Errors
     ///
@@ -197,8 +202,10 @@ impl RankPipeline {
     pub fn zero_stage_state<O: StatefulOptimizer>(
         &self,
         zero: &ZeroOptimizer<O>,
-    ) -> Result<(HashMap<String, Tensor>, OptimizerState)> {
-        self.stage_state_with(zero.whole_state()?)
+    ) -> Result<Option<(HashMap<String, Tensor>, OptimizerState)>> {
+        zero.whole_state_on_first()?
+            .map(|state| self.stage_state_with(state))
+            .transpose()
     }
 
     /// [`load_stages`](Self::load_stages) into a pipeline built with

@@ -81,9 +81,9 @@ pub struct ZeroOptimizer<O> {
     /// gradients that are every rank's (DDP's stage 1); else the ranks
     /// whose gradients together are the model's.
     norm_group: Option<Arc<dyn ProcessGroup>>,
-    /// Per parameter, whether this rank counts it in the norm (a weight
-    /// tied across a pipeline's ranks counts on one of them).
-    counted: Vec<bool>,
+    /// The parameters this rank leaves out of the norm (a weight tied
+    /// across a pipeline's ranks counts on one of them).
+    uncounted: std::collections::HashSet<candle_core::TensorId>,
 }
 
 /// What a [`ZeroOptimizer`] splits, over which ranks: a ZeRO DDP's
@@ -184,6 +184,12 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
             .collect::<Result<Vec<_>>>()?;
         let inner = make(pieces.clone())?;
         let groups = gather_groups(&params, &layouts);
+        let uncounted = params
+            .iter()
+            .zip(&counted)
+            .filter(|(_, counted)| !**counted)
+            .map(|((_, var), _)| var.as_tensor().id())
+            .collect();
         Ok(Self {
             inner,
             world,
@@ -195,7 +201,7 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
             layouts,
             groups,
             norm_group,
-            counted,
+            uncounted,
         })
     }
 
@@ -337,14 +343,7 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
                 crate::optim::clip_grad_norm(grads, &vars, max_norm, norm_type, error_if_nonfinite)
             }
             Some(group) => {
-                let counted = |var: &Var| {
-                    let id = var.as_tensor().id();
-                    let i = self
-                        .params
-                        .iter()
-                        .position(|(_, p)| p.as_tensor().id() == id);
-                    i.is_none_or(|i| self.counted[i])
-                };
+                let counted = |var: &Var| !self.uncounted.contains(&var.as_tensor().id());
                 crate::optim::clip::clip_grad_norm_across_counting(
                     group.as_ref(),
                     grads,
@@ -384,7 +383,7 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
         &mut self.inner
     }
 
-    /// The stage the DDP was built with.
+    /// The ZeRO stage (the DDP's or the pipeline's).
     pub fn stage(&self) -> ZeroStage {
         self.stage
     }
@@ -396,8 +395,9 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
     }
 
     /// On a mesh ([`DdpBuilder::zero_on_mesh`](crate::DdpBuilder::zero_on_mesh)),
-    /// which replica of the pieces this rank holds; 0 otherwise. A save
-    /// needs one replica's shard states.
+    /// which replica of the pieces this rank holds; 0 otherwise (and on a
+    /// pipeline, whose replicas split the pieces: each is held once). A
+    /// save needs one replica's shard states.
     pub fn replica_rank(&self) -> usize {
         self.replica_rank
     }
@@ -414,6 +414,9 @@ impl<O: StatefulOptimizer> ZeroOptimizer<O> {
     /// each parameter's rows (`zero.rows.<name>` among its settings). Save
     /// one per rank (on a mesh, one per rank of one replica: the others
     /// hold the same); [`load_shards`](Self::load_shards) takes them back.
+    /// Over a pipeline's stages the shards of different stages share
+    /// their numbers: save those with
+    /// [`RankPipeline::zero_stage_state`](crate::pipeline::RankPipeline::zero_stage_state).
     pub fn shard_state(&self) -> Result<OptimizerState> {
         let mut state = self.inner.state()?;
         let (rank, world) = (self.pg.rank(), self.pg.world_size());
@@ -459,23 +462,33 @@ impl<O: StatefulOptimizer> ZeroOptimizer<O> {
         self.inner.load_state(&state)
     }
 
-    /// The optimizer state of the whole parameters, put together from
-    /// every piece of the ranks they split over (one all-gather per state
-    /// tensor; on a pipeline, the stage's replicas): what an optimizer over
-    /// the whole parameters would hold. Every rank of that group calls it
-    /// and gets the same.
+    /// The optimizer state of the whole parameters, put together on the
+    /// CPU of the first rank of those they split over (on a pipeline, the
+    /// stage's first replica) from every rank's pieces, gathered there one
+    /// state tensor at a time: what an optimizer over the whole parameters
+    /// would hold. `None` on the other ranks. Every rank of that group
+    /// calls it.
     ///
     /// # Errors
     ///
     /// A collective's; the pieces' states not fitting together.
-    pub(crate) fn whole_state(&self) -> Result<OptimizerState> {
+    pub(crate) fn whole_state_on_first(&self) -> Result<Option<OptimizerState>> {
         let mine = self.shard_state()?;
         let world = self.pg.world_size();
         let mut states = vec![mine.clone(); world];
         for (key, tensor) in &mine.tensors {
-            for (state, theirs) in states.iter_mut().zip(self.pg.all_gather(tensor)?) {
-                state.tensors.insert(key.clone(), theirs);
+            // Every rank takes part; only the first gets the pieces.
+            let Some(all) = self.pg.gather(tensor, 0)? else {
+                continue;
+            };
+            for (state, theirs) in states.iter_mut().zip(all) {
+                state
+                    .tensors
+                    .insert(key.clone(), theirs.to_device(&Device::Cpu)?);
             }
+        }
+        if self.pg.rank() != 0 {
+            return Ok(None);
         }
         for (rank, state) in states.iter_mut().enumerate() {
             state.shard = Some(ShardOf {
@@ -484,10 +497,10 @@ impl<O: StatefulOptimizer> ZeroOptimizer<O> {
             });
         }
         let fail = |what: String| Error::OptimizerState(format!("ZeRO pieces: {what}"));
-        reshard_states(&states, ROWS, &self.whole_layouts(), 0, &fail)
+        reshard_states(&states, ROWS, &self.whole_layouts(), 0, &fail).map(Some)
     }
 
-    /// Loads a state of the whole parameters ([`whole_state`](Self::whole_state)'s,
+    /// Loads a state of the whole parameters ([`whole_state_on_first`](Self::whole_state_on_first)'s,
     /// or a plain optimizer's over them): this rank keeps its pieces' part.
     /// No collective runs.
     ///
