@@ -311,6 +311,34 @@ fn lm_flags(steps: u64, strategy: &str) -> Vec<std::ffi::OsString> {
     args
 }
 
+/// The step of the last "resuming from DIR/state-…: epoch E, batch B,
+/// step S" line of a run's output.
+fn last_resume_step(said: &str) -> Option<u64> {
+    said.lines().rev().find_map(|l| {
+        l.split_once("resuming from ")?
+            .1
+            .rsplit_once(", step ")?
+            .1
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
+/// The language model under FSDP on thread ranks (`extra`: `--replicas`
+/// and the like), its states in `states`, its weights saved as
+/// `dir/name.safetensors`.
+fn fsdp_on_threads(dir: &Path, states: &Path, name: &str, steps: u64, extra: &[&str]) {
+    let mut command = Command::new(example("train_lm"));
+    command
+        .args(lm_args(dir, name, steps, "fsdp"))
+        .args(extra)
+        .arg("--checkpoint-dir")
+        .arg(states);
+    let output = bounded_output(command, Duration::from_secs(240));
+    assert!(output.status.success(), "{}", text(&output));
+}
+
 /// How the supervisor starts the ranks in an elastic test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Via {
@@ -453,32 +481,13 @@ fn elastic_run_losing_machine_2(via: Via) {
     // "resuming from DIR/state-…: epoch E, batch B, step S": the last
     // resume, the one on one rank (a restart on two ranks before it keeps
     // the bytes of two ranks).
-    let resumed_at: u64 = said
-        .lines()
-        .rev()
-        .find_map(|l| {
-            l.split_once("resuming from ")?
-                .1
-                .rsplit_once(", step ")?
-                .1
-                .trim()
-                .parse()
-                .ok()
-        })
-        .unwrap_or_else(|| panic!("no resume in:\n{said}"));
+    let resumed_at: u64 =
+        last_resume_step(&said).unwrap_or_else(|| panic!("no resume in:\n{said}"));
     assert!((1..300).contains(&resumed_at), "resumed at {resumed_at}");
     // The same path on thread ranks: 2 ranks to the state, 1 from it.
     let states = dir.join("threads");
-    let lm = |name: &str, steps: u64, extra: &[&str]| {
-        let mut command = Command::new(example("train_lm"));
-        command
-            .args(lm_args(&dir, name, steps, "fsdp"))
-            .args(extra)
-            .arg("--checkpoint-dir")
-            .arg(&states);
-        let output = bounded_output(command, Duration::from_secs(240));
-        assert!(output.status.success(), "{}", text(&output));
-    };
+    let lm =
+        |name: &str, steps: u64, extra: &[&str]| fsdp_on_threads(&dir, &states, name, steps, extra);
     lm("first", resumed_at, &["--replicas", "2"]);
     lm("threads", 300, &["--replicas", "1", "--resume"]);
     let load = |name: &str| {
@@ -657,30 +666,11 @@ fn a_no_kill_batch_job_that_loses_a_node_finishes_on_the_other_within_its_alloca
         job.contains("train_lm.sbatch: finished") && !job.contains("requeueing"),
         "{said}"
     );
-    let resumed_at: u64 = job
-        .lines()
-        .rev()
-        .find_map(|l| {
-            l.split_once("resuming from ")?
-                .1
-                .rsplit_once(", step ")?
-                .1
-                .trim()
-                .parse()
-                .ok()
-        })
-        .unwrap_or_else(|| panic!("no resume in:\n{said}"));
+    let resumed_at: u64 = last_resume_step(&job).unwrap_or_else(|| panic!("no resume in:\n{said}"));
     // The same path on thread ranks.
     let threads = dir.join("threads");
     let lm = |name: &str, steps: u64, extra: &[&str]| {
-        let mut command = Command::new(&exe);
-        command
-            .args(lm_args(&dir, name, steps, "fsdp"))
-            .args(extra)
-            .arg("--checkpoint-dir")
-            .arg(&threads);
-        let output = bounded_output(command, Duration::from_secs(240));
-        assert!(output.status.success(), "{}", text(&output));
+        fsdp_on_threads(&dir, &threads, name, steps, extra)
     };
     lm("first", resumed_at, &["--replicas", "2"]);
     lm("path", 600, &["--replicas", "1", "--resume"]);

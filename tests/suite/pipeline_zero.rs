@@ -7,7 +7,10 @@
 
 use crate::common::*;
 use crate::overlap::{batches, bounded};
-use crate::pipeline_ranks::{checkpoint_dir, lm_through_the_fabric, tied_layers, LmRun};
+use crate::pipeline_ranks::{
+    assert_close_to_one_device, checkpoint_dir, lm_through_the_fabric, tied_init, tied_layers,
+    LmRun,
+};
 
 use std::collections::HashMap;
 
@@ -18,7 +21,7 @@ use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
 use candle_dp::pipeline::{RankPipeline, RankPipelineConfig};
 use candle_dp::zero::ZeroStage;
 use candle_dp::{Error, LossReduction};
-use candle_nn::{loss, Optimizer, VarMap};
+use candle_nn::{loss, Optimizer};
 
 /// What one rank of a run ends with: its stages' weights, every step's
 /// clipped total norm, its optimizer state's bytes, and the shape of
@@ -150,15 +153,6 @@ fn bytes_of(state: &candle_dp::optim::OptimizerState) -> usize {
         .sum()
 }
 
-fn tied_init() -> HashMap<String, Tensor> {
-    let varmap = VarMap::new();
-    let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-    for f in tied_layers() {
-        f(vb.clone()).unwrap();
-    }
-    snapshot(&varmap)
-}
-
 #[test]
 fn zero_across_a_pipelines_replicas_trains_to_the_replicated_pipelines_weights() {
     within(240, || {
@@ -278,23 +272,7 @@ fn the_language_model_with_zero_across_pipelines_trains_to_one_devices_weights_a
             zero,
             ..FabricConfig::new(Strategy::PipelineRanks, replicas * stages)
         };
-        let close = |label: &str, run: &LmRun| {
-            let weights = max_rel_diff(&run.0, &single.0);
-            let losses = run
-                .1
-                .iter()
-                .zip(&single.1)
-                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            println!("{label}: weights {weights:.2e}, losses {losses:.2e}");
-            assert_eq!(run.1.len(), single.1.len(), "{label}: steps");
-            // 2e-5: as the replicated pipelines' test says (AdamW and the
-            // attention's key bias).
-            assert!(
-                weights <= 2e-5 && losses <= 1e-5,
-                "{label}: weights {weights:.2e}, losses {losses:.2e}\n{}",
-                diff_report(&run.0, &single.0)
-            );
-        };
+        let close = |label: &str, run: &LmRun| assert_close_to_one_device(label, run, &single);
         let replicated = lm_through_the_fabric(ranks(2, 2, None), steps, None);
         let one = lm_through_the_fabric(ranks(2, 2, Some(1)), steps, None);
         assert!(
