@@ -113,7 +113,7 @@ impl<O: StatefulOptimizer> FabricModel<O> {
                     &varmap_of(values)?,
                     stage_state,
                     state,
-                    (pipe.replica_rank() == 0).then(|| pipe.group().rank()),
+                    first.then(|| pipe.group().rank()),
                 )
             }
             // On a mesh every replica holds the same pieces: the first

@@ -17,7 +17,7 @@ use crate::common::fabric_loop::{
     classifier, dataset, devices_for_two, train, train_resumable, AfterStep, Trained, EPOCHS,
     GLOBAL_BATCH, SAMPLES,
 };
-use crate::common::{diff_report, identical, max_rel_diff};
+use crate::common::{diff_report, identical, max_rel_diff, within};
 
 /// [`Fabric::launch`] with every collective bounded (two minutes, unless
 /// the configuration says otherwise): a test that would hang fails.
@@ -661,36 +661,39 @@ fn sharded_states_reshard_onto_another_number_of_ranks() {
 /// the third rank's folder of shards is gone, not left with its steps.
 #[test]
 fn shards_of_a_rank_the_resumed_run_no_longer_has_are_pruned_with_their_states() {
-    let dir = tempdir().join("prune-orphans");
-    let on = |devices| FabricConfig {
-        checkpoint_dir: Some(dir.clone()),
-        keep: 2,
-        ..FabricConfig::new(Strategy::Zero2, devices)
-    };
-    let saving = |config: FabricConfig, stop_at: Option<u64>| {
-        let data = dataset();
-        launch(config, |fabric| {
-            train_resumable(fabric, data.clone(), |_, step| {
-                Ok(match stop_at == Some(step) {
-                    true => AfterStep::SaveAndStop,
-                    false => AfterStep::Save,
+    // Bounded: the two runs take seconds; a hang fails the test.
+    within(240, || {
+        let dir = tempdir().join("prune-orphans");
+        let on = |devices| FabricConfig {
+            checkpoint_dir: Some(dir.clone()),
+            keep: 2,
+            ..FabricConfig::new(Strategy::Zero2, devices)
+        };
+        let saving = |config: FabricConfig, stop_at: Option<u64>| {
+            let data = dataset();
+            launch(config, |fabric| {
+                train_resumable(fabric, data.clone(), |_, step| {
+                    Ok(match stop_at == Some(step) {
+                        true => AfterStep::SaveAndStop,
+                        false => AfterStep::Save,
+                    })
                 })
             })
-        })
-        .unwrap_or_else(|e| panic!("{e}"))
-    };
-    let numbers = || -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(dir.join("zero-shards"))
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        names
-    };
-    saving(on(3), Some(3));
-    assert_eq!(numbers(), ["rank-0", "rank-1", "rank-2"]);
-    saving(on(2), None);
-    assert_eq!(numbers(), ["rank-0", "rank-1"], "rank 2's shards were kept");
+            .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let numbers = || -> Vec<String> {
+            let mut names: Vec<String> = std::fs::read_dir(dir.join("zero-shards"))
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            names.sort();
+            names
+        };
+        saving(on(3), Some(3));
+        assert_eq!(numbers(), ["rank-0", "rank-1", "rank-2"]);
+        saving(on(2), None);
+        assert_eq!(numbers(), ["rank-0", "rank-1"], "rank 2's shards were kept");
+    });
 }
 
 /// `strategy` on four ranks in two shard groups of two (two "machines"):
