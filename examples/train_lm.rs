@@ -115,9 +115,10 @@ struct Args {
     #[arg(long, value_parser = flags::mesh_shape, conflicts_with_all = ["replicas", "shard_size"])]
     mesh: Option<flags::MeshShape>,
     /// With `--strategy pipeline` on ranks: ZeRO across each stage's
-    /// replicas, 1 (optimizer state) or 2 (and gradients), each replica
-    /// holding its piece of the stage.
-    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=2))]
+    /// replicas, 1 (optimizer state), 2 (and gradients) or 3 (and the
+    /// variables between steps: FSDP), each replica holding its piece of
+    /// the stage.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
     pipeline_zero: Option<u8>,
     /// Pipeline stages in each rank (ddp-pipeline; at least 1).
     #[arg(long, default_value_t = 2, value_parser = flags::at_least_one::<u64>)]
@@ -665,6 +666,7 @@ fn label(args: &Args) -> String {
             config.stages,
             args.chunks,
             match config.zero {
+                Some(3) => ", FSDP across the pipelines".to_string(),
                 Some(stage) => format!(", ZeRO-{stage} across the pipelines"),
                 None => String::new(),
             }

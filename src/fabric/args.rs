@@ -56,7 +56,8 @@ pub struct FabricArgs {
     /// 16-mixed: the loss scaler's first scale [default: 65536].
     #[arg(long)]
     pub init_scale: Option<f64>,
-    /// A ZeRO stage (1 or 2) with --strategy ddp.
+    /// A ZeRO stage (1 or 2) with --strategy ddp; 1, 2 or 3 (FSDP across
+    /// the replicas) with pipeline-ranks.
     #[arg(long)]
     pub zero: Option<u8>,
     /// pipeline-ddp: stages per rank; pipeline-ranks: ranks per pipeline

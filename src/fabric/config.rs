@@ -410,7 +410,9 @@ pub struct FabricConfig {
     /// `pipeline-ranks`: ZeRO across each stage's replicas (the
     /// pipelines of a dp x pp mesh), each replica holding the optimizer
     /// state (and at 2 the gradients) of its piece of the stage
-    /// ([`RankPipelineConfig::zero`](crate::pipeline::RankPipelineConfig::zero)).
+    /// ([`RankPipelineConfig::zero`](crate::pipeline::RankPipelineConfig::zero));
+    /// at 3 its variables too, between steps (FSDP across the replicas:
+    /// [`RankPipelineConfig::fsdp`](crate::pipeline::RankPipelineConfig::fsdp)).
     pub zero: Option<u8>,
     /// `ddp`, `zero1`, `zero2`: reduce each gradient bucket while the
     /// backward still runs (the model given as units); `ddp` with it is
@@ -596,6 +598,16 @@ impl FabricConfig {
         match self.zero {
             None => {}
             Some(1 | 2) if matches!(self.strategy, Strategy::Ddp | Strategy::PipelineRanks) => {}
+            Some(3) if self.strategy == Strategy::PipelineRanks => {}
+            Some(3) => {
+                return Err(Error::Strategy {
+                    strategy: self.strategy.name().into(),
+                    reason: "ZeRO stage 3 (FSDP across the replicas) is a setting of \
+                             pipeline-ranks; the other strategies shard their variables with \
+                             the strategy fsdp (or hsdp)"
+                        .into(),
+                })
+            }
             Some(stage @ (1 | 2)) => {
                 return Err(Error::Strategy {
                     strategy: self.strategy.name().into(),
@@ -607,7 +619,11 @@ impl FabricConfig {
                     ),
                 })
             }
-            Some(other) => return refuse(format!("ZeRO stage {other}: 1 or 2")),
+            Some(other) => {
+                return refuse(format!(
+                    "ZeRO stage {other}: 1, 2 (or 3 with pipeline-ranks)"
+                ))
+            }
         }
         match strategy {
             Strategy::Single if devices != 1 => {

@@ -245,9 +245,10 @@ impl Engine {
                     mixed_precision: policy,
                     zero: match config.zero {
                         Some(1) => Some(ZeroStage::One),
-                        Some(2) => Some(ZeroStage::Two),
+                        Some(2 | 3) => Some(ZeroStage::Two),
                         _ => None,
                     },
+                    fsdp: config.zero == Some(3),
                     ..RankPipelineConfig::default()
                 };
                 Engine::RankPipeline(Box::new(RankPipeline::on_mesh(

@@ -414,7 +414,8 @@ impl Fabric {
         let varmap = engine.rank_varmap().unwrap_or(varmap);
         let zero = match &engine {
             Engine::Ddp { ddp, .. } => ddp.zero_stage().is_some(),
-            Engine::RankPipeline(pipe) => pipe.zero_stage().is_some(),
+            // FSDP's pieces are the variables: any optimizer steps them.
+            Engine::RankPipeline(pipe) => pipe.zero_stage().is_some() && !pipe.is_fsdp(),
             _ => false,
         };
         let (stepper, params) = match (&engine, zero) {

@@ -102,6 +102,7 @@ impl<O: StatefulOptimizer> FabricModel<O> {
             (Engine::RankPipeline(pipe), stepper) => {
                 let first = pipe.replica_rank() == 0;
                 let mine = match stepper {
+                    Stepper::Whole(opt) if pipe.is_fsdp() => pipe.fsdp_stage_state(opt)?,
                     Stepper::Whole(opt) => first.then(|| pipe.stage_state(opt)).transpose()?,
                     Stepper::Zero(zero) => pipe.zero_stage_state(zero)?,
                 };
@@ -213,6 +214,9 @@ impl<O: StatefulOptimizer> FabricModel<O> {
             (Engine::RankPipeline(pipe), stepper, Shards::Fsdp(saves)) => {
                 let (values, states): (Vec<_>, Vec<_>) = saves.into_iter().unzip();
                 match stepper {
+                    Stepper::Whole(opt) if pipe.is_fsdp() => {
+                        pipe.load_fsdp_stages(&values, &states, opt)?
+                    }
                     Stepper::Whole(opt) => pipe.load_stages(&values, &states, opt)?,
                     Stepper::Zero(zero) => pipe.load_zero_stages(&values, &states, zero)?,
                 }

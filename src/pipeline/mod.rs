@@ -72,6 +72,7 @@ mod link;
 mod on_ranks;
 mod rank_state;
 mod recompute;
+mod replica_shards;
 mod replicas;
 mod schedule;
 mod stage;

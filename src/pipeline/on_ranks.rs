@@ -60,6 +60,16 @@ pub struct RankPipelineConfig {
     /// 2). Step with [`RankPipeline::zero_optimizer`]. `None` (default):
     /// the replicas average whole gradients, as DDP.
     pub zero: Option<ZeroStage>,
+    /// On a mesh, FSDP across each stage's replicas (ZeRO stage 3): on top
+    /// of ZeRO stage 2 (implied; stage 1 is refused), the variables
+    /// themselves are held as pieces between steps: the `VarMap` and
+    /// [`RankPipeline::variables`] hold this rank's piece of each, and
+    /// each step all-gathers them, builds the stages over the whole
+    /// values for its micro-batches, and drops them after its backward
+    /// (torchtitan's FSDP on a pipeline, which does not reshard between
+    /// micro-batches). Step any optimizer over the pieces. Default
+    /// `false`.
+    pub fsdp: bool,
 }
 
 impl Default for RankPipelineConfig {
@@ -71,6 +81,7 @@ impl Default for RankPipelineConfig {
             checkpoint: Checkpoint::Never,
             mixed_precision: None,
             zero: None,
+            fsdp: false,
         }
     }
 }
@@ -137,7 +148,7 @@ pub struct RankPipeline {
     port: Arc<RankPort>,
     pub(super) device: Device,
     /// This rank's stages, in the order of `indices`.
-    held: Vec<Stage>,
+    pub(super) held: Vec<Stage>,
     /// Their numbers in the pipeline.
     indices: Vec<usize>,
     /// The `VarMap`'s variables these stages use, each once, by name.
@@ -151,12 +162,15 @@ pub struct RankPipeline {
     /// The variables this rank shares with stages on other ranks (tied
     /// weights), by name, sorted, each with the group of the ranks that
     /// use it.
-    pub(super) tied: Vec<(String, Var, SubGroup)>,
+    pub(super) tied: Vec<(String, SubGroup)>,
     /// On a mesh: the replicas of this rank's stages (the same stages on
     /// other pipelines), across which the gradients are averaged.
     pub(super) replicas: Option<SubGroup>,
     /// On a mesh: every rank of it.
     pub(super) world: Option<Arc<dyn ProcessGroup>>,
+    /// With FSDP: how this rank's stages are built again each step over
+    /// the gathered variables (`held` is empty between steps).
+    pub(super) rebuild: Option<Rebuild>,
     /// With ZeRO: each of [`own`](Self::own)'s split across the replicas.
     pub(super) zero_layouts: Vec<ShardLayout>,
     /// This rank's part of the latest successful step's timings.
@@ -174,6 +188,28 @@ impl std::fmt::Debug for RankPipeline {
     }
 }
 
+/// With FSDP, what builds this rank's stages again each step.
+pub(super) struct Rebuild {
+    /// The dtype of the variables.
+    pub(super) dtype: DType,
+    /// Each stage's first layer and its layers, in the order of
+    /// `indices`.
+    pub(super) stages: Vec<(usize, Vec<LayerFactory>)>,
+}
+
+/// The ZeRO stage FSDP builds on: 2, the gradients reduce-scattered to the
+/// pieces the variables are held in (stage 1 would keep whole gradients).
+fn fsdp_zero_stage(zero: Option<ZeroStage>) -> Result<ZeroStage> {
+    match zero {
+        None | Some(ZeroStage::Two) => Ok(ZeroStage::Two),
+        Some(ZeroStage::One) => Err(Error::Zero(
+            "FSDP holds the variables as pieces and their gradients with them (ZeRO stage 2): \
+             it cannot take zero: Some(ZeroStage::One); leave zero at None or Two"
+                .into(),
+        )),
+    }
+}
+
 /// What every rank's pipeline must agree on.
 #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 struct Plan {
@@ -184,6 +220,7 @@ struct Plan {
     checkpoint: String,
     precision: String,
     zero: String,
+    fsdp: bool,
 }
 
 impl RankPipeline {
@@ -206,10 +243,10 @@ impl RankPipeline {
         layers: Vec<LayerFactory>,
         config: RankPipelineConfig,
     ) -> Result<Self> {
-        if config.zero.is_some() {
+        if config.zero.is_some() || config.fsdp {
             return Err(Error::Zero(
-                "ZeRO splits each stage across its replicas: build the pipeline on a mesh \
-                 (RankPipeline::on_mesh)"
+                "ZeRO and FSDP split each stage across its replicas: build the pipeline on a \
+                 mesh (RankPipeline::on_mesh)"
                     .into(),
             ));
         }
@@ -236,6 +273,7 @@ impl RankPipeline {
             checkpoint: format!("{:?}", config.checkpoint),
             precision: format!("{:?}", config.mixed_precision),
             zero: format!("{:?}", config.zero),
+            fsdp: config.fsdp,
         };
         let plans = all_gather_object(pg.as_ref(), &plan)?;
         if let Some(rank) = plans.iter().position(|p| p != &plans[0]) {
@@ -284,6 +322,7 @@ impl RankPipeline {
             tied,
             replicas: None,
             world: None,
+            rebuild: None,
             zero_layouts: Vec::new(),
             timings: Mutex::new(PipelineTimings::default()),
         })
@@ -313,11 +352,15 @@ impl RankPipeline {
         dtype: DType,
         device: &Device,
         layers: Vec<LayerFactory>,
-        config: RankPipelineConfig,
+        mut config: RankPipelineConfig,
     ) -> Result<Self> {
         let (pp, dp) = dims;
         let stages = Arc::clone(mesh.group(pp)?);
         let replicas = Arc::clone(mesh.group(dp)?);
+        if config.fsdp {
+            config.zero = Some(fsdp_zero_stage(config.zero)?);
+        }
+        let factories = config.fsdp.then(|| layers.clone());
         let mut pipe = Self::build(stages, varmap, dtype, device, layers, config)?;
         for (_, var) in pipe.own.iter().chain(&pipe.buffers) {
             var.set(&replicas.broadcast(var.as_tensor(), 0)?)?;
@@ -331,6 +374,9 @@ impl RankPipeline {
         }
         pipe.replicas = Some(replicas);
         pipe.world = Some(Arc::clone(mesh.world()));
+        if let Some(factories) = factories {
+            pipe.shard_at_rest(varmap, dtype, &factories)?;
+        }
         Ok(pipe)
     }
 
@@ -397,7 +443,9 @@ impl RankPipeline {
     pub fn forward_t(&self, x: Option<&Tensor>, train: bool) -> Result<Option<Tensor>> {
         let sizes = self.micro_batch_sizes(x, None)?;
         let inputs = self.first_stage_inputs(x, &sizes)?;
-        let outputs = self.run(inputs, &mut None, sizes.len(), false, train)?;
+        let gathered = self.gather_stages()?;
+        let held = gathered.as_ref().map_or(&self.held, |g| &g.stages);
+        let outputs = self.run(held, inputs, &mut None, sizes.len(), false, train)?;
         let mut last = None;
         let mut buffers = Vec::new();
         for (&k, out) in self.indices.iter().zip(outputs) {
@@ -535,11 +583,18 @@ impl RankPipeline {
             }),
             None => None,
         };
-        let outputs = self.run(inputs, &mut loss, sizes.len(), true, true)?;
+        // With FSDP, the stages are built over the whole variables,
+        // gathered for this step and dropped at its end.
+        let gathered = self.gather_stages()?;
+        let (held, wholes) = match &gathered {
+            Some(g) => (&g.stages, &g.wholes),
+            None => (&self.held, &self.own),
+        };
+        let outputs = self.run(held, inputs, &mut loss, sizes.len(), true, true)?;
         let mut grads = GradStore::default();
         let mut buffers = Vec::new();
         let mut losses = Vec::new();
-        for (stage, out) in self.held.iter().zip(outputs) {
+        for (stage, out) in held.iter().zip(outputs) {
             for (var, grad) in stage.vars.iter().zip(out.grads) {
                 let Some(grad) = grad else { continue };
                 // A variable of two of this rank's stages gets the sum.
@@ -555,7 +610,10 @@ impl RankPipeline {
         // A weight tied across ranks gets the sum of every rank's gradient
         // (in rank order, the stages' order for two ranks), as a weight
         // shared by stages in one process does.
-        for (_, var, group) in &self.tied {
+        for (name, group) in &self.tied {
+            let Some((_, var)) = wholes.iter().find(|(n, _)| n == name) else {
+                continue;
+            };
             let mine = match grads.get(var.as_tensor()) {
                 Some(g) => g.clone(),
                 None => var.zeros_like()?,
@@ -567,7 +625,7 @@ impl RankPipeline {
         // reduce-scattered to this rank's pieces), and the last stages'
         // losses.
         if let Some(replicas) = &self.replicas {
-            self.reduce_across_replicas(replicas, &mut grads)?;
+            self.reduce_across_replicas(replicas, wholes, &mut grads)?;
         }
         let loss = match losses.split_first() {
             Some((first, rest)) => Some(rest.iter().try_fold(first.clone(), |sum, l| sum + l)?),
@@ -590,6 +648,7 @@ impl RankPipeline {
     /// the other ranks' waits end) and is returned named.
     fn run(
         &self,
+        held: &[Stage],
         inputs: Vec<Tensor>,
         loss: &mut Option<TrainLoss>,
         chunks: usize,
@@ -679,7 +738,7 @@ impl RankPipeline {
             },
         };
         let started = std::time::Instant::now();
-        match work.run(&self.held, &Cancel::default()) {
+        match work.run(held, &Cancel::default()) {
             Ok(out) => {
                 *crate::lock::lock(&self.timings) = PipelineTimings {
                     step: started.elapsed(),
@@ -721,7 +780,7 @@ fn named_once<'a>(vars: impl Iterator<Item = &'a StageVar>) -> Vec<(String, Var)
 fn tie_across_ranks(
     pg: &dyn ProcessGroup,
     own: &[(String, Var)],
-) -> Result<Vec<(String, Var, SubGroup)>> {
+) -> Result<Vec<(String, SubGroup)>> {
     let mine: Vec<String> = own.iter().map(|(name, _)| name.clone()).collect();
     let all: Vec<Vec<String>> = all_gather_object(pg, &mine)?;
     let mut users: std::collections::BTreeMap<&String, Vec<usize>> = Default::default();
@@ -743,7 +802,7 @@ fn tie_across_ranks(
                 Error::Candle(candle_core::Error::Msg(format!("`{name}` is not held")))
             })?;
         var.set(&group.broadcast(var.as_tensor(), 0)?)?;
-        tied.push((name.clone(), var, group));
+        tied.push((name.clone(), group));
     }
     Ok(tied)
 }

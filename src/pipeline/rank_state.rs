@@ -81,19 +81,28 @@ impl RankPipeline {
     /// The whole model's variables and buffers by name, on the CPU,
     /// gathered from every rank of the pipeline (each rank's stages'
     /// variables, broadcast from it). Every rank of the pipeline calls it
-    /// and every rank gets the whole model.
+    /// and every rank gets the whole model. With FSDP each variable is
+    /// first gathered from the replicas' pieces, and every rank of the
+    /// mesh calls it.
     ///
     /// # Errors
     ///
     /// A collective's; a dtype this rank cannot make.
     pub fn full_state(&self) -> Result<HashMap<String, Tensor>> {
         let me = self.pg.rank();
-        let held: Vec<&(String, Var)> = self.own.iter().chain(&self.buffers).collect();
+        let wholes = self.gather_wholes()?;
+        let held: Vec<(&String, Tensor)> = self
+            .own
+            .iter()
+            .zip(wholes)
+            .map(|((name, _), whole)| (name, whole))
+            .chain(self.buffers.iter().map(|(n, v)| (n, v.as_tensor().clone())))
+            .collect();
         let mine: Vec<(String, Vec<usize>, String)> = held
             .iter()
-            .map(|(name, var)| {
-                let dtype = var.dtype().as_str().to_string();
-                (name.clone(), var.dims().to_vec(), dtype)
+            .map(|(name, value)| {
+                let dtype = value.dtype().as_str().to_string();
+                ((*name).clone(), value.dims().to_vec(), dtype)
             })
             .collect();
         let all = all_gather_object(self.pg.as_ref(), &mine)?;
@@ -105,8 +114,8 @@ impl RankPipeline {
                 if state.contains_key(name) {
                     continue;
                 }
-                let value = match held.iter().find(|(n, _)| n == name) {
-                    Some((_, var)) if rank == me => var.as_tensor().clone(),
+                let value = match held.iter().find(|(n, _)| *n == name) {
+                    Some((_, value)) if rank == me => value.clone(),
                     _ => Tensor::zeros(dims.as_slice(), parse_dtype(dtype)?, &self.device)?,
                 };
                 let value = self.pg.broadcast(&value, rank)?;
@@ -139,9 +148,14 @@ impl RankPipeline {
         let params: Vec<Var> = self.own.iter().map(|(_, v)| v.clone()).collect();
         // The lowest rank using a tied weight counts it.
         let counted = |var: &Var| {
-            !self.tied.iter().any(|(_, tied, group)| {
-                tied.as_tensor().id() == var.as_tensor().id() && group.rank() != 0
-            })
+            let name = self
+                .own
+                .iter()
+                .find(|(_, v)| v.as_tensor().id() == var.as_tensor().id());
+            !self
+                .tied
+                .iter()
+                .any(|(tied, group)| name.is_some_and(|(n, _)| n == tied) && group.rank() != 0)
         };
         clip_grad_norm_across_counting(
             self.norm_group().as_ref(),
@@ -161,12 +175,25 @@ impl RankPipeline {
     ///
     /// # Errors
     ///
-    /// A copy that cannot be made.
+    /// A copy that cannot be made; [`Error::Zero`] on an FSDP pipeline
+    /// (its ranks hold pieces: save it with
+    /// [`fsdp_stage_state`](Self::fsdp_stage_state)).
     pub fn stage_state<O: StatefulOptimizer>(
         &self,
         opt: &O,
     ) -> Result<(HashMap<String, Tensor>, OptimizerState)> {
+        self.refuse_fsdp("save it with fsdp_stage_state")?;
         self.stage_state_with(opt.state()?)
+    }
+
+    /// An error for a call that takes whole variables, on an FSDP pipeline.
+    fn refuse_fsdp(&self, instead: &str) -> Result<()> {
+        match self.is_fsdp() {
+            true => Err(Error::Zero(format!(
+                "this pipeline holds its variables as pieces (FSDP): {instead}"
+            ))),
+            false => Ok(()),
+        }
     }
 
     /// [`stage_state`](Self::stage_state) with the optimizer's `state` over
@@ -203,13 +230,15 @@ impl RankPipeline {
     /// variable no rank saved or saved with another shape, states of
     /// another optimizer or step), and then nothing has changed; the
     /// optimizer's own refusal ([`Error::OptimizerState`]), after which
-    /// the variables are put back.
+    /// the variables are put back; [`Error::Zero`] on an FSDP pipeline
+    /// (load with [`load_fsdp_stages`](Self::load_fsdp_stages)).
     pub fn load_stages<O: StatefulOptimizer>(
         &self,
         values: &[HashMap<String, Tensor>],
         states: &[OptimizerState],
         opt: &mut O,
     ) -> Result<()> {
+        self.refuse_fsdp("load it with load_fsdp_stages")?;
         self.load_stages_with(values, states, |state| opt.load_state(state))
     }
 
@@ -246,20 +275,27 @@ impl RankPipeline {
         }
         // Every value found and checked before anything changes.
         let mut found = Vec::new();
-        for (name, var) in self.own.iter().chain(&self.buffers) {
+        for (i, (name, var)) in self.own.iter().chain(&self.buffers).enumerate() {
             let saved = values.iter().find_map(|v| v.get(name)).ok_or_else(|| {
                 fail(format!(
                     "no rank saved `{name}`: the saves are of another model"
                 ))
             })?;
-            if saved.dims() != var.dims() {
+            let dims = match i < self.own.len() {
+                true => self.whole_dims(i),
+                false => var.dims().to_vec(),
+            };
+            if saved.dims() != dims.as_slice() {
                 return Err(fail(format!(
-                    "`{name}` was saved with shape {:?}, the model's is {:?}",
+                    "`{name}` was saved with shape {:?}, the model's is {dims:?}",
                     saved.dims(),
-                    var.dims()
                 )));
             }
             let value = saved.to_dtype(var.dtype())?.to_device(var.device())?;
+            let value = match i < self.own.len() {
+                true => self.held_part(i, &value)?,
+                false => value,
+            };
             found.push((var.clone(), value));
         }
         let own: Vec<&str> = self.own.iter().map(|(n, _)| n.as_str()).collect();

@@ -24,16 +24,21 @@ impl RankPipeline {
     /// Averages this rank's gradients over its stages' replicas: whole, in
     /// one collective, or at ZeRO stage 2 reduce-scattered, so that each
     /// entry of `grads` holds this rank's piece (a missing gradient counts
-    /// as zeros in both).
+    /// as zeros in both). `wholes` are the variables the step's stages
+    /// used, in the order of [`variables`](Self::variables): the variables
+    /// themselves, or with FSDP the whole values gathered for the step,
+    /// whose pieces' gradients are then keyed by the variables (the
+    /// pieces).
     pub(super) fn reduce_across_replicas(
         &self,
         replicas: &SubGroup,
+        wholes: &[(String, Var)],
         grads: &mut GradStore,
     ) -> Result<()> {
         if self.config.zero == Some(ZeroStage::Two) {
-            return self.reduce_scatter_across(replicas, grads);
+            return self.reduce_scatter_across(replicas, wholes, grads);
         }
-        let vars: Vec<&Var> = self.own.iter().map(|(_, v)| v).collect();
+        let vars: Vec<&Var> = wholes.iter().map(|(_, v)| v).collect();
         let mine = vars
             .iter()
             .map(|v| {
@@ -56,20 +61,25 @@ impl RankPipeline {
 
     /// ZeRO stage 2: one reduce-scatter per dtype of this rank's
     /// variables, in their order.
-    fn reduce_scatter_across(&self, replicas: &SubGroup, grads: &mut GradStore) -> Result<()> {
-        let dtypes: BTreeSet<&str> = self.own.iter().map(|(_, v)| v.dtype().as_str()).collect();
+    fn reduce_scatter_across(
+        &self,
+        replicas: &SubGroup,
+        wholes: &[(String, Var)],
+        grads: &mut GradStore,
+    ) -> Result<()> {
+        let dtypes: BTreeSet<&str> = wholes.iter().map(|(_, v)| v.dtype().as_str()).collect();
         let world = replicas.world_size();
         for dtype in dtypes {
-            let members: Vec<usize> = (0..self.own.len())
-                .filter(|&i| self.own[i].1.dtype().as_str() == dtype)
+            let members: Vec<usize> = (0..wholes.len())
+                .filter(|&i| wholes[i].1.dtype().as_str() == dtype)
                 .collect();
-            let dtype = self.own[members[0]].1.dtype();
+            let dtype = wholes[members[0]].1.dtype();
             // A missing gradient counts as zeros, as the replicas' average
             // and stage 1 take it (the optimizer then decays it alike), and
             // no presence flag is read back from the reduction.
             let wholes: Vec<Option<Tensor>> = members
                 .iter()
-                .map(|&i| grads.remove(self.own[i].1.as_tensor()))
+                .map(|&i| grads.remove(wholes[i].1.as_tensor()))
                 .collect();
             let present = vec![1.0; members.len()];
             let layouts: Vec<&ShardLayout> =
@@ -151,6 +161,13 @@ impl RankPipeline {
         O: candle_nn::Optimizer,
         F: FnOnce(Vec<(String, Var)>) -> candle_core::Result<O>,
     {
+        if self.is_fsdp() {
+            return Err(Error::Zero(
+                "an FSDP pipeline's variables are its pieces: step any optimizer over \
+                 RankPipeline::variables() instead of a ZeroOptimizer"
+                    .into(),
+            ));
+        }
         let (Some(stage), Some(replicas), Some(world)) =
             (self.config.zero, &self.replicas, &self.world)
         else {
@@ -164,10 +181,11 @@ impl RankPipeline {
         let counted = self
             .own
             .iter()
-            .map(|(_, var)| {
-                !self.tied.iter().any(|(_, tied, group)| {
-                    tied.as_tensor().id() == var.as_tensor().id() && group.rank() != 0
-                })
+            .map(|(name, _)| {
+                !self
+                    .tied
+                    .iter()
+                    .any(|(tied, group)| tied == name && group.rank() != 0)
             })
             .collect();
         let split = ZeroSplit {

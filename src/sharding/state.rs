@@ -4,9 +4,10 @@
 //! puts every state tensor shaped like a piece back whole and takes its
 //! own piece of its own split (resharding).
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 
 use super::layout::ShardLayout;
+use crate::comm::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::optim::{OptimizerState, ShardOf};
 
@@ -261,4 +262,67 @@ pub(crate) fn unshard_saved<'a>(
         flat.push(piece.flatten_all()?);
     }
     Ok(old.unshard(&flat)?)
+}
+
+/// The optimizer state of the whole parameters, put together on the CPU
+/// of `pg`'s first rank from every rank's `mine` (the state of its pieces,
+/// marked by [`mark_shard`] with `prefix`), gathered there one state
+/// tensor at a time: what an optimizer over the whole parameters
+/// (`whole`: each parameter's name beside a split into one piece) would
+/// hold. `None` on the other ranks. Every rank of `pg` calls it.
+pub(crate) fn whole_state_on_first(
+    pg: &dyn ProcessGroup,
+    mine: &OptimizerState,
+    prefix: &str,
+    whole: &[(String, ShardLayout)],
+) -> Result<Option<OptimizerState>> {
+    let world = pg.world_size();
+    let mut states = vec![mine.clone(); world];
+    for (key, tensor) in &mine.tensors {
+        // Every rank takes part; only the first gets the pieces.
+        let Some(all) = pg.gather(tensor, 0)? else {
+            continue;
+        };
+        for (state, theirs) in states.iter_mut().zip(all) {
+            state
+                .tensors
+                .insert(key.clone(), theirs.to_device(&Device::Cpu)?);
+        }
+    }
+    if pg.rank() != 0 {
+        return Ok(None);
+    }
+    for (rank, state) in states.iter_mut().enumerate() {
+        state.shard = Some(ShardOf {
+            rank,
+            world_size: world,
+        });
+    }
+    let fail = |what: String| Error::OptimizerState(format!("the pieces' states: {what}"));
+    reshard_states(&states, prefix, whole, 0, &fail).map(Some)
+}
+
+/// Rank `rank`'s part of `whole_state`, a state of the whole parameters
+/// (`whole`: each beside a split into one piece), for this run's split
+/// `params`: what an optimizer over that rank's pieces holds.
+pub(crate) fn piece_state(
+    whole_state: &OptimizerState,
+    prefix: &str,
+    whole: &[(String, ShardLayout)],
+    params: &[(String, ShardLayout)],
+    rank: usize,
+    fail: &dyn Fn(String) -> Error,
+) -> Result<OptimizerState> {
+    let mut state = whole_state.clone();
+    mark_shard(&mut state, 0, 1, prefix, whole);
+    reshard_states(&[state], prefix, params, rank, fail)
+}
+
+/// Each of `params` beside a split into one piece: the whole parameters,
+/// as [`whole_state_on_first`] and [`piece_state`] take them.
+pub(crate) fn whole_layouts(params: &[(String, ShardLayout)]) -> Vec<(String, ShardLayout)> {
+    params
+        .iter()
+        .map(|(name, layout)| (name.clone(), ShardLayout::new(&layout.dims, 1)))
+        .collect()
 }

@@ -13,7 +13,9 @@ use crate::comm::{all_gather_object, ProcessGroup};
 use crate::ddp::DistributedDataParallel;
 use crate::error::{Error, Result};
 use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
-use crate::sharding::state::{mark_shard, named_layouts, reshard_states};
+use crate::sharding::state::{
+    mark_shard, named_layouts, reshard_states, whole_layouts, whole_state_on_first,
+};
 use crate::sharding::{all_gather_pieces, ShardLayout};
 
 /// An optimizer sharded across the ranks of a
@@ -473,31 +475,8 @@ impl<O: StatefulOptimizer> ZeroOptimizer<O> {
     ///
     /// A collective's; the pieces' states not fitting together.
     pub(crate) fn whole_state_on_first(&self) -> Result<Option<OptimizerState>> {
-        let mine = self.shard_state()?;
-        let world = self.pg.world_size();
-        let mut states = vec![mine.clone(); world];
-        for (key, tensor) in &mine.tensors {
-            // Every rank takes part; only the first gets the pieces.
-            let Some(all) = self.pg.gather(tensor, 0)? else {
-                continue;
-            };
-            for (state, theirs) in states.iter_mut().zip(all) {
-                state
-                    .tensors
-                    .insert(key.clone(), theirs.to_device(&Device::Cpu)?);
-            }
-        }
-        if self.pg.rank() != 0 {
-            return Ok(None);
-        }
-        for (rank, state) in states.iter_mut().enumerate() {
-            state.shard = Some(ShardOf {
-                rank,
-                world_size: world,
-            });
-        }
-        let fail = |what: String| Error::OptimizerState(format!("ZeRO pieces: {what}"));
-        reshard_states(&states, ROWS, &self.whole_layouts(), 0, &fail).map(Some)
+        let whole = whole_layouts(&self.named_layouts());
+        whole_state_on_first(self.pg.as_ref(), &self.shard_state()?, ROWS, &whole)
     }
 
     /// Loads a state of the whole parameters ([`whole_state_on_first`](Self::whole_state_on_first)'s,
@@ -509,16 +488,14 @@ impl<O: StatefulOptimizer> ZeroOptimizer<O> {
     /// As [`load_shards`](Self::load_shards).
     pub(crate) fn load_whole_state(&mut self, whole: &OptimizerState) -> Result<()> {
         let mut state = whole.clone();
-        mark_shard(&mut state, 0, 1, ROWS, &self.whole_layouts());
+        mark_shard(
+            &mut state,
+            0,
+            1,
+            ROWS,
+            &whole_layouts(&self.named_layouts()),
+        );
         self.load_shards(&[state])
-    }
-
-    /// Each parameter's name beside a split into one piece.
-    fn whole_layouts(&self) -> Vec<(String, ShardLayout)> {
-        self.params
-            .iter()
-            .map(|(name, var)| (name.clone(), ShardLayout::new(var.dims(), 1)))
-            .collect()
     }
 
     /// Bytes of optimizer state this rank holds.

@@ -401,7 +401,14 @@ fn strategies_that_cannot_serve_the_devices_or_settings_are_refused_before_anyth
                 zero: Some(3),
                 ..FabricConfig::new(Strategy::Ddp, 2)
             },
-            "ZeRO stage 3: 1 or 2",
+            "ZeRO stage 3 (FSDP across the replicas) is a setting of pipeline-ranks",
+        ),
+        (
+            FabricConfig {
+                zero: Some(4),
+                ..FabricConfig::new(Strategy::PipelineRanks, 4)
+            },
+            "ZeRO stage 4: 1, 2 (or 3 with pipeline-ranks)",
         ),
         (
             FabricConfig::new(Strategy::PipelineDdp, 3),
