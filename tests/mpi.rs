@@ -62,8 +62,8 @@ fn worker() -> anyhow::Result<()> {
     let scenario = std::env::var(SCENARIO).context("no scenario named")?;
     let out = PathBuf::from(std::env::var(OUT_DIR).context("no output directory")?);
     // A Fabric launches its ranks itself.
-    if scenario == "fabric_pipeline_zero2" {
-        return fabric_worker(pipeline_zero_config(), &out);
+    if let Some(stage) = scenario.strip_prefix("fabric_pipeline_zero") {
+        return fabric_worker(pipeline_zero_config(stage.parse()?), &out);
     }
     if let Some(run) = scenario.strip_prefix("fabric-") {
         let (strategy, precision) = run.split_once('@').context("fabric-STRATEGY@PRECISION")?;
@@ -99,12 +99,13 @@ fn fabric_config(
     }
 }
 
-/// Two pipelines of two stage ranks (a 2 x 2 mesh), ZeRO-2 across them.
-fn pipeline_zero_config() -> candle_dp::fabric::FabricConfig {
+/// Two pipelines of two stage ranks (a 2 x 2 mesh), ZeRO at `stage`
+/// across them (3: FSDP).
+fn pipeline_zero_config(stage: u8) -> candle_dp::fabric::FabricConfig {
     use candle_dp::fabric::{FabricConfig, Strategy};
     FabricConfig {
         stages: 2,
-        zero: Some(2),
+        zero: Some(stage),
         timeout_secs: Some(30.0),
         ..FabricConfig::new(Strategy::PipelineRanks, 4)
     }
@@ -1463,22 +1464,33 @@ fn the_fabric_loop_under_mpirun_saves_the_bytes_of_thread_ranks() {
     }
 }
 
-/// The Fabric loop on 2 pipelines of 2 stage processes with ZeRO-2
-/// across them: the thread ranks' bytes on every rank, and one device's
-/// weights within 1e-6.
+/// The Fabric loop on 2 pipelines of 2 stage processes with ZeRO-2 and
+/// with FSDP (ZeRO-3) across them: the thread ranks' bytes on every rank,
+/// FSDP ZeRO-2's, and one device's weights within 1e-6.
 #[test]
-fn zero_across_pipelines_on_4_processes_saves_the_bytes_of_thread_ranks() {
+fn zero_and_fsdp_across_pipelines_on_4_processes_save_the_bytes_of_thread_ranks() {
     use candle_dp::fabric::{Fabric, FabricConfig, Strategy};
-    let job = mpirun_ok(4, "fabric_pipeline_zero2", None);
-    let threads = Fabric::launch(pipeline_zero_config(), fabric_results).unwrap();
-    for (rank, threads) in threads.iter().enumerate() {
-        assert_bitwise_equal(&job.rank(rank), threads, &format!("rank {rank}"));
-    }
     let single = Fabric::launch(FabricConfig::new(Strategy::Single, 1), fabric_results)
         .unwrap()
         .swap_remove(0);
-    let weights = max_rel_diff(&job.rank(0), &single);
-    assert!(weights <= 1e-6, "{weights:.2e} from one device's");
+    let mut zero2 = None;
+    for stage in [2, 3] {
+        let job = mpirun_ok(4, &format!("fabric_pipeline_zero{stage}"), None);
+        let threads = Fabric::launch(pipeline_zero_config(stage), fabric_results).unwrap();
+        for (rank, threads) in threads.iter().enumerate() {
+            let what = format!("ZeRO-{stage}, rank {rank}");
+            assert_bitwise_equal(&job.rank(rank), threads, &what);
+        }
+        let weights = max_rel_diff(&job.rank(0), &single);
+        assert!(
+            weights <= 1e-6,
+            "ZeRO-{stage}: {weights:.2e} from one device's"
+        );
+        match &zero2 {
+            None => zero2 = Some(job.rank(0)),
+            Some(two) => assert_bitwise_equal(&job.rank(0), two, "FSDP against ZeRO-2"),
+        }
+    }
 }
 
 /// FSDP on 1 to 4 processes trains to DDP's bytes (AdamW), and to the

@@ -46,7 +46,7 @@ fn config(fused_ops: bool) -> GptConfig {
 }
 
 /// One candle-dp configuration, sent to its child process as JSON.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct LmSpec {
     /// A Fabric strategy: `single`, `ddp`, `zero2`, `fsdp`, `hsdp`,
     /// `pipeline-ranks`.
@@ -73,6 +73,10 @@ pub struct LmSpec {
     /// `shard_size`; none: HSDP's default, plain ZeRO).
     #[serde(default)]
     pub shard_size: Option<usize>,
+    /// `pipeline-ranks`: ZeRO across the pipelines' replicas (1, 2; 3:
+    /// FSDP), the Fabric's `zero`.
+    #[serde(default)]
+    pub zero: Option<u8>,
 }
 
 /// What one run measured: rank 0's step times, and with
@@ -123,6 +127,7 @@ pub fn run_child(spec: &LmSpec) -> Result<LmMeasured> {
         chunks: spec.stages.map(|_| 4),
         reshard_after_forward: spec.reshard_after_forward.unwrap_or(true),
         shard_size: spec.shard_size,
+        zero: spec.zero,
         ..FabricConfig::new(strategy, spec.world)
     };
     let answers = Fabric::launch(fabric_config, |fabric| {
@@ -287,10 +292,7 @@ fn runs(quick: bool, steps: usize, torch: bool) -> Vec<Run> {
             world,
             fused_ops,
             steps,
-            count_link_bytes: false,
-            stages: None,
-            reshard_after_forward: None,
-            shard_size: None,
+            ..LmSpec::default()
         })
     };
     let mut runs = vec![spec("single", 1, true)];

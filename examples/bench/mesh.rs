@@ -5,7 +5,8 @@
 //! ranks, as ZeRO-2 over all four and on a mesh (a machine's two ranks
 //! a shard group), as HSDP with a machine's two ranks as its shard group, and as
 //! pipelines on ranks (four stages across both machines; two pipelines of
-//! two stages, one per machine, replicated across them): the step time and
+//! two stages, one per machine, replicated across them, their stages
+//! whole, split by ZeRO-2 or by FSDP across the replicas): the step time and
 //! the bytes each machine's link carries per step, read from the link's
 //! own counters around the timed steps.
 //!
@@ -22,17 +23,22 @@ use crate::stats::median;
 const MACHINES: usize = 2;
 const PER_MACHINE: usize = 2;
 
-/// The strategies compared, by the Fabric's names, with the ranks per
-/// pipeline of `pipeline-ranks` and the ranks per shard group of ZeRO on a
-/// mesh.
-const STRATEGIES: [(&str, Option<usize>, Option<usize>); 7] = [
-    ("ddp", None, None),
-    ("zero2", None, None),
-    ("zero2", None, Some(PER_MACHINE)),
-    ("fsdp", None, None),
-    ("hsdp", None, None),
-    ("pipeline-ranks", Some(4), None),
-    ("pipeline-ranks", Some(2), None),
+/// One row: a Fabric strategy by name, the ranks per pipeline of
+/// `pipeline-ranks`, the ranks per shard group of ZeRO on a mesh, and the
+/// ZeRO stage across the pipelines' replicas (3: FSDP).
+type Row = (&'static str, Option<usize>, Option<usize>, Option<u8>);
+
+/// The strategies compared.
+const STRATEGIES: [Row; 9] = [
+    ("ddp", None, None, None),
+    ("zero2", None, None, None),
+    ("zero2", None, Some(PER_MACHINE), None),
+    ("fsdp", None, None, None),
+    ("hsdp", None, None, None),
+    ("pipeline-ranks", Some(4), None, None),
+    ("pipeline-ranks", Some(2), None, None),
+    ("pipeline-ranks", Some(2), None, Some(2)),
+    ("pipeline-ranks", Some(2), None, Some(3)),
 ];
 
 /// `mpirun` of this binary's language-model child on the simulated
@@ -50,15 +56,16 @@ fn on_cluster(spec: &LmSpec) -> Result<Command> {
 pub fn run(steps: usize, rounds: usize) -> Result<String> {
     let specs: Vec<LmSpec> = STRATEGIES
         .iter()
-        .map(|&(strategy, stages, shard_size)| LmSpec {
+        .map(|&(strategy, stages, shard_size, zero)| LmSpec {
             strategy: strategy.to_string(),
             world: MACHINES * PER_MACHINE,
             fused_ops: true,
             steps,
             count_link_bytes: true,
             stages,
-            reshard_after_forward: None,
             shard_size,
+            zero,
+            ..LmSpec::default()
         })
         .collect();
     let mut measured: Vec<Vec<LmMeasured>> = vec![Vec::new(); specs.len()];
@@ -81,7 +88,8 @@ fn report(specs: &[LmSpec], measured: &[Vec<LmMeasured>], steps: usize, rounds: 
          mesh. The pipelines on ranks run \
          1F1B over 4 micro-batches: 4 stages, one per rank (stages 1 and 2 meet across the \
          machines), or 2 x 2 (a pipeline of 2 stages on each machine, the two replicas \
-         averaging their gradients across). Bytes: what each machine's \
+         averaging their gradients across, or with ZeRO-2 or FSDP reduce-scattering them \
+         and all-gathering the updated pieces). Bytes: what each machine's \
          link sent per timed step, the median over the rounds (with two machines, what one \
          sends the other receives). {}.\n\n\
          | run | ms/step | machine 1 sent, MB/step | machine 2 sent, MB/step | vs FSDP's bytes |\n\
@@ -113,7 +121,15 @@ fn report(specs: &[LmSpec], measured: &[Vec<LmMeasured>], steps: usize, rounds: 
         let ratio = fsdp.map_or_else(String::new, |f| format!("{:.2}x", m1 / f));
         let label = match spec.stages {
             Some(pp) if pp == spec.world => format!("pipeline, {pp} stages on ranks"),
-            Some(pp) => format!("pipeline, {} x {pp} (dp x pp)", spec.world / pp),
+            Some(pp) => format!(
+                "pipeline, {} x {pp} (dp x pp){}",
+                spec.world / pp,
+                match spec.zero {
+                    Some(3) => ", FSDP across the replicas".to_string(),
+                    Some(stage) => format!(", ZeRO-{stage} across the replicas"),
+                    None => String::new(),
+                }
+            ),
             None => match spec.shard_size {
                 Some(shard) => format!(
                     "{} x{}, shard groups of {shard} (one per machine)",

@@ -70,6 +70,7 @@ mod device_work;
 mod distributed;
 mod link;
 mod on_ranks;
+mod rank_batches;
 mod rank_state;
 mod recompute;
 mod replica_shards;
@@ -78,6 +79,7 @@ mod schedule;
 mod stage;
 mod stage_build;
 mod stage_var;
+mod tied;
 mod timings;
 
 use std::sync::{Arc, Mutex};

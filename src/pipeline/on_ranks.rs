@@ -25,12 +25,12 @@ use super::link::{Flow, Inbox, Outbox, RankPort, Route};
 use super::stage::{Doing, Links, LossFn, Stage, StageOutput, StageWork, TrainLoss};
 use super::stage_build::build_stage;
 use super::stage_var::StageVar;
+use super::tied::tie_across_ranks;
 use super::{Balance, Checkpoint, LayerFactory, PipelineTimings, Schedule};
 use crate::comm::{all_gather_object, DeviceMesh, ProcessGroup, ReduceOp, SubGroup};
 use crate::ddp::ZeroStage;
 use crate::error::{Error, Result};
-use crate::precision::{cast_input, MixedPrecision};
-use crate::scatter_gather::chunk_sizes;
+use crate::precision::MixedPrecision;
 use crate::sharding::ShardLayout;
 use crate::step::LossReduction;
 use crate::worker_pool::Cancel;
@@ -339,8 +339,9 @@ impl RankPipeline {
     /// buffers (BatchNorm statistics: DDP's `broadcast_buffers`), which
     /// every replica then updates with its own rows. With
     /// [`zero`](RankPipelineConfig::zero), the replicas split each stage's
-    /// optimizer state (and at stage 2 its gradients) instead. Every rank
-    /// of the mesh calls it.
+    /// optimizer state (and at stage 2 its gradients) instead; with
+    /// [`fsdp`](RankPipelineConfig::fsdp) its variables too, between steps.
+    /// Every rank of the mesh calls it, with the same configuration.
     ///
     /// # Errors
     ///
@@ -359,6 +360,20 @@ impl RankPipeline {
         let replicas = Arc::clone(mesh.group(dp)?);
         if config.fsdp {
             config.zero = Some(fsdp_zero_stage(config.zero)?);
+        }
+        // The replicas must split alike, or their collectives would not
+        // pair up (the stage ranks compare the rest of the plan).
+        let split = (format!("{:?}", config.zero), config.fsdp);
+        let splits = all_gather_object(mesh.world().as_ref(), &split)?;
+        if let Some(rank) = splits.iter().position(|s| s != &splits[0]) {
+            return Err(Error::ModelMismatch {
+                rank,
+                detail: format!(
+                    "splits its stages across the replicas as (zero, fsdp) = {:?}, where rank \
+                     0 asks for {:?}",
+                    splits[rank], splits[0]
+                ),
+            });
         }
         let factories = config.fsdp.then(|| layers.clone());
         let mut pipe = Self::build(stages, varmap, dtype, device, layers, config)?;
@@ -401,13 +416,19 @@ impl RankPipeline {
     }
 
     /// The names of the variables this rank's stages use (what its
-    /// optimizer steps and its checkpoint holds), sorted.
+    /// optimizer steps and its checkpoint holds), sorted. With
+    /// [`fsdp`](RankPipelineConfig::fsdp) the variables are this rank's
+    /// pieces of them.
     pub fn variable_names(&self) -> Vec<String> {
         self.own.iter().map(|(name, _)| name.clone()).collect()
     }
 
     /// The variables this rank's stages use, by name, sorted: what its
     /// optimizer steps (the gradients of [`RankStep`] are keyed by them).
+    /// With [`fsdp`](RankPipelineConfig::fsdp), this rank's pieces of them
+    /// (the `VarMap` holds the same pieces under the same names; any
+    /// variable of other stages the caller's `VarMap` held stays as it
+    /// was).
     pub fn variables(&self) -> &[(String, Var)] {
         &self.own
     }
@@ -433,13 +454,16 @@ impl RankPipeline {
     /// the micro-batches run forward through the stages (in evaluation
     /// mode unless `train`): on the rank of the last stage, `None`
     /// elsewhere ([`from_last_stage`](Self::from_last_stage) gives it to
-    /// every rank). The buffers (BatchNorm statistics) change only in
-    /// `train` mode. Every rank of the pipeline calls it.
+    /// every rank), detached from the stages. The buffers (BatchNorm
+    /// statistics) change only in `train` mode. Every rank of the pipeline
+    /// calls it; with [`fsdp`](RankPipelineConfig::fsdp), which gathers the
+    /// variables first, every rank of the mesh.
     ///
     /// # Errors
     ///
     /// On every rank alike: no input on the first stage's rank; then a
-    /// stage's failure on any rank, after which the group is failed.
+    /// stage's failure on any rank (with FSDP, its stages failing to
+    /// build), after which the group is failed.
     pub fn forward_t(&self, x: Option<&Tensor>, train: bool) -> Result<Option<Tensor>> {
         let sizes = self.micro_batch_sizes(x, None)?;
         let inputs = self.first_stage_inputs(x, &sizes)?;
@@ -451,9 +475,11 @@ impl RankPipeline {
         for (&k, out) in self.indices.iter().zip(outputs) {
             buffers.extend(out.buffers);
             if k + 1 == self.stages() {
+                // Detached: the graph would hold the stages' variables (with
+                // FSDP the step's whole ones) as long as the output lives.
                 last = Some(match out.outputs.as_slice() {
-                    [only] => only.clone(),
-                    all => Tensor::cat(all, 0)?,
+                    [only] => only.detach(),
+                    all => Tensor::cat(all, 0)?.detach(),
                 });
             }
         }
@@ -461,77 +487,6 @@ impl RankPipeline {
             var.set(&value)?;
         }
         Ok(last)
-    }
-
-    /// Every rank learns the micro-batches' sizes from the rows of the
-    /// input (on the first stage's rank) and, when `y` is asked for
-    /// (`Some`), of the targets (on the last stage's).
-    fn micro_batch_sizes(
-        &self,
-        x: Option<&Tensor>,
-        y: Option<Option<&Tensor>>,
-    ) -> Result<Vec<usize>> {
-        let (first_rank, last_rank) = (self.owner(0), self.owner(self.stages() - 1));
-        let me = self.pg.rank();
-        let rows = |t: Option<&Tensor>| t.and_then(|t| t.dims().first().copied());
-        let mine = (
-            rows(x.filter(|_| me == first_rank)),
-            rows(y.flatten().filter(|_| me == last_rank)),
-        );
-        let all: Vec<(Option<usize>, Option<usize>)> = all_gather_object(self.pg.as_ref(), &mine)?;
-        let refuse = |reason: String| Err(Error::Candle(candle_core::Error::Msg(reason)));
-        let Some(rows) = all[first_rank].0 else {
-            return refuse(format!(
-                "a pipeline step needs the input on rank {first_rank} (the first stage's)"
-            ));
-        };
-        if y.is_some() {
-            let Some(target_rows) = all[last_rank].1 else {
-                return refuse(format!(
-                    "a pipeline step needs the targets on rank {last_rank} (the last stage's)"
-                ));
-            };
-            if rows != target_rows {
-                return refuse(format!(
-                    "the input has {rows} rows and the targets {target_rows}: a step needs as many"
-                ));
-            }
-        }
-        if rows == 0 {
-            return refuse("a pipeline step needs at least one row".into());
-        }
-        Ok(chunk_sizes(
-            rows,
-            self.config.chunks.unwrap_or(self.stages()),
-        ))
-    }
-
-    /// `t` split into micro-batches of `sizes` rows.
-    fn split_rows(t: &Tensor, sizes: &[usize]) -> Result<Vec<Tensor>> {
-        let mut start = 0;
-        sizes
-            .iter()
-            .map(|&n| {
-                let part = t.narrow(0, start, n)?;
-                start += n;
-                Ok(part)
-            })
-            .collect()
-    }
-
-    /// The first stage's micro-batches of `x` (in the compute dtype), on
-    /// its rank; none elsewhere.
-    fn first_stage_inputs(&self, x: Option<&Tensor>, sizes: &[usize]) -> Result<Vec<Tensor>> {
-        match x.filter(|_| self.pg.rank() == self.owner(0)) {
-            Some(x) => {
-                let x = match &self.config.mixed_precision {
-                    Some(policy) => cast_input(x, policy.param_dtype)?,
-                    None => x.clone(),
-                };
-                Self::split_rows(&x, sizes)
-            }
-            None => Ok(Vec::new()),
-        }
     }
 
     /// One training step: `x` on the rank of the first stage, `y` on the
@@ -771,40 +726,6 @@ fn named_once<'a>(vars: impl Iterator<Item = &'a StageVar>) -> Vec<(String, Var)
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     vars.dedup_by(|a, b| a.0 == b.0);
     vars
-}
-
-/// The variables of `own` that stages on other ranks use too (tied
-/// weights), each with a group of the ranks that use it, made here (every
-/// rank takes part in every group's making, in name order), and its value
-/// copied from the lowest of them, so that all start equal.
-fn tie_across_ranks(
-    pg: &dyn ProcessGroup,
-    own: &[(String, Var)],
-) -> Result<Vec<(String, SubGroup)>> {
-    let mine: Vec<String> = own.iter().map(|(name, _)| name.clone()).collect();
-    let all: Vec<Vec<String>> = all_gather_object(pg, &mine)?;
-    let mut users: std::collections::BTreeMap<&String, Vec<usize>> = Default::default();
-    for (rank, names) in all.iter().enumerate() {
-        for name in names {
-            users.entry(name).or_default().push(rank);
-        }
-    }
-    let mut tied = Vec::new();
-    for (name, ranks) in users.into_iter().filter(|(_, r)| r.len() > 1) {
-        let Some(group) = pg.new_group(&ranks)? else {
-            continue;
-        };
-        let var = own
-            .iter()
-            .find(|(own_name, _)| own_name == name)
-            .map(|(_, var)| var.clone())
-            .ok_or_else(|| {
-                Error::Candle(candle_core::Error::Msg(format!("`{name}` is not held")))
-            })?;
-        var.set(&group.broadcast(var.as_tensor(), 0)?)?;
-        tied.push((name.clone(), group));
-    }
-    Ok(tied)
 }
 
 /// The two channels between neighbouring stages of one rank, each end

@@ -95,7 +95,7 @@ impl RankPipeline {
             .own
             .iter()
             .zip(wholes)
-            .map(|((name, _), whole)| (name, whole))
+            .map(|((name, _), whole)| (name, whole.as_tensor().clone()))
             .chain(self.buffers.iter().map(|(n, v)| (n, v.as_tensor().clone())))
             .collect();
         let mine: Vec<(String, Vec<usize>, String)> = held

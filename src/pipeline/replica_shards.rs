@@ -83,16 +83,31 @@ impl RankPipeline {
     /// With FSDP, this step's stages over the whole variables, gathered
     /// across the replicas; `None` for a pipeline that keeps its stages.
     /// Every replica calls it.
+    /// A failure to build them (a factory's error, a variable it did not
+    /// ask for before) fails the mesh, so that no other rank waits for
+    /// this one's messages until the timeout.
     pub(super) fn gather_stages(&self) -> Result<Option<GatheredStages>> {
         let Some(rebuild) = &self.rebuild else {
             return Ok(None);
         };
+        let built = self.build_gathered(rebuild);
+        if let Err(e) = &built {
+            let reason = format!("rank {} could not build its stages: {e}", self.pg.rank());
+            match &self.world {
+                Some(world) => world.abort(&reason),
+                None => self.pg.abort(&reason),
+            }
+        }
+        built.map(Some)
+    }
+
+    /// [`gather_stages`](Self::gather_stages)' work.
+    fn build_gathered(&self, rebuild: &Rebuild) -> Result<GatheredStages> {
         let varmap = VarMap::new();
         let wholes = {
             let mut data = lock(varmap.data());
             let mut wholes = Vec::with_capacity(self.own.len());
-            for ((name, _), value) in self.own.iter().zip(self.gather_wholes()?) {
-                let var = Var::from_tensor(&value)?;
+            for ((name, _), var) in self.own.iter().zip(self.gather_wholes()?) {
                 data.insert(name.clone(), var.clone());
                 wholes.push((name.clone(), var));
             }
@@ -131,21 +146,17 @@ impl RankPipeline {
                  same variables every time)"
             ))));
         }
-        Ok(Some(GatheredStages { stages, wholes }))
+        Ok(GatheredStages { stages, wholes })
     }
 
     /// The whole values of this rank's variables, in their order: with
     /// FSDP all-gathered from the replicas' pieces (one collective per
-    /// dtype), otherwise the variables themselves.
-    pub(super) fn gather_wholes(&self) -> Result<Vec<Tensor>> {
+    /// dtype) into fresh variables, otherwise the variables themselves.
+    pub(super) fn gather_wholes(&self) -> Result<Vec<Var>> {
         let Some(replicas) = self.replicas.as_ref().filter(|_| self.is_fsdp()) else {
-            return Ok(self
-                .own
-                .iter()
-                .map(|(_, v)| v.as_tensor().clone())
-                .collect());
+            return Ok(self.own.iter().map(|(_, v)| v.clone()).collect());
         };
-        let mut wholes: Vec<Option<Tensor>> = vec![None; self.own.len()];
+        let mut wholes: Vec<Option<Var>> = vec![None; self.own.len()];
         let dtypes: BTreeSet<&str> = self.own.iter().map(|(_, v)| v.dtype().as_str()).collect();
         for dtype in dtypes {
             let members: Vec<usize> = (0..self.own.len())
@@ -158,8 +169,15 @@ impl RankPipeline {
             let layouts: Vec<&ShardLayout> =
                 members.iter().map(|&i| &self.zero_layouts[i]).collect();
             let gathered = all_gather_pieces(replicas.as_ref(), &mine, &layouts)?;
+            replicas.wait_for_device()?;
             for ((&i, layout), pieces) in members.iter().zip(&layouts).zip(gathered) {
-                wholes[i] = Some(layout.unshard(&pieces)?);
+                // Each rank's rows written in place: one copy of the whole.
+                let piece = &self.own[i].1;
+                let whole = Var::zeros(layout.dims.as_slice(), piece.dtype(), piece.device())?;
+                for (rank, piece) in pieces.iter().enumerate() {
+                    layout.write_rows(&whole, piece, rank)?;
+                }
+                wholes[i] = Some(whole);
             }
         }
         Ok(wholes.into_iter().flatten().collect())
@@ -202,7 +220,7 @@ impl RankPipeline {
             .own
             .iter()
             .zip(wholes)
-            .map(|((name, _), whole)| (name.clone(), whole))
+            .map(|((name, _), whole)| (name.clone(), whole.into_inner()))
             .collect();
         for (name, var) in &self.buffers {
             values.insert(name.clone(), var.as_tensor().copy()?);

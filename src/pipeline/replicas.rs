@@ -77,7 +77,7 @@ impl RankPipeline {
             // A missing gradient counts as zeros, as the replicas' average
             // and stage 1 take it (the optimizer then decays it alike), and
             // no presence flag is read back from the reduction.
-            let wholes: Vec<Option<Tensor>> = members
+            let whole_grads: Vec<Option<Tensor>> = members
                 .iter()
                 .map(|&i| grads.remove(wholes[i].1.as_tensor()))
                 .collect();
@@ -85,7 +85,7 @@ impl RankPipeline {
             let layouts: Vec<&ShardLayout> =
                 members.iter().map(|&i| &self.zero_layouts[i]).collect();
             let pieces = reduce_scatter_grads(
-                &wholes,
+                &whole_grads,
                 &layouts,
                 dtype,
                 &self.device,

@@ -39,6 +39,7 @@ mod optim;
 mod optim_groups;
 mod overlap;
 mod pipeline;
+mod pipeline_fsdp;
 mod pipeline_ranks;
 mod pipeline_zero;
 mod precision;

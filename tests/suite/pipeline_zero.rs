@@ -18,7 +18,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_dp::comm::DeviceMesh;
 use candle_dp::launch::spawn_with;
 use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
-use candle_dp::pipeline::{RankPipeline, RankPipelineConfig};
+use candle_dp::pipeline::{Checkpoint, RankPipeline, RankPipelineConfig, Schedule};
 use candle_dp::zero::ZeroStage;
 use candle_dp::{Error, LossReduction};
 use candle_nn::{loss, Optimizer};
@@ -27,17 +27,17 @@ use candle_nn::{loss, Optimizer};
 /// step's clipped total norm, its optimizer state's bytes, the shape of
 /// each of its gradients in the last step, and of what its `VarMap`
 /// holds of each variable between steps.
-struct RankRun {
-    weights: HashMap<String, Tensor>,
-    norms: Vec<f64>,
-    state_bytes: usize,
-    grad_dims: HashMap<String, Vec<usize>>,
-    held_dims: HashMap<String, Vec<usize>>,
+pub(crate) struct RankRun {
+    pub(crate) weights: HashMap<String, Tensor>,
+    pub(crate) norms: Vec<f64>,
+    pub(crate) state_bytes: usize,
+    pub(crate) grad_dims: HashMap<String, Vec<usize>>,
+    pub(crate) held_dims: HashMap<String, Vec<usize>>,
 }
 
 /// How a stage's replicas split it.
 #[derive(Clone, Copy, PartialEq)]
-enum Split {
+pub(crate) enum Split {
     /// The replicas average whole gradients; a plain AdamW steps.
     Replicated,
     /// ZeRO at this stage, a `ZeroOptimizer` over the pieces.
@@ -46,7 +46,7 @@ enum Split {
     Fsdp,
 }
 
-fn adamw() -> AdamWConfig {
+pub(crate) fn adamw() -> AdamWConfig {
     AdamWConfig {
         lr: 0.01,
         weight_decay: 0.1,
@@ -54,19 +54,30 @@ fn adamw() -> AdamWConfig {
     }
 }
 
+/// 1F1B, nothing recomputed.
+pub(crate) const ONE_F_ONE_B: (Schedule, Checkpoint) = (Schedule::OneFOneB, Checkpoint::Never);
+
 /// Each step's inputs and targets (random inputs: made once per test).
-type Batches = Vec<(Tensor, Tensor)>;
+pub(crate) type Batches = Vec<(Tensor, Tensor)>;
 
 /// 4 steps of the tied model on 2 pipelines of 2 stage ranks (a 2 x 2
 /// mesh), each pipeline its half of 8 rows, AdamW, the gradients clipped
-/// to a norm every step exceeds; the stages split as `split` says.
-fn run(init: &HashMap<String, Tensor>, data: &Batches, split: Split) -> Vec<RankRun> {
+/// to a norm every step exceeds; the stages split as `split` says, run
+/// by `schedule` (`checkpoint`: which micro-batches are recomputed).
+pub(crate) fn run(
+    init: &HashMap<String, Tensor>,
+    data: &Batches,
+    split: Split,
+    (schedule, checkpoint): (Schedule, Checkpoint),
+) -> Vec<RankRun> {
     let (init, data) = (init.clone(), data.clone());
     spawn_with(4, bounded(), move |ctx| {
         let varmap = varmap_from(&init);
         let mesh = DeviceMesh::new(ctx.process_group(), &[("dp", 2), ("pp", 2)])?;
         let config = RankPipelineConfig {
             chunks: Some(2),
+            schedule,
+            checkpoint,
             zero: match split {
                 Split::Zero(stage) => Some(stage),
                 _ => None,
@@ -182,9 +193,9 @@ fn bytes_of(state: &candle_dp::optim::OptimizerState) -> usize {
 fn zero_across_a_pipelines_replicas_trains_to_the_replicated_pipelines_weights() {
     within(240, || {
         let (init, data) = (tied_init(), batches(4, 8, 3));
-        let replicated = run(&init, &data, Split::Replicated);
-        let one = run(&init, &data, Split::Zero(ZeroStage::One));
-        let two = run(&init, &data, Split::Zero(ZeroStage::Two));
+        let replicated = run(&init, &data, Split::Replicated, ONE_F_ONE_B);
+        let one = run(&init, &data, Split::Zero(ZeroStage::One), ONE_F_ONE_B);
+        let two = run(&init, &data, Split::Zero(ZeroStage::Two), ONE_F_ONE_B);
         for rank in 0..4 {
             let (want, one, two) = (&replicated[rank], &one[rank], &two[rank]);
             // Stage 1: the same whole gradients, the same norm, each
@@ -344,174 +355,6 @@ fn the_language_model_with_zero_across_pipelines_trains_to_one_devices_weights_a
         // zero is refused where it means nothing.
         let refused = FabricConfig {
             zero: Some(2),
-            ..FabricConfig::new(Strategy::Fsdp, 2)
-        }
-        .check();
-        assert!(
-            matches!(&refused, Err(candle_dp::Error::Strategy { reason, .. }) if reason.contains("pipeline-ranks")),
-            "{refused:?}"
-        );
-    });
-}
-
-#[test]
-fn fsdp_across_a_pipelines_replicas_trains_to_zero_twos_bytes_holding_only_pieces_between_steps() {
-    within(240, || {
-        let (init, data) = (tied_init(), batches(4, 8, 3));
-        let replicated = run(&init, &data, Split::Replicated);
-        let two = run(&init, &data, Split::Zero(ZeroStage::Two));
-        let fsdp = run(&init, &data, Split::Fsdp);
-        for rank in 0..4 {
-            let (want, two, fsdp) = (&replicated[rank], &two[rank], &fsdp[rank]);
-            // The same pieces' gradients, norm and updates as ZeRO-2: only
-            // where the whole values live between steps differs.
-            assert!(
-                identical(&fsdp.weights, &two.weights),
-                "rank {rank}: FSDP is not ZeRO-2's bytes\n{}",
-                diff_report(&fsdp.weights, &two.weights)
-            );
-            assert_eq!(fsdp.norms, two.norms, "rank {rank}: the norms");
-            let d = max_rel_diff(&fsdp.weights, &want.weights);
-            assert!(d < 1e-5, "rank {rank}: FSDP is {d:e} from the replicas'");
-            assert_eq!(fsdp.state_bytes, two.state_bytes, "rank {rank}");
-            assert_eq!(fsdp.grad_dims, two.grad_dims, "rank {rank}");
-            // Between steps: ZeRO-2 holds each variable whole, FSDP half
-            // of its 8 rows.
-            assert!(!fsdp.held_dims.is_empty());
-            for (name, dims) in &want.grad_dims {
-                assert_eq!(&two.held_dims[name], dims, "rank {rank}: {name}");
-                let mut half = dims.clone();
-                half[0] /= 2;
-                assert_eq!(fsdp.held_dims[name], half, "rank {rank}: {name} at rest");
-            }
-        }
-        assert!(identical(&fsdp[0].weights, &fsdp[2].weights));
-    });
-}
-
-#[test]
-fn fsdp_on_a_pipeline_refuses_zero_one_whole_state_calls_and_a_zero_optimizer_naming_why() {
-    within(60, || {
-        let init = tied_init();
-        let refusals = spawn_with(4, bounded(), move |ctx| {
-            let mesh = DeviceMesh::new(ctx.process_group(), &[("dp", 2), ("pp", 2)])?;
-            // The error is the crate's, matched below.
-            #[allow(clippy::result_large_err)]
-            let build = |config: RankPipelineConfig| {
-                RankPipeline::on_mesh(
-                    &mesh,
-                    ("pp", "dp"),
-                    &varmap_from(&init),
-                    DType::F32,
-                    &Device::Cpu,
-                    tied_layers(),
-                    config,
-                )
-            };
-            let fsdp = RankPipelineConfig {
-                fsdp: true,
-                ..Default::default()
-            };
-            let with_one = build(RankPipelineConfig {
-                zero: Some(ZeroStage::One),
-                ..fsdp.clone()
-            })
-            .err();
-            let flat = RankPipeline::new(
-                mesh.world().clone(),
-                &varmap_from(&init),
-                DType::F32,
-                &Device::Cpu,
-                tied_layers(),
-                fsdp.clone(),
-            )
-            .err();
-            let pipe = build(fsdp)?;
-            let mut opt = AdamW::new_named(pipe.variables().to_vec(), adamw())?;
-            let zero = pipe
-                .zero_optimizer(|mine| AdamW::new_named(mine, adamw()))
-                .err();
-            let save = pipe.stage_state(&opt).err();
-            let load = pipe.load_stages(&[], &[], &mut opt).err();
-            let whole = build(RankPipelineConfig::default())?;
-            let fsdp_save = whole.fsdp_stage_state(&opt).err();
-            Ok([with_one, flat, zero, save, load, fsdp_save])
-        })
-        .unwrap();
-        let why = [
-            "ZeroStage::One",
-            "on a mesh",
-            "variables are its pieces",
-            "fsdp_stage_state",
-            "load_fsdp_stages",
-            "keeps its variables whole",
-        ];
-        for errors in refusals {
-            for (error, why) in errors.iter().zip(why) {
-                assert!(
-                    matches!(error, Some(Error::Zero(m)) if m.contains(why)),
-                    "{error:?}: wanted {why}"
-                );
-            }
-        }
-    });
-}
-
-/// Through the Fabric (`pipeline-ranks` with `zero` 3): the language model
-/// with FSDP across 2 pipelines of 2 stage ranks trains to ZeRO-2's bytes;
-/// its state resumes with FSDP to the bytes of the run without a stop, and
-/// on 4 stages without it (the checkpoint is a plain pipeline's) to one
-/// device's weights; a plain pipeline's state resumes under FSDP.
-#[test]
-fn the_language_model_with_fsdp_across_pipelines_trains_to_zero_twos_bytes_and_resumes_with_or_without_it(
-) {
-    use candle_dp::fabric::{FabricConfig, Strategy};
-    within(600, || {
-        let steps = 4;
-        let ranks = |replicas: usize, stages: usize, zero: Option<u8>| FabricConfig {
-            stages,
-            zero,
-            ..FabricConfig::new(Strategy::PipelineRanks, replicas * stages)
-        };
-        let two = lm_through_the_fabric(ranks(2, 2, Some(2)), steps, None);
-        let fsdp = lm_through_the_fabric(ranks(2, 2, Some(3)), steps, None);
-        assert!(
-            identical(&fsdp.0, &two.0),
-            "FSDP across the pipelines is not ZeRO-2's bytes\n{}",
-            diff_report(&fsdp.0, &two.0)
-        );
-        assert_eq!(fsdp.1, two.1, "the losses");
-        let saving = |name: &str| {
-            let dir = checkpoint_dir(name);
-            move |config: FabricConfig| FabricConfig {
-                checkpoint_dir: Some(dir.clone()),
-                ..config
-            }
-        };
-        let same = saving("fsdp-lm");
-        lm_through_the_fabric(same(ranks(2, 2, Some(3))), steps, Some(2));
-        let resumed = lm_through_the_fabric(same(ranks(2, 2, Some(3))), steps, None);
-        assert!(
-            identical(&resumed.0, &fsdp.0),
-            "resumed on 2 x 2 with FSDP\n{}",
-            diff_report(&resumed.0, &fsdp.0)
-        );
-        let single = lm_through_the_fabric(FabricConfig::new(Strategy::Single, 1), steps, None);
-        let close = |label: &str, run: &LmRun| assert_close_to_one_device(label, run, &single);
-        close("FSDP on 2 x 2", &fsdp);
-        let split = saving("fsdp-lm-split");
-        lm_through_the_fabric(split(ranks(2, 2, Some(3))), steps, Some(2));
-        let mut other = lm_through_the_fabric(split(ranks(1, 4, None)), steps, None);
-        // The resumed run records only its own steps' losses.
-        other.1 = single.1[..2].iter().copied().chain(other.1).collect();
-        close("FSDP on 2 x 2 resumed on 4 stages without it", &other);
-        let plain = saving("fsdp-lm-plain");
-        lm_through_the_fabric(plain(ranks(1, 4, None)), steps, Some(2));
-        let mut back = lm_through_the_fabric(plain(ranks(2, 2, Some(3))), steps, None);
-        back.1 = single.1[..2].iter().copied().chain(back.1).collect();
-        close("4 stages resumed on 2 x 2 with FSDP", &back);
-        let refused = FabricConfig {
-            zero: Some(3),
             ..FabricConfig::new(Strategy::Fsdp, 2)
         }
         .check();
