@@ -8,15 +8,14 @@
 use crate::common::*;
 use crate::overlap::{batches, bounded};
 use crate::pipeline_ranks::{
-    assert_close_to_one_device, checkpoint_dir, lm_through_the_fabric, tied_init, tied_layers,
-    LmRun,
+    assert_close_to_one_device, checkpoint_dir, lm_through_the_fabric, on_two_by_two, tied_init,
+    tied_layers, LmRun,
 };
 use crate::pipeline_zero::{adamw, run, Split, ONE_F_ONE_B};
 
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
-use candle_dp::comm::DeviceMesh;
 use candle_dp::launch::spawn_with;
 use candle_dp::optim::{AdamW, StatefulOptimizer};
 use candle_dp::pipeline::{Checkpoint, RankPipeline, RankPipelineConfig, Schedule};
@@ -102,19 +101,11 @@ fn fsdp_on_a_pipeline_refuses_zero_one_whole_state_calls_a_zero_optimizer_and_a_
     within(60, || {
         let init = tied_init();
         let refusals = spawn_with(4, bounded(), move |ctx| {
-            let mesh = DeviceMesh::new(ctx.process_group(), &[("dp", 2), ("pp", 2)])?;
             // The error is the crate's, matched below.
             #[allow(clippy::result_large_err)]
             let build = |config: RankPipelineConfig| {
-                RankPipeline::on_mesh(
-                    &mesh,
-                    ("pp", "dp"),
-                    &varmap_from(&init),
-                    DType::F32,
-                    &Device::Cpu,
-                    tied_layers(),
-                    config,
-                )
+                let varmap = varmap_from(&init);
+                on_two_by_two(ctx.process_group(), &varmap, tied_layers(), config).map(|(_, p)| p)
             };
             let fsdp = RankPipelineConfig {
                 fsdp: true,
@@ -126,7 +117,7 @@ fn fsdp_on_a_pipeline_refuses_zero_one_whole_state_calls_a_zero_optimizer_and_a_
             })
             .err();
             let flat = RankPipeline::new(
-                mesh.world().clone(),
+                ctx.process_group(),
                 &varmap_from(&init),
                 DType::F32,
                 &Device::Cpu,
@@ -297,7 +288,6 @@ fn odd_model_run(
     let init = odd_init();
     spawn_with(4, bounded(), move |ctx| {
         let varmap = varmap_from(&init);
-        let mesh = DeviceMesh::new(ctx.process_group(), &[("dp", 2), ("pp", 2)])?;
         let config = RankPipelineConfig {
             chunks: Some(2),
             zero: Some(ZeroStage::Two),
@@ -305,15 +295,8 @@ fn odd_model_run(
             mixed_precision: precision.clone(),
             ..Default::default()
         };
-        let pipe = RankPipeline::on_mesh(
-            &mesh,
-            ("pp", "dp"),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-            odd_layers(precision.is_none()),
-            config,
-        )?;
+        let layers = odd_layers(precision.is_none());
+        let (mesh, pipe) = on_two_by_two(ctx.process_group(), &varmap, layers, config)?;
         enum Opt {
             Fsdp(AdamW),
             Zero(Box<candle_dp::zero::ZeroOptimizer<AdamW>>),
@@ -409,7 +392,6 @@ fn a_stage_that_fails_to_build_on_one_replica_ends_every_ranks_step_naming_it() 
         let errors = std::sync::Arc::new(std::sync::Mutex::new(vec![String::new(); 4]));
         let seen = errors.clone();
         let launch = spawn_with(4, bounded(), move |ctx| {
-            let mesh = DeviceMesh::new(ctx.process_group(), &[("dp", 2), ("pp", 2)])?;
             let mut layers = tied_layers();
             // On rank 0 only, the first layer asks for another variable
             // when the step builds it again.
@@ -426,15 +408,8 @@ fn a_stage_that_fails_to_build_on_one_replica_ends_every_ranks_step_naming_it() 
                 fsdp: true,
                 ..Default::default()
             };
-            let pipe = RankPipeline::on_mesh(
-                &mesh,
-                ("pp", "dp"),
-                &varmap_from(&init),
-                DType::F32,
-                &Device::Cpu,
-                layers,
-                config,
-            )?;
+            let (_, pipe) =
+                on_two_by_two(ctx.process_group(), &varmap_from(&init), layers, config)?;
             let (x, y) = batches(1, 8, 2).remove(0);
             let (x, y) = (x.narrow(0, 0, 4)?, y.narrow(0, 0, 4)?);
             let step = pipe.forward_backward(

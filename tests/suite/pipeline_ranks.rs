@@ -279,6 +279,28 @@ pub(crate) fn tied_layers() -> Vec<LayerFactory> {
     ]
 }
 
+/// This rank's part of 2 pipelines of 2 stage ranks (a 2 x 2 mesh:
+/// pipelines along "pp", replicated along "dp") of `layers` in `varmap`,
+/// in f32 on the CPU; the mesh beside it.
+pub(crate) fn on_two_by_two(
+    pg: std::sync::Arc<dyn candle_dp::comm::ProcessGroup>,
+    varmap: &VarMap,
+    layers: Vec<LayerFactory>,
+    config: RankPipelineConfig,
+) -> candle_dp::Result<(candle_dp::comm::DeviceMesh, RankPipeline)> {
+    let mesh = candle_dp::comm::DeviceMesh::new(pg, &[("dp", 2), ("pp", 2)])?;
+    let pipe = RankPipeline::on_mesh(
+        &mesh,
+        ("pp", "dp"),
+        varmap,
+        DType::F32,
+        &Device::Cpu,
+        layers,
+        config,
+    )?;
+    Ok((mesh, pipe))
+}
+
 /// [`tied_layers`]' initial values.
 pub(crate) fn tied_init() -> HashMap<String, Tensor> {
     let varmap = VarMap::new();
@@ -397,7 +419,6 @@ fn the_language_model_on_four_ranks_one_unit_each_gives_the_in_process_pipelines
 
 #[test]
 fn pipelines_on_a_dp_by_pp_mesh_train_to_the_weights_of_pipelines_inside_ddp() {
-    use candle_dp::comm::DeviceMesh;
     use candle_dp::{DdpConfig, DistributedDataParallel};
     use candle_nn::Optimizer;
     within(240, || {
@@ -442,16 +463,8 @@ fn pipelines_on_a_dp_by_pp_mesh_train_to_the_weights_of_pipelines_inside_ddp() {
         // The same on a 2 x 2 mesh: pipelines over "pp", replicated over "dp".
         let got = spawn_with(4, bounded(), move |ctx| {
             let varmap = varmap_from(&init);
-            let mesh = DeviceMesh::new(ctx.process_group(), &[("dp", 2), ("pp", 2)])?;
-            let pipe = RankPipeline::on_mesh(
-                &mesh,
-                ("pp", "dp"),
-                &varmap,
-                DType::F32,
-                &Device::Cpu,
-                deep_units(),
-                config.clone(),
-            )?;
+            let (mesh, pipe) =
+                on_two_by_two(ctx.process_group(), &varmap, deep_units(), config.clone())?;
             let mut sgd = candle_nn::SGD::new(varmap.all_vars(), 0.1)?;
             let replica = mesh.local_rank("dp")?;
             for (x, y) in &data {

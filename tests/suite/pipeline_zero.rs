@@ -8,14 +8,13 @@
 use crate::common::*;
 use crate::overlap::{batches, bounded};
 use crate::pipeline_ranks::{
-    assert_close_to_one_device, checkpoint_dir, lm_through_the_fabric, tied_init, tied_layers,
-    LmRun,
+    assert_close_to_one_device, checkpoint_dir, lm_through_the_fabric, on_two_by_two, tied_init,
+    tied_layers, LmRun,
 };
 
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
-use candle_dp::comm::DeviceMesh;
 use candle_dp::launch::spawn_with;
 use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
 use candle_dp::pipeline::{Checkpoint, RankPipeline, RankPipelineConfig, Schedule};
@@ -73,7 +72,6 @@ pub(crate) fn run(
     let (init, data) = (init.clone(), data.clone());
     spawn_with(4, bounded(), move |ctx| {
         let varmap = varmap_from(&init);
-        let mesh = DeviceMesh::new(ctx.process_group(), &[("dp", 2), ("pp", 2)])?;
         let config = RankPipelineConfig {
             chunks: Some(2),
             schedule,
@@ -85,15 +83,7 @@ pub(crate) fn run(
             fsdp: split == Split::Fsdp,
             ..Default::default()
         };
-        let pipe = RankPipeline::on_mesh(
-            &mesh,
-            ("pp", "dp"),
-            &varmap,
-            DType::F32,
-            &Device::Cpu,
-            tied_layers(),
-            config,
-        )?;
+        let (mesh, pipe) = on_two_by_two(ctx.process_group(), &varmap, tied_layers(), config)?;
         enum Opt {
             Whole(AdamW),
             Zero(Box<candle_dp::zero::ZeroOptimizer<AdamW>>),
