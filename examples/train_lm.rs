@@ -457,94 +457,94 @@ fn train_run(job: &Job, strategy: Strategy, in_process: bool) -> Result<Option<O
         config.checkpoint_dir = None;
         config.max_restarts = 0;
     }
-    let rank_loop = |fabric: Fabric| -> Result<Option<Outcome>> {
-        // The data's shares: one per rank, or per pipeline of ranks.
-        let rank = fabric.rank();
-        let (share, shares) = (fabric.data_parallel_rank(), fabric.data_parallel_size());
-        if !(args.batch as usize).is_multiple_of(shares) {
-            bail!(
-                "--batch {} does not divide among {shares} replicas",
-                args.batch
-            );
-        }
-        let per_rank = args.batch as usize / shares;
-        let module = FabricModule::units(units(args.config()));
-        let mut model = fabric.setup(module, |p| {
-            adamw_groups(p, args.adamw_config(), args.decay_all)
-        })?;
-        if args.lr_schedule == Schedule::WarmupCosine {
-            let warmup = args.warmup_steps.unwrap_or((args.steps / 20).max(1));
-            model.set_schedule(LrScheduler::warmup_cosine(args.lr, warmup, args.steps)?);
-        }
-        // A restarted job (elastic) resumes whatever --resume says.
-        let from = model
-            .resume(job.saves && (args.resume || fabric.restart() > 0))?
-            .step;
-        let mut outcome = Outcome::new();
-        let start = Instant::now();
-        let mut evaluating = Duration::ZERO;
-        for step in from..args.steps {
-            let indices = windows_at(job.train, shares, share, args.seed, per_rank, step)?;
-            let (x, y) = job.train.batch(&indices)?;
-            let (x, y) = (fabric.to_device(&x)?, fabric.to_device(&y)?);
-            let loss = model.backward(&x, &y, args.loss())?;
-            model.step()?;
-            outcome.record(
-                fabric.global_mean(&loss, x.dim(0)?)?,
-                (x.elem_count() * shares) as u64,
-            );
-            let done = step + 1;
-            let paused = Instant::now();
-            if done % args.eval_every == 0 || done == args.steps {
-                // Every rank takes part in FSDP's gathering; rank 0 evaluates.
-                let whole = model.full_varmap()?;
-                if rank == 0 {
-                    job.evaluate(&in_precision(args, &whole)?, done, &mut outcome.held_out)?;
-                    outcome.varmap = whole;
-                }
+    let rank_loop =
+        |fabric: Fabric| -> Result<Option<Outcome>> {
+            // The data's shares: one per rank, or per pipeline of ranks.
+            let rank = fabric.rank();
+            let (share, shares) = (fabric.data_parallel_rank(), fabric.data_parallel_size());
+            if !(args.batch as usize).is_multiple_of(shares) {
+                bail!(
+                    "--batch {} does not divide among {shares} replicas",
+                    args.batch
+                );
             }
-            let progress = Progress {
-                epoch: 0,
-                batch: done,
-                step: done,
+            let per_rank = args.batch as usize / shares;
+            let module = FabricModule::units(units(args.config()));
+            let mut model = fabric.setup(module, |p| {
+                adamw_groups(p, args.adamw_config(), args.decay_all)
+            })?;
+            if args.lr_schedule == Schedule::WarmupCosine {
+                let warmup = args.warmup_steps.unwrap_or((args.steps / 20).max(1));
+                model.set_schedule(LrScheduler::warmup_cosine(args.lr, warmup, args.steps)?);
+            }
+            // A restarted job (elastic) resumes whatever --resume says.
+            let from = model
+                .resume(job.saves && (args.resume || fabric.restart() > 0))?
+                .step;
+            let mut outcome = Outcome::new();
+            let start = Instant::now();
+            let mut evaluating = Duration::ZERO;
+            for step in from..args.steps {
+                let indices = windows_at(job.train, shares, share, args.seed, per_rank, step)?;
+                let (x, y) = job.train.batch(&indices)?;
+                let (x, y) = (fabric.to_device(&x)?, fabric.to_device(&y)?);
+                let loss = model.backward(&x, &y, args.loss())?;
+                model.step()?;
+                outcome.record(
+                    fabric.global_mean(&loss, x.dim(0)?)?,
+                    (x.elem_count() * shares) as u64,
+                );
+                let done = step + 1;
+                let paused = Instant::now();
+                if done % args.eval_every == 0 || done == args.steps {
+                    // Every rank takes part in FSDP's gathering; rank 0 evaluates.
+                    let whole = model.full_varmap()?;
+                    if rank == 0 {
+                        job.evaluate(&in_precision(args, &whole)?, done, &mut outcome.held_out)?;
+                        outcome.varmap = whole;
+                    }
+                }
+                let progress = Progress {
+                    epoch: 0,
+                    batch: done,
+                    step: done,
+                };
+                if let Some(progress) = progress.due(args.steps, args.checkpoint_every) {
+                    if job.saves {
+                        model.save(progress)?;
+                    }
+                }
+                evaluating += paused.elapsed();
+            }
+            outcome.training = start.elapsed() - evaluating;
+            outcome.skipped = model.skipped_steps();
+            if from == args.steps {
+                outcome.varmap = model.full_varmap()?;
+            }
+            // What the rank holding the most holds, after the last step.
+            let all = fabric.all_gather_object(&model.memory()?)?;
+            let most = |f: fn(&fabric::Memory) -> usize| all.iter().map(f).max().unwrap_or(0);
+            outcome.memory = fabric::Memory {
+                parameters: most(|m| m.parameters),
+                gradients: most(|m| m.gradients),
+                optimizer_state: most(|m| m.optimizer_state),
+                peak_gathered: all.iter().filter_map(|m| m.peak_gathered).max(),
+                whole_model: all[0].whole_model,
             };
-            if let Some(progress) = progress.due(args.steps, args.checkpoint_every) {
-                if job.saves {
-                    model.save(progress)?;
-                }
-            }
-            evaluating += paused.elapsed();
-        }
-        outcome.training = start.elapsed() - evaluating;
-        outcome.skipped = model.skipped_steps();
-        if from == args.steps {
-            outcome.varmap = model.full_varmap()?;
-        }
-        // What the rank holding the most holds, after the last step.
-        let all = fabric.all_gather_object(&model.memory()?)?;
-        let most = |f: fn(&fabric::Memory) -> usize| all.iter().map(f).max().unwrap_or(0);
-        outcome.memory = fabric::Memory {
-            parameters: most(|m| m.parameters),
-            gradients: most(|m| m.gradients),
-            optimizer_state: most(|m| m.optimizer_state),
-            peak_gathered: all.iter().filter_map(|m| m.peak_gathered).max(),
-            whole_model: all[0].whole_model,
-        };
-        if let (0, Some(peak), Some(whole)) = (
-            rank,
-            outcome.memory.peak_gathered,
-            outcome.memory.whole_model,
-        ) {
-            println!(
+            if let (0, Some(peak)) = (rank, outcome.memory.peak_gathered) {
+                println!(
                 "FSDP: each rank holds {:.2} MB of parameters; a step gathered at most {:.2} MB \
-                 of whole parameters at once (the model: {:.2} MB)",
+                 of whole parameters at once{}",
                 outcome.memory.parameters as f64 / 1e6,
                 peak as f64 / 1e6,
-                whole as f64 / 1e6
+                outcome
+                    .memory
+                    .whole_model
+                    .map_or_else(String::new, |w| format!(" (the model: {:.2} MB)", w as f64 / 1e6))
             );
-        }
-        Ok((rank == 0).then_some(outcome))
-    };
+            }
+            Ok((rank == 0).then_some(outcome))
+        };
     let ranks = match in_process {
         true => Fabric::spawn(config, rank_loop)?,
         false => Fabric::launch(config, rank_loop)?,

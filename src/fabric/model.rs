@@ -51,9 +51,11 @@ pub struct Memory {
     pub gradients: usize,
     /// Its optimizer's state (ZeRO and FSDP: over its pieces).
     pub optimizer_state: usize,
-    /// FSDP: the most whole parameters its last step held at once.
+    /// FSDP: the most whole parameters its last step held at once (FSDP
+    /// across pipelines: its stages' variables, gathered for the step).
     pub peak_gathered: Option<usize>,
-    /// FSDP: the whole model's parameters.
+    /// FSDP: the whole model's parameters (`None` for FSDP across
+    /// pipelines, whose ranks know their own stages only).
     pub whole_model: Option<usize>,
 }
 
@@ -354,16 +356,20 @@ impl<O: StatefulOptimizer> FabricModel<O> {
                 .map(|t| t.elem_count() * t.dtype().size_in_bytes())
                 .sum(),
         };
-        let fsdp = match &self.engine {
-            Engine::Fsdp(fsdp) => Some(fsdp.last_memory()),
-            _ => None,
+        let (peak_gathered, whole_model) = match &self.engine {
+            Engine::Fsdp(fsdp) => {
+                let m = fsdp.last_memory();
+                (Some(m.peak_gathered_bytes), Some(m.full_bytes))
+            }
+            Engine::RankPipeline(pipe) if pipe.is_fsdp() => (Some(pipe.stage_bytes()), None),
+            _ => (None, None),
         };
         Ok(Memory {
             parameters: self.engine.param_bytes(&self.varmap),
             gradients: self.grad_bytes,
             optimizer_state,
-            peak_gathered: fsdp.map(|m| m.peak_gathered_bytes),
-            whole_model: fsdp.map(|m| m.full_bytes),
+            peak_gathered,
+            whole_model,
         })
     }
 

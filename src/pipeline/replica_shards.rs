@@ -26,7 +26,7 @@ use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
 use crate::sharding::state::{
     mark_shard, named_layouts, piece_state, whole_layouts, whole_state_on_first,
 };
-use crate::sharding::{all_gather_pieces, ShardLayout};
+use crate::sharding::{all_gather_pieces, gather_pieces, ShardLayout};
 
 /// The settings key of a parameter's rows in a state of pieces.
 const ROWS: &str = "pipeline.rows.";
@@ -153,8 +153,15 @@ impl RankPipeline {
     /// FSDP all-gathered from the replicas' pieces (one collective per
     /// dtype) into fresh variables, otherwise the variables themselves.
     pub(super) fn gather_wholes(&self) -> Result<Vec<Var>> {
+        self.gather_wholes_to(None)
+            .map(|wholes| wholes.unwrap_or_default())
+    }
+
+    /// [`gather_wholes`](Self::gather_wholes), onto replica `root` only
+    /// (`None` elsewhere) when it is given.
+    fn gather_wholes_to(&self, root: Option<usize>) -> Result<Option<Vec<Var>>> {
         let Some(replicas) = self.replicas.as_ref().filter(|_| self.is_fsdp()) else {
-            return Ok(self.own.iter().map(|(_, v)| v.clone()).collect());
+            return Ok(Some(self.own.iter().map(|(_, v)| v.clone()).collect()));
         };
         let mut wholes: Vec<Option<Var>> = vec![None; self.own.len()];
         let dtypes: BTreeSet<&str> = self.own.iter().map(|(_, v)| v.dtype().as_str()).collect();
@@ -168,7 +175,14 @@ impl RankPipeline {
                 .collect();
             let layouts: Vec<&ShardLayout> =
                 members.iter().map(|&i| &self.zero_layouts[i]).collect();
-            let gathered = all_gather_pieces(replicas.as_ref(), &mine, &layouts)?;
+            let gathered = match root {
+                None => all_gather_pieces(replicas.as_ref(), &mine, &layouts)?,
+                Some(root) => match gather_pieces(replicas.as_ref(), &mine, &layouts, root)? {
+                    Some(gathered) => gathered,
+                    // Not the root: nothing to put together here.
+                    None => continue,
+                },
+            };
             replicas.wait_for_device()?;
             for ((&i, layout), pieces) in members.iter().zip(&layouts).zip(gathered) {
                 // Each rank's rows written in place: one copy of the whole.
@@ -180,7 +194,21 @@ impl RankPipeline {
                 wholes[i] = Some(whole);
             }
         }
-        Ok(wholes.into_iter().flatten().collect())
+        if root.is_some_and(|root| root != replicas.rank()) {
+            return Ok(None);
+        }
+        Ok(Some(wholes.into_iter().flatten().collect()))
+    }
+
+    /// The bytes of this rank's stages' variables whole: what a step of an
+    /// FSDP pipeline gathers (and holds until it returns).
+    pub fn stage_bytes(&self) -> usize {
+        (0..self.own.len())
+            .map(|i| {
+                let elems: usize = self.whole_dims(i).iter().product();
+                elems * self.own[i].1.dtype().size_in_bytes()
+            })
+            .sum()
     }
 
     /// [`stage_state`](Self::stage_state) of an FSDP pipeline, on the
@@ -201,7 +229,8 @@ impl RankPipeline {
         opt: &O,
     ) -> Result<Option<(HashMap<String, Tensor>, OptimizerState)>> {
         let replicas = self.fsdp_replicas()?;
-        let wholes = self.gather_wholes()?;
+        // Only the first replica writes: the others send their pieces.
+        let wholes = self.gather_wholes_to(Some(0))?;
         let layouts = named_layouts(&self.own, &self.zero_layouts);
         let mut mine = opt.state()?;
         mark_shard(
@@ -211,9 +240,10 @@ impl RankPipeline {
             ROWS,
             &layouts,
         );
-        let Some(state) =
-            whole_state_on_first(replicas.as_ref(), &mine, ROWS, &whole_layouts(&layouts))?
-        else {
+        let (Some(state), Some(wholes)) = (
+            whole_state_on_first(replicas.as_ref(), &mine, ROWS, &whole_layouts(&layouts))?,
+            wholes,
+        ) else {
             return Ok(None);
         };
         let mut values: HashMap<String, Tensor> = self

@@ -88,14 +88,40 @@ pub(crate) fn all_gather_pieces(
     if mine.is_empty() {
         return Ok(Vec::new());
     }
+    // Each rank's buffer as it came (`all_gather_into` would copy them all
+    // into one first).
+    let all = pg.all_gather(&flat_pieces(mine)?)?;
+    split_pieces(&all, layouts)
+}
+
+/// [`all_gather_pieces`], with only `root` receiving them (`Some`).
+pub(crate) fn gather_pieces(
+    pg: &dyn ProcessGroup,
+    mine: &[Tensor],
+    layouts: &[&ShardLayout],
+    root: usize,
+) -> Result<Option<Vec<Vec<Tensor>>>> {
+    if mine.is_empty() {
+        return Ok((pg.rank() == root).then(Vec::new));
+    }
+    match pg.gather(&flat_pieces(mine)?, root)? {
+        Some(all) => split_pieces(&all, layouts).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// This rank's pieces flattened into one buffer, in order.
+fn flat_pieces(mine: &[Tensor]) -> Result<Tensor> {
     let flat = mine
         .iter()
         .map(Tensor::flatten_all)
         .collect::<candle_core::Result<Vec<_>>>()?;
-    let flat = Tensor::cat(&flat, 0)?;
-    // Each rank's buffer as it came (`all_gather_into` would copy them all
-    // into one first).
-    let all = pg.all_gather(&flat)?;
+    Ok(Tensor::cat(&flat, 0)?)
+}
+
+/// Every rank's buffer (`all`, in rank order) cut into each parameter's
+/// pieces: per parameter, every rank's piece.
+fn split_pieces(all: &[Tensor], layouts: &[&ShardLayout]) -> Result<Vec<Vec<Tensor>>> {
     let mut offset = 0;
     let mut out = Vec::with_capacity(layouts.len());
     for layout in layouts {

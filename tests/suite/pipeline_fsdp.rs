@@ -43,6 +43,17 @@ fn fsdp_across_a_pipelines_replicas_trains_to_zero_twos_bytes_holding_only_piece
             assert!(d < 1e-5, "rank {rank}: FSDP is {d:e} from the replicas'");
             assert_eq!(fsdp.state_bytes, two.state_bytes, "rank {rank}");
             assert_eq!(fsdp.grad_dims, two.grad_dims, "rank {rank}");
+            // What a step gathers: the stages whole, 4 bytes an element.
+            let whole: usize = want
+                .grad_dims
+                .values()
+                .map(|d| 4 * d.iter().product::<usize>())
+                .sum();
+            assert_eq!(
+                (fsdp.stage_bytes, two.stage_bytes),
+                (whole, whole),
+                "rank {rank}"
+            );
             // Between steps: ZeRO-2 holds each variable whole, FSDP half
             // of its 8 rows.
             assert!(!fsdp.held_dims.is_empty());

@@ -32,6 +32,8 @@ pub(crate) struct RankRun {
     pub(crate) state_bytes: usize,
     pub(crate) grad_dims: HashMap<String, Vec<usize>>,
     pub(crate) held_dims: HashMap<String, Vec<usize>>,
+    /// `RankPipeline::stage_bytes`: its stages' variables whole.
+    pub(crate) stage_bytes: usize,
 }
 
 /// How a stage's replicas split it.
@@ -151,6 +153,7 @@ pub(crate) fn run(
             state_bytes,
             grad_dims,
             held_dims,
+            stage_bytes: pipe.stage_bytes(),
         })
     })
     .unwrap()
