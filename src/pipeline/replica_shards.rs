@@ -83,6 +83,7 @@ impl RankPipeline {
     /// With FSDP, this step's stages over the whole variables, gathered
     /// across the replicas; `None` for a pipeline that keeps its stages.
     /// Every replica calls it.
+    ///
     /// A failure to build them (a factory's error, a variable it did not
     /// ask for before) fails the mesh, so that no other rank waits for
     /// this one's messages until the timeout.
@@ -92,7 +93,9 @@ impl RankPipeline {
         };
         let built = self.build_gathered(rebuild);
         if let Err(e) = &built {
-            let reason = format!("rank {} could not build its stages: {e}", self.pg.rank());
+            // Named by its rank in the mesh, which every rank knows it by.
+            let rank = self.world.as_ref().map_or(self.pg.rank(), |w| w.rank());
+            let reason = format!("rank {rank} could not build its stages: {e}");
             match &self.world {
                 Some(world) => world.abort(&reason),
                 None => self.pg.abort(&reason),
