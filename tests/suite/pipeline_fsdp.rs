@@ -404,8 +404,8 @@ fn a_stage_that_fails_to_build_on_one_replica_ends_every_ranks_step_naming_it() 
         let seen = errors.clone();
         let launch = spawn_with(4, bounded(), move |ctx| {
             let mut layers = tied_layers();
-            // On rank 2 only (the second replica of stage 0), the first layer asks for another variable
-            // when the step builds it again.
+            // On rank 2 only (the second replica of stage 0), the first
+            // layer asks for another variable when the step builds it again.
             let calls = std::sync::Arc::new(AtomicUsize::new(0));
             let fickle = ctx.rank == 2;
             let first = layers[0].clone();
