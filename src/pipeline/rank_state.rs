@@ -146,17 +146,14 @@ impl RankPipeline {
         error_if_nonfinite: bool,
     ) -> Result<Clipped> {
         let params: Vec<Var> = self.own.iter().map(|(_, v)| v.clone()).collect();
-        // The lowest rank using a tied weight counts it.
-        let counted = |var: &Var| {
-            let name = self
-                .own
-                .iter()
-                .find(|(_, v)| v.as_tensor().id() == var.as_tensor().id());
-            !self
-                .tied
-                .iter()
-                .any(|(tied, group)| name.is_some_and(|(n, _)| n == tied) && group.rank() != 0)
-        };
+        // Looked up per parameter: the set is made once per call.
+        let uncounted: std::collections::HashSet<_> = self
+            .own
+            .iter()
+            .filter(|(name, _)| !self.counts_in_norm(name))
+            .map(|(_, var)| var.as_tensor().id())
+            .collect();
+        let counted = |var: &Var| !uncounted.contains(&var.as_tensor().id());
         clip_grad_norm_across_counting(
             self.norm_group().as_ref(),
             grads,
@@ -166,6 +163,15 @@ impl RankPipeline {
             norm_type,
             error_if_nonfinite,
         )
+    }
+
+    /// Whether this rank counts variable `name` in the gradients' norm: a
+    /// weight tied across ranks only on the lowest rank using it.
+    pub(super) fn counts_in_norm(&self, name: &str) -> bool {
+        !self
+            .tied
+            .iter()
+            .any(|(tied, group)| tied == name && group.rank() != 0)
     }
 
     /// This rank's part of a checkpoint: its stages' variables and

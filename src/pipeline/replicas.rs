@@ -177,16 +177,10 @@ impl RankPipeline {
                     .into(),
             ));
         };
-        // The lowest rank using a tied weight counts it in the norm.
         let counted = self
             .own
             .iter()
-            .map(|(name, _)| {
-                !self
-                    .tied
-                    .iter()
-                    .any(|(tied, group)| tied == name && group.rank() != 0)
-            })
+            .map(|(name, _)| self.counts_in_norm(name))
             .collect();
         let split = ZeroSplit {
             world: Arc::clone(world),
