@@ -1544,7 +1544,7 @@ fn a_pipeline_in_each_of_2_and_3_processes_matches_single_device_training() {
 /// namespaces cannot be made.
 #[test]
 fn a_pipeline_in_each_rank_on_two_simulated_machines_matches_thread_ranks() {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/netcluster.sh");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/netcluster.sh");
     let mut check = Command::new("bash");
     check.arg(&script).arg("check");
     let check = common::killing::bounded_output(check, Duration::from_secs(60));
@@ -2315,7 +2315,7 @@ fn the_demonstration_under_mpirun_prints_what_pytorch_fabric_and_accelerate_prin
     let reference: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/tests/data/fabric_reference.json"
+            "/data/fabric_reference.json"
         ))
         .unwrap(),
     )

@@ -26,7 +26,7 @@ fn fresh_dir(name: &str) -> PathBuf {
 }
 
 fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/netcluster.sh")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/netcluster.sh")
 }
 
 /// `None` when a cluster can be made here, else why not.
@@ -402,7 +402,7 @@ static SLURM: std::sync::Mutex<()> = std::sync::Mutex::new(());
 fn slurm_unavailable() -> Option<String> {
     let mut check = Command::new("bash");
     check
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/slurm.sh"))
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/slurm.sh"))
         .arg("check");
     let output = bounded_output(check, Duration::from_secs(30));
     match output.status.success() {
@@ -618,7 +618,7 @@ fn a_no_kill_batch_job_that_loses_a_node_finishes_on_the_other_within_its_alloca
     let dir = fresh_dir("candle_dp_no_kill");
     let exe = example("train_lm");
     let (states, out) = (dir.join("states"), dir.join("job.out"));
-    let sbatch = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/train_lm.sbatch");
+    let sbatch = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/train_lm.sbatch");
     let mut program: Vec<std::ffi::OsString> = vec![
         "env".into(),
         format!("TRAIN_LM={}", exe.display()).into(),

@@ -25,7 +25,7 @@ use common::killing::{bounded_output, example};
 static CLUSTER: Mutex<()> = Mutex::new(());
 
 fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/slurm.sh")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/slurm.sh")
 }
 
 /// A one-node Slurm cluster, up while this lives (one at a time: the
@@ -307,7 +307,7 @@ fn lm_job(cluster: &Cluster, run: &[&str], max_restarts: u32, step_restarts: u32
         .env("FINAL", cluster.dir.join("job.safetensors"))
         .args(["--parsable", "-n", "2", "--output"])
         .arg(cluster.dir.join("job.out"))
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/train_lm.sbatch"))
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/train_lm.sbatch"))
         .args(lm_args(&cluster.dir, "job", run, JOB_STEPS));
     let submitted = bounded_output(sbatch, Duration::from_secs(30));
     assert!(submitted.status.success(), "sbatch: {}", text(&submitted));

@@ -86,7 +86,7 @@ pub fn fixture_tensors(file: &HashMap<String, Tensor>, prefix: &str) -> HashMap<
 }
 
 pub fn load_fixture(name: &str) -> HashMap<String, Tensor> {
-    let path = format!("{}/tests/data/{name}", env!("CARGO_MANIFEST_DIR"));
+    let path = format!("{}/data/{name}", env!("CARGO_MANIFEST_DIR"));
     candle_core::safetensors::load(path, &Device::Cpu).expect("fixture loads")
 }
 

@@ -42,10 +42,7 @@ fn rel(a: f32, b: f32) -> f64 {
 
 #[test]
 fn clipping_reproduces_pytorchs_clip_grad_norm() {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/clip_reference.json"
-    );
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/clip_reference.json");
     let file: File = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
     assert!(file.torch.starts_with("2.15"), "{}", file.torch);
     let mut worst = 0f64;

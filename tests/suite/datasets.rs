@@ -9,7 +9,7 @@ use datasets::{load_digits, load_mnist, shuffled_indices};
 fn bundled_digits_have_1797_samples_of_64_pixels_in_10_classes() {
     let d = load_digits(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/data/digits/digits.csv.gz"
+        "/../data/digits/digits.csv.gz"
     ))
     .unwrap();
     assert_eq!(d.images.dims(), &[1797, 64]);

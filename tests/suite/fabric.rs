@@ -809,7 +809,7 @@ fn a_state_of_another_layout_is_refused_naming_both_strategies() {
 fn reference() -> serde_json::Value {
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/fabric_reference.json"
+        "/data/fabric_reference.json"
     ))
     .unwrap();
     serde_json::from_str(&text).unwrap()

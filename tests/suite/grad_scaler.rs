@@ -49,10 +49,7 @@ struct File {
 }
 
 fn reference() -> File {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/scaler_reference.json"
-    );
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/scaler_reference.json");
     let file: File = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
     assert!(file.torch.starts_with("2.15"), "{}", file.torch);
     file

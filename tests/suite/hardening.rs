@@ -243,7 +243,7 @@ fn even_batches_of_usize_max_samples_is_an_error_not_a_crash() {
 fn selecting_an_index_beyond_u32_is_an_error() {
     let images = load_digits(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/data/digits/digits.csv.gz"
+        "/../data/digits/digits.csv.gz"
     ))
     .unwrap();
     let wraps_to_zero = 1usize << 32;

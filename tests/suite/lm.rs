@@ -44,7 +44,7 @@ struct Reference {
 }
 
 fn reference() -> Reference {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/lm_reference.json");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/lm_reference.json");
     let reference: Reference = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
     assert!(reference.torch.starts_with("2.15"), "{}", reference.torch);
     reference

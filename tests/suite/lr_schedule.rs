@@ -52,7 +52,7 @@ struct Reference {
 
 #[test]
 fn pytorchs_schedules_are_reproduced_to_1e_12_over_100_steps() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/lr_reference.json");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/lr_reference.json");
     #[derive(serde::Deserialize)]
     struct File {
         torch: String,

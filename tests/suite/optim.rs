@@ -16,7 +16,7 @@ use candle_nn::Optimizer;
 
 const FIXTURE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/tests/data/optim_reference.safetensors"
+    "/data/optim_reference.safetensors"
 );
 const PARAMS: [&str; 7] = ["a", "b", "c", "d", "e", "f", "skip"];
 const STEPS: usize = 25;

@@ -46,7 +46,7 @@ struct Group {
 fn fixture() -> Fixture {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/optim_groups_reference.json"
+        "/data/optim_groups_reference.json"
     );
     let fixture: Fixture = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
     assert!(fixture.torch.starts_with("2.15"), "{}", fixture.torch);

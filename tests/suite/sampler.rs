@@ -21,10 +21,7 @@ struct Case {
 }
 
 fn reference_cases() -> Vec<Case> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/sampler_reference.json"
-    );
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/sampler_reference.json");
     let text = std::fs::read_to_string(path).expect("read sampler_reference.json");
     serde_json::from_str(&text).expect("parse sampler_reference.json")
 }
