@@ -17,7 +17,7 @@
 #       1 to machine 2, in GB/s (python3; the veth's own speed, as this
 #       kernel has no traffic shaping)
 #   scripts/netcluster.sh run [--machines N] [--per-machine P]
-#           [--cut M --cut-after SECONDS [--restore-after T]]
+#           [--cut M (--cut-after SECONDS [--restore-after T] | --cut-when GLOB)]
 #           [--mca NAME VALUE]... [--export VAR]... [--wait-empty S]
 #           [--block] [--link-bytes FILE] [--supervise [--slurm]] -- PROGRAM ARGS...
 #       runs PROGRAM as N*P ranks, P per machine (rank r on machine
@@ -27,7 +27,11 @@
 #       sent and received on its link over the run, one line per machine
 #       ("machine N tx BYTES rx BYTES"); with --cut, machine M's
 #       link goes down SECONDS after the start (a network partition), and
-#       with --restore-after T comes back T seconds after the start;
+#       with --restore-after T comes back T seconds after the start; with
+#       --cut-when GLOB, as soon as a path matching GLOB exists (polled
+#       every 0.1 s; for example a training state of a given step, so that
+#       the cut falls at the same point of the run on a fast machine and a
+#       slow one);
 #       --export passes an environment variable, if set, to every rank
 #       (mpirun -x);
 #       --wait-empty S: after mpirun, how long the machines' processes may
@@ -60,6 +64,7 @@ MACHINES=2
 PER_MACHINE=1
 CUT=""
 CUT_AFTER=""
+CUT_WHEN=""
 RESTORE_AFTER=""
 WAIT_EMPTY=10
 MAP_BY=node
@@ -221,7 +226,15 @@ run() {
     local np=$((MACHINES * PER_MACHINE))
     local cutter=""
     local restorer=""
-    if [ -n "$CUT" ]; then
+    if [ -n "$CUT_WHEN" ]; then
+        (
+            start=$SECONDS
+            until compgen -G "$CUT_WHEN" >/dev/null; do sleep 0.1; done
+            ip link set "${TAG}v$CUT" down
+            echo "netcluster: machine $CUT cut off at +$((SECONDS - start))s, when $(compgen -G "$CUT_WHEN" | head -n 1) appeared" >&2
+        ) &
+        cutter=$!
+    elif [ -n "$CUT" ]; then
         (sleep "$CUT_AFTER"; ip link set "${TAG}v$CUT" down; echo "netcluster: machine $CUT cut off at +${CUT_AFTER}s" >&2) &
         cutter=$!
         if [ -n "$RESTORE_AFTER" ]; then
@@ -319,6 +332,7 @@ case "$command" in
                 --per-machine) PER_MACHINE=$2; shift 2 ;;
                 --cut) CUT=$2; shift 2 ;;
                 --cut-after) CUT_AFTER=$2; shift 2 ;;
+                --cut-when) CUT_WHEN=$2; shift 2 ;;
                 --restore-after) RESTORE_AFTER=$2; shift 2 ;;
                 --mca) MCA+=(--mca "$2" "$3"); shift 3 ;;
                 --export) if [ -n "${!2+set}" ]; then MCA+=(-x "$2"); fi; shift 2 ;;
@@ -339,7 +353,8 @@ case "$command" in
         if [ -n "$CUT" ]; then
             [[ "$CUT" =~ ^[0-9]+$ ]] && [ "$CUT" -ge 1 ] && [ "$CUT" -le "$MACHINES" ] ||
                 die "--cut must name a machine, 1-$MACHINES"
-            [ -n "$CUT_AFTER" ] || die "--cut needs --cut-after SECONDS"
+            [ -n "$CUT_AFTER" ] || [ -n "$CUT_WHEN" ] || die "--cut needs --cut-after SECONDS or --cut-when GLOB"
+            [ -z "$CUT_AFTER" ] || [ -z "$CUT_WHEN" ] || die "--cut takes --cut-after or --cut-when, not both"
         fi
         trap teardown EXIT
         trap 'exit 130' INT

@@ -358,13 +358,34 @@ impl Via {
     }
 }
 
+/// How many steps the runs that lose a machine train, a state every
+/// [`STATE_EVERY`] of them; the machine is cut off once the state of step
+/// [`CUT_AT`] is saved. The cut is tied to a step, not to a time, so that
+/// it falls mid-run on a fast machine and on a slow one alike, and the run
+/// need not be long enough to outlast a cut at a fixed time.
+const ELASTIC_STEPS: u64 = 60;
+const STATE_EVERY: &str = "10";
+const CUT_AT: u64 = 20;
+
+/// The cluster's flags that cut machine 2 off once the state of step
+/// [`CUT_AT`] is in `states`.
+fn cut_machine_2_at_a_state(states: &Path) -> Vec<String> {
+    let saved = states.join(format!("state-{CUT_AT:012}-*"));
+    ["--cut", "2", "--cut-when"]
+        .map(String::from)
+        .into_iter()
+        .chain([saved.display().to_string()])
+        .collect()
+}
+
 /// The supervisor on machine 1 of two (one rank each), machine 2 cut off
-/// 6 s after the start; `extra`: more flags for train_lm.
+/// once the state of step [`CUT_AT`] is saved; `extra`: more flags for
+/// train_lm.
 fn supervised_lm_losing_machine_2(dir: &Path, via: Via, extra: &[&str]) -> (Output, Duration) {
     let exe = example("train_lm");
-    let mut args = lm_args(dir, "elastic", 300, "fsdp");
+    let mut args = lm_args(dir, "elastic", ELASTIC_STEPS, "fsdp");
     let hosts = format!("{}:1,{}:1", via.host(1), via.host(2));
-    args.extend(["--hosts", &hosts, "--checkpoint-every", "10"].map(Into::into));
+    args.extend(["--hosts", &hosts, "--checkpoint-every", STATE_EVERY].map(Into::into));
     // Slurm frees the lost node's job only once it marks the node down
     // (SlurmdTimeout, 10 s here): the probe of the machine left waits.
     args.extend(match via {
@@ -386,8 +407,9 @@ fn supervised_lm_losing_machine_2(dir: &Path, via: Via, extra: &[&str]) -> (Outp
     ]);
     let mut program = vec![exe.as_os_str()];
     program.extend(args.iter().map(|a| a.as_os_str()));
-    let mut cluster_args = vec!["--machines", "2", "--supervise", "--cut", "2"];
-    cluster_args.extend(["--cut-after", "6", "--wait-empty", "10"]);
+    let cut = cut_machine_2_at_a_state(&dir.join("states"));
+    let mut cluster_args = vec!["--machines", "2", "--supervise", "--wait-empty", "10"];
+    cluster_args.extend(cut.iter().map(String::as_str));
     if via == Via::Srun {
         cluster_args.push("--slurm");
     }
@@ -483,13 +505,16 @@ fn elastic_run_losing_machine_2(via: Via) {
     // the bytes of two ranks).
     let resumed_at: u64 =
         last_resume_step(&said).unwrap_or_else(|| panic!("no resume in:\n{said}"));
-    assert!((1..300).contains(&resumed_at), "resumed at {resumed_at}");
+    assert!(
+        (CUT_AT..ELASTIC_STEPS).contains(&resumed_at),
+        "resumed at {resumed_at}"
+    );
     // The same path on thread ranks: 2 ranks to the state, 1 from it.
     let states = dir.join("threads");
     let lm =
         |name: &str, steps: u64, extra: &[&str]| fsdp_on_threads(&dir, &states, name, steps, extra);
     lm("first", resumed_at, &["--replicas", "2"]);
-    lm("threads", 300, &["--replicas", "1", "--resume"]);
+    lm("threads", ELASTIC_STEPS, &["--replicas", "1", "--resume"]);
     let load = |name: &str| {
         let path = dir.join(format!("{name}.safetensors"));
         candle_core::safetensors::load(path, &candle_core::Device::Cpu).unwrap()
@@ -501,14 +526,15 @@ fn elastic_run_losing_machine_2(via: Via) {
     // Against the run that lost nothing, and what two ranks against one
     // differ by anyway.
     let _ = std::fs::remove_dir_all(&states);
-    lm("straight", 300, &["--replicas", "2"]);
+    lm("straight", ELASTIC_STEPS, &["--replicas", "2"]);
     let _ = std::fs::remove_dir_all(&states);
-    lm("one", 300, &["--replicas", "1"]);
+    lm("one", ELASTIC_STEPS, &["--replicas", "1"]);
     let elastic = common::relative_l2(&load("elastic"), &load("straight"));
     let floor = common::relative_l2(&load("one"), &load("straight"));
     assert!(elastic <= 1e-4, "{elastic:.2e} from the uninterrupted run");
     println!(
-        "{via:?}: lost machine 2 of 2 at +6 s, resumed at step {resumed_at} on machine 1; finished in \
+        "{via:?}: lost machine 2 of 2 after the state of step {CUT_AT}, resumed at step {resumed_at} \
+         on machine 1; finished in \
          {took:?}; the weights are the bytes of thread ranks on the same path, {elastic:.2e} \
          (relative L2) from the uninterrupted run on 2 ranks, where one rank's run is {floor:.2e} \
          from it:\n{said}"
@@ -604,7 +630,8 @@ fn srun_on_two_simulated_nodes_trains_to_the_bytes_of_thread_ranks() {
 
 /// `sbatch --no-kill` over both simulated nodes, `scripts/train_lm.sbatch`
 /// restarting its step within the allocation (`STEP_RESTARTS`, no
-/// requeue): node 2 is cut off 8 s in; the supervisor finds it lost and
+/// requeue): node 2 is cut off once the state of step [`CUT_AT`] is
+/// saved; the supervisor finds it lost and
 /// starts the step again on node 1 in the same allocation, which finishes.
 /// Its weights are the bytes of thread ranks that took the same path (2
 /// ranks to the state it resumed, 1 from there).
@@ -625,7 +652,7 @@ fn a_no_kill_batch_job_that_loses_a_node_finishes_on_the_other_within_its_alloca
         format!("CHECKPOINT_DIR={}", states.display()).into(),
         "STEP_RESTARTS=3".into(),
         "MAX_RESTARTS=0".into(),
-        "CHECKPOINT_EVERY=10".into(),
+        format!("CHECKPOINT_EVERY={STATE_EVERY}").into(),
         "sbatch".into(),
         "--wait".into(),
         "--no-kill".into(),
@@ -635,22 +662,20 @@ fn a_no_kill_batch_job_that_loses_a_node_finishes_on_the_other_within_its_alloca
         out.clone().into_os_string(),
         sbatch.into_os_string(),
     ];
-    program.extend(lm_flags(600, "fsdp"));
+    program.extend(lm_flags(ELASTIC_STEPS, "fsdp"));
     // Slurm marks the lost node down after SlurmdTimeout (10 s here).
     program.extend(["--probe-timeout", "40"].map(Into::into));
     let program: Vec<&std::ffi::OsStr> = program.iter().map(|a| a.as_os_str()).collect();
-    let cluster_args = [
+    let cut = cut_machine_2_at_a_state(&states);
+    let mut cluster_args = vec![
         "--machines",
         "2",
         "--supervise",
         "--slurm",
-        "--cut",
-        "2",
-        "--cut-after",
-        "8",
         "--wait-empty",
         "10",
     ];
+    cluster_args.extend(cut.iter().map(String::as_str));
     let (output, took) = cluster(&cluster_args, &program, Duration::from_secs(300));
     let job = std::fs::read_to_string(&out).unwrap_or_default();
     let said = format!("{}\n{job}", text(&output));
@@ -673,7 +698,7 @@ fn a_no_kill_batch_job_that_loses_a_node_finishes_on_the_other_within_its_alloca
         fsdp_on_threads(&dir, &threads, name, steps, extra)
     };
     lm("first", resumed_at, &["--replicas", "2"]);
-    lm("path", 600, &["--replicas", "1", "--resume"]);
+    lm("path", ELASTIC_STEPS, &["--replicas", "1", "--resume"]);
     let load =
         |path: PathBuf| candle_core::safetensors::load(path, &candle_core::Device::Cpu).unwrap();
     assert!(
@@ -684,7 +709,8 @@ fn a_no_kill_batch_job_that_loses_a_node_finishes_on_the_other_within_its_alloca
         "the batch job's weights differ from thread ranks that took its path"
     );
     println!(
-        "sbatch --no-kill: node 2 lost at +8 s, the step restarted on node 1 at step {resumed_at} \
+        "sbatch --no-kill: node 2 lost after the state of step {CUT_AT}, the step restarted on node 1 \
+         at step {resumed_at} \
          within the allocation; finished in {took:?}, the bytes of thread ranks on the same path"
     );
     let _ = std::fs::remove_dir_all(&dir);

@@ -268,14 +268,16 @@ fn has_a_state(dir: &Path) -> bool {
     })
 }
 
-/// What [`lm_job`] trains, on two ranks, 400 steps: DDP (under srun the
-/// launcher decides the ranks, `--replicas` is for the thread-rank run),
-/// or a pipeline of two stages, one per rank.
+/// What [`lm_job`] trains, on two ranks, [`JOB_STEPS`] steps: DDP (under
+/// srun the launcher decides the ranks, `--replicas` is for the thread-rank
+/// run), or a pipeline of two stages, one per rank. A rank is killed once
+/// the first state is saved (step 20), so the run goes on for 60 more
+/// steps: seconds, where the killer polls every 0.1 s.
 const JOB_RUNS: [[&str; 4]; 2] = [
     ["--strategy", "ddp", "--replicas", "2"],
     ["--strategy", "pipeline", "--mesh", "pp=2"],
 ];
-const JOB_STEPS: u32 = 400;
+const JOB_STEPS: u32 = 80;
 
 /// What the jobs of `run` are compared with: the same training on two
 /// thread ranks, uninterrupted, saved as `threads.safetensors`.
