@@ -355,6 +355,7 @@ case "$command" in
                 die "--cut must name a machine, 1-$MACHINES"
             [ -n "$CUT_AFTER" ] || [ -n "$CUT_WHEN" ] || die "--cut needs --cut-after SECONDS or --cut-when GLOB"
             [ -z "$CUT_AFTER" ] || [ -z "$CUT_WHEN" ] || die "--cut takes --cut-after or --cut-when, not both"
+            [ -z "$RESTORE_AFTER" ] || [ -n "$CUT_AFTER" ] || die "--restore-after goes with --cut-after"
         fi
         trap teardown EXIT
         trap 'exit 130' INT
