@@ -17,6 +17,8 @@ the op would give without float32's rounding).
 - cross_entropy: `cross_entropy` of 13 rows of 29 logits (some near
   +-30) against class targets, times an upstream gradient of 1.7 (`dy`),
   and the logits' gradient.
+- cross_entropy_large: the same at logits of 30, 1e3 and 1e4 (6 rows of
+  23: near +-scale, alternating, {2, 1, -1} x scale, one row near 0).
 - linear: `linear` of a 2 x 5 x 7 input with a 4 x 7 weight and a bias,
   and the gradients of all three.
 - causal_attention: `scaled_dot_product_attention(q, k, v,
@@ -114,6 +116,32 @@ def cross_entropy_case(dtype):
     return case(loss, ["x"], [x], torch.tensor(1.7, dtype=dtype), targets=targets.tolist())
 
 
+def cross_entropy_large_case(scale):
+    """`cross_entropy` of 6 rows of 23 logits at `scale`: rows all near
+    +scale, all near -scale, alternating +-scale, {2, 1, -1} x scale with
+    the target on the second, near scale with one a unit above, and one
+    row near 0 (the gradient's rounding must not grow with the logits)."""
+
+    def make(dtype):
+        gen = torch.Generator().manual_seed(536)
+        base = torch.zeros(6, 23, dtype=torch.float64)
+        base[0] = scale
+        base[1] = -scale
+        base[2, ::2] = scale
+        base[2, 1::2] = -scale
+        base[3, 0:3] = torch.tensor([2.0, 1.0, -1.0], dtype=torch.float64) * scale
+        base[4] = scale
+        base[4, 5] = scale + 1.0
+        x = (base + 2.0 * torch.randn(6, 23, generator=gen, dtype=torch.float64)).to(dtype)
+        targets = torch.randint(0, 23, (6,), generator=gen)
+        targets[3] = 1
+        loss = lambda x: torch.nn.functional.cross_entropy(x, targets)  # noqa: E731
+        dy = torch.tensor(1.7, dtype=dtype)
+        return case(loss, ["x"], [x], dy, targets=targets.tolist(), scale=scale)
+
+    return make
+
+
 def linear_case(dtype):
     gen = torch.Generator().manual_seed(534)
     (x, w, b, dy) = randn(gen, dtype, (2, 5, 7), (4, 7), (4,), (2, 5, 4))
@@ -151,6 +179,7 @@ def main():
         "layer_norm": both(layer_norm_case),
         "causal_softmax": both(causal_softmax_case),
         "cross_entropy": both(cross_entropy_case),
+        "cross_entropy_large": [both(cross_entropy_large_case(s)) for s in (30.0, 1e3, 1e4)],
         "linear": both(linear_case),
         "causal_attention": both(causal_attention_case),
     }

@@ -219,6 +219,42 @@ impl Precision {
     pub fn scales_loss(self) -> bool {
         self == Precision::F16Mixed
     }
+
+    /// The whole policy in words, as a training state records it: the
+    /// name, the compute and reduce dtypes, the masters' dtype and the
+    /// variables kept in it, and whether the loss is scaled.
+    ///
+    /// ```
+    /// use candle_dp::fabric::Precision;
+    /// assert_eq!(
+    ///     Precision::Bf16Mixed.policy_description(),
+    ///     "bf16-mixed: compute bf16, gradients reduced in f32, f32 masters, none kept in f32, loss not scaled"
+    /// );
+    /// ```
+    pub fn policy_description(self) -> String {
+        let (compute, reduce, kept) = match self.policy() {
+            None => (DType::F32, DType::F32, "all"),
+            Some(policy) => (
+                policy.param_dtype,
+                policy.reduce_dtype.unwrap_or(policy.param_dtype),
+                match policy.keep_full_precision {
+                    Some(_) => "some",
+                    None => "none",
+                },
+            ),
+        };
+        format!(
+            "{}: compute {}, gradients reduced in {}, f32 masters, {kept} kept in f32, loss {}",
+            self.name(),
+            compute.as_str(),
+            reduce.as_str(),
+            if self.scales_loss() {
+                "scaled"
+            } else {
+                "not scaled"
+            }
+        )
+    }
 }
 
 impl fmt::Display for Precision {

@@ -448,6 +448,7 @@ impl Fabric {
             checkpoint_dir: self.config.checkpoint_dir.clone(),
             keep: self.config.keep,
             seed: self.config.seed,
+            precision: self.config.precision,
         })
     }
 

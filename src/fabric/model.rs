@@ -10,7 +10,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use candle_nn::{Optimizer, VarMap};
 
-use super::config::Strategy;
+use super::config::{Precision, Strategy};
 use super::engine::{Engine, LossFn};
 use super::step_order::StepOrder;
 use crate::comm::ProcessGroup;
@@ -125,6 +125,8 @@ pub struct FabricModel<O> {
     pub(crate) keep: usize,
     /// The run's seed, saved with its states.
     pub(crate) seed: u64,
+    /// The run's precision, saved with its states.
+    pub(crate) precision: Precision,
 }
 
 impl<O: StatefulOptimizer> FabricModel<O> {

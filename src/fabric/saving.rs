@@ -52,6 +52,8 @@ enum Shards {
 
 /// The metadata key naming the strategy that saved a state.
 const STRATEGY: &str = "fabric.strategy";
+/// The precision policy in words ([`Precision::policy_description`]).
+const PRECISION: &str = "fabric.precision";
 
 /// How a strategy's states are laid out: states of one kind load into any
 /// strategy of the same kind, on any number of ranks.
@@ -95,6 +97,9 @@ impl<O: StatefulOptimizer> FabricModel<O> {
         state
             .metadata
             .insert(STRATEGY.into(), self.strategy.name().into());
+        state
+            .metadata
+            .insert(PRECISION.into(), self.precision.policy_description());
         match (&self.engine, &self.stepper) {
             // Each rank of the first pipeline writes its stages, numbered
             // in its pipeline; with ZeRO across the replicas, its stages'
@@ -171,7 +176,7 @@ impl<O: StatefulOptimizer> FabricModel<O> {
         // The newest state names the strategy that wrote it: another
         // layout is named as such, not as missing shards.
         if let Some(newest) = checkpoints.latest()? {
-            check_layout(self.strategy, self.seed, &newest.state, &newest.path)?;
+            check_layout(self, &newest.state, &newest.path)?;
         }
         // What to load is found first, and every rank must have found the
         // same step before anything changes.
@@ -189,7 +194,7 @@ impl<O: StatefulOptimizer> FabricModel<O> {
         let Some((saved, shards)) = found else {
             return Ok(None);
         };
-        check_layout(self.strategy, self.seed, &saved.state, &saved.path)?;
+        check_layout(self, &saved.state, &saved.path)?;
         // The schedule and the scale first, on copies: a state of another
         // precision or schedule changes nothing.
         self.order.check_resume(
@@ -299,7 +304,8 @@ impl<O: StatefulOptimizer> FabricModel<O> {
 }
 
 /// Refuses a state another strategy's layout or another seed wrote.
-fn check_layout(strategy: Strategy, seed: u64, state: &TrainingState, path: &Path) -> Result<()> {
+fn check_layout<O>(model: &FabricModel<O>, state: &TrainingState, path: &Path) -> Result<()> {
+    let (strategy, seed) = (model.strategy, model.seed);
     if let Some(saved) = state.metadata.get(STRATEGY) {
         let saved: Strategy = saved.parse()?;
         if layout(saved) != layout(strategy) {
@@ -318,6 +324,21 @@ fn check_layout(strategy: Strategy, seed: u64, state: &TrainingState, path: &Pat
                 "{}: saved by a run of seed {}, this run's is {seed}: its data order would differ",
                 path.display(),
                 sampler.seed
+            )));
+        }
+    }
+    // The masters are f32 under every precision, but the optimizer's
+    // moments, the loss scale and the path of the weights so far belong
+    // to the policy that wrote them: resuming under another is another run.
+    // (States written before the policy was recorded have none to compare.)
+    let ours = model.precision.policy_description();
+    if let Some(saved) = state.metadata.get(PRECISION) {
+        if *saved != ours {
+            return Err(Error::Checkpoint(format!(
+                "{}: saved under precision {saved}; this run's is {ours}: resume with precision \
+                 {}, or export it with save_full and start from its weights",
+                path.display(),
+                saved.split(':').next().unwrap_or(saved)
             )));
         }
     }

@@ -16,6 +16,10 @@ use super::kernel::{add_blocks, each_item, elements, per_float, Float, BLOCK_ROW
 /// `(softmax - one_hot) * grad / rows` straight into the gradient.
 /// Elsewhere it is candle-nn's (log-softmax, gather, mean).
 ///
+/// An empty batch (no rows) gives NaN on every device, as PyTorch's mean
+/// over no rows does, so that it cannot pass for a finite loss; its
+/// gradient is empty.
+///
 /// ```
 /// use candle_core::{Device, Tensor};
 /// let logits = Tensor::new(&[[0.0f32, 0.0], [10.0, -10.0]], &Device::Cpu)?;
@@ -41,6 +45,12 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> candle_core::Result<T
         && matches!(logits.dtype(), DType::F32 | DType::F64)
         && matches!(targets.dtype(), DType::U8 | DType::U32 | DType::I64);
     if !fused {
+        if rows == 0 {
+            // candle-nn's max over no rows fails ("empty tensor for
+            // reduce"); NaN as the fused path and PyTorch, through the
+            // graph so that a backward still reaches the logits.
+            return logits.sum_all()? * f64::NAN;
+        }
         return candle_nn::loss::cross_entropy(logits, targets);
     }
     let targets = class_indices(targets, classes)?;
@@ -74,8 +84,8 @@ struct CrossEntropyGrad;
 /// vectorised log-softmax sums in lanes too.
 const LANES: usize = 8;
 
-/// A row's largest value and `log sum exp`.
-fn log_sum_exp<T: Float>(row: &[T]) -> (T, T) {
+/// A row's largest value and `sum exp(v - max)`.
+fn max_and_sum_exp<T: Float>(row: &[T]) -> (T, T) {
     let (chunks, rest) = (row.chunks_exact(LANES), row.chunks_exact(LANES).remainder());
     let mut maxima = [T::NEG_INFINITY; LANES];
     for chunk in chunks.clone() {
@@ -98,7 +108,7 @@ fn log_sum_exp<T: Float>(row: &[T]) -> (T, T) {
         .map(|&v| (v - max).exp())
         .chain(sums)
         .fold(T::of(0.0), |a, b| a + b);
-    (max, max + sum.ln())
+    (max, sum)
 }
 
 fn forward<T: Float>(logits: &[T], targets: &[u32], classes: usize) -> T {
@@ -112,16 +122,19 @@ fn forward<T: Float>(logits: &[T], targets: &[u32], classes: usize) -> T {
         .collect();
     each_item(items, logits.len(), |((rows, targets), partial)| {
         for (row, &target) in rows.chunks(classes).zip(targets) {
-            let (_, lse) = log_sum_exp(row);
-            *partial = *partial + (lse - row[target as usize]);
+            // `-log_softmax[target]` in PyTorch's order: `(max - v) + ln sum`,
+            // not `(max + ln sum) - v`, which rounds at the largest logit.
+            let (max, sum) = max_and_sum_exp(row);
+            *partial = *partial + ((max - row[target as usize]) + sum.ln());
         }
     });
-    add_blocks(&partials, 1)[0] / T::of(targets.len().max(1) as f64)
+    // No rows: 0 / 0, NaN, as PyTorch's mean over an empty batch.
+    add_blocks(&partials, 1)[0] / T::of(targets.len() as f64)
 }
 
 fn backward<T: Float>(logits: &[T], targets: &[u32], classes: usize, grad: T) -> Vec<T> {
     let classes = classes.max(1);
-    let factor = grad / T::of(targets.len().max(1) as f64);
+    let factor = grad / T::of(targets.len() as f64);
     let mut out = vec![T::of(0.0); logits.len()];
     let items: Vec<_> = logits
         .chunks(BLOCK_ROWS * classes)
@@ -134,9 +147,14 @@ fn backward<T: Float>(logits: &[T], targets: &[u32], classes: usize, grad: T) ->
             .zip(targets)
             .zip(outs.chunks_mut(classes))
         {
-            let (_, lse) = log_sum_exp(row);
+            // The softmax from the row's maximum, as the forward's sum:
+            // `exp(v - lse)` would carry `lse`'s rounding, which is at the
+            // scale of the largest logit (a relative 1e-6 at logits of 30,
+            // 4e-5 at 1e4), into every probability.
+            let (max, sum) = max_and_sum_exp(row);
+            let scale = factor / sum;
             for (o, &v) in out.iter_mut().zip(row) {
-                *o = (v - lse).exp() * factor;
+                *o = (v - max).exp() * scale;
             }
             let t = target as usize;
             out[t] = out[t] - factor;

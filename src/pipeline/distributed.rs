@@ -74,6 +74,8 @@ impl DistributedDataParallel<Pipeline> {
         let (step, ran) = self
             .module()
             .forward_backward_uncommitted(x, y, reduction, loss_fn)?;
+        // `&mut self` keeps every other step out until the commit below.
+        let ran = ran.into_exclusive();
         self.record_backward(start.elapsed());
         let grads = self.synchronise(&step.grads)?;
         // The BatchNorm statistics move only once the all-reduce has

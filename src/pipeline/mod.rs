@@ -150,6 +150,23 @@ impl std::fmt::Debug for Pipeline {
     }
 }
 
+/// A step whose stages all succeeded, not yet committed, holding the
+/// pipeline's step lock until it is: the next step must read the buffers
+/// this one commits.
+struct Uncommitted<'a> {
+    ran: RanStep,
+    _step: std::sync::MutexGuard<'a, ()>,
+}
+
+impl Uncommitted<'_> {
+    /// The step, its lock let go: for a caller that holds the pipeline
+    /// exclusively until it commits (DDP's `&mut self`), so that no other
+    /// step can come between.
+    fn into_exclusive(self) -> RanStep {
+        self.ran
+    }
+}
+
 /// A step whose stages all succeeded, not yet committed.
 struct RanStep {
     /// Each stage's results, in stage order.
@@ -284,25 +301,28 @@ impl Pipeline {
         F: Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
     {
         let (step, ran) = self.forward_backward_uncommitted(x, y, reduction, loss_fn)?;
-        self.commit(&ran)?;
+        self.commit_step(ran)?;
         Ok(step)
     }
 
     /// [`forward_backward`](Self::forward_backward) but for the commit of
     /// the stages' buffers, which the caller makes with
-    /// [`commit`](Self::commit) once the rest of its step (DDP's
-    /// all-reduce) has succeeded too: a failed step changes nothing.
+    /// [`commit_step`](Self::commit_step) once the rest of its step (DDP's
+    /// all-reduce) has succeeded too: a failed step changes nothing. The
+    /// step lock is held until then (dropping the step uncommitted lets it
+    /// go), so that concurrent steps each read the buffers the one before
+    /// committed.
     fn forward_backward_uncommitted<F>(
         &self,
         x: &Tensor,
         y: &Tensor,
         reduction: LossReduction,
         loss_fn: F,
-    ) -> Result<(Step, RanStep)>
+    ) -> Result<(Step, Uncommitted<'_>)>
     where
         F: Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
     {
-        let _step = lock(&self.step);
+        let step_lock = lock(&self.step);
         let inputs = self.micro_batches(&self.input(x)?)?;
         let targets = self.micro_batches(y)?;
         if targets
@@ -359,7 +379,11 @@ impl Pipeline {
             grads,
             without_grad,
         };
-        Ok((done, step))
+        let uncommitted = Uncommitted {
+            ran: step,
+            _step: step_lock,
+        };
+        Ok((done, uncommitted))
     }
 
     fn last_device(&self) -> &Device {
@@ -493,6 +517,13 @@ impl Pipeline {
             peak_saved_bytes,
             time: started.elapsed(),
         })
+    }
+
+    /// [`commit`](Self::commit) of a step run by
+    /// [`forward_backward_uncommitted`](Self::forward_backward_uncommitted),
+    /// then its step lock let go.
+    fn commit_step(&self, step: Uncommitted<'_>) -> Result<()> {
+        self.commit(&step.ran)
     }
 
     /// The end of a step that succeeded as a whole (its caller's work on

@@ -470,6 +470,7 @@ impl RankPipeline {
         let gathered = self.gather_stages()?;
         let held = gathered.as_ref().map_or(&self.held, |g| &g.stages);
         let outputs = self.run(held, inputs, &mut None, sizes.len(), false, train)?;
+        self.every_rank_ran()?;
         let mut last = None;
         let mut buffers = Vec::new();
         for (&k, out) in self.indices.iter().zip(outputs) {
@@ -546,6 +547,7 @@ impl RankPipeline {
             None => (&self.held, &self.own),
         };
         let outputs = self.run(held, inputs, &mut loss, sizes.len(), true, true)?;
+        self.every_rank_ran()?;
         let mut grads = GradStore::default();
         let mut buffers = Vec::new();
         let mut losses = Vec::new();
@@ -595,6 +597,17 @@ impl RankPipeline {
             var.set(&value)?;
         }
         Ok(RankStep { loss, grads })
+    }
+
+    /// Returns once every rank of the pipeline has run its part of the
+    /// step, or the group's failure. A rank's own tasks can all be done
+    /// while another's are still running (the last stage's, once it has
+    /// sent its last gradient): without this, it would return `Ok` from a
+    /// step that failed on another rank, and its caller would step alone.
+    /// A failing rank fails the group before it returns, so the wait here
+    /// ends with that failure on every other rank.
+    fn every_rank_ran(&self) -> Result<()> {
+        Ok(self.pg.barrier()?)
     }
 
     /// Runs this rank's tasks of a step on this thread (`training`: the

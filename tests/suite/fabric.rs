@@ -1012,29 +1012,38 @@ fn a_failed_step_changes_nothing_and_the_run_goes_on() {
     }
 }
 
-/// A state of another precision is refused before anything is loaded.
+/// A state of another precision is refused before anything is loaded,
+/// naming both policies: bf16-mixed into 32-true and back, 32-true into
+/// 16-mixed (before, only the f16 loss scaler's presence was compared, and
+/// a bf16-mixed state loaded into a 32-true run and back without a word).
 #[test]
-fn a_state_of_another_precision_is_refused_and_nothing_is_loaded() {
-    let dir = tempdir();
-    let on = |precision| FabricConfig {
-        checkpoint_dir: Some(dir.clone()),
-        ..FabricConfig::new(Strategy::Ddp, 2).precision(precision)
-    };
-    resumable_run(&on(Precision::F32), Some(2));
-    let data = dataset();
-    let untouched = launch(on(Precision::F16Mixed), |fabric| {
-        let mut model = fabric.setup(classifier(), |p| Sgd::new_named(p, SgdConfig::default()))?;
-        let before = model.full_state()?;
-        let error = model.load().unwrap_err().to_string();
-        assert!(error.contains("16-mixed"), "{error}");
-        let _ = &data;
-        Ok(identical(&model.full_state()?, &before))
-    })
-    .unwrap();
-    assert!(
-        untouched.iter().all(|&same| same),
-        "a refused load changed the weights"
-    );
+fn a_state_of_another_precision_is_refused_naming_both_and_nothing_is_loaded() {
+    use Precision::{Bf16Mixed, F16Mixed, F32};
+    for (saved, loaded) in [(Bf16Mixed, F32), (F32, Bf16Mixed), (F32, F16Mixed)] {
+        let dir = tempdir();
+        let on = |precision| FabricConfig {
+            checkpoint_dir: Some(dir.clone()),
+            ..FabricConfig::new(Strategy::Ddp, 2).precision(precision)
+        };
+        resumable_run(&on(saved), Some(2));
+        let untouched = launch(on(loaded), move |fabric| {
+            let mut model =
+                fabric.setup(classifier(), |p| Sgd::new_named(p, SgdConfig::default()))?;
+            let before = model.full_state()?;
+            let error = model.load().unwrap_err().to_string();
+            assert!(
+                error.contains(&format!("saved under precision {}:", saved.name()))
+                    && error.contains(&format!("this run's is {}:", loaded.name())),
+                "{saved} into {loaded}: {error}"
+            );
+            Ok(identical(&model.full_state()?, &before))
+        })
+        .unwrap();
+        assert!(
+            untouched.iter().all(|&same| same),
+            "{saved} into {loaded}: a refused load changed the weights"
+        );
+    }
 }
 
 #[test]

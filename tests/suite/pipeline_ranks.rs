@@ -210,6 +210,126 @@ fn a_stage_failing_on_one_rank_ends_every_ranks_step_naming_it() {
     }
 }
 
+/// The identity, whose backward fails at its `fail_at`-th call after a
+/// delay (so that the ranks after it are done with their part of the step).
+struct FailsInBackward {
+    calls: std::sync::Arc<AtomicUsize>,
+    fail_at: usize,
+}
+
+impl candle_core::CustomOp1 for FailsInBackward {
+    fn name(&self) -> &'static str {
+        "fails-in-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        if !layout.is_contiguous() || layout.start_offset() != 0 {
+            candle_core::bail!("fails-in-backward: a contiguous input");
+        }
+        Ok((storage.clone(), layout.shape().clone()))
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) == self.fail_at {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            candle_core::bail!("the backward broke");
+        }
+        Ok(Some(grad.clone()))
+    }
+}
+
+/// Stage 1 of 3 fails in its last backward, late: the last stage's rank
+/// has sent its last gradient and is done with its own part by then. Its
+/// step fails all the same (before, it returned `Ok` with its gradients,
+/// and its caller stepped while the others did not), and its BatchNorm
+/// statistics stay as the step found them.
+#[test]
+fn a_stage_failing_late_fails_the_step_of_a_rank_that_finished_first() {
+    use crate::pipeline::bn_layers;
+    let per_rank = within(120, || {
+        on_own_threads(3, bounded(), |pg| {
+            let rank = candle_dp::comm::ProcessGroup::rank(&pg);
+            let pg: std::sync::Arc<dyn candle_dp::comm::ProcessGroup> = std::sync::Arc::new(pg);
+            let calls = std::sync::Arc::new(AtomicUsize::new(0));
+            let mut units = bn_layers(0.3, false);
+            // l1 relu l2 | the failing identity | reshape bn flatten l3
+            units.insert(
+                3,
+                layer(move |_| {
+                    let calls = std::sync::Arc::clone(&calls);
+                    Ok(candle_nn::func(move |x| {
+                        x.contiguous()?.apply_op1(FailsInBackward {
+                            calls: std::sync::Arc::clone(&calls),
+                            fail_at: 3,
+                        })
+                    }))
+                }),
+            );
+            let varmap = VarMap::new();
+            let pipe = RankPipeline::new(
+                pg,
+                &varmap,
+                DType::F32,
+                &Device::Cpu,
+                units,
+                RankPipelineConfig {
+                    chunks: Some(4),
+                    balance: Balance::Explicit(vec![3, 1, 4]),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let held = |pipe: &RankPipeline| -> Vec<Vec<u64>> {
+                pipe.buffers()
+                    .iter()
+                    .map(|(_, v)| bits(v.as_tensor()))
+                    .collect()
+            };
+            let before = held(&pipe);
+            let x = Tensor::randn(0f32, 1., (8, 6), &Device::Cpu).unwrap();
+            let y = Tensor::new(&[0u32, 1, 2, 0, 1, 2, 0, 1], &Device::Cpu).unwrap();
+            let result =
+                pipe.forward_backward(Some(&x), Some(&y), LossReduction::Mean, loss::cross_entropy);
+            let buffers = pipe.buffers().len();
+            let unchanged = held(&pipe) == before;
+            (
+                rank,
+                result.map(|_| ()).map_err(|e| e.to_string()),
+                buffers,
+                unchanged,
+            )
+        })
+    });
+    for (rank, result, buffers, unchanged) in &per_rank {
+        let error = match result {
+            Ok(()) => panic!("rank {rank}'s step ended Ok though stage 1 failed"),
+            Err(e) => e,
+        };
+        match rank {
+            1 => assert!(
+                error.contains("stage 1")
+                    && error.contains("backward of micro-batch")
+                    && error.contains("the backward broke"),
+                "rank 1: {error}"
+            ),
+            _ => assert!(
+                error.contains("rank 1 failed") && error.contains("the backward broke"),
+                "rank {rank}: {error}"
+            ),
+        }
+        assert!(*unchanged, "rank {rank}: the buffers changed");
+        assert_eq!(
+            *buffers > 0,
+            *rank == 2,
+            "rank {rank}: the BatchNorm is on stage 2"
+        );
+    }
+}
+
 #[test]
 fn ranks_that_ask_for_other_pipelines_or_leave_out_the_batch_are_refused_on_every_rank() {
     let errors = within(120, || {
