@@ -475,7 +475,7 @@ fn train(
         let total = batches * args.epochs as u64;
         if args.lr_schedule == Schedule::WarmupCosine {
             let warmup = args.warmup_steps.unwrap_or((total / 20).max(1));
-            model.set_schedule(LrScheduler::warmup_cosine(args.lr, warmup, total)?);
+            model.set_schedule(LrScheduler::warmup_cosine(args.lr, warmup, total)?)?;
         }
         let from = model.resume(job.saves && args.resume)?;
         let bar = if rank == 0 {

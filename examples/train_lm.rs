@@ -475,7 +475,7 @@ fn train_run(job: &Job, strategy: Strategy, in_process: bool) -> Result<Option<O
             })?;
             if args.lr_schedule == Schedule::WarmupCosine {
                 let warmup = args.warmup_steps.unwrap_or((args.steps / 20).max(1));
-                model.set_schedule(LrScheduler::warmup_cosine(args.lr, warmup, args.steps)?);
+                model.set_schedule(LrScheduler::warmup_cosine(args.lr, warmup, args.steps)?)?;
             }
             // A restarted job (elastic) resumes whatever --resume says.
             let from = model

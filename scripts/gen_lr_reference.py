@@ -3,7 +3,9 @@
 Writes tests/data/lr_reference.json: for each case, the scheduler and its
 arguments, and the learning rate (and, for OneCycleLR, the momentum) that
 the optimizer holds before each of its first STEPS steps (a step is
-`optimizer.step()` then `scheduler.step()`, PyTorch's order). The Rust
+`optimizer.step()` then `scheduler.step()`, PyTorch's order); under
+`groups`, the same of every schedule over an SGD of two parameter groups
+(rates `group_lrs`), each step's rates (and momenta) in group order. The Rust
 test that reproduces them through candle_dp::optim::LrScheduler reads the
 same file.
 
@@ -47,8 +49,53 @@ def cases():
         torch.optim.lr_scheduler.SequentialLR(opt, [warm, cos], milestones=[10])
 
 
+def sgd_groups(lrs):
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in lrs]
+    return torch.optim.SGD(groups, lr=lrs[0], momentum=0.9)
+
+
+GROUP_LRS = [0.1, 0.01]
+
+
+def group_cases():
+    """Every schedule over two parameter groups of rates 0.1 and 0.01:
+    each group's rate comes from the schedule's formula over its own base
+    rate (a cosine's eta_min is every group's floor)."""
+    lr = torch.optim.lr_scheduler
+    opt = sgd_groups(GROUP_LRS)
+    yield "cosine", {"T_max": 30, "eta_min": 1e-3}, opt, lr.CosineAnnealingLR(opt, T_max=30, eta_min=1e-3)
+    opt = sgd_groups(GROUP_LRS)
+    yield "linear", {"start_factor": 1 / 3, "end_factor": 1.0, "total_iters": 5}, opt, lr.LinearLR(opt)
+    opt = sgd_groups(GROUP_LRS)
+    yield "step", {"step_size": 7, "gamma": 0.5}, opt, lr.StepLR(opt, step_size=7, gamma=0.5)
+    opt = sgd_groups(GROUP_LRS)
+    yield "exponential", {"gamma": 0.97}, opt, lr.ExponentialLR(opt, gamma=0.97)
+    opt = sgd_groups(GROUP_LRS)
+    yield "lambda", {"factor": "0.95 ** step"}, opt, lr.LambdaLR(opt, lambda e: 0.95 ** e)
+    opt = sgd_groups(GROUP_LRS)
+    yield "one_cycle", {"max_lr": 1.0, "total_steps": STEPS}, opt, \
+        lr.OneCycleLR(opt, max_lr=1.0, total_steps=STEPS)
+    opt = sgd_groups(GROUP_LRS)
+    yield "one_cycle_per_group", {"max_lr": [1.0, 0.5], "total_steps": STEPS}, opt, \
+        lr.OneCycleLR(opt, max_lr=[1.0, 0.5], total_steps=STEPS)
+    opt = sgd_groups(GROUP_LRS)
+    warm = lr.LinearLR(opt, start_factor=0.1, total_iters=10)
+    cos = lr.CosineAnnealingLR(opt, T_max=60, eta_min=1e-4)
+    yield "warmup_cosine", {"start_factor": 0.1, "total_iters": 10, "T_max": 60,
+                            "eta_min": 1e-4, "milestone": 10}, opt, \
+        lr.SequentialLR(opt, [warm, cos], milestones=[10])
+
+
 def main():
-    out = {"torch": torch.__version__, "steps": STEPS, "cases": {}}
+    out = {"torch": torch.__version__, "steps": STEPS, "cases": {}, "group_lrs": GROUP_LRS, "groups": {}}
+    for name, args, opt, sched in group_cases():
+        lrs, momenta = [], []
+        for _ in range(STEPS):
+            lrs.append([g["lr"] for g in opt.param_groups])
+            momenta.append([g["momentum"] for g in opt.param_groups])
+            opt.step()
+            sched.step()
+        out["groups"][name] = {"args": args, "lr": lrs, "momentum": momenta}
     for name, args, opt, sched in cases():
         lrs, momenta = [], []
         for _ in range(STEPS):

@@ -749,11 +749,19 @@ fn nonfinite_in_schedule(state: &LrSchedulerState, path: &str) -> Option<(String
             return Some((format!("{path}.{field}"), value));
         }
     }
-    state
+    let children = state
         .children
         .iter()
         .enumerate()
-        .find_map(|(k, child)| nonfinite_in_schedule(child, &format!("{path}.children[{k}]")))
+        .map(|(k, child)| (format!("{path}.children[{k}]"), child));
+    let groups = state
+        .groups
+        .iter()
+        .enumerate()
+        .map(|(g, group)| (format!("{path}.groups[{g}]"), group));
+    children
+        .chain(groups)
+        .find_map(|(path, inner)| nonfinite_in_schedule(inner, &path))
 }
 
 fn failed(path: &Path, what: &str, error: &dyn std::fmt::Display) -> Error {

@@ -142,7 +142,7 @@ pub fn run_child(spec: &LmSpec) -> Result<LmMeasured> {
         let mut model = fabric.setup(FabricModule::units(units(gpt)), |p| {
             adamw_groups(p, adamw, false)
         })?;
-        model.set_schedule(LrScheduler::warmup_cosine(LR, 1, total as u64)?);
+        model.set_schedule(LrScheduler::warmup_cosine(LR, 1, total as u64)?)?;
         let mut measured = LmMeasured::default();
         // The first rank of each machine counts its link (the ranks of a
         // machine are neighbours: netcluster's --block).

@@ -278,7 +278,7 @@ impl<O: StatefulOptimizer> FabricModel<O> {
             .filter_map(|p| grads.get(p))
             .map(|g| g.elem_count() * g.dtype().size_in_bytes())
             .sum();
-        self.order.apply_rate(self.stepper.inner_mut());
+        self.order.apply_rate(self.stepper.inner_mut())?;
         let stepper = &mut self.stepper;
         let stepped = self
             .order
@@ -312,10 +312,20 @@ impl<O: StatefulOptimizer> FabricModel<O> {
         Ok(())
     }
 
-    /// Steps the learning rate with `schedule` (its factor on the
-    /// optimizer's rate at each step, saved with the run).
-    pub fn set_schedule(&mut self, schedule: LrScheduler) {
-        self.order.set_schedule(schedule);
+    /// Steps the learning rates with `schedule`, saved with the run. Over
+    /// several parameter groups, a schedule of one group (built with group
+    /// 0's rate) gives each group the rate of its formula from the group's
+    /// own rate now, as PyTorch's schedules over `param_groups` do
+    /// ([`LrScheduler::with_group_rates`]); one made with
+    /// [`LrScheduler::per_group`] sets each group as it says.
+    ///
+    /// # Errors
+    ///
+    /// A schedule made for another number of groups than the optimizer
+    /// has; a group's rate the schedule cannot start from.
+    pub fn set_schedule(&mut self, schedule: LrScheduler) -> Result<()> {
+        let rates = self.stepper.inner().group_learning_rates();
+        self.order.set_schedule(schedule, &rates)
     }
 
     /// The optimizer (with ZeRO, this rank's, over its pieces).

@@ -6,11 +6,12 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::Var;
-use candle_nn::Optimizer;
 
 use crate::comm::ProcessGroup;
 use crate::error::{Error, Result};
-use crate::optim::{GradScaler, GradScalerConfig, GradScalerState, LrScheduler, LrSchedulerState};
+use crate::optim::{
+    GradScaler, GradScalerConfig, GradScalerState, LrScheduler, LrSchedulerState, StatefulOptimizer,
+};
 
 /// The loss scaler (f16) and the learning-rate schedule of one run, and
 /// how many steps the scaler skipped.
@@ -39,8 +40,25 @@ impl StepOrder {
         })
     }
 
-    pub(crate) fn set_schedule(&mut self, schedule: LrScheduler) {
+    /// Steps the rates with `schedule`, made over the optimizer's groups
+    /// of rates `group_rates` where it sets one group (each group's rate
+    /// from its own base, as PyTorch's schedules over `param_groups`).
+    pub(crate) fn set_schedule(
+        &mut self,
+        schedule: LrScheduler,
+        group_rates: &[f64],
+    ) -> Result<()> {
+        let schedule = match (schedule.groups(), group_rates.len()) {
+            (1, n) if n > 1 => schedule.with_group_rates(group_rates)?,
+            (a, b) if a != b => {
+                return Err(Error::Fabric(format!(
+                    "a schedule over {a} parameter group(s) for an optimizer of {b}"
+                )))
+            }
+            _ => schedule,
+        };
         self.schedule = Some(schedule);
+        Ok(())
     }
 
     /// The factor the loss is multiplied by before the backward (1 without
@@ -69,10 +87,12 @@ impl StepOrder {
         Ok(())
     }
 
-    /// Sets the optimizer's rate for the coming step from the schedule.
-    pub(crate) fn apply_rate<O: Optimizer>(&self, opt: &mut O) {
-        if let Some(schedule) = &self.schedule {
-            schedule.apply(opt);
+    /// Sets the optimizer's rates for the coming step from the schedule,
+    /// each group's its own.
+    pub(crate) fn apply_rate<O: StatefulOptimizer>(&self, opt: &mut O) -> Result<()> {
+        match &self.schedule {
+            Some(schedule) => opt.set_group_learning_rates(&schedule.group_lrs()),
+            None => Ok(()),
         }
     }
 

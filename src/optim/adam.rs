@@ -487,9 +487,8 @@ macro_rules! adam_variant {
 
             /// Over `params` in parameter groups (PyTorch's
             /// `param_groups`): the parameter named `name` in group
-            /// `group_of(name)`, stepped with `configs[group_of(name)]`. A
-            /// schedule sets group 0's rate and scales the others' by the
-            /// same factor. Through ZeRO and FSDP each piece is named as
+            /// `group_of(name)`, stepped with `configs[group_of(name)]`. A schedule over the groups sets each group's rate
+            /// (`set_group_learning_rates`); candle's `set_learning_rate` sets group 0's and scales the others' by the same factor. Through ZeRO and FSDP each piece is named as
             /// its parameter, so it falls into its parameter's group.
             ///
             /// # Errors
@@ -555,6 +554,14 @@ macro_rules! adam_variant {
 
             fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
                 self.0.load_state(state)
+            }
+
+            fn group_learning_rates(&self) -> Vec<f64> {
+                self.0.groups.lrs()
+            }
+
+            fn set_group_learning_rates(&mut self, lrs: &[f64]) -> Result<()> {
+                self.0.groups.set_lrs(lrs)
             }
         }
     };

@@ -1,7 +1,8 @@
 //! Parameter groups, PyTorch's `param_groups`: each parameter belongs to
 //! one group, each group has its own settings (rate, weight decay,
-//! betas, momentum), and a learning-rate schedule scales every group's
-//! rate by the same factor.
+//! betas, momentum); a learning-rate schedule sets each group's rate
+//! (`set_lrs`), candle's `set_learning_rate` scales every group's by group
+//! 0's factor (`set_lr`).
 //!
 //! A parameter's group is chosen by its name, so that ZeRO's and FSDP's
 //! pieces (named as their parameters) fall into their parameters' groups.
@@ -135,6 +136,31 @@ impl<C: GroupSettings> Groups<C> {
         }
         // Group 0 exactly, not through the factor's rounding.
         self.configs[0].set_lr(lr);
+    }
+
+    /// Each group's rate, in order.
+    pub(crate) fn lrs(&self) -> Vec<f64> {
+        self.configs.iter().map(GroupSettings::lr).collect()
+    }
+
+    /// Sets each group's rate, in order.
+    ///
+    /// # Errors
+    ///
+    /// Another number of rates than groups, naming both; nothing changes.
+    pub(crate) fn set_lrs(&mut self, lrs: &[f64]) -> Result<()> {
+        if lrs.len() != self.configs.len() {
+            return Err(invalid(format!(
+                "{} rates for the {} parameter group(s) of this {} optimizer",
+                lrs.len(),
+                self.configs.len(),
+                C::NAME
+            )));
+        }
+        for (config, &lr) in self.configs.iter_mut().zip(lrs) {
+            config.set_lr(lr);
+        }
+        Ok(())
     }
 
     /// The settings of a state: group 0's under their own names (a

@@ -176,6 +176,71 @@ impl Scheduler {
         }
     }
 
+    /// The schedule `self` is, made again over another base rate as its
+    /// constructor made it (PyTorch's constructors over an optimizer's
+    /// group of that rate), at step 0: the scheduler and the group's rate
+    /// (and momentum). A one-cycle schedule's rates are its own (PyTorch's
+    /// scalar `max_lr` gives every group the same), whatever `base_lr`.
+    fn rebuilt(&self, base_lr: f64) -> Result<(Scheduler, Group)> {
+        match &self.kind {
+            Kind::Sequential {
+                children,
+                milestones,
+            } => {
+                // PyTorch's SequentialLR constructor: each schedule made
+                // over the group, the rate back to the base, every schedule
+                // one epoch back, then the first one's constructor step.
+                let mut made = children
+                    .iter()
+                    .map(|child| Ok(child.rebuilt(base_lr)?.0))
+                    .collect::<Result<Vec<_>>>()?;
+                let mut group = Group {
+                    lr: base_lr,
+                    momentum: None,
+                };
+                made.iter_mut().for_each(Scheduler::undo);
+                if let Some(first) = made.first_mut() {
+                    first.initial_step(&mut group)?;
+                }
+                let scheduler = Scheduler {
+                    kind: Kind::Sequential {
+                        children: made,
+                        milestones: milestones.clone(),
+                    },
+                    base_lr,
+                    last_epoch: 0,
+                    step_count: 0,
+                };
+                Ok((scheduler, group))
+            }
+            kind => {
+                let (base_lr, momentum) = match kind {
+                    Kind::OneCycle {
+                        phases,
+                        cycle_momentum,
+                        ..
+                    } => {
+                        let first = phases
+                            .first()
+                            .ok_or_else(|| invalid("a one-cycle schedule without phases"))?;
+                        (
+                            first.start_lr,
+                            cycle_momentum.then_some(first.start_momentum),
+                        )
+                    }
+                    _ => (base_lr, None),
+                };
+                let mut scheduler = Scheduler::new(kind.clone(), base_lr);
+                let mut group = Group {
+                    lr: base_lr,
+                    momentum,
+                };
+                scheduler.initial_step(&mut group)?;
+                Ok((scheduler, group))
+            }
+        }
+    }
+
     /// PyTorch's `_initial_step`: the step that a constructor takes.
     fn initial_step(&mut self, group: &mut Group) -> Result<()> {
         self.step_count = 0;
@@ -345,6 +410,7 @@ impl Scheduler {
                 Kind::Sequential { children, .. } => children.iter().map(Self::state).collect(),
                 _ => Vec::new(),
             },
+            groups: Vec::new(),
         }
     }
 
@@ -414,6 +480,10 @@ impl Anneal {
 pub struct LrScheduler {
     scheduler: Scheduler,
     group: Group,
+    /// The optimizer's parameter groups after the first, each with the
+    /// schedule over its own base rate, stepped alongside (PyTorch's
+    /// per-group `base_lrs`): see [`with_group_rates`](Self::with_group_rates).
+    others: Vec<(Scheduler, Group)>,
 }
 
 /// Where an [`LrScheduler`] is: PyTorch's `last_epoch`, `_step_count` and
@@ -435,6 +505,11 @@ pub struct LrSchedulerState {
     pub momentum: Option<f64>,
     /// The states of the schedules inside a sequential one, in order.
     pub children: Vec<LrSchedulerState>,
+    /// The same for each parameter group after the first (none for a
+    /// schedule of one group, and in states saved before groups had
+    /// schedules of their own).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub groups: Vec<LrSchedulerState>,
 }
 
 impl fmt::Debug for LrScheduler {
@@ -444,6 +519,7 @@ impl fmt::Debug for LrScheduler {
             .field("last_epoch", &self.scheduler.last_epoch)
             .field("lr", &self.group.lr)
             .field("momentum", &self.group.momentum)
+            .field("group_lrs", &self.group_lrs())
             .finish()
     }
 }
@@ -462,6 +538,16 @@ fn check_finite(scheduler: &Scheduler, group: &Group) -> Result<()> {
         group.momentum,
         scheduler.last_epoch
     )))
+}
+
+/// Whether two states are of schedules of the same kinds, nested alike.
+fn same_shape(a: &LrSchedulerState, b: &LrSchedulerState) -> bool {
+    a.kind == b.kind
+        && a.children.len() == b.children.len()
+        && a.children
+            .iter()
+            .zip(&b.children)
+            .all(|(a, b)| same_shape(a, b))
 }
 
 fn invalid(reason: impl Into<String>) -> Error {
@@ -490,7 +576,11 @@ impl LrScheduler {
         };
         scheduler.initial_step(&mut group)?;
         check_finite(&scheduler, &group)?;
-        Ok(Self { scheduler, group })
+        Ok(Self {
+            scheduler,
+            group,
+            others: Vec::new(),
+        })
     }
 
     /// `LambdaLR`: `base_lr * factor(step)`.
@@ -691,6 +781,13 @@ impl LrScheduler {
                 pair[0], pair[1]
             )));
         }
+        if let Some((k, schedule)) = schedules.iter().enumerate().find(|(_, s)| s.groups() > 1) {
+            return Err(invalid(format!(
+                "SequentialLR: schedule {k} sets {} parameter groups: build the sequence of \
+                 one-group schedules, then give it the groups' rates (with_group_rates)",
+                schedule.groups()
+            )));
+        }
         let mut children: Vec<Scheduler> = schedules.into_iter().map(|s| s.scheduler).collect();
         // PyTorch's constructor: the rate back to the base, every schedule
         // one epoch back, then the first one's constructor step again.
@@ -712,7 +809,123 @@ impl LrScheduler {
             step_count: 0,
         };
         check_finite(&scheduler, &group)?;
-        Ok(Self { scheduler, group })
+        Ok(Self {
+            scheduler,
+            group,
+            others: Vec::new(),
+        })
+    }
+
+    /// The schedule over an optimizer's parameter groups of base rates
+    /// `base_lrs` (each group's rate when the schedule starts: PyTorch's
+    /// `base_lrs`, read from the optimizer): group `g` gets the rate the
+    /// schedule's formula gives from its own base, as PyTorch's schedules
+    /// compute each group's (a cosine's floor `eta_min` is every group's
+    /// floor, not a share of it). Group 0 is this schedule itself (build it
+    /// with group 0's rate); a one-cycle schedule gives every group its
+    /// rates, as PyTorch's scalar `max_lr` does ([`per_group`](Self::per_group)
+    /// takes one schedule per group, for PyTorch's lists of `max_lr`).
+    /// [`FabricModel::set_schedule`](crate::fabric::FabricModel::set_schedule)
+    /// calls it with the optimizer's rates.
+    ///
+    /// ```
+    /// use candle_dp::optim::LrScheduler;
+    ///
+    /// # fn main() -> candle_dp::Result<()> {
+    /// let mut schedule = LrScheduler::cosine_annealing(0.1, 10, 1e-3)?.with_group_rates(&[0.1, 0.01])?;
+    /// for _ in 0..10 {
+    ///     schedule.step()?;
+    /// }
+    /// // Both groups end on the floor, as in PyTorch.
+    /// assert!(schedule.group_lrs().iter().all(|lr| (lr - 1e-3).abs() < 1e-15));
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LrSchedule`] when the schedule has stepped already or has
+    /// its groups already, `base_lrs` is empty, or a rate is not a finite
+    /// number of at least 0 (naming the group).
+    pub fn with_group_rates(mut self, base_lrs: &[f64]) -> Result<Self> {
+        if self.scheduler.last_epoch > 0 || !self.others.is_empty() {
+            return Err(invalid(format!(
+                "with_group_rates on a schedule that has stepped ({} steps) or has its groups \
+                 ({}): give the groups' rates before the first step",
+                self.steps(),
+                self.groups()
+            )));
+        }
+        if base_lrs.is_empty() {
+            return Err(invalid("with_group_rates of no parameter group"));
+        }
+        self.others = base_lrs[1..]
+            .iter()
+            .enumerate()
+            .map(|(g, &base)| {
+                check_rate(&format!("parameter group {}'s rate", g + 1), base)?;
+                let (scheduler, group) = self.scheduler.rebuilt(base)?;
+                check_finite(&scheduler, &group)?;
+                Ok((scheduler, group))
+            })
+            .collect::<Result<_>>()?;
+        Ok(self)
+    }
+
+    /// One schedule per parameter group, in group order, stepped together:
+    /// PyTorch's schedules that take a list per group (`OneCycleLR`'s
+    /// `max_lr`, a floor per group). Each must be a schedule of one group,
+    /// of the same kind and steps.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LrSchedule`] for no schedule, or one of several groups
+    /// already, of another kind, or at another step (naming it).
+    pub fn per_group(schedules: Vec<LrScheduler>) -> Result<Self> {
+        let mut schedules = schedules.into_iter();
+        let Some(mut first) = schedules.next() else {
+            return Err(invalid("per_group of no schedule"));
+        };
+        if !first.others.is_empty() {
+            return Err(invalid(format!(
+                "per_group: group 0's schedule sets {} groups already: give one schedule of one \
+                 group per group",
+                first.groups()
+            )));
+        }
+        for (g, schedule) in schedules.enumerate().map(|(g, s)| (g + 1, s)) {
+            let (mine, theirs) = (first.scheduler.state(), schedule.scheduler.state());
+            if !schedule.others.is_empty()
+                || !same_shape(&mine, &theirs)
+                || theirs.last_epoch != mine.last_epoch
+            {
+                return Err(invalid(format!(
+                    "per_group: group {g}'s schedule (`{}` at step {}, {} group(s)) is not one \
+                     group of group 0's kind (`{}` at step {})",
+                    theirs.kind,
+                    theirs.last_epoch,
+                    schedule.groups(),
+                    mine.kind,
+                    mine.last_epoch
+                )));
+            }
+            first.others.push((schedule.scheduler, schedule.group));
+        }
+        Ok(first)
+    }
+
+    /// The number of parameter groups the schedule sets (1 unless
+    /// [`with_group_rates`](Self::with_group_rates) or
+    /// [`per_group`](Self::per_group) made it for more).
+    pub fn groups(&self) -> usize {
+        1 + self.others.len()
+    }
+
+    /// Each parameter group's rate for the next optimizer step.
+    pub fn group_lrs(&self) -> Vec<f64> {
+        std::iter::once(self.group.lr)
+            .chain(self.others.iter().map(|(_, g)| g.lr))
+            .collect()
     }
 
     /// The learning rate of the next optimizer step.
@@ -745,8 +958,14 @@ impl LrScheduler {
         let mut group = self.group;
         scheduler.step(&mut group, false)?;
         check_finite(&scheduler, &group)?;
+        let mut others = self.others.clone();
+        for (scheduler, group) in &mut others {
+            scheduler.step(group, false)?;
+            check_finite(scheduler, group)?;
+        }
         self.scheduler = scheduler;
         self.group = group;
+        self.others = others;
         Ok(())
     }
 
@@ -757,10 +976,14 @@ impl LrScheduler {
 
     /// Where the schedule is, to save.
     pub fn state(&self) -> LrSchedulerState {
+        let of = |scheduler: &Scheduler, group: &Group| LrSchedulerState {
+            lr: group.lr,
+            momentum: group.momentum,
+            ..scheduler.state()
+        };
         LrSchedulerState {
-            lr: self.group.lr,
-            momentum: self.group.momentum,
-            ..self.scheduler.state()
+            groups: self.others.iter().map(|(s, g)| of(s, g)).collect(),
+            ..of(&self.scheduler, &self.group)
         }
     }
 
@@ -773,18 +996,38 @@ impl LrScheduler {
     /// kind or number of schedules inside differs, or a rate that is not a
     /// finite number.
     pub fn load_state(&mut self, state: &LrSchedulerState) -> Result<()> {
-        self.scheduler.check(state, self.scheduler.kind.name())?;
-        if !state.lr.is_finite() || state.momentum.is_some_and(|m| !m.is_finite()) {
+        if state.groups.len() != self.others.len() {
             return Err(invalid(format!(
-                "the saved rate {} (momentum {:?}) is not a finite number",
-                state.lr, state.momentum
+                "the state sets {} parameter group(s), this schedule {}: build it over the \
+                 groups of the run that saved it",
+                1 + state.groups.len(),
+                self.groups()
             )));
         }
-        self.scheduler.load(state);
-        self.group = Group {
-            lr: state.lr,
-            momentum: state.momentum,
-        };
+        let saved = std::iter::once(state).chain(&state.groups);
+        let mine = std::iter::once(&self.scheduler).chain(self.others.iter().map(|(s, _)| s));
+        for (g, (scheduler, state)) in mine.zip(saved.clone()).enumerate() {
+            let path = match g {
+                0 => scheduler.kind.name().to_string(),
+                g => format!("group {g}: {}", scheduler.kind.name()),
+            };
+            scheduler.check(state, &path)?;
+            if !state.lr.is_finite() || state.momentum.is_some_and(|m| !m.is_finite()) {
+                return Err(invalid(format!(
+                    "{path}: the saved rate {} (momentum {:?}) is not a finite number",
+                    state.lr, state.momentum
+                )));
+            }
+        }
+        let mine = std::iter::once((&mut self.scheduler, &mut self.group))
+            .chain(self.others.iter_mut().map(|(s, g)| (s, g)));
+        for ((scheduler, group), state) in mine.zip(saved) {
+            scheduler.load(state);
+            *group = Group {
+                lr: state.lr,
+                momentum: state.momentum,
+            };
+        }
         Ok(())
     }
 }

@@ -153,8 +153,8 @@ impl Sgd {
 
     /// Over `params` in parameter groups (PyTorch's `param_groups`): the
     /// parameter named `name` in group `group_of(name)`, stepped with
-    /// `configs[group_of(name)]`. A schedule sets group 0's rate and scales
-    /// the others' by the same factor. Through ZeRO and FSDP each piece is
+    /// `configs[group_of(name)]`. A schedule over the groups sets each group's rate (`set_group_learning_rates`); candle's `set_learning_rate` sets
+    /// group 0's and scales the others' by the same factor. Through ZeRO and FSDP each piece is
     /// named as its parameter, so it falls into its parameter's group.
     ///
     /// # Errors
@@ -353,5 +353,13 @@ impl StatefulOptimizer for Sgd {
         self.momentum_buffers = buffers;
         self.steps = state.steps;
         Ok(())
+    }
+
+    fn group_learning_rates(&self) -> Vec<f64> {
+        self.groups.lrs()
+    }
+
+    fn set_group_learning_rates(&mut self, lrs: &[f64]) -> Result<()> {
+        self.groups.set_lrs(lrs)
     }
 }

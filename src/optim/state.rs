@@ -68,6 +68,32 @@ pub trait StatefulOptimizer: candle_nn::Optimizer {
     /// a sharded state ([`OptimizerState::shard`]: load every shard with
     /// [`ZeroOptimizer::load_shards`](crate::zero::ZeroOptimizer::load_shards)).
     fn load_state(&mut self, state: &OptimizerState) -> Result<()>;
+
+    /// Each parameter group's rate, in group order (PyTorch's
+    /// `[g["lr"] for g in opt.param_groups]`); one group by default.
+    fn group_learning_rates(&self) -> Vec<f64> {
+        vec![self.learning_rate()]
+    }
+
+    /// Sets each parameter group's rate, in group order (what a schedule
+    /// over the groups gives: [`LrScheduler::group_lrs`](super::LrScheduler::group_lrs)).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::OptimizerState`] when `lrs` has another number of rates
+    /// than the optimizer has groups; nothing changes then.
+    fn set_group_learning_rates(&mut self, lrs: &[f64]) -> Result<()> {
+        match lrs {
+            [lr] => {
+                self.set_learning_rate(*lr);
+                Ok(())
+            }
+            _ => Err(invalid(format!(
+                "{} rates for an optimizer of one parameter group",
+                lrs.len()
+            ))),
+        }
+    }
 }
 
 /// The variables of `varmap`, named and sorted by name.

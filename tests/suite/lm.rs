@@ -92,7 +92,7 @@ fn the_language_model_reproduces_pytorchs_first_steps() {
             args.lr,
             args.warmup_steps,
             args.steps,
-        )?);
+        )?)?;
         let mut losses = Vec::new();
         for step in 0..steps {
             let indices = windows_at(&train, 1, 0, args.seed, args.batch, step as u64)?;
