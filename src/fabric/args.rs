@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use super::config::{Accelerator, Devices, DpBackward, FabricConfig, Precision, Strategy};
+use super::degrees::Degrees;
 use crate::error::Result;
 
 /// The strategy, devices, precision and step settings as flags; each one
@@ -41,6 +42,11 @@ pub struct FabricArgs {
     /// pipeline-ddp or pipeline-ranks [default: single].
     #[arg(long)]
     pub strategy: Option<Strategy>,
+    /// The parallelism as degrees of one mesh, `dp_replicate=2,dp_shard=2`
+    /// (also dp_shard, pp; their product the ranks): sets the strategy,
+    /// the ranks, the shard groups and the stages.
+    #[arg(long, value_name = "DEGREES")]
+    pub mesh: Option<Degrees>,
     /// cpu or cuda [default: cpu].
     #[arg(long)]
     pub accelerator: Option<Accelerator>,
@@ -152,6 +158,19 @@ impl FabricArgs {
         }
         if self.no_reshard_after_forward {
             config.reshard_after_forward = false;
+        }
+        if let Some(degrees) = self.mesh {
+            // The flag's mesh replaces the file's, and what the file's set.
+            if config.mesh.take().is_some() {
+                let defaults = FabricConfig::default();
+                config.strategy = self.strategy.unwrap_or(defaults.strategy);
+                config.devices = self.devices.clone().unwrap_or(defaults.devices);
+                config.stages = self.stages.unwrap_or(defaults.stages);
+                // The file's ZeRO stage stays unless its mesh set it (3).
+                config.zero = self.zero.or(config.zero.filter(|&z| z != 3));
+                config.shard_size = defaults.shard_size;
+            }
+            config = config.with_mesh(degrees)?;
         }
         config.check()?;
         Ok(config)

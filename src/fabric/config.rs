@@ -11,6 +11,7 @@ use std::time::Duration;
 use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
+use super::degrees::Degrees;
 use crate::error::{Error, Result};
 use crate::pipeline::{Checkpoint, Schedule};
 use crate::precision::MixedPrecision;
@@ -496,6 +497,12 @@ pub struct FabricConfig {
     /// [`Fabric::seed_everything`](super::Fabric::seed_everything)
     /// changes it).
     pub seed: u64,
+    /// The parallelism as degrees of one mesh (JSON `"mesh":
+    /// {"dp_replicate": 2, "dp_shard": 2}`, the flag `--mesh
+    /// dp_replicate=2,dp_shard=2`), which set the strategy, the ranks, the
+    /// shard groups and the stages ([`with_mesh`](Self::with_mesh));
+    /// default none: the strategy's name says it.
+    pub mesh: Option<Degrees>,
 }
 
 impl Default for FabricConfig {
@@ -523,6 +530,7 @@ impl Default for FabricConfig {
             timeout_secs: None,
             max_restarts: 0,
             seed: 0,
+            mesh: None,
         }
     }
 }
@@ -552,7 +560,8 @@ impl FabricConfig {
     /// Parses a configuration written as JSON (the fields of this type;
     /// an unknown field is an error naming it).
     pub fn from_json(text: &str) -> Result<Self> {
-        serde_json::from_str(text).map_err(|e| Error::Config(format!("{e}")))
+        let config: Self = serde_json::from_str(text).map_err(|e| Error::Config(format!("{e}")))?;
+        config.with_its_mesh()
     }
 
     /// Reads a configuration file (JSON), naming the file on any error.
@@ -560,7 +569,11 @@ impl FabricConfig {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path)
             .map_err(|e| Error::Config(format!("cannot read {}: {e}", path.display())))?;
-        serde_json::from_str(&text).map_err(|e| Error::Config(format!("{}: {e}", path.display())))
+        let config: Self = serde_json::from_str(&text)
+            .map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
+        config
+            .with_its_mesh()
+            .map_err(|e| Error::Config(format!("{}: {e}", path.display())))
     }
 
     /// Writes it as JSON (what [`from_file`](Self::from_file) reads).
@@ -622,6 +635,7 @@ impl FabricConfig {
         if devices == 0 {
             return refuse("no devices: give at least one".into());
         }
+        self.check_mesh()?;
         if let Devices::Ids(_) = self.devices {
             if self.accelerator == Accelerator::Cpu {
                 return refuse(format!(

@@ -56,10 +56,12 @@
 //! The manual's page `docs/fabric.md` shows the loop beside Fabric's,
 //! Accelerate's and `torchrun`'s, and what differs from them and why.
 
+mod aliases;
 mod args;
 mod checkpoints;
 mod config;
 mod data;
+mod degrees;
 mod engine;
 mod model;
 mod module;
@@ -76,6 +78,7 @@ use serde::Serialize;
 pub use args::FabricArgs;
 pub use config::{Accelerator, Devices, DpBackward, FabricConfig, Precision, Strategy};
 pub use data::{DataOptions, FabricBatches, FabricLoader, Sharding};
+pub use degrees::Degrees;
 pub use model::{FabricModel, Memory, StepOutcome};
 pub use module::FabricModule;
 pub use saving::Resumed;

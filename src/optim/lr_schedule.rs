@@ -822,7 +822,8 @@ impl LrScheduler {
     /// schedule's formula gives from its own base, as PyTorch's schedules
     /// compute each group's (a cosine's floor `eta_min` is every group's
     /// floor, not a share of it). Group 0 is this schedule itself (build it
-    /// with group 0's rate); a one-cycle schedule gives every group its
+    /// with group 0's rate: built with another, every group's base is its
+    /// rate times the schedule's base over group 0's); a one-cycle schedule gives every group its
     /// rates, as PyTorch's scalar `max_lr` does ([`per_group`](Self::per_group)
     /// takes one schedule per group, for PyTorch's lists of `max_lr`).
     /// [`FabricModel::set_schedule`](crate::fabric::FabricModel::set_schedule)
@@ -859,11 +860,20 @@ impl LrScheduler {
         if base_lrs.is_empty() {
             return Err(invalid("with_group_rates of no parameter group"));
         }
+        // Built with another rate than group 0's, the schedule's base is
+        // group 0's, and each other group keeps its ratio to group 0 (what
+        // scaling every group by group 0's factor gave).
+        check_rate("parameter group 0's rate", base_lrs[0])?;
+        let scale = match base_lrs[0] {
+            b if b > 0.0 && b != self.scheduler.base_lr => self.scheduler.base_lr / b,
+            _ => 1.0,
+        };
         self.others = base_lrs[1..]
             .iter()
             .enumerate()
-            .map(|(g, &base)| {
-                check_rate(&format!("parameter group {}'s rate", g + 1), base)?;
+            .map(|(g, &rate)| {
+                check_rate(&format!("parameter group {}'s rate", g + 1), rate)?;
+                let base = if scale == 1.0 { rate } else { rate * scale };
                 let (scheduler, group) = self.scheduler.rebuilt(base)?;
                 check_finite(&scheduler, &group)?;
                 Ok((scheduler, group))
@@ -939,9 +949,26 @@ impl LrScheduler {
         self.group.momentum
     }
 
-    /// Sets [`lr`](Self::lr) on `optimizer` (any candle optimizer).
+    /// Sets [`lr`](Self::lr) on `optimizer` (any candle optimizer): group
+    /// 0's rate, which the crate's optimizers of several groups scale the
+    /// others' by. For a schedule over the groups use
+    /// [`apply_to_groups`](Self::apply_to_groups).
     pub fn apply<O: candle_nn::Optimizer>(&self, optimizer: &mut O) {
         optimizer.set_learning_rate(self.group.lr);
+    }
+
+    /// Sets each parameter group's rate ([`group_lrs`](Self::group_lrs))
+    /// on `optimizer`.
+    ///
+    /// # Errors
+    ///
+    /// An optimizer of another number of groups than the schedule's
+    /// ([`Error::OptimizerState`]); nothing changes then.
+    pub fn apply_to_groups<O: crate::optim::StatefulOptimizer>(
+        &self,
+        optimizer: &mut O,
+    ) -> Result<()> {
+        optimizer.set_group_learning_rates(&self.group_lrs())
     }
 
     /// Moves to the next step's rate: call it after each optimizer step
@@ -965,6 +992,33 @@ impl LrScheduler {
         }
         self.scheduler = scheduler;
         self.group = group;
+        self.others = others;
+        Ok(())
+    }
+
+    /// A state saved before the groups had schedules of their own (one
+    /// group's) into a schedule over several: group 0 from the state, the
+    /// others made again over their bases and stepped to its step (their
+    /// rates from here on are the formula's for each group).
+    fn load_one_group_state(&mut self, state: &LrSchedulerState) -> Result<()> {
+        let mut group0 = self.clone();
+        group0.others.clear();
+        group0.load_state(state)?;
+        let steps = u64::try_from(state.last_epoch).unwrap_or(0);
+        let others = self
+            .others
+            .iter()
+            .map(|(scheduler, _)| {
+                let (mut scheduler, mut group) = scheduler.rebuilt(scheduler.base_lr)?;
+                for _ in 0..steps {
+                    scheduler.step(&mut group, false)?;
+                }
+                check_finite(&scheduler, &group)?;
+                Ok((scheduler, group))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.scheduler = group0.scheduler;
+        self.group = group0.group;
         self.others = others;
         Ok(())
     }
@@ -993,9 +1047,15 @@ impl LrScheduler {
     /// # Errors
     ///
     /// [`Error::LrSchedule`] naming the schedule (`sequential.1`) whose
-    /// kind or number of schedules inside differs, or a rate that is not a
-    /// finite number.
+    /// kind or number of schedules inside differs, a state of another
+    /// number of groups, or a rate that is not a finite number. A state of
+    /// one group (saved before groups had schedules of their own) loads
+    /// into a schedule over several: group 0 from it, the others stepped to
+    /// its step over their own bases.
     pub fn load_state(&mut self, state: &LrSchedulerState) -> Result<()> {
+        if state.groups.is_empty() && !self.others.is_empty() {
+            return self.load_one_group_state(state);
+        }
         if state.groups.len() != self.others.len() {
             return Err(invalid(format!(
                 "the state sets {} parameter group(s), this schedule {}: build it over the \

@@ -32,6 +32,10 @@ pub fn example(name: &str) -> PathBuf {
 pub enum KillAt {
     /// This long after it started.
     After(Duration),
+    /// This long after it started, and not before it has saved a training
+    /// state of its own (so that the next run resumes past where this one
+    /// began, however long a process takes to start).
+    AfterItsFirstSave(Duration),
     /// As soon as a save of a training state is under way in the
     /// checkpoint directory (its temporary folder exists) while a complete
     /// state is already there (so that the next run resumes from it).
@@ -59,6 +63,7 @@ pub fn run_and_kill(
     victim: impl Fn(&Child) -> Option<u32>,
 ) -> Killed {
     let before = saves_under_way(checkpoints);
+    let states_before = states(checkpoints);
     let mut child = command
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -84,6 +89,9 @@ pub fn run_and_kill(
         );
         let due = match at {
             KillAt::After(delay) => start.elapsed() >= delay,
+            KillAt::AfterItsFirstSave(delay) => {
+                start.elapsed() >= delay && states(checkpoints) != states_before
+            }
             KillAt::DuringSave => {
                 has_a_state(checkpoints) && !saves_under_way(checkpoints).is_subset(&before)
             }
@@ -98,7 +106,9 @@ pub fn run_and_kill(
         match at {
             // A save can take well under a millisecond: look without pause.
             KillAt::DuringSave => std::thread::yield_now(),
-            KillAt::After(_) => std::thread::sleep(Duration::from_micros(200)),
+            KillAt::After(_) | KillAt::AfterItsFirstSave(_) => {
+                std::thread::sleep(Duration::from_micros(200))
+            }
         }
     }
     // A killed rank makes mpirun end the others. Open MPI 4.1's mpirun can
@@ -154,13 +164,20 @@ pub fn run_to_end(mut command: Command, what: &str) {
 
 /// Whether `dir` holds a state folder (`state-…`).
 fn has_a_state(dir: &Path) -> bool {
-    std::fs::read_dir(dir).is_ok_and(|entries| {
-        entries.flatten().any(|e| {
-            e.file_name()
-                .to_str()
-                .is_some_and(|n| n.starts_with("state-"))
+    !states(dir).is_empty()
+}
+
+/// The state folders (`state-…`) in `dir`.
+fn states(dir: &Path) -> std::collections::BTreeSet<std::ffi::OsString> {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.file_name())
+                .filter(|n| n.to_str().is_some_and(|n| n.starts_with("state-")))
+                .collect()
         })
-    })
+        .unwrap_or_default()
 }
 
 /// The temporary folders of saves in `dir` (a save under way, or one a

@@ -556,3 +556,40 @@ fn schedules_over_groups_that_do_not_fit_are_refused_naming_why() {
         .to_string();
     assert!(e.contains("one-group schedules"), "{e}");
 }
+
+/// A state saved before the groups had schedules of their own (of one
+/// group) loads into a schedule over two: group 0 from the state, group 1
+/// where its own schedule is at that step; `apply_to_groups` sets both.
+#[test]
+fn a_one_group_state_loads_into_a_schedule_over_groups() {
+    use candle_dp::optim::{Sgd, SgdConfig, StatefulOptimizer};
+    let build = || LrScheduler::cosine_annealing(0.1, 30, 1e-3).unwrap();
+    let mut old = build();
+    let mut both = build().with_group_rates(&[0.1, 0.01]).unwrap();
+    for _ in 0..12 {
+        old.step().unwrap();
+        both.step().unwrap();
+    }
+    let mut resumed = build().with_group_rates(&[0.1, 0.01]).unwrap();
+    resumed.load_state(&old.state()).unwrap();
+    assert_eq!(resumed.group_lrs(), both.group_lrs());
+    resumed.step().unwrap();
+    both.step().unwrap();
+    assert_eq!(resumed.group_lrs(), both.group_lrs());
+
+    let params: Vec<(String, Var)> = ["a", "b"]
+        .iter()
+        .map(|n| {
+            (
+                n.to_string(),
+                Var::zeros(1, DType::F32, &Device::Cpu).unwrap(),
+            )
+        })
+        .collect();
+    let configs = vec![SgdConfig::default(), SgdConfig::default()];
+    let mut sgd = Sgd::with_groups(params, configs, |n| usize::from(n == "b")).unwrap();
+    resumed.apply_to_groups(&mut sgd).unwrap();
+    assert_eq!(sgd.group_learning_rates(), resumed.group_lrs());
+    let e = build().apply_to_groups(&mut sgd).unwrap_err().to_string();
+    assert!(e.contains("1 rates for the 2 parameter group(s)"), "{e}");
+}

@@ -19,6 +19,7 @@ mod conformance;
 mod datasets;
 mod ddp;
 mod ddp_reference;
+mod degrees;
 mod dp_reference;
 mod elastic;
 mod equivalence;

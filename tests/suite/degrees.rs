@@ -1,0 +1,288 @@
+//! Parallelism as degrees of one mesh (`Degrees`, `--mesh`, the JSON
+//! config's `mesh`): parsed and printed, the strategy names as aliases of
+//! degrees, contradictions refused naming both, and a mesh trains as the
+//! strategy it names, to one device's weights.
+
+// The Fabric's own calls return candle_dp::Result, as the crate's do.
+#![allow(clippy::result_large_err)]
+
+use candle_dp::fabric::{Degrees, Fabric, FabricArgs, FabricConfig, Strategy};
+use clap::Parser;
+
+use crate::common::fabric_loop::{dataset, train, Trained};
+use crate::common::{identical, max_rel_diff};
+
+fn degrees(text: &str) -> Degrees {
+    text.parse().unwrap_or_else(|e| panic!("{text}: {e}"))
+}
+
+fn refused(result: candle_dp::Result<impl std::fmt::Debug>) -> String {
+    result.unwrap_err().to_string()
+}
+
+#[test]
+fn degrees_are_parsed_printed_and_refused_naming_the_degree() {
+    let d = degrees("dp_replicate=2, dp_shard=2");
+    assert_eq!(
+        (d.dp_replicate, d.dp_shard, d.pp, d.world_size()),
+        (2, 2, 1, 4)
+    );
+    assert_eq!(d.mesh_dims(), vec![("dp_replicate", 2), ("dp_shard", 2)]);
+    // The short names, and the order outermost first whatever the order given.
+    let d = degrees("shard=2,pp=3,dp=2");
+    assert_eq!(d.to_string(), "dp_replicate=2,dp_shard=2,pp=3");
+    assert_eq!(degrees(&d.to_string()), d);
+    assert_eq!(Degrees::one().to_string(), "dp_replicate=1");
+    assert_eq!(degrees("dp_replicate=1"), Degrees::one());
+
+    for (text, says) in [
+        ("dp_replicate=0", "a degree is a whole number, at least 1"),
+        ("dp=two", "dp_replicate=two"),
+        ("ep=2", "no degree `ep`"),
+        ("dp=2,dp_replicate=2", "dp_replicate given twice"),
+        ("dp_shard", "`dp_shard` is not name=degree"),
+    ] {
+        let e = refused(text.parse::<Degrees>());
+        assert!(e.contains(says), "{text}: {e}");
+    }
+    for (text, says) in [
+        ("tp=2", "tensor parallelism (tp = 2) is not built yet"),
+        (
+            "dp_shard=2,cp=2",
+            "context parallelism (cp = 2) is reserved",
+        ),
+        (
+            "pp=2,dp_replicate=2,dp_shard=2",
+            "a pipeline whose replicas are HSDP",
+        ),
+    ] {
+        let e = refused(FabricConfig::default().with_mesh(degrees(text)));
+        assert!(e.contains(says), "{text}: {e}");
+    }
+}
+
+/// What a configuration trains with, as the engines see it.
+fn trains_as(c: &FabricConfig) -> (Strategy, usize, Option<usize>, Option<u8>, usize) {
+    (
+        c.effective_strategy(),
+        c.ranks(),
+        c.shard_size,
+        c.zero,
+        c.stages,
+    )
+}
+
+/// Every strategy name of ranks is an alias of degrees: the degrees it
+/// expands to build back the same training.
+#[test]
+fn every_strategy_of_ranks_is_an_alias_of_its_degrees() {
+    let named = |strategy, devices, tweak: fn(&mut FabricConfig)| {
+        let mut c = FabricConfig::new(strategy, devices);
+        tweak(&mut c);
+        c
+    };
+    let cases = [
+        (named(Strategy::Ddp, 4, |_| {}), "dp_replicate=4"),
+        (
+            named(Strategy::Ddp, 2, |c| c.zero = Some(2)),
+            "dp_replicate=2",
+        ),
+        (named(Strategy::Fsdp, 4, |_| {}), "dp_shard=4"),
+        (
+            named(Strategy::Hsdp, 4, |c| c.shard_size = Some(2)),
+            "dp_replicate=2,dp_shard=2",
+        ),
+        (named(Strategy::PipelineRanks, 2, |_| {}), "pp=2"),
+        (
+            named(Strategy::PipelineRanks, 4, |_| {}),
+            "dp_replicate=2,pp=2",
+        ),
+        (
+            named(Strategy::PipelineRanks, 6, |c| c.stages = 3),
+            "dp_replicate=2,pp=3",
+        ),
+        (
+            named(Strategy::PipelineRanks, 4, |c| c.zero = Some(3)),
+            "dp_shard=2,pp=2",
+        ),
+        (named(Strategy::Single, 1, |_| {}), "dp_replicate=1"),
+    ];
+    for (config, want) in cases {
+        let what = format!("{} on {}", config.effective_strategy(), config.ranks());
+        assert_eq!(config.degrees().to_string(), want, "{what}");
+        let back = FabricConfig {
+            zero: config.zero.filter(|&z| z != 3),
+            ..FabricConfig::default()
+        }
+        .with_mesh(config.degrees())
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(trains_as(&back), trains_as(&config), "{what}");
+        back.check().unwrap();
+    }
+    // The strategies in one process name their devices' degree too.
+    assert_eq!(
+        FabricConfig::new(Strategy::Dp, 2).degrees().to_string(),
+        "dp_replicate=2"
+    );
+    assert_eq!(
+        FabricConfig::new(Strategy::Pipeline, 3)
+            .degrees()
+            .to_string(),
+        "pp=3"
+    );
+}
+
+#[test]
+fn a_mesh_that_contradicts_the_configuration_is_refused_naming_both() {
+    let cases = [
+        (
+            FabricConfig::new(Strategy::Ddp, 2),
+            "dp_shard=2",
+            "trains as strategy fsdp, and the configuration names strategy ddp",
+        ),
+        (
+            FabricConfig::new(Strategy::Fsdp, 3),
+            "dp_shard=4",
+            "spans 4 ranks, and the configuration names 3 devices",
+        ),
+        (
+            FabricConfig {
+                zero: Some(1),
+                ..FabricConfig::default()
+            },
+            "dp_shard=2",
+            "ZeRO stage 1 does not go with it",
+        ),
+        (
+            FabricConfig {
+                shard_size: Some(1),
+                ..FabricConfig::default()
+            },
+            "dp_replicate=2,dp_shard=2",
+            "shard groups of 2 ranks, and the configuration names shard_size 1",
+        ),
+    ];
+    for (config, mesh, says) in cases {
+        let e = refused(config.with_mesh(degrees(mesh)));
+        assert!(e.contains(says) && e.contains(mesh), "{mesh}: {e}");
+    }
+    // A mesh written beside fields that say another training.
+    let config = FabricConfig {
+        mesh: Some(degrees("dp_shard=2")),
+        ..FabricConfig::new(Strategy::Ddp, 2)
+    };
+    let e = refused(config.check());
+    assert!(
+        e.contains("trains as strategy fsdp, and the configuration names strategy ddp"),
+        "{e}"
+    );
+    // The same strategy on other ranks than the mesh's.
+    let config = FabricConfig {
+        mesh: Some(degrees("dp_shard=2")),
+        ..FabricConfig::new(Strategy::Fsdp, 3)
+    };
+    let e = refused(config.check());
+    assert!(
+        e.contains("trains as fsdp on 2 ranks") && e.contains("say fsdp on 3"),
+        "{e}"
+    );
+}
+
+#[test]
+fn the_flags_and_the_json_config_take_a_mesh() {
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        fabric: FabricArgs,
+    }
+    let config = Cli::parse_from(["train", "--mesh", "dp_replicate=2,dp_shard=2"])
+        .fabric
+        .config()
+        .unwrap();
+    assert_eq!(trains_as(&config), (Strategy::Hsdp, 4, Some(2), None, 2));
+    assert_eq!(config.mesh, Some(degrees("dp_replicate=2,dp_shard=2")));
+
+    let config =
+        FabricConfig::from_json(r#"{"mesh": {"dp_shard": 2, "pp": 2}, "chunks": 2}"#).unwrap();
+    assert_eq!(
+        trains_as(&config),
+        (Strategy::PipelineRanks, 4, None, Some(3), 2)
+    );
+    // Written out and read back: the same.
+    assert_eq!(FabricConfig::from_json(&config.to_json()).unwrap(), config);
+    let e = refused(FabricConfig::from_json(r#"{"mesh": {"dp": 2}}"#));
+    assert!(e.contains("unknown field `dp`"), "{e}");
+
+    // The flag's mesh replaces the file's.
+    let dir = std::env::temp_dir().join(format!("candle_dp_degrees_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("config.json");
+    std::fs::write(&file, r#"{"mesh": {"dp_shard": 4}}"#).unwrap();
+    let from_file = |extra: &[&str]| {
+        let mut args = vec!["train", "--config", file.to_str().unwrap()];
+        args.extend(extra);
+        Cli::parse_from(args).fabric.config()
+    };
+    assert_eq!(trains_as(&from_file(&[]).unwrap()).0, Strategy::Fsdp);
+    let replaced = from_file(&["--mesh", "dp_replicate=2"]).unwrap();
+    assert_eq!(trains_as(&replaced), (Strategy::Ddp, 2, None, None, 2));
+    let e = refused(from_file(&["--strategy", "ddp"]));
+    assert!(e.contains("names strategy ddp"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn trained(config: FabricConfig) -> Trained {
+    let data = dataset();
+    let what = format!("{:?}", config.mesh);
+    let mut ranks = Fabric::launch(
+        FabricConfig {
+            timeout_secs: Some(120.0),
+            chunks: Some(2),
+            ..config
+        },
+        |fabric| train(fabric, data.clone()),
+    )
+    .unwrap_or_else(|e| panic!("{what}: {e}"));
+    ranks.remove(0)
+}
+
+/// Each mesh of today's forms trains as the strategy its degrees name, to
+/// its bytes, and to one device's weights within the f32 tolerance of the
+/// strategies (1e-6).
+#[test]
+fn a_mesh_of_degrees_trains_as_the_strategy_it_names_to_one_devices_weights() {
+    let single = trained(FabricConfig::default());
+    let hsdp = |c: FabricConfig| FabricConfig {
+        shard_size: Some(2),
+        ..c
+    };
+    let zero3 = |c: FabricConfig| FabricConfig { zero: Some(3), ..c };
+    let cases = [
+        ("dp_replicate=2", FabricConfig::new(Strategy::Ddp, 2)),
+        ("dp_shard=2", FabricConfig::new(Strategy::Fsdp, 2)),
+        (
+            "dp_replicate=2,dp_shard=2",
+            hsdp(FabricConfig::new(Strategy::Hsdp, 4)),
+        ),
+        ("pp=2", FabricConfig::new(Strategy::PipelineRanks, 2)),
+        (
+            "pp=2,dp_replicate=2",
+            FabricConfig::new(Strategy::PipelineRanks, 4),
+        ),
+        (
+            "pp=2,dp_shard=2",
+            zero3(FabricConfig::new(Strategy::PipelineRanks, 4)),
+        ),
+    ];
+    for (mesh, named) in cases {
+        let by_mesh = trained(FabricConfig::default().with_mesh(degrees(mesh)).unwrap());
+        let by_name = trained(named);
+        assert!(
+            identical(&by_mesh.0, &by_name.0) && by_mesh.1 == by_name.1,
+            "{mesh}: not the bytes of the strategy it names"
+        );
+        let weights = max_rel_diff(&by_mesh.0, &single.0);
+        println!("{mesh}: {weights:.2e} from one device");
+        assert!(weights <= 1e-6, "{mesh}: {weights:e} from one device");
+    }
+}
