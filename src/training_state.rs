@@ -736,8 +736,7 @@ fn check_storable(state: &TrainingState) -> Result<()> {
     Ok(())
 }
 
-/// The first number of `state` (or of a schedule inside it) that is not
-/// finite, with its path from `path`.
+/// The first number of `state` (or of a schedule inside it, or of a group's) that is not finite, with its path from `path`.
 fn nonfinite_in_schedule(state: &LrSchedulerState, path: &str) -> Option<(String, f64)> {
     let own = [
         ("base_lr", Some(state.base_lr)),
@@ -749,18 +748,11 @@ fn nonfinite_in_schedule(state: &LrSchedulerState, path: &str) -> Option<(String
             return Some((format!("{path}.{field}"), value));
         }
     }
-    let children = state
-        .children
-        .iter()
-        .enumerate()
-        .map(|(k, child)| (format!("{path}.children[{k}]"), child));
-    let groups = state
-        .groups
-        .iter()
-        .enumerate()
-        .map(|(g, group)| (format!("{path}.groups[{g}]"), group));
-    children
-        .chain(groups)
+    [("children", &state.children), ("groups", &state.groups)]
+        .into_iter()
+        .flat_map(|(field, states)| {
+            (states.iter().enumerate()).map(move |(k, s)| (format!("{path}.{field}[{k}]"), s))
+        })
         .find_map(|(path, inner)| nonfinite_in_schedule(inner, &path))
 }
 

@@ -95,16 +95,16 @@ pub type LrLambda = Arc<dyn Fn(u64) -> f64 + Send + Sync>;
 /// One phase of a one-cycle schedule: where it ends and between which
 /// rates and momenta it moves.
 #[derive(Debug, Clone, Copy)]
-struct Phase {
-    end_step: f64,
-    start_lr: f64,
-    end_lr: f64,
-    start_momentum: f64,
-    end_momentum: f64,
+pub(super) struct Phase {
+    pub(super) end_step: f64,
+    pub(super) start_lr: f64,
+    pub(super) end_lr: f64,
+    pub(super) start_momentum: f64,
+    pub(super) end_momentum: f64,
 }
 
 #[derive(Clone)]
-enum Kind {
+pub(super) enum Kind {
     Lambda(LrLambda),
     Step {
         step_size: u64,
@@ -135,7 +135,7 @@ enum Kind {
 }
 
 impl Kind {
-    fn name(&self) -> &'static str {
+    pub(super) fn name(&self) -> &'static str {
         match self {
             Kind::Lambda(_) => "lambda",
             Kind::Step { .. } => "step",
@@ -151,23 +151,23 @@ impl Kind {
 /// What the optimizer's parameter group holds, which the chainable
 /// schedules read and write.
 #[derive(Debug, Clone, Copy)]
-struct Group {
-    lr: f64,
-    momentum: Option<f64>,
+pub(super) struct Group {
+    pub(super) lr: f64,
+    pub(super) momentum: Option<f64>,
 }
 
 /// One schedule's position (PyTorch's `last_epoch`, `_step_count` and
 /// `base_lrs`).
 #[derive(Clone)]
-struct Scheduler {
-    kind: Kind,
-    base_lr: f64,
-    last_epoch: i64,
-    step_count: u64,
+pub(super) struct Scheduler {
+    pub(super) kind: Kind,
+    pub(super) base_lr: f64,
+    pub(super) last_epoch: i64,
+    pub(super) step_count: u64,
 }
 
 impl Scheduler {
-    fn new(kind: Kind, base_lr: f64) -> Self {
+    pub(super) fn new(kind: Kind, base_lr: f64) -> Self {
         Self {
             kind,
             base_lr,
@@ -176,78 +176,41 @@ impl Scheduler {
         }
     }
 
-    /// The schedule `self` is, made again over another base rate as its
-    /// constructor made it (PyTorch's constructors over an optimizer's
-    /// group of that rate), at step 0: the scheduler and the group's rate
-    /// (and momentum). A one-cycle schedule's rates are its own (PyTorch's
-    /// scalar `max_lr` gives every group the same), whatever `base_lr`.
-    fn rebuilt(&self, base_lr: f64) -> Result<(Scheduler, Group)> {
-        match &self.kind {
-            Kind::Sequential {
+    /// PyTorch's `SequentialLR` constructor over `children` (each made
+    /// over the group already): the rate back to the base, every schedule
+    /// one epoch back, then the first one's constructor step again.
+    pub(super) fn sequential_of(
+        mut children: Vec<Scheduler>,
+        milestones: Vec<u64>,
+        base_lr: f64,
+    ) -> Result<(Scheduler, Group)> {
+        let mut group = Group {
+            lr: base_lr,
+            momentum: None,
+        };
+        children.iter_mut().for_each(Scheduler::undo);
+        if let Some(first) = children.first_mut() {
+            first.initial_step(&mut group)?;
+        }
+        let scheduler = Scheduler {
+            kind: Kind::Sequential {
                 children,
                 milestones,
-            } => {
-                // PyTorch's SequentialLR constructor: each schedule made
-                // over the group, the rate back to the base, every schedule
-                // one epoch back, then the first one's constructor step.
-                let mut made = children
-                    .iter()
-                    .map(|child| Ok(child.rebuilt(base_lr)?.0))
-                    .collect::<Result<Vec<_>>>()?;
-                let mut group = Group {
-                    lr: base_lr,
-                    momentum: None,
-                };
-                made.iter_mut().for_each(Scheduler::undo);
-                if let Some(first) = made.first_mut() {
-                    first.initial_step(&mut group)?;
-                }
-                let scheduler = Scheduler {
-                    kind: Kind::Sequential {
-                        children: made,
-                        milestones: milestones.clone(),
-                    },
-                    base_lr,
-                    last_epoch: 0,
-                    step_count: 0,
-                };
-                Ok((scheduler, group))
-            }
-            kind => {
-                let (base_lr, momentum) = match kind {
-                    Kind::OneCycle {
-                        phases,
-                        cycle_momentum,
-                        ..
-                    } => {
-                        let first = phases
-                            .first()
-                            .ok_or_else(|| invalid("a one-cycle schedule without phases"))?;
-                        (
-                            first.start_lr,
-                            cycle_momentum.then_some(first.start_momentum),
-                        )
-                    }
-                    _ => (base_lr, None),
-                };
-                let mut scheduler = Scheduler::new(kind.clone(), base_lr);
-                let mut group = Group {
-                    lr: base_lr,
-                    momentum,
-                };
-                scheduler.initial_step(&mut group)?;
-                Ok((scheduler, group))
-            }
-        }
+            },
+            base_lr,
+            last_epoch: 0,
+            step_count: 0,
+        };
+        Ok((scheduler, group))
     }
 
     /// PyTorch's `_initial_step`: the step that a constructor takes.
-    fn initial_step(&mut self, group: &mut Group) -> Result<()> {
+    pub(super) fn initial_step(&mut self, group: &mut Group) -> Result<()> {
         self.step_count = 0;
         self.step(group, true)
     }
 
-    fn step(&mut self, group: &mut Group, initial: bool) -> Result<()> {
+    pub(super) fn step(&mut self, group: &mut Group, initial: bool) -> Result<()> {
         if let Kind::Sequential {
             children,
             milestones,
@@ -391,14 +354,14 @@ impl Scheduler {
 
     /// PyTorch's `recursive_undo` in `SequentialLR`: each schedule inside
     /// goes back one epoch.
-    fn undo(&mut self) {
+    pub(super) fn undo(&mut self) {
         match &mut self.kind {
             Kind::Sequential { children, .. } => children.iter_mut().for_each(Scheduler::undo),
             _ => self.last_epoch -= 1,
         }
     }
 
-    fn state(&self) -> LrSchedulerState {
+    pub(super) fn state(&self) -> LrSchedulerState {
         LrSchedulerState {
             kind: self.kind.name().into(),
             base_lr: self.base_lr,
@@ -478,12 +441,12 @@ impl Anneal {
 /// before each optimizer step, [`step`](Self::step) it after.
 #[derive(Clone)]
 pub struct LrScheduler {
-    scheduler: Scheduler,
-    group: Group,
+    pub(super) scheduler: Scheduler,
+    pub(super) group: Group,
     /// The optimizer's parameter groups after the first, each with the
     /// schedule over its own base rate, stepped alongside (PyTorch's
     /// per-group `base_lrs`): see [`with_group_rates`](Self::with_group_rates).
-    others: Vec<(Scheduler, Group)>,
+    pub(super) others: Vec<(Scheduler, Group)>,
 }
 
 /// Where an [`LrScheduler`] is: PyTorch's `last_epoch`, `_step_count` and
@@ -527,7 +490,7 @@ impl fmt::Debug for LrScheduler {
 /// A rate that overflowed (a growing exponential) or a lambda's NaN would
 /// train silently on NaN weights, and no state could be saved with it: the
 /// schedule refuses to reach it.
-fn check_finite(scheduler: &Scheduler, group: &Group) -> Result<()> {
+pub(super) fn check_finite(scheduler: &Scheduler, group: &Group) -> Result<()> {
     if group.lr.is_finite() && group.momentum.is_none_or(f64::is_finite) {
         return Ok(());
     }
@@ -540,21 +503,11 @@ fn check_finite(scheduler: &Scheduler, group: &Group) -> Result<()> {
     )))
 }
 
-/// Whether two states are of schedules of the same kinds, nested alike.
-fn same_shape(a: &LrSchedulerState, b: &LrSchedulerState) -> bool {
-    a.kind == b.kind
-        && a.children.len() == b.children.len()
-        && a.children
-            .iter()
-            .zip(&b.children)
-            .all(|(a, b)| same_shape(a, b))
-}
-
-fn invalid(reason: impl Into<String>) -> Error {
+pub(super) fn invalid(reason: impl Into<String>) -> Error {
     Error::LrSchedule(reason.into())
 }
 
-fn check_rate(name: &str, value: f64) -> Result<()> {
+pub(super) fn check_rate(name: &str, value: f64) -> Result<()> {
     if value.is_finite() && value >= 0.0 {
         Ok(())
     } else {
@@ -565,379 +518,6 @@ fn check_rate(name: &str, value: f64) -> Result<()> {
 }
 
 impl LrScheduler {
-    /// Builds a schedule of `kind` from the optimizer's rate `base_lr` and
-    /// takes its constructor's step, as PyTorch's constructors do.
-    fn start(kind: Kind, base_lr: f64, momentum: Option<f64>) -> Result<Self> {
-        check_rate("the base learning rate", base_lr)?;
-        let mut scheduler = Scheduler::new(kind, base_lr);
-        let mut group = Group {
-            lr: base_lr,
-            momentum,
-        };
-        scheduler.initial_step(&mut group)?;
-        check_finite(&scheduler, &group)?;
-        Ok(Self {
-            scheduler,
-            group,
-            others: Vec::new(),
-        })
-    }
-
-    /// `LambdaLR`: `base_lr * factor(step)`.
-    pub fn lambda(base_lr: f64, factor: LrLambda) -> Result<Self> {
-        Self::start(Kind::Lambda(factor), base_lr, None)
-    }
-
-    /// `StepLR`: the rate times `gamma` every `step_size` steps.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::LrSchedule`] for a `step_size` of 0 or a `gamma` that is
-    /// not a finite number.
-    pub fn step_lr(base_lr: f64, step_size: u64, gamma: f64) -> Result<Self> {
-        if step_size == 0 || !gamma.is_finite() {
-            return Err(invalid(format!(
-                "StepLR with step size {step_size} and gamma {gamma}: the step size must be at \
-                 least 1 and gamma a finite number"
-            )));
-        }
-        Self::start(Kind::Step { step_size, gamma }, base_lr, None)
-    }
-
-    /// `ExponentialLR`: the rate times `gamma` every step.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::LrSchedule`] for a `gamma` that is not a finite number.
-    pub fn exponential(base_lr: f64, gamma: f64) -> Result<Self> {
-        if !gamma.is_finite() {
-            return Err(invalid(format!("ExponentialLR's gamma is {gamma}")));
-        }
-        Self::start(Kind::Exponential { gamma }, base_lr, None)
-    }
-
-    /// `LinearLR`: from `start_factor` times the rate to `end_factor`
-    /// times it over `total_iters` steps, then constant (PyTorch's
-    /// defaults: 1/3, 1.0, 5).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::LrSchedule`] as PyTorch: `start_factor` outside (0, 1],
-    /// `end_factor` outside [0, 1]; and `total_iters` of 0.
-    pub fn linear(
-        base_lr: f64,
-        start_factor: f64,
-        end_factor: f64,
-        total_iters: u64,
-    ) -> Result<Self> {
-        if !(start_factor > 0.0 && start_factor <= 1.0) {
-            return Err(invalid(format!(
-                "LinearLR's start factor is {start_factor}: it must be greater than 0 and at most 1"
-            )));
-        }
-        if !(0.0..=1.0).contains(&end_factor) {
-            return Err(invalid(format!(
-                "LinearLR's end factor is {end_factor}: it must be between 0 and 1"
-            )));
-        }
-        if total_iters == 0 {
-            return Err(invalid("LinearLR over 0 steps"));
-        }
-        Self::start(
-            Kind::Linear {
-                start_factor,
-                end_factor,
-                total_iters,
-            },
-            base_lr,
-            None,
-        )
-    }
-
-    /// `CosineAnnealingLR`: half a cosine from the rate down to `eta_min`
-    /// over `t_max` steps; past `t_max` it rises again, as PyTorch's does.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::LrSchedule`] for a `t_max` of 0 or an `eta_min` that is not
-    /// a finite number.
-    pub fn cosine_annealing(base_lr: f64, t_max: u64, eta_min: f64) -> Result<Self> {
-        if t_max == 0 || !eta_min.is_finite() {
-            return Err(invalid(format!(
-                "CosineAnnealingLR with T_max {t_max} and eta_min {eta_min}: T_max must be at \
-                 least 1 and eta_min a finite number"
-            )));
-        }
-        Self::start(Kind::Cosine { t_max, eta_min }, base_lr, None)
-    }
-
-    /// `OneCycleLR`: from `max_lr / div_factor` up to `max_lr` and down to
-    /// a ten-thousandth of the start over `total_steps` steps (PyTorch's
-    /// defaults in [`OneCycleConfig::default`]). It replaces the
-    /// optimizer's rate from the first step, as PyTorch's does; stepping
-    /// past `total_steps` is an error.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::LrSchedule`] for 0 steps, a `pct_start` outside [0, 1], a
-    /// rising phase that ends at step 0 (`pct_start * total_steps == 1`,
-    /// where PyTorch divides 0 by 0), or a rate or momentum that is not a
-    /// finite number.
-    pub fn one_cycle(max_lr: f64, total_steps: u64, config: OneCycleConfig) -> Result<Self> {
-        check_rate("OneCycleLR's max_lr", max_lr)?;
-        if total_steps == 0 {
-            return Err(invalid("OneCycleLR over 0 steps"));
-        }
-        if !(0.0..=1.0).contains(&config.pct_start) {
-            return Err(invalid(format!(
-                "OneCycleLR's pct_start is {}: it must be between 0 and 1",
-                config.pct_start
-            )));
-        }
-        for (name, value) in [
-            ("div_factor", config.div_factor),
-            ("final_div_factor", config.final_div_factor),
-            ("base_momentum", config.base_momentum),
-            ("max_momentum", config.max_momentum),
-        ] {
-            if !value.is_finite() {
-                return Err(invalid(format!("OneCycleLR's {name} is {value}")));
-            }
-        }
-        let initial_lr = max_lr / config.div_factor;
-        let min_lr = initial_lr / config.final_div_factor;
-        let (n, pct) = (total_steps as f64, config.pct_start);
-        // The rising phase runs from step 0 to step `pct * n - 1`; ending
-        // at 0 it has no length, and step 0's place in it is 0/0 (a NaN
-        // rate and momentum from the first step; PyTorch raises
-        // ZeroDivisionError there). A later phase is only entered past its
-        // start, so only the first can divide 0 by 0.
-        if pct * n - 1.0 == 0.0 {
-            return Err(invalid(format!(
-                "OneCycleLR with pct_start {pct} of {total_steps} steps: the rising phase would \
-                 end at step 0, under one step, and give no rate (0/0); raise pct_start or the \
-                 number of steps"
-            )));
-        }
-        let (base_m, max_m) = (config.base_momentum, config.max_momentum);
-        let phase = |end_step, start_lr, end_lr, start_momentum, end_momentum| Phase {
-            end_step,
-            start_lr,
-            end_lr,
-            start_momentum,
-            end_momentum,
-        };
-        let phases = if config.three_phase {
-            vec![
-                phase(pct * n - 1.0, initial_lr, max_lr, max_m, base_m),
-                phase(2.0 * pct * n - 2.0, max_lr, initial_lr, base_m, max_m),
-                phase(n - 1.0, initial_lr, min_lr, max_m, max_m),
-            ]
-        } else {
-            vec![
-                phase(pct * n - 1.0, initial_lr, max_lr, max_m, base_m),
-                phase(n - 1.0, max_lr, min_lr, base_m, max_m),
-            ]
-        };
-        let kind = Kind::OneCycle {
-            total_steps,
-            phases,
-            anneal: config.anneal,
-            cycle_momentum: config.cycle_momentum,
-        };
-        Self::start(kind, initial_lr, config.cycle_momentum.then_some(max_m))
-    }
-
-    /// `SequentialLR`: `schedules[k]` runs from milestone `k - 1` (each
-    /// counting its steps from 0 there), the first from the start. Build
-    /// each with the same `base_lr`. As in PyTorch, a schedule that starts
-    /// at a milestone starts from its closed form at step 0 where it has
-    /// one (a cosine starts from the base rate), not from the rate the one
-    /// before it reached.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::LrSchedule`] when there is no schedule, the milestones
-    /// are not one fewer than the schedules, or do not increase (naming
-    /// them).
-    pub fn sequential(
-        base_lr: f64,
-        schedules: Vec<LrScheduler>,
-        milestones: Vec<u64>,
-    ) -> Result<Self> {
-        if schedules.is_empty() || milestones.len() + 1 != schedules.len() {
-            return Err(invalid(format!(
-                "SequentialLR of {} schedules with {} milestones: it needs one schedule or more, \
-                 and one milestone fewer than schedules",
-                schedules.len(),
-                milestones.len()
-            )));
-        }
-        check_rate("the base learning rate", base_lr)?;
-        if let Some(pair) = milestones.windows(2).find(|pair| pair[0] >= pair[1]) {
-            return Err(invalid(format!(
-                "SequentialLR's milestones {milestones:?} do not increase ({} then {}): each \
-                 schedule must start after the one before it",
-                pair[0], pair[1]
-            )));
-        }
-        if let Some((k, schedule)) = schedules.iter().enumerate().find(|(_, s)| s.groups() > 1) {
-            return Err(invalid(format!(
-                "SequentialLR: schedule {k} sets {} parameter groups: build the sequence of \
-                 one-group schedules, then give it the groups' rates (with_group_rates)",
-                schedule.groups()
-            )));
-        }
-        let mut children: Vec<Scheduler> = schedules.into_iter().map(|s| s.scheduler).collect();
-        // PyTorch's constructor: the rate back to the base, every schedule
-        // one epoch back, then the first one's constructor step again.
-        let mut group = Group {
-            lr: base_lr,
-            momentum: None,
-        };
-        children.iter_mut().for_each(Scheduler::undo);
-        if let Some(first) = children.first_mut() {
-            first.initial_step(&mut group)?;
-        }
-        let scheduler = Scheduler {
-            kind: Kind::Sequential {
-                children,
-                milestones,
-            },
-            base_lr,
-            last_epoch: 0,
-            step_count: 0,
-        };
-        check_finite(&scheduler, &group)?;
-        Ok(Self {
-            scheduler,
-            group,
-            others: Vec::new(),
-        })
-    }
-
-    /// The schedule over an optimizer's parameter groups of base rates
-    /// `base_lrs` (each group's rate when the schedule starts: PyTorch's
-    /// `base_lrs`, read from the optimizer): group `g` gets the rate the
-    /// schedule's formula gives from its own base, as PyTorch's schedules
-    /// compute each group's (a cosine's floor `eta_min` is every group's
-    /// floor, not a share of it). Group 0 is this schedule itself (build it
-    /// with group 0's rate: built with another, every group's base is its
-    /// rate times the schedule's base over group 0's); a one-cycle schedule gives every group its
-    /// rates, as PyTorch's scalar `max_lr` does ([`per_group`](Self::per_group)
-    /// takes one schedule per group, for PyTorch's lists of `max_lr`).
-    /// [`FabricModel::set_schedule`](crate::fabric::FabricModel::set_schedule)
-    /// calls it with the optimizer's rates.
-    ///
-    /// ```
-    /// use candle_dp::optim::LrScheduler;
-    ///
-    /// # fn main() -> candle_dp::Result<()> {
-    /// let mut schedule = LrScheduler::cosine_annealing(0.1, 10, 1e-3)?.with_group_rates(&[0.1, 0.01])?;
-    /// for _ in 0..10 {
-    ///     schedule.step()?;
-    /// }
-    /// // Both groups end on the floor, as in PyTorch.
-    /// assert!(schedule.group_lrs().iter().all(|lr| (lr - 1e-3).abs() < 1e-15));
-    /// # Ok(())
-    /// # }
-    /// ```
-    ///
-    /// # Errors
-    ///
-    /// [`Error::LrSchedule`] when the schedule has stepped already or has
-    /// its groups already, `base_lrs` is empty, or a rate is not a finite
-    /// number of at least 0 (naming the group).
-    pub fn with_group_rates(mut self, base_lrs: &[f64]) -> Result<Self> {
-        if self.scheduler.last_epoch > 0 || !self.others.is_empty() {
-            return Err(invalid(format!(
-                "with_group_rates on a schedule that has stepped ({} steps) or has its groups \
-                 ({}): give the groups' rates before the first step",
-                self.steps(),
-                self.groups()
-            )));
-        }
-        if base_lrs.is_empty() {
-            return Err(invalid("with_group_rates of no parameter group"));
-        }
-        // Built with another rate than group 0's, the schedule's base is
-        // group 0's, and each other group keeps its ratio to group 0 (what
-        // scaling every group by group 0's factor gave).
-        check_rate("parameter group 0's rate", base_lrs[0])?;
-        let scale = match base_lrs[0] {
-            b if b > 0.0 && b != self.scheduler.base_lr => self.scheduler.base_lr / b,
-            _ => 1.0,
-        };
-        self.others = base_lrs[1..]
-            .iter()
-            .enumerate()
-            .map(|(g, &rate)| {
-                check_rate(&format!("parameter group {}'s rate", g + 1), rate)?;
-                let base = if scale == 1.0 { rate } else { rate * scale };
-                let (scheduler, group) = self.scheduler.rebuilt(base)?;
-                check_finite(&scheduler, &group)?;
-                Ok((scheduler, group))
-            })
-            .collect::<Result<_>>()?;
-        Ok(self)
-    }
-
-    /// One schedule per parameter group, in group order, stepped together:
-    /// PyTorch's schedules that take a list per group (`OneCycleLR`'s
-    /// `max_lr`, a floor per group). Each must be a schedule of one group,
-    /// of the same kind and steps.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::LrSchedule`] for no schedule, or one of several groups
-    /// already, of another kind, or at another step (naming it).
-    pub fn per_group(schedules: Vec<LrScheduler>) -> Result<Self> {
-        let mut schedules = schedules.into_iter();
-        let Some(mut first) = schedules.next() else {
-            return Err(invalid("per_group of no schedule"));
-        };
-        if !first.others.is_empty() {
-            return Err(invalid(format!(
-                "per_group: group 0's schedule sets {} groups already: give one schedule of one \
-                 group per group",
-                first.groups()
-            )));
-        }
-        for (g, schedule) in schedules.enumerate().map(|(g, s)| (g + 1, s)) {
-            let (mine, theirs) = (first.scheduler.state(), schedule.scheduler.state());
-            if !schedule.others.is_empty()
-                || !same_shape(&mine, &theirs)
-                || theirs.last_epoch != mine.last_epoch
-            {
-                return Err(invalid(format!(
-                    "per_group: group {g}'s schedule (`{}` at step {}, {} group(s)) is not one \
-                     group of group 0's kind (`{}` at step {})",
-                    theirs.kind,
-                    theirs.last_epoch,
-                    schedule.groups(),
-                    mine.kind,
-                    mine.last_epoch
-                )));
-            }
-            first.others.push((schedule.scheduler, schedule.group));
-        }
-        Ok(first)
-    }
-
-    /// The number of parameter groups the schedule sets (1 unless
-    /// [`with_group_rates`](Self::with_group_rates) or
-    /// [`per_group`](Self::per_group) made it for more).
-    pub fn groups(&self) -> usize {
-        1 + self.others.len()
-    }
-
-    /// Each parameter group's rate for the next optimizer step.
-    pub fn group_lrs(&self) -> Vec<f64> {
-        std::iter::once(self.group.lr)
-            .chain(self.others.iter().map(|(_, g)| g.lr))
-            .collect()
-    }
-
     /// The learning rate of the next optimizer step.
     pub fn lr(&self) -> f64 {
         self.group.lr
@@ -955,20 +535,6 @@ impl LrScheduler {
     /// [`apply_to_groups`](Self::apply_to_groups).
     pub fn apply<O: candle_nn::Optimizer>(&self, optimizer: &mut O) {
         optimizer.set_learning_rate(self.group.lr);
-    }
-
-    /// Sets each parameter group's rate ([`group_lrs`](Self::group_lrs))
-    /// on `optimizer`.
-    ///
-    /// # Errors
-    ///
-    /// An optimizer of another number of groups than the schedule's
-    /// ([`Error::OptimizerState`]); nothing changes then.
-    pub fn apply_to_groups<O: crate::optim::StatefulOptimizer>(
-        &self,
-        optimizer: &mut O,
-    ) -> Result<()> {
-        optimizer.set_group_learning_rates(&self.group_lrs())
     }
 
     /// Moves to the next step's rate: call it after each optimizer step
@@ -992,33 +558,6 @@ impl LrScheduler {
         }
         self.scheduler = scheduler;
         self.group = group;
-        self.others = others;
-        Ok(())
-    }
-
-    /// A state saved before the groups had schedules of their own (one
-    /// group's) into a schedule over several: group 0 from the state, the
-    /// others made again over their bases and stepped to its step (their
-    /// rates from here on are the formula's for each group).
-    fn load_one_group_state(&mut self, state: &LrSchedulerState) -> Result<()> {
-        let mut group0 = self.clone();
-        group0.others.clear();
-        group0.load_state(state)?;
-        let steps = u64::try_from(state.last_epoch).unwrap_or(0);
-        let others = self
-            .others
-            .iter()
-            .map(|(scheduler, _)| {
-                let (mut scheduler, mut group) = scheduler.rebuilt(scheduler.base_lr)?;
-                for _ in 0..steps {
-                    scheduler.step(&mut group, false)?;
-                }
-                check_finite(&scheduler, &group)?;
-                Ok((scheduler, group))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        self.scheduler = group0.scheduler;
-        self.group = group0.group;
         self.others = others;
         Ok(())
     }

@@ -120,6 +120,8 @@ mod element;
 mod grad_scaler;
 mod groups;
 mod lr_schedule;
+mod schedule_groups;
+mod schedule_kinds;
 mod sgd;
 mod state;
 mod warmup_cosine;

@@ -169,12 +169,17 @@ fn has_a_state(dir: &Path) -> bool {
 
 /// The state folders (`state-…`) in `dir`.
 fn states(dir: &Path) -> std::collections::BTreeSet<std::ffi::OsString> {
+    named_from(dir, "state-")
+}
+
+/// The names in `dir` that start with `prefix`.
+fn named_from(dir: &Path, prefix: &str) -> std::collections::BTreeSet<std::ffi::OsString> {
     std::fs::read_dir(dir)
         .map(|entries| {
             entries
                 .flatten()
                 .map(|e| e.file_name())
-                .filter(|n| n.to_str().is_some_and(|n| n.starts_with("state-")))
+                .filter(|n| n.to_str().is_some_and(|n| n.starts_with(prefix)))
                 .collect()
         })
         .unwrap_or_default()
@@ -183,15 +188,7 @@ fn states(dir: &Path) -> std::collections::BTreeSet<std::ffi::OsString> {
 /// The temporary folders of saves in `dir` (a save under way, or one a
 /// kill interrupted).
 fn saves_under_way(dir: &Path) -> std::collections::BTreeSet<std::ffi::OsString> {
-    std::fs::read_dir(dir)
-        .map(|entries| {
-            entries
-                .flatten()
-                .map(|e| e.file_name())
-                .filter(|n| n.to_str().is_some_and(|n| n.starts_with(".tmp-state-")))
-                .collect()
-        })
-        .unwrap_or_default()
+    named_from(dir, ".tmp-state-")
 }
 
 /// The children of `parent` that have not exited, with their environment

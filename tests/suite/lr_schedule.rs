@@ -435,7 +435,7 @@ fn over_groups(name: &str, args: &serde_json::Value, bases: &[f64]) -> LrSchedul
 /// the same way, it continues to the same bits.
 #[test]
 fn every_schedule_over_two_parameter_groups_gives_each_group_pytorchs_rate() {
-    use candle_dp::optim::{Sgd, SgdConfig, StatefulOptimizer};
+    use candle_dp::optim::StatefulOptimizer;
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/lr_reference.json");
     #[derive(serde::Deserialize)]
     struct File {
@@ -447,23 +447,7 @@ fn every_schedule_over_two_parameter_groups_gives_each_group_pytorchs_rate() {
     assert!(file.torch.starts_with("2.15"), "{}", file.torch);
     assert_eq!(file.groups.len(), 8, "every schedule's case");
     let bases = &file.group_lrs;
-    let params: Vec<(String, Var)> = ["a", "b"]
-        .iter()
-        .map(|n| {
-            (
-                n.to_string(),
-                Var::zeros(1, DType::F32, &Device::Cpu).unwrap(),
-            )
-        })
-        .collect();
-    let configs = bases
-        .iter()
-        .map(|&lr| SgdConfig {
-            lr,
-            ..Default::default()
-        })
-        .collect();
-    let mut sgd = Sgd::with_groups(params, configs, |n| usize::from(n == "b")).unwrap();
+    let mut sgd = two_group_sgd(bases);
     let mut worst = 0f64;
     for (name, case) in &file.groups {
         let mut schedule = over_groups(name, &case.args, bases);
@@ -562,7 +546,7 @@ fn schedules_over_groups_that_do_not_fit_are_refused_naming_why() {
 /// where its own schedule is at that step; `apply_to_groups` sets both.
 #[test]
 fn a_one_group_state_loads_into_a_schedule_over_groups() {
-    use candle_dp::optim::{Sgd, SgdConfig, StatefulOptimizer};
+    use candle_dp::optim::StatefulOptimizer;
     let build = || LrScheduler::cosine_annealing(0.1, 30, 1e-3).unwrap();
     let mut old = build();
     let mut both = build().with_group_rates(&[0.1, 0.01]).unwrap();
@@ -577,6 +561,17 @@ fn a_one_group_state_loads_into_a_schedule_over_groups() {
     both.step().unwrap();
     assert_eq!(resumed.group_lrs(), both.group_lrs());
 
+    let mut sgd = two_group_sgd(&[0.1, 0.01]);
+    resumed.apply_to_groups(&mut sgd).unwrap();
+    assert_eq!(sgd.group_learning_rates(), resumed.group_lrs());
+    let e = build().apply_to_groups(&mut sgd).unwrap_err().to_string();
+    assert!(e.contains("1 rates for the 2 parameter group(s)"), "{e}");
+}
+
+/// An SGD over two parameters, `a` in group 0 and `b` in group 1, of
+/// rates `rates`.
+fn two_group_sgd(rates: &[f64]) -> candle_dp::optim::Sgd {
+    use candle_dp::optim::{Sgd, SgdConfig};
     let params: Vec<(String, Var)> = ["a", "b"]
         .iter()
         .map(|n| {
@@ -586,10 +581,12 @@ fn a_one_group_state_loads_into_a_schedule_over_groups() {
             )
         })
         .collect();
-    let configs = vec![SgdConfig::default(), SgdConfig::default()];
-    let mut sgd = Sgd::with_groups(params, configs, |n| usize::from(n == "b")).unwrap();
-    resumed.apply_to_groups(&mut sgd).unwrap();
-    assert_eq!(sgd.group_learning_rates(), resumed.group_lrs());
-    let e = build().apply_to_groups(&mut sgd).unwrap_err().to_string();
-    assert!(e.contains("1 rates for the 2 parameter group(s)"), "{e}");
+    let configs = rates
+        .iter()
+        .map(|&lr| SgdConfig {
+            lr,
+            ..Default::default()
+        })
+        .collect();
+    Sgd::with_groups(params, configs, |n| usize::from(n == "b")).unwrap()
 }

@@ -738,6 +738,26 @@ pub(crate) fn bn_reference(
     (start, buffers_of(&reference), eval)
 }
 
+/// `rows` rows of 6 features and their classes (of 3), for the BatchNorm
+/// layers ([`bn_layers`]).
+pub(crate) fn bn_batch(rows: usize) -> (Tensor, Tensor) {
+    let x = Tensor::randn(1f32, 3., (rows, 6), &Device::Cpu).unwrap();
+    let y = Tensor::from_vec(
+        (0..rows as u32).map(|i| i % 3).collect(),
+        rows,
+        &Device::Cpu,
+    )
+    .unwrap();
+    (x, y)
+}
+
+/// One training step of `pipe` on `(x, y)` (cross-entropy), which must
+/// succeed.
+fn train_step(pipe: &Pipeline, x: &Tensor, y: &Tensor) {
+    pipe.forward_backward(x, y, LossReduction::Mean, loss::cross_entropy)
+        .unwrap();
+}
+
 /// Four threads stepping one pipeline at once on the same batch leave the
 /// running statistics where four training forwards on one device do: each
 /// step's commit of the statistics belongs to that step, under its lock
@@ -748,14 +768,7 @@ pub(crate) fn bn_reference(
 fn concurrent_steps_on_one_pipeline_lose_no_batch_norm_update() {
     within(240, || {
         let momentum = 0.3;
-        let rows = 12;
-        let x = Tensor::randn(1f32, 3., (rows, 6), &Device::Cpu).unwrap();
-        let y = Tensor::from_vec(
-            (0..rows as u32).map(|i| i % 3).collect(),
-            rows,
-            &Device::Cpu,
-        )
-        .unwrap();
+        let (x, y) = bn_batch(12);
         let threads = 4;
         let (start, want, _) = bn_reference(momentum, false, &x, threads);
         for round in 0..200 {
@@ -766,16 +779,10 @@ fn concurrent_steps_on_one_pipeline_lose_no_batch_norm_update() {
                 .unwrap();
             std::thread::scope(|s| {
                 for _ in 0..threads {
-                    s.spawn(|| {
-                        pipe.forward_backward(&x, &y, LossReduction::Mean, |o, y| {
-                            loss::cross_entropy(o, y)
-                        })
-                        .unwrap();
-                    });
+                    s.spawn(|| train_step(&pipe, &x, &y));
                 }
             });
-            let got = buffers_of(&varmap);
-            let diff = max_diff(&got, &want);
+            let diff = max_diff(&buffers_of(&varmap), &want);
             assert!(
                 diff < 1e-5,
                 "round {round}: the running statistics are {diff} from {threads} forwards' on one device"
@@ -788,14 +795,7 @@ fn concurrent_steps_on_one_pipeline_lose_no_batch_norm_update() {
 fn batch_norm_running_statistics_equal_the_whole_batchs_for_any_micro_batches() {
     within(240, || {
         let momentum = 0.3; // not candle's default: nothing assumes it
-        let rows = 26; // 13 micro-batches of 2 rows at most
-        let x = Tensor::randn(1f32, 3., (rows, 6), &Device::Cpu).unwrap();
-        let y = Tensor::from_vec(
-            (0..rows as u32).map(|i| i % 3).collect(),
-            rows,
-            &Device::Cpu,
-        )
-        .unwrap();
+        let (x, y) = bn_batch(26); // 13 micro-batches of 2 rows at most
         for spatial in [false, true] {
             let steps = 3;
             let (start, want, eval_want) = bn_reference(momentum, spatial, &x, steps);
@@ -1107,10 +1107,7 @@ fn batch_norm_without_mean_removal_gets_the_whole_batchs_statistics_too() {
                     .build(layers())
                     .unwrap();
                 for _ in 0..2 {
-                    pipe.forward_backward(&x, &y, LossReduction::Mean, |o, y| {
-                        loss::cross_entropy(o, y)
-                    })
-                    .unwrap();
+                    train_step(&pipe, &x, &y);
                 }
                 let got = buffers_of(&varmap);
                 let diff = max_diff(&got, &want);

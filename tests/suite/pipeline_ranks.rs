@@ -773,17 +773,10 @@ fn the_language_model_through_the_fabric_on_ranks_trains_to_one_devices_weights_
 
 #[test]
 fn batch_norm_on_stage_ranks_keeps_the_whole_batchs_running_statistics_and_evaluates_with_them() {
-    use crate::pipeline::{bn_layers, bn_reference, buffers_of, max_diff};
+    use crate::pipeline::{bn_batch, bn_layers, bn_reference, buffers_of, max_diff};
     within(240, || {
         let momentum = 0.3;
-        let rows = 12;
-        let x = Tensor::randn(1f32, 3., (rows, 6), &Device::Cpu).unwrap();
-        let y = Tensor::from_vec(
-            (0..rows as u32).map(|i| i % 3).collect(),
-            rows,
-            &Device::Cpu,
-        )
-        .unwrap();
+        let (x, y) = bn_batch(12);
         let steps = 3;
         let (start, want, eval_want) = bn_reference(momentum, false, &x, steps);
         for (ranks, chunks, schedule) in [
