@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
-use candle_dp::fabric::{self, Fabric, FabricConfig, FabricModule};
+use candle_dp::fabric::{self, Degrees, Fabric, FabricConfig, FabricModule};
 use candle_dp::launch::Backend;
 use candle_dp::optim::{AdamWConfig, LrScheduler};
 use candle_dp::precision::{MixedPrecision, MixedPrecisionModel};
@@ -107,13 +107,15 @@ struct Args {
     /// machine under mpirun, every rank on threads; zero every rank].
     #[arg(long, value_parser = flags::at_least_one::<usize>)]
     shard_size: Option<usize>,
-    /// The ranks as a mesh, `dp=2,pp=2`: with `--strategy pipeline`, `pp`
-    /// stages on ranks (threads, or mpirun's processes) replicated `dp`
-    /// times; with `hsdp` and `zero`, `dp` replicas of `shard` ranks (zero
-    /// without `shard`: `dp` ranks); with `ddp` and `fsdp`, `dp` ranks. Under mpirun the mesh must hold
+    /// The ranks as a mesh of degrees, `dp=2,pp=2` (`dp` is
+    /// `dp_replicate`, `shard` `dp_shard`; see `candle_dp::fabric::Degrees`):
+    /// with `--strategy pipeline`, `pp` stages on ranks (threads, or
+    /// mpirun's processes) replicated `dp` times; with `hsdp` and `zero`,
+    /// `dp` replicas of `shard` ranks (zero without `shard`: `dp` ranks);
+    /// with `ddp` and `fsdp`, `dp` ranks. Under mpirun the mesh must hold
     /// every process. Replaces `--replicas` (and `--shard-size`).
-    #[arg(long, value_parser = flags::mesh_shape, conflicts_with_all = ["replicas", "shard_size"])]
-    mesh: Option<flags::MeshShape>,
+    #[arg(long, conflicts_with_all = ["replicas", "shard_size"])]
+    mesh: Option<Degrees>,
     /// With `--strategy pipeline` on ranks: ZeRO across each stage's
     /// replicas, 1 (optimizer state), 2 (and gradients) or 3 (and the
     /// variables between steps: FSDP), each replica holding its piece of
@@ -265,7 +267,7 @@ impl Args {
         let mesh = self.mesh.filter(|_| strategy != Strategy::Single);
         // Under mpirun the launcher's processes are the ranks.
         let replicas = match (mesh, Backend::from_env()) {
-            (Some(m), _) => m.ranks(),
+            (Some(m), _) => m.world_size(),
             (None, Backend::Threads) => self.replicas as usize,
             (None, Backend::Mpi { .. }) => Backend::world_size(),
         };
@@ -303,9 +305,9 @@ impl Args {
             overlap: self.overlap && matches!(strategy, Strategy::Ddp | Strategy::Zero),
             // Shard groups: HSDP's, and ZeRO's on a mesh.
             shard_size: match strategy {
-                Strategy::Hsdp => mesh.map_or(self.shard_size, |m| Some(m.shard)),
+                Strategy::Hsdp => mesh.map_or(self.shard_size, |m| Some(m.dp_shard)),
                 Strategy::Zero => {
-                    mesh.map_or(self.shard_size, |m| (m.shard > 1).then_some(m.shard))
+                    mesh.map_or(self.shard_size, |m| (m.dp_shard > 1).then_some(m.dp_shard))
                 }
                 _ => None,
             },
@@ -676,11 +678,12 @@ fn label(args: &Args) -> String {
 }
 
 /// Whether `--mesh` fits `--strategy` (and, under mpirun, the processes).
-fn check_mesh(args: &Args, mesh: flags::MeshShape) -> Result<()> {
+fn check_mesh(args: &Args, mesh: Degrees) -> Result<()> {
+    mesh.check()?;
     let fits = match args.strategy {
-        Strategy::Pipeline => mesh.shard == 1,
+        Strategy::Pipeline => mesh.dp_shard == 1,
         Strategy::Hsdp | Strategy::Zero => mesh.pp == 1,
-        Strategy::Ddp | Strategy::Fsdp => mesh.pp == 1 && mesh.shard == 1,
+        Strategy::Ddp | Strategy::Fsdp => mesh.pp == 1 && mesh.dp_shard == 1,
         Strategy::Single | Strategy::Dp | Strategy::DdpPipeline => false,
     };
     if !fits {
@@ -690,10 +693,10 @@ fn check_mesh(args: &Args, mesh: flags::MeshShape) -> Result<()> {
             args.strategy
         );
     }
-    if Backend::from_env() != Backend::Threads && mesh.ranks() != Backend::world_size() {
+    if Backend::from_env() != Backend::Threads && mesh.world_size() != Backend::world_size() {
         bail!(
             "--mesh {mesh} lays out {} ranks, but mpirun started {} processes",
-            mesh.ranks(),
+            mesh.world_size(),
             Backend::world_size()
         );
     }

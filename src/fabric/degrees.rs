@@ -182,8 +182,9 @@ impl FromStr for Degrees {
     type Err = Error;
 
     /// `name=degree` pairs separated by commas, each name once; the names
-    /// are `dp_replicate` (or `dp`, `replicate`), `dp_shard` (or `shard`),
-    /// `cp`, `tp` and `pp`; the degrees not named are 1.
+    /// are `dp_replicate` (or `dp`, `replicate`), `dp_shard` (or `shard`,
+    /// `fsdp`), `cp`, `tp` and `pp` (or `pipeline`); the degrees not named
+    /// are 1.
     fn from_str(s: &str) -> Result<Self> {
         let mut degrees = Degrees::default();
         let mut seen: Vec<&str> = Vec::new();
@@ -196,7 +197,7 @@ impl FromStr for Degrees {
             };
             let canonical = match name.trim() {
                 "dp" | "replicate" | "dp_replicate" => "dp_replicate",
-                "shard" | "dp_shard" => "dp_shard",
+                "shard" | "fsdp" | "dp_shard" => "dp_shard",
                 "pipeline" | "pp" => "pp",
                 other @ ("cp" | "tp") => other,
                 other => {
