@@ -1080,14 +1080,7 @@ fn batch_norm_without_mean_removal_gets_the_whole_batchs_statistics_too() {
             momentum: 0.3,
             ..Default::default()
         };
-        let rows = 12;
-        let x = Tensor::randn(1f32, 3., (rows, 6), &Device::Cpu).unwrap();
-        let y = Tensor::from_vec(
-            (0..rows as u32).map(|i| i % 3).collect(),
-            rows,
-            &Device::Cpu,
-        )
-        .unwrap();
+        let (x, y) = bn_batch(12);
         for spatial in [false, true] {
             let layers = || bn_layers_with(config, spatial);
             let start = seeded_varmap(5, DType::F32, &Device::Cpu, |vb| {

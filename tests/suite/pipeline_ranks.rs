@@ -141,6 +141,22 @@ fn stages_on_ranks_give_the_in_process_pipelines_loss_and_gradients_bit_for_bit(
     });
 }
 
+/// `units` as a pipeline of 4 micro-batches over the thread rank `pg`'s
+/// group, split by `balance`.
+fn on_thread_rank(
+    pg: candle_dp::comm::ThreadRank,
+    units: Vec<LayerFactory>,
+    balance: Balance,
+) -> RankPipeline {
+    let pg: std::sync::Arc<dyn candle_dp::comm::ProcessGroup> = std::sync::Arc::new(pg);
+    let config = RankPipelineConfig {
+        chunks: Some(4),
+        balance,
+        ..Default::default()
+    };
+    RankPipeline::new(pg, &VarMap::new(), DType::F32, &Device::Cpu, units, config).unwrap()
+}
+
 /// A layer that fails at its `fail_at`-th forward.
 struct FailsAt {
     calls: AtomicUsize,
@@ -162,7 +178,6 @@ fn a_stage_failing_on_one_rank_ends_every_ranks_step_naming_it() {
     let errors = within(120, || {
         on_own_threads(3, bounded(), |pg| {
             let rank = candle_dp::comm::ProcessGroup::rank(&pg);
-            let pg: std::sync::Arc<dyn candle_dp::comm::ProcessGroup> = std::sync::Arc::new(pg);
             let mut units: Vec<LayerFactory> = deep_units();
             // Layer 4 is on stage 1 (rank 1) with a uniform split of 10.
             units.insert(
@@ -174,19 +189,7 @@ fn a_stage_failing_on_one_rank_ends_every_ranks_step_naming_it() {
                     })
                 }),
             );
-            let varmap = VarMap::new();
-            let pipe = RankPipeline::new(
-                pg,
-                &varmap,
-                DType::F32,
-                &Device::Cpu,
-                units,
-                RankPipelineConfig {
-                    chunks: Some(4),
-                    ..Default::default()
-                },
-            )
-            .unwrap();
+            let pipe = on_thread_rank(pg, units, Balance::Uniform);
             let (x, y) = batches(1, 8, 1).remove(0);
             let error = pipe
                 .forward_backward(Some(&x), Some(&y), LossReduction::Mean, loss::cross_entropy)
@@ -253,7 +256,6 @@ fn a_stage_failing_late_fails_the_step_of_a_rank_that_finished_first() {
     let per_rank = within(120, || {
         on_own_threads(3, bounded(), |pg| {
             let rank = candle_dp::comm::ProcessGroup::rank(&pg);
-            let pg: std::sync::Arc<dyn candle_dp::comm::ProcessGroup> = std::sync::Arc::new(pg);
             let calls = std::sync::Arc::new(AtomicUsize::new(0));
             let mut units = bn_layers(0.3, false);
             // l1 relu l2 | the failing identity | reshape bn flatten l3
@@ -269,20 +271,7 @@ fn a_stage_failing_late_fails_the_step_of_a_rank_that_finished_first() {
                     }))
                 }),
             );
-            let varmap = VarMap::new();
-            let pipe = RankPipeline::new(
-                pg,
-                &varmap,
-                DType::F32,
-                &Device::Cpu,
-                units,
-                RankPipelineConfig {
-                    chunks: Some(4),
-                    balance: Balance::Explicit(vec![3, 1, 4]),
-                    ..Default::default()
-                },
-            )
-            .unwrap();
+            let pipe = on_thread_rank(pg, units, Balance::Explicit(vec![3, 1, 4]));
             let held = |pipe: &RankPipeline| -> Vec<Vec<u64>> {
                 pipe.buffers()
                     .iter()
