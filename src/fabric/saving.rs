@@ -331,14 +331,16 @@ fn check_layout<O>(model: &FabricModel<O>, state: &TrainingState, path: &Path) -
     // moments, the loss scale and the path of the weights so far belong
     // to the policy that wrote them: resuming under another is another run.
     // (States written before the policy was recorded have none to compare.)
+    // The policy's name is compared (its words may be reworded); both
+    // policies are named in full.
     let ours = model.precision.policy_description();
     if let Some(saved) = state.metadata.get(PRECISION) {
-        if *saved != ours {
+        let saved_name = saved.split(':').next().unwrap_or(saved);
+        if saved_name != model.precision.name() {
             return Err(Error::Checkpoint(format!(
                 "{}: saved under precision {saved}; this run's is {ours}: resume with precision \
-                 {}, or export it with save_full and start from its weights",
+                 {saved_name}, or export it with save_full and start from its weights",
                 path.display(),
-                saved.split(':').next().unwrap_or(saved)
             )));
         }
     }
