@@ -287,8 +287,9 @@ struct Args {
     /// The dtype of the forward and backward; the weights, the gradients
     /// the optimizer sees and its state stay in f32 (f16 adds dynamic loss
     /// scaling).
-    #[arg(long, value_enum, default_value_t = Precision::F32)]
-    precision: Precision,
+    /// f32, bf16 or f16 (also the Fabric's 32-true, bf16-mixed, 16-mixed).
+    #[arg(long, default_value = "f32")]
+    precision: fabric::Precision,
     /// Clips the total 2-norm of the gradients to X (a finite number above
     /// 0) before each step [default: no clipping].
     #[arg(long, value_name = "X", value_parser = flags::positive_f64)]
@@ -310,28 +311,6 @@ fn timeout_arg(value: &str) -> std::result::Result<Timeout, String> {
     candle_dp::comm::parse_timeout(Some(value))
         .map(Timeout)
         .map_err(|e| e.replace("CANDLE_DP_TIMEOUT=", "--timeout "))
-}
-
-/// The dtype of the forward and backward (master weights and optimizer
-/// state stay in f32).
-#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
-enum Precision {
-    /// Everything in f32.
-    F32,
-    /// bf16 compute, f32 reduction; no loss scaling needed.
-    Bf16,
-    /// f16 compute, f32 reduction, with dynamic loss scaling.
-    F16,
-}
-
-impl Precision {
-    fn fabric(self) -> fabric::Precision {
-        match self {
-            Precision::F32 => fabric::Precision::F32,
-            Precision::Bf16 => fabric::Precision::Bf16Mixed,
-            Precision::F16 => fabric::Precision::F16Mixed,
-        }
-    }
 }
 
 /// The learning rate over the run.
@@ -372,7 +351,7 @@ impl Args {
         FabricConfig {
             // ZeRO is a setting of DDP: the one-device reference has none.
             zero: self.zero.filter(|_| strategy == fabric::Strategy::Ddp),
-            precision: self.precision.fabric(),
+            precision: self.precision,
             gradient_clip: self.clip_grad_norm,
             dp_backward: match self.backward {
                 Backward::Fast => DpBackward::Parallel,
@@ -564,11 +543,7 @@ fn in_precision(
     varmap: &VarMap,
     data: &LabelledImages,
 ) -> Result<MixedPrecisionModel<Net>> {
-    let policy = match args.precision {
-        Precision::F32 => MixedPrecision::new(DType::F32),
-        Precision::Bf16 => MixedPrecision::bf16(),
-        Precision::F16 => MixedPrecision::f16(),
-    };
+    let policy = (args.precision.policy()).unwrap_or_else(|| MixedPrecision::new(DType::F32));
     Ok(MixedPrecisionModel::new(
         varmap,
         DType::F32,
@@ -640,7 +615,7 @@ fn run(args: Args) -> Result<()> {
     if args.zero.is_some() && args.strategy != Strategy::Ddp {
         bail!("--zero shards DistributedDataParallel's optimizer: use it with --strategy ddp");
     }
-    if args.precision == Precision::Bf16 && args.model == Model::Conv {
+    if args.precision == fabric::Precision::Bf16Mixed && args.model == Model::Conv {
         bail!(
             "--precision bf16 with the conv net: candle 0.11's CPU convolution has no bf16 \
              kernel; use --model mlp, or --precision f16"
@@ -786,9 +761,9 @@ fn describe(args: &Args, train_set: &LabelledImages, test_set: &LabelledImages, 
         recipe += &format!(", gradients clipped to norm {x}");
     }
     match args.precision {
-        Precision::F32 => {}
-        Precision::Bf16 => recipe += ", bf16 compute",
-        Precision::F16 => recipe += ", f16 compute with loss scaling",
+        fabric::Precision::F32 => {}
+        fabric::Precision::Bf16Mixed => recipe += ", bf16 compute",
+        fabric::Precision::F16Mixed => recipe += ", f16 compute with loss scaling",
     }
     println!(
         "model: {model}, AdamW lr {}{recipe}, global batch {}, {} epochs, {} backward, seed {}",

@@ -69,18 +69,6 @@ enum Strategy {
     Hsdp,
 }
 
-/// The dtype of the forward and backward (master weights and optimizer
-/// state stay in f32).
-#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
-enum Precision {
-    /// Everything in f32.
-    F32,
-    /// bf16 compute, f32 reduction; no loss scaling needed.
-    Bf16,
-    /// f16 compute, f32 reduction, with dynamic loss scaling.
-    F16,
-}
-
 /// The learning rate over the run.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum Schedule {
@@ -186,8 +174,12 @@ struct Args {
     /// (0 turns clipping off).
     #[arg(long, value_name = "X", default_value_t = 1.0, value_parser = flags::non_negative_f64)]
     clip_grad_norm: f64,
-    #[arg(long, value_enum, default_value_t = Precision::F32)]
-    precision: Precision,
+    /// The dtype of the forward and backward, the Fabric's precision:
+    /// f32, bf16 (bf16 compute, f32 reduction) or f16 (and dynamic loss
+    /// scaling); also 32-true, bf16-mixed, 16-mixed. The master weights
+    /// and the optimizer state stay in f32.
+    #[arg(long, default_value = "f32")]
+    precision: fabric::Precision,
     /// Seeds the initial weights and the order of the windows.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -297,11 +289,7 @@ impl Args {
         FabricConfig {
             stages,
             chunks: Some(self.chunks as usize),
-            precision: match self.precision {
-                Precision::F32 => fabric::Precision::F32,
-                Precision::Bf16 => fabric::Precision::Bf16Mixed,
-                Precision::F16 => fabric::Precision::F16Mixed,
-            },
+            precision: self.precision,
             overlap: self.overlap && matches!(strategy, Strategy::Ddp | Strategy::Zero),
             // Shard groups: HSDP's, and ZeRO's on a mesh.
             shard_size: match strategy {
@@ -339,11 +327,7 @@ impl Args {
 
     /// The mixed-precision policy of the evaluation model.
     fn policy(&self) -> MixedPrecision {
-        match self.precision {
-            Precision::F32 => MixedPrecision::new(DType::F32),
-            Precision::Bf16 => MixedPrecision::bf16(),
-            Precision::F16 => MixedPrecision::f16(),
-        }
+        (self.precision.policy()).unwrap_or_else(|| MixedPrecision::new(DType::F32))
     }
 }
 
