@@ -19,7 +19,7 @@ use crate::ddp::{DdpConfig, DistributedDataParallel, ZeroStage};
 use crate::error::{Error, Result};
 use crate::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use crate::pipeline::{Pipeline, RankPipeline, RankPipelineConfig};
-use crate::precision::{cast_input, MixedPrecisionModel};
+use crate::precision::{cast_input, output_for_loss, MixedPrecisionModel};
 use crate::process_env::Backend;
 use crate::step::{LossReduction, Step};
 use crate::units::Units;
@@ -330,13 +330,13 @@ impl Engine {
     ) -> Result<Ran> {
         let scaled = {
             let loss_fn = loss_fn.clone();
-            move |out: &Tensor, y: &Tensor| loss_fn(&to_f32(out)?, y)?.affine(factor, 0.0)
+            move |out: &Tensor, y: &Tensor| loss_fn(&output_for_loss(out)?, y)?.affine(factor, 0.0)
         };
         match self {
             Engine::Single { model, buffers } => {
                 let before = BufferSnapshot::take(buffers)?;
                 let run = || -> Result<Ran> {
-                    let loss = loss_fn(&to_f32(&model.forward_t(x, true)?)?, y)?;
+                    let loss = loss_fn(&output_for_loss(&model.forward_t(x, true)?)?, y)?;
                     let grads = loss.affine(factor, 0.0)?.backward()?;
                     Ok(Ran {
                         loss: loss.detach(),
@@ -346,7 +346,7 @@ impl Engine {
                 run().inspect_err(|e| before.restore_after(e))
             }
             Engine::Replicas { dp, gathered: true } => {
-                let loss = loss_fn(&to_f32(&dp.forward_t(x, true)?)?, y)?;
+                let loss = loss_fn(&output_for_loss(&dp.forward_t(x, true)?)?, y)?;
                 let grads = loss.affine(factor, 0.0)?.backward()?;
                 Ok(Ran {
                     loss: loss.detach(),
@@ -374,7 +374,7 @@ impl Engine {
                     if overlapped {
                         return ran(ddp.forward_backward(x, y, scaled)?, factor, true);
                     }
-                    let loss = loss_fn(&to_f32(&ddp.forward_t(x, true)?)?, y)?;
+                    let loss = loss_fn(&output_for_loss(&ddp.forward_t(x, true)?)?, y)?;
                     let grads = ddp.backward(&loss.affine(factor, 0.0)?)?;
                     Ok(Ran {
                         loss: loss.detach(),
@@ -438,7 +438,7 @@ impl Engine {
                 pipe.from_last_stage(out.as_ref())?
             }
         };
-        Ok(to_f32(&out)?)
+        Ok(output_for_loss(&out)?)
     }
 
     /// The whole model's variables by name, on the CPU (FSDP gathers them:
@@ -473,14 +473,6 @@ fn only_when(sync: bool, ran: Ran) -> Ran {
     Ran {
         loss: ran.loss,
         grads: ran.grads.filter(|_| sync),
-    }
-}
-
-/// A floating-point tensor in f32 (the loss sees f32, as under autocast).
-fn to_f32(t: &Tensor) -> candle_core::Result<Tensor> {
-    match t.dtype() {
-        DType::BF16 | DType::F16 => t.to_dtype(DType::F32),
-        _ => Ok(t.clone()),
     }
 }
 

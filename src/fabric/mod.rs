@@ -575,22 +575,15 @@ fn cuda_device(config: &FabricConfig, ordinal: usize) -> Result<Device> {
     })
 }
 
-/// Tries the precision's kernels on `device` (a product and an
-/// exponential), so that a device without them is refused before the run.
+/// A device without the precision's kernels is refused before the run,
+/// naming the strategy.
 fn check_precision(strategy: Strategy, precision: Precision, device: &Device) -> Result<()> {
-    let dtype = precision.compute_dtype();
-    let tried = Tensor::ones((2, 2), dtype, device)
-        .and_then(|a| a.matmul(&a))
-        .and_then(|a| a.exp())
-        .and_then(|a| a.sum_all())
-        .and_then(|a| a.to_dtype(DType::F32));
-    tried.map(|_| ()).map_err(|e| Error::Strategy {
-        strategy: strategy.name().into(),
-        reason: format!(
-            "precision {precision} computes in {dtype:?}, which {} cannot: {e}",
-            crate::device_label::device_label(device)
-        ),
-    })
+    precision
+        .check_on(device)
+        .map_err(|reason| Error::Strategy {
+            strategy: strategy.name().into(),
+            reason,
+        })
 }
 
 /// A ZeRO optimizer as the Fabric's stepper, with the variables its

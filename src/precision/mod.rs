@@ -59,6 +59,7 @@
 //! ```
 
 mod model;
+mod named;
 
 use std::fmt;
 use std::sync::Arc;
@@ -70,6 +71,8 @@ use crate::error::{Error, Result};
 
 pub use model::MixedPrecisionModel;
 pub(crate) use model::{build_in_precision, cast_input};
+pub(crate) use named::output_for_loss;
+pub use named::Precision;
 
 /// In which dtype a model computes and its gradients travel; see the
 /// [module](self) documentation.
