@@ -1,239 +1,305 @@
-//! The strategy names as degrees of a mesh, and degrees as the strategy
-//! that trains them ([`FabricConfig::degrees`],
-//! [`FabricConfig::with_mesh`]): the one table between the Fabric's 11
-//! strategy names and [`Degrees`].
+//! The strategy names ([`Strategy`]): what each one is called, what it
+//! needs and serves, and the settings that belong to it. With
+//! `mesh_aliases.rs` (the names as degrees of a mesh), the one table the
+//! rest of the crate asks about a strategy instead of matching its name;
+//! how each one trains lives in `strategies/`.
 
-use super::config::{Devices, FabricConfig, Strategy};
-use super::degrees::Degrees;
+use std::fmt;
+use std::str::FromStr;
+
+use super::config::{FabricConfig, Strategy};
 use crate::error::{Error, Result};
 
-/// The strategy names as degrees, and degrees as the strategy that trains
-/// them: the one table between the two.
+impl Strategy {
+    /// Every strategy, in the order of the documentation.
+    pub const ALL: [Strategy; 11] = [
+        Strategy::Single,
+        Strategy::Dp,
+        Strategy::Ddp,
+        Strategy::DdpOverlap,
+        Strategy::Zero1,
+        Strategy::Zero2,
+        Strategy::Fsdp,
+        Strategy::Hsdp,
+        Strategy::Pipeline,
+        Strategy::PipelineDdp,
+        Strategy::PipelineRanks,
+    ];
+
+    /// Its name on the command line and in files.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Single => "single",
+            Strategy::Dp => "dp",
+            Strategy::Ddp => "ddp",
+            Strategy::DdpOverlap => "ddp-overlap",
+            Strategy::Zero1 => "zero1",
+            Strategy::Zero2 => "zero2",
+            Strategy::Fsdp => "fsdp",
+            Strategy::Hsdp => "hsdp",
+            Strategy::Pipeline => "pipeline",
+            Strategy::PipelineDdp => "pipeline-ddp",
+            Strategy::PipelineRanks => "pipeline-ranks",
+        }
+    }
+
+    /// Whether it runs one rank per device (or per pipeline): the ranks
+    /// of [`launch`](super::Fabric::launch) are threads or `mpirun`'s
+    /// processes. The others run in one process.
+    pub fn is_distributed(self) -> bool {
+        !matches!(self, Strategy::Single | Strategy::Dp | Strategy::Pipeline)
+    }
+
+    /// Whether it needs the model as units (a plain module cannot serve it).
+    pub fn needs_units(self) -> bool {
+        matches!(
+            self,
+            Strategy::DdpOverlap
+                | Strategy::Fsdp
+                | Strategy::Hsdp
+                | Strategy::Pipeline
+                | Strategy::PipelineDdp
+                | Strategy::PipelineRanks
+        )
+    }
+
+    /// How its states are laid out: states of one layout load into any
+    /// strategy of the same layout, on any number of ranks.
+    pub(crate) fn state_layout(self) -> &'static str {
+        match self {
+            Strategy::Zero1 | Strategy::Zero2 => "ZeRO shards",
+            Strategy::Fsdp | Strategy::Hsdp => "FSDP shards",
+            Strategy::PipelineRanks => "pipeline stages",
+            _ => "whole",
+        }
+    }
+
+    /// What serves a plain module instead of it (it needs units).
+    pub(crate) fn for_a_plain_module(self) -> &'static str {
+        match self {
+            Strategy::Fsdp | Strategy::Hsdp => "zero2 (sharded optimizer state and gradients)",
+            Strategy::DdpOverlap => "ddp (the reduction after the backward)",
+            _ => "dp or ddp",
+        }
+    }
+
+    /// Whether each rank keeps only its pieces of some state (its
+    /// checkpoints are sharded; a pipeline on ranks: each rank its stages).
+    pub fn shards(self) -> bool {
+        matches!(
+            self,
+            Strategy::Zero1
+                | Strategy::Zero2
+                | Strategy::Fsdp
+                | Strategy::Hsdp
+                | Strategy::PipelineRanks
+        )
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Strategy {
+    type Err = Error;
+
+    /// A strategy by its [`name`](Strategy::name); Fabric's and
+    /// Accelerate's spellings (`single_device`, `ddp_overlap`, `zero-2`,
+    /// `deepspeed_stage_2`, `fsdp`, `DDP`) are accepted too.
+    fn from_str(s: &str) -> Result<Self> {
+        let key = s.trim().to_ascii_lowercase().replace('_', "-");
+        let found = match key.as_str() {
+            "single" | "single-device" | "no" => Strategy::Single,
+            "dp" | "data-parallel" => Strategy::Dp,
+            "ddp" | "multi-cpu" | "multi-gpu" => Strategy::Ddp,
+            "ddp-overlap" | "overlap" => Strategy::DdpOverlap,
+            "zero1" | "zero-1" | "deepspeed-stage-1" => Strategy::Zero1,
+            "zero2" | "zero-2" | "deepspeed-stage-2" => Strategy::Zero2,
+            "fsdp" => Strategy::Fsdp,
+            "hsdp" | "hybrid-shard" => Strategy::Hsdp,
+            "pipeline" | "pp" => Strategy::Pipeline,
+            "pipeline-ddp" | "pp-ddp" => Strategy::PipelineDdp,
+            "pipeline-ranks" | "pp-ranks" | "pipeline-parallel" => Strategy::PipelineRanks,
+            _ => {
+                let names: Vec<&str> = Strategy::ALL.iter().map(|s| s.name()).collect();
+                return Err(Error::Config(format!(
+                    "unknown strategy `{s}`: one of {}",
+                    names.join(", ")
+                )));
+            }
+        };
+        Ok(found)
+    }
+}
+
 impl FabricConfig {
-    /// The degrees this configuration trains with (its strategy name is
-    /// an alias of them): `ddp`, `zero1`, `zero2` and `dp` (replicas in one
-    /// process) `dp_replicate`; `fsdp` `dp_shard`; `hsdp` both (its shard
-    /// groups of [`shard_size`](Self::shard_size), all the ranks when
-    /// unset); `pipeline-ranks` `pp` = its stages times its replicas
-    /// (`dp_shard` with ZeRO stage 3, else `dp_replicate`); `pipeline` `pp`
-    /// = its devices, `pipeline-ddp` its ranks' pipelines of `stages`.
-    /// The ZeRO stage of `ddp` and `pipeline-ranks` is a setting on top.
-    ///
-    /// ```
-    /// use candle_dp::fabric::{FabricConfig, Strategy};
-    ///
-    /// let hsdp = FabricConfig { shard_size: Some(2), ..FabricConfig::new(Strategy::Hsdp, 4) };
-    /// assert_eq!(hsdp.degrees().to_string(), "dp_replicate=2,dp_shard=2");
-    /// ```
-    pub fn degrees(&self) -> Degrees {
-        let n = self.devices.len();
-        let one = Degrees::one();
-        let stages = self.stages.max(1);
+    /// The strategy in force: `ddp` with a [`zero`](Self::zero) stage is
+    /// `zero1` or `zero2`.
+    pub fn effective_strategy(&self) -> Strategy {
+        match (self.strategy, self.zero, self.overlap) {
+            (Strategy::Ddp, Some(1), _) => Strategy::Zero1,
+            (Strategy::Ddp, Some(2), _) => Strategy::Zero2,
+            (Strategy::Ddp, None, true) => Strategy::DdpOverlap,
+            (strategy, _, _) => strategy,
+        }
+    }
+
+    /// Whether DDP reduces during the backward: `ddp-overlap`, or
+    /// `overlap` with a ZeRO stage.
+    pub fn overlaps(&self) -> bool {
+        let strategy = self.effective_strategy();
+        strategy == Strategy::DdpOverlap
+            || (self.overlap && matches!(strategy, Strategy::Zero1 | Strategy::Zero2))
+    }
+
+    /// How many ranks run this configuration on thread ranks (under
+    /// `mpirun`, the launcher decides).
+    pub fn ranks(&self) -> usize {
+        let strategy = self.effective_strategy();
+        match strategy {
+            Strategy::Single | Strategy::Dp | Strategy::Pipeline => 1,
+            Strategy::PipelineDdp => self.devices.len() / self.stages.max(1),
+            _ => self.devices.len(),
+        }
+    }
+
+    /// How many devices each rank drives: its replicas (`dp`), its
+    /// stages (`pipeline`, `pipeline-ddp`), or one.
+    pub(crate) fn devices_per_rank(&self) -> usize {
         match self.effective_strategy() {
-            Strategy::Single => one,
-            Strategy::Dp
-            | Strategy::Ddp
-            | Strategy::DdpOverlap
-            | Strategy::Zero1
-            | Strategy::Zero2 => Degrees {
-                dp_replicate: n,
-                ..one
-            },
-            Strategy::Fsdp => Degrees { dp_shard: n, ..one },
-            // Without a shard size, all the ranks on threads (on MPI the
-            // engine's default is the processes per machine).
-            Strategy::Hsdp => {
-                let shard = self.shard_size.unwrap_or(n).max(1);
-                Degrees {
-                    dp_replicate: n / shard,
-                    dp_shard: shard,
-                    ..one
-                }
-            }
-            Strategy::Pipeline => Degrees { pp: n, ..one },
-            Strategy::PipelineDdp => Degrees {
-                dp_replicate: n / stages,
-                pp: stages,
-                ..one
-            },
-            Strategy::PipelineRanks => {
-                let replicas = n / stages;
-                match self.zero {
-                    Some(3) => Degrees {
-                        dp_shard: replicas,
-                        pp: stages,
-                        ..one
-                    },
-                    _ => Degrees {
-                        dp_replicate: replicas,
-                        pp: stages,
-                        ..one
-                    },
-                }
-            }
+            Strategy::Dp | Strategy::Pipeline => self.devices.len(),
+            Strategy::PipelineDdp => self.stages,
+            _ => 1,
         }
     }
 
-    /// This configuration training with `degrees` on thread ranks or
-    /// `mpirun`'s processes: the strategy, the number of ranks, the shard
-    /// groups, the pipeline's stages and (FSDP across a pipeline's
-    /// replicas) the ZeRO stage set from them. `dp_replicate` alone is
-    /// `ddp` (with this configuration's `zero` stage, `zero1` or `zero2`);
-    /// `dp_shard` alone `fsdp` (`hsdp` of one replica if the configuration
-    /// names hsdp); both `hsdp`; `pp` with `dp_replicate`
-    /// `pipeline-ranks` across replicas (with `zero` 1 or 2, ZeRO across
-    /// them), with `dp_shard` FSDP across them. Accelerate's
-    /// `ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)`.
-    ///
-    /// ```
-    /// use candle_dp::fabric::{FabricConfig, Strategy};
-    ///
-    /// let config = FabricConfig::default().with_mesh("dp_shard=2,pp=2".parse()?)?;
-    /// assert_eq!(config.strategy, Strategy::PipelineRanks);
-    /// assert_eq!((config.ranks(), config.stages, config.zero), (4, 2, Some(3)));
-    /// # Ok::<(), candle_dp::Error>(())
-    /// ```
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Config`] for a degree of 0, `cp` or `tp` above 1 (not
-    /// built), a pipeline whose replicas would be HSDP (`pp`,
-    /// `dp_replicate` and `dp_shard` all above 1: not built), or a
-    /// strategy, number of devices or ZeRO stage already set in this
-    /// configuration that the degrees contradict (naming both).
-    pub fn with_mesh(mut self, degrees: Degrees) -> Result<Self> {
-        degrees.check()?;
-        let refuse = |why: String| Err(Error::Config(format!("mesh {degrees}: {why}")));
-        let world = degrees.world_size();
-        let (replicate, shard, pp) = (degrees.dp_replicate, degrees.dp_shard, degrees.pp);
-        let (strategy, shard_size, zero) =
-            match (pp > 1, replicate > 1, shard > 1) {
-                (false, false, false) => (Strategy::Single, None, self.zero),
-                (false, true, false) => (Strategy::Ddp, None, self.zero),
-                (false, false, true) => (Strategy::Fsdp, None, None),
-                (false, true, true) => (Strategy::Hsdp, Some(shard), None),
-                (true, _, false) if self.zero == Some(3) => {
-                    return refuse(
-                        "ZeRO stage 3 shards the parameters across the pipeline's replicas: give \
-                     them as dp_shard, not dp_replicate"
-                            .into(),
-                    )
-                }
-                (true, _, false) => (Strategy::PipelineRanks, None, self.zero),
-                (true, false, true) => (Strategy::PipelineRanks, None, Some(3)),
-                (true, true, true) => return refuse(
-                    "a pipeline whose replicas are HSDP (pp, dp_replicate and dp_shard all above \
-                     1) is not built: a pipeline's replicas shard over one group; give \
-                     dp_replicate or dp_shard"
+    /// How many consecutive ranks train on one share of the data: a
+    /// pipeline's stages with `pipeline-ranks`, else 1.
+    pub(crate) fn ranks_per_data_share(&self) -> usize {
+        match self.effective_strategy() {
+            Strategy::PipelineRanks => self.stages.max(1),
+            _ => 1,
+        }
+    }
+
+    /// Checks the settings that belong to some strategies only (the ZeRO
+    /// stage, the pipeline's stages, the shard groups, the overlap),
+    /// naming the strategy and what it cannot serve.
+    pub(crate) fn check_strategy_settings(&self) -> Result<()> {
+        let strategy = self.effective_strategy();
+        let refuse = |reason: String| {
+            Err(Error::Strategy {
+                strategy: strategy.name().into(),
+                reason,
+            })
+        };
+        let devices = self.devices.len();
+        match self.zero {
+            None => {}
+            Some(1 | 2) if matches!(self.strategy, Strategy::Ddp | Strategy::PipelineRanks) => {}
+            Some(3) if self.strategy == Strategy::PipelineRanks => {}
+            Some(3) => {
+                return Err(Error::Strategy {
+                    strategy: self.strategy.name().into(),
+                    reason: "ZeRO stage 3 (FSDP across the replicas) is a setting of \
+                             pipeline-ranks; the other strategies shard their variables with \
+                             the strategy fsdp (or hsdp)"
                         .into(),
-                ),
-            };
-        // HSDP of one replica is FSDP's degrees; ddp's variants (ZeRO, the
-        // overlap) are DDP's.
-        let strategy = match (self.strategy, strategy) {
-            (Strategy::Hsdp, Strategy::Fsdp) => Strategy::Hsdp,
-            (named @ (Strategy::DdpOverlap | Strategy::Zero1 | Strategy::Zero2), Strategy::Ddp) => {
-                named
+                })
             }
-            (_, strategy) => strategy,
-        };
-        let shard_size = match strategy {
-            Strategy::Hsdp => Some(shard),
-            _ => shard_size,
-        };
-        if self.strategy != Strategy::Single && self.strategy != strategy {
-            return refuse(format!(
-                "it trains as strategy {strategy}, and the configuration names strategy {}: give \
-                 one of them",
-                self.strategy
-            ));
-        }
-        if self.devices.len() != 1 && self.devices.len() != world {
-            return refuse(format!(
-                "it spans {world} ranks, and the configuration names {} devices: give one of \
-                 them",
-                self.devices.len()
-            ));
-        }
-        if self.zero.is_some() && self.zero != zero {
-            return refuse(format!(
-                "ZeRO stage {} does not go with it (dp_shard shards the parameters: FSDP)",
-                self.zero.unwrap_or_default()
-            ));
-        }
-        if let (Some(given), Some(shard)) = (self.shard_size, shard_size) {
-            if given != shard {
+            Some(stage @ (1 | 2)) => {
+                return Err(Error::Strategy {
+                    strategy: self.strategy.name().into(),
+                    reason: format!(
+                        "ZeRO stage {stage} is a setting of ddp (the strategies zero1 and \
+                         zero2) and of pipeline-ranks; {} cannot take it: use --strategy ddp \
+                         --zero {stage}, or zero{stage}",
+                        self.strategy.name()
+                    ),
+                })
+            }
+            Some(other) => {
                 return refuse(format!(
-                    "shard groups of {shard} ranks, and the configuration names shard_size \
-                     {given}: give one of them"
-                ));
+                    "ZeRO stage {other}: 1, 2 (or 3 with pipeline-ranks)"
+                ))
             }
         }
-        self.strategy = strategy;
-        if self.devices.len() != world {
-            self.devices = Devices::Count(world);
+        match strategy {
+            Strategy::Single if devices != 1 => {
+                return refuse(format!(
+                    "one device only, got {devices}: use dp or ddp for several"
+                ))
+            }
+            Strategy::Pipeline if devices * self.pipeline_schedule.stages_per_device() < 2 => {
+                return refuse(format!(
+                    "a pipeline of {} stage: give at least 2 devices (one stage each), or an \
+                     interleaved schedule of 2 stages per device",
+                    devices * self.pipeline_schedule.stages_per_device()
+                ))
+            }
+            Strategy::PipelineDdp
+                if self.stages * self.pipeline_schedule.stages_per_device() < 2 =>
+            {
+                return refuse(format!(
+                    "a pipeline of {} stage on each rank: stages must be at least 2",
+                    self.stages * self.pipeline_schedule.stages_per_device()
+                ))
+            }
+            Strategy::PipelineDdp if !devices.is_multiple_of(self.stages) => {
+                return refuse(format!(
+                    "{devices} devices do not split into pipelines of {} stages (ranks x stages)",
+                    self.stages
+                ))
+            }
+            Strategy::PipelineRanks
+                if self.stages * self.pipeline_schedule.stages_per_device() < 2 =>
+            {
+                return refuse(format!(
+                    "a pipeline of {} stage: stages (ranks per pipeline) must be at least 2, or \
+                     1 with an interleaved schedule",
+                    self.stages * self.pipeline_schedule.stages_per_device()
+                ))
+            }
+            Strategy::PipelineRanks if !devices.is_multiple_of(self.stages) => {
+                return refuse(format!(
+                    "{devices} ranks do not split into pipelines of {} ranks: devices must be a \
+                     multiple of stages (replicas x stages)",
+                    self.stages
+                ))
+            }
+            Strategy::Hsdp | Strategy::Zero1 | Strategy::Zero2 => match self.shard_size {
+                Some(0) => return refuse("shard_size must be at least 1 rank".into()),
+                Some(s) if !devices.is_multiple_of(s) => {
+                    return refuse(format!(
+                        "{devices} ranks do not split into shard groups of {s}: shard_size must \
+                         divide the number of ranks"
+                    ))
+                }
+                _ => {}
+            },
+            _ if self.shard_size.is_some() => {
+                return refuse(
+                    "shard_size splits the ranks into shard groups for hsdp, zero1 and zero2 \
+                     only"
+                        .into(),
+                )
+            }
+            _ => {}
         }
-        let ddp_family = matches!(
-            strategy,
-            Strategy::Ddp | Strategy::DdpOverlap | Strategy::Zero1 | Strategy::Zero2
-        );
-        self.shard_size = shard_size.or(self.shard_size.filter(|_| ddp_family));
-        self.zero = zero;
-        if pp > 1 {
-            self.stages = pp;
-        }
-        self.mesh = Some(degrees);
-        Ok(self)
-    }
-
-    /// A configuration read from a file or flags with a `mesh`: the
-    /// fields set from it ([`with_mesh`](Self::with_mesh)).
-    pub(crate) fn with_its_mesh(mut self) -> Result<Self> {
-        match self.mesh.take() {
-            Some(degrees) => self.with_mesh(degrees),
-            None => Ok(self),
-        }
-    }
-
-    /// With a `mesh`, the fields agree with it (a configuration written
-    /// field by field with a mesh beside them).
-    pub(crate) fn check_mesh(&self) -> Result<()> {
-        let Some(degrees) = self.mesh else {
-            return Ok(());
-        };
-        // What the mesh makes of this configuration's other settings (its
-        // strategy name among them, which must agree).
-        let from_mesh = FabricConfig {
-            mesh: None,
-            devices: Devices::Count(1),
-            ..self.clone()
-        }
-        .with_mesh(degrees)?;
-        let seen = |c: &FabricConfig| {
-            (
-                c.effective_strategy(),
-                c.devices.len(),
-                c.shard_size,
-                c.zero,
-                (c.strategy == Strategy::PipelineRanks).then_some(c.stages),
+        if self.overlap
+            && !matches!(
+                strategy,
+                Strategy::DdpOverlap | Strategy::Zero1 | Strategy::Zero2
             )
-        };
-        if seen(self) != seen(&from_mesh) {
-            return Err(Error::Config(format!(
-                "mesh {degrees} trains as {} on {} ranks (shard size {:?}, ZeRO {:?}, {} stages), \
-                 but the configuration's fields say {} on {} (shard size {:?}, ZeRO {:?}, {} \
-                 stages): set it with FabricConfig::with_mesh",
-                from_mesh.effective_strategy(),
-                from_mesh.devices.len(),
-                from_mesh.shard_size,
-                from_mesh.zero,
-                from_mesh.stages,
-                self.effective_strategy(),
-                self.devices.len(),
-                self.shard_size,
-                self.zero,
-                self.stages
-            )));
+        {
+            return refuse(
+                "overlap reduces DDP's buckets during the backward: use it with ddp, zero1 or \
+                 zero2"
+                    .into(),
+            );
         }
         Ok(())
     }

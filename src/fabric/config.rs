@@ -3,7 +3,6 @@
 //! JSON file (Accelerate's `accelerate config`), or from the command line
 //! ([`FabricArgs`](super::FabricArgs)).
 
-use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
@@ -60,111 +59,6 @@ pub enum Strategy {
     /// replicas x stages; each replica trains on its share of the data, see
     /// [`Fabric::data_parallel_rank`](super::Fabric::data_parallel_rank)).
     PipelineRanks,
-}
-
-impl Strategy {
-    /// Every strategy, in the order of the documentation.
-    pub const ALL: [Strategy; 11] = [
-        Strategy::Single,
-        Strategy::Dp,
-        Strategy::Ddp,
-        Strategy::DdpOverlap,
-        Strategy::Zero1,
-        Strategy::Zero2,
-        Strategy::Fsdp,
-        Strategy::Hsdp,
-        Strategy::Pipeline,
-        Strategy::PipelineDdp,
-        Strategy::PipelineRanks,
-    ];
-
-    /// Its name on the command line and in files.
-    pub fn name(self) -> &'static str {
-        match self {
-            Strategy::Single => "single",
-            Strategy::Dp => "dp",
-            Strategy::Ddp => "ddp",
-            Strategy::DdpOverlap => "ddp-overlap",
-            Strategy::Zero1 => "zero1",
-            Strategy::Zero2 => "zero2",
-            Strategy::Fsdp => "fsdp",
-            Strategy::Hsdp => "hsdp",
-            Strategy::Pipeline => "pipeline",
-            Strategy::PipelineDdp => "pipeline-ddp",
-            Strategy::PipelineRanks => "pipeline-ranks",
-        }
-    }
-
-    /// Whether it runs one rank per device (or per pipeline): the ranks
-    /// of [`launch`](super::Fabric::launch) are threads or `mpirun`'s
-    /// processes. The others run in one process.
-    pub fn is_distributed(self) -> bool {
-        !matches!(self, Strategy::Single | Strategy::Dp | Strategy::Pipeline)
-    }
-
-    /// Whether it needs the model as units (a plain module cannot serve it).
-    pub fn needs_units(self) -> bool {
-        matches!(
-            self,
-            Strategy::DdpOverlap
-                | Strategy::Fsdp
-                | Strategy::Hsdp
-                | Strategy::Pipeline
-                | Strategy::PipelineDdp
-                | Strategy::PipelineRanks
-        )
-    }
-
-    /// Whether each rank keeps only its pieces of some state (its
-    /// checkpoints are sharded; a pipeline on ranks: each rank its stages).
-    pub fn shards(self) -> bool {
-        matches!(
-            self,
-            Strategy::Zero1
-                | Strategy::Zero2
-                | Strategy::Fsdp
-                | Strategy::Hsdp
-                | Strategy::PipelineRanks
-        )
-    }
-}
-
-impl fmt::Display for Strategy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Strategy {
-    type Err = Error;
-
-    /// A strategy by its [`name`](Strategy::name); Fabric's and
-    /// Accelerate's spellings (`single_device`, `ddp_overlap`, `zero-2`,
-    /// `deepspeed_stage_2`, `fsdp`, `DDP`) are accepted too.
-    fn from_str(s: &str) -> Result<Self> {
-        let key = s.trim().to_ascii_lowercase().replace('_', "-");
-        let found = match key.as_str() {
-            "single" | "single-device" | "no" => Strategy::Single,
-            "dp" | "data-parallel" => Strategy::Dp,
-            "ddp" | "multi-cpu" | "multi-gpu" => Strategy::Ddp,
-            "ddp-overlap" | "overlap" => Strategy::DdpOverlap,
-            "zero1" | "zero-1" | "deepspeed-stage-1" => Strategy::Zero1,
-            "zero2" | "zero-2" | "deepspeed-stage-2" => Strategy::Zero2,
-            "fsdp" => Strategy::Fsdp,
-            "hsdp" | "hybrid-shard" => Strategy::Hsdp,
-            "pipeline" | "pp" => Strategy::Pipeline,
-            "pipeline-ddp" | "pp-ddp" => Strategy::PipelineDdp,
-            "pipeline-ranks" | "pp-ranks" | "pipeline-parallel" => Strategy::PipelineRanks,
-            _ => {
-                let names: Vec<&str> = Strategy::ALL.iter().map(|s| s.name()).collect();
-                return Err(Error::Config(format!(
-                    "unknown strategy `{s}`: one of {}",
-                    names.join(", ")
-                )));
-            }
-        };
-        Ok(found)
-    }
 }
 
 /// How `dp` (and `single`) computes the gradients.
@@ -468,36 +362,6 @@ impl FabricConfig {
         serde_json::to_string_pretty(self).unwrap_or_default()
     }
 
-    /// The strategy in force: `ddp` with a [`zero`](Self::zero) stage is
-    /// `zero1` or `zero2`.
-    pub fn effective_strategy(&self) -> Strategy {
-        match (self.strategy, self.zero, self.overlap) {
-            (Strategy::Ddp, Some(1), _) => Strategy::Zero1,
-            (Strategy::Ddp, Some(2), _) => Strategy::Zero2,
-            (Strategy::Ddp, None, true) => Strategy::DdpOverlap,
-            (strategy, _, _) => strategy,
-        }
-    }
-
-    /// Whether DDP reduces during the backward: `ddp-overlap`, or
-    /// `overlap` with a ZeRO stage.
-    pub fn overlaps(&self) -> bool {
-        let strategy = self.effective_strategy();
-        strategy == Strategy::DdpOverlap
-            || (self.overlap && matches!(strategy, Strategy::Zero1 | Strategy::Zero2))
-    }
-
-    /// How many ranks run this configuration on thread ranks (under
-    /// `mpirun`, the launcher decides).
-    pub fn ranks(&self) -> usize {
-        let strategy = self.effective_strategy();
-        match strategy {
-            Strategy::Single | Strategy::Dp | Strategy::Pipeline => 1,
-            Strategy::PipelineDdp => self.devices.len() / self.stages.max(1),
-            _ => self.devices.len(),
-        }
-    }
-
     /// The configured timeout: `None` for the default, `Some(None)` for
     /// no limit.
     pub fn timeout(&self) -> Option<Option<Duration>> {
@@ -522,6 +386,7 @@ impl FabricConfig {
             return refuse("no devices: give at least one".into());
         }
         self.check_mesh()?;
+        self.check_strategy_settings()?;
         if let Devices::Ids(_) = self.devices {
             if self.accelerator == Accelerator::Cpu {
                 return refuse(format!(
@@ -530,110 +395,6 @@ impl FabricConfig {
                     self.devices.ordinals()
                 ));
             }
-        }
-        match self.zero {
-            None => {}
-            Some(1 | 2) if matches!(self.strategy, Strategy::Ddp | Strategy::PipelineRanks) => {}
-            Some(3) if self.strategy == Strategy::PipelineRanks => {}
-            Some(3) => {
-                return Err(Error::Strategy {
-                    strategy: self.strategy.name().into(),
-                    reason: "ZeRO stage 3 (FSDP across the replicas) is a setting of \
-                             pipeline-ranks; the other strategies shard their variables with \
-                             the strategy fsdp (or hsdp)"
-                        .into(),
-                })
-            }
-            Some(stage @ (1 | 2)) => {
-                return Err(Error::Strategy {
-                    strategy: self.strategy.name().into(),
-                    reason: format!(
-                        "ZeRO stage {stage} is a setting of ddp (the strategies zero1 and \
-                         zero2) and of pipeline-ranks; {} cannot take it: use --strategy ddp \
-                         --zero {stage}, or zero{stage}",
-                        self.strategy.name()
-                    ),
-                })
-            }
-            Some(other) => {
-                return refuse(format!(
-                    "ZeRO stage {other}: 1, 2 (or 3 with pipeline-ranks)"
-                ))
-            }
-        }
-        match strategy {
-            Strategy::Single if devices != 1 => {
-                return refuse(format!(
-                    "one device only, got {devices}: use dp or ddp for several"
-                ))
-            }
-            Strategy::Pipeline if devices * self.pipeline_schedule.stages_per_device() < 2 => {
-                return refuse(format!(
-                    "a pipeline of {} stage: give at least 2 devices (one stage each), or an \
-                     interleaved schedule of 2 stages per device",
-                    devices * self.pipeline_schedule.stages_per_device()
-                ))
-            }
-            Strategy::PipelineDdp
-                if self.stages * self.pipeline_schedule.stages_per_device() < 2 =>
-            {
-                return refuse(format!(
-                    "a pipeline of {} stage on each rank: stages must be at least 2",
-                    self.stages * self.pipeline_schedule.stages_per_device()
-                ))
-            }
-            Strategy::PipelineDdp if !devices.is_multiple_of(self.stages) => {
-                return refuse(format!(
-                    "{devices} devices do not split into pipelines of {} stages (ranks x stages)",
-                    self.stages
-                ))
-            }
-            Strategy::PipelineRanks
-                if self.stages * self.pipeline_schedule.stages_per_device() < 2 =>
-            {
-                return refuse(format!(
-                    "a pipeline of {} stage: stages (ranks per pipeline) must be at least 2, or \
-                     1 with an interleaved schedule",
-                    self.stages * self.pipeline_schedule.stages_per_device()
-                ))
-            }
-            Strategy::PipelineRanks if !devices.is_multiple_of(self.stages) => {
-                return refuse(format!(
-                    "{devices} ranks do not split into pipelines of {} ranks: devices must be a \
-                     multiple of stages (replicas x stages)",
-                    self.stages
-                ))
-            }
-            Strategy::Hsdp | Strategy::Zero1 | Strategy::Zero2 => match self.shard_size {
-                Some(0) => return refuse("shard_size must be at least 1 rank".into()),
-                Some(s) if !devices.is_multiple_of(s) => {
-                    return refuse(format!(
-                        "{devices} ranks do not split into shard groups of {s}: shard_size must \
-                         divide the number of ranks"
-                    ))
-                }
-                _ => {}
-            },
-            _ if self.shard_size.is_some() => {
-                return refuse(
-                    "shard_size splits the ranks into shard groups for hsdp, zero1 and zero2 \
-                     only"
-                        .into(),
-                )
-            }
-            _ => {}
-        }
-        if self.overlap
-            && !matches!(
-                strategy,
-                Strategy::DdpOverlap | Strategy::Zero1 | Strategy::Zero2
-            )
-        {
-            return refuse(
-                "overlap reduces DDP's buckets during the backward: use it with ddp, zero1 or \
-                 zero2"
-                    .into(),
-            );
         }
         if self.chunks == Some(0) {
             return refuse("chunks must be at least 1".into());

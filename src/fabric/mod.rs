@@ -62,11 +62,12 @@ mod checkpoints;
 mod config;
 mod data;
 mod degrees;
-mod engine;
+mod mesh_aliases;
 mod model;
 mod module;
 mod saving;
 mod step_order;
+mod strategies;
 
 use std::fmt;
 use std::sync::Arc;
@@ -82,6 +83,7 @@ pub use degrees::Degrees;
 pub use model::{FabricModel, Memory, StepOutcome};
 pub use module::FabricModule;
 pub use saving::Resumed;
+pub use strategies::{Engine, EngineSetup, EngineStep, FoundState, LossFn, StateStore};
 
 use crate::comm::{all_gather_object, GroupOptions, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
@@ -89,9 +91,6 @@ use crate::launch::{Backend, Elastic, RankContext};
 use crate::loader::Dataset;
 use crate::optim::StatefulOptimizer;
 use crate::units::Units;
-use crate::zero::ZeroOptimizer;
-use engine::Engine;
-use model::Stepper;
 use step_order::StepOrder;
 
 /// One rank's handle on a run: its place among the ranks, its devices,
@@ -253,19 +252,13 @@ impl Fabric {
     /// gives a model-parallel strategy's sampler the data-parallel rank
     /// likewise).
     pub fn data_parallel_rank(&self) -> usize {
-        match self.strategy() {
-            Strategy::PipelineRanks => self.ctx.rank / self.config.stages.max(1),
-            _ => self.ctx.rank,
-        }
+        self.ctx.rank / self.config.ranks_per_data_share()
     }
 
     /// Into how many shares the data is split: the number of ranks, or of
     /// pipelines with `pipeline-ranks`.
     pub fn data_parallel_size(&self) -> usize {
-        match self.strategy() {
-            Strategy::PipelineRanks => self.ctx.world_size / self.config.stages.max(1),
-            _ => self.ctx.world_size,
-        }
+        self.ctx.world_size / self.config.ranks_per_data_share()
     }
 
     /// Whether this is rank 0 (Fabric's `is_global_zero`, Accelerate's
@@ -400,43 +393,62 @@ impl Fabric {
     /// models differ, named); `make`'s.
     pub fn setup<O, F>(&self, module: FabricModule, make: F) -> Result<FabricModel<O>>
     where
-        O: StatefulOptimizer,
+        O: StatefulOptimizer + 'static,
         F: FnOnce(Vec<(String, Var)>) -> candle_core::Result<O>,
     {
         let strategy = self.strategy();
         module.check_serves(strategy, self.config.overlaps())?;
         let varmap = self.initial_varmap(&module)?;
-        let engine = Engine::build(
-            &self.config,
-            self.ctx.pg.clone(),
-            &self.devices,
-            &varmap,
-            &module,
-        )?;
-        // A rank of a pipeline keeps only its stages' variables.
-        let varmap = engine.rank_varmap().unwrap_or(varmap);
-        let zero = match &engine {
-            Engine::Ddp { ddp, .. } => ddp.zero_stage().is_some(),
-            // FSDP's pieces are the variables: any optimizer steps them.
-            Engine::RankPipeline(pipe) => pipe.zero_stage().is_some() && !pipe.is_fsdp(),
-            _ => false,
-        };
-        let (stepper, params) = match (&engine, zero) {
-            (Engine::Ddp { ddp, .. }, true) => zero_stepper(ZeroOptimizer::new(ddp, make)?),
-            (Engine::RankPipeline(pipe), true) => zero_stepper(pipe.zero_optimizer(make)?),
-            _ => {
-                let named = engine.named_params(&varmap);
-                let params = named.iter().map(|(_, v)| v.clone()).collect();
-                (Stepper::Whole(make(named)?), params)
-            }
-        };
-        Ok(FabricModel {
-            strategy,
-            engine,
-            stepper,
-            order: StepOrder::new(self.config.precision.scales_loss(), self.config.init_scale)?,
+        let engine = strategies::build(&self.engine_setup(&varmap, &module), make)?;
+        self.model_around(engine)
+    }
+
+    /// [`setup`](Self::setup) with a strategy of the caller's own: `build`
+    /// makes its [`Engine`] (the model and the optimizer) from what the
+    /// run gives, and the Fabric's loop drives it as any strategy's
+    /// (accumulation, loss scaling, clipping, schedules, saving). See
+    /// [`Engine`] for an example. Every rank must call it.
+    ///
+    /// # Errors
+    ///
+    /// `build`'s; the initial weights cannot be drawn.
+    pub fn setup_engine<O, B>(&self, module: FabricModule, build: B) -> Result<FabricModel<O>>
+    where
+        O: StatefulOptimizer,
+        B: FnOnce(EngineSetup<'_>) -> Result<Box<dyn Engine<O>>>,
+    {
+        let varmap = self.initial_varmap(&module)?;
+        let engine = build(self.engine_setup(&varmap, &module))?;
+        self.model_around(engine)
+    }
+
+    /// What a strategy is built from on this rank.
+    fn engine_setup<'a>(
+        &'a self,
+        varmap: &'a candle_nn::VarMap,
+        module: &'a FabricModule,
+    ) -> EngineSetup<'a> {
+        EngineSetup {
+            config: &self.config,
             pg: self.ctx.pg.clone(),
+            devices: &self.devices,
             varmap,
+            module,
+        }
+    }
+
+    /// The Fabric's model around a strategy's engine.
+    fn model_around<O: StatefulOptimizer>(
+        &self,
+        engine: Box<dyn Engine<O>>,
+    ) -> Result<FabricModel<O>> {
+        let params = engine.grad_vars().to_vec();
+        let order = StepOrder::new(self.config.precision.scales_loss(), self.config.init_scale)?;
+        Ok(FabricModel {
+            strategy: self.strategy(),
+            engine,
+            order,
+            pg: self.ctx.pg.clone(),
             params,
             accumulation_steps: self.config.accumulation_steps,
             gradient_clip: self.config.gradient_clip,
@@ -513,11 +525,7 @@ impl Fabric {
 
 /// Rank `rank`'s devices: its replicas, its stages, or its one device.
 fn rank_devices(config: &FabricConfig, rank: usize) -> Result<Vec<Device>> {
-    let per_rank = match config.effective_strategy() {
-        Strategy::Dp | Strategy::Pipeline => config.devices.len(),
-        Strategy::PipelineDdp => config.stages,
-        _ => 1,
-    };
+    let per_rank = config.devices_per_rank();
     match config.accelerator {
         config::Accelerator::Cpu => Ok(vec![Device::Cpu; per_rank]),
         config::Accelerator::Cuda => {
@@ -584,11 +592,4 @@ fn check_precision(strategy: Strategy, precision: Precision, device: &Device) ->
             strategy: strategy.name().into(),
             reason,
         })
-}
-
-/// A ZeRO optimizer as the Fabric's stepper, with the variables its
-/// gradients are keyed by.
-fn zero_stepper<O: StatefulOptimizer>(zero: ZeroOptimizer<O>) -> (Stepper<O>, Vec<Var>) {
-    let params = zero.grad_vars();
-    (Stepper::Zero(Box::new(zero)), params)
 }

@@ -8,39 +8,15 @@ use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
-use candle_nn::{Optimizer, VarMap};
+use candle_nn::VarMap;
 
 use super::config::{Precision, Strategy};
-use super::engine::{Engine, LossFn};
 use super::step_order::StepOrder;
+use super::strategies::{Engine, LossFn};
 use crate::comm::ProcessGroup;
 use crate::error::{Error, Result};
-use crate::optim::{clip_grad_norm, Clipped, LrScheduler, StatefulOptimizer};
+use crate::optim::{Clipped, LrScheduler, StatefulOptimizer};
 use crate::vars::with_accumulated;
-use crate::zero::ZeroOptimizer;
-
-/// The optimizer as the strategy holds it: whole, or (ZeRO) each rank
-/// stepping its pieces.
-pub(crate) enum Stepper<O> {
-    Whole(O),
-    Zero(Box<ZeroOptimizer<O>>),
-}
-
-impl<O: Optimizer> Stepper<O> {
-    fn inner(&self) -> &O {
-        match self {
-            Stepper::Whole(opt) => opt,
-            Stepper::Zero(zero) => zero.inner(),
-        }
-    }
-
-    fn inner_mut(&mut self) -> &mut O {
-        match self {
-            Stepper::Whole(opt) => opt,
-            Stepper::Zero(zero) => zero.inner_mut(),
-        }
-    }
-}
 
 /// What a rank holds after a step, in bytes ([`FabricModel::memory`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -94,14 +70,14 @@ pub enum StepOutcome {
 /// })?;
 /// # Ok::<(), candle_dp::Error>(())
 /// ```
-pub struct FabricModel<O> {
+pub struct FabricModel<O: StatefulOptimizer> {
     pub(crate) strategy: Strategy,
-    pub(crate) engine: Engine,
-    pub(crate) stepper: Stepper<O>,
+    /// The strategy's model and optimizer.
+    pub(crate) engine: Box<dyn Engine<O>>,
     pub(crate) order: StepOrder,
     pub(crate) pg: Arc<dyn ProcessGroup>,
-    pub(crate) varmap: VarMap,
-    /// The variables the gradients are keyed by (masters, pieces).
+    /// The variables the gradients are keyed by (masters, pieces): the
+    /// engine's, kept here for the scaler and the accumulation.
     pub(crate) params: Vec<Var>,
     pub(crate) accumulation_steps: u64,
     pub(crate) gradient_clip: Option<f64>,
@@ -236,12 +212,7 @@ impl<O: StatefulOptimizer> FabricModel<O> {
                 "clip_gradients before backward: there are no gradients to clip".into(),
             ));
         };
-        let clipped = match (&self.engine, &self.stepper) {
-            (_, Stepper::Zero(zero)) => zero.clip_grad_norm(grads, max_norm, 2.0, false)?,
-            (Engine::Fsdp(fsdp), _) => fsdp.clip_grad_norm(grads, max_norm, 2.0, false)?,
-            (Engine::RankPipeline(pipe), _) => pipe.clip_grad_norm(grads, max_norm, 2.0, false)?,
-            _ => clip_grad_norm(grads, &self.params, max_norm, 2.0, false)?,
-        };
+        let clipped = self.engine.clip(grads, max_norm)?;
         self.clipped = true;
         Ok(Some(clipped))
     }
@@ -278,14 +249,11 @@ impl<O: StatefulOptimizer> FabricModel<O> {
             .filter_map(|p| grads.get(p))
             .map(|g| g.elem_count() * g.dtype().size_in_bytes())
             .sum();
-        self.order.apply_rate(self.stepper.inner_mut())?;
-        let stepper = &mut self.stepper;
+        self.order.apply_rate(self.engine.optimizer_mut())?;
+        let engine = &mut self.engine;
         let stepped = self
             .order
-            .step(&mut grads, &self.params, |g| match stepper {
-                Stepper::Whole(opt) => Ok(opt.step(g)?),
-                Stepper::Zero(zero) => zero.step(g),
-            });
+            .step(&mut grads, &self.params, |g| engine.step(g));
         // Whatever happened, the next step starts afresh (a failed one
         // changed no parameter, and its gradients are spent).
         self.micro = 0;
@@ -305,7 +273,7 @@ impl<O: StatefulOptimizer> FabricModel<O> {
             return Ok(());
         }
         if let Some(grads) = self.grads.as_mut() {
-            let across = self.strategy.shards().then_some(self.pg.as_ref());
+            let across = self.engine.shards().then_some(self.pg.as_ref());
             self.order.unscale(grads, &self.params, across)?;
             self.unscaled = true;
         }
@@ -324,31 +292,36 @@ impl<O: StatefulOptimizer> FabricModel<O> {
     /// A schedule made for another number of groups than the optimizer
     /// has; a group's rate the schedule cannot start from.
     pub fn set_schedule(&mut self, schedule: LrScheduler) -> Result<()> {
-        let rates = self.stepper.inner().group_learning_rates();
+        let rates = self.engine.optimizer().group_learning_rates();
         self.order.set_schedule(schedule, &rates)
     }
 
     /// The optimizer (with ZeRO, this rank's, over its pieces).
     pub fn optimizer(&self) -> &O {
-        self.stepper.inner()
+        self.engine.optimizer()
     }
 
     /// The optimizer, to change its settings.
     pub fn optimizer_mut(&mut self) -> &mut O {
-        self.stepper.inner_mut()
+        self.engine.optimizer_mut()
     }
 
     /// The model's output for `x` in evaluation mode, in f32: the whole
     /// model on this rank's batch. Every rank must call it (DDP broadcasts
     /// its buffers, FSDP gathers its units).
     pub fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
-        self.engine.forward(x)
+        let out = self.engine.forward(x)?;
+        Ok(crate::precision::output_for_loss(&out)?)
     }
 
     /// The whole model's weights by name, on the CPU: FSDP's gathered from
     /// every rank (every rank must call it). Fabric's full state dict.
     pub fn full_state(&self) -> Result<HashMap<String, Tensor>> {
-        self.engine.full_state(&self.varmap)
+        self.engine
+            .full_state()?
+            .into_iter()
+            .map(|(name, t)| Ok((name, t.to_device(&candle_core::Device::Cpu)?)))
+            .collect()
     }
 
     /// What this rank holds after its last step: its parameters, the
@@ -359,29 +332,9 @@ impl<O: StatefulOptimizer> FabricModel<O> {
     ///
     /// The optimizer's state cannot be copied.
     pub fn memory(&self) -> Result<Memory> {
-        let optimizer_state = match &self.stepper {
-            Stepper::Zero(zero) => zero.state_bytes()?,
-            Stepper::Whole(opt) => opt
-                .state()?
-                .tensors
-                .values()
-                .map(|t| t.elem_count() * t.dtype().size_in_bytes())
-                .sum(),
-        };
-        let (peak_gathered, whole_model) = match &self.engine {
-            Engine::Fsdp(fsdp) => {
-                let m = fsdp.last_memory();
-                (Some(m.peak_gathered_bytes), Some(m.full_bytes))
-            }
-            Engine::RankPipeline(pipe) if pipe.is_fsdp() => (Some(pipe.stage_bytes()), None),
-            _ => (None, None),
-        };
         Ok(Memory {
-            parameters: self.engine.param_bytes(&self.varmap),
             gradients: self.grad_bytes,
-            optimizer_state,
-            peak_gathered,
-            whole_model,
+            ..self.engine.memory()?
         })
     }
 
@@ -403,14 +356,20 @@ impl<O: StatefulOptimizer> FabricModel<O> {
     /// The variables of this rank's model: the masters (`single`, `dp`),
     /// this rank's copy, or FSDP's pieces of them.
     pub fn varmap(&self) -> &VarMap {
-        &self.varmap
+        self.engine.varmap()
+    }
+
+    /// The strategy's engine, for what the loop does not cover.
+    pub fn engine(&self) -> &dyn Engine<O> {
+        self.engine.as_ref()
     }
 }
 
-impl<O> fmt::Debug for FabricModel<O> {
+impl<O: StatefulOptimizer> fmt::Debug for FabricModel<O> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FabricModel")
             .field("strategy", &self.strategy)
+            .field("engine", &self.engine.name())
             .field("rank", &self.pg.rank())
             .field("params", &self.params.len())
             .field("accumulation_steps", &self.accumulation_steps)
@@ -432,7 +391,7 @@ fn add_grads(before: &GradStore, grads: GradStore, params: &[Var]) -> Result<Gra
     Ok(sum)
 }
 
-impl<O> FabricModel<O> {
+impl<O: StatefulOptimizer> FabricModel<O> {
     /// Refuses `what` between a step's first backward and its step: the
     /// gradients of its batches live only in memory.
     pub(crate) fn between_steps(&self, what: &str) -> Result<()> {

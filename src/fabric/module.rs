@@ -67,6 +67,17 @@ impl FabricModule {
         &self.parts
     }
 
+    /// The whole model as [`Units`] from `vb`: what a strategy of one's
+    /// own ([`Fabric::setup_engine`](super::Fabric::setup_engine)) builds
+    /// once, per replica or per rank.
+    ///
+    /// # Errors
+    ///
+    /// A unit's factory's.
+    pub fn build(&self, vb: VarBuilder) -> Result<Units> {
+        Units::build(vb, &self.parts)
+    }
+
     /// Whether `strategy` can build it: an error naming both when not.
     pub(crate) fn check_serves(&self, strategy: Strategy, overlaps: bool) -> Result<()> {
         if (strategy.needs_units() || overlaps) && !self.units {
@@ -75,11 +86,7 @@ impl FabricModule {
                 reason: format!(
                     "it works on the model unit by unit, and a plain module (FabricModule::module) \
                      has no units: give the model as FabricModule::units, or use {}",
-                    match strategy {
-                        Strategy::Fsdp | Strategy::Hsdp => "zero2 (sharded optimizer state and gradients)",
-                        Strategy::DdpOverlap => "ddp (the reduction after the backward)",
-                        _ => "dp or ddp",
-                    }
+                    strategy.for_a_plain_module()
                 ),
             });
         }

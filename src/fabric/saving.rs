@@ -3,19 +3,16 @@
 //! one folder, sharded where the strategy shards and resharded on load to
 //! any world size, so that a killed run resumes to the same bytes.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{Tensor, Var};
 use candle_nn::VarMap;
 
 use super::checkpoints::Checkpoints;
 use super::config::Strategy;
-use super::engine::Engine;
-use super::model::{FabricModel, Stepper};
+use super::model::FabricModel;
+use super::strategies::StateStore;
 use crate::checkpoint::Prefix;
 use crate::error::{Error, Result};
-use crate::lock::lock;
 use crate::optim::StatefulOptimizer;
 use crate::training_state::{check_ranks_agree, Progress, SamplerState, TrainingState};
 
@@ -43,28 +40,10 @@ impl std::fmt::Display for Resumed {
     }
 }
 
-/// Every rank's shards of a state, as its strategy saved them.
-enum Shards {
-    None,
-    Zero(Vec<crate::optim::OptimizerState>),
-    Fsdp(Vec<super::checkpoints::FsdpSave>),
-}
-
 /// The metadata key naming the strategy that saved a state.
 const STRATEGY: &str = "fabric.strategy";
 /// The precision policy in words ([`Precision::policy_description`]).
 const PRECISION: &str = "fabric.precision";
-
-/// How a strategy's states are laid out: states of one kind load into any
-/// strategy of the same kind, on any number of ranks.
-fn layout(strategy: Strategy) -> &'static str {
-    match strategy {
-        Strategy::Zero1 | Strategy::Zero2 => "ZeRO shards",
-        Strategy::Fsdp | Strategy::Hsdp => "FSDP shards",
-        Strategy::PipelineRanks => "pipeline stages",
-        _ => "whole",
-    }
-}
 
 impl<O: StatefulOptimizer> FabricModel<O> {
     /// Saves the whole training state at `progress` into the configured
@@ -100,58 +79,11 @@ impl<O: StatefulOptimizer> FabricModel<O> {
         state
             .metadata
             .insert(PRECISION.into(), self.precision.policy_description());
-        match (&self.engine, &self.stepper) {
-            // Each rank of the first pipeline writes its stages, numbered
-            // in its pipeline; with ZeRO across the replicas, its stages'
-            // state put together from every replica's pieces first.
-            (Engine::RankPipeline(pipe), stepper) => {
-                let first = pipe.replica_rank() == 0;
-                let mine = match stepper {
-                    Stepper::Whole(opt) if pipe.is_fsdp() => pipe.fsdp_stage_state(opt)?,
-                    Stepper::Whole(opt) => first.then(|| pipe.stage_state(opt)).transpose()?,
-                    Stepper::Zero(zero) => pipe.zero_stage_state(zero)?,
-                };
-                // The other replicas write nothing.
-                let (values, stage_state) = mine.unwrap_or_default();
-                checkpoints.save_sharded(
-                    self.pg.as_ref(),
-                    &VarMap::new(),
-                    &varmap_of(values)?,
-                    stage_state,
-                    state,
-                    first.then(|| pipe.group().rank()),
-                )
-            }
-            // On a mesh every replica holds the same pieces: the first
-            // replica's ranks write them (numbered in their shard group).
-            (_, Stepper::Zero(zero)) => checkpoints.save_sharded(
-                self.pg.as_ref(),
-                &self.varmap,
-                &VarMap::new(),
-                zero.shard_state()?,
-                state,
-                (zero.replica_rank() == 0).then(|| zero.shard_rank()),
-            ),
-            // Under HSDP every replica holds the same pieces: the first
-            // replica's ranks write them (numbered in their shard group).
-            (Engine::Fsdp(fsdp), Stepper::Whole(opt)) => checkpoints.save_sharded(
-                self.pg.as_ref(),
-                &VarMap::new(),
-                &varmap_of(fsdp.pieces()?)?,
-                fsdp.shard_state(opt)?,
-                state,
-                (fsdp.replica_rank() == 0).then(|| fsdp.shard_rank()),
-            ),
-            (_, Stepper::Whole(opt)) => {
-                // The state is the same on every rank: one writer, and no
-                // rank goes on before it is written.
-                if self.pg.rank() == 0 {
-                    state.optimizer = Some(opt.state()?);
-                    checkpoints.save(&self.varmap, &state)?;
-                }
-                Ok(self.pg.barrier()?)
-            }
-        }
+        let store = StateStore {
+            checkpoints: &checkpoints,
+            pg: self.pg.as_ref(),
+        };
+        self.engine.save(&store, state)
     }
 
     /// Resumes from the newest complete state in `checkpoint_dir`: the
@@ -180,60 +112,25 @@ impl<O: StatefulOptimizer> FabricModel<O> {
         }
         // What to load is found first, and every rank must have found the
         // same step before anything changes.
-        let found = match (&self.engine, &self.stepper) {
-            (Engine::Fsdp(_) | Engine::RankPipeline(_), _) => checkpoints
-                .latest_fsdp()?
-                .map(|(saved, saves)| (saved, Shards::Fsdp(saves))),
-            (_, Stepper::Zero(_)) => checkpoints
-                .latest_zero()?
-                .map(|(saved, shards)| (saved, Shards::Zero(shards))),
-            _ => checkpoints.latest()?.map(|saved| (saved, Shards::None)),
+        let store = StateStore {
+            checkpoints: &checkpoints,
+            pg: self.pg.as_ref(),
         };
-        let step = found.as_ref().map(|(saved, _)| saved.state.progress.step);
+        let found = self.engine.find_state(&store)?;
+        let step = found.as_ref().map(|found| found.saved.state.progress.step);
         check_ranks_agree(self.pg.as_ref(), step)?;
-        let Some((saved, shards)) = found else {
+        let Some(found) = found else {
             return Ok(None);
         };
-        check_layout(self, &saved.state, &saved.path)?;
+        check_layout(self, &found.saved.state, &found.saved.path)?;
         // The schedule and the scale first, on copies: a state of another
         // precision or schedule changes nothing.
         self.order.check_resume(
-            saved.state.lr_scheduler.as_ref(),
-            saved.state.grad_scaler.as_ref(),
+            found.saved.state.lr_scheduler.as_ref(),
+            found.saved.state.grad_scaler.as_ref(),
         )?;
-        match (&mut self.engine, &mut self.stepper, shards) {
-            (_, Stepper::Zero(zero), Shards::Zero(shards)) => {
-                // The weights first (all or nothing), put back if the
-                // shards do not fit.
-                let before = snapshot(&self.varmap)?;
-                saved.restore(&self.varmap, None::<&mut O>)?;
-                if let Err(e) = zero.load_shards(&shards) {
-                    put_back(&before)?;
-                    return Err(e);
-                }
-            }
-            (Engine::Fsdp(fsdp), Stepper::Whole(opt), Shards::Fsdp(saves)) => {
-                let (pieces, states): (Vec<_>, Vec<_>) = saves.into_iter().unzip();
-                fsdp.load_resharded(&pieces, &states, opt)?;
-            }
-            (Engine::RankPipeline(pipe), stepper, Shards::Fsdp(saves)) => {
-                let (values, states): (Vec<_>, Vec<_>) = saves.into_iter().unzip();
-                match stepper {
-                    Stepper::Whole(opt) if pipe.is_fsdp() => {
-                        pipe.load_fsdp_stages(&values, &states, opt)?
-                    }
-                    Stepper::Whole(opt) => pipe.load_stages(&values, &states, opt)?,
-                    Stepper::Zero(zero) => pipe.load_zero_stages(&values, &states, zero)?,
-                }
-            }
-            (_, Stepper::Whole(opt), Shards::None) => saved.restore(&self.varmap, Some(opt))?,
-            _ => {
-                return Err(Error::Fabric(
-                    "the state found does not fit this strategy's layout".into(),
-                ))
-            }
-        }
-        let (state, path) = (saved.state, saved.path);
+        let (state, path) = (found.saved.state.clone(), found.saved.path.clone());
+        self.engine.load_state(found)?;
         self.order
             .resume(state.lr_scheduler.as_ref(), state.grad_scaler.as_ref())?;
         self.steps = state.progress.step;
@@ -288,7 +185,7 @@ impl<O: StatefulOptimizer> FabricModel<O> {
     /// The whole model's weights as a `VarMap` (FSDP gathers them: every
     /// rank must call it), to build a model over for evaluation or export.
     pub fn full_varmap(&self) -> Result<VarMap> {
-        varmap_of(self.full_state()?)
+        super::strategies::varmap_of(self.full_state()?)
     }
 
     fn checkpoints(&self) -> Result<Checkpoints> {
@@ -304,17 +201,21 @@ impl<O: StatefulOptimizer> FabricModel<O> {
 }
 
 /// Refuses a state another strategy's layout or another seed wrote.
-fn check_layout<O>(model: &FabricModel<O>, state: &TrainingState, path: &Path) -> Result<()> {
+fn check_layout<O: StatefulOptimizer>(
+    model: &FabricModel<O>,
+    state: &TrainingState,
+    path: &Path,
+) -> Result<()> {
     let (strategy, seed) = (model.strategy, model.seed);
     if let Some(saved) = state.metadata.get(STRATEGY) {
         let saved: Strategy = saved.parse()?;
-        if layout(saved) != layout(strategy) {
+        if saved.state_layout() != strategy.state_layout() {
             return Err(Error::Checkpoint(format!(
                 "{}: saved by strategy {saved} ({}), which strategy {strategy} ({}) cannot load: \
                  resume with {saved}, or export it with save_full and start from its weights",
                 path.display(),
-                layout(saved),
-                layout(strategy)
+                saved.state_layout(),
+                strategy.state_layout()
             )));
         }
     }
@@ -345,32 +246,4 @@ fn check_layout<O>(model: &FabricModel<O>, state: &TrainingState, path: &Path) -
         }
     }
     Ok(())
-}
-
-/// Copies of `varmap`'s values.
-fn snapshot(varmap: &VarMap) -> Result<Vec<(Var, Tensor)>> {
-    lock(varmap.data())
-        .values()
-        .map(|var| Ok((var.clone(), var.as_tensor().copy()?)))
-        .collect()
-}
-
-/// Sets the variables back to `values`.
-fn put_back(values: &[(Var, Tensor)]) -> Result<()> {
-    for (var, value) in values {
-        var.set(value)?;
-    }
-    Ok(())
-}
-
-/// A `VarMap` holding `tensors`.
-fn varmap_of(tensors: HashMap<String, Tensor>) -> Result<VarMap> {
-    let varmap = VarMap::new();
-    {
-        let mut data = lock(varmap.data());
-        for (name, tensor) in tensors {
-            data.insert(name, Var::from_tensor(&tensor)?);
-        }
-    }
-    Ok(varmap)
 }

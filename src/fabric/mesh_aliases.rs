@@ -1,0 +1,240 @@
+//! The strategy names as degrees of a mesh, and degrees as the strategy
+//! that trains them ([`FabricConfig::degrees`],
+//! [`FabricConfig::with_mesh`]): with `aliases.rs`, the one table between
+//! the Fabric's 11 strategy names and [`Degrees`].
+
+use super::config::{Devices, FabricConfig, Strategy};
+use super::degrees::Degrees;
+use crate::error::{Error, Result};
+
+/// The strategy names as degrees, and degrees as the strategy that trains
+/// them: the one table between the two.
+impl FabricConfig {
+    /// The degrees this configuration trains with (its strategy name is
+    /// an alias of them): `ddp`, `zero1`, `zero2` and `dp` (replicas in one
+    /// process) `dp_replicate`; `fsdp` `dp_shard`; `hsdp` both (its shard
+    /// groups of [`shard_size`](Self::shard_size), all the ranks when
+    /// unset); `pipeline-ranks` `pp` = its stages times its replicas
+    /// (`dp_shard` with ZeRO stage 3, else `dp_replicate`); `pipeline` `pp`
+    /// = its devices, `pipeline-ddp` its ranks' pipelines of `stages`.
+    /// The ZeRO stage of `ddp` and `pipeline-ranks` is a setting on top.
+    ///
+    /// ```
+    /// use candle_dp::fabric::{FabricConfig, Strategy};
+    ///
+    /// let hsdp = FabricConfig { shard_size: Some(2), ..FabricConfig::new(Strategy::Hsdp, 4) };
+    /// assert_eq!(hsdp.degrees().to_string(), "dp_replicate=2,dp_shard=2");
+    /// ```
+    pub fn degrees(&self) -> Degrees {
+        let n = self.devices.len();
+        let one = Degrees::one();
+        let stages = self.stages.max(1);
+        match self.effective_strategy() {
+            Strategy::Single => one,
+            Strategy::Dp
+            | Strategy::Ddp
+            | Strategy::DdpOverlap
+            | Strategy::Zero1
+            | Strategy::Zero2 => Degrees {
+                dp_replicate: n,
+                ..one
+            },
+            Strategy::Fsdp => Degrees { dp_shard: n, ..one },
+            // Without a shard size, all the ranks on threads (on MPI the
+            // engine's default is the processes per machine).
+            Strategy::Hsdp => {
+                let shard = self.shard_size.unwrap_or(n).max(1);
+                Degrees {
+                    dp_replicate: n / shard,
+                    dp_shard: shard,
+                    ..one
+                }
+            }
+            Strategy::Pipeline => Degrees { pp: n, ..one },
+            Strategy::PipelineDdp => Degrees {
+                dp_replicate: n / stages,
+                pp: stages,
+                ..one
+            },
+            Strategy::PipelineRanks => {
+                let replicas = n / stages;
+                match self.zero {
+                    Some(3) => Degrees {
+                        dp_shard: replicas,
+                        pp: stages,
+                        ..one
+                    },
+                    _ => Degrees {
+                        dp_replicate: replicas,
+                        pp: stages,
+                        ..one
+                    },
+                }
+            }
+        }
+    }
+
+    /// This configuration training with `degrees` on thread ranks or
+    /// `mpirun`'s processes: the strategy, the number of ranks, the shard
+    /// groups, the pipeline's stages and (FSDP across a pipeline's
+    /// replicas) the ZeRO stage set from them. `dp_replicate` alone is
+    /// `ddp` (with this configuration's `zero` stage, `zero1` or `zero2`);
+    /// `dp_shard` alone `fsdp` (`hsdp` of one replica if the configuration
+    /// names hsdp); both `hsdp`; `pp` with `dp_replicate`
+    /// `pipeline-ranks` across replicas (with `zero` 1 or 2, ZeRO across
+    /// them), with `dp_shard` FSDP across them. Accelerate's
+    /// `ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)`.
+    ///
+    /// ```
+    /// use candle_dp::fabric::{FabricConfig, Strategy};
+    ///
+    /// let config = FabricConfig::default().with_mesh("dp_shard=2,pp=2".parse()?)?;
+    /// assert_eq!(config.strategy, Strategy::PipelineRanks);
+    /// assert_eq!((config.ranks(), config.stages, config.zero), (4, 2, Some(3)));
+    /// # Ok::<(), candle_dp::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for a degree of 0, `cp` or `tp` above 1 (not
+    /// built), a pipeline whose replicas would be HSDP (`pp`,
+    /// `dp_replicate` and `dp_shard` all above 1: not built), or a
+    /// strategy, number of devices or ZeRO stage already set in this
+    /// configuration that the degrees contradict (naming both).
+    pub fn with_mesh(mut self, degrees: Degrees) -> Result<Self> {
+        degrees.check()?;
+        let refuse = |why: String| Err(Error::Config(format!("mesh {degrees}: {why}")));
+        let world = degrees.world_size();
+        let (replicate, shard, pp) = (degrees.dp_replicate, degrees.dp_shard, degrees.pp);
+        let (strategy, shard_size, zero) =
+            match (pp > 1, replicate > 1, shard > 1) {
+                (false, false, false) => (Strategy::Single, None, self.zero),
+                (false, true, false) => (Strategy::Ddp, None, self.zero),
+                (false, false, true) => (Strategy::Fsdp, None, None),
+                (false, true, true) => (Strategy::Hsdp, Some(shard), None),
+                (true, _, false) if self.zero == Some(3) => {
+                    return refuse(
+                        "ZeRO stage 3 shards the parameters across the pipeline's replicas: give \
+                     them as dp_shard, not dp_replicate"
+                            .into(),
+                    )
+                }
+                (true, _, false) => (Strategy::PipelineRanks, None, self.zero),
+                (true, false, true) => (Strategy::PipelineRanks, None, Some(3)),
+                (true, true, true) => return refuse(
+                    "a pipeline whose replicas are HSDP (pp, dp_replicate and dp_shard all above \
+                     1) is not built: a pipeline's replicas shard over one group; give \
+                     dp_replicate or dp_shard"
+                        .into(),
+                ),
+            };
+        // HSDP of one replica is FSDP's degrees; ddp's variants (ZeRO, the
+        // overlap) are DDP's.
+        let strategy = match (self.strategy, strategy) {
+            (Strategy::Hsdp, Strategy::Fsdp) => Strategy::Hsdp,
+            (named @ (Strategy::DdpOverlap | Strategy::Zero1 | Strategy::Zero2), Strategy::Ddp) => {
+                named
+            }
+            (_, strategy) => strategy,
+        };
+        let shard_size = match strategy {
+            Strategy::Hsdp => Some(shard),
+            _ => shard_size,
+        };
+        if self.strategy != Strategy::Single && self.strategy != strategy {
+            return refuse(format!(
+                "it trains as strategy {strategy}, and the configuration names strategy {}: give \
+                 one of them",
+                self.strategy
+            ));
+        }
+        if self.devices.len() != 1 && self.devices.len() != world {
+            return refuse(format!(
+                "it spans {world} ranks, and the configuration names {} devices: give one of \
+                 them",
+                self.devices.len()
+            ));
+        }
+        if self.zero.is_some() && self.zero != zero {
+            return refuse(format!(
+                "ZeRO stage {} does not go with it (dp_shard shards the parameters: FSDP)",
+                self.zero.unwrap_or_default()
+            ));
+        }
+        if let (Some(given), Some(shard)) = (self.shard_size, shard_size) {
+            if given != shard {
+                return refuse(format!(
+                    "shard groups of {shard} ranks, and the configuration names shard_size \
+                     {given}: give one of them"
+                ));
+            }
+        }
+        self.strategy = strategy;
+        if self.devices.len() != world {
+            self.devices = Devices::Count(world);
+        }
+        let ddp_family = matches!(
+            strategy,
+            Strategy::Ddp | Strategy::DdpOverlap | Strategy::Zero1 | Strategy::Zero2
+        );
+        self.shard_size = shard_size.or(self.shard_size.filter(|_| ddp_family));
+        self.zero = zero;
+        if pp > 1 {
+            self.stages = pp;
+        }
+        self.mesh = Some(degrees);
+        Ok(self)
+    }
+
+    /// A configuration read from a file or flags with a `mesh`: the
+    /// fields set from it ([`with_mesh`](Self::with_mesh)).
+    pub(crate) fn with_its_mesh(mut self) -> Result<Self> {
+        match self.mesh.take() {
+            Some(degrees) => self.with_mesh(degrees),
+            None => Ok(self),
+        }
+    }
+
+    /// With a `mesh`, the fields agree with it (a configuration written
+    /// field by field with a mesh beside them).
+    pub(crate) fn check_mesh(&self) -> Result<()> {
+        let Some(degrees) = self.mesh else {
+            return Ok(());
+        };
+        // What the mesh makes of this configuration's other settings (its
+        // strategy name among them, which must agree).
+        let from_mesh = FabricConfig {
+            mesh: None,
+            devices: Devices::Count(1),
+            ..self.clone()
+        }
+        .with_mesh(degrees)?;
+        let seen = |c: &FabricConfig| {
+            (
+                c.effective_strategy(),
+                c.devices.len(),
+                c.shard_size,
+                c.zero,
+                (c.strategy == Strategy::PipelineRanks).then_some(c.stages),
+            )
+        };
+        if seen(self) != seen(&from_mesh) {
+            return Err(Error::Config(format!(
+                "mesh {degrees} trains as {} on {} ranks (shard size {:?}, ZeRO {:?}, {} stages), \
+                 but the configuration's fields say {} on {} (shard size {:?}, ZeRO {:?}, {} \
+                 stages): set it with FabricConfig::with_mesh",
+                from_mesh.effective_strategy(),
+                from_mesh.devices.len(),
+                from_mesh.shard_size,
+                from_mesh.zero,
+                from_mesh.stages,
+                self.effective_strategy(),
+                self.devices.len(),
+                self.shard_size,
+                self.zero,
+                self.stages
+            )));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,247 @@
+//! `ddp`, `zero1` and `zero2` (a module reduced after its backward) and
+//! `ddp-overlap` (units reduced during it): one model per rank, the
+//! gradients all-reduced (or reduce-scattered, ZeRO-2), the optimizer
+//! whole or (ZeRO) each rank's pieces.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+use candle_nn::VarMap;
+
+use super::shard_groups::hybrid_mesh;
+use super::stepper::Stepper;
+use super::whole_state::{self, not_this_layout};
+use super::{
+    bytes_of, from_step, scaled, Engine, EngineSetup, EngineStep, FoundState, LossFn, Shards,
+    StateStore,
+};
+use crate::ddp::{DistributedDataParallel, ZeroStage};
+use crate::error::Result;
+use crate::fabric::Strategy;
+use crate::optim::{clip_grad_norm, Clipped, StatefulOptimizer};
+use crate::precision::output_for_loss;
+use crate::training_state::TrainingState;
+use crate::units::Units;
+use crate::vars::sorted_vars;
+use crate::zero::ZeroOptimizer;
+
+/// The engine of `ddp`, `ddp-overlap`, `zero1` and `zero2`.
+pub(super) struct Ddp<O> {
+    ddp: Box<DistributedDataParallel<Units>>,
+    overlapped: bool,
+    name: &'static str,
+    varmap: VarMap,
+    vars: Vec<Var>,
+    stepper: Stepper<O>,
+}
+
+impl<O: StatefulOptimizer> Ddp<O> {
+    pub(super) fn build<F>(setup: &EngineSetup<'_>, strategy: Strategy, make: F) -> Result<Self>
+    where
+        F: FnOnce(Vec<(String, Var)>) -> candle_core::Result<O>,
+    {
+        let config = setup.config;
+        let mut builder = DistributedDataParallel::builder(
+            setup.pg.clone(),
+            setup.varmap,
+            DType::F32,
+            setup.device(),
+        );
+        if let Some(policy) = config.precision.policy() {
+            builder = builder.mixed_precision(policy);
+        }
+        let stage = match strategy {
+            Strategy::Zero1 => Some(ZeroStage::One),
+            Strategy::Zero2 => Some(ZeroStage::Two),
+            _ => None,
+        };
+        if let Some(stage) = stage {
+            // With a shard size, ZeRO on a mesh: the pieces split within
+            // each shard group, replicated across them.
+            builder = match config.shard_size {
+                Some(size) => {
+                    let mesh = hybrid_mesh(strategy, setup.pg.clone(), Some(size))?;
+                    builder.zero_on_mesh(stage, &mesh)?
+                }
+                None => builder.zero(stage),
+            };
+        }
+        let overlapped = config.overlaps();
+        let ddp = match overlapped {
+            true => builder.build_units(setup.module.parts().to_vec())?,
+            false => builder.build(setup.module.whole())?,
+        };
+        let varmap = setup.varmap.clone();
+        let (stepper, vars) = match ddp.zero_stage() {
+            Some(_) => Stepper::zero(ZeroOptimizer::new(&ddp, make)?),
+            None => {
+                let named = sorted_vars(&varmap);
+                let vars = named.iter().map(|(_, v)| v.clone()).collect();
+                (Stepper::Whole(make(named)?), vars)
+            }
+        };
+        Ok(Self {
+            ddp: Box::new(ddp),
+            overlapped,
+            name: strategy.name(),
+            varmap,
+            vars,
+            stepper,
+        })
+    }
+}
+
+impl<O: StatefulOptimizer + 'static> Engine<O> for Ddp<O> {
+    fn name(&self) -> &str {
+        self.name
+    }
+
+    fn forward_backward(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        factor: f64,
+        sync: bool,
+        loss_fn: &LossFn,
+    ) -> Result<EngineStep> {
+        let overlapped = self.overlapped;
+        let run = |ddp: &mut DistributedDataParallel<Units>| -> Result<EngineStep> {
+            if overlapped {
+                let step = ddp.forward_backward(x, y, scaled(loss_fn, factor))?;
+                return from_step(step, factor, true);
+            }
+            let loss = loss_fn(&output_for_loss(&ddp.forward_t(x, true)?)?, y)?;
+            let grads = ddp.backward(&loss.affine(factor, 0.0)?)?;
+            Ok(EngineStep {
+                loss: loss.detach(),
+                grads: Some(grads),
+            })
+        };
+        let step = match sync {
+            true => run(&mut self.ddp),
+            false => self.ddp.no_sync(run),
+        }?;
+        Ok(EngineStep {
+            loss: step.loss,
+            grads: step.grads.filter(|_| sync),
+        })
+    }
+
+    fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
+        self.ddp.forward_t(x, false)
+    }
+
+    fn varmap(&self) -> &VarMap {
+        &self.varmap
+    }
+
+    fn grad_vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    fn optimizer(&self) -> &O {
+        self.stepper.inner()
+    }
+
+    fn optimizer_mut(&mut self) -> &mut O {
+        self.stepper.inner_mut()
+    }
+
+    fn accumulates_itself(&self) -> bool {
+        true
+    }
+
+    fn shards(&self) -> bool {
+        matches!(self.stepper, Stepper::Zero(_))
+    }
+
+    fn step(&mut self, grads: &GradStore) -> Result<()> {
+        self.stepper.step(grads)
+    }
+
+    fn clip(&self, grads: &mut GradStore, max_norm: f64) -> Result<Clipped> {
+        match &self.stepper {
+            Stepper::Zero(zero) => zero.clip_grad_norm(grads, max_norm, 2.0, false),
+            Stepper::Whole(_) => clip_grad_norm(grads, &self.vars, max_norm, 2.0, false),
+        }
+    }
+
+    fn memory(&self) -> Result<super::Memory> {
+        Ok(super::Memory {
+            parameters: bytes_of(self.ddp.params()),
+            optimizer_state: self.stepper.state_bytes()?,
+            ..Default::default()
+        })
+    }
+
+    fn save(&self, store: &StateStore<'_>, state: TrainingState) -> Result<()> {
+        match &self.stepper {
+            Stepper::Whole(opt) => whole_state::save(store, &self.varmap, opt, state),
+            // On a mesh every replica holds the same pieces: the first
+            // replica's ranks write them (numbered in their shard group).
+            Stepper::Zero(zero) => store.checkpoints.save_sharded(
+                store.pg,
+                &self.varmap,
+                &VarMap::new(),
+                zero.shard_state()?,
+                state,
+                (zero.replica_rank() == 0).then(|| zero.shard_rank()),
+            ),
+        }
+    }
+
+    fn find_state(&self, store: &StateStore<'_>) -> Result<Option<FoundState>> {
+        match &self.stepper {
+            Stepper::Whole(_) => whole_state::find(store),
+            Stepper::Zero(_) => {
+                Ok(store
+                    .checkpoints
+                    .latest_zero()?
+                    .map(|(saved, shards)| FoundState {
+                        saved,
+                        shards: Shards::Zero(shards),
+                    }))
+            }
+        }
+    }
+
+    fn load_state(&mut self, found: FoundState) -> Result<()> {
+        match (&mut self.stepper, found.shards) {
+            (Stepper::Whole(opt), shards @ Shards::None) => whole_state::load(
+                FoundState {
+                    saved: found.saved,
+                    shards,
+                },
+                &self.varmap,
+                opt,
+            ),
+            (Stepper::Zero(zero), Shards::Zero(shards)) => {
+                // The weights first (all or nothing), put back if the
+                // shards do not fit.
+                let before = snapshot(&self.varmap)?;
+                found.saved.restore(&self.varmap, None::<&mut O>)?;
+                if let Err(e) = zero.load_shards(&shards) {
+                    put_back(&before)?;
+                    return Err(e);
+                }
+                Ok(())
+            }
+            _ => Err(not_this_layout()),
+        }
+    }
+}
+
+/// Copies of `varmap`'s values.
+fn snapshot(varmap: &VarMap) -> Result<Vec<(Var, Tensor)>> {
+    crate::lock::lock(varmap.data())
+        .values()
+        .map(|var| Ok((var.clone(), var.as_tensor().copy()?)))
+        .collect()
+}
+
+/// Sets the variables back to `values`.
+fn put_back(values: &[(Var, Tensor)]) -> Result<()> {
+    for (var, value) in values {
+        var.set(value)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,180 @@
+//! `fsdp` and `hsdp`: each rank keeps its pieces of every unit's
+//! parameters, gradients and optimizer state, gathering a unit for its
+//! forward and backward ([`FullyShardedDataParallel`]); HSDP within shard
+//! groups, replicated across them.
+
+use std::collections::HashMap;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+use candle_nn::VarMap;
+
+use super::shard_groups::hybrid_mesh;
+use super::whole_state::{not_this_layout, optimizer_bytes};
+use super::{
+    from_step, scaled, Engine, EngineSetup, EngineStep, FoundState, LossFn, Memory, Shards,
+    StateStore,
+};
+use crate::error::Result;
+use crate::fabric::Strategy;
+use crate::fsdp::{FsdpConfig, FullyShardedDataParallel};
+use crate::optim::{Clipped, StatefulOptimizer};
+use crate::training_state::TrainingState;
+
+/// The engine of `fsdp` and `hsdp`.
+pub(super) struct Fsdp<O> {
+    fsdp: Box<FullyShardedDataParallel>,
+    name: &'static str,
+    varmap: VarMap,
+    vars: Vec<Var>,
+    optimizer: O,
+}
+
+impl<O: StatefulOptimizer> Fsdp<O> {
+    pub(super) fn build<F>(setup: &EngineSetup<'_>, strategy: Strategy, make: F) -> Result<Self>
+    where
+        F: FnOnce(Vec<(String, Var)>) -> candle_core::Result<O>,
+    {
+        let config = setup.config;
+        let fsdp_config = FsdpConfig {
+            reshard_after_forward: config.reshard_after_forward,
+            prefetch: config.prefetch,
+            mixed_precision: config.precision.policy(),
+            ..FsdpConfig::default()
+        };
+        let parts = setup.module.parts().to_vec();
+        let fsdp = match strategy {
+            Strategy::Hsdp => {
+                let mesh = hybrid_mesh(strategy, setup.pg.clone(), config.shard_size)?;
+                FullyShardedDataParallel::from_units_on_mesh(
+                    &mesh,
+                    setup.varmap,
+                    DType::F32,
+                    setup.device(),
+                    parts,
+                    fsdp_config,
+                )?
+            }
+            _ => FullyShardedDataParallel::from_units(
+                setup.pg.clone(),
+                setup.varmap,
+                DType::F32,
+                setup.device(),
+                parts,
+                fsdp_config,
+            )?,
+        };
+        // FSDP's pieces are the variables: any optimizer steps them.
+        let named = fsdp.shards().to_vec();
+        let vars = named.iter().map(|(_, v)| v.clone()).collect();
+        Ok(Self {
+            fsdp: Box::new(fsdp),
+            name: strategy.name(),
+            varmap: setup.varmap.clone(),
+            vars,
+            optimizer: make(named)?,
+        })
+    }
+}
+
+impl<O: StatefulOptimizer + 'static> Engine<O> for Fsdp<O> {
+    fn name(&self) -> &str {
+        self.name
+    }
+
+    fn forward_backward(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        factor: f64,
+        sync: bool,
+        loss_fn: &LossFn,
+    ) -> Result<EngineStep> {
+        let scaled = scaled(loss_fn, factor);
+        let run = |fsdp: &mut FullyShardedDataParallel| fsdp.forward_backward(x, y, scaled);
+        let step = match sync {
+            true => run(&mut self.fsdp),
+            false => self.fsdp.no_sync(run),
+        }?;
+        from_step(step, factor, sync)
+    }
+
+    fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
+        self.fsdp.forward_t(x, false)
+    }
+
+    fn varmap(&self) -> &VarMap {
+        &self.varmap
+    }
+
+    fn grad_vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    fn optimizer(&self) -> &O {
+        &self.optimizer
+    }
+
+    fn optimizer_mut(&mut self) -> &mut O {
+        &mut self.optimizer
+    }
+
+    fn accumulates_itself(&self) -> bool {
+        true
+    }
+
+    fn shards(&self) -> bool {
+        true
+    }
+
+    fn clip(&self, grads: &mut GradStore, max_norm: f64) -> Result<Clipped> {
+        self.fsdp.clip_grad_norm(grads, max_norm, 2.0, false)
+    }
+
+    fn full_state(&self) -> Result<HashMap<String, Tensor>> {
+        self.fsdp.full_state()
+    }
+
+    fn memory(&self) -> Result<Memory> {
+        let m = self.fsdp.last_memory();
+        Ok(Memory {
+            parameters: m.shard_bytes,
+            optimizer_state: optimizer_bytes(&self.optimizer)?,
+            peak_gathered: Some(m.peak_gathered_bytes),
+            whole_model: Some(m.full_bytes),
+            ..Memory::default()
+        })
+    }
+
+    fn save(&self, store: &StateStore<'_>, state: TrainingState) -> Result<()> {
+        // Under HSDP every replica holds the same pieces: the first
+        // replica's ranks write them (numbered in their shard group).
+        store.checkpoints.save_sharded(
+            store.pg,
+            &VarMap::new(),
+            &super::varmap_of(self.fsdp.pieces()?)?,
+            self.fsdp.shard_state(&self.optimizer)?,
+            state,
+            (self.fsdp.replica_rank() == 0).then(|| self.fsdp.shard_rank()),
+        )
+    }
+
+    fn find_state(&self, store: &StateStore<'_>) -> Result<Option<FoundState>> {
+        Ok(store
+            .checkpoints
+            .latest_fsdp()?
+            .map(|(saved, saves)| FoundState {
+                saved,
+                shards: Shards::Fsdp(saves),
+            }))
+    }
+
+    fn load_state(&mut self, found: FoundState) -> Result<()> {
+        let Shards::Fsdp(saves) = found.shards else {
+            return Err(not_this_layout());
+        };
+        let (pieces, states): (Vec<_>, Vec<_>) = saves.into_iter().unzip();
+        self.fsdp
+            .load_resharded(&pieces, &states, &mut self.optimizer)
+    }
+}

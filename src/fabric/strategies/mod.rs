@@ -1,0 +1,418 @@
+//! The strategies behind the Fabric's one loop, one file each behind one
+//! trait, [`Engine`]: how a strategy builds the model and its optimizer,
+//! runs a step's forward and backward, steps, clips, counts its memory,
+//! and saves and loads its shards. [`FabricModel`](super::FabricModel)
+//! keeps what is the same for all of them (accumulation, the loss scale,
+//! the schedule, the order of a step), so a new strategy is a new file
+//! here and a line in [`build`]; a user's own is an [`Engine`] given to
+//! [`Fabric::setup_engine`](super::Fabric::setup_engine).
+
+mod ddp;
+mod fsdp;
+mod one_process_pipeline;
+mod pipeline_ddp;
+mod pipeline_ranks;
+mod replicas;
+mod shard_groups;
+mod single;
+mod stepper;
+mod whole_state;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor, Var};
+use candle_nn::VarMap;
+
+use super::checkpoints::{Checkpoints, FsdpSave};
+use super::config::{FabricConfig, Strategy};
+use super::model::Memory;
+use super::module::FabricModule;
+use crate::comm::ProcessGroup;
+use crate::error::Result;
+use crate::optim::{clip_grad_norm, Clipped, OptimizerState, StatefulOptimizer};
+use crate::step::Step;
+use crate::training_state::{SavedState, TrainingState};
+use crate::vars::sorted_vars;
+
+/// A loss from the model's output (in f32) and the targets.
+pub type LossFn = Arc<dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
+
+/// What one forward and backward gave: this rank's loss (unscaled), and
+/// the gradients when the step synchronised (`None` while an engine that
+/// accumulates itself only accumulated, inside `no_sync`).
+#[derive(Debug)]
+pub struct EngineStep {
+    /// This rank's loss, unscaled.
+    pub loss: Tensor,
+    /// The step's gradients, keyed by [`Engine::grad_vars`].
+    pub grads: Option<GradStore>,
+}
+
+/// One rank's strategy: the model as the strategy holds it, and the
+/// optimizer over the variables it steps. The Fabric's loop calls it in
+/// the order `forward_backward` (once per accumulated batch), `clip`,
+/// `step`; `save`, `find_state` and `load_state` between steps.
+///
+/// The methods with a default serve an engine that keeps the whole model
+/// on every rank (as DDP does): its variables' bytes, a plain clip over
+/// its gradients, and a state that rank 0 writes whole.
+///
+/// ```
+/// use candle_core::{backprop::GradStore, DType, Device, ModuleT, Tensor, Var};
+/// use candle_dp::fabric::{Engine, EngineSetup, EngineStep, Fabric, FabricConfig, FabricModule, LossFn, Strategy};
+/// use candle_dp::optim::{Sgd, SgdConfig};
+/// use candle_nn::{linear, loss, VarBuilder, VarMap};
+///
+/// /// One device, the plain candle step: a user's own strategy.
+/// struct Plain { model: candle_dp::units::Units, varmap: VarMap, vars: Vec<Var>, opt: Sgd }
+///
+/// impl Engine<Sgd> for Plain {
+///     fn name(&self) -> &str { "plain" }
+///     fn forward_backward(&mut self, x: &Tensor, y: &Tensor, factor: f64, _sync: bool, loss_fn: &LossFn)
+///         -> candle_dp::Result<EngineStep> {
+///         let loss = loss_fn(&self.model.forward_t(x, true)?, y)?;
+///         let grads = loss.affine(factor, 0.0)?.backward()?;
+///         Ok(EngineStep { loss: loss.detach(), grads: Some(grads) })
+///     }
+///     fn forward(&mut self, x: &Tensor) -> candle_dp::Result<Tensor> { Ok(self.model.forward_t(x, false)?) }
+///     fn varmap(&self) -> &VarMap { &self.varmap }
+///     fn grad_vars(&self) -> &[Var] { &self.vars }
+///     fn optimizer(&self) -> &Sgd { &self.opt }
+///     fn optimizer_mut(&mut self) -> &mut Sgd { &mut self.opt }
+/// }
+///
+/// Fabric::launch(FabricConfig::new(Strategy::Single, 1), |fabric| {
+///     let module = FabricModule::module(|vb| linear(4, 2, vb.pp("fc")));
+///     let mut model = fabric.setup_engine(module, |setup: EngineSetup<'_>| {
+///         let varmap = setup.varmap().clone();
+///         let model = setup.module().build(VarBuilder::from_varmap(&varmap, DType::F32, setup.device()))?;
+///         let named = setup.named_vars();
+///         let vars = named.iter().map(|(_, v)| v.clone()).collect();
+///         let opt = Sgd::new_named(named, SgdConfig { lr: 0.1, ..Default::default() })?;
+///         Ok(Box::new(Plain { model, varmap, vars, opt }) as Box<dyn Engine<Sgd>>)
+///     })?;
+///     let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+///     let y = Tensor::new(&[0u32, 1, 0], &Device::Cpu)?;
+///     model.backward(&x, &y, |out, y| loss::cross_entropy(out, y))?;
+///     model.step()?;
+///     assert_eq!(model.steps(), 1);
+///     Ok(())
+/// })?;
+/// # Ok::<(), candle_dp::Error>(())
+/// ```
+pub trait Engine<O: StatefulOptimizer> {
+    /// The strategy's name, for messages.
+    fn name(&self) -> &str;
+
+    /// One forward and backward of `loss_fn(output, y)` times `factor`
+    /// (the loss scale over the accumulation steps); `sync` false: an
+    /// engine that can hold its reduction back does (`no_sync`), and
+    /// returns no gradients.
+    ///
+    /// # Errors
+    ///
+    /// The model's, the loss's, a collective's. A failed step leaves the
+    /// model's parameters and buffers as they were.
+    fn forward_backward(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        factor: f64,
+        sync: bool,
+        loss_fn: &LossFn,
+    ) -> Result<EngineStep>;
+
+    /// The model's output for `x` in evaluation mode (every rank calls it).
+    ///
+    /// # Errors
+    ///
+    /// The model's, a collective's.
+    fn forward(&mut self, x: &Tensor) -> Result<Tensor>;
+
+    /// The variables of this rank's model (a pipeline's rank: its stages').
+    fn varmap(&self) -> &VarMap;
+
+    /// The variables the optimizer steps, which the gradients are keyed by.
+    fn grad_vars(&self) -> &[Var];
+
+    /// The optimizer (with ZeRO, this rank's, over its pieces).
+    fn optimizer(&self) -> &O;
+
+    /// The optimizer, to set its rates.
+    fn optimizer_mut(&mut self) -> &mut O;
+
+    /// Whether the engine keeps the gradients of `no_sync` steps itself
+    /// (the Fabric sums the others' across the accumulation).
+    fn accumulates_itself(&self) -> bool {
+        false
+    }
+
+    /// Whether a rank holds only pieces of the gradients or the state, so
+    /// that an inf found on one rank must be told to the others.
+    fn shards(&self) -> bool {
+        false
+    }
+
+    /// Steps the optimizer with the step's gradients.
+    ///
+    /// # Errors
+    ///
+    /// The optimizer's.
+    fn step(&mut self, grads: &GradStore) -> Result<()> {
+        Ok(self.optimizer_mut().step(grads)?)
+    }
+
+    /// Clips the gradients to a total 2-norm of `max_norm` (over every
+    /// rank's pieces where the strategy shards them).
+    ///
+    /// # Errors
+    ///
+    /// The norm's, a collective's.
+    fn clip(&self, grads: &mut GradStore, max_norm: f64) -> Result<Clipped> {
+        clip_grad_norm(grads, self.grad_vars(), max_norm, 2.0, false)
+    }
+
+    /// The whole model's variables by name (a sharding engine gathers
+    /// them: every rank calls it).
+    ///
+    /// # Errors
+    ///
+    /// A collective's.
+    fn full_state(&self) -> Result<HashMap<String, Tensor>> {
+        Ok(sorted_vars(self.varmap())
+            .into_iter()
+            .map(|(name, var)| (name, var.as_tensor().clone()))
+            .collect())
+    }
+
+    /// What this rank holds: its parameters, its optimizer's state, and
+    /// for FSDP what it gathers (`gradients` is filled in by the Fabric).
+    ///
+    /// # Errors
+    ///
+    /// The optimizer's state cannot be copied.
+    fn memory(&self) -> Result<Memory> {
+        Ok(Memory {
+            parameters: bytes_of(&sorted_vars(self.varmap())),
+            optimizer_state: whole_state::optimizer_bytes(self.optimizer())?,
+            ..Memory::default()
+        })
+    }
+
+    /// Saves `state` with this rank's part of the model and optimizer
+    /// (every rank calls it).
+    ///
+    /// # Errors
+    ///
+    /// The write's, naming the file.
+    fn save(&self, store: &StateStore<'_>, state: TrainingState) -> Result<()> {
+        whole_state::save(store, self.varmap(), self.optimizer(), state)
+    }
+
+    /// The newest complete state of this strategy's layout, `None` when
+    /// there is none.
+    ///
+    /// # Errors
+    ///
+    /// A state that cannot be read.
+    fn find_state(&self, store: &StateStore<'_>) -> Result<Option<FoundState>> {
+        whole_state::find(store)
+    }
+
+    /// Puts `found` back into the model and the optimizer, all or nothing.
+    ///
+    /// # Errors
+    ///
+    /// A state that does not fit, naming what.
+    fn load_state(&mut self, found: FoundState) -> Result<()> {
+        let varmap = self.varmap().clone();
+        whole_state::load(found, &varmap, self.optimizer_mut())
+    }
+}
+
+/// Where a strategy saves and finds its states: the run's folder and its
+/// ranks.
+pub struct StateStore<'a> {
+    pub(crate) checkpoints: &'a Checkpoints,
+    pub(crate) pg: &'a dyn ProcessGroup,
+}
+
+impl fmt::Debug for StateStore<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StateStore")
+            .field("path", &self.checkpoints.path())
+            .field("rank", &self.pg.rank())
+            .finish()
+    }
+}
+
+/// A state found by [`Engine::find_state`]: its step and its shards, as
+/// the strategy that saved them laid them out.
+pub struct FoundState {
+    pub(crate) saved: SavedState,
+    pub(crate) shards: Shards,
+}
+
+impl FoundState {
+    /// The state, without the model's variables.
+    pub fn state(&self) -> &TrainingState {
+        &self.saved.state
+    }
+
+    /// Its folder.
+    pub fn path(&self) -> &std::path::Path {
+        &self.saved.path
+    }
+}
+
+impl fmt::Debug for FoundState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FoundState")
+            .field("path", &self.saved.path)
+            .field("step", &self.saved.state.progress.step)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Every rank's shards of a state, as its strategy saved them.
+pub(crate) enum Shards {
+    None,
+    Zero(Vec<OptimizerState>),
+    Fsdp(Vec<FsdpSave>),
+}
+
+/// What a strategy is built from on one rank: the configuration, the
+/// ranks, this rank's devices, the model's seeded initial variables and
+/// its recipe.
+pub struct EngineSetup<'a> {
+    pub(crate) config: &'a FabricConfig,
+    pub(crate) pg: Arc<dyn ProcessGroup>,
+    pub(crate) devices: &'a [Device],
+    pub(crate) varmap: &'a VarMap,
+    pub(crate) module: &'a FabricModule,
+}
+
+impl EngineSetup<'_> {
+    /// The run's configuration.
+    pub fn config(&self) -> &FabricConfig {
+        self.config
+    }
+
+    /// The group of the ranks.
+    pub fn process_group(&self) -> Arc<dyn ProcessGroup> {
+        self.pg.clone()
+    }
+
+    /// This rank's devices.
+    pub fn devices(&self) -> &[Device] {
+        self.devices
+    }
+
+    /// This rank's first device.
+    pub fn device(&self) -> &Device {
+        // `Fabric::launch` gives every rank at least one device.
+        &self.devices[0]
+    }
+
+    /// The model's initial variables, the same on every rank.
+    pub fn varmap(&self) -> &VarMap {
+        self.varmap
+    }
+
+    /// The initial variables by name, sorted.
+    pub fn named_vars(&self) -> Vec<(String, Var)> {
+        sorted_vars(self.varmap)
+    }
+
+    /// The model's recipe.
+    pub fn module(&self) -> &FabricModule {
+        self.module
+    }
+}
+
+impl fmt::Debug for EngineSetup<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EngineSetup")
+            .field("strategy", &self.config.effective_strategy())
+            .field("rank", &self.pg.rank())
+            .field("devices", &self.devices.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds the engine of `setup`'s strategy, with the optimizer `make`
+/// over the variables it steps: the one place the strategy's name picks
+/// its file.
+pub(crate) fn build<O, F>(setup: &EngineSetup<'_>, make: F) -> Result<Box<dyn Engine<O>>>
+where
+    O: StatefulOptimizer + 'static,
+    F: FnOnce(Vec<(String, Var)>) -> candle_core::Result<O>,
+{
+    let strategy = setup.config.effective_strategy();
+    Ok(match strategy {
+        Strategy::Single => Box::new(single::Single::build(setup, make)?),
+        Strategy::Dp => Box::new(replicas::Replicas::build(setup, make)?),
+        Strategy::Ddp | Strategy::DdpOverlap | Strategy::Zero1 | Strategy::Zero2 => {
+            Box::new(ddp::Ddp::build(setup, strategy, make)?)
+        }
+        Strategy::Fsdp | Strategy::Hsdp => Box::new(fsdp::Fsdp::build(setup, strategy, make)?),
+        Strategy::Pipeline => Box::new(one_process_pipeline::OneProcessPipeline::build(
+            setup, make,
+        )?),
+        Strategy::PipelineDdp => Box::new(pipeline_ddp::PipelineDdp::build(setup, make)?),
+        Strategy::PipelineRanks => Box::new(pipeline_ranks::PipelineRanks::build(setup, make)?),
+    })
+}
+
+/// The bytes of `vars`.
+pub(crate) fn bytes_of(vars: &[(String, Var)]) -> usize {
+    vars.iter()
+        .map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes())
+        .sum()
+}
+
+/// What an engine's [`Step`] of a loss scaled by `factor` gave: the loss
+/// unscaled, and the gradients unless it ran inside no_sync.
+fn from_step(step: Step, factor: f64, sync: bool) -> Result<EngineStep> {
+    Ok(EngineStep {
+        loss: step.loss.affine(1.0 / factor, 0.0)?,
+        grads: Some(step.grads).filter(|_| sync),
+    })
+}
+
+/// `loss_fn` on the output in f32, times `factor`: the loss the engines
+/// that take a loss function back-propagate.
+fn scaled(
+    loss_fn: &LossFn,
+    factor: f64,
+) -> impl Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Clone + Send + Sync + 'static {
+    let loss_fn = loss_fn.clone();
+    move |out: &Tensor, y: &Tensor| {
+        loss_fn(&crate::precision::output_for_loss(out)?, y)?.affine(factor, 0.0)
+    }
+}
+
+/// The loss of `output` (in f32) and its gradients, scaled by `factor`.
+fn backward_of(output: &Tensor, y: &Tensor, factor: f64, loss_fn: &LossFn) -> Result<EngineStep> {
+    let loss = loss_fn(&crate::precision::output_for_loss(output)?, y)?;
+    let grads = loss.affine(factor, 0.0)?.backward()?;
+    Ok(EngineStep {
+        loss: loss.detach(),
+        grads: Some(grads),
+    })
+}
+
+/// A `VarMap` holding `tensors`.
+pub(crate) fn varmap_of(tensors: HashMap<String, Tensor>) -> Result<VarMap> {
+    let varmap = VarMap::new();
+    {
+        let mut data = crate::lock::lock(varmap.data());
+        for (name, tensor) in tensors {
+            data.insert(name, Var::from_tensor(&tensor)?);
+        }
+    }
+    Ok(varmap)
+}

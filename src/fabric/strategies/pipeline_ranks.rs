@@ -1,0 +1,213 @@
+//! `pipeline-ranks`: a pipeline whose stages live on ranks
+//! ([`RankPipeline`]), replicated over the rest of a `dp` x `pp` mesh,
+//! its replicas plain data-parallel, ZeRO (1, 2) or FSDP (3) across them.
+
+use std::collections::HashMap;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+use candle_nn::VarMap;
+
+use super::stepper::Stepper;
+use super::whole_state::not_this_layout;
+use super::{
+    varmap_of, Engine, EngineSetup, EngineStep, FoundState, LossFn, Memory, Shards, StateStore,
+};
+use crate::comm::DeviceMesh;
+use crate::ddp::ZeroStage;
+use crate::error::Result;
+use crate::optim::{Clipped, StatefulOptimizer};
+use crate::pipeline::{RankPipeline, RankPipelineConfig};
+use crate::step::LossReduction;
+use crate::training_state::TrainingState;
+
+/// `pipeline-ranks`' engine: this rank's stages.
+pub(super) struct PipelineRanks<O> {
+    pipe: Box<RankPipeline>,
+    /// This rank's stages' variables and buffers (the others, built only
+    /// to draw the seeded initial values, are dropped).
+    varmap: VarMap,
+    vars: Vec<Var>,
+    stepper: Stepper<O>,
+}
+
+impl<O: StatefulOptimizer> PipelineRanks<O> {
+    pub(super) fn build<F>(setup: &EngineSetup<'_>, make: F) -> Result<Self>
+    where
+        F: FnOnce(Vec<(String, Var)>) -> candle_core::Result<O>,
+    {
+        let config = setup.config;
+        // Pipelines of consecutive ranks (a machine's, when the launcher
+        // numbers them so), replicated across them.
+        let stages = config.stages.max(1);
+        let world = setup.pg.world_size();
+        let mesh = DeviceMesh::new(setup.pg.clone(), &[("dp", world / stages), ("pp", stages)])?;
+        let pipe_config = RankPipelineConfig {
+            chunks: config.chunks,
+            schedule: config.pipeline_schedule,
+            checkpoint: config.activation_checkpoint,
+            mixed_precision: config.precision.policy(),
+            zero: match config.zero {
+                Some(1) => Some(ZeroStage::One),
+                Some(2 | 3) => Some(ZeroStage::Two),
+                _ => None,
+            },
+            fsdp: config.zero == Some(3),
+            ..RankPipelineConfig::default()
+        };
+        let pipe = RankPipeline::on_mesh(
+            &mesh,
+            ("pp", "dp"),
+            setup.varmap,
+            DType::F32,
+            setup.device(),
+            setup.module.parts().to_vec(),
+            pipe_config,
+        )?;
+        let varmap = VarMap::new();
+        {
+            let mut data = crate::lock::lock(varmap.data());
+            for (name, var) in pipe.variables().iter().chain(pipe.buffers()) {
+                data.insert(name.clone(), var.clone());
+            }
+        }
+        // FSDP's pieces are the variables: any optimizer steps them.
+        let (stepper, vars) = match pipe.zero_stage().is_some() && !pipe.is_fsdp() {
+            true => Stepper::zero(pipe.zero_optimizer(make)?),
+            false => {
+                let named = pipe.variables().to_vec();
+                let vars = named.iter().map(|(_, v)| v.clone()).collect();
+                (Stepper::Whole(make(named)?), vars)
+            }
+        };
+        Ok(Self {
+            pipe: Box::new(pipe),
+            varmap,
+            vars,
+            stepper,
+        })
+    }
+}
+
+impl<O: StatefulOptimizer + 'static> Engine<O> for PipelineRanks<O> {
+    fn name(&self) -> &str {
+        "pipeline-ranks"
+    }
+
+    fn forward_backward(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        factor: f64,
+        _sync: bool,
+        loss_fn: &LossFn,
+    ) -> Result<EngineStep> {
+        // Every rank of a pipeline has the batch; the first stage reads
+        // the input, the last the targets. The loss (the replicas' mean on
+        // a mesh) then goes to every rank.
+        let scaled = super::scaled(loss_fn, factor);
+        let step = self
+            .pipe
+            .forward_backward(Some(x), Some(y), LossReduction::Mean, scaled)?;
+        let loss = self.pipe.from_last_stage(step.loss.as_ref())?;
+        Ok(EngineStep {
+            loss: loss.affine(1.0 / factor, 0.0)?,
+            grads: Some(step.grads),
+        })
+    }
+
+    fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
+        let out = self.pipe.forward_t(Some(x), false)?;
+        self.pipe.from_last_stage(out.as_ref())
+    }
+
+    fn varmap(&self) -> &VarMap {
+        &self.varmap
+    }
+
+    fn grad_vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    fn optimizer(&self) -> &O {
+        self.stepper.inner()
+    }
+
+    fn optimizer_mut(&mut self) -> &mut O {
+        self.stepper.inner_mut()
+    }
+
+    fn shards(&self) -> bool {
+        true
+    }
+
+    fn step(&mut self, grads: &GradStore) -> Result<()> {
+        self.stepper.step(grads)
+    }
+
+    fn clip(&self, grads: &mut GradStore, max_norm: f64) -> Result<Clipped> {
+        match &self.stepper {
+            Stepper::Zero(zero) => zero.clip_grad_norm(grads, max_norm, 2.0, false),
+            Stepper::Whole(_) => self.pipe.clip_grad_norm(grads, max_norm, 2.0, false),
+        }
+    }
+
+    fn full_state(&self) -> Result<HashMap<String, Tensor>> {
+        self.pipe.full_state()
+    }
+
+    fn memory(&self) -> Result<Memory> {
+        Ok(Memory {
+            parameters: super::bytes_of(&crate::vars::sorted_vars(&self.varmap)),
+            optimizer_state: self.stepper.state_bytes()?,
+            peak_gathered: self.pipe.is_fsdp().then(|| self.pipe.stage_bytes()),
+            ..Memory::default()
+        })
+    }
+
+    fn save(&self, store: &StateStore<'_>, state: TrainingState) -> Result<()> {
+        // Each rank of the first pipeline writes its stages, numbered in
+        // its pipeline; with ZeRO across the replicas, its stages' state
+        // put together from every replica's pieces first.
+        let pipe = &self.pipe;
+        let first = pipe.replica_rank() == 0;
+        let mine = match &self.stepper {
+            Stepper::Whole(opt) if pipe.is_fsdp() => pipe.fsdp_stage_state(opt)?,
+            Stepper::Whole(opt) => first.then(|| pipe.stage_state(opt)).transpose()?,
+            Stepper::Zero(zero) => pipe.zero_stage_state(zero)?,
+        };
+        // The other replicas write nothing.
+        let (values, stage_state) = mine.unwrap_or_default();
+        store.checkpoints.save_sharded(
+            store.pg,
+            &VarMap::new(),
+            &varmap_of(values)?,
+            stage_state,
+            state,
+            first.then(|| pipe.group().rank()),
+        )
+    }
+
+    fn find_state(&self, store: &StateStore<'_>) -> Result<Option<FoundState>> {
+        Ok(store
+            .checkpoints
+            .latest_fsdp()?
+            .map(|(saved, saves)| FoundState {
+                saved,
+                shards: Shards::Fsdp(saves),
+            }))
+    }
+
+    fn load_state(&mut self, found: FoundState) -> Result<()> {
+        let Shards::Fsdp(saves) = found.shards else {
+            return Err(not_this_layout());
+        };
+        let (values, states): (Vec<_>, Vec<_>) = saves.into_iter().unzip();
+        let pipe = &mut self.pipe;
+        match &mut self.stepper {
+            Stepper::Whole(opt) if pipe.is_fsdp() => pipe.load_fsdp_stages(&values, &states, opt),
+            Stepper::Whole(opt) => pipe.load_stages(&values, &states, opt),
+            Stepper::Zero(zero) => pipe.load_zero_stages(&values, &states, zero),
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! `dp`: a master model and a replica per device in one process
+//! ([`DataParallel`]), the loss per replica, or (`dp_backward` gathered)
+//! of the gathered output.
+
+use candle_core::{DType, ModuleT, Tensor, Var};
+use candle_nn::VarMap;
+
+use super::{backward_of, from_step, scaled, Engine, EngineSetup, EngineStep, LossFn};
+use crate::data_parallel::DataParallel;
+use crate::error::Result;
+use crate::fabric::config::DpBackward;
+use crate::optim::StatefulOptimizer;
+use crate::precision::cast_input;
+use crate::step::LossReduction;
+use crate::units::Units;
+
+/// `dp`'s engine.
+pub(super) struct Replicas<O> {
+    dp: DataParallel<Units>,
+    gathered: bool,
+    varmap: VarMap,
+    vars: Vec<Var>,
+    optimizer: O,
+}
+
+impl<O: StatefulOptimizer> Replicas<O> {
+    pub(super) fn build<F>(setup: &EngineSetup<'_>, make: F) -> Result<Self>
+    where
+        F: FnOnce(Vec<(String, Var)>) -> candle_core::Result<O>,
+    {
+        let config = setup.config;
+        let mut builder = DataParallel::builder(setup.varmap, DType::F32, setup.devices);
+        if let Some(policy) = config.precision.policy() {
+            builder = builder.mixed_precision(policy);
+        }
+        if let Some(Some(timeout)) = config.timeout() {
+            builder = builder.timeout(timeout);
+        }
+        let dp = builder.build(setup.module.whole())?;
+        let named = dp.vars().to_vec();
+        let vars = named.iter().map(|(_, v)| v.clone()).collect();
+        Ok(Self {
+            dp,
+            gathered: config.dp_backward == DpBackward::Gathered,
+            varmap: setup.varmap.clone(),
+            vars,
+            optimizer: make(named)?,
+        })
+    }
+}
+
+impl<O: StatefulOptimizer + 'static> Engine<O> for Replicas<O> {
+    fn name(&self) -> &str {
+        "dp"
+    }
+
+    fn forward_backward(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        factor: f64,
+        _sync: bool,
+        loss_fn: &LossFn,
+    ) -> Result<EngineStep> {
+        if self.gathered {
+            return backward_of(&self.dp.forward_t(x, true)?, y, factor, loss_fn);
+        }
+        let dtype = self.dp.compute_dtype();
+        let scaled = scaled(loss_fn, factor);
+        let step = self.dp.forward_backward(
+            (x.clone(), y.clone()),
+            LossReduction::Mean,
+            move |m: &Units, (x, y): (Tensor, Tensor)| {
+                let x = match dtype {
+                    Some(dtype) => cast_input(&x, dtype)?,
+                    None => x,
+                };
+                scaled(&m.forward_t(&x, true)?, &y)
+            },
+        )?;
+        from_step(step, factor, true)
+    }
+
+    fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
+        self.dp.forward_t(x, false)
+    }
+
+    fn varmap(&self) -> &VarMap {
+        &self.varmap
+    }
+
+    fn grad_vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    fn optimizer(&self) -> &O {
+        &self.optimizer
+    }
+
+    fn optimizer_mut(&mut self) -> &mut O {
+        &mut self.optimizer
+    }
+}

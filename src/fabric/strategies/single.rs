@@ -1,0 +1,114 @@
+//! `single`: plain candle on one device, the step's buffers (BatchNorm
+//! statistics) put back if it fails.
+
+use candle_core::{DType, ModuleT, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+
+use super::{backward_of, Engine, EngineSetup, EngineStep, LossFn};
+use crate::buffers::{is_batch_norm_buffer, BufferSnapshot};
+use crate::error::Result;
+use crate::optim::StatefulOptimizer;
+use crate::precision::MixedPrecisionModel;
+use crate::units::Units;
+use crate::vars::sorted_vars;
+
+/// The model itself, or (mixed precision) computing on low-precision
+/// copies of it.
+enum Plain {
+    Units(Units),
+    Mixed(MixedPrecisionModel<Units>),
+}
+
+impl Plain {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        Ok(match self {
+            Plain::Units(units) => units.forward_t(x, train)?,
+            Plain::Mixed(model) => model.forward_t(x, train)?,
+        })
+    }
+}
+
+/// `single`'s engine.
+pub(super) struct Single<O> {
+    model: Plain,
+    buffers: Vec<(String, Var)>,
+    varmap: VarMap,
+    vars: Vec<Var>,
+    optimizer: O,
+}
+
+impl<O: StatefulOptimizer> Single<O> {
+    pub(super) fn build<F>(setup: &EngineSetup<'_>, make: F) -> Result<Self>
+    where
+        F: FnOnce(Vec<(String, Var)>) -> candle_core::Result<O>,
+    {
+        let varmap = setup.varmap.clone();
+        let model = match setup.config.precision.policy() {
+            None => Plain::Units(setup.module.whole()(VarBuilder::from_varmap(
+                &varmap,
+                DType::F32,
+                setup.device(),
+            ))?),
+            Some(policy) => Plain::Mixed(MixedPrecisionModel::new(
+                &varmap,
+                DType::F32,
+                setup.device(),
+                policy,
+                setup.module.whole(),
+            )?),
+        };
+        let named = sorted_vars(&varmap);
+        let buffers = named
+            .iter()
+            .filter(|(name, _)| is_batch_norm_buffer(name))
+            .cloned()
+            .collect();
+        let vars = named.iter().map(|(_, v)| v.clone()).collect();
+        Ok(Self {
+            model,
+            buffers,
+            varmap,
+            vars,
+            optimizer: make(named)?,
+        })
+    }
+}
+
+impl<O: StatefulOptimizer + 'static> Engine<O> for Single<O> {
+    fn name(&self) -> &str {
+        "single"
+    }
+
+    fn forward_backward(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        factor: f64,
+        _sync: bool,
+        loss_fn: &LossFn,
+    ) -> Result<EngineStep> {
+        let before = BufferSnapshot::take(&self.buffers)?;
+        let run = || backward_of(&self.model.forward_t(x, true)?, y, factor, loss_fn);
+        run().inspect_err(|e| before.restore_after(e))
+    }
+
+    fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
+        self.model.forward_t(x, false)
+    }
+
+    fn varmap(&self) -> &VarMap {
+        &self.varmap
+    }
+
+    fn grad_vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    fn optimizer(&self) -> &O {
+        &self.optimizer
+    }
+
+    fn optimizer_mut(&mut self) -> &mut O {
+        &mut self.optimizer
+    }
+}

@@ -1,0 +1,59 @@
+//! The state of an engine that keeps the whole model on every rank: rank
+//! 0 writes it, every rank loads it.
+
+use candle_nn::VarMap;
+
+use super::{FoundState, Shards, StateStore};
+use crate::error::{Error, Result};
+use crate::optim::StatefulOptimizer;
+use crate::training_state::TrainingState;
+
+/// Rank 0 writes `varmap` and the optimizer's state with `state`; no rank
+/// goes on before it is written.
+pub(super) fn save<O: StatefulOptimizer>(
+    store: &StateStore<'_>,
+    varmap: &VarMap,
+    optimizer: &O,
+    mut state: TrainingState,
+) -> Result<()> {
+    if store.pg.rank() == 0 {
+        state.optimizer = Some(optimizer.state()?);
+        store.checkpoints.save(varmap, &state)?;
+    }
+    Ok(store.pg.barrier()?)
+}
+
+/// The newest complete state.
+pub(super) fn find(store: &StateStore<'_>) -> Result<Option<FoundState>> {
+    Ok(store.checkpoints.latest()?.map(|saved| FoundState {
+        saved,
+        shards: Shards::None,
+    }))
+}
+
+/// Puts a whole state back into `varmap` and `optimizer`.
+pub(super) fn load<O: StatefulOptimizer>(
+    found: FoundState,
+    varmap: &VarMap,
+    optimizer: &mut O,
+) -> Result<()> {
+    match found.shards {
+        Shards::None => found.saved.restore(varmap, Some(optimizer)),
+        _ => Err(not_this_layout()),
+    }
+}
+
+/// The bytes of an optimizer's state.
+pub(super) fn optimizer_bytes<O: StatefulOptimizer>(optimizer: &O) -> Result<usize> {
+    Ok(optimizer
+        .state()?
+        .tensors
+        .values()
+        .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+        .sum())
+}
+
+/// A state of another layout than the engine's.
+pub(super) fn not_this_layout() -> Error {
+    Error::Fabric("the state found does not fit this strategy's layout".into())
+}
