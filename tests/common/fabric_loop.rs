@@ -70,7 +70,16 @@ pub fn setup(fabric: &Fabric) -> anyhow::Result<FabricModel<Sgd>> {
 
 /// THE loop: the same code whatever the strategy.
 pub fn train(fabric: Fabric, data: Arc<TensorDataset>) -> anyhow::Result<Trained> {
-    let mut model = setup(&fabric)?;
+    let model = setup(&fabric)?;
+    train_model(fabric, data, model)
+}
+
+/// [`train`]'s loop over a model set up by the caller.
+pub fn train_model(
+    fabric: Fabric,
+    data: Arc<TensorDataset>,
+    mut model: FabricModel<Sgd>,
+) -> anyhow::Result<Trained> {
     let options = DataOptions {
         shuffle: true,
         ..DataOptions::default()

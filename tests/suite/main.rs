@@ -16,6 +16,7 @@ mod checkpoint;
 mod clip;
 mod collectives;
 mod conformance;
+mod custom_engine;
 mod datasets;
 mod ddp;
 mod ddp_reference;
