@@ -11,29 +11,13 @@ use candle_core::{Tensor, Var};
 use candle_nn::VarMap;
 
 use super::config::{Precision, Strategy};
+use super::memory::Memory;
 use super::step_order::StepOrder;
 use super::strategies::{Engine, LossFn};
 use crate::comm::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::optim::{Clipped, LrScheduler, StatefulOptimizer};
 use crate::vars::with_accumulated;
-
-/// What a rank holds after a step, in bytes ([`FabricModel::memory`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Memory {
-    /// Its parameters: the whole model, or (FSDP) its pieces.
-    pub parameters: usize,
-    /// The gradients its last step used (ZeRO-2 and FSDP: its pieces').
-    pub gradients: usize,
-    /// Its optimizer's state (ZeRO and FSDP: over its pieces).
-    pub optimizer_state: usize,
-    /// FSDP: the most whole parameters its last step held at once (FSDP
-    /// across pipelines: its stages' variables, gathered for the step).
-    pub peak_gathered: Option<usize>,
-    /// FSDP: the whole model's parameters (`None` for FSDP across
-    /// pipelines, whose ranks know their own stages only).
-    pub whole_model: Option<usize>,
-}
 
 /// What [`FabricModel::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

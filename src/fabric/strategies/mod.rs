@@ -28,7 +28,7 @@ use candle_nn::VarMap;
 
 use super::checkpoints::{Checkpoints, FsdpSave};
 use super::config::{FabricConfig, Strategy};
-use super::model::Memory;
+use super::memory::Memory;
 use super::module::FabricModule;
 use crate::comm::ProcessGroup;
 use crate::error::Result;
