@@ -4,7 +4,9 @@
 //! library: `candle_dp::fabric`); a dev-dependency of the package.
 
 pub mod datasets;
+pub mod digits;
 pub mod elastic;
 pub mod flags;
 pub mod gpt;
+pub mod report;
 pub mod text;

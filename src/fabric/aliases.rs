@@ -7,7 +7,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::config::{FabricConfig, Strategy};
+use super::config::{Devices, FabricConfig, Strategy};
 use crate::error::{Error, Result};
 
 impl Strategy {
@@ -61,6 +61,24 @@ impl Strategy {
                 | Strategy::PipelineDdp
                 | Strategy::PipelineRanks
         )
+    }
+
+    /// Its name in a report: `DataParallel`, `DDP`, `DDP with ZeRO stage
+    /// 2`, `FSDP`, `HSDP`, `pipeline` ...
+    pub fn title(self) -> &'static str {
+        match self {
+            Strategy::Single => "one device",
+            Strategy::Dp => "DataParallel",
+            Strategy::Ddp => "DDP",
+            Strategy::DdpOverlap => "DDP (overlapped)",
+            Strategy::Zero1 => "DDP with ZeRO stage 1",
+            Strategy::Zero2 => "DDP with ZeRO stage 2",
+            Strategy::Fsdp => "FSDP",
+            Strategy::Hsdp => "HSDP",
+            Strategy::Pipeline => "pipeline",
+            Strategy::PipelineDdp => "DDP of pipelines",
+            Strategy::PipelineRanks => "pipeline on ranks",
+        }
     }
 
     /// How its states are laid out: states of one layout load into any
@@ -166,6 +184,35 @@ impl FabricConfig {
         }
     }
 
+    /// The same run on one device (the reference a parallel run is
+    /// compared with): strategy `single`, one device, the settings of a
+    /// strategy (ZeRO, shard groups, stages, the mesh, the overlap) cleared,
+    /// the rest (precision, clipping, accumulation, seed) kept.
+    ///
+    /// ```
+    /// use candle_dp::fabric::{FabricConfig, Strategy};
+    ///
+    /// let zero = FabricConfig { zero: Some(2), ..FabricConfig::new(Strategy::Ddp, 4) };
+    /// let one = zero.on_one_device();
+    /// assert_eq!((one.effective_strategy(), one.ranks(), one.zero), (Strategy::Single, 1, None));
+    /// ```
+    pub fn on_one_device(&self) -> FabricConfig {
+        let defaults = FabricConfig::default();
+        FabricConfig {
+            strategy: Strategy::Single,
+            devices: match &self.devices {
+                Devices::Ids(ids) => Devices::Ids(ids.iter().take(1).copied().collect()),
+                Devices::Count(_) => Devices::Count(1),
+            },
+            zero: None,
+            shard_size: None,
+            stages: defaults.stages,
+            overlap: false,
+            mesh: None,
+            ..self.clone()
+        }
+    }
+
     /// How many devices each rank drives: its replicas (`dp`), its
     /// stages (`pipeline`, `pipeline-ddp`), or one.
     pub(crate) fn devices_per_rank(&self) -> usize {
@@ -214,9 +261,9 @@ impl FabricConfig {
                 return Err(Error::Strategy {
                     strategy: self.strategy.name().into(),
                     reason: format!(
-                        "ZeRO stage {stage} is a setting of ddp (the strategies zero1 and \
-                         zero2) and of pipeline-ranks; {} cannot take it: use --strategy ddp \
-                         --zero {stage}, or zero{stage}",
+                        "--zero shards the optimizer state of ddp (the strategies zero1 and \
+                         zero2) and of pipeline-ranks only: ZeRO stage {stage} is no setting \
+                         of {}; use --strategy ddp --zero {stage}, or zero{stage}",
                         self.strategy.name()
                     ),
                 })

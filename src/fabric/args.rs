@@ -77,15 +77,17 @@ pub struct FabricArgs {
     /// model given as units).
     #[arg(long)]
     pub overlap: bool,
-    /// dp: parallel (each replica its loss and backward) or gathered (the
-    /// loss of the gathered output) [default: parallel].
-    #[arg(long)]
+    /// dp: parallel (each replica its loss and backward; also fast) or
+    /// gathered (the loss of the gathered output; also dropin) [default:
+    /// parallel].
+    #[arg(long, alias = "backward")]
     pub dp_backward: Option<DpBackward>,
     /// FSDP: keep each unit gathered from its forward to its backward.
     #[arg(long)]
     pub no_reshard_after_forward: bool,
-    /// Clips the total 2-norm of the gradients to X before every step.
-    #[arg(long, alias = "clip-grad-norm", value_name = "X")]
+    /// Clips the total 2-norm of the gradients to X (a finite number; 0:
+    /// no clipping) before every step.
+    #[arg(long = "clip-grad-norm", alias = "gradient-clip", value_name = "X", value_parser = clip_norm)]
     pub gradient_clip: Option<f64>,
     /// Batches per optimizer step [default: 1].
     #[arg(long)]
@@ -93,9 +95,12 @@ pub struct FabricArgs {
     /// Where the training states are saved.
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
-    /// Seconds a rank waits in a collective before the job fails (inf: no
-    /// limit).
-    #[arg(long, value_name = "SECONDS")]
+    /// How many of the newest states to keep [default: 3].
+    #[arg(long, value_name = "K", requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
+    pub keep: Option<u64>,
+    /// Seconds a rank waits in a collective before the job fails (none or
+    /// inf: no limit) [default: 1800, or CANDLE_DP_TIMEOUT].
+    #[arg(long, alias = "timeout", value_name = "SECONDS", value_parser = timeout_secs)]
     pub timeout_secs: Option<f64>,
     /// How many times the thread ranks start again after one fails,
     /// resuming from the newest state in --checkpoint-dir [default: 0].
@@ -144,8 +149,11 @@ impl FabricArgs {
         if self.chunks.is_some() {
             config.chunks = self.chunks;
         }
-        if self.gradient_clip.is_some() {
-            config.gradient_clip = self.gradient_clip;
+        if let Some(clip) = self.gradient_clip {
+            config.gradient_clip = (clip > 0.0).then_some(clip);
+        }
+        if let Some(keep) = self.keep {
+            config.keep = usize::try_from(keep).unwrap_or(usize::MAX);
         }
         if self.checkpoint_dir.is_some() {
             config.checkpoint_dir = self.checkpoint_dir.clone();
@@ -174,5 +182,33 @@ impl FabricArgs {
         }
         config.check()?;
         Ok(config)
+    }
+}
+
+/// `--clip-grad-norm`: a finite number, 0 or more (0: no clipping).
+fn clip_norm(value: &str) -> std::result::Result<f64, String> {
+    let x: f64 = value
+        .trim()
+        .parse()
+        .map_err(|_| format!("must be a number, got '{value}'"))?;
+    match x {
+        x if x.is_nan() => Err("must be a finite number, got NaN".into()),
+        x if x.is_infinite() => Err(format!("must be a finite number, got {x}")),
+        x if x < 0.0 => Err(format!("must be 0 or more (0: no clipping), got {x}")),
+        x => Ok(x),
+    }
+}
+
+/// `--timeout-secs`: seconds above 0, or `none` / `inf` for no limit.
+fn timeout_secs(value: &str) -> std::result::Result<f64, String> {
+    let value = value.trim();
+    if value.eq_ignore_ascii_case("none") {
+        return Ok(f64::INFINITY);
+    }
+    match value.parse::<f64>() {
+        Ok(x) if x > 0.0 => Ok(x),
+        _ => Err(format!(
+            "must be a number of seconds above 0, or none, got '{value}'"
+        )),
     }
 }
