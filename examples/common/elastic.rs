@@ -7,14 +7,10 @@ use anyhow::{Context, Result};
 use candle_dp::launch::{Backend, Elastic, Host, Mpirun, Srun, RESTART_VARIABLE};
 
 /// Restarts after a failure: of the thread ranks in this process, or, with
-/// `--hosts`, of an `mpirun` job this process supervises.
+/// `--hosts`, of an `mpirun` job this process supervises. How many: the
+/// Fabric's `--max-restarts` (`FabricArgs`), given to each method.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ElasticArgs {
-    /// How many times the job starts again after a rank fails, each start
-    /// resuming from the newest state in --checkpoint-dir (thread ranks
-    /// restart in this process; with --hosts, mpirun starts them again).
-    #[arg(long, value_name = "N", default_value_t = 0)]
-    pub max_restarts: usize,
     /// With --hosts: the fewest ranks a start may have.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = crate::flags::at_least_one::<usize>)]
     pub min_ranks: usize,
@@ -49,9 +45,9 @@ pub enum Launcher {
 impl ElasticArgs {
     /// The library's setting; a start's ranks must divide
     /// `ranks_dividing` (the global batch) where given.
-    pub fn elastic(&self, ranks_dividing: Option<usize>) -> Elastic {
+    pub fn elastic(&self, max_restarts: usize, ranks_dividing: Option<usize>) -> Elastic {
         Elastic {
-            max_restarts: self.max_restarts,
+            max_restarts,
             min_ranks: self.min_ranks,
             // A timeout past what a Duration holds is no limit.
             probe_timeout: Duration::try_from_secs_f64(self.probe_timeout).unwrap_or(Duration::MAX),
@@ -72,7 +68,11 @@ impl ElasticArgs {
     /// not as a rank of an MPI job (an `srun` without its MPI plugin would
     /// make every task a supervisor), or `--hosts` / `--max-restarts`
     /// under a launcher that no supervisor started (nothing would restart).
-    pub fn supervise(&self, ranks_dividing: Option<usize>) -> Option<Result<()>> {
+    pub fn supervise(
+        &self,
+        max_restarts: usize,
+        ranks_dividing: Option<usize>,
+    ) -> Option<Result<()>> {
         let supervised = std::env::var_os(RESTART_VARIABLE).is_some();
         match (Backend::from_env(), &self.hosts, supervised) {
             (Backend::Threads, Some(_), true) => Some(Err(anyhow::anyhow!(
@@ -81,11 +81,9 @@ impl ElasticArgs {
                  --launcher-option=--mpi=pmix)"
             ))),
             (Backend::Threads, Some(hosts), false) => {
-                Some(self.run_supervisor(hosts, self.elastic(ranks_dividing)))
+                Some(self.run_supervisor(hosts, self.elastic(max_restarts, ranks_dividing)))
             }
-            (Backend::Mpi { variable }, _, false)
-                if self.hosts.is_some() || self.max_restarts > 0 =>
-            {
+            (Backend::Mpi { variable }, _, false) if self.hosts.is_some() || max_restarts > 0 => {
                 Some(Err(anyhow::anyhow!(
                     "--hosts and --max-restarts restart nothing under a launcher ({variable} is \
                      set): the supervisor starts mpirun or srun itself; run this program \

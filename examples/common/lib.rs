@@ -8,5 +8,6 @@ pub mod digits;
 pub mod elastic;
 pub mod flags;
 pub mod gpt;
+pub mod lm;
 pub mod report;
 pub mod text;

@@ -126,7 +126,8 @@ impl FromStr for Strategy {
 
     /// A strategy by its [`name`](Strategy::name); Fabric's and
     /// Accelerate's spellings (`single_device`, `ddp_overlap`, `zero-2`,
-    /// `deepspeed_stage_2`, `fsdp`, `DDP`) are accepted too.
+    /// `deepspeed_stage_2`, `fsdp`, `DDP`) are accepted too, and
+    /// `train_lm`'s older names (`zero` for zero2, `ddp-pipeline`).
     fn from_str(s: &str) -> Result<Self> {
         let key = s.trim().to_ascii_lowercase().replace('_', "-");
         let found = match key.as_str() {
@@ -135,11 +136,11 @@ impl FromStr for Strategy {
             "ddp" | "multi-cpu" | "multi-gpu" => Strategy::Ddp,
             "ddp-overlap" | "overlap" => Strategy::DdpOverlap,
             "zero1" | "zero-1" | "deepspeed-stage-1" => Strategy::Zero1,
-            "zero2" | "zero-2" | "deepspeed-stage-2" => Strategy::Zero2,
+            "zero2" | "zero-2" | "zero" | "deepspeed-stage-2" => Strategy::Zero2,
             "fsdp" => Strategy::Fsdp,
             "hsdp" | "hybrid-shard" => Strategy::Hsdp,
             "pipeline" | "pp" => Strategy::Pipeline,
-            "pipeline-ddp" | "pp-ddp" => Strategy::PipelineDdp,
+            "pipeline-ddp" | "pp-ddp" | "ddp-pipeline" => Strategy::PipelineDdp,
             "pipeline-ranks" | "pp-ranks" | "pipeline-parallel" => Strategy::PipelineRanks,
             _ => {
                 let names: Vec<&str> = Strategy::ALL.iter().map(|s| s.name()).collect();

@@ -64,8 +64,13 @@ pub struct FabricArgs {
     pub init_scale: Option<f64>,
     /// A ZeRO stage (1 or 2) with --strategy ddp; 1, 2 or 3 (FSDP across
     /// the replicas) with pipeline-ranks.
-    #[arg(long)]
+    #[arg(long, alias = "pipeline-zero")]
     pub zero: Option<u8>,
+    /// hsdp, zero1 and zero2: ranks per shard group, each group holding
+    /// one copy of the pieces [default: hsdp the ranks per machine under
+    /// mpirun, every rank on threads; zero every rank].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub shard_size: Option<u64>,
     /// pipeline-ddp: stages per rank; pipeline-ranks: ranks per pipeline
     /// [default: 2].
     #[arg(long)]
@@ -145,6 +150,9 @@ impl FabricArgs {
         );
         if self.zero.is_some() {
             config.zero = self.zero;
+        }
+        if let Some(size) = self.shard_size {
+            config.shard_size = Some(usize::try_from(size).unwrap_or(usize::MAX));
         }
         if self.chunks.is_some() {
             config.chunks = self.chunks;

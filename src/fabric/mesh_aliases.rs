@@ -132,6 +132,8 @@ impl FabricConfig {
         // overlap) are DDP's.
         let strategy = match (self.strategy, strategy) {
             (Strategy::Hsdp, Strategy::Fsdp) => Strategy::Hsdp,
+            // A pipeline given degrees has its stages on the ranks.
+            (Strategy::Pipeline, Strategy::PipelineRanks) => Strategy::PipelineRanks,
             (named @ (Strategy::DdpOverlap | Strategy::Zero1 | Strategy::Zero2), Strategy::Ddp) => {
                 named
             }
@@ -141,7 +143,12 @@ impl FabricConfig {
             Strategy::Hsdp => Some(shard),
             _ => shard_size,
         };
-        if self.strategy != Strategy::Single && self.strategy != strategy {
+        let named_so = match self.strategy {
+            Strategy::Single => true,
+            Strategy::Pipeline => strategy == Strategy::PipelineRanks,
+            named => named == strategy,
+        };
+        if !named_so {
             return refuse(format!(
                 "it trains as strategy {strategy}, and the configuration names strategy {}: give \
                  one of them",
