@@ -262,9 +262,9 @@ impl FabricConfig {
                 return Err(Error::Strategy {
                     strategy: self.strategy.name().into(),
                     reason: format!(
-                        "--zero shards the optimizer state of ddp (the strategies zero1 and \
-                         zero2) and of pipeline-ranks only: ZeRO stage {stage} is no setting \
-                         of {}; use --strategy ddp --zero {stage}, or zero{stage}",
+                        "ZeRO stage {stage} is a setting of ddp (the strategies zero1 and \
+                         zero2) and of pipeline-ranks (--zero shards their optimizer state); \
+                         {} cannot take it: use --strategy ddp --zero {stage}, or zero{stage}",
                         self.strategy.name()
                     ),
                 })
