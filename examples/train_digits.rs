@@ -222,7 +222,7 @@ fn run(mut args: Args) -> Result<()> {
     let data = (&train_set, &test_set);
     let distributed = config.effective_strategy().is_distributed();
     let one = config.on_one_device();
-    let parallel = config.ranks() > 1 || config.devices.len() > 1;
+    let parallel = config.effective_strategy().name() != "single";
     // The saved run: the parallel one, or the one device.
     let mut runs: Vec<(String, Outcome)> = Vec::new();
     if parallel {

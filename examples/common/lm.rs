@@ -331,11 +331,13 @@ pub fn label(config: &FabricConfig) -> String {
         Backend::Mpi { .. } => "MPI processes",
     };
     let chunks = config.chunks.unwrap_or(config.stages);
+    if strategy.name() == "single" {
+        return "one device".into();
+    }
     if !strategy.is_distributed() {
-        return match (n, degrees.pp > 1) {
-            (1, _) => "one device".into(),
-            (_, true) => format!("pipeline x{n} stages, {chunks} micro-batches"),
-            (_, false) => format!("{} x{n}", strategy.title()),
+        return match degrees.pp > 1 {
+            true => format!("pipeline x{n} stages, {chunks} micro-batches"),
+            false => format!("{} x{n}", strategy.title()),
         };
     }
     if strategy.name() == "pipeline-ddp" {

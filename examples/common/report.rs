@@ -48,7 +48,7 @@ impl Schedule {
 pub fn label(config: &FabricConfig) -> String {
     let strategy = config.effective_strategy();
     let n = config.devices.len();
-    if config.ranks() == 1 && n == 1 {
+    if strategy.name() == "single" {
         return "one device".into();
     }
     let on = match (strategy.is_distributed(), Backend::from_env()) {
