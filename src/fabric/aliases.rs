@@ -214,6 +214,14 @@ impl FabricConfig {
         }
     }
 
+    /// [`Error::Strategy`] naming the strategy in force and `reason`.
+    pub(crate) fn refuse<T>(&self, reason: String) -> Result<T> {
+        Err(Error::Strategy {
+            strategy: self.effective_strategy().name().into(),
+            reason,
+        })
+    }
+
     /// How many devices each rank drives: its replicas (`dp`), its
     /// stages (`pipeline`, `pipeline-ddp`), or one.
     pub(crate) fn devices_per_rank(&self) -> usize {
@@ -238,12 +246,7 @@ impl FabricConfig {
     /// naming the strategy and what it cannot serve.
     pub(crate) fn check_strategy_settings(&self) -> Result<()> {
         let strategy = self.effective_strategy();
-        let refuse = |reason: String| {
-            Err(Error::Strategy {
-                strategy: strategy.name().into(),
-                reason,
-            })
-        };
+        let refuse = |reason: String| self.refuse(reason);
         let devices = self.devices.len();
         match self.zero {
             None => {}

@@ -374,13 +374,7 @@ impl FabricConfig {
     /// before anything runs: the error names the strategy and what it
     /// cannot serve.
     pub fn check(&self) -> Result<()> {
-        let strategy = self.effective_strategy();
-        let refuse = |reason: String| {
-            Err(Error::Strategy {
-                strategy: strategy.name().into(),
-                reason,
-            })
-        };
+        let refuse = |reason: String| self.refuse(reason);
         let devices = self.devices.len();
         if devices == 0 {
             return refuse("no devices: give at least one".into());

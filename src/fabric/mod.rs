@@ -85,7 +85,7 @@ pub use memory::Memory;
 pub use model::{FabricModel, StepOutcome};
 pub use module::FabricModule;
 pub use saving::Resumed;
-pub use strategies::{Engine, EngineSetup, EngineStep, FoundState, LossFn, StateStore};
+pub use strategies::{Engine, EngineSetup, EngineStep, FoundState, LossFn, StateStore, Trainables};
 
 use crate::comm::{all_gather_object, GroupOptions, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
@@ -444,7 +444,7 @@ impl Fabric {
         &self,
         engine: Box<dyn Engine<O>>,
     ) -> Result<FabricModel<O>> {
-        let params = engine.grad_vars().to_vec();
+        let params = engine.trainables().vars().to_vec();
         let order = StepOrder::new(self.config.precision.scales_loss(), self.config.init_scale)?;
         Ok(FabricModel {
             strategy: self.strategy(),

@@ -233,7 +233,8 @@ impl<O: StatefulOptimizer> FabricModel<O> {
             .filter_map(|p| grads.get(p))
             .map(|g| g.elem_count() * g.dtype().size_in_bytes())
             .sum();
-        self.order.apply_rate(self.engine.optimizer_mut())?;
+        self.order
+            .apply_rate(self.engine.trainables_mut().optimizer_mut())?;
         let engine = &mut self.engine;
         let stepped = self
             .order
@@ -276,18 +277,18 @@ impl<O: StatefulOptimizer> FabricModel<O> {
     /// A schedule made for another number of groups than the optimizer
     /// has; a group's rate the schedule cannot start from.
     pub fn set_schedule(&mut self, schedule: LrScheduler) -> Result<()> {
-        let rates = self.engine.optimizer().group_learning_rates();
+        let rates = self.engine.trainables().optimizer().group_learning_rates();
         self.order.set_schedule(schedule, &rates)
     }
 
     /// The optimizer (with ZeRO, this rank's, over its pieces).
     pub fn optimizer(&self) -> &O {
-        self.engine.optimizer()
+        self.engine.trainables().optimizer()
     }
 
     /// The optimizer, to change its settings.
     pub fn optimizer_mut(&mut self) -> &mut O {
-        self.engine.optimizer_mut()
+        self.engine.trainables_mut().optimizer_mut()
     }
 
     /// The model's output for `x` in evaluation mode, in f32: the whole
@@ -340,7 +341,7 @@ impl<O: StatefulOptimizer> FabricModel<O> {
     /// The variables of this rank's model: the masters (`single`, `dp`),
     /// this rank's copy, or FSDP's pieces of them.
     pub fn varmap(&self) -> &VarMap {
-        self.engine.varmap()
+        self.engine.trainables().varmap()
     }
 
     /// The strategy's engine, for what the loop does not cover.

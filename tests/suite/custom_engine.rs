@@ -3,14 +3,15 @@
 //! (accumulation, clipping, saving), and the trait's defaults give it a
 //! whole state that saves and loads.
 
-use candle_core::{DType, ModuleT, Tensor, Var};
+use candle_core::{DType, ModuleT, Tensor};
 use candle_dp::fabric::{
     Engine, EngineSetup, EngineStep, Fabric, FabricConfig, FabricModel, LossFn, Strategy,
+    Trainables,
 };
 use candle_dp::optim::{Sgd, SgdConfig};
 use candle_dp::training_state::Progress;
 use candle_dp::units::Units;
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::VarBuilder;
 
 use crate::common::fabric_loop::{classifier, dataset, train, train_model};
 use crate::common::identical;
@@ -18,9 +19,7 @@ use crate::common::identical;
 /// Plain candle on one device: a strategy the crate does not have.
 struct OwnEngine {
     model: Units,
-    varmap: VarMap,
-    vars: Vec<Var>,
-    opt: Sgd,
+    trainables: Trainables<Sgd>,
 }
 
 impl Engine<Sgd> for OwnEngine {
@@ -48,24 +47,16 @@ impl Engine<Sgd> for OwnEngine {
         Ok(self.model.forward_t(x, false)?)
     }
 
-    fn varmap(&self) -> &VarMap {
-        &self.varmap
+    fn trainables(&self) -> &Trainables<Sgd> {
+        &self.trainables
     }
 
-    fn grad_vars(&self) -> &[Var] {
-        &self.vars
-    }
-
-    fn optimizer(&self) -> &Sgd {
-        &self.opt
-    }
-
-    fn optimizer_mut(&mut self) -> &mut Sgd {
-        &mut self.opt
+    fn trainables_mut(&mut self) -> &mut Trainables<Sgd> {
+        &mut self.trainables
     }
 }
 
-/// The classifier on one device as a [`OwnEngine`] engine, with
+/// The classifier on one device as an [`OwnEngine`], with
 /// `fabric_loop::setup`'s optimizer.
 #[allow(clippy::result_large_err)] // setup_engine's closure returns candle_dp::Result
 fn own_engine(fabric: &Fabric) -> anyhow::Result<FabricModel<Sgd>> {
@@ -73,20 +64,13 @@ fn own_engine(fabric: &Fabric) -> anyhow::Result<FabricModel<Sgd>> {
         let varmap = setup.varmap().clone();
         let vb = VarBuilder::from_varmap(&varmap, DType::F32, setup.device());
         let model = setup.module().build(vb)?;
-        let named = setup.named_vars();
-        let vars = named.iter().map(|(_, v)| v.clone()).collect();
         let sgd = SgdConfig {
             lr: 0.05,
             momentum: 0.9,
             ..Default::default()
         };
-        let opt = Sgd::new_named(named, sgd)?;
-        Ok(Box::new(OwnEngine {
-            model,
-            varmap,
-            vars,
-            opt,
-        }) as Box<dyn Engine<Sgd>>)
+        let trainables = Trainables::over_all(varmap, |named| Sgd::new_named(named, sgd))?;
+        Ok(Box::new(OwnEngine { model, trainables }) as Box<dyn Engine<Sgd>>)
     })?)
 }
 

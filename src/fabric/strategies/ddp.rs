@@ -8,11 +8,11 @@ use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
 
 use super::shard_groups::hybrid_mesh;
-use super::stepper::Stepper;
-use super::whole_state::{self, not_this_layout};
+use super::states::{self, not_this_layout};
+use super::trainables::Stepper;
 use super::{
-    bytes_of, from_step, scaled, Engine, EngineSetup, EngineStep, FoundState, LossFn, Shards,
-    StateStore,
+    bytes_of, from_step, scaled, Engine, EngineSetup, EngineStep, FoundState, LossFn, Memory,
+    Shards, StateStore, Trainables,
 };
 use crate::ddp::{DistributedDataParallel, ZeroStage};
 use crate::error::Result;
@@ -21,7 +21,6 @@ use crate::optim::{clip_grad_norm, Clipped, StatefulOptimizer};
 use crate::precision::output_for_loss;
 use crate::training_state::TrainingState;
 use crate::units::Units;
-use crate::vars::sorted_vars;
 use crate::zero::ZeroOptimizer;
 
 /// The engine of `ddp`, `ddp-overlap`, `zero1` and `zero2`.
@@ -29,9 +28,7 @@ pub(super) struct Ddp<O> {
     ddp: Box<DistributedDataParallel<Units>>,
     overlapped: bool,
     name: &'static str,
-    varmap: VarMap,
-    vars: Vec<Var>,
-    stepper: Stepper<O>,
+    trainables: Trainables<O>,
 }
 
 impl<O: StatefulOptimizer> Ddp<O> {
@@ -71,21 +68,15 @@ impl<O: StatefulOptimizer> Ddp<O> {
             false => builder.build(setup.module.whole())?,
         };
         let varmap = setup.varmap.clone();
-        let (stepper, vars) = match ddp.zero_stage() {
-            Some(_) => Stepper::zero(ZeroOptimizer::new(&ddp, make)?),
-            None => {
-                let named = sorted_vars(&varmap);
-                let vars = named.iter().map(|(_, v)| v.clone()).collect();
-                (Stepper::Whole(make(named)?), vars)
-            }
+        let trainables = match ddp.zero_stage() {
+            Some(_) => Trainables::zero(varmap, ZeroOptimizer::new(&ddp, make)?),
+            None => Trainables::over_all(varmap, make)?,
         };
         Ok(Self {
             ddp: Box::new(ddp),
             overlapped,
             name: strategy.name(),
-            varmap,
-            vars,
-            stepper,
+            trainables,
         })
     }
 }
@@ -130,20 +121,12 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Ddp<O> {
         self.ddp.forward_t(x, false)
     }
 
-    fn varmap(&self) -> &VarMap {
-        &self.varmap
+    fn trainables(&self) -> &Trainables<O> {
+        &self.trainables
     }
 
-    fn grad_vars(&self) -> &[Var] {
-        &self.vars
-    }
-
-    fn optimizer(&self) -> &O {
-        self.stepper.inner()
-    }
-
-    fn optimizer_mut(&mut self) -> &mut O {
-        self.stepper.inner_mut()
+    fn trainables_mut(&mut self) -> &mut Trainables<O> {
+        &mut self.trainables
     }
 
     fn accumulates_itself(&self) -> bool {
@@ -151,36 +134,34 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Ddp<O> {
     }
 
     fn shards(&self) -> bool {
-        matches!(self.stepper, Stepper::Zero(_))
-    }
-
-    fn step(&mut self, grads: &GradStore) -> Result<()> {
-        self.stepper.step(grads)
+        matches!(self.trainables.stepper, Stepper::Zero(_))
     }
 
     fn clip(&self, grads: &mut GradStore, max_norm: f64) -> Result<Clipped> {
-        match &self.stepper {
+        match &self.trainables.stepper {
             Stepper::Zero(zero) => zero.clip_grad_norm(grads, max_norm, 2.0, false),
-            Stepper::Whole(_) => clip_grad_norm(grads, &self.vars, max_norm, 2.0, false),
+            Stepper::Whole(_) => {
+                clip_grad_norm(grads, self.trainables.vars(), max_norm, 2.0, false)
+            }
         }
     }
 
-    fn memory(&self) -> Result<super::Memory> {
-        Ok(super::Memory {
+    fn memory(&self) -> Result<Memory> {
+        Ok(Memory {
             parameters: bytes_of(self.ddp.params()),
-            optimizer_state: self.stepper.state_bytes()?,
-            ..Default::default()
+            ..self.trainables.memory()?
         })
     }
 
     fn save(&self, store: &StateStore<'_>, state: TrainingState) -> Result<()> {
-        match &self.stepper {
-            Stepper::Whole(opt) => whole_state::save(store, &self.varmap, opt, state),
+        let varmap = self.trainables.varmap();
+        match &self.trainables.stepper {
+            Stepper::Whole(opt) => states::save_whole(store, varmap, opt, state),
             // On a mesh every replica holds the same pieces: the first
             // replica's ranks write them (numbered in their shard group).
             Stepper::Zero(zero) => store.checkpoints.save_sharded(
                 store.pg,
-                &self.varmap,
+                varmap,
                 &VarMap::new(),
                 zero.shard_state()?,
                 state,
@@ -190,8 +171,8 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Ddp<O> {
     }
 
     fn find_state(&self, store: &StateStore<'_>) -> Result<Option<FoundState>> {
-        match &self.stepper {
-            Stepper::Whole(_) => whole_state::find(store),
+        match &self.trainables.stepper {
+            Stepper::Whole(_) => states::find_whole(store),
             Stepper::Zero(_) => {
                 Ok(store
                     .checkpoints
@@ -205,20 +186,21 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Ddp<O> {
     }
 
     fn load_state(&mut self, found: FoundState) -> Result<()> {
-        match (&mut self.stepper, found.shards) {
-            (Stepper::Whole(opt), shards @ Shards::None) => whole_state::load(
+        let varmap = self.trainables.varmap.clone();
+        match (&mut self.trainables.stepper, found.shards) {
+            (Stepper::Whole(opt), shards @ Shards::None) => states::load_whole(
                 FoundState {
                     saved: found.saved,
                     shards,
                 },
-                &self.varmap,
+                &varmap,
                 opt,
             ),
             (Stepper::Zero(zero), Shards::Zero(shards)) => {
                 // The weights first (all or nothing), put back if the
                 // shards do not fit.
-                let before = snapshot(&self.varmap)?;
-                found.saved.restore(&self.varmap, None::<&mut O>)?;
+                let before = snapshot(&varmap)?;
+                found.saved.restore(&varmap, None::<&mut O>)?;
                 if let Err(e) = zero.load_shards(&shards) {
                     put_back(&before)?;
                     return Err(e);

@@ -10,10 +10,10 @@ use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
 
 use super::shard_groups::hybrid_mesh;
-use super::whole_state::{not_this_layout, optimizer_bytes};
+use super::states::{self, not_this_layout};
 use super::{
     from_step, scaled, Engine, EngineSetup, EngineStep, FoundState, LossFn, Memory, Shards,
-    StateStore,
+    StateStore, Trainables,
 };
 use crate::error::Result;
 use crate::fabric::Strategy;
@@ -25,9 +25,7 @@ use crate::training_state::TrainingState;
 pub(super) struct Fsdp<O> {
     fsdp: Box<FullyShardedDataParallel>,
     name: &'static str,
-    varmap: VarMap,
-    vars: Vec<Var>,
-    optimizer: O,
+    trainables: Trainables<O>,
 }
 
 impl<O: StatefulOptimizer> Fsdp<O> {
@@ -65,14 +63,11 @@ impl<O: StatefulOptimizer> Fsdp<O> {
             )?,
         };
         // FSDP's pieces are the variables: any optimizer steps them.
-        let named = fsdp.shards().to_vec();
-        let vars = named.iter().map(|(_, v)| v.clone()).collect();
+        let trainables = Trainables::build(setup.varmap.clone(), fsdp.shards().to_vec(), make)?;
         Ok(Self {
             fsdp: Box::new(fsdp),
             name: strategy.name(),
-            varmap: setup.varmap.clone(),
-            vars,
-            optimizer: make(named)?,
+            trainables,
         })
     }
 }
@@ -103,20 +98,12 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Fsdp<O> {
         self.fsdp.forward_t(x, false)
     }
 
-    fn varmap(&self) -> &VarMap {
-        &self.varmap
+    fn trainables(&self) -> &Trainables<O> {
+        &self.trainables
     }
 
-    fn grad_vars(&self) -> &[Var] {
-        &self.vars
-    }
-
-    fn optimizer(&self) -> &O {
-        &self.optimizer
-    }
-
-    fn optimizer_mut(&mut self) -> &mut O {
-        &mut self.optimizer
+    fn trainables_mut(&mut self) -> &mut Trainables<O> {
+        &mut self.trainables
     }
 
     fn accumulates_itself(&self) -> bool {
@@ -139,10 +126,9 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Fsdp<O> {
         let m = self.fsdp.last_memory();
         Ok(Memory {
             parameters: m.shard_bytes,
-            optimizer_state: optimizer_bytes(&self.optimizer)?,
             peak_gathered: Some(m.peak_gathered_bytes),
             whole_model: Some(m.full_bytes),
-            ..Memory::default()
+            ..self.trainables.memory()?
         })
     }
 
@@ -153,20 +139,14 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Fsdp<O> {
             store.pg,
             &VarMap::new(),
             &super::varmap_of(self.fsdp.pieces()?)?,
-            self.fsdp.shard_state(&self.optimizer)?,
+            self.fsdp.shard_state(self.trainables.optimizer())?,
             state,
             (self.fsdp.replica_rank() == 0).then(|| self.fsdp.shard_rank()),
         )
     }
 
     fn find_state(&self, store: &StateStore<'_>) -> Result<Option<FoundState>> {
-        Ok(store
-            .checkpoints
-            .latest_fsdp()?
-            .map(|(saved, saves)| FoundState {
-                saved,
-                shards: Shards::Fsdp(saves),
-            }))
+        states::find_fsdp_layout(store)
     }
 
     fn load_state(&mut self, found: FoundState) -> Result<()> {
@@ -174,7 +154,7 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Fsdp<O> {
             return Err(not_this_layout());
         };
         let (pieces, states): (Vec<_>, Vec<_>) = saves.into_iter().unzip();
-        self.fsdp
-            .load_resharded(&pieces, &states, &mut self.optimizer)
+        let optimizer = self.trainables.optimizer_mut();
+        self.fsdp.load_resharded(&pieces, &states, optimizer)
     }
 }

@@ -15,8 +15,8 @@ mod pipeline_ranks;
 mod replicas;
 mod shard_groups;
 mod single;
-mod stepper;
-mod whole_state;
+mod states;
+mod trainables;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -37,6 +37,8 @@ use crate::step::Step;
 use crate::training_state::{SavedState, TrainingState};
 use crate::vars::sorted_vars;
 
+pub use trainables::Trainables;
+
 /// A loss from the model's output (in f32) and the targets.
 pub type LossFn = Arc<dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
 
@@ -47,27 +49,30 @@ pub type LossFn = Arc<dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + 
 pub struct EngineStep {
     /// This rank's loss, unscaled.
     pub loss: Tensor,
-    /// The step's gradients, keyed by [`Engine::grad_vars`].
+    /// The step's gradients, keyed by [`Trainables::vars`].
     pub grads: Option<GradStore>,
 }
 
-/// One rank's strategy: the model as the strategy holds it, and the
-/// optimizer over the variables it steps. The Fabric's loop calls it in
-/// the order `forward_backward` (once per accumulated batch), `clip`,
-/// `step`; `save`, `find_state` and `load_state` between steps.
+/// One rank's strategy: the model as the strategy holds it, and what it
+/// trains ([`Trainables`]: the variables and the optimizer over them). The
+/// Fabric's loop calls it in the order `forward_backward` (once per
+/// accumulated batch), `clip`, `step`; `save`, `find_state` and
+/// `load_state` between steps.
 ///
 /// The methods with a default serve an engine that keeps the whole model
-/// on every rank (as DDP does): its variables' bytes, a plain clip over
-/// its gradients, and a state that rank 0 writes whole.
+/// on every rank (as DDP does): its variables' bytes, the optimizer's
+/// step, a plain clip over its gradients, and a state that rank 0 writes
+/// whole.
 ///
 /// ```
-/// use candle_core::{backprop::GradStore, DType, Device, ModuleT, Tensor, Var};
-/// use candle_dp::fabric::{Engine, EngineSetup, EngineStep, Fabric, FabricConfig, FabricModule, LossFn, Strategy};
+/// use candle_core::{DType, Device, ModuleT, Tensor};
+/// use candle_dp::fabric::{Engine, EngineSetup, EngineStep, Fabric, FabricConfig, FabricModule, LossFn, Strategy, Trainables};
 /// use candle_dp::optim::{Sgd, SgdConfig};
-/// use candle_nn::{linear, loss, VarBuilder, VarMap};
+/// use candle_dp::units::Units;
+/// use candle_nn::{linear, loss, VarBuilder};
 ///
 /// /// One device, the plain candle step: a user's own strategy.
-/// struct Plain { model: candle_dp::units::Units, varmap: VarMap, vars: Vec<Var>, opt: Sgd }
+/// struct Plain { model: Units, trainables: Trainables<Sgd> }
 ///
 /// impl Engine<Sgd> for Plain {
 ///     fn name(&self) -> &str { "plain" }
@@ -78,10 +83,8 @@ pub struct EngineStep {
 ///         Ok(EngineStep { loss: loss.detach(), grads: Some(grads) })
 ///     }
 ///     fn forward(&mut self, x: &Tensor) -> candle_dp::Result<Tensor> { Ok(self.model.forward_t(x, false)?) }
-///     fn varmap(&self) -> &VarMap { &self.varmap }
-///     fn grad_vars(&self) -> &[Var] { &self.vars }
-///     fn optimizer(&self) -> &Sgd { &self.opt }
-///     fn optimizer_mut(&mut self) -> &mut Sgd { &mut self.opt }
+///     fn trainables(&self) -> &Trainables<Sgd> { &self.trainables }
+///     fn trainables_mut(&mut self) -> &mut Trainables<Sgd> { &mut self.trainables }
 /// }
 ///
 /// Fabric::launch(FabricConfig::new(Strategy::Single, 1), |fabric| {
@@ -89,10 +92,9 @@ pub struct EngineStep {
 ///     let mut model = fabric.setup_engine(module, |setup: EngineSetup<'_>| {
 ///         let varmap = setup.varmap().clone();
 ///         let model = setup.module().build(VarBuilder::from_varmap(&varmap, DType::F32, setup.device()))?;
-///         let named = setup.named_vars();
-///         let vars = named.iter().map(|(_, v)| v.clone()).collect();
-///         let opt = Sgd::new_named(named, SgdConfig { lr: 0.1, ..Default::default() })?;
-///         Ok(Box::new(Plain { model, varmap, vars, opt }) as Box<dyn Engine<Sgd>>)
+///         let sgd = SgdConfig { lr: 0.1, ..Default::default() };
+///         let trainables = Trainables::over_all(varmap, |named| Sgd::new_named(named, sgd))?;
+///         Ok(Box::new(Plain { model, trainables }) as Box<dyn Engine<Sgd>>)
 ///     })?;
 ///     let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
 ///     let y = Tensor::new(&[0u32, 1, 0], &Device::Cpu)?;
@@ -108,14 +110,18 @@ pub trait Engine<O: StatefulOptimizer> {
     fn name(&self) -> &str;
 
     /// One forward and backward of `loss_fn(output, y)` times `factor`
-    /// (the loss scale over the accumulation steps); `sync` false: an
-    /// engine that can hold its reduction back does (`no_sync`), and
-    /// returns no gradients.
+    /// (the loss scale over the accumulation steps). `sync` false: an
+    /// engine that holds its reduction back (`no_sync`) keeps this batch's
+    /// gradients itself, returns none, and says so with
+    /// [`accumulates_itself`](Self::accumulates_itself); any other returns
+    /// them, and the Fabric sums the batches'.
     ///
     /// # Errors
     ///
-    /// The model's, the loss's, a collective's. A failed step leaves the
-    /// model's parameters and buffers as they were.
+    /// The model's, the loss's, a collective's. An engine should leave the
+    /// model's parameters and buffers as they were when it fails (the
+    /// crate's put back what a failed step changed, as `single` its
+    /// BatchNorm statistics).
     fn forward_backward(
         &mut self,
         x: &Tensor,
@@ -132,17 +138,12 @@ pub trait Engine<O: StatefulOptimizer> {
     /// The model's, a collective's.
     fn forward(&mut self, x: &Tensor) -> Result<Tensor>;
 
-    /// The variables of this rank's model (a pipeline's rank: its stages').
-    fn varmap(&self) -> &VarMap;
+    /// What it trains: its model's variables and the optimizer over those
+    /// it steps.
+    fn trainables(&self) -> &Trainables<O>;
 
-    /// The variables the optimizer steps, which the gradients are keyed by.
-    fn grad_vars(&self) -> &[Var];
-
-    /// The optimizer (with ZeRO, this rank's, over its pieces).
-    fn optimizer(&self) -> &O;
-
-    /// The optimizer, to set its rates.
-    fn optimizer_mut(&mut self) -> &mut O;
+    /// What it trains, to step and to set the optimizer's rates.
+    fn trainables_mut(&mut self) -> &mut Trainables<O>;
 
     /// Whether the engine keeps the gradients of `no_sync` steps itself
     /// (the Fabric sums the others' across the accumulation).
@@ -162,7 +163,7 @@ pub trait Engine<O: StatefulOptimizer> {
     ///
     /// The optimizer's.
     fn step(&mut self, grads: &GradStore) -> Result<()> {
-        Ok(self.optimizer_mut().step(grads)?)
+        self.trainables_mut().step(grads)
     }
 
     /// Clips the gradients to a total 2-norm of `max_norm` (over every
@@ -172,7 +173,7 @@ pub trait Engine<O: StatefulOptimizer> {
     ///
     /// The norm's, a collective's.
     fn clip(&self, grads: &mut GradStore, max_norm: f64) -> Result<Clipped> {
-        clip_grad_norm(grads, self.grad_vars(), max_norm, 2.0, false)
+        clip_grad_norm(grads, self.trainables().vars(), max_norm, 2.0, false)
     }
 
     /// The whole model's variables by name (a sharding engine gathers
@@ -182,7 +183,7 @@ pub trait Engine<O: StatefulOptimizer> {
     ///
     /// A collective's.
     fn full_state(&self) -> Result<HashMap<String, Tensor>> {
-        Ok(sorted_vars(self.varmap())
+        Ok(sorted_vars(self.trainables().varmap())
             .into_iter()
             .map(|(name, var)| (name, var.as_tensor().clone()))
             .collect())
@@ -195,11 +196,7 @@ pub trait Engine<O: StatefulOptimizer> {
     ///
     /// The optimizer's state cannot be copied.
     fn memory(&self) -> Result<Memory> {
-        Ok(Memory {
-            parameters: bytes_of(&sorted_vars(self.varmap())),
-            optimizer_state: whole_state::optimizer_bytes(self.optimizer())?,
-            ..Memory::default()
-        })
+        self.trainables().memory()
     }
 
     /// Saves `state` with this rank's part of the model and optimizer
@@ -209,7 +206,8 @@ pub trait Engine<O: StatefulOptimizer> {
     ///
     /// The write's, naming the file.
     fn save(&self, store: &StateStore<'_>, state: TrainingState) -> Result<()> {
-        whole_state::save(store, self.varmap(), self.optimizer(), state)
+        let trainables = self.trainables();
+        states::save_whole(store, trainables.varmap(), trainables.optimizer(), state)
     }
 
     /// The newest complete state of this strategy's layout, `None` when
@@ -219,7 +217,7 @@ pub trait Engine<O: StatefulOptimizer> {
     ///
     /// A state that cannot be read.
     fn find_state(&self, store: &StateStore<'_>) -> Result<Option<FoundState>> {
-        whole_state::find(store)
+        states::find_whole(store)
     }
 
     /// Puts `found` back into the model and the optimizer, all or nothing.
@@ -228,8 +226,9 @@ pub trait Engine<O: StatefulOptimizer> {
     ///
     /// A state that does not fit, naming what.
     fn load_state(&mut self, found: FoundState) -> Result<()> {
-        let varmap = self.varmap().clone();
-        whole_state::load(found, &varmap, self.optimizer_mut())
+        let trainables = self.trainables_mut();
+        let varmap = trainables.varmap().clone();
+        states::load_whole(found, &varmap, trainables.optimizer_mut())
     }
 }
 

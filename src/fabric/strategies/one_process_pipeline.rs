@@ -2,21 +2,17 @@
 //! and the pipeline's builder as the other pipeline strategies share it.
 
 use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::VarMap;
 
-use super::{from_step, scaled, Engine, EngineSetup, EngineStep, LossFn};
+use super::{from_step, scaled, Engine, EngineSetup, EngineStep, LossFn, Trainables};
 use crate::error::Result;
 use crate::optim::StatefulOptimizer;
 use crate::pipeline::Pipeline;
 use crate::step::LossReduction;
-use crate::vars::sorted_vars;
 
 /// `pipeline`'s engine.
 pub(super) struct OneProcessPipeline<O> {
     pipe: Pipeline,
-    varmap: VarMap,
-    vars: Vec<Var>,
-    optimizer: O,
+    trainables: Trainables<O>,
 }
 
 /// A pipeline of `setup`'s model over `devices`, as configured.
@@ -37,29 +33,14 @@ pub(super) fn pipeline_over(setup: &EngineSetup<'_>, devices: &[Device]) -> Resu
     builder.build(setup.module.parts().to_vec())
 }
 
-/// The sorted variables of `varmap`, and the optimizer `make` over them.
-pub(super) fn whole_optimizer<O, F>(varmap: &VarMap, make: F) -> Result<(Vec<Var>, O)>
-where
-    F: FnOnce(Vec<(String, Var)>) -> candle_core::Result<O>,
-{
-    let named = sorted_vars(varmap);
-    let vars = named.iter().map(|(_, v)| v.clone()).collect();
-    Ok((vars, make(named)?))
-}
-
 impl<O: StatefulOptimizer> OneProcessPipeline<O> {
     pub(super) fn build<F>(setup: &EngineSetup<'_>, make: F) -> Result<Self>
     where
         F: FnOnce(Vec<(String, Var)>) -> candle_core::Result<O>,
     {
-        let pipe = pipeline_over(setup, setup.devices)?;
-        let varmap = setup.varmap.clone();
-        let (vars, optimizer) = whole_optimizer(&varmap, make)?;
         Ok(Self {
-            pipe,
-            varmap,
-            vars,
-            optimizer,
+            pipe: pipeline_over(setup, setup.devices)?,
+            trainables: Trainables::over_all(setup.varmap.clone(), make)?,
         })
     }
 }
@@ -87,19 +68,11 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for OneProcessPipeline<O> {
         self.pipe.forward_t(x, false)
     }
 
-    fn varmap(&self) -> &VarMap {
-        &self.varmap
+    fn trainables(&self) -> &Trainables<O> {
+        &self.trainables
     }
 
-    fn grad_vars(&self) -> &[Var] {
-        &self.vars
-    }
-
-    fn optimizer(&self) -> &O {
-        &self.optimizer
-    }
-
-    fn optimizer_mut(&mut self) -> &mut O {
-        &mut self.optimizer
+    fn trainables_mut(&mut self) -> &mut Trainables<O> {
+        &mut self.trainables
     }
 }

@@ -2,11 +2,11 @@
 //! gradients all-reduced (DDP around it).
 
 use candle_core::{Tensor, Var};
-use candle_nn::VarMap;
 
-use super::one_process_pipeline::{pipeline_over, whole_optimizer};
-use super::whole_state::optimizer_bytes;
-use super::{bytes_of, from_step, scaled, Engine, EngineSetup, EngineStep, LossFn, Memory};
+use super::one_process_pipeline::pipeline_over;
+use super::{
+    bytes_of, from_step, scaled, Engine, EngineSetup, EngineStep, LossFn, Memory, Trainables,
+};
 use crate::ddp::{DdpConfig, DistributedDataParallel};
 use crate::error::Result;
 use crate::optim::StatefulOptimizer;
@@ -16,9 +16,7 @@ use crate::step::LossReduction;
 /// `pipeline-ddp`'s engine.
 pub(super) struct PipelineDdp<O> {
     ddp: Box<DistributedDataParallel<Pipeline>>,
-    varmap: VarMap,
-    vars: Vec<Var>,
-    optimizer: O,
+    trainables: Trainables<O>,
 }
 
 impl<O: StatefulOptimizer> PipelineDdp<O> {
@@ -33,13 +31,9 @@ impl<O: StatefulOptimizer> PipelineDdp<O> {
             pipe,
             DdpConfig::default(),
         )?;
-        let varmap = setup.varmap.clone();
-        let (vars, optimizer) = whole_optimizer(&varmap, make)?;
         Ok(Self {
             ddp: Box::new(ddp),
-            varmap,
-            vars,
-            optimizer,
+            trainables: Trainables::over_all(setup.varmap.clone(), make)?,
         })
     }
 }
@@ -72,20 +66,12 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for PipelineDdp<O> {
         self.ddp.forward_t(x, false)
     }
 
-    fn varmap(&self) -> &VarMap {
-        &self.varmap
+    fn trainables(&self) -> &Trainables<O> {
+        &self.trainables
     }
 
-    fn grad_vars(&self) -> &[Var] {
-        &self.vars
-    }
-
-    fn optimizer(&self) -> &O {
-        &self.optimizer
-    }
-
-    fn optimizer_mut(&mut self) -> &mut O {
-        &mut self.optimizer
+    fn trainables_mut(&mut self) -> &mut Trainables<O> {
+        &mut self.trainables
     }
 
     fn accumulates_itself(&self) -> bool {
@@ -95,8 +81,7 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for PipelineDdp<O> {
     fn memory(&self) -> Result<Memory> {
         Ok(Memory {
             parameters: bytes_of(self.ddp.params()),
-            optimizer_state: optimizer_bytes(&self.optimizer)?,
-            ..Memory::default()
+            ..self.trainables.memory()?
         })
     }
 }

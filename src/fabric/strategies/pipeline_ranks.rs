@@ -8,10 +8,11 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
 
-use super::stepper::Stepper;
-use super::whole_state::not_this_layout;
+use super::states::{self, not_this_layout};
+use super::trainables::Stepper;
 use super::{
     varmap_of, Engine, EngineSetup, EngineStep, FoundState, LossFn, Memory, Shards, StateStore,
+    Trainables,
 };
 use crate::comm::DeviceMesh;
 use crate::ddp::ZeroStage;
@@ -26,9 +27,7 @@ pub(super) struct PipelineRanks<O> {
     pipe: Box<RankPipeline>,
     /// This rank's stages' variables and buffers (the others, built only
     /// to draw the seeded initial values, are dropped).
-    varmap: VarMap,
-    vars: Vec<Var>,
-    stepper: Stepper<O>,
+    trainables: Trainables<O>,
 }
 
 impl<O: StatefulOptimizer> PipelineRanks<O> {
@@ -72,19 +71,13 @@ impl<O: StatefulOptimizer> PipelineRanks<O> {
             }
         }
         // FSDP's pieces are the variables: any optimizer steps them.
-        let (stepper, vars) = match pipe.zero_stage().is_some() && !pipe.is_fsdp() {
-            true => Stepper::zero(pipe.zero_optimizer(make)?),
-            false => {
-                let named = pipe.variables().to_vec();
-                let vars = named.iter().map(|(_, v)| v.clone()).collect();
-                (Stepper::Whole(make(named)?), vars)
-            }
+        let trainables = match pipe.zero_stage().is_some() && !pipe.is_fsdp() {
+            true => Trainables::zero(varmap, pipe.zero_optimizer(make)?),
+            false => Trainables::build(varmap, pipe.variables().to_vec(), make)?,
         };
         Ok(Self {
             pipe: Box::new(pipe),
-            varmap,
-            vars,
-            stepper,
+            trainables,
         })
     }
 }
@@ -121,32 +114,20 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for PipelineRanks<O> {
         self.pipe.from_last_stage(out.as_ref())
     }
 
-    fn varmap(&self) -> &VarMap {
-        &self.varmap
+    fn trainables(&self) -> &Trainables<O> {
+        &self.trainables
     }
 
-    fn grad_vars(&self) -> &[Var] {
-        &self.vars
-    }
-
-    fn optimizer(&self) -> &O {
-        self.stepper.inner()
-    }
-
-    fn optimizer_mut(&mut self) -> &mut O {
-        self.stepper.inner_mut()
+    fn trainables_mut(&mut self) -> &mut Trainables<O> {
+        &mut self.trainables
     }
 
     fn shards(&self) -> bool {
         true
     }
 
-    fn step(&mut self, grads: &GradStore) -> Result<()> {
-        self.stepper.step(grads)
-    }
-
     fn clip(&self, grads: &mut GradStore, max_norm: f64) -> Result<Clipped> {
-        match &self.stepper {
+        match &self.trainables.stepper {
             Stepper::Zero(zero) => zero.clip_grad_norm(grads, max_norm, 2.0, false),
             Stepper::Whole(_) => self.pipe.clip_grad_norm(grads, max_norm, 2.0, false),
         }
@@ -158,10 +139,8 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for PipelineRanks<O> {
 
     fn memory(&self) -> Result<Memory> {
         Ok(Memory {
-            parameters: super::bytes_of(&crate::vars::sorted_vars(&self.varmap)),
-            optimizer_state: self.stepper.state_bytes()?,
             peak_gathered: self.pipe.is_fsdp().then(|| self.pipe.stage_bytes()),
-            ..Memory::default()
+            ..self.trainables.memory()?
         })
     }
 
@@ -171,7 +150,7 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for PipelineRanks<O> {
         // put together from every replica's pieces first.
         let pipe = &self.pipe;
         let first = pipe.replica_rank() == 0;
-        let mine = match &self.stepper {
+        let mine = match &self.trainables.stepper {
             Stepper::Whole(opt) if pipe.is_fsdp() => pipe.fsdp_stage_state(opt)?,
             Stepper::Whole(opt) => first.then(|| pipe.stage_state(opt)).transpose()?,
             Stepper::Zero(zero) => pipe.zero_stage_state(zero)?,
@@ -189,13 +168,7 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for PipelineRanks<O> {
     }
 
     fn find_state(&self, store: &StateStore<'_>) -> Result<Option<FoundState>> {
-        Ok(store
-            .checkpoints
-            .latest_fsdp()?
-            .map(|(saved, saves)| FoundState {
-                saved,
-                shards: Shards::Fsdp(saves),
-            }))
+        states::find_fsdp_layout(store)
     }
 
     fn load_state(&mut self, found: FoundState) -> Result<()> {
@@ -204,7 +177,7 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for PipelineRanks<O> {
         };
         let (values, states): (Vec<_>, Vec<_>) = saves.into_iter().unzip();
         let pipe = &mut self.pipe;
-        match &mut self.stepper {
+        match &mut self.trainables.stepper {
             Stepper::Whole(opt) if pipe.is_fsdp() => pipe.load_fsdp_stages(&values, &states, opt),
             Stepper::Whole(opt) => pipe.load_stages(&values, &states, opt),
             Stepper::Zero(zero) => pipe.load_zero_stages(&values, &states, zero),

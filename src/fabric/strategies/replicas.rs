@@ -3,9 +3,8 @@
 //! of the gathered output.
 
 use candle_core::{DType, ModuleT, Tensor, Var};
-use candle_nn::VarMap;
 
-use super::{backward_of, from_step, scaled, Engine, EngineSetup, EngineStep, LossFn};
+use super::{backward_of, from_step, scaled, Engine, EngineSetup, EngineStep, LossFn, Trainables};
 use crate::data_parallel::DataParallel;
 use crate::error::Result;
 use crate::fabric::config::DpBackward;
@@ -18,9 +17,7 @@ use crate::units::Units;
 pub(super) struct Replicas<O> {
     dp: DataParallel<Units>,
     gathered: bool,
-    varmap: VarMap,
-    vars: Vec<Var>,
-    optimizer: O,
+    trainables: Trainables<O>,
 }
 
 impl<O: StatefulOptimizer> Replicas<O> {
@@ -37,14 +34,12 @@ impl<O: StatefulOptimizer> Replicas<O> {
             builder = builder.timeout(timeout);
         }
         let dp = builder.build(setup.module.whole())?;
-        let named = dp.vars().to_vec();
-        let vars = named.iter().map(|(_, v)| v.clone()).collect();
+        // The optimizer steps the masters.
+        let trainables = Trainables::build(setup.varmap.clone(), dp.vars().to_vec(), make)?;
         Ok(Self {
             dp,
             gathered: config.dp_backward == DpBackward::Gathered,
-            varmap: setup.varmap.clone(),
-            vars,
-            optimizer: make(named)?,
+            trainables,
         })
     }
 }
@@ -85,19 +80,11 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Replicas<O> {
         self.dp.forward_t(x, false)
     }
 
-    fn varmap(&self) -> &VarMap {
-        &self.varmap
+    fn trainables(&self) -> &Trainables<O> {
+        &self.trainables
     }
 
-    fn grad_vars(&self) -> &[Var] {
-        &self.vars
-    }
-
-    fn optimizer(&self) -> &O {
-        &self.optimizer
-    }
-
-    fn optimizer_mut(&mut self) -> &mut O {
-        &mut self.optimizer
+    fn trainables_mut(&mut self) -> &mut Trainables<O> {
+        &mut self.trainables
     }
 }

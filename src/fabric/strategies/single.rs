@@ -2,9 +2,9 @@
 //! statistics) put back if it fails.
 
 use candle_core::{DType, ModuleT, Tensor, Var};
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::VarBuilder;
 
-use super::{backward_of, Engine, EngineSetup, EngineStep, LossFn};
+use super::{backward_of, Engine, EngineSetup, EngineStep, LossFn, Trainables};
 use crate::buffers::{is_batch_norm_buffer, BufferSnapshot};
 use crate::error::Result;
 use crate::optim::StatefulOptimizer;
@@ -32,9 +32,7 @@ impl Plain {
 pub(super) struct Single<O> {
     model: Plain,
     buffers: Vec<(String, Var)>,
-    varmap: VarMap,
-    vars: Vec<Var>,
-    optimizer: O,
+    trainables: Trainables<O>,
 }
 
 impl<O: StatefulOptimizer> Single<O> {
@@ -57,19 +55,14 @@ impl<O: StatefulOptimizer> Single<O> {
                 setup.module.whole(),
             )?),
         };
-        let named = sorted_vars(&varmap);
-        let buffers = named
-            .iter()
+        let buffers = sorted_vars(&varmap)
+            .into_iter()
             .filter(|(name, _)| is_batch_norm_buffer(name))
-            .cloned()
             .collect();
-        let vars = named.iter().map(|(_, v)| v.clone()).collect();
         Ok(Self {
             model,
             buffers,
-            varmap,
-            vars,
-            optimizer: make(named)?,
+            trainables: Trainables::over_all(varmap, make)?,
         })
     }
 }
@@ -96,19 +89,11 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Single<O> {
         self.model.forward_t(x, false)
     }
 
-    fn varmap(&self) -> &VarMap {
-        &self.varmap
+    fn trainables(&self) -> &Trainables<O> {
+        &self.trainables
     }
 
-    fn grad_vars(&self) -> &[Var] {
-        &self.vars
-    }
-
-    fn optimizer(&self) -> &O {
-        &self.optimizer
-    }
-
-    fn optimizer_mut(&mut self) -> &mut O {
-        &mut self.optimizer
+    fn trainables_mut(&mut self) -> &mut Trainables<O> {
+        &mut self.trainables
     }
 }

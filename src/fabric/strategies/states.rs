@@ -1,5 +1,6 @@
-//! The state of an engine that keeps the whole model on every rank: rank
-//! 0 writes it, every rank loads it.
+//! The states of the strategies: an engine that keeps the whole model on
+//! every rank (rank 0 writes it, every rank loads it), and finding the
+//! newest state of FSDP's layout (each rank its pieces and their state).
 
 use candle_nn::VarMap;
 
@@ -10,7 +11,7 @@ use crate::training_state::TrainingState;
 
 /// Rank 0 writes `varmap` and the optimizer's state with `state`; no rank
 /// goes on before it is written.
-pub(super) fn save<O: StatefulOptimizer>(
+pub(super) fn save_whole<O: StatefulOptimizer>(
     store: &StateStore<'_>,
     varmap: &VarMap,
     optimizer: &O,
@@ -24,7 +25,7 @@ pub(super) fn save<O: StatefulOptimizer>(
 }
 
 /// The newest complete state.
-pub(super) fn find(store: &StateStore<'_>) -> Result<Option<FoundState>> {
+pub(super) fn find_whole(store: &StateStore<'_>) -> Result<Option<FoundState>> {
     Ok(store.checkpoints.latest()?.map(|saved| FoundState {
         saved,
         shards: Shards::None,
@@ -32,7 +33,7 @@ pub(super) fn find(store: &StateStore<'_>) -> Result<Option<FoundState>> {
 }
 
 /// Puts a whole state back into `varmap` and `optimizer`.
-pub(super) fn load<O: StatefulOptimizer>(
+pub(super) fn load_whole<O: StatefulOptimizer>(
     found: FoundState,
     varmap: &VarMap,
     optimizer: &mut O,
@@ -41,6 +42,18 @@ pub(super) fn load<O: StatefulOptimizer>(
         Shards::None => found.saved.restore(varmap, Some(optimizer)),
         _ => Err(not_this_layout()),
     }
+}
+
+/// The newest complete state of FSDP's layout: each rank's pieces of the
+/// model and their optimizer state.
+pub(super) fn find_fsdp_layout(store: &StateStore<'_>) -> Result<Option<FoundState>> {
+    Ok(store
+        .checkpoints
+        .latest_fsdp()?
+        .map(|(saved, saves)| FoundState {
+            saved,
+            shards: Shards::Fsdp(saves),
+        }))
 }
 
 /// The bytes of an optimizer's state.
