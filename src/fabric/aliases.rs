@@ -331,10 +331,29 @@ impl FabricConfig {
                 }
                 _ => {}
             },
+            // HSDP across a pipeline's replicas: groups of its replicas.
+            Strategy::PipelineRanks if self.shard_size.is_some() => {
+                let replicas = devices / self.stages.max(1);
+                match self.shard_size {
+                    Some(s) if self.zero != Some(3) => {
+                        return refuse(format!(
+                            "shard_size {s} splits FSDP's pieces across a pipeline's replicas \
+                             into shard groups: set ZeRO stage 3 (FSDP across the replicas) too"
+                        ))
+                    }
+                    Some(s) if s == 0 || !replicas.is_multiple_of(s) => {
+                        return refuse(format!(
+                            "{replicas} replicas of the pipeline do not split into shard groups \
+                             of {s}: shard_size must divide them"
+                        ))
+                    }
+                    _ => {}
+                }
+            }
             _ if self.shard_size.is_some() => {
                 return refuse(
                     "shard_size splits the ranks into shard groups for hsdp, zero1 and zero2 \
-                     only"
+                     only (and a pipeline's replicas for pipeline-ranks with ZeRO stage 3)"
                         .into(),
                 )
             }

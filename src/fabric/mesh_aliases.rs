@@ -15,7 +15,8 @@ impl FabricConfig {
     /// process) `dp_replicate`; `fsdp` `dp_shard`; `hsdp` both (its shard
     /// groups of [`shard_size`](Self::shard_size), all the ranks when
     /// unset); `pipeline-ranks` `pp` = its stages times its replicas
-    /// (`dp_shard` with ZeRO stage 3, else `dp_replicate`); `pipeline` `pp`
+    /// (`dp_shard` with ZeRO stage 3, split with `dp_replicate` by a
+    /// `shard_size`; else `dp_replicate`); `pipeline` `pp`
     /// = its devices, `pipeline-ddp` its ranks' pipelines of `stages`.
     /// The ZeRO stage of `ddp` and `pipeline-ranks` is a setting on top.
     ///
@@ -59,11 +60,15 @@ impl FabricConfig {
             Strategy::PipelineRanks => {
                 let replicas = n / stages;
                 match self.zero {
-                    Some(3) => Degrees {
-                        dp_shard: replicas,
-                        pp: stages,
-                        ..one
-                    },
+                    Some(3) => {
+                        let shard = self.shard_size.unwrap_or(replicas).max(1);
+                        Degrees {
+                            dp_replicate: replicas / shard,
+                            dp_shard: shard,
+                            pp: stages,
+                            ..one
+                        }
+                    }
                     _ => Degrees {
                         dp_replicate: replicas,
                         pp: stages,
@@ -82,7 +87,8 @@ impl FabricConfig {
     /// `dp_shard` alone `fsdp` (`hsdp` of one replica if the configuration
     /// names hsdp); both `hsdp`; `pp` with `dp_replicate`
     /// `pipeline-ranks` across replicas (with `zero` 1 or 2, ZeRO across
-    /// them), with `dp_shard` FSDP across them. Accelerate's
+    /// them), with `dp_shard` FSDP across them, with both HSDP across them
+    /// (a mesh of three dimensions). Accelerate's
     /// `ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)`.
     ///
     /// ```
@@ -97,8 +103,7 @@ impl FabricConfig {
     /// # Errors
     ///
     /// [`Error::Config`] for a degree of 0, `cp` or `tp` above 1 (not
-    /// built), a pipeline whose replicas would be HSDP (`pp`,
-    /// `dp_replicate` and `dp_shard` all above 1: not built), or a
+    /// built), or a
     /// strategy, number of devices or ZeRO stage already set in this
     /// configuration that the degrees contradict (naming both).
     pub fn with_mesh(mut self, degrees: Degrees) -> Result<Self> {
@@ -106,28 +111,24 @@ impl FabricConfig {
         let refuse = |why: String| Err(Error::Config(format!("mesh {degrees}: {why}")));
         let world = degrees.world_size();
         let (replicate, shard, pp) = (degrees.dp_replicate, degrees.dp_shard, degrees.pp);
-        let (strategy, shard_size, zero) =
-            match (pp > 1, replicate > 1, shard > 1) {
-                (false, false, false) => (Strategy::Single, None, self.zero),
-                (false, true, false) => (Strategy::Ddp, None, self.zero),
-                (false, false, true) => (Strategy::Fsdp, None, None),
-                (false, true, true) => (Strategy::Hsdp, Some(shard), None),
-                (true, _, false) if self.zero == Some(3) => {
-                    return refuse(
-                        "ZeRO stage 3 shards the parameters across the pipeline's replicas: give \
+        let (strategy, shard_size, zero) = match (pp > 1, replicate > 1, shard > 1) {
+            (false, false, false) => (Strategy::Single, None, self.zero),
+            (false, true, false) => (Strategy::Ddp, None, self.zero),
+            (false, false, true) => (Strategy::Fsdp, None, None),
+            (false, true, true) => (Strategy::Hsdp, Some(shard), None),
+            (true, _, false) if self.zero == Some(3) => {
+                return refuse(
+                    "ZeRO stage 3 shards the parameters across the pipeline's replicas: give \
                      them as dp_shard, not dp_replicate"
-                            .into(),
-                    )
-                }
-                (true, _, false) => (Strategy::PipelineRanks, None, self.zero),
-                (true, false, true) => (Strategy::PipelineRanks, None, Some(3)),
-                (true, true, true) => return refuse(
-                    "a pipeline whose replicas are HSDP (pp, dp_replicate and dp_shard all above \
-                     1) is not built: a pipeline's replicas shard over one group; give \
-                     dp_replicate or dp_shard"
                         .into(),
-                ),
-            };
+                )
+            }
+            (true, _, false) => (Strategy::PipelineRanks, None, self.zero),
+            (true, false, true) => (Strategy::PipelineRanks, None, Some(3)),
+            // The pipeline's replicas HSDP: FSDP within groups of
+            // dp_shard replicas, replicated across dp_replicate.
+            (true, true, true) => (Strategy::PipelineRanks, Some(shard), Some(3)),
+        };
         // HSDP of one replica is FSDP's degrees; ddp's variants (ZeRO, the
         // overlap) are DDP's.
         let strategy = match (self.strategy, strategy) {

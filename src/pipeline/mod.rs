@@ -68,6 +68,7 @@ mod builder;
 mod deferred_norm;
 mod device_work;
 mod distributed;
+mod hybrid_replicas;
 mod link;
 mod on_ranks;
 mod rank_batches;

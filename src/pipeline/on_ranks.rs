@@ -70,6 +70,13 @@ pub struct RankPipelineConfig {
     /// micro-batches). Step any optimizer over the pieces. Default
     /// `false`.
     pub fsdp: bool,
+    /// With [`fsdp`](Self::fsdp), hybrid sharding (HSDP) across each
+    /// stage's replicas: the pieces split within groups of this many
+    /// consecutive replicas (a mesh's `dp_shard`) and held alike by the
+    /// groups (its `dp_replicate`): a gradient is reduce-scattered within
+    /// the group, then each piece averaged across the groups. It must
+    /// divide the replicas. `None` (default): every replica its own piece.
+    pub shard_size: Option<usize>,
 }
 
 impl Default for RankPipelineConfig {
@@ -82,6 +89,7 @@ impl Default for RankPipelineConfig {
             mixed_precision: None,
             zero: None,
             fsdp: false,
+            shard_size: None,
         }
     }
 }
@@ -166,6 +174,10 @@ pub struct RankPipeline {
     /// On a mesh: the replicas of this rank's stages (the same stages on
     /// other pipelines), across which the gradients are averaged.
     pub(super) replicas: Option<SubGroup>,
+    /// With hybrid sharding ([`RankPipelineConfig::shard_size`]): the
+    /// replicas that split the pieces among them, and those that hold
+    /// the same pieces.
+    pub(super) hybrid: Option<HybridReplicas>,
     /// On a mesh: every rank of it.
     pub(super) world: Option<Arc<dyn ProcessGroup>>,
     /// With FSDP: how this rank's stages are built again each step over
@@ -186,6 +198,16 @@ impl std::fmt::Debug for RankPipeline {
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
+}
+
+/// A stage's replicas split into shard groups (each holding one copy of
+/// the pieces) and the groups holding the same pieces.
+pub(super) struct HybridReplicas {
+    /// The replicas this rank's pieces are split over.
+    pub(super) shard: SubGroup,
+    /// The replicas holding the same pieces as this rank (one per shard
+    /// group).
+    pub(super) replicate: SubGroup,
 }
 
 /// With FSDP, what builds this rank's stages again each step.
@@ -321,6 +343,7 @@ impl RankPipeline {
             config,
             tied,
             replicas: None,
+            hybrid: None,
             world: None,
             rebuild: None,
             zero_layouts: Vec::new(),
@@ -376,18 +399,22 @@ impl RankPipeline {
             });
         }
         let factories = config.fsdp.then(|| layers.clone());
+        let hybrid = HybridReplicas::split(&replicas, &config)?;
         let mut pipe = Self::build(stages, varmap, dtype, device, layers, config)?;
         for (_, var) in pipe.own.iter().chain(&pipe.buffers) {
             var.set(&replicas.broadcast(var.as_tensor(), 0)?)?;
         }
         if pipe.config.zero.is_some() {
+            // One piece per rank of the group the pieces split over.
+            let pieces = hybrid.as_ref().map_or(&replicas, |h| &h.shard).world_size();
             pipe.zero_layouts = pipe
                 .own
                 .iter()
-                .map(|(_, var)| ShardLayout::new(var.dims(), replicas.world_size()))
+                .map(|(_, var)| ShardLayout::new(var.dims(), pieces))
                 .collect();
         }
         pipe.replicas = Some(replicas);
+        pipe.hybrid = hybrid;
         pipe.world = Some(Arc::clone(mesh.world()));
         if let Some(factories) = factories {
             pipe.shard_at_rest(varmap, dtype, &factories)?;

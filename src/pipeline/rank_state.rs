@@ -153,7 +153,10 @@ impl RankPipeline {
             .filter(|(name, _)| !self.counts_in_norm(name))
             .map(|(_, var)| var.as_tensor().id())
             .collect();
-        let counted = |var: &Var| !uncounted.contains(&var.as_tensor().id());
+        // With hybrid sharding each shard group holds the same pieces: the
+        // first group's count, or the norm would count each R times.
+        let first_copy = self.replicate_rank() == 0;
+        let counted = |var: &Var| first_copy && !uncounted.contains(&var.as_tensor().id());
         clip_grad_norm_across_counting(
             self.norm_group().as_ref(),
             grads,

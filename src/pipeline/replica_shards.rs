@@ -57,7 +57,7 @@ impl RankPipeline {
         dtype: DType,
         layers: &[LayerFactory],
     ) -> Result<()> {
-        let rank = self.replica_rank();
+        let rank = self.piece_rank();
         let mut pieces = Vec::with_capacity(self.own.len());
         for ((name, whole), layout) in self.own.iter().zip(&self.zero_layouts) {
             let piece = Var::from_tensor(&layout.shard_of(whole.as_tensor(), rank)?)?;
@@ -163,7 +163,7 @@ impl RankPipeline {
     /// [`gather_wholes`](Self::gather_wholes), onto replica `root` only
     /// (`None` elsewhere) when it is given.
     fn gather_wholes_to(&self, root: Option<usize>) -> Result<Option<Vec<Var>>> {
-        let Some(replicas) = self.replicas.as_ref().filter(|_| self.is_fsdp()) else {
+        let Some(replicas) = self.piece_group().filter(|_| self.is_fsdp()) else {
             return Ok(Some(self.own.iter().map(|(_, v)| v.clone()).collect()));
         };
         let mut wholes: Vec<Option<Var>> = vec![None; self.own.len()];
@@ -249,6 +249,11 @@ impl RankPipeline {
         ) else {
             return Ok(None);
         };
+        // With hybrid sharding every shard group holds the same pieces:
+        // the first one's put together what the first replica writes.
+        if self.replicate_rank() != 0 {
+            return Ok(None);
+        }
         let mut values: HashMap<String, Tensor> = self
             .own
             .iter()
@@ -297,10 +302,10 @@ impl RankPipeline {
         })
     }
 
-    /// The replicas of an FSDP pipeline; an error naming what to call
-    /// otherwise.
+    /// The replicas an FSDP pipeline's pieces split over (its shard group
+    /// with hybrid sharding); an error naming what to call otherwise.
     fn fsdp_replicas(&self) -> Result<&crate::comm::SubGroup> {
-        match (&self.replicas, self.is_fsdp()) {
+        match (self.piece_group(), self.is_fsdp()) {
             (Some(replicas), true) => Ok(replicas),
             _ => Err(Error::Zero(
                 "this pipeline keeps its variables whole: save it with stage_state (or \
@@ -323,7 +328,7 @@ impl RankPipeline {
     /// replica's piece.
     pub(super) fn held_part(&self, i: usize, value: &Tensor) -> Result<Tensor> {
         match self.is_fsdp() {
-            true => Ok(self.zero_layouts[i].shard_of(value, self.replica_rank())?),
+            true => Ok(self.zero_layouts[i].shard_of(value, self.piece_rank())?),
             false => Ok(value.clone()),
         }
     }

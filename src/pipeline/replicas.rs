@@ -68,7 +68,12 @@ impl RankPipeline {
         grads: &mut GradStore,
     ) -> Result<()> {
         let dtypes: BTreeSet<&str> = wholes.iter().map(|(_, v)| v.dtype().as_str()).collect();
-        let world = replicas.world_size();
+        // With hybrid sharding the pieces split within the shard group,
+        // and each piece is then averaged across the groups (an average of
+        // averages over groups of one size is the average).
+        let pieces = self.piece_group().unwrap_or(replicas);
+        let across = self.hybrid.as_ref().map(|h| &h.replicate);
+        let world = pieces.world_size();
         for dtype in dtypes {
             let members: Vec<usize> = (0..wholes.len())
                 .filter(|&i| wholes[i].1.dtype().as_str() == dtype)
@@ -93,7 +98,12 @@ impl RankPipeline {
                 Some(&present),
                 world,
                 |table, section| {
-                    Ok(replicas.reduce_scatter(table, ReduceOp::Avg, &vec![section; world])?)
+                    let piece =
+                        pieces.reduce_scatter(table, ReduceOp::Avg, &vec![section; world])?;
+                    match across {
+                        Some(across) => Ok(across.all_reduce(&piece, ReduceOp::Avg)?),
+                        None => Ok(piece),
+                    }
                 },
             )?;
             for (&i, piece) in members.iter().zip(pieces) {

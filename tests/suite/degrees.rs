@@ -9,7 +9,7 @@
 use candle_dp::fabric::{Degrees, Fabric, FabricArgs, FabricConfig, Strategy};
 use clap::Parser;
 
-use crate::common::fabric_loop::{dataset, train, Trained};
+use crate::common::fabric_loop::{dataset, setup, train, Trained};
 use crate::common::{identical, max_rel_diff};
 
 fn degrees(text: &str) -> Degrees {
@@ -50,10 +50,6 @@ fn degrees_are_parsed_printed_and_refused_naming_the_degree() {
         (
             "dp_shard=2,cp=2",
             "context parallelism (cp = 2) is reserved",
-        ),
-        (
-            "pp=2,dp_replicate=2,dp_shard=2",
-            "a pipeline whose replicas are HSDP",
         ),
     ] {
         let e = refused(FabricConfig::default().with_mesh(degrees(text)));
@@ -104,6 +100,13 @@ fn every_strategy_of_ranks_is_an_alias_of_its_degrees() {
         (
             named(Strategy::PipelineRanks, 4, |c| c.zero = Some(3)),
             "dp_shard=2,pp=2",
+        ),
+        (
+            named(Strategy::PipelineRanks, 8, |c| {
+                c.zero = Some(3);
+                c.shard_size = Some(2);
+            }),
+            "dp_replicate=2,dp_shard=2,pp=2",
         ),
         (named(Strategy::Single, 1, |_| {}), "dp_replicate=1"),
     ];
@@ -273,6 +276,11 @@ fn a_mesh_of_degrees_trains_as_the_strategy_it_names_to_one_devices_weights() {
             "pp=2,dp_shard=2",
             zero3(FabricConfig::new(Strategy::PipelineRanks, 4)),
         ),
+        // Three dimensions: a pipeline whose replicas are HSDP.
+        (
+            "pp=2,dp_replicate=2,dp_shard=2",
+            hsdp(zero3(FabricConfig::new(Strategy::PipelineRanks, 8))),
+        ),
     ];
     for (mesh, named) in cases {
         let by_mesh = trained(FabricConfig::default().with_mesh(degrees(mesh)).unwrap());
@@ -285,4 +293,82 @@ fn a_mesh_of_degrees_trains_as_the_strategy_it_names_to_one_devices_weights() {
         println!("{mesh}: {weights:.2e} from one device");
         assert!(weights <= 1e-6, "{mesh}: {weights:e} from one device");
     }
+}
+
+/// A pipeline of two stages whose replicas are HSDP over 2 x 2 (8 thread
+/// ranks, a mesh of three dimensions) clips by one device's norm: each
+/// shard group holds the same pieces, and only one copy of them counts,
+/// so the clip (small enough to bite at every step) scales the gradients
+/// as one device's does.
+#[test]
+fn a_pipeline_whose_replicas_are_hsdp_clips_by_one_devices_norm() {
+    let clipped = |c: FabricConfig| FabricConfig {
+        gradient_clip: Some(0.05),
+        ..c
+    };
+    let single = trained(clipped(FabricConfig::default()));
+    let mesh = degrees("pp=2,dp_replicate=2,dp_shard=2");
+    let config = clipped(FabricConfig::default()).with_mesh(mesh).unwrap();
+    assert_eq!(
+        (config.ranks(), config.shard_size, config.zero),
+        (8, Some(2), Some(3))
+    );
+    let hsdp = trained(config);
+    let weights = max_rel_diff(&hsdp.0, &single.0);
+    println!("{mesh}, clipped: {weights:.2e} from one device");
+    assert!(weights <= 1e-6, "{mesh}: {weights:e} from one device");
+}
+
+/// Shard groups that do not divide a pipeline's replicas, or a shard size
+/// without FSDP across them, are refused before anything runs, naming
+/// what is wrong.
+#[test]
+fn shard_groups_of_a_pipelines_replicas_that_cannot_be_built_are_refused() {
+    let pipeline = |zero, shard_size| FabricConfig {
+        zero,
+        shard_size: Some(shard_size),
+        ..FabricConfig::new(Strategy::PipelineRanks, 8)
+    };
+    for (config, says) in [
+        (
+            pipeline(Some(3), 3),
+            "4 replicas of the pipeline do not split into shard groups of 3",
+        ),
+        (pipeline(None, 2), "set ZeRO stage 3"),
+        (pipeline(Some(3), 0), "do not split into shard groups of 0"),
+    ] {
+        let e = refused(config.check());
+        assert!(e.contains(says), "{config:?}: {e}");
+    }
+}
+
+/// The parameters each rank holds after a step on `mesh`, the most of any rank.
+fn parameters_held(mesh: &str) -> usize {
+    let config = FabricConfig {
+        chunks: Some(2),
+        ..FabricConfig::default().with_mesh(degrees(mesh)).unwrap()
+    };
+    let held = Fabric::launch(config, |fabric| {
+        let mut model = setup(&fabric)?;
+        let x = candle_core::Tensor::ones((4, 6), candle_core::DType::F32, fabric.device())?;
+        let y = candle_core::Tensor::new(&[0u32, 1, 2, 0], fabric.device())?;
+        model.backward(&x, &y, candle_nn::loss::cross_entropy)?;
+        model.step()?;
+        Ok(model.memory()?.parameters)
+    })
+    .unwrap_or_else(|e| panic!("{mesh}: {e}"));
+    held.into_iter().max().unwrap_or(0)
+}
+
+/// HSDP's memory: a pipeline's replicas that are HSDP over 2 x 2 hold the
+/// pieces of a shard group of 2 (FSDP over 2 replicas' share), twice what
+/// FSDP over all 4 replicas holds.
+#[test]
+fn a_pipelines_hsdp_replicas_hold_the_pieces_of_their_shard_group() {
+    let hsdp = parameters_held("pp=2,dp_replicate=2,dp_shard=2");
+    let over_two = parameters_held("pp=2,dp_shard=2");
+    let over_four = parameters_held("pp=2,dp_shard=4");
+    println!("per rank: HSDP 2 x 2 {hsdp} B, FSDP over 2 {over_two} B, over 4 {over_four} B");
+    assert_eq!(hsdp, over_two);
+    assert!(over_four < hsdp, "{over_four} !< {hsdp}");
 }

@@ -52,6 +52,8 @@ impl<O: StatefulOptimizer> PipelineRanks<O> {
                 _ => None,
             },
             fsdp: config.zero == Some(3),
+            // HSDP across the replicas: FSDP within groups of them.
+            shard_size: config.shard_size.filter(|_| config.zero == Some(3)),
             ..RankPipelineConfig::default()
         };
         let pipe = RankPipeline::on_mesh(
