@@ -348,10 +348,13 @@ pub fn label(config: &FabricConfig) -> String {
         );
     }
     if degrees.pp > 1 {
-        let sharded = match config.zero {
-            Some(3) => ", FSDP across the pipelines".to_string(),
-            Some(stage) => format!(", ZeRO-{stage} across the pipelines"),
-            None => String::new(),
+        let sharded = match (config.zero, config.shard_size) {
+            (Some(3), Some(shard)) if degrees.dp_replicate > 1 => {
+                format!(", HSDP across the pipelines (shard groups of {shard})")
+            }
+            (Some(3), _) => ", FSDP across the pipelines".to_string(),
+            (Some(stage), _) => format!(", ZeRO-{stage} across the pipelines"),
+            (None, _) => String::new(),
         };
         let pipelines = n / config.stages.max(1);
         let stages = config.stages;
