@@ -46,6 +46,21 @@ impl ShardGroups {
         }
     }
 
+    /// Pieces split over `shard` (a group of `world`'s ranks) and, with
+    /// `replicate`, held alike by its ranks: the groups of a pipeline's
+    /// replicas, which no mesh of their own lays out.
+    pub(crate) fn of(
+        world: Arc<dyn ProcessGroup>,
+        shard: Arc<dyn ProcessGroup>,
+        replicate: Option<Arc<dyn ProcessGroup>>,
+    ) -> Self {
+        Self {
+            world,
+            shard,
+            replicate,
+        }
+    }
+
     /// A mesh of one dimension shards over its group; a mesh of two,
     /// `(replicate, shard)` in that order (outermost first, as FSDP2's
     /// HSDP mesh), shards along `shard` and replicates along `replicate`.

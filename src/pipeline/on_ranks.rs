@@ -27,7 +27,7 @@ use super::stage_build::build_stage;
 use super::stage_var::StageVar;
 use super::tied::tie_across_ranks;
 use super::{Balance, Checkpoint, LayerFactory, PipelineTimings, Schedule};
-use crate::comm::{all_gather_object, DeviceMesh, ProcessGroup, ReduceOp, SubGroup};
+use crate::comm::{all_gather_object, DeviceMesh, ProcessGroup, ReduceOp, ShardGroups, SubGroup};
 use crate::ddp::ZeroStage;
 use crate::error::{Error, Result};
 use crate::precision::MixedPrecision;
@@ -174,10 +174,10 @@ pub struct RankPipeline {
     /// On a mesh: the replicas of this rank's stages (the same stages on
     /// other pipelines), across which the gradients are averaged.
     pub(super) replicas: Option<SubGroup>,
-    /// With hybrid sharding ([`RankPipelineConfig::shard_size`]): the
-    /// replicas that split the pieces among them, and those that hold
-    /// the same pieces.
-    pub(super) hybrid: Option<HybridReplicas>,
+    /// With ZeRO or FSDP: the replicas this rank's pieces split over, and
+    /// with hybrid sharding ([`RankPipelineConfig::shard_size`]) those
+    /// holding the same pieces.
+    pub(super) pieces: Option<ShardGroups>,
     /// On a mesh: every rank of it.
     pub(super) world: Option<Arc<dyn ProcessGroup>>,
     /// With FSDP: how this rank's stages are built again each step over
@@ -198,16 +198,6 @@ impl std::fmt::Debug for RankPipeline {
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
-}
-
-/// A stage's replicas split into shard groups (each holding one copy of
-/// the pieces) and the groups holding the same pieces.
-pub(super) struct HybridReplicas {
-    /// The replicas this rank's pieces are split over.
-    pub(super) shard: SubGroup,
-    /// The replicas holding the same pieces as this rank (one per shard
-    /// group).
-    pub(super) replicate: SubGroup,
 }
 
 /// With FSDP, what builds this rank's stages again each step.
@@ -343,7 +333,7 @@ impl RankPipeline {
             config,
             tied,
             replicas: None,
-            hybrid: None,
+            pieces: None,
             world: None,
             rebuild: None,
             zero_layouts: Vec::new(),
@@ -399,22 +389,22 @@ impl RankPipeline {
             });
         }
         let factories = config.fsdp.then(|| layers.clone());
-        let hybrid = HybridReplicas::split(&replicas, &config)?;
+        let pieces = Self::piece_groups(mesh.world(), &replicas, &config)?;
         let mut pipe = Self::build(stages, varmap, dtype, device, layers, config)?;
         for (_, var) in pipe.own.iter().chain(&pipe.buffers) {
             var.set(&replicas.broadcast(var.as_tensor(), 0)?)?;
         }
         if pipe.config.zero.is_some() {
             // One piece per rank of the group the pieces split over.
-            let pieces = hybrid.as_ref().map_or(&replicas, |h| &h.shard).world_size();
+            let n = pieces.as_ref().map_or(1, |g| g.shard().world_size());
             pipe.zero_layouts = pipe
                 .own
                 .iter()
-                .map(|(_, var)| ShardLayout::new(var.dims(), pieces))
+                .map(|(_, var)| ShardLayout::new(var.dims(), n))
                 .collect();
         }
         pipe.replicas = Some(replicas);
-        pipe.hybrid = hybrid;
+        pipe.pieces = pieces;
         pipe.world = Some(Arc::clone(mesh.world()));
         if let Some(factories) = factories {
             pipe.shard_at_rest(varmap, dtype, &factories)?;

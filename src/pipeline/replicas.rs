@@ -36,7 +36,7 @@ impl RankPipeline {
         grads: &mut GradStore,
     ) -> Result<()> {
         if self.config.zero == Some(ZeroStage::Two) {
-            return self.reduce_scatter_across(replicas, wholes, grads);
+            return self.reduce_scatter_across(wholes, grads);
         }
         let vars: Vec<&Var> = wholes.iter().map(|(_, v)| v).collect();
         let mine = vars
@@ -61,19 +61,16 @@ impl RankPipeline {
 
     /// ZeRO stage 2: one reduce-scatter per dtype of this rank's
     /// variables, in their order.
-    fn reduce_scatter_across(
-        &self,
-        replicas: &SubGroup,
-        wholes: &[(String, Var)],
-        grads: &mut GradStore,
-    ) -> Result<()> {
+    fn reduce_scatter_across(&self, wholes: &[(String, Var)], grads: &mut GradStore) -> Result<()> {
         let dtypes: BTreeSet<&str> = wholes.iter().map(|(_, v)| v.dtype().as_str()).collect();
-        // With hybrid sharding the pieces split within the shard group,
-        // and each piece is then averaged across the groups (an average of
-        // averages over groups of one size is the average).
-        let pieces = self.piece_group().unwrap_or(replicas);
-        let across = self.hybrid.as_ref().map(|h| &h.replicate);
-        let world = pieces.world_size();
+        // The pieces split over the shard group (every replica, or with
+        // hybrid sharding its group), then each averaged across the groups.
+        let Some(groups) = &self.pieces else {
+            return Err(Error::Zero(
+                "a ZeRO pipeline built without its piece groups".into(),
+            ));
+        };
+        let world = groups.shard().world_size();
         for dtype in dtypes {
             let members: Vec<usize> = (0..wholes.len())
                 .filter(|&i| wholes[i].1.dtype().as_str() == dtype)
@@ -97,14 +94,7 @@ impl RankPipeline {
                 &vec![dtype; members.len()],
                 Some(&present),
                 world,
-                |table, section| {
-                    let piece =
-                        pieces.reduce_scatter(table, ReduceOp::Avg, &vec![section; world])?;
-                    match across {
-                        Some(across) => Ok(across.all_reduce(&piece, ReduceOp::Avg)?),
-                        None => Ok(piece),
-                    }
-                },
+                |table, section| Ok(groups.reduce_scatter(table, ReduceOp::Avg, section)?),
             )?;
             for (&i, piece) in members.iter().zip(pieces) {
                 if let Some(piece) = piece {

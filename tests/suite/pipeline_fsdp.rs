@@ -181,6 +181,42 @@ fn fsdp_on_a_pipeline_refuses_zero_one_whole_state_calls_a_zero_optimizer_and_a_
     });
 }
 
+/// Shard groups of a pipeline's replicas (`RankPipelineConfig::shard_size`,
+/// hybrid sharding) that the replicas cannot form, or without FSDP, are
+/// refused on every rank before any step, naming why.
+#[test]
+fn shard_groups_that_a_pipelines_replicas_cannot_form_are_refused_naming_why() {
+    within(60, || {
+        let init = tied_init();
+        let refusals = spawn_with(4, bounded(), move |ctx| {
+            let build = |shard_size, fsdp| {
+                let config = RankPipelineConfig {
+                    shard_size: Some(shard_size),
+                    fsdp,
+                    ..Default::default()
+                };
+                let varmap = varmap_from(&init);
+                on_two_by_two(ctx.process_group(), &varmap, tied_layers(), config).err()
+            };
+            Ok([build(2, false), build(3, true), build(0, true)])
+        })
+        .unwrap();
+        let why = [
+            "set RankPipelineConfig::fsdp too",
+            "2 replicas of each stage do not split into shard groups of 3",
+            "do not split into shard groups of 0",
+        ];
+        for errors in refusals {
+            for (error, why) in errors.iter().zip(why) {
+                assert!(
+                    matches!(error, Some(Error::Zero(m)) if m.contains(why)),
+                    "{error:?}: wanted {why}"
+                );
+            }
+        }
+    });
+}
+
 /// Through the Fabric (`pipeline-ranks` with `zero` 3): the language model
 /// with FSDP across 2 pipelines of 2 stage ranks trains to ZeRO-2's bytes;
 /// its state resumes with FSDP to the bytes of the run without a stop, and
