@@ -112,7 +112,6 @@
 #![deny(missing_docs)]
 
 mod buffers;
-pub mod checkpoint;
 pub mod comm;
 mod cpu_threads;
 mod cuda_setup;
@@ -134,23 +133,25 @@ mod panic_message;
 pub mod pipeline;
 pub mod precision;
 mod process_env;
-pub mod reduce;
 mod replicate;
 mod report_lines;
 mod same_model;
 pub mod sampler;
-mod scatter_gather;
+mod saving;
 mod seeded_init;
 mod sharding;
 mod shared_backend;
 mod step;
-pub mod training_state;
 pub mod units;
 mod vars;
 mod worker_pool;
 pub mod zero;
 
 pub use buffers::{is_batch_norm_buffer, BufferPredicate};
+pub use data_parallel::reduce;
+pub use data_parallel::scatter_gather::{
+    chunk_sizes, gather, scatter, Gather, Replicated, Scatter, ScatterPlan, Split,
+};
 pub use data_parallel::{DataParallel, DataParallelBuilder, StepTimings};
 pub use ddp::{
     Activity, CommHook, DdpBuilder, DdpConfig, DdpTimings, DistributedDataParallel, JoinDivisor,
@@ -162,12 +163,10 @@ pub use fabric::{Fabric, FabricConfig};
 pub use fsdp::{FsdpConfig, FullyShardedDataParallel};
 pub use pipeline::{Pipeline, Schedule};
 pub use precision::MixedPrecision;
-pub use scatter_gather::{
-    chunk_sizes, gather, scatter, Gather, Replicated, Scatter, ScatterPlan, Split,
-};
 pub use step::{LossReduction, Step};
 pub use zero::{ZeroOptimizer, ZeroStage};
 
+pub use saving::{checkpoint, training_state};
 pub use seeded_init::seeded_varmap;
 
 use candle_core::Device;

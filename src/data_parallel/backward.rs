@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 
+use super::reduce::{balanced_partition, sum_gradients};
+use super::scatter_gather::{scatter, Scatter, ScatterPlan, Split};
 use super::timings::slowest;
 use super::{DataParallel, SavedForward};
 use crate::error::{Error, Result};
 use crate::lock::lock;
-use crate::reduce::{balanced_partition, sum_gradients};
-use crate::scatter_gather::{scatter, Scatter, ScatterPlan, Split};
 use crate::step::{LossReduction, Step};
 use crate::vars::grads_of;
 
@@ -251,7 +251,7 @@ impl<M: 'static> DataParallel<M> {
     }
 
     /// Sums the replicas' gradients per master variable, in replica order
-    /// (deterministic, see [`crate::reduce`]), into one store. The variables
+    /// (deterministic, see [`super::reduce`]), into one store. The variables
     /// are split between the (now idle) replica workers, which reduce their
     /// share in parallel.
     fn reduce_add(&self, per_replica: Vec<Vec<Option<Tensor>>>) -> Result<GradStore> {

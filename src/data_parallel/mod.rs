@@ -13,7 +13,9 @@
 mod backward;
 mod builder;
 mod gpu_turns;
+pub mod reduce;
 mod replicas;
+pub(crate) mod scatter_gather;
 mod timings;
 
 use std::fmt;
@@ -26,9 +28,9 @@ use candle_nn::{Module, ModuleT};
 use crate::error::Result;
 use crate::lock::lock;
 use crate::no_grad::NoGradCheck;
-use crate::scatter_gather::{gather, scatter, Gather, Scatter, ScatterPlan, Split};
 use crate::worker_pool::Cancel;
 use replicas::Replicas;
+use scatter_gather::{gather, scatter, Gather, Scatter, ScatterPlan, Split};
 use timings::StepRecorder;
 
 pub use builder::DataParallelBuilder;

@@ -58,7 +58,6 @@
 
 mod aliases;
 mod args;
-mod checkpoints;
 mod config;
 mod data;
 mod degrees;

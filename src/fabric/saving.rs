@@ -7,14 +7,14 @@ use std::path::{Path, PathBuf};
 
 use candle_nn::VarMap;
 
-use super::checkpoints::Checkpoints;
 use super::config::Strategy;
 use super::model::FabricModel;
 use super::strategies::StateStore;
-use crate::checkpoint::Prefix;
 use crate::error::{Error, Result};
 use crate::optim::StatefulOptimizer;
-use crate::training_state::{check_ranks_agree, Progress, SamplerState, TrainingState};
+use crate::saving::checkpoint::Prefix;
+use crate::saving::sharded::Checkpoints;
+use crate::saving::training_state::{check_ranks_agree, Progress, SamplerState, TrainingState};
 
 /// Where a loaded run continues, and the state it came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,7 +151,7 @@ impl<O: StatefulOptimizer> FabricModel<O> {
     pub fn save_full(&self, path: impl AsRef<Path>) -> Result<()> {
         let whole = self.full_varmap()?;
         if self.pg.rank() == 0 {
-            crate::checkpoint::save(&whole, path, Prefix::None)?;
+            crate::saving::checkpoint::save(&whole, path, Prefix::None)?;
         }
         Ok(self.pg.barrier()?)
     }

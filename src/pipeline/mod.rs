@@ -100,11 +100,11 @@ pub use recompute::Checkpoint;
 pub use schedule::Schedule;
 pub use timings::PipelineTimings;
 
+use crate::data_parallel::scatter_gather::chunk_sizes;
 use crate::device_label::device_label;
 use crate::error::{Error, Result};
 use crate::lock::lock;
 use crate::no_grad::NoGradCheck;
-use crate::scatter_gather::chunk_sizes;
 use crate::step::{LossReduction, Step};
 use crate::units::build_layer;
 use crate::worker_pool::{Failure, NoAnswer, WorkerFailure, WorkerPool};

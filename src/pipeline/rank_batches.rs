@@ -6,9 +6,9 @@ use candle_core::Tensor;
 
 use super::on_ranks::RankPipeline;
 use crate::comm::all_gather_object;
+use crate::data_parallel::scatter_gather::chunk_sizes;
 use crate::error::{Error, Result};
 use crate::precision::cast_input;
-use crate::scatter_gather::chunk_sizes;
 
 impl RankPipeline {
     /// Every rank learns the micro-batches' sizes from the rows of the

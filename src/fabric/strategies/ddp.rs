@@ -19,7 +19,7 @@ use crate::error::Result;
 use crate::fabric::Strategy;
 use crate::optim::{clip_grad_norm, Clipped, StatefulOptimizer};
 use crate::precision::output_for_loss;
-use crate::training_state::TrainingState;
+use crate::saving::training_state::TrainingState;
 use crate::units::Units;
 use crate::zero::ZeroOptimizer;
 

@@ -19,7 +19,7 @@ use crate::error::Result;
 use crate::fabric::Strategy;
 use crate::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use crate::optim::{Clipped, StatefulOptimizer};
-use crate::training_state::TrainingState;
+use crate::saving::training_state::TrainingState;
 
 /// The engine of `fsdp` and `hsdp`.
 pub(super) struct Fsdp<O> {

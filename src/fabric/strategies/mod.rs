@@ -26,15 +26,15 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use candle_nn::VarMap;
 
-use super::checkpoints::{Checkpoints, FsdpSave};
 use super::config::{FabricConfig, Strategy};
 use super::memory::Memory;
 use super::module::FabricModule;
 use crate::comm::ProcessGroup;
 use crate::error::Result;
 use crate::optim::{clip_grad_norm, Clipped, OptimizerState, StatefulOptimizer};
+use crate::saving::sharded::{Checkpoints, FsdpSave};
+use crate::saving::training_state::{SavedState, TrainingState};
 use crate::step::Step;
-use crate::training_state::{SavedState, TrainingState};
 use crate::vars::sorted_vars;
 
 pub use trainables::Trainables;

@@ -19,8 +19,8 @@ use crate::ddp::ZeroStage;
 use crate::error::Result;
 use crate::optim::{Clipped, StatefulOptimizer};
 use crate::pipeline::{RankPipeline, RankPipelineConfig};
+use crate::saving::training_state::TrainingState;
 use crate::step::LossReduction;
-use crate::training_state::TrainingState;
 
 /// `pipeline-ranks`' engine: this rank's stages.
 pub(super) struct PipelineRanks<O> {

@@ -7,7 +7,7 @@ use candle_nn::VarMap;
 use super::{FoundState, Shards, StateStore};
 use crate::error::{Error, Result};
 use crate::optim::StatefulOptimizer;
-use crate::training_state::TrainingState;
+use crate::saving::training_state::TrainingState;
 
 /// Rank 0 writes `varmap` and the optimizer's state with `state`; no rank
 /// goes on before it is written.

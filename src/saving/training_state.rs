@@ -63,13 +63,13 @@ use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{self, Prefix};
 use crate::comm::{all_gather_object, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::lock::lock;
 use crate::optim::{GradScalerState, LrSchedulerState};
 use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
 use crate::sampler::DistributedSampler;
+use crate::saving::checkpoint::{self, Prefix};
 
 /// Where a run is.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,4 +1,4 @@
-//! Where a [`FabricModel`](super::FabricModel) saves its run, and from
+//! Where a `FabricModel` saves its run, and from
 //! which state it resumes: one [`StateDir`] for the states (written once,
 //! by rank 0) and, for the strategies that shard, a folder per rank of its
 //! shards (`zero-shards/rank-N`), the layout the examples have always
@@ -16,7 +16,7 @@ use candle_nn::VarMap;
 use crate::comm::{all_gather_object, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::optim::OptimizerState;
-use crate::training_state::{SavedState, StateDir, TrainingState};
+use crate::saving::training_state::{SavedState, StateDir, TrainingState};
 
 /// One rank's FSDP save: its pieces of the model and its optimizer's state.
 pub(crate) type FsdpSave = (HashMap<String, Tensor>, OptimizerState);
