@@ -119,17 +119,14 @@ mod cuda_stream;
 mod data_parallel;
 mod ddp;
 mod device_copy;
-mod device_label;
 mod error;
 pub mod fabric;
 pub mod fsdp;
 pub mod launch;
 pub mod loader;
-mod lock;
 mod no_grad;
 pub mod ops;
 pub mod optim;
-mod panic_message;
 pub mod pipeline;
 pub mod precision;
 mod process_env;
@@ -140,10 +137,9 @@ pub mod sampler;
 mod saving;
 mod seeded_init;
 mod sharding;
-mod shared_backend;
 mod step;
+mod util;
 pub mod units;
-mod vars;
 mod worker_pool;
 pub mod zero;
 
@@ -157,7 +153,7 @@ pub use ddp::{
     Activity, CommHook, DdpBuilder, DdpConfig, DdpTimings, DistributedDataParallel, JoinDivisor,
     Span,
 };
-pub use device_label::device_label;
+pub use util::device_label::device_label;
 pub use error::{Error, Result};
 pub use fabric::{Fabric, FabricConfig};
 pub use fsdp::{FsdpConfig, FullyShardedDataParallel};

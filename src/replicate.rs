@@ -28,12 +28,12 @@ use candle_nn::{Init, VarBuilder, VarMap};
 
 use crate::buffers::BufferPredicate;
 use crate::device_copy::{self as copy, copy_into};
-use crate::device_label::device_label;
+use crate::util::device_label::device_label;
 use crate::error::{Error, Result};
-use crate::lock::lock;
-use crate::panic_message::panic_message;
-use crate::shared_backend::SharedBackend;
-use crate::vars::sorted_vars;
+use crate::util::lock::lock;
+use crate::util::panic_message::panic_message;
+use crate::util::shared_backend::SharedBackend;
+use crate::util::vars::sorted_vars;
 
 /// Builds the master model on `device`, creating (or reusing) the variables
 /// in `varmap`, and checks that every variable lives on that device.

@@ -17,7 +17,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal, Uniform};
 
-use crate::lock::lock;
+use crate::util::lock::lock;
 
 /// A [`VarMap`] holding the variables that `build` creates, with initial
 /// values drawn from a generator seeded with `seed`: the same seed gives the

@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender};
 
-use crate::device_label::device_label;
-use crate::panic_message::panic_message;
+use crate::util::device_label::device_label;
+use crate::util::panic_message::panic_message;
 
 /// Why a worker produced no value.
 #[derive(Debug)]

@@ -5,7 +5,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::lock::lock;
+use crate::util::lock::lock;
 
 /// Which rank a group handle is, of how many, and how long its collectives
 /// may wait. An implementation of [`ProcessGroup`](super::ProcessGroup)

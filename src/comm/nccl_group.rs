@@ -56,7 +56,7 @@ use super::{
     all_gather_object, Color, CommError, Failure, Membership, ProcessGroup, ReduceOp, Result,
     SubGroup,
 };
-use crate::lock::lock;
+use crate::util::lock::lock;
 
 /// The NCCL communicator of one rank.
 struct DeviceComm(Comm);
@@ -173,7 +173,7 @@ impl NcclGroup {
                 .to_string()),
             other => Err(format!(
                 "its device is {}, not a GPU",
-                crate::device_label(other)
+                crate::util::device_label(other)
             )),
         };
         let id = match (&usable, rank) {

@@ -18,7 +18,7 @@ use std::sync::{Mutex, OnceLock};
 
 use candle_core::{Device, Tensor, WithDType};
 
-use crate::lock::lock;
+use crate::util::lock::lock;
 
 /// `len` elements written by several ranks, each its own range, then turned
 /// into one tensor that every rank shares.

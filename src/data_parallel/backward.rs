@@ -15,9 +15,9 @@ use super::scatter_gather::{scatter, Scatter, ScatterPlan, Split};
 use super::timings::slowest;
 use super::{DataParallel, SavedForward};
 use crate::error::{Error, Result};
-use crate::lock::lock;
+use crate::util::lock::lock;
 use crate::step::{LossReduction, Step};
-use crate::vars::grads_of;
+use crate::util::vars::grads_of;
 
 /// One replica's part of a parallel backward.
 struct ReplicaGrads {

@@ -13,12 +13,12 @@ use super::replicas::Replicas;
 use super::timings::StepRecorder;
 use super::DataParallel;
 use crate::buffers::{is_batch_norm_buffer, BufferPredicate};
-use crate::device_label::device_label;
+use crate::util::device_label::device_label;
 use crate::error::{Error, Result};
 use crate::no_grad::NoGradCheck;
 use crate::precision::MixedPrecision;
 use crate::replicate::{build_master, CopyOptions};
-use crate::vars::sorted_vars;
+use crate::util::vars::sorted_vars;
 
 impl<M: 'static> DataParallel<M> {
     /// A [`DataParallel`] with default settings: split along dim 0, gather on

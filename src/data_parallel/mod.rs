@@ -26,7 +26,7 @@ use candle_core::{Device, Tensor, TensorId, Var};
 use candle_nn::{Module, ModuleT};
 
 use crate::error::Result;
-use crate::lock::lock;
+use crate::util::lock::lock;
 use crate::no_grad::NoGradCheck;
 use crate::worker_pool::Cancel;
 use replicas::Replicas;

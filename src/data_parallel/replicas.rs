@@ -13,7 +13,7 @@ use candle_nn::{VarBuilder, VarMap};
 use super::gpu_turns::{turns, Turn};
 use crate::buffers::BufferPredicate;
 use crate::error::{Error, Result};
-use crate::lock::lock;
+use crate::util::lock::lock;
 use crate::replicate::{build_replica, CopyOptions, ReplicaVars};
 use crate::worker_pool::{Cancel, Failure, NoAnswer, WorkerFailure, WorkerPool};
 

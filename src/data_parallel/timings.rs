@@ -5,7 +5,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use super::replicas::ReplicaRun;
-use crate::lock::lock;
+use crate::util::lock::lock;
 
 /// Where the time of the latest step went: the parallel phases count the
 /// slowest replica (the critical path). For benchmarks and profiling.

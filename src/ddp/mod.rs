@@ -59,7 +59,7 @@ use crate::precision::{build_in_precision, cast_input};
 use crate::replicate::ReplicaVars;
 use crate::same_model::{broadcast_vars, verify_same_vars};
 use crate::sharding::ShardLayout;
-use crate::vars::{grads_of, sorted_vars, with_accumulated};
+use crate::util::vars::{grads_of, sorted_vars, with_accumulated};
 use buckets::{bucket_order, make_buckets, verify_same_order, Bucket, BucketReducer};
 use join::highest;
 

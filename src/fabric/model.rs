@@ -17,7 +17,7 @@ use super::strategies::{Engine, LossFn};
 use crate::comm::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::optim::{Clipped, LrScheduler, StatefulOptimizer};
-use crate::vars::with_accumulated;
+use crate::util::vars::with_accumulated;
 
 /// What [`FabricModel::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -17,7 +17,7 @@ use crate::sharding::{reduce_scatter_grads, ShardLayout};
 use crate::step::Step;
 use crate::units::boundary;
 use crate::units::{build_layer, fingerprint, Fingerprint};
-use crate::vars::with_accumulated;
+use crate::util::vars::with_accumulated;
 
 /// What the latest step held on this rank, in bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -110,7 +110,7 @@ impl FullyShardedDataParallel {
                 thread.join().unwrap_or_else(|payload| {
                     Err(Error::Fsdp(format!(
                         "the thread gathering the next unit panicked: {}",
-                        crate::panic_message::panic_message(payload.as_ref())
+                        crate::util::panic_message::panic_message(payload.as_ref())
                     )))
                 })
             });
@@ -288,7 +288,7 @@ impl FullyShardedDataParallel {
                 Err(e)
             }
             Err(payload) => {
-                fail(&crate::panic_message::panic_message(payload.as_ref()));
+                fail(&crate::util::panic_message::panic_message(payload.as_ref()));
                 before.restore_after(&"a panic");
                 resume_unwind(payload)
             }

@@ -8,7 +8,7 @@ use super::launcher::Launcher;
 use super::report::{self, RankPanicHook};
 use super::{LaunchError, RankContext};
 use crate::comm::{Failure, FailureCause, GroupOptions, MpiGroup, ProcessGroup};
-use crate::panic_message::panic_message;
+use crate::util::panic_message::panic_message;
 
 /// Runs `f` on this process's rank and returns its result, or the failure
 /// that stopped it (see [`run`](super::run)), printed as a

@@ -154,7 +154,7 @@ impl std::fmt::Debug for RankPanicHook {
 fn panic_text(info: &PanicHookInfo<'_>) -> String {
     let thread = std::thread::current();
     let name = thread.name().unwrap_or("<unnamed>");
-    let message = crate::panic_message::panic_message(info.payload());
+    let message = crate::util::panic_message::panic_message(info.payload());
     let mut text = match info.location() {
         Some(place) => format!("thread '{name}' panicked at {place}:\n{message}"),
         None => format!("thread '{name}' panicked:\n{message}"),

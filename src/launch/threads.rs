@@ -13,7 +13,7 @@ use std::thread;
 use super::{LaunchError, RankContext};
 use crate::comm::{Failure, FailureCause, GroupOptions, ProcessGroup, ThreadGroup, ThreadRank};
 use crate::cpu_threads;
-use crate::panic_message::panic_message;
+use crate::util::panic_message::panic_message;
 
 /// Runs `f` on `world_size` ranks of a new [`ThreadGroup`] (default
 /// [`GroupOptions`]), each on its own thread, and returns their results in

@@ -10,7 +10,7 @@ use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender};
 
 use super::plan::Plan;
 use super::{Batch, LoaderError};
-use crate::panic_message::panic_message;
+use crate::util::panic_message::panic_message;
 
 /// How long dropping a prefetching iterator waits for its background thread
 /// to finish the batch it is loading before leaving it to exit on its own.

@@ -8,7 +8,7 @@ use candle_nn::VarMap;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::vars::sorted_vars;
+use crate::util::vars::sorted_vars;
 
 /// Everything an optimizer needs to continue exactly: its kind, the number
 /// of steps taken, its settings and its per-parameter tensors.

@@ -9,8 +9,8 @@ use candle_nn::{Init, VarBuilder, VarMap};
 
 use super::LayerFactory;
 use crate::error::{Error, Result};
-use crate::lock::lock;
-use crate::shared_backend::SharedBackend;
+use crate::util::lock::lock;
+use crate::util::shared_backend::SharedBackend;
 use crate::units::build_layer;
 
 /// How many consecutive layers each stage gets.
@@ -216,7 +216,7 @@ fn layer_times(
             .unwrap_or_else(|payload| {
                 Err(candle_core::Error::Msg(format!(
                     "panicked: {}",
-                    crate::panic_message::panic_message(payload.as_ref())
+                    crate::util::panic_message::panic_message(payload.as_ref())
                 )))
             });
             let out = ran.map_err(|e| Error::LayerBuild {

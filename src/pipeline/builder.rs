@@ -13,11 +13,11 @@ use super::recompute::Checkpoint;
 use super::schedule::Schedule;
 use crate::units::LayerFactory;
 
-use crate::device_label::device_label;
+use crate::util::device_label::device_label;
 use crate::error::{Error, Result};
 use crate::no_grad::NoGradCheck;
 use crate::precision::MixedPrecision;
-use crate::vars::sorted_vars;
+use crate::util::vars::sorted_vars;
 use crate::worker_pool::{Failure, NoAnswer, WorkerPool};
 
 use super::timings::PipelineTimings;

@@ -17,7 +17,7 @@ use candle_core::{DType, Device, Tensor};
 use crossbeam::channel::{Receiver, Sender};
 
 use crate::comm::ProcessGroup;
-use crate::lock::lock;
+use crate::util::lock::lock;
 
 /// A tensor for micro-batch `m`, between neighbouring stages.
 pub(crate) type Message = (usize, Tensor);

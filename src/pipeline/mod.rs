@@ -101,9 +101,9 @@ pub use schedule::Schedule;
 pub use timings::PipelineTimings;
 
 use crate::data_parallel::scatter_gather::chunk_sizes;
-use crate::device_label::device_label;
+use crate::util::device_label::device_label;
 use crate::error::{Error, Result};
-use crate::lock::lock;
+use crate::util::lock::lock;
 use crate::no_grad::NoGradCheck;
 use crate::step::{LossReduction, Step};
 use crate::units::build_layer;

@@ -725,7 +725,7 @@ impl RankPipeline {
         let started = std::time::Instant::now();
         match work.run(held, &Cancel::default()) {
             Ok(out) => {
-                *crate::lock::lock(&self.timings) = PipelineTimings {
+                *crate::util::lock::lock(&self.timings) = PipelineTimings {
                     step: started.elapsed(),
                     busy: vec![out.busy],
                     checking: vec![out.checking],

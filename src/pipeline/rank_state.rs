@@ -16,7 +16,7 @@ use super::on_ranks::RankPipeline;
 use super::PipelineTimings;
 use crate::comm::all_gather_object;
 use crate::error::{Error, Result};
-use crate::lock::lock;
+use crate::util::lock::lock;
 use crate::optim::clip::clip_grad_norm_across_counting;
 use crate::optim::{Clipped, OptimizerState, ShardOf, StatefulOptimizer};
 

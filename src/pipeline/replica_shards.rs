@@ -21,7 +21,7 @@ use super::stage::Stage;
 use super::stage_build::build_stage;
 use super::LayerFactory;
 use crate::error::{Error, Result};
-use crate::lock::lock;
+use crate::util::lock::lock;
 use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
 use crate::sharding::state::{
     mark_shard, named_layouts, piece_state, whole_layouts, whole_state_on_first,

@@ -15,7 +15,7 @@ use super::recompute::{self, Checkpoint, Fingerprints};
 use super::schedule::Op;
 use super::stage_var::StageVar;
 use crate::device_copy::{self as copy, copy_into};
-use crate::lock::lock;
+use crate::util::lock::lock;
 use crate::units::boundary;
 use crate::units::Fingerprint;
 use crate::worker_pool::Cancel;

@@ -21,9 +21,9 @@ use super::deferred_norm::NormUse;
 use super::stage::Stage;
 use super::stage_var::StageVar;
 use crate::buffers::is_batch_norm_buffer;
-use crate::lock::lock;
+use crate::util::lock::lock;
 use crate::precision::MixedPrecision;
-use crate::shared_backend::SharedBackend;
+use crate::util::shared_backend::SharedBackend;
 
 /// A `VarBuilder` backend for one stage: the model's `VarMap` (variables
 /// are created on the stage's device), handing out mirrors where needed and

@@ -139,7 +139,7 @@ impl Precision {
         tried.map(|_| ()).map_err(|e| {
             format!(
                 "precision {self} computes in {dtype:?}, which {} cannot: {e}",
-                crate::device_label::device_label(device)
+                crate::util::device_label::device_label(device)
             )
         })
     }

@@ -16,7 +16,7 @@ use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 
 use crate::error::{Error, Result};
-use crate::vars::sorted_vars;
+use crate::util::vars::sorted_vars;
 
 /// The prefix PyTorch's `DataParallel` adds to state-dict keys.
 pub const MODULE_PREFIX: &str = "module.";

@@ -65,7 +65,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::comm::{all_gather_object, ProcessGroup};
 use crate::error::{Error, Result};
-use crate::lock::lock;
+use crate::util::lock::lock;
 use crate::optim::{GradScalerState, LrSchedulerState};
 use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
 use crate::sampler::DistributedSampler;

@@ -41,7 +41,7 @@ pub(crate) fn build_layer(
     let built = catch_unwind(AssertUnwindSafe(|| factory(vb))).unwrap_or_else(|payload| {
         Err(candle_core::Error::Msg(format!(
             "the layer factory panicked: {}",
-            crate::panic_message::panic_message(payload.as_ref())
+            crate::util::panic_message::panic_message(payload.as_ref())
         )))
     });
     built.map_err(|source| Error::LayerBuild {

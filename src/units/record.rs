@@ -11,8 +11,8 @@ use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
 
-use crate::lock::lock;
-use crate::shared_backend::SharedBackend;
+use crate::util::lock::lock;
+use crate::util::shared_backend::SharedBackend;
 
 /// Forwards to `inner` (a `VarBuilder` without prefix: the names it is
 /// given are already full) and records each name.

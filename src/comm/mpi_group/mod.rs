@@ -33,7 +33,7 @@ use super::{
     Color, CommError, Failure, FailureCause, GroupOptions, Membership, ProcessGroup, ReduceOp,
     Result, SubGroup,
 };
-use crate::lock::lock;
+use crate::util::lock::lock;
 
 /// The most bytes one message carries: MPI counts are `int`s, and a header
 /// travels with the data.

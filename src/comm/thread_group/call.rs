@@ -16,7 +16,7 @@ use crate::comm::op::Op;
 use crate::comm::protocol::{self, Body, Envelope, Header, OpSig, Piece, Signature, TensorMeta};
 use crate::comm::ring::Link;
 use crate::comm::{CommError, Failure, FailureCause, ProcessGroup, Result};
-use crate::lock::lock;
+use crate::util::lock::lock;
 
 /// How long a rank polls for a message before it blocks (see
 /// [`Call::poll`]).

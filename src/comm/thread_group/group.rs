@@ -14,7 +14,7 @@ use crossbeam::channel::{self, Receiver, Sender};
 
 use crate::comm::protocol::Envelope;
 use crate::comm::{Failure, FailureCause, Membership, ProcessGroup};
-use crate::lock::lock;
+use crate::util::lock::lock;
 
 /// The default of [`GroupOptions::ring_threshold_bytes`]: 64 KiB.
 pub const DEFAULT_RING_THRESHOLD_BYTES: usize = 64 * 1024;

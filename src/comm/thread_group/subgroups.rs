@@ -16,7 +16,7 @@ use crate::comm::split::{members, Color, SubGroup};
 use crate::comm::{
     all_gather_object, CommError, Failure, FailureCause, GroupOptions, ProcessGroup, Result,
 };
-use crate::lock::lock;
+use crate::util::lock::lock;
 
 impl ThreadRank {
     /// [`ProcessGroup::split`]: the ranks' colours and keys are gathered

@@ -214,7 +214,7 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Ddp<O> {
 
 /// Copies of `varmap`'s values.
 fn snapshot(varmap: &VarMap) -> Result<Vec<(Var, Tensor)>> {
-    crate::lock::lock(varmap.data())
+    crate::util::lock::lock(varmap.data())
         .values()
         .map(|var| Ok((var.clone(), var.as_tensor().copy()?)))
         .collect()

@@ -35,7 +35,7 @@ use crate::optim::{clip_grad_norm, Clipped, OptimizerState, StatefulOptimizer};
 use crate::saving::sharded::{Checkpoints, FsdpSave};
 use crate::saving::training_state::{SavedState, TrainingState};
 use crate::step::Step;
-use crate::vars::sorted_vars;
+use crate::util::vars::sorted_vars;
 
 pub use trainables::Trainables;
 
@@ -408,7 +408,7 @@ fn backward_of(output: &Tensor, y: &Tensor, factor: f64, loss_fn: &LossFn) -> Re
 pub(crate) fn varmap_of(tensors: HashMap<String, Tensor>) -> Result<VarMap> {
     let varmap = VarMap::new();
     {
-        let mut data = crate::lock::lock(varmap.data());
+        let mut data = crate::util::lock::lock(varmap.data());
         for (name, tensor) in tensors {
             data.insert(name, Var::from_tensor(&tensor)?);
         }

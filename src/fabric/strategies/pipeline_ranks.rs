@@ -67,7 +67,7 @@ impl<O: StatefulOptimizer> PipelineRanks<O> {
         )?;
         let varmap = VarMap::new();
         {
-            let mut data = crate::lock::lock(varmap.data());
+            let mut data = crate::util::lock::lock(varmap.data());
             for (name, var) in pipe.variables().iter().chain(pipe.buffers()) {
                 data.insert(name.clone(), var.clone());
             }

@@ -10,7 +10,7 @@ use crate::error::Result;
 use crate::optim::StatefulOptimizer;
 use crate::precision::MixedPrecisionModel;
 use crate::units::Units;
-use crate::vars::sorted_vars;
+use crate::util::vars::sorted_vars;
 
 /// The model itself, or (mixed precision) computing on low-precision
 /// copies of it.

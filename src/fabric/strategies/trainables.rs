@@ -11,7 +11,7 @@ use candle_nn::VarMap;
 use super::{bytes_of, Memory};
 use crate::error::Result;
 use crate::optim::StatefulOptimizer;
-use crate::vars::sorted_vars;
+use crate::util::vars::sorted_vars;
 use crate::zero::ZeroOptimizer;
 
 /// The optimizer, whole or as ZeRO's pieces.

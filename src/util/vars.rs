@@ -4,7 +4,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use candle_nn::VarMap;
 
-use crate::lock::lock;
+use crate::util::lock::lock;
 
 /// The variables of `varmap`, sorted by name so that every ordering derived
 /// from them (gradient reduction, buckets, checkpoints) is deterministic
