@@ -138,8 +138,8 @@ mod saving;
 mod seeded_init;
 mod sharding;
 mod step;
-mod util;
 pub mod units;
+mod util;
 mod worker_pool;
 pub mod zero;
 
@@ -153,13 +153,13 @@ pub use ddp::{
     Activity, CommHook, DdpBuilder, DdpConfig, DdpTimings, DistributedDataParallel, JoinDivisor,
     Span,
 };
-pub use util::device_label::device_label;
 pub use error::{Error, Result};
 pub use fabric::{Fabric, FabricConfig};
 pub use fsdp::{FsdpConfig, FullyShardedDataParallel};
 pub use pipeline::{Pipeline, Schedule};
 pub use precision::MixedPrecision;
 pub use step::{LossReduction, Step};
+pub use util::device_label::device_label;
 pub use zero::{ZeroOptimizer, ZeroStage};
 
 pub use saving::{checkpoint, training_state};

@@ -28,8 +28,8 @@ use candle_nn::{Init, VarBuilder, VarMap};
 
 use crate::buffers::BufferPredicate;
 use crate::device_copy::{self as copy, copy_into};
-use crate::util::device_label::device_label;
 use crate::error::{Error, Result};
+use crate::util::device_label::device_label;
 use crate::util::lock::lock;
 use crate::util::panic_message::panic_message;
 use crate::util::shared_backend::SharedBackend;

@@ -15,8 +15,8 @@ use super::scatter_gather::{scatter, Scatter, ScatterPlan, Split};
 use super::timings::slowest;
 use super::{DataParallel, SavedForward};
 use crate::error::{Error, Result};
-use crate::util::lock::lock;
 use crate::step::{LossReduction, Step};
+use crate::util::lock::lock;
 use crate::util::vars::grads_of;
 
 /// One replica's part of a parallel backward.

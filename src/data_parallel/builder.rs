@@ -13,11 +13,11 @@ use super::replicas::Replicas;
 use super::timings::StepRecorder;
 use super::DataParallel;
 use crate::buffers::{is_batch_norm_buffer, BufferPredicate};
-use crate::util::device_label::device_label;
 use crate::error::{Error, Result};
 use crate::no_grad::NoGradCheck;
 use crate::precision::MixedPrecision;
 use crate::replicate::{build_master, CopyOptions};
+use crate::util::device_label::device_label;
 use crate::util::vars::sorted_vars;
 
 impl<M: 'static> DataParallel<M> {

@@ -26,8 +26,8 @@ use candle_core::{Device, Tensor, TensorId, Var};
 use candle_nn::{Module, ModuleT};
 
 use crate::error::Result;
-use crate::util::lock::lock;
 use crate::no_grad::NoGradCheck;
+use crate::util::lock::lock;
 use crate::worker_pool::Cancel;
 use replicas::Replicas;
 use scatter_gather::{gather, scatter, Gather, Scatter, ScatterPlan, Split};

@@ -13,8 +13,8 @@ use candle_nn::{VarBuilder, VarMap};
 use super::gpu_turns::{turns, Turn};
 use crate::buffers::BufferPredicate;
 use crate::error::{Error, Result};
-use crate::util::lock::lock;
 use crate::replicate::{build_replica, CopyOptions, ReplicaVars};
+use crate::util::lock::lock;
 use crate::worker_pool::{Cancel, Failure, NoAnswer, WorkerFailure, WorkerPool};
 
 /// What a worker owns: the user's model and the tensors that follow the master.

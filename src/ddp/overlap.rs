@@ -26,9 +26,9 @@ use super::{DdpConfig, DistributedDataParallel};
 use crate::buffers::BufferSnapshot;
 use crate::comm::ProcessGroup;
 use crate::error::{Error, Result};
-use crate::util::panic_message::panic_message;
 use crate::step::Step;
 use crate::units::{LayerFactory, Units};
+use crate::util::panic_message::panic_message;
 use crate::util::vars::with_accumulated;
 
 /// Why the walk stopped early: a reduction failed (its error is the one

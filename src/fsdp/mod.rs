@@ -73,11 +73,11 @@ use candle_nn::{VarBuilder, VarMap};
 use crate::buffers::{is_batch_norm_buffer, BufferPredicate};
 use crate::comm::{DeviceMesh, ProcessGroup, ShardGroups};
 use crate::error::{Error, Result};
-use crate::util::lock::lock;
 use crate::precision::MixedPrecision;
 use crate::same_model::{broadcast_vars, verify_same_vars};
 use crate::sharding::{all_gather_pieces, ShardLayout};
 use crate::units::{LayerFactory, Units};
+use crate::util::lock::lock;
 use crate::util::vars::sorted_vars;
 use agreement::{verify_same_plan, Plan};
 

@@ -9,9 +9,9 @@ use candle_nn::{Init, VarBuilder, VarMap};
 
 use super::LayerFactory;
 use crate::error::{Error, Result};
+use crate::units::build_layer;
 use crate::util::lock::lock;
 use crate::util::shared_backend::SharedBackend;
-use crate::units::build_layer;
 
 /// How many consecutive layers each stage gets.
 #[derive(Debug, Clone)]

@@ -13,10 +13,10 @@ use super::recompute::Checkpoint;
 use super::schedule::Schedule;
 use crate::units::LayerFactory;
 
-use crate::util::device_label::device_label;
 use crate::error::{Error, Result};
 use crate::no_grad::NoGradCheck;
 use crate::precision::MixedPrecision;
+use crate::util::device_label::device_label;
 use crate::util::vars::sorted_vars;
 use crate::worker_pool::{Failure, NoAnswer, WorkerPool};
 

@@ -101,12 +101,12 @@ pub use schedule::Schedule;
 pub use timings::PipelineTimings;
 
 use crate::data_parallel::scatter_gather::chunk_sizes;
-use crate::util::device_label::device_label;
 use crate::error::{Error, Result};
-use crate::util::lock::lock;
 use crate::no_grad::NoGradCheck;
 use crate::step::{LossReduction, Step};
 use crate::units::build_layer;
+use crate::util::device_label::device_label;
+use crate::util::lock::lock;
 use crate::worker_pool::{Failure, NoAnswer, WorkerFailure, WorkerPool};
 use device_work::{DeviceFailure, DeviceOutput, DeviceWork};
 use link::{Inbox, Outbox};

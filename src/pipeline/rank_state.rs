@@ -16,9 +16,9 @@ use super::on_ranks::RankPipeline;
 use super::PipelineTimings;
 use crate::comm::all_gather_object;
 use crate::error::{Error, Result};
-use crate::util::lock::lock;
 use crate::optim::clip::clip_grad_norm_across_counting;
 use crate::optim::{Clipped, OptimizerState, ShardOf, StatefulOptimizer};
+use crate::util::lock::lock;
 
 /// The setting naming a parameter's group (`group_of.<parameter>`).
 const GROUP_OF: &str = "group_of.";

@@ -21,12 +21,12 @@ use super::stage::Stage;
 use super::stage_build::build_stage;
 use super::LayerFactory;
 use crate::error::{Error, Result};
-use crate::util::lock::lock;
 use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
 use crate::sharding::state::{
     mark_shard, named_layouts, piece_state, whole_layouts, whole_state_on_first,
 };
 use crate::sharding::{all_gather_pieces, gather_pieces, ShardLayout};
+use crate::util::lock::lock;
 
 /// The settings key of a parameter's rows in a state of pieces.
 const ROWS: &str = "pipeline.rows.";

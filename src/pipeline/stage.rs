@@ -15,9 +15,9 @@ use super::recompute::{self, Checkpoint, Fingerprints};
 use super::schedule::Op;
 use super::stage_var::StageVar;
 use crate::device_copy::{self as copy, copy_into};
-use crate::util::lock::lock;
 use crate::units::boundary;
 use crate::units::Fingerprint;
+use crate::util::lock::lock;
 use crate::worker_pool::Cancel;
 
 /// What a training stage keeps of a micro-batch's forward for its

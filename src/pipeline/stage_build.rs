@@ -21,8 +21,8 @@ use super::deferred_norm::NormUse;
 use super::stage::Stage;
 use super::stage_var::StageVar;
 use crate::buffers::is_batch_norm_buffer;
-use crate::util::lock::lock;
 use crate::precision::MixedPrecision;
+use crate::util::lock::lock;
 use crate::util::shared_backend::SharedBackend;
 
 /// A `VarBuilder` backend for one stage: the model's `VarMap` (variables

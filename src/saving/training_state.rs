@@ -65,11 +65,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::comm::{all_gather_object, ProcessGroup};
 use crate::error::{Error, Result};
-use crate::util::lock::lock;
 use crate::optim::{GradScalerState, LrSchedulerState};
 use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
 use crate::sampler::DistributedSampler;
 use crate::saving::checkpoint::{self, Prefix};
+use crate::util::lock::lock;
 
 /// Where a run is.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

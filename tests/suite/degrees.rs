@@ -9,7 +9,7 @@
 use candle_dp::fabric::{Degrees, Fabric, FabricArgs, FabricConfig, Strategy};
 use clap::Parser;
 
-use crate::common::fabric_loop::{dataset, setup, train, Trained};
+use crate::common::fabric_loop::{dataset, setup, train, train_resumable, AfterStep, Trained};
 use crate::common::{identical, max_rel_diff};
 
 fn degrees(text: &str) -> Degrees {
@@ -371,4 +371,56 @@ fn a_pipelines_hsdp_replicas_hold_the_pieces_of_their_shard_group() {
     println!("per rank: HSDP 2 x 2 {hsdp} B, FSDP over 2 {over_two} B, over 4 {over_four} B");
     assert_eq!(hsdp, over_two);
     assert!(over_four < hsdp, "{over_four} !< {hsdp}");
+}
+
+/// `mesh`'s run with its states in `dir`, stopped right after its save at
+/// step `stop_at` (to the end when `None`), resuming from `dir`'s newest.
+fn resumable(mesh: &str, dir: &std::path::Path, stop_at: Option<u64>) -> Trained {
+    let config = FabricConfig {
+        checkpoint_dir: Some(dir.to_path_buf()),
+        timeout_secs: Some(120.0),
+        ..FabricConfig::default().with_mesh(degrees(mesh)).unwrap()
+    };
+    let data = dataset();
+    Fabric::launch(config, |fabric| {
+        train_resumable(fabric, data.clone(), |_, step| {
+            Ok(match stop_at == Some(step) {
+                true => AfterStep::SaveAndStop,
+                false => AfterStep::Go,
+            })
+        })
+    })
+    .unwrap_or_else(|e| panic!("{mesh}: {e}"))
+    .swap_remove(0)
+}
+
+/// A pipeline whose replicas are HSDP saves a plain pipeline's state: it
+/// resumes on its own mesh to the bytes of the run without a stop, and on
+/// FSDP over all four replicas to one device's weights.
+#[test]
+fn a_pipeline_with_hsdp_replicas_resumes_to_its_bytes_and_onto_fsdp_across_the_replicas() {
+    let dir = std::env::temp_dir().join(format!("candle-dp-degrees-hsdp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mesh = "pp=2,dp_replicate=2,dp_shard=2";
+    let straight = resumable(mesh, &dir.join("straight"), None);
+    resumable(mesh, &dir.join("stopped"), Some(3));
+    let resumed = resumable(mesh, &dir.join("stopped"), None);
+    assert!(
+        identical(&resumed.0, &straight.0),
+        "{mesh}: resumed weights differ"
+    );
+    assert_eq!(
+        resumed.1,
+        straight.1[3..],
+        "{mesh}: losses after the resume"
+    );
+    resumable(mesh, &dir.join("moved"), Some(3));
+    let moved = resumable("pp=2,dp_shard=4", &dir.join("moved"), None);
+    // It went on from step 3, not from the start.
+    assert_eq!(moved.1.len(), straight.1.len() - 3);
+    let single = trained(FabricConfig::default());
+    let weights = max_rel_diff(&moved.0, &single.0);
+    println!("{mesh} resumed on pp=2,dp_shard=4: {weights:.2e} from one device");
+    assert!(weights <= 1e-6, "{weights:e} from one device");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
