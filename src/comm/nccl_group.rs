@@ -173,7 +173,7 @@ impl NcclGroup {
                 .to_string()),
             other => Err(format!(
                 "its device is {}, not a GPU",
-                crate::util::device_label(other)
+                crate::util::device_label::device_label(other)
             )),
         };
         let id = match (&usable, rank) {

@@ -344,8 +344,10 @@ fn shard_groups_of_a_pipelines_replicas_that_cannot_be_built_are_refused() {
 
 /// The parameters each rank holds after a step on `mesh`, the most of any rank.
 fn parameters_held(mesh: &str) -> usize {
+    // Bounded: a rank that waits past 120 s fails the run.
     let config = FabricConfig {
         chunks: Some(2),
+        timeout_secs: Some(120.0),
         ..FabricConfig::default().with_mesh(degrees(mesh)).unwrap()
     };
     let held = Fabric::launch(config, |fabric| {
