@@ -597,7 +597,17 @@ fn srun_on_two_simulated_nodes_trains_to_the_bytes_of_thread_ranks() {
         program.extend(srun_args.iter().map(|a| a.as_os_str()));
         let run = || {
             cluster(
-                &["--machines", "2", "--supervise", "--slurm"],
+                // A step's slurmstepd can take past the default 10 s to end
+                // on a loaded 2-core machine (it did once in CI, after a
+                // run that had finished and saved the right bytes).
+                &[
+                    "--machines",
+                    "2",
+                    "--supervise",
+                    "--slurm",
+                    "--wait-empty",
+                    "30",
+                ],
                 &program,
                 Duration::from_secs(240),
             )

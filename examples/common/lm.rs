@@ -137,8 +137,11 @@ pub fn fabric_config(args: &FabricArgs, gpus: Option<&Devices>) -> anyhow::Resul
     }
     if fabric.config.is_none() && fabric.mesh.is_none() {
         let strategy = fabric.strategy.unwrap_or(FabricConfig::default().strategy);
-        let ranks = if mpi { Backend::world_size() } else { 2 };
-        let ranks = fabric.devices.as_ref().map_or(ranks, Devices::len);
+        // Under mpirun the launcher's processes are the ranks.
+        let ranks = match mpi {
+            true => Backend::world_size(),
+            false => fabric.devices.as_ref().map_or(2, Devices::len),
+        };
         let stages = fabric.stages.unwrap_or(2);
         match strategy.name() {
             "single" => {}
