@@ -341,6 +341,14 @@ impl FabricConfig {
                              into shard groups: set ZeRO stage 3 (FSDP across the replicas) too"
                         ))
                     }
+                    Some(1) => {
+                        return refuse(
+                            "shard_size 1: a shard group of one replica holds its stages whole; \
+                             give the replicas as dp_replicate without ZeRO stage 3, or groups \
+                             of 2 or more"
+                                .into(),
+                        )
+                    }
                     Some(s) if s == 0 || !replicas.is_multiple_of(s) => {
                         return refuse(format!(
                             "{replicas} replicas of the pipeline do not split into shard groups \

@@ -177,14 +177,20 @@ impl FabricConfig {
                 ));
             }
         }
-        self.strategy = strategy;
-        if self.devices.len() != world {
-            self.devices = Devices::Count(world);
-        }
         let ddp_family = matches!(
             strategy,
             Strategy::Ddp | Strategy::DdpOverlap | Strategy::Zero1 | Strategy::Zero2
         );
+        if let (Some(given), None, false) = (self.shard_size, shard_size, ddp_family) {
+            return refuse(format!(
+                "the configuration names shard groups of {given} ranks (shard_size), and the mesh \
+                 has none: give dp_replicate and dp_shard both"
+            ));
+        }
+        self.strategy = strategy;
+        if self.devices.len() != world {
+            self.devices = Devices::Count(world);
+        }
         self.shard_size = shard_size.or(self.shard_size.filter(|_| ddp_family));
         self.zero = zero;
         if pp > 1 {

@@ -183,7 +183,8 @@ pub struct RankPipeline {
     /// With FSDP: how this rank's stages are built again each step over
     /// the gathered variables (`held` is empty between steps).
     pub(super) rebuild: Option<Rebuild>,
-    /// With ZeRO: each of [`own`](Self::own)'s split across the replicas.
+    /// With ZeRO: each of [`own`](Self::own)'s split across the replicas
+    /// of its piece group ([`pieces`](Self::pieces)' shard group).
     pub(super) zero_layouts: Vec<ShardLayout>,
     /// This rank's part of the latest successful step's timings.
     pub(super) timings: Mutex<PipelineTimings>,
@@ -376,14 +377,14 @@ impl RankPipeline {
         }
         // The replicas must split alike, or their collectives would not
         // pair up (the stage ranks compare the rest of the plan).
-        let split = (format!("{:?}", config.zero), config.fsdp);
+        let split = (format!("{:?}", config.zero), config.fsdp, config.shard_size);
         let splits = all_gather_object(mesh.world().as_ref(), &split)?;
         if let Some(rank) = splits.iter().position(|s| s != &splits[0]) {
             return Err(Error::ModelMismatch {
                 rank,
                 detail: format!(
-                    "splits its stages across the replicas as (zero, fsdp) = {:?}, where rank \
-                     0 asks for {:?}",
+                    "splits its stages across the replicas as (zero, fsdp, shard_size) = {:?}, \
+                     where rank 0 asks for {:?}",
                     splits[rank], splits[0]
                 ),
             });

@@ -336,10 +336,20 @@ fn shard_groups_of_a_pipelines_replicas_that_cannot_be_built_are_refused() {
         ),
         (pipeline(None, 2), "set ZeRO stage 3"),
         (pipeline(Some(3), 0), "do not split into shard groups of 0"),
+        (pipeline(Some(3), 1), "a shard group of one replica"),
     ] {
         let e = refused(config.check());
         assert!(e.contains(says), "{config:?}: {e}");
     }
+    // A shard size beside a mesh without shard groups is not dropped.
+    let e = refused(
+        FabricConfig {
+            shard_size: Some(2),
+            ..FabricConfig::default()
+        }
+        .with_mesh(degrees("dp_shard=4,pp=2")),
+    );
+    assert!(e.contains("the mesh has none"), "{e}");
 }
 
 /// The parameters each rank holds after a step on `mesh`, the most of any rank.
