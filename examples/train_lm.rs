@@ -29,7 +29,7 @@ use candle_dp::launch::Backend;
 use candle_dp::training_state::Progress;
 use candle_dp_examples::elastic::ElasticArgs;
 use candle_dp_examples::flags;
-use candle_dp_examples::gpt::units;
+use candle_dp_examples::gpt::{lm_loss_tp, tp_plan, tp_units, units};
 use candle_dp_examples::lm::{self, in_precision, GptArgs, OptimArgs, Outcome};
 use candle_dp_examples::text::{load_text, split, windows_at, Windows};
 use clap::Parser;
@@ -107,7 +107,12 @@ fn train_run(
                 args.batch
             );
         }
-        let module = FabricModule::units(units(args.model.config()));
+        // With a tp degree, each rank builds its pieces of the model.
+        let gpt = args.model.config();
+        let module = match fabric.tensor_parallel() {
+            Some(tp) => FabricModule::units(tp_units(gpt, Some(tp))).with_tp_plan(tp_plan()),
+            None => FabricModule::units(units(gpt)),
+        };
         let mut model = fabric.setup(module, |p| args.optim.adamw(p))?;
         if let Some(schedule) = args.optim.schedule(args.steps)? {
             model.set_schedule(schedule)?;
@@ -129,7 +134,10 @@ fn train_run(
             )?;
             let (x, y) = train.batch(&indices)?;
             let (x, y) = (fabric.to_device(&x)?, fabric.to_device(&y)?);
-            let loss = model.backward(&x, &y, loss_fn)?;
+            let loss = match fabric.tensor_parallel().cloned() {
+                Some(tp) => model.backward(&x, &y, move |out, y| lm_loss_tp(out, y, &tp))?,
+                None => model.backward(&x, &y, loss_fn)?,
+            };
             model.step()?;
             outcome.losses.push(fabric.global_mean(&loss, x.dim(0)?)?);
             outcome.tokens += (x.elem_count() * shares) as u64;

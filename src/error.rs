@@ -378,6 +378,12 @@ pub enum Error {
         timeout: Duration,
     },
 
+    /// Tensor parallelism that cannot split the model as asked: a size
+    /// that does not divide among the ranks, a plan naming a parameter
+    /// the model lacks (naming the dimension and the parameter).
+    #[error("tensor parallelism: {0}")]
+    TensorParallel(String),
+
     /// A [`FabricConfig`](crate::fabric::FabricConfig) that cannot be read
     /// (an unknown name, a malformed file).
     #[error("configuration: {0}")]

@@ -138,6 +138,7 @@ mod saving;
 mod seeded_init;
 mod sharding;
 mod step;
+pub mod tensor_parallel;
 pub mod units;
 mod util;
 mod worker_pool;

@@ -17,6 +17,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal, Uniform};
 
+use crate::tensor_parallel::TpPlan;
 use crate::util::lock::lock;
 
 /// A [`VarMap`] holding the variables that `build` creates, with initial
@@ -50,9 +51,35 @@ pub fn seeded_varmap<M>(
     device: &Device,
     build: impl FnOnce(VarBuilder) -> candle_core::Result<M>,
 ) -> candle_core::Result<VarMap> {
+    seeded_pieces(seed, dtype, device, None, build)
+}
+
+/// A rank's pieces of the parameters a tensor-parallel `plan` splits
+/// over `tp` ranks: [`seeded_varmap`] where `build` asks for each piece's
+/// shape, and each is cut from the whole value one device draws, so that
+/// the ranks' pieces join into one device's initial weights.
+pub(crate) struct Pieces<'a> {
+    /// The placements.
+    pub plan: &'a TpPlan,
+    /// This rank's place among the tensor-parallel ranks.
+    pub rank: usize,
+    /// The tensor-parallel ranks.
+    pub tp: usize,
+}
+
+/// [`seeded_varmap`], each parameter `pieces` splits cut to this rank's
+/// piece.
+pub(crate) fn seeded_pieces<M>(
+    seed: u64,
+    dtype: DType,
+    device: &Device,
+    pieces: Option<Pieces<'_>>,
+    build: impl FnOnce(VarBuilder) -> candle_core::Result<M>,
+) -> candle_core::Result<VarMap> {
     let drawn = Arc::new(Drawn {
         rng: Mutex::new(StdRng::seed_from_u64(seed)),
         values: Mutex::new(Vec::new()),
+        pieces: pieces.map(|p| (p.plan.clone(), p.rank, p.tp)),
     });
     let backend: Box<dyn SimpleBackend> = Box::new(Seeded(Arc::clone(&drawn)));
     build(VarBuilder::from_backend(backend, dtype, device.clone()))?;
@@ -71,6 +98,8 @@ pub fn seeded_varmap<M>(
 struct Drawn {
     rng: Mutex<StdRng>,
     values: Mutex<Vec<(String, Tensor)>>,
+    /// A tensor-parallel plan, this rank's place and the ranks.
+    pieces: Option<(TpPlan, usize, usize)>,
 }
 
 struct Seeded(Arc<Drawn>);
@@ -140,8 +169,22 @@ impl SimpleBackend for Seeded {
             }
             return Ok(value.clone());
         }
-        let data = self.sample(name, shape.elem_count(), init, &shape)?;
-        let value = Tensor::from_vec(data, shape, device)?.to_dtype(dtype)?;
+        let placement = self
+            .0
+            .pieces
+            .as_ref()
+            .map(|(plan, rank, tp)| (plan.placement(name), *rank, *tp));
+        let whole = match placement {
+            Some((placement, _, tp)) => placement.whole_shape(&shape, tp),
+            None => shape.clone(),
+        };
+        let data = self.sample(name, whole.elem_count(), init, &whole)?;
+        let mut value = Tensor::from_vec(data, whole, device)?.to_dtype(dtype)?;
+        if let Some((placement, rank, tp)) = placement {
+            value = placement
+                .piece(&value, rank, tp, name)
+                .map_err(candle_core::Error::wrap)?;
+        }
         values.push((name.to_string(), value.clone()));
         Ok(value)
     }

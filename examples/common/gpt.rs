@@ -24,6 +24,9 @@
 
 use candle_core::{DType, Module, ModuleT, Tensor};
 use candle_dp::pipeline::{layer, LayerFactory};
+use candle_dp::tensor_parallel::{
+    ColumnLinear, Placement, RowLinear, TensorParallel, TpPlan, VocabEmbedding,
+};
 use candle_nn::{Init, Linear, VarBuilder};
 
 /// The model's size.
@@ -109,21 +112,68 @@ struct Norm {
     weight: Tensor,
     bias: Tensor,
     fused_ops: bool,
+    /// Replicated over the tensor-parallel ranks (with sequence
+    /// parallelism its gradient summed over them).
+    tp: Option<TensorParallel>,
 }
 
 impl Norm {
-    fn new(width: usize, fused_ops: bool, vb: VarBuilder) -> candle_core::Result<Self> {
+    fn new(
+        width: usize,
+        fused_ops: bool,
+        tp: Option<&TensorParallel>,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self> {
         Ok(Self {
             weight: vb.get_with_hints(width, "weight", Init::Const(1.0))?,
             bias: vb.get_with_hints(width, "bias", Init::Const(0.0))?,
             fused_ops,
+            tp: tp.cloned(),
         })
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (weight, bias) = match &self.tp {
+            Some(tp) => (tp.replicated(&self.weight)?, tp.replicated(&self.bias)?),
+            None => (self.weight.clone(), self.bias.clone()),
+        };
         match self.fused_ops {
-            true => candle_dp::ops::layer_norm(x, &self.weight, &self.bias, EPS.into()),
-            false => candle_nn::ops::layer_norm_slow(x, &self.weight, &self.bias, EPS),
+            true => candle_dp::ops::layer_norm(x, &weight, &bias, EPS.into()),
+            false => candle_nn::ops::layer_norm_slow(x, &weight, &bias, EPS),
+        }
+    }
+}
+
+/// A linear layer whole, or split over the tensor-parallel ranks by its
+/// outputs (column) or its inputs (row).
+enum Proj {
+    Whole(Linear, bool),
+    Column(ColumnLinear),
+    Row(RowLinear),
+}
+
+impl Proj {
+    /// `nn.Linear(input, output)`: whole, or split as `column` says.
+    fn new(
+        (input, output): (usize, usize),
+        stdev: f64,
+        (tp, column): (Option<&TensorParallel>, bool),
+        fused_ops: bool,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self> {
+        let init = normal(stdev);
+        Ok(match (tp, column) {
+            (None, _) => Proj::Whole(linear(input, output, stdev, vb)?, fused_ops),
+            (Some(tp), true) => Proj::Column(ColumnLinear::new(input, output, init, true, tp, vb)?),
+            (Some(tp), false) => Proj::Row(RowLinear::new(input, output, init, true, tp, vb)?),
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Proj::Whole(layer, fused_ops) => apply(layer, x, *fused_ops),
+            Proj::Column(layer) => layer.forward(x),
+            Proj::Row(layer) => layer.forward(x),
         }
     }
 }
@@ -140,15 +190,39 @@ fn apply(layer: &Linear, x: &Tensor, fused_ops: bool) -> candle_core::Result<Ten
 /// The first unit: token and position embeddings of token ids (batch x
 /// time, u32).
 pub struct Embeddings {
-    wte: Tensor,
+    wte: Tokens,
     wpe: Tensor,
+    tp: Option<TensorParallel>,
+}
+
+/// The token table, whole or split by the vocabulary.
+enum Tokens {
+    Whole(Tensor),
+    Split(VocabEmbedding),
 }
 
 impl Embeddings {
-    pub fn new(config: GptConfig, vb: VarBuilder) -> candle_core::Result<Self> {
+    pub fn new(
+        config: GptConfig,
+        tp: Option<&TensorParallel>,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self> {
+        let (v, w) = (config.vocab, config.width);
+        let wte = match tp {
+            None => Tokens::Whole(vb.get_with_hints((v, w), "wte.weight", normal(0.02))?),
+            Some(tp) => Tokens::Split(VocabEmbedding::new(
+                v,
+                w,
+                "wte.weight",
+                normal(0.02),
+                tp,
+                vb.clone(),
+            )?),
+        };
         Ok(Self {
-            wte: vb.get_with_hints((config.vocab, config.width), "wte.weight", normal(0.02))?,
-            wpe: vb.get_with_hints((config.context, config.width), "wpe.weight", normal(0.02))?,
+            wte,
+            wpe: vb.get_with_hints((config.context, w), "wpe.weight", normal(0.02))?,
+            tp: tp.cloned(),
         })
     }
 }
@@ -156,83 +230,134 @@ impl Embeddings {
 impl ModuleT for Embeddings {
     fn forward_t(&self, ids: &Tensor, _train: bool) -> candle_core::Result<Tensor> {
         let (b, t) = ids.dims2()?;
-        let tokens = self.wte.index_select(&ids.flatten_all()?, 0)?;
-        let tokens = tokens.reshape((b, t, self.wte.dim(1)?))?;
-        tokens.broadcast_add(&self.wpe.narrow(0, 0, t)?)
+        let tokens = match &self.wte {
+            Tokens::Whole(wte) => {
+                let tokens = wte.index_select(&ids.flatten_all()?, 0)?;
+                tokens.reshape((b, t, wte.dim(1)?))?
+            }
+            Tokens::Split(wte) => wte.forward(ids)?,
+        };
+        // With sequence parallelism, this rank's part of the time.
+        let (local, start) = match &self.tp {
+            Some(tp) if tp.sequence_parallel() => {
+                let local = tokens.dim(1)?;
+                (local, tp.rank() * local)
+            }
+            _ => (t, 0),
+        };
+        let wpe = match &self.tp {
+            Some(tp) => tp.replicated(&self.wpe)?,
+            None => self.wpe.clone(),
+        };
+        tokens.broadcast_add(&wpe.narrow(0, start, local)?)
     }
 }
 
 /// One transformer block.
+/// With tensor parallelism (Megatron's block): q, k and v split by heads
+/// (column), the attention's output projection by its inputs (row), the
+/// MLP column then row; the norms replicated.
 pub struct Block {
     ln_1: Norm,
-    c_attn: Linear,
-    attn_proj: Linear,
+    c_attn: Proj,
+    attn_proj: Proj,
     ln_2: Norm,
-    c_fc: Linear,
-    mlp_proj: Linear,
+    c_fc: Proj,
+    mlp_proj: Proj,
+    /// This rank's heads.
     heads: usize,
     fused_ops: bool,
 }
 
 impl Block {
-    pub fn new(config: GptConfig, i: usize, vb: VarBuilder) -> candle_core::Result<Self> {
+    pub fn new(
+        config: GptConfig,
+        i: usize,
+        tp: Option<&TensorParallel>,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self> {
         let vb = vb.pp(format!("h.{i}"));
-        let w = config.width;
+        let (w, fused) = (config.width, config.fused_ops);
         let residual = 0.02 / ((2 * config.layers) as f64).sqrt();
+        let heads = match tp {
+            Some(tp) => tp
+                .share(config.heads, &format!("the heads of block {i}"))
+                .map_err(candle_core::Error::wrap)?,
+            None => config.heads,
+        };
+        let (column, row) = ((tp, true), (tp, false));
         Ok(Self {
-            ln_1: Norm::new(w, config.fused_ops, vb.pp("ln_1"))?,
-            c_attn: linear(w, 3 * w, 0.02, vb.pp("attn.c_attn"))?,
-            attn_proj: linear(w, w, residual, vb.pp("attn.c_proj"))?,
-            ln_2: Norm::new(w, config.fused_ops, vb.pp("ln_2"))?,
-            c_fc: linear(w, 4 * w, 0.02, vb.pp("mlp.c_fc"))?,
-            mlp_proj: linear(4 * w, w, residual, vb.pp("mlp.c_proj"))?,
-            heads: config.heads,
-            fused_ops: config.fused_ops,
+            ln_1: Norm::new(w, fused, tp, vb.pp("ln_1"))?,
+            c_attn: Proj::new((w, 3 * w), 0.02, column, fused, vb.pp("attn.c_attn"))?,
+            attn_proj: Proj::new((w, w), residual, row, fused, vb.pp("attn.c_proj"))?,
+            ln_2: Norm::new(w, fused, tp, vb.pp("ln_2"))?,
+            c_fc: Proj::new((w, 4 * w), 0.02, column, fused, vb.pp("mlp.c_fc"))?,
+            mlp_proj: Proj::new((4 * w, w), residual, row, fused, vb.pp("mlp.c_proj"))?,
+            heads,
+            fused_ops: fused,
         })
     }
 
     fn attention(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let qkv = apply(&self.c_attn, x, self.fused_ops)?;
+        let qkv = self.c_attn.forward(x)?;
         let y = match self.fused_ops {
             true => candle_dp::ops::causal_attention(&qkv, self.heads)?,
             false => candle_dp::ops::causal_attention_unfused(&qkv, self.heads)?,
         };
-        apply(&self.attn_proj, &y, self.fused_ops)
+        self.attn_proj.forward(&y)
     }
 }
 
 impl ModuleT for Block {
     fn forward_t(&self, x: &Tensor, _train: bool) -> candle_core::Result<Tensor> {
         let x = (x + self.attention(&self.ln_1.forward(x)?)?)?;
-        let fc = apply(&self.c_fc, &self.ln_2.forward(&x)?, self.fused_ops)?;
+        let fc = self.c_fc.forward(&self.ln_2.forward(&x)?)?;
         let hidden = match self.fused_ops {
             true => candle_dp::ops::gelu(&fc)?,
             false => fc.gelu()?,
         };
-        &x + apply(&self.mlp_proj, &hidden, self.fused_ops)?
+        &x + self.mlp_proj.forward(&hidden)?
     }
 }
 
 /// The last unit: the final LayerNorm and the head tied to `wte`.
+/// With tensor parallelism the head is column-parallel over the
+/// vocabulary: each rank gives its columns of the logits, for
+/// [`lm_loss_tp`].
 pub struct Head {
     ln_f: Norm,
     wte: Tensor,
     fused_ops: bool,
+    tp: Option<TensorParallel>,
 }
 
 impl Head {
-    pub fn new(config: GptConfig, vb: VarBuilder) -> candle_core::Result<Self> {
+    pub fn new(
+        config: GptConfig,
+        tp: Option<&TensorParallel>,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self> {
+        let rows = match tp {
+            Some(tp) => tp
+                .share(config.vocab, "the vocabulary of `wte.weight`")
+                .map_err(candle_core::Error::wrap)?,
+            None => config.vocab,
+        };
         Ok(Self {
-            ln_f: Norm::new(config.width, config.fused_ops, vb.pp("ln_f"))?,
-            wte: vb.get_with_hints((config.vocab, config.width), "wte.weight", normal(0.02))?,
+            ln_f: Norm::new(config.width, config.fused_ops, tp, vb.pp("ln_f"))?,
+            wte: vb.get_with_hints((rows, config.width), "wte.weight", normal(0.02))?,
             fused_ops: config.fused_ops,
+            tp: tp.cloned(),
         })
     }
 }
 
 impl ModuleT for Head {
     fn forward_t(&self, x: &Tensor, _train: bool) -> candle_core::Result<Tensor> {
-        let x = self.ln_f.forward(x)?;
+        let mut x = self.ln_f.forward(x)?;
+        if let Some(tp) = &self.tp {
+            x = tp.enter(&x)?;
+        }
         match self.fused_ops {
             true => candle_dp::ops::linear(&x, &self.wte, None),
             false => x.broadcast_matmul(&self.wte.t()?),
@@ -242,12 +367,42 @@ impl ModuleT for Head {
 
 /// The units, for a `Pipeline` (or any driver of units).
 pub fn units(config: GptConfig) -> Vec<LayerFactory> {
-    let mut units = vec![layer(move |vb| Embeddings::new(config, vb))];
+    tp_units(config, None)
+}
+
+/// The units, each rank's pieces with tensor parallelism `tp` (whole
+/// without), placed as [`tp_plan`] says.
+pub fn tp_units(config: GptConfig, tp: Option<&TensorParallel>) -> Vec<LayerFactory> {
+    let tp = tp.cloned();
+    let (t0, t1, t2) = (tp.clone(), tp.clone(), tp);
+    let mut units = vec![layer(move |vb| Embeddings::new(config, t0.as_ref(), vb))];
     for i in 0..config.layers {
-        units.push(layer(move |vb| Block::new(config, i, vb)));
+        let tp = t1.clone();
+        units.push(layer(move |vb| Block::new(config, i, tp.as_ref(), vb)));
     }
-    units.push(layer(move |vb| Head::new(config, vb)));
+    units.push(layer(move |vb| Head::new(config, t2.as_ref(), vb)));
     units
+}
+
+/// How [`tp_units`] split the parameters (PyTorch's plan for GPT-2:
+/// `wte` by the vocabulary, `c_attn` colwise by heads within each of q, k
+/// and v, `attn.c_proj` rowwise, `c_fc` colwise, `mlp.c_proj` rowwise;
+/// the rest replicated).
+pub fn tp_plan() -> TpPlan {
+    TpPlan::new()
+        .with("wte.weight", Placement::Shard(0))
+        .with(
+            "h.*.attn.c_attn.weight",
+            Placement::ShardBlocks { dim: 0, blocks: 3 },
+        )
+        .with(
+            "h.*.attn.c_attn.bias",
+            Placement::ShardBlocks { dim: 0, blocks: 3 },
+        )
+        .with("h.*.attn.c_proj.weight", Placement::Shard(1))
+        .with("h.*.mlp.c_fc.weight", Placement::Shard(0))
+        .with("h.*.mlp.c_fc.bias", Placement::Shard(0))
+        .with("h.*.mlp.c_proj.weight", Placement::Shard(1))
 }
 
 /// The whole model on one device: the units in order.
@@ -260,11 +415,11 @@ pub struct Gpt {
 impl Gpt {
     pub fn new(config: GptConfig, vb: VarBuilder) -> candle_core::Result<Self> {
         Ok(Self {
-            embeddings: Embeddings::new(config, vb.clone())?,
+            embeddings: Embeddings::new(config, None, vb.clone())?,
             blocks: (0..config.layers)
-                .map(|i| Block::new(config, i, vb.clone()))
+                .map(|i| Block::new(config, i, None, vb.clone()))
                 .collect::<candle_core::Result<_>>()?,
-            head: Head::new(config, vb)?,
+            head: Head::new(config, None, vb)?,
         })
     }
 }
@@ -295,4 +450,17 @@ pub fn lm_loss_composite(logits: &Tensor, targets: &Tensor) -> candle_core::Resu
     let (b, t, v) = logits.dims3()?;
     let logits = logits.to_dtype(DType::F32)?.reshape((b * t, v))?;
     candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
+}
+
+/// [`lm_loss`] of logits split by the vocabulary over the
+/// tensor-parallel ranks (each rank's columns, batch x time x vocab /
+/// tp): `candle_dp::tensor_parallel::vocab_parallel_cross_entropy`.
+pub fn lm_loss_tp(
+    logits: &Tensor,
+    targets: &Tensor,
+    tp: &TensorParallel,
+) -> candle_core::Result<Tensor> {
+    let (b, t, v) = logits.dims3()?;
+    let logits = logits.reshape((b * t, v))?;
+    candle_dp::tensor_parallel::vocab_parallel_cross_entropy(&logits, &targets.flatten_all()?, tp)
 }

@@ -323,6 +323,29 @@ pub fn most(all: &[Memory]) -> Memory {
 /// (MPI processes)`, `HSDP x4 (thread ranks, shard groups of 2)`, `1
 /// pipeline(s) of 4 stages on MPI processes, 4 micro-batches` ...
 pub fn label(config: &FabricConfig) -> String {
+    let tp = config.tensor_parallel_size();
+    if tp == 1 {
+        return data_parallel_label(config);
+    }
+    let split = match config.sequence_parallel {
+        true => "tensor + sequence parallel",
+        false => "tensor parallel",
+    };
+    let dp = FabricConfig {
+        devices: candle_dp::fabric::Devices::Count(config.devices.len() / tp),
+        mesh: config
+            .mesh
+            .map(|m| candle_dp::fabric::Degrees { tp: 1, ..m }),
+        ..config.clone()
+    };
+    match data_parallel_label(&dp).as_str() {
+        "one device" => format!("{split} x{tp}"),
+        other => format!("{other} x {split} {tp}"),
+    }
+}
+
+/// [`label`] of the data-parallel strategy.
+fn data_parallel_label(config: &FabricConfig) -> String {
     let strategy = config.effective_strategy();
     let degrees = config.degrees();
     let n = match Backend::from_env() {

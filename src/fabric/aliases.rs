@@ -179,7 +179,9 @@ impl FabricConfig {
     pub fn ranks(&self) -> usize {
         let strategy = self.effective_strategy();
         match strategy {
-            Strategy::Single | Strategy::Dp | Strategy::Pipeline => 1,
+            // Tensor parallelism alone: one rank per piece.
+            Strategy::Single => self.tensor_parallel_size(),
+            Strategy::Dp | Strategy::Pipeline => 1,
             Strategy::PipelineDdp => self.devices.len() / self.stages.max(1),
             _ => self.devices.len(),
         }
@@ -210,6 +212,7 @@ impl FabricConfig {
             stages: defaults.stages,
             overlap: false,
             mesh: None,
+            sequence_parallel: false,
             ..self.clone()
         }
     }
@@ -235,10 +238,17 @@ impl FabricConfig {
     /// How many consecutive ranks train on one share of the data: a
     /// pipeline's stages with `pipeline-ranks`, else 1.
     pub(crate) fn ranks_per_data_share(&self) -> usize {
+        let tp = self.tensor_parallel_size();
         match self.effective_strategy() {
-            Strategy::PipelineRanks => self.stages.max(1),
-            _ => 1,
+            Strategy::PipelineRanks => self.stages.max(1) * tp,
+            _ => tp,
         }
+    }
+
+    /// The tensor-parallel ranks that split each matrix (the mesh's `tp`
+    /// degree; 1 without a mesh).
+    pub fn tensor_parallel_size(&self) -> usize {
+        self.mesh.map_or(1, |mesh| mesh.tp.max(1))
     }
 
     /// Checks the settings that belong to some strategies only (the ZeRO
@@ -279,7 +289,7 @@ impl FabricConfig {
             }
         }
         match strategy {
-            Strategy::Single if devices != 1 => {
+            Strategy::Single if devices != self.tensor_parallel_size() => {
                 return refuse(format!(
                     "one device only, got {devices}: use dp or ddp for several"
                 ))

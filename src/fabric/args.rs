@@ -43,10 +43,15 @@ pub struct FabricArgs {
     #[arg(long)]
     pub strategy: Option<Strategy>,
     /// The parallelism as degrees of one mesh, `dp_replicate=2,dp_shard=2`
-    /// (also dp_shard, pp; their product the ranks): sets the strategy,
-    /// the ranks, the shard groups and the stages.
+    /// (also dp_shard, pp, tp; their product the ranks): sets the
+    /// strategy, the ranks, the shard groups, the stages and the
+    /// tensor-parallel ranks.
     #[arg(long, value_name = "DEGREES")]
     pub mesh: Option<Degrees>,
+    /// With a mesh's tp above 1: the activations between the layers split
+    /// along the sequence over the tensor-parallel ranks.
+    #[arg(long)]
+    pub sequence_parallel: bool,
     /// cpu or cuda [default: cpu].
     #[arg(long)]
     pub accelerator: Option<Accelerator>,
@@ -174,6 +179,9 @@ impl FabricArgs {
         }
         if self.no_reshard_after_forward {
             config.reshard_after_forward = false;
+        }
+        if self.sequence_parallel {
+            config.sequence_parallel = true;
         }
         if let Some(degrees) = self.mesh {
             // The flag's mesh replaces the file's, and what the file's set.

@@ -283,6 +283,11 @@ pub struct FabricConfig {
     /// shard groups and the stages ([`with_mesh`](Self::with_mesh));
     /// default none: the strategy's name says it.
     pub mesh: Option<Degrees>,
+    /// With a `tp` degree above 1: the activations between the layers
+    /// split along the sequence over the tensor-parallel ranks (sequence
+    /// parallelism); default off.
+    #[serde(default)]
+    pub sequence_parallel: bool,
 }
 
 impl Default for FabricConfig {
@@ -311,6 +316,7 @@ impl Default for FabricConfig {
             max_restarts: 0,
             seed: 0,
             mesh: None,
+            sequence_parallel: false,
         }
     }
 }
@@ -389,6 +395,13 @@ impl FabricConfig {
                     self.devices.ordinals()
                 ));
             }
+        }
+        if self.sequence_parallel && self.tensor_parallel_size() < 2 {
+            return refuse(
+                "sequence_parallel splits the activations over the tensor-parallel ranks: give a \
+                 mesh with tp of at least 2"
+                    .into(),
+            );
         }
         if self.chunks == Some(0) {
             return refuse("chunks must be at least 1".into());

@@ -22,7 +22,8 @@ use crate::error::{Error, Result};
 ///   them (FSDP, HSDP's shard dimension, FSDP across a pipeline's
 ///   replicas);
 /// - `cp`: context parallelism, reserved (refused above 1);
-/// - `tp`: tensor parallelism, not built yet (refused above 1);
+/// - `tp`: tensor parallelism (the innermost: neighbouring ranks split
+///   each matrix, [`crate::tensor_parallel`]);
 /// - `pp`: pipeline stages, one rank each.
 ///
 /// ```
@@ -153,12 +154,6 @@ impl Degrees {
             return Err(Error::Config(format!(
                 "mesh {self}: context parallelism (cp = {}) is reserved, not built: give cp=1",
                 self.cp
-            )));
-        }
-        if self.tp > 1 {
-            return Err(Error::Config(format!(
-                "mesh {self}: tensor parallelism (tp = {}) is not built yet: give tp=1",
-                self.tp
             )));
         }
         Ok(())

@@ -27,10 +27,13 @@ impl FabricConfig {
     /// assert_eq!(hsdp.degrees().to_string(), "dp_replicate=2,dp_shard=2");
     /// ```
     pub fn degrees(&self) -> Degrees {
-        let n = self.devices.len();
+        // The tensor-parallel ranks are innermost: the rest is the
+        // strategy's, over the ranks of one tensor-parallel place.
+        let tp = self.tensor_parallel_size();
+        let n = self.devices.len() / tp;
         let one = Degrees::one();
         let stages = self.stages.max(1);
-        match self.effective_strategy() {
+        let degrees = match self.effective_strategy() {
             Strategy::Single => one,
             Strategy::Dp
             | Strategy::Ddp
@@ -76,7 +79,8 @@ impl FabricConfig {
                     },
                 }
             }
-        }
+        };
+        Degrees { tp, ..degrees }
     }
 
     /// This configuration training with `degrees` on thread ranks or
@@ -88,8 +92,10 @@ impl FabricConfig {
     /// names hsdp); both `hsdp`; `pp` with `dp_replicate`
     /// `pipeline-ranks` across replicas (with `zero` 1 or 2, ZeRO across
     /// them), with `dp_shard` FSDP across them, with both HSDP across them
-    /// (a mesh of three dimensions). Accelerate's
-    /// `ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)`.
+    /// (a mesh of three dimensions). A `tp` degree multiplies the ranks:
+    /// the strategy runs over the ranks holding the same tensor-parallel
+    /// pieces ([`crate::tensor_parallel`]). Accelerate's
+    /// `ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2)`.
     ///
     /// ```
     /// use candle_dp::fabric::{FabricConfig, Strategy};
@@ -102,8 +108,7 @@ impl FabricConfig {
     ///
     /// # Errors
     ///
-    /// [`Error::Config`] for a degree of 0, `cp` or `tp` above 1 (not
-    /// built), or a
+    /// [`Error::Config`] for a degree of 0, `cp` above 1 (reserved), or a
     /// strategy, number of devices or ZeRO stage already set in this
     /// configuration that the degrees contradict (naming both).
     pub fn with_mesh(mut self, degrees: Degrees) -> Result<Self> {

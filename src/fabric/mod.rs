@@ -91,7 +91,9 @@ use crate::error::{Error, Result};
 use crate::launch::{Backend, Elastic, RankContext};
 use crate::loader::Dataset;
 use crate::optim::StatefulOptimizer;
+use crate::tensor_parallel::TensorParallel;
 use crate::units::Units;
+use crate::util::lock::lock;
 use step_order::StepOrder;
 
 /// One rank's handle on a run: its place among the ranks, its devices,
@@ -100,6 +102,9 @@ pub struct Fabric {
     config: FabricConfig,
     ctx: RankContext,
     devices: Vec<Device>,
+    /// With a `tp` degree above 1: this rank's tensor parallelism, and
+    /// the group of the ranks holding the same pieces (the strategy's).
+    tensor_parallel: Option<(TensorParallel, Arc<dyn ProcessGroup>)>,
 }
 
 impl fmt::Debug for Fabric {
@@ -165,7 +170,8 @@ impl Fabric {
     {
         config.check()?;
         let strategy = config.effective_strategy();
-        if under_mpi && !strategy.is_distributed() && Backend::world_size() > 1 {
+        let tp = config.tensor_parallel_size();
+        if under_mpi && !strategy.is_distributed() && tp == 1 && Backend::world_size() > 1 {
             return Err(Error::Strategy {
                 strategy: strategy.name().into(),
                 reason: format!(
@@ -196,11 +202,31 @@ impl Fabric {
                 true => devices[0].clone(),
                 false => devices[ctx.rank].clone(),
             };
-            f(Fabric {
+            let tensor_parallel = match tp {
+                1 => None,
+                tp => Some(TensorParallel::split(
+                    &ctx.pg,
+                    tp,
+                    config.sequence_parallel,
+                )?),
+            };
+            let (world, groups) = (Arc::clone(&ctx.pg), tensor_parallel.clone());
+            let result = f(Fabric {
                 config: config.clone(),
                 ctx,
                 devices: mine,
-            })
+                tensor_parallel,
+            });
+            // This rank's error fails its groups before their handles go
+            // (the world first, so that it is the run's root cause): the
+            // others then hear why, not that this rank left.
+            if let (Err(e), Some((tp, data))) = (&result, &groups) {
+                let reason = format!("{e:#}");
+                world.abort(&reason);
+                tp.group().abort(&reason);
+                data.abort(&reason);
+            }
+            result
         };
         match (under_mpi, config.max_restarts) {
             (true, _) => crate::launch::run(config.ranks(), options, rank),
@@ -400,8 +426,9 @@ impl Fabric {
         let strategy = self.strategy();
         module.check_serves(strategy, self.config.overlaps())?;
         let varmap = self.initial_varmap(&module)?;
-        let engine = strategies::build(&self.engine_setup(&varmap, &module), make)?;
-        self.model_around(engine)
+        let setup = self.engine_setup(&varmap, &module);
+        let engine = strategies::build(&setup, make)?;
+        self.model_around(strategies::with_tensor_parallel(engine, &setup))
     }
 
     /// [`setup`](Self::setup) with a strategy of the caller's own: `build`
@@ -415,12 +442,13 @@ impl Fabric {
     /// `build`'s; the initial weights cannot be drawn.
     pub fn setup_engine<O, B>(&self, module: FabricModule, build: B) -> Result<FabricModel<O>>
     where
-        O: StatefulOptimizer,
+        O: StatefulOptimizer + 'static,
         B: FnOnce(EngineSetup<'_>) -> Result<Box<dyn Engine<O>>>,
     {
         let varmap = self.initial_varmap(&module)?;
         let engine = build(self.engine_setup(&varmap, &module))?;
-        self.model_around(engine)
+        let setup = self.engine_setup(&varmap, &module);
+        self.model_around(strategies::with_tensor_parallel(engine, &setup))
     }
 
     /// What a strategy is built from on this rank.
@@ -431,10 +459,14 @@ impl Fabric {
     ) -> EngineSetup<'a> {
         EngineSetup {
             config: &self.config,
-            pg: self.ctx.pg.clone(),
+            pg: match &self.tensor_parallel {
+                Some((_, data)) => Arc::clone(data),
+                None => self.ctx.pg.clone(),
+            },
             devices: &self.devices,
             varmap,
             module,
+            tensor_parallel: self.tensor_parallel().cloned(),
         }
     }
 
@@ -478,12 +510,40 @@ impl Fabric {
             return Ok(candle_nn::VarMap::new());
         }
         let whole = module.whole();
-        Ok(crate::seeded_init::seeded_varmap(
+        let pieces = match (self.tensor_parallel(), module.tp_plan()) {
+            (None, _) => None,
+            (Some(tp), Some(plan)) => Some(crate::seeded_init::Pieces {
+                plan,
+                rank: tp.rank(),
+                tp: tp.size(),
+            }),
+            (Some(tp), None) => {
+                return Err(Error::TensorParallel(format!(
+                    "the mesh has tp = {}, and the model gives no plan: build its pieces with \
+                     Fabric::tensor_parallel and give their placements with \
+                     FabricModule::with_tp_plan",
+                    tp.size()
+                )))
+            }
+        };
+        let varmap = crate::seeded_init::seeded_pieces(
             self.config.seed,
             DType::F32,
             first,
+            pieces,
             |vb| -> candle_core::Result<Units> { whole(vb) },
-        )?)
+        )?;
+        if let (Some(_), Some(plan)) = (self.tensor_parallel(), module.tp_plan()) {
+            let names: Vec<String> = lock(varmap.data()).keys().cloned().collect();
+            plan.check_names(names.iter().map(String::as_str))?;
+        }
+        Ok(varmap)
+    }
+
+    /// This rank's tensor parallelism, when the mesh has a `tp` degree
+    /// above 1: the model's factories build their pieces with it.
+    pub fn tensor_parallel(&self) -> Option<&TensorParallel> {
+        self.tensor_parallel.as_ref().map(|(tp, _)| tp)
     }
 
     /// This rank's loader over `dataset`, `batch_size` samples per batch

@@ -8,6 +8,7 @@ use candle_nn::VarBuilder;
 
 use super::config::Strategy;
 use crate::error::{Error, Result};
+use crate::tensor_parallel::TpPlan;
 use crate::units::{layer, LayerFactory, Units};
 
 /// A model's recipe: how to build it from a `VarBuilder`, as one module or
@@ -36,6 +37,7 @@ use crate::units::{layer, LayerFactory, Units};
 pub struct FabricModule {
     parts: Vec<LayerFactory>,
     units: bool,
+    plan: Option<TpPlan>,
 }
 
 impl FabricModule {
@@ -48,13 +50,34 @@ impl FabricModule {
         Self {
             parts: vec![layer(factory)],
             units: false,
+            plan: None,
         }
     }
 
     /// A model as units, in order (see [`crate::units`]); it serves every
     /// strategy.
     pub fn units(parts: Vec<LayerFactory>) -> Self {
-        Self { parts, units: true }
+        Self {
+            parts,
+            units: true,
+            plan: None,
+        }
+    }
+
+    /// This model with its tensor-parallel plan: its factories build each
+    /// rank's pieces (with the [`TensorParallel`](crate::tensor_parallel::TensorParallel)
+    /// of [`Fabric::tensor_parallel`](super::Fabric::tensor_parallel)),
+    /// and `plan` says how each parameter lies, so that the pieces are
+    /// cut from one device's initial weights and joined back for the
+    /// whole model. A mesh with `tp` above 1 needs it.
+    pub fn with_tp_plan(mut self, plan: TpPlan) -> Self {
+        self.plan = Some(plan);
+        self
+    }
+
+    /// Its tensor-parallel plan, if it has one.
+    pub fn tp_plan(&self) -> Option<&TpPlan> {
+        self.plan.as_ref()
     }
 
     /// Whether it was given as units.
@@ -114,6 +137,7 @@ impl fmt::Debug for FabricModule {
         f.debug_struct("FabricModule")
             .field("parts", &self.parts.len())
             .field("units", &self.units)
+            .field("tp_plan", &self.plan)
             .finish()
     }
 }

@@ -51,5 +51,6 @@ mod sampler;
 mod scatter_gather;
 mod semantics;
 mod subgroups;
+mod tensor_parallel;
 mod training_state;
 mod zero;

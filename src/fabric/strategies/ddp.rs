@@ -14,6 +14,7 @@ use super::{
     bytes_of, from_step, scaled, Engine, EngineSetup, EngineStep, FoundState, LossFn, Memory,
     Shards, StateStore, Trainables,
 };
+use crate::comm::ProcessGroup;
 use crate::ddp::{DistributedDataParallel, ZeroStage};
 use crate::error::Result;
 use crate::fabric::Strategy;
@@ -143,6 +144,19 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Ddp<O> {
             Stepper::Whole(_) => {
                 clip_grad_norm(grads, self.trainables.vars(), max_norm, 2.0, false)
             }
+        }
+    }
+
+    fn clip_tensor_parallel(
+        &self,
+        grads: &mut GradStore,
+        max_norm: f64,
+        tp: &dyn ProcessGroup,
+        counted: &dyn Fn(&str) -> bool,
+    ) -> Result<Clipped> {
+        match &self.trainables.stepper {
+            Stepper::Zero(_) => Err(super::no_clip_across(self.name())),
+            Stepper::Whole(_) => super::clip_across(&self.trainables, grads, max_norm, tp, counted),
         }
     }
 

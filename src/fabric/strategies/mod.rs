@@ -16,6 +16,7 @@ mod replicas;
 mod shard_groups;
 mod single;
 mod states;
+mod tensor_parallel;
 mod trainables;
 
 use std::collections::HashMap;
@@ -35,6 +36,7 @@ use crate::optim::{clip_grad_norm, Clipped, OptimizerState, StatefulOptimizer};
 use crate::saving::sharded::{Checkpoints, FsdpSave};
 use crate::saving::training_state::{SavedState, TrainingState};
 use crate::step::Step;
+use crate::tensor_parallel::TensorParallel;
 use crate::util::vars::sorted_vars;
 
 pub use trainables::Trainables;
@@ -176,6 +178,28 @@ pub trait Engine<O: StatefulOptimizer> {
         clip_grad_norm(grads, self.trainables().vars(), max_norm, 2.0, false)
     }
 
+    /// [`clip`](Self::clip) with the total norm taken over the
+    /// tensor-parallel ranks `tp` as well, each parameter's gradient
+    /// counted where `counted(name)` says (so that one every rank holds
+    /// whole counts once). The default refuses: an engine whose own
+    /// clip is local (its gradients whole on each rank) gives it with
+    /// [`clip_across`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::TensorParallel`] where the strategy cannot; the norm's,
+    /// a collective's.
+    fn clip_tensor_parallel(
+        &self,
+        grads: &mut GradStore,
+        max_norm: f64,
+        tp: &dyn ProcessGroup,
+        counted: &dyn Fn(&str) -> bool,
+    ) -> Result<Clipped> {
+        let _ = (grads, max_norm, tp, counted);
+        Err(no_clip_across(self.name()))
+    }
+
     /// The whole model's variables by name (a sharding engine gathers
     /// them: every rank calls it).
     ///
@@ -292,6 +316,7 @@ pub struct EngineSetup<'a> {
     pub(crate) devices: &'a [Device],
     pub(crate) varmap: &'a VarMap,
     pub(crate) module: &'a FabricModule,
+    pub(crate) tensor_parallel: Option<TensorParallel>,
 }
 
 impl EngineSetup<'_> {
@@ -300,7 +325,15 @@ impl EngineSetup<'_> {
         self.config
     }
 
-    /// The group of the ranks.
+    /// The ranks' tensor parallelism, when the mesh has a `tp` degree
+    /// above 1 ([`process_group`](Self::process_group) is then the group
+    /// of the ranks at this rank's place in its tensor-parallel group).
+    pub fn tensor_parallel(&self) -> Option<&TensorParallel> {
+        self.tensor_parallel.as_ref()
+    }
+
+    /// The group of the ranks the strategy runs over (with tensor
+    /// parallelism, those holding the same pieces).
     pub fn process_group(&self) -> Arc<dyn ProcessGroup> {
         self.pg.clone()
     }
@@ -364,6 +397,63 @@ where
         Strategy::PipelineDdp => Box::new(pipeline_ddp::PipelineDdp::build(setup, make)?),
         Strategy::PipelineRanks => Box::new(pipeline_ranks::PipelineRanks::build(setup, make)?),
     })
+}
+
+/// `engine` as the run needs it: with tensor parallelism, inside the
+/// engine that takes the norm over the tensor-parallel ranks and joins
+/// their pieces.
+pub(crate) fn with_tensor_parallel<O: StatefulOptimizer + 'static>(
+    engine: Box<dyn Engine<O>>,
+    setup: &EngineSetup<'_>,
+) -> Box<dyn Engine<O>> {
+    match (&setup.tensor_parallel, setup.module.tp_plan()) {
+        (Some(tp), Some(plan)) => Box::new(tensor_parallel::TensorParallelEngine::around(
+            engine,
+            tp.clone(),
+            plan.clone(),
+        )),
+        _ => engine,
+    }
+}
+
+/// The error of a strategy that cannot clip across tensor-parallel ranks.
+fn no_clip_across(strategy: &str) -> crate::error::Error {
+    crate::error::Error::TensorParallel(format!(
+        "strategy {strategy} does not clip gradients across tensor-parallel ranks yet: turn \
+         clipping off, or train with single, ddp or ddp-overlap beside tp"
+    ))
+}
+
+/// Clips the gradients of `trainables` (whole on this rank) to a total
+/// norm of `max_norm` taken over the ranks of `pg` as well, each counted
+/// where `counted(name)` says: [`Engine::clip_tensor_parallel`] for an
+/// engine whose gradients are whole on each rank.
+///
+/// # Errors
+///
+/// The norm's, a collective's.
+pub fn clip_across<O: StatefulOptimizer>(
+    trainables: &Trainables<O>,
+    grads: &mut GradStore,
+    max_norm: f64,
+    pg: &dyn ProcessGroup,
+    counted: &dyn Fn(&str) -> bool,
+) -> Result<Clipped> {
+    let ids: std::collections::HashSet<_> = sorted_vars(trainables.varmap())
+        .into_iter()
+        .filter(|(name, _)| counted(name))
+        .map(|(_, var)| var.as_tensor().id())
+        .collect();
+    let counts = |var: &Var| ids.contains(&var.as_tensor().id());
+    crate::optim::clip::clip_grad_norm_across_counting(
+        pg,
+        grads,
+        trainables.vars(),
+        &counts,
+        max_norm,
+        2.0,
+        false,
+    )
 }
 
 /// The bytes of `vars`.

@@ -6,11 +6,14 @@ use candle_nn::VarBuilder;
 
 use super::{backward_of, Engine, EngineSetup, EngineStep, LossFn, Trainables};
 use crate::buffers::{is_batch_norm_buffer, BufferSnapshot};
+use crate::comm::ProcessGroup;
 use crate::error::Result;
+use crate::optim::Clipped;
 use crate::optim::StatefulOptimizer;
 use crate::precision::MixedPrecisionModel;
 use crate::units::Units;
 use crate::util::vars::sorted_vars;
+use candle_core::backprop::GradStore;
 
 /// The model itself, or (mixed precision) computing on low-precision
 /// copies of it.
@@ -87,6 +90,16 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Single<O> {
 
     fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
         self.model.forward_t(x, false)
+    }
+
+    fn clip_tensor_parallel(
+        &self,
+        grads: &mut GradStore,
+        max_norm: f64,
+        tp: &dyn ProcessGroup,
+        counted: &dyn Fn(&str) -> bool,
+    ) -> Result<Clipped> {
+        super::clip_across(&self.trainables, grads, max_norm, tp, counted)
     }
 
     fn trainables(&self) -> &Trainables<O> {

@@ -1,0 +1,368 @@
+//! Tensor parallelism (`tp` of the Fabric's mesh) on the language model of
+//! `examples/train_lm.rs`: every mesh with a `tp` degree trains to one
+//! device's losses and weights, each rank holds its share of the
+//! matrices, and what cannot be split is refused before a step runs.
+
+use std::collections::HashMap;
+
+use anyhow::Result;
+use candle_core::Tensor;
+use candle_dp::fabric::{Degrees, Fabric, FabricConfig, FabricModel, FabricModule, Memory};
+use candle_dp::optim::{AdamWConfig, Sgd, SgdConfig, StatefulOptimizer};
+use candle_dp::tensor_parallel::{Placement, TpPlan};
+
+use crate::common::{max_rel_diff, within};
+use crate::example_gpt::{adamw_groups, lm_loss, lm_loss_tp, tp_plan, tp_units, GptConfig};
+use crate::example_text::{load_text, split, windows_at, Windows};
+
+const GPT: GptConfig = GptConfig {
+    vocab: 256,
+    context: 16,
+    width: 32,
+    layers: 2,
+    heads: 4,
+    fused_ops: true,
+};
+
+/// What rank 0 saw: every step's loss, the whole model at the end, its
+/// memory.
+struct Run {
+    losses: Vec<f32>,
+    weights: HashMap<String, Tensor>,
+    memory: Memory,
+}
+
+fn config(mesh: &str, sequence_parallel: bool, clip: Option<f64>) -> Result<FabricConfig> {
+    let config = FabricConfig {
+        gradient_clip: clip,
+        sequence_parallel,
+        ..FabricConfig::default()
+    };
+    Ok(match mesh {
+        "single" => config,
+        mesh => config.with_mesh(mesh.parse::<Degrees>()?)?,
+    })
+}
+
+/// `steps` steps on a global batch of 8 windows of the book, through
+/// the Fabric's one loop: AdamW over the GPT-2 groups, or SGD with
+/// momentum (`sgd`), whose steps do not magnify rounding as Adam's do.
+fn train(config: FabricConfig, gpt: GptConfig, steps: u64, sgd: bool) -> Result<Run> {
+    let text = load_text()?;
+    let (train, _) = split(&text, gpt.context);
+    let runs = Fabric::spawn(config, |fabric| {
+        let module = match fabric.tensor_parallel() {
+            Some(tp) => FabricModule::units(tp_units(gpt, Some(tp))).with_tp_plan(tp_plan()),
+            None => FabricModule::units(tp_units(gpt, None)),
+        };
+        let run = match sgd {
+            true => {
+                let sgd = SgdConfig {
+                    lr: 0.3,
+                    momentum: 0.9,
+                    ..Default::default()
+                };
+                let model = fabric.setup(module, |p| Sgd::new_named(p, sgd))?;
+                rank_loop(&fabric, model, &train, steps)?
+            }
+            false => {
+                let adamw = AdamWConfig {
+                    lr: 3e-3,
+                    weight_decay: 0.1,
+                    ..Default::default()
+                };
+                let model = fabric.setup(module, |p| adamw_groups(p, adamw, false))?;
+                rank_loop(&fabric, model, &train, steps)?
+            }
+        };
+        Ok((fabric.rank() == 0).then_some(run))
+    })?;
+    Ok(runs.into_iter().flatten().next().expect("rank 0's run"))
+}
+
+/// One rank's loop: its share of each step's batch.
+fn rank_loop<O: StatefulOptimizer>(
+    fabric: &Fabric,
+    mut model: FabricModel<O>,
+    train: &Windows,
+    steps: u64,
+) -> Result<Run> {
+    let (share, shares) = (fabric.data_parallel_rank(), fabric.data_parallel_size());
+    let mut losses = Vec::new();
+    for step in 0..steps {
+        let rows = windows_at(train, shares, share, 7, 8 / shares, step)?;
+        let (x, y) = train.batch(&rows)?;
+        let loss = match fabric.tensor_parallel().cloned() {
+            Some(tp) => model.backward(&x, &y, move |out, y| lm_loss_tp(out, y, &tp))?,
+            None => model.backward(&x, &y, lm_loss)?,
+        };
+        model.step()?;
+        losses.push(fabric.global_mean(&loss, x.dim(0)?)?);
+    }
+    Ok(Run {
+        losses,
+        weights: model.full_state()?,
+        memory: model.memory()?,
+    })
+}
+
+fn worst_loss_gap(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / y.abs())
+        .fold(0.0, f32::max)
+}
+
+/// Every loss within 1e-6 (relative) of one device's on the same
+/// batches; with SGD the weights too (1.5e-6). AdamW divides each step by
+/// the gradient's running size, so a gradient that is zero but for
+/// rounding (the attention's key bias: softmax ignores it) takes whole
+/// steps of rounding noise on every strategy; there the weights are held
+/// to data parallelism's own gap from one device (DDP's, measured beside
+/// them), four times over.
+#[test]
+fn every_mesh_with_tp_trains_to_one_devices_losses_and_weights() -> Result<()> {
+    let steps = 12;
+    for sgd in [true, false] {
+        let one = train(config("single", false, Some(1.0))?, GPT, steps, sgd)?;
+        let unclipped = train(config("single", false, None)?, GPT, steps, sgd)?;
+        let ddp = train(config("dp_replicate=2", false, Some(1.0))?, GPT, steps, sgd)?;
+        let ddp_gap = max_rel_diff(&ddp.weights, &one.weights);
+        let weights_within = match sgd {
+            true => 1.5e-6,
+            false => 4.0 * ddp_gap,
+        };
+        for (mesh, sp, clip) in [
+            ("tp=2", false, Some(1.0)),
+            ("tp=2", true, Some(1.0)),
+            ("tp=4", false, Some(1.0)),
+            ("tp=4", true, None),
+            ("dp_replicate=2,tp=2", false, Some(1.0)),
+            ("dp_replicate=2,tp=2", true, Some(1.0)),
+            ("dp_shard=2,tp=2", false, None),
+            ("dp_shard=2,tp=2", true, None),
+        ] {
+            let reference = if clip.is_some() { &one } else { &unclipped };
+            let run = within(300, move || train(config(mesh, sp, clip)?, GPT, steps, sgd))?;
+            let (losses, weights) = (
+                worst_loss_gap(&run.losses, &reference.losses),
+                max_rel_diff(&run.weights, &reference.weights),
+            );
+            let optimizer = if sgd { "SGD" } else { "AdamW" };
+            println!(
+                "{optimizer} {mesh} sequence parallel {sp}: losses {losses:.1e}, weights \
+                 {weights:.1e} (DDP's {ddp_gap:.1e})"
+            );
+            assert!(
+                losses < 1e-6,
+                "{optimizer} {mesh} sp {sp}: losses {losses:e}"
+            );
+            assert!(
+                weights < weights_within,
+                "{optimizer} {mesh} sp {sp}: weights {weights:e} (DDP's gap {ddp_gap:e})"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Each rank holds its share of the matrices and the replicated
+/// parameters whole: at tp = 2 and 4 its parameters and AdamW's state
+/// are `sharded / tp + replicated` of one device's.
+#[test]
+fn each_tp_rank_holds_its_share_of_the_matrices() -> Result<()> {
+    let (v, c, w, l) = (GPT.vocab, GPT.context, GPT.width, GPT.layers);
+    let sharded = v * w + l * (3 * w * w + 3 * w + w * w + 4 * w * w + 4 * w + 4 * w * w);
+    let replicated = c * w + l * (2 * w + w + 2 * w + w) + 2 * w;
+    assert_eq!(sharded + replicated, GPT.parameters());
+    let one = train(config("single", false, None)?, GPT, 1, false)?.memory;
+    // AdamW's state beside its two moments (its steps).
+    let counters = one.optimizer_state - 2 * 4 * GPT.parameters();
+    for (mesh, sp, tp) in [("tp=2", false, 2), ("tp=4", false, 4), ("tp=4", true, 4)] {
+        let run = train(config(mesh, sp, None)?, GPT, 1, false)?;
+        let expected = 4 * (sharded / tp + replicated);
+        println!(
+            "{mesh} sequence parallel {sp}: parameters {} bytes of one device's {}",
+            run.memory.parameters,
+            4 * GPT.parameters()
+        );
+        assert_eq!(run.memory.parameters, expected, "{mesh}");
+        assert_eq!(
+            run.memory.optimizer_state,
+            2 * expected + counters,
+            "{mesh}"
+        );
+        assert_eq!(run.memory.gradients, expected, "{mesh}");
+    }
+    Ok(())
+}
+
+fn refusal(config: FabricConfig, gpt: GptConfig, plan: TpPlan) -> String {
+    let e = within(60, move || {
+        Fabric::spawn(config, |fabric| {
+            let tp = fabric.tensor_parallel();
+            let module = FabricModule::units(tp_units(gpt, tp)).with_tp_plan(plan.clone());
+            fabric.setup(module, |p| Sgd::new_named(p, SgdConfig::default()))?;
+            Ok(())
+        })
+        .map_err(anyhow::Error::from)
+    })
+    .expect_err("refused");
+    format!("{e:#}")
+}
+
+#[test]
+fn what_cannot_be_split_is_refused_naming_the_dimension_and_the_layer() -> Result<()> {
+    let tp2 = || config("tp=2", false, None);
+    let heads = GptConfig {
+        heads: 3,
+        width: 24,
+        ..GPT
+    };
+    let e = refusal(tp2()?, heads, tp_plan());
+    assert!(
+        e.contains("the heads of block 0 (3) does not divide among tp = 2"),
+        "{e}"
+    );
+    let vocab = GptConfig { vocab: 255, ..GPT };
+    let e = refusal(tp2()?, vocab, tp_plan());
+    assert!(e.contains("the vocabulary of `wte.weight` (255)"), "{e}");
+    let width = GptConfig {
+        width: 30,
+        heads: 4,
+        ..GPT
+    };
+    let e = refusal(config("tp=4", false, None)?, width, tp_plan());
+    assert!(e.contains("(90) does not divide among tp = 4"), "{e}");
+    let plan = tp_plan().with("h.*.mlp.gate.weight", Placement::Shard(0));
+    let e = refusal(tp2()?, GPT, plan);
+    assert!(
+        e.contains("`h.*.mlp.gate.weight`") && e.contains("no parameter"),
+        "{e}"
+    );
+
+    // A model without a plan on a mesh with tp.
+    let e = within(60, move || {
+        Fabric::spawn(tp2()?, |fabric| {
+            let module = FabricModule::units(tp_units(GPT, fabric.tensor_parallel()));
+            fabric.setup(module, |p| Sgd::new_named(p, SgdConfig::default()))?;
+            Ok(())
+        })
+        .map_err(anyhow::Error::from)
+    })
+    .expect_err("refused");
+    assert!(
+        format!("{e:#}").contains("FabricModule::with_tp_plan"),
+        "{e:#}"
+    );
+
+    // Sequence parallelism without tensor parallelism, and degrees that
+    // are not the ranks given.
+    let e = config("dp_replicate=2", true, None)?
+        .check()
+        .expect_err("refused");
+    assert!(e.to_string().contains("sequence_parallel"), "{e}");
+    let three = FabricConfig {
+        devices: candle_dp::fabric::Devices::Count(3),
+        ..FabricConfig::default()
+    };
+    let e = three.with_mesh("tp=2".parse()?).expect_err("refused");
+    assert!(e.to_string().contains("spans 2 ranks"), "{e}");
+    Ok(())
+}
+
+/// Clipping over FSDP's pieces and the tensor-parallel ranks together is
+/// not built: said before a step changes anything.
+#[test]
+fn clipping_fsdp_beside_tp_is_refused_by_name() -> Result<()> {
+    let e = within(120, || {
+        train(config("dp_shard=2,tp=2", false, Some(1.0))?, GPT, 1, true)
+    })
+    .err()
+    .map(|e| format!("{e:#}"))
+    .unwrap_or_default();
+    assert!(
+        e.contains("strategy fsdp does not clip gradients across tensor-parallel ranks"),
+        "{e}"
+    );
+    Ok(())
+}
+
+/// A tensor-parallel rank whose step fails fails every rank (none waits
+/// for it), and the step that failed changed no weight.
+#[test]
+fn a_tp_rank_failing_mid_step_fails_every_rank_and_changes_no_weight() -> Result<()> {
+    let text = load_text()?;
+    let (train, _) = split(&text, GPT.context);
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let rank0 = std::sync::Arc::clone(&seen);
+    let result = within(120, move || {
+        Fabric::spawn(config("tp=2", false, Some(1.0))?, |fabric| {
+            let tp = fabric.tensor_parallel().cloned().expect("tp");
+            let module = FabricModule::units(tp_units(GPT, Some(&tp))).with_tp_plan(tp_plan());
+            let mut model = fabric.setup(module, |p| Sgd::new_named(p, SgdConfig::default()))?;
+            let (x, y) = train.batch(&windows_at(&train, 1, 0, 7, 8, 0)?)?;
+            let before = copies(model.varmap())?;
+            let rank = fabric.rank();
+            let failing = move |out: &Tensor, y: &Tensor| {
+                if rank == 1 {
+                    candle_core::bail!("rank 1's loss fails");
+                }
+                lm_loss_tp(out, y, &tp)
+            };
+            let step = match model.backward(&x, &y, failing) {
+                Ok(_) => model.step(),
+                Err(e) => Err(e),
+            };
+            if rank == 0 {
+                // Rank 0's collectives lose rank 1: its step fails too.
+                let unchanged = copies(model.varmap())? == before;
+                *rank0.lock().unwrap() = Some((step.is_err(), unchanged));
+            }
+            step?;
+            Ok(())
+        })
+        .map_err(anyhow::Error::from)
+    });
+    let e = result.err().map(|e| format!("{e:#}")).unwrap_or_default();
+    assert!(e.contains("rank 1 failed: rank 1's loss fails"), "{e}");
+    assert_eq!(*seen.lock().unwrap(), Some((true, true)));
+    Ok(())
+}
+
+/// This rank's variables, copied out as values.
+fn copies(varmap: &candle_nn::VarMap) -> Result<Vec<(String, Vec<f32>)>> {
+    let mut all = varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(name, var)| Ok((name.clone(), var.flatten_all()?.to_vec1::<f32>()?)))
+        .collect::<Result<Vec<_>>>()?;
+    all.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(all)
+}
+
+/// `tp` is the innermost degree: it multiplies the ranks, the strategy is
+/// the other degrees', and the configuration reads back as its degrees.
+#[test]
+fn tp_multiplies_the_ranks_of_the_strategy_the_other_degrees_name() -> Result<()> {
+    use candle_dp::fabric::Strategy;
+    for (mesh, strategy, ranks) in [
+        ("tp=2", Strategy::Single, 2),
+        ("dp_replicate=2,tp=2", Strategy::Ddp, 4),
+        ("dp_shard=2,tp=4", Strategy::Fsdp, 8),
+        ("dp_replicate=2,dp_shard=2,tp=2", Strategy::Hsdp, 8),
+        ("pp=2,dp_shard=2,tp=2", Strategy::PipelineRanks, 8),
+    ] {
+        let degrees: Degrees = mesh.parse()?;
+        let config = FabricConfig::default().with_mesh(degrees)?;
+        assert_eq!(config.effective_strategy(), strategy, "{mesh}");
+        assert_eq!(config.ranks(), ranks, "{mesh}");
+        assert_eq!(config.tensor_parallel_size(), degrees.tp, "{mesh}");
+        assert_eq!(config.degrees(), degrees, "{mesh}");
+        config.check()?;
+    }
+    Ok(())
+}
