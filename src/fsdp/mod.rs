@@ -428,10 +428,30 @@ impl FullyShardedDataParallel {
         norm_type: f64,
         error_if_nonfinite: bool,
     ) -> Result<crate::optim::Clipped> {
-        crate::optim::clip::clip_grad_norm_across(
-            self.pg.as_ref(),
+        self.clip_grad_norm_also(grads, max_norm, norm_type, error_if_nonfinite, None)
+    }
+
+    /// [`clip_grad_norm`](Self::clip_grad_norm) whose total spans `also`'s
+    /// ranks too (tensor parallelism).
+    pub(crate) fn clip_grad_norm_also(
+        &self,
+        grads: &mut candle_core::backprop::GradStore,
+        max_norm: f64,
+        norm_type: f64,
+        error_if_nonfinite: bool,
+        also: Option<crate::optim::clip::AlsoAcross<'_>>,
+    ) -> Result<crate::optim::Clipped> {
+        let counts = also.map(|a| a.counted_ids(&self.shards));
+        let counted = |var: &Var| {
+            counts
+                .as_ref()
+                .is_none_or(|c| c.contains(&var.as_tensor().id()))
+        };
+        crate::optim::clip::clip_grad_norm_across_counting(
+            &crate::optim::clip::groups(Some(self.pg.as_ref()), also),
             grads,
             &self.shard_vars(),
+            &counted,
             max_norm,
             norm_type,
             error_if_nonfinite,

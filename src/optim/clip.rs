@@ -92,39 +92,54 @@ pub fn clip_grad_norm(
     )
 }
 
-/// [`clip_grad_norm`] where each rank holds the gradients of some of the
-/// parameters (ZeRO stage 2): the total norm comes from every rank's
-/// gradients through one all-reduce of one number (each rank's sum of its
-/// gradients' norms to the power p, or their largest for infinity), so
-/// every rank clips by the same factor. Its total agrees with the
-/// one-device clip to rounding (the per-tensor norms are summed in f64
-/// across ranks instead of stacked), not bit for bit.
-pub(crate) fn clip_grad_norm_across(
-    pg: &dyn ProcessGroup,
-    grads: &mut GradStore,
-    params: &[Var],
-    max_norm: f64,
-    norm_type: f64,
-    error_if_nonfinite: bool,
-) -> Result<Clipped> {
-    let counted = |_: &Var| true;
-    clip_grad_norm_across_counting(
-        pg,
-        grads,
-        params,
-        &counted,
-        max_norm,
-        norm_type,
-        error_if_nonfinite,
-    )
+/// Ranks beyond a strategy's own that a gradient norm spans: the
+/// tensor-parallel ranks, across which each parameter counts where
+/// `counted(name)` says (a split one on every rank, a replicated one on
+/// one).
+#[derive(Clone, Copy)]
+pub(crate) struct AlsoAcross<'a> {
+    /// The further ranks.
+    pub group: &'a dyn ProcessGroup,
+    /// Whether this rank counts the parameter named so.
+    pub counted: &'a dyn Fn(&str) -> bool,
 }
 
-/// [`clip_grad_norm_across`] where some gradients are held by several
+impl AlsoAcross<'_> {
+    /// The ids of the variables of `named` this rank counts.
+    pub(crate) fn counted_ids(
+        &self,
+        named: &[(String, Var)],
+    ) -> std::collections::HashSet<candle_core::TensorId> {
+        named
+            .iter()
+            .filter(|(name, _)| (self.counted)(name))
+            .map(|(_, var)| var.as_tensor().id())
+            .collect()
+    }
+}
+
+/// The groups a norm sums over: a strategy's own, then `also`'s.
+pub(crate) fn groups<'a>(
+    own: Option<&'a dyn ProcessGroup>,
+    also: Option<AlsoAcross<'a>>,
+) -> Vec<&'a dyn ProcessGroup> {
+    own.into_iter().chain(also.map(|a| a.group)).collect()
+}
+
+/// [`clip_grad_norm`] where each rank holds the gradients of some of the
+/// parameters (ZeRO stage 2, FSDP): the total norm comes from every
+/// rank's gradients through one all-reduce of one number (each rank's sum
+/// of its gradients' norms to the power p, or their largest for
+/// infinity), so every rank clips by the same factor; it agrees with the
+/// one-device clip to rounding (the per-tensor norms are summed in f64
+/// across ranks instead of stacked), not bit for bit. Some gradients may
+/// be held by several
 /// ranks (a weight tied across a pipeline's ranks): only those `counted`
 /// on this rank enter the total, so each counts once; every gradient of
-/// `params` is clipped.
+/// `params` is clipped. The total sums over each of `groups` in turn (a
+/// strategy's ranks, then the tensor-parallel ones).
 pub(crate) fn clip_grad_norm_across_counting(
-    pg: &dyn ProcessGroup,
+    groups: &[&dyn ProcessGroup],
     grads: &mut GradStore,
     params: &[Var],
     counted: &dyn Fn(&Var) -> bool,
@@ -149,8 +164,11 @@ pub(crate) fn clip_grad_norm_across_counting(
     } else {
         ReduceOp::Sum
     };
-    let all = pg.all_reduce(&Tensor::new(&[mine], &Device::Cpu)?, op)?;
-    let all = all.to_vec1::<f64>()?.first().copied().unwrap_or(0.0);
+    let mut all = mine;
+    for pg in groups {
+        let sum = pg.all_reduce(&Tensor::new(&[all], &Device::Cpu)?, op)?;
+        all = sum.to_vec1::<f64>()?.first().copied().unwrap_or(0.0);
+    }
     let total_norm = if norm_type.is_infinite() {
         all
     } else {

@@ -16,7 +16,7 @@ use super::on_ranks::RankPipeline;
 use super::PipelineTimings;
 use crate::comm::all_gather_object;
 use crate::error::{Error, Result};
-use crate::optim::clip::clip_grad_norm_across_counting;
+use crate::optim::clip::{clip_grad_norm_across_counting, groups, AlsoAcross};
 use crate::optim::{Clipped, OptimizerState, ShardOf, StatefulOptimizer};
 use crate::util::lock::lock;
 
@@ -145,7 +145,21 @@ impl RankPipeline {
         norm_type: f64,
         error_if_nonfinite: bool,
     ) -> Result<Clipped> {
+        self.clip_grad_norm_also(grads, max_norm, norm_type, error_if_nonfinite, None)
+    }
+
+    /// [`clip_grad_norm`](Self::clip_grad_norm) whose total spans `also`'s
+    /// ranks too (tensor parallelism).
+    pub(crate) fn clip_grad_norm_also(
+        &self,
+        grads: &mut GradStore,
+        max_norm: f64,
+        norm_type: f64,
+        error_if_nonfinite: bool,
+        also: Option<AlsoAcross<'_>>,
+    ) -> Result<Clipped> {
         let params: Vec<Var> = self.own.iter().map(|(_, v)| v.clone()).collect();
+        let also_counts = also.map(|a| a.counted_ids(&self.own));
         // Looked up per parameter: the set is made once per call.
         let uncounted: std::collections::HashSet<_> = self
             .own
@@ -156,9 +170,14 @@ impl RankPipeline {
         // With hybrid sharding each shard group holds the same pieces: the
         // first group's count, or the norm would count each R times.
         let first_copy = self.replicate_rank() == 0;
-        let counted = |var: &Var| first_copy && !uncounted.contains(&var.as_tensor().id());
+        let counted = |var: &Var| {
+            let id = var.as_tensor().id();
+            first_copy
+                && !uncounted.contains(&id)
+                && also_counts.as_ref().is_none_or(|c| c.contains(&id))
+        };
         clip_grad_norm_across_counting(
-            self.norm_group().as_ref(),
+            &groups(Some(self.norm_group().as_ref()), also),
             grads,
             &params,
             &counted,

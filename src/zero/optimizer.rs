@@ -12,6 +12,7 @@ use super::ZeroStage;
 use crate::comm::{all_gather_object, ProcessGroup};
 use crate::ddp::DistributedDataParallel;
 use crate::error::{Error, Result};
+use crate::optim::clip::{groups, AlsoAcross};
 use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
 use crate::sharding::state::{
     mark_shard, named_layouts, reshard_states, whole_layouts, whole_state_on_first,
@@ -339,24 +340,43 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
         norm_type: f64,
         error_if_nonfinite: bool,
     ) -> Result<crate::optim::Clipped> {
+        self.clip_grad_norm_also(grads, max_norm, norm_type, error_if_nonfinite, None)
+    }
+
+    /// [`clip_grad_norm`](Self::clip_grad_norm) whose total spans `also`'s
+    /// ranks too (tensor parallelism).
+    pub(crate) fn clip_grad_norm_also(
+        &self,
+        grads: &mut GradStore,
+        max_norm: f64,
+        norm_type: f64,
+        error_if_nonfinite: bool,
+        also: Option<AlsoAcross<'_>>,
+    ) -> Result<crate::optim::Clipped> {
         let vars = self.grad_vars();
-        match &self.norm_group {
-            None => {
-                crate::optim::clip_grad_norm(grads, &vars, max_norm, norm_type, error_if_nonfinite)
-            }
-            Some(group) => {
-                let counted = |var: &Var| !self.uncounted.contains(&var.as_tensor().id());
-                crate::optim::clip::clip_grad_norm_across_counting(
-                    group.as_ref(),
-                    grads,
-                    &vars,
-                    &counted,
-                    max_norm,
-                    norm_type,
-                    error_if_nonfinite,
-                )
-            }
+        if self.norm_group.is_none() && also.is_none() {
+            return crate::optim::clip_grad_norm(
+                grads,
+                &vars,
+                max_norm,
+                norm_type,
+                error_if_nonfinite,
+            );
         }
+        let also_counts = also.map(|a| a.counted_ids(&self.params));
+        let counted = |var: &Var| {
+            let id = var.as_tensor().id();
+            !self.uncounted.contains(&id) && also_counts.as_ref().is_none_or(|c| c.contains(&id))
+        };
+        crate::optim::clip::clip_grad_norm_across_counting(
+            &groups(self.norm_group.as_deref(), also),
+            grads,
+            &vars,
+            &counted,
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+        )
     }
 
     /// The variables DDP's gradients are keyed by (the whole parameters;

@@ -18,6 +18,7 @@ use crate::comm::ProcessGroup;
 use crate::ddp::{DistributedDataParallel, ZeroStage};
 use crate::error::Result;
 use crate::fabric::Strategy;
+use crate::optim::clip::AlsoAcross;
 use crate::optim::{clip_grad_norm, Clipped, StatefulOptimizer};
 use crate::precision::output_for_loss;
 use crate::saving::training_state::TrainingState;
@@ -155,7 +156,10 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Ddp<O> {
         counted: &dyn Fn(&str) -> bool,
     ) -> Result<Clipped> {
         match &self.trainables.stepper {
-            Stepper::Zero(_) => Err(super::no_clip_across(self.name())),
+            Stepper::Zero(zero) => {
+                let also = AlsoAcross { group: tp, counted };
+                zero.clip_grad_norm_also(grads, max_norm, 2.0, false, Some(also))
+            }
             Stepper::Whole(_) => super::clip_across(&self.trainables, grads, max_norm, tp, counted),
         }
     }

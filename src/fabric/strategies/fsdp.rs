@@ -15,9 +15,11 @@ use super::{
     from_step, scaled, Engine, EngineSetup, EngineStep, FoundState, LossFn, Memory, Shards,
     StateStore, Trainables,
 };
+use crate::comm::ProcessGroup;
 use crate::error::Result;
 use crate::fabric::Strategy;
 use crate::fsdp::{FsdpConfig, FullyShardedDataParallel};
+use crate::optim::clip::AlsoAcross;
 use crate::optim::{Clipped, StatefulOptimizer};
 use crate::saving::training_state::TrainingState;
 
@@ -116,6 +118,18 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Fsdp<O> {
 
     fn clip(&self, grads: &mut GradStore, max_norm: f64) -> Result<Clipped> {
         self.fsdp.clip_grad_norm(grads, max_norm, 2.0, false)
+    }
+
+    fn clip_tensor_parallel(
+        &self,
+        grads: &mut GradStore,
+        max_norm: f64,
+        tp: &dyn ProcessGroup,
+        counted: &dyn Fn(&str) -> bool,
+    ) -> Result<Clipped> {
+        let also = AlsoAcross { group: tp, counted };
+        self.fsdp
+            .clip_grad_norm_also(grads, max_norm, 2.0, false, Some(also))
     }
 
     fn full_state(&self) -> Result<HashMap<String, Tensor>> {

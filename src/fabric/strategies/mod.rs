@@ -32,6 +32,7 @@ use super::memory::Memory;
 use super::module::FabricModule;
 use crate::comm::ProcessGroup;
 use crate::error::Result;
+use crate::optim::clip::AlsoAcross;
 use crate::optim::{clip_grad_norm, Clipped, OptimizerState, StatefulOptimizer};
 use crate::saving::sharded::{Checkpoints, FsdpSave};
 use crate::saving::training_state::{SavedState, TrainingState};
@@ -419,8 +420,8 @@ pub(crate) fn with_tensor_parallel<O: StatefulOptimizer + 'static>(
 /// The error of a strategy that cannot clip across tensor-parallel ranks.
 fn no_clip_across(strategy: &str) -> crate::error::Error {
     crate::error::Error::TensorParallel(format!(
-        "strategy {strategy} does not clip gradients across tensor-parallel ranks yet: turn \
-         clipping off, or train with single, ddp or ddp-overlap beside tp"
+        "strategy {strategy} does not clip gradients across tensor-parallel ranks: turn \
+         clipping off, or give it Engine::clip_tensor_parallel"
     ))
 }
 
@@ -439,14 +440,10 @@ pub fn clip_across<O: StatefulOptimizer>(
     pg: &dyn ProcessGroup,
     counted: &dyn Fn(&str) -> bool,
 ) -> Result<Clipped> {
-    let ids: std::collections::HashSet<_> = sorted_vars(trainables.varmap())
-        .into_iter()
-        .filter(|(name, _)| counted(name))
-        .map(|(_, var)| var.as_tensor().id())
-        .collect();
+    let ids = AlsoAcross { group: pg, counted }.counted_ids(&sorted_vars(trainables.varmap()));
     let counts = |var: &Var| ids.contains(&var.as_tensor().id());
     crate::optim::clip::clip_grad_norm_across_counting(
-        pg,
+        &[pg],
         grads,
         trainables.vars(),
         &counts,

@@ -14,9 +14,10 @@ use super::{
     varmap_of, Engine, EngineSetup, EngineStep, FoundState, LossFn, Memory, Shards, StateStore,
     Trainables,
 };
-use crate::comm::DeviceMesh;
+use crate::comm::{DeviceMesh, ProcessGroup};
 use crate::ddp::ZeroStage;
 use crate::error::Result;
+use crate::optim::clip::AlsoAcross;
 use crate::optim::{Clipped, StatefulOptimizer};
 use crate::pipeline::{RankPipeline, RankPipelineConfig};
 use crate::saving::training_state::TrainingState;
@@ -132,6 +133,22 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for PipelineRanks<O> {
         match &self.trainables.stepper {
             Stepper::Zero(zero) => zero.clip_grad_norm(grads, max_norm, 2.0, false),
             Stepper::Whole(_) => self.pipe.clip_grad_norm(grads, max_norm, 2.0, false),
+        }
+    }
+
+    fn clip_tensor_parallel(
+        &self,
+        grads: &mut GradStore,
+        max_norm: f64,
+        tp: &dyn ProcessGroup,
+        counted: &dyn Fn(&str) -> bool,
+    ) -> Result<Clipped> {
+        let also = Some(AlsoAcross { group: tp, counted });
+        match &self.trainables.stepper {
+            Stepper::Zero(zero) => zero.clip_grad_norm_also(grads, max_norm, 2.0, false, also),
+            Stepper::Whole(_) => self
+                .pipe
+                .clip_grad_norm_also(grads, max_norm, 2.0, false, also),
         }
     }
 
