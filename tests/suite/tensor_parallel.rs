@@ -443,3 +443,129 @@ fn tp_multiplies_the_ranks_of_the_strategy_the_other_degrees_name() -> Result<()
     }
     Ok(())
 }
+
+/// `steps` AdamW steps from the newest state in `dir` (if any, when
+/// `resume`), saving after step `save_at`; every rank's losses and rank
+/// 0's whole model.
+fn train_saving(
+    config: FabricConfig,
+    dir: &std::path::Path,
+    steps: u64,
+    save_at: Option<u64>,
+    resume: bool,
+) -> Result<(Vec<f32>, HashMap<String, Tensor>)> {
+    use candle_dp::training_state::Progress;
+    let config = FabricConfig {
+        checkpoint_dir: Some(dir.to_path_buf()),
+        gradient_clip: Some(1.0),
+        ..config
+    };
+    let text = load_text()?;
+    let (train, _) = split(&text, GPT.context);
+    let runs = within(300, move || {
+        Fabric::spawn(config, |fabric| {
+            let module = match fabric.tensor_parallel() {
+                Some(tp) => FabricModule::units(tp_units(GPT, Some(tp))).with_tp_plan(tp_plan()),
+                None => FabricModule::units(tp_units(GPT, None)),
+            };
+            let adamw = AdamWConfig {
+                lr: 3e-3,
+                weight_decay: 0.1,
+                ..Default::default()
+            };
+            let mut model = fabric.setup(module, |p| adamw_groups(p, adamw, false))?;
+            let from = model.resume(resume)?.step;
+            let (share, shares) = (fabric.data_parallel_rank(), fabric.data_parallel_size());
+            let mut losses = Vec::new();
+            for step in from..steps {
+                let rows = windows_at(&train, shares, share, 7, 8 / shares, step)?;
+                let (x, y) = train.batch(&rows)?;
+                let loss = match fabric.tensor_parallel().cloned() {
+                    Some(tp) => model.backward(&x, &y, move |o, y| lm_loss_tp(o, y, &tp))?,
+                    None => model.backward(&x, &y, lm_loss)?,
+                };
+                model.step()?;
+                losses.push(fabric.global_mean(&loss, x.dim(0)?)?);
+                if save_at == Some(step + 1) {
+                    let done = step + 1;
+                    model.save(Progress {
+                        epoch: 0,
+                        batch: done,
+                        step: done,
+                    })?;
+                }
+            }
+            Ok((losses, model.full_state()?))
+        })
+        .map_err(anyhow::Error::from)
+    })?;
+    Ok(runs.into_iter().next().expect("rank 0"))
+}
+
+fn bits(weights: &HashMap<String, Tensor>) -> Result<Vec<(String, Vec<u32>)>> {
+    let mut all = weights
+        .iter()
+        .map(|(name, t)| {
+            let values = t.flatten_all()?.to_vec1::<f32>()?;
+            Ok((name.clone(), values.iter().map(|v| v.to_bits()).collect()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    all.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(all)
+}
+
+/// A tensor-parallel run's state is saved whole (its pieces joined): it
+/// resumes on its mesh to the bytes of the run that did not stop, and
+/// loads on other meshes (tp = 4, tp = 1 on 4 DDP ranks, one device) to
+/// the same values. A state saved on FSDP beside tp is refused by name.
+#[test]
+fn a_tp_state_resumes_to_the_same_bytes_and_loads_on_any_mesh() -> Result<()> {
+    for mesh in ["tp=2", "dp_replicate=2,tp=2"] {
+        let (dir, again) = (scratch(&format!("{mesh}-all")), scratch(mesh));
+        let (all_losses, all_weights) =
+            train_saving(config(mesh, false, None)?, &dir, 4, Some(2), false)?;
+        train_saving(config(mesh, false, None)?, &again, 2, Some(2), false)?;
+        let (losses, weights) = train_saving(config(mesh, false, None)?, &again, 4, None, true)?;
+        assert_eq!(losses, all_losses[2..], "{mesh}: the resumed losses");
+        assert_eq!(
+            bits(&weights)?,
+            bits(&all_weights)?,
+            "{mesh}: the resumed weights"
+        );
+
+        // The state after step 2 onto other meshes: the same values.
+        let (_, saved) = train_saving(config(mesh, false, None)?, &again, 2, None, true)?;
+        for other in ["single", "tp=4", "dp_replicate=4", "dp_replicate=2,tp=2"] {
+            let (_, loaded) = train_saving(config(other, false, None)?, &again, 2, None, true)?;
+            assert_eq!(bits(&loaded)?, bits(&saved)?, "{mesh} loaded on {other}");
+        }
+        for folder in [dir, again] {
+            std::fs::remove_dir_all(folder)?;
+        }
+    }
+    let dir = scratch("fsdp");
+    let e = train_saving(
+        config("dp_shard=2,tp=2", false, None)?,
+        &dir,
+        1,
+        Some(1),
+        false,
+    )
+    .err()
+    .map(|e| format!("{e:#}"))
+    .unwrap_or_default();
+    assert!(e.contains("saving the state of strategy fsdp"), "{e}");
+    let _ = std::fs::remove_dir_all(dir);
+    Ok(())
+}
+
+/// An empty folder of its own for a test's states.
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "candle-dp-tp-{}-{}",
+        name.replace([',', '='], "-"),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}

@@ -160,6 +160,14 @@ pub trait Engine<O: StatefulOptimizer> {
         false
     }
 
+    /// Whether each rank holds its model and its optimizer's state whole
+    /// (its [`Trainables`] are the whole model's), so that a state saved
+    /// whole loads into it as it is: an engine that neither shards nor
+    /// splits the model among ranks.
+    fn holds_whole(&self) -> bool {
+        !self.shards()
+    }
+
     /// Steps the optimizer with the step's gradients.
     ///
     /// # Errors
