@@ -63,11 +63,15 @@ fn worker() -> anyhow::Result<()> {
     let out = PathBuf::from(std::env::var(OUT_DIR).context("no output directory")?);
     // A Fabric launches its ranks itself.
     if let Some(stage) = scenario.strip_prefix("fabric_pipeline_zero") {
-        return fabric_worker(pipeline_zero_config(stage.parse()?), &out);
+        return fabric_worker(pipeline_zero_config(stage.parse()?), &out, fabric_results);
+    }
+    if let Some(mesh) = scenario.strip_prefix("fabric_tp@") {
+        return fabric_worker(tp_config(mesh), &out, tp_results);
     }
     if let Some(run) = scenario.strip_prefix("fabric-") {
         let (strategy, precision) = run.split_once('@').context("fabric-STRATEGY@PRECISION")?;
-        return fabric_worker(fabric_config(strategy.parse()?, precision.parse()?), &out);
+        let config = fabric_config(strategy.parse()?, precision.parse()?);
+        return fabric_worker(config, &out, fabric_results);
     }
     let results = run(0, bounded(), |ctx| {
         let rank = ctx.rank;
@@ -111,12 +115,41 @@ fn pipeline_zero_config(stage: u8) -> candle_dp::fabric::FabricConfig {
     }
 }
 
-/// Runs the Fabric loop and saves this rank's weights and losses.
-fn fabric_worker(config: candle_dp::fabric::FabricConfig, out: &Path) -> anyhow::Result<()> {
+/// The language model on `mesh` (with a `tp` degree), clipped.
+fn tp_config(mesh: &str) -> candle_dp::fabric::FabricConfig {
+    let config = candle_dp::fabric::FabricConfig {
+        gradient_clip: Some(1.0),
+        timeout_secs: Some(60.0),
+        ..Default::default()
+    };
+    config
+        .with_mesh(mesh.parse().expect("a mesh"))
+        .expect("the mesh")
+}
+
+/// [`common::gpt_loop::adamw_run`]'s whole model and losses.
+fn tp_results(fabric: candle_dp::fabric::Fabric) -> anyhow::Result<Tensors> {
+    let run = common::gpt_loop::adamw_run(&fabric, 6)?;
+    let mut weights = run.weights;
+    let n = run.losses.len();
+    weights.insert(
+        "losses".into(),
+        Tensor::from_vec(run.losses, n, &Device::Cpu)?,
+    );
+    Ok(weights)
+}
+
+/// Runs a Fabric loop (`results`) and saves this rank's weights and
+/// losses.
+fn fabric_worker(
+    config: candle_dp::fabric::FabricConfig,
+    out: &Path,
+    results: fn(candle_dp::fabric::Fabric) -> anyhow::Result<Tensors>,
+) -> anyhow::Result<()> {
     use candle_dp::fabric::Fabric;
     let results = Fabric::launch(config, |fabric| {
         let rank = fabric.rank();
-        Ok((rank, fabric_results(fabric)?))
+        Ok((rank, results(fabric)?))
     })?;
     for (rank, tensors) in results {
         candle_core::safetensors::save(&tensors, out.join(format!("rank{rank}.safetensors")))?;
@@ -1489,6 +1522,23 @@ fn zero_and_fsdp_across_pipelines_on_4_processes_save_the_bytes_of_thread_ranks(
         match &zero2 {
             None => zero2 = Some(job.rank(0)),
             Some(two) => assert_bitwise_equal(&job.rank(0), two, "FSDP against ZeRO-2"),
+        }
+    }
+}
+
+/// Tensor parallelism beside FSDP (`dp_shard=2,tp=2`, 4 processes) and
+/// beside FSDP across a pipeline's replicas (`pp=2,dp_shard=2,tp=2`, 8):
+/// the language model's losses and whole weights are the bytes of as many
+/// thread ranks, on every rank.
+#[test]
+fn tensor_parallel_on_2_and_3_dimensional_meshes_of_processes_saves_the_bytes_of_thread_ranks() {
+    use candle_dp::fabric::Fabric;
+    for (mesh, np) in [("dp_shard=2,tp=2", 4), ("pp=2,dp_shard=2,tp=2", 8)] {
+        let job = mpirun_ok(np, &format!("fabric_tp@{mesh}"), None);
+        let threads = Fabric::launch(tp_config(mesh), tp_results).unwrap();
+        assert_eq!(threads.len(), np);
+        for (rank, threads) in threads.iter().enumerate() {
+            assert_bitwise_equal(&job.rank(rank), threads, &format!("{mesh}, rank {rank}"));
         }
     }
 }

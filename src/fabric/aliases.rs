@@ -288,6 +288,15 @@ impl FabricConfig {
                 ))
             }
         }
+        if self.tensor_parallel_size() > 1 && self.overlaps() {
+            return refuse(
+                "it reduces the gradients on a thread of its own during the backward, which runs \
+                 the tensor-parallel collectives too (an MPI process makes its calls one at a \
+                 time, so the two could run in different orders on different ranks): use ddp \
+                 beside tp"
+                    .into(),
+            );
+        }
         match strategy {
             Strategy::Single if devices != self.tensor_parallel_size() => {
                 return refuse(format!(

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod fabric_loop;
+pub mod gpt_loop;
 pub mod killing;
 
 use std::collections::HashMap;

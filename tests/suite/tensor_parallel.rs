@@ -7,30 +7,14 @@ use std::collections::HashMap;
 
 use anyhow::Result;
 use candle_core::Tensor;
-use candle_dp::fabric::{Degrees, Fabric, FabricConfig, FabricModel, FabricModule, Memory};
-use candle_dp::optim::{AdamWConfig, Sgd, SgdConfig, StatefulOptimizer};
+use candle_dp::fabric::{Degrees, Fabric, FabricConfig, FabricModule};
+use candle_dp::optim::{Sgd, SgdConfig};
 use candle_dp::tensor_parallel::{Placement, TpPlan};
 
+use crate::common::gpt_loop::{adamw, adamw_run, module, rank_loop, windows, Run, BATCH, GPT};
 use crate::common::{max_rel_diff, within};
-use crate::example_gpt::{adamw_groups, lm_loss, lm_loss_tp, tp_plan, tp_units, GptConfig};
-use crate::example_text::{load_text, split, windows_at, Windows};
-
-const GPT: GptConfig = GptConfig {
-    vocab: 256,
-    context: 16,
-    width: 32,
-    layers: 2,
-    heads: 4,
-    fused_ops: true,
-};
-
-/// What rank 0 saw: every step's loss, the whole model at the end, its
-/// memory.
-struct Run {
-    losses: Vec<f32>,
-    weights: HashMap<String, Tensor>,
-    memory: Memory,
-}
+use crate::example_gpt::{adamw_groups, lm_loss_tp, tp_plan, tp_units, GptConfig};
+use crate::example_text::windows_at;
 
 fn config(mesh: &str, sequence_parallel: bool, clip: Option<f64>) -> Result<FabricConfig> {
     let config = FabricConfig {
@@ -48,62 +32,26 @@ fn config(mesh: &str, sequence_parallel: bool, clip: Option<f64>) -> Result<Fabr
 /// the Fabric's one loop: AdamW over the GPT-2 groups, or SGD with
 /// momentum (`sgd`), whose steps do not magnify rounding as Adam's do.
 fn train(config: FabricConfig, gpt: GptConfig, steps: u64, sgd: bool) -> Result<Run> {
-    let text = load_text()?;
-    let (train, _) = split(&text, gpt.context);
+    let train = windows(gpt)?;
     let runs = Fabric::spawn(config, |fabric| {
-        let module = match fabric.tensor_parallel() {
-            Some(tp) => FabricModule::units(tp_units(gpt, Some(tp))).with_tp_plan(tp_plan()),
-            None => FabricModule::units(tp_units(gpt, None)),
+        if !sgd && gpt == GPT {
+            return Ok(Some(adamw_run(&fabric, steps)?).filter(|_| fabric.rank() == 0));
+        }
+        let sgd = SgdConfig {
+            lr: 0.3,
+            momentum: 0.9,
+            ..Default::default()
         };
-        let run = match sgd {
-            true => {
-                let sgd = SgdConfig {
-                    lr: 0.3,
-                    momentum: 0.9,
-                    ..Default::default()
-                };
-                let model = fabric.setup(module, |p| Sgd::new_named(p, sgd))?;
-                rank_loop(&fabric, model, &train, steps)?
-            }
-            false => {
-                let adamw = AdamWConfig {
-                    lr: 3e-3,
-                    weight_decay: 0.1,
-                    ..Default::default()
-                };
-                let model = fabric.setup(module, |p| adamw_groups(p, adamw, false))?;
-                rank_loop(&fabric, model, &train, steps)?
-            }
+        let mut model = fabric.setup(module(&fabric, gpt), |p| Sgd::new_named(p, sgd))?;
+        let losses = rank_loop(&fabric, &mut model, &train, (0, steps))?;
+        let run = Run {
+            losses,
+            weights: model.full_state()?,
+            memory: model.memory()?,
         };
         Ok((fabric.rank() == 0).then_some(run))
     })?;
     Ok(runs.into_iter().flatten().next().expect("rank 0's run"))
-}
-
-/// One rank's loop: its share of each step's batch.
-fn rank_loop<O: StatefulOptimizer>(
-    fabric: &Fabric,
-    mut model: FabricModel<O>,
-    train: &Windows,
-    steps: u64,
-) -> Result<Run> {
-    let (share, shares) = (fabric.data_parallel_rank(), fabric.data_parallel_size());
-    let mut losses = Vec::new();
-    for step in 0..steps {
-        let rows = windows_at(train, shares, share, 7, 8 / shares, step)?;
-        let (x, y) = train.batch(&rows)?;
-        let loss = match fabric.tensor_parallel().cloned() {
-            Some(tp) => model.backward(&x, &y, move |out, y| lm_loss_tp(out, y, &tp))?,
-            None => model.backward(&x, &y, lm_loss)?,
-        };
-        model.step()?;
-        losses.push(fabric.global_mean(&loss, x.dim(0)?)?);
-    }
-    Ok(Run {
-        losses,
-        weights: model.full_state()?,
-        memory: model.memory()?,
-    })
 }
 
 fn worst_loss_gap(a: &[f32], b: &[f32]) -> f32 {
@@ -275,6 +223,17 @@ fn what_cannot_be_split_is_refused_naming_the_dimension_and_the_layer() -> Resul
     };
     let e = three.with_mesh("tp=2".parse()?).expect_err("refused");
     assert!(e.to_string().contains("spans 2 ranks"), "{e}");
+    // DDP's overlap reduces on a thread of its own beside the backward's
+    // tensor-parallel collectives.
+    let overlap = FabricConfig {
+        overlap: true,
+        ..FabricConfig::default()
+    };
+    let e = overlap
+        .with_mesh("dp_replicate=2,tp=2".parse()?)?
+        .check()
+        .expect_err("refused");
+    assert!(e.to_string().contains("use ddp beside tp"), "{e}");
     Ok(())
 }
 
@@ -285,29 +244,23 @@ fn what_cannot_be_split_is_refused_naming_the_dimension_and_the_layer() -> Resul
 #[test]
 fn the_clipping_norm_over_tp_and_sharding_is_one_devices() -> Result<()> {
     let norms = |config: FabricConfig| -> Result<Vec<f64>> {
-        let text = load_text()?;
-        let (train, _) = split(&text, GPT.context);
+        let train = windows(GPT)?;
         let runs = within(300, move || {
             Fabric::spawn(config, |fabric| {
-                let module = match fabric.tensor_parallel() {
-                    Some(tp) => {
-                        FabricModule::units(tp_units(GPT, Some(tp))).with_tp_plan(tp_plan())
-                    }
-                    None => FabricModule::units(tp_units(GPT, None)),
-                };
                 let sgd = SgdConfig {
                     lr: 0.3,
                     ..Default::default()
                 };
-                let mut model = fabric.setup(module, |p| Sgd::new_named(p, sgd))?;
-                let (share, shares) = (fabric.data_parallel_rank(), fabric.data_parallel_size());
+                let mut model = fabric.setup(module(&fabric, GPT), |p| Sgd::new_named(p, sgd))?;
                 let mut norms = Vec::new();
                 for step in 0..3 {
-                    let rows = windows_at(&train, shares, share, 7, 8 / shares, step)?;
+                    let (share, shares) =
+                        (fabric.data_parallel_rank(), fabric.data_parallel_size());
+                    let rows = windows_at(&train, shares, share, 7, BATCH / shares, step)?;
                     let (x, y) = train.batch(&rows)?;
                     match fabric.tensor_parallel().cloned() {
                         Some(tp) => model.backward(&x, &y, move |o, y| lm_loss_tp(o, y, &tp))?,
-                        None => model.backward(&x, &y, lm_loss)?,
+                        None => model.backward(&x, &y, crate::example_gpt::lm_loss)?,
                     };
                     let clipped = model.clip_gradients(0.5)?.expect("a whole step");
                     norms.push(clipped.total_norm);
@@ -370,8 +323,7 @@ fn the_clipping_norm_over_tp_and_sharding_is_one_devices() -> Result<()> {
 /// for it), and the step that failed changed no weight.
 #[test]
 fn a_tp_rank_failing_mid_step_fails_every_rank_and_changes_no_weight() -> Result<()> {
-    let text = load_text()?;
-    let (train, _) = split(&text, GPT.context);
+    let train = windows(GPT)?;
     let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
     let rank0 = std::sync::Arc::clone(&seen);
     let result = within(120, move || {
@@ -379,7 +331,7 @@ fn a_tp_rank_failing_mid_step_fails_every_rank_and_changes_no_weight() -> Result
             let tp = fabric.tensor_parallel().cloned().expect("tp");
             let module = FabricModule::units(tp_units(GPT, Some(&tp))).with_tp_plan(tp_plan());
             let mut model = fabric.setup(module, |p| Sgd::new_named(p, SgdConfig::default()))?;
-            let (x, y) = train.batch(&windows_at(&train, 1, 0, 7, 8, 0)?)?;
+            let (x, y) = train.batch(&windows_at(&train, 1, 0, 7, BATCH, 0)?)?;
             let before = copies(model.varmap())?;
             let rank = fabric.rank();
             let failing = move |out: &Tensor, y: &Tensor| {
@@ -460,32 +412,15 @@ fn train_saving(
         gradient_clip: Some(1.0),
         ..config
     };
-    let text = load_text()?;
-    let (train, _) = split(&text, GPT.context);
+    let train = windows(GPT)?;
     let runs = within(300, move || {
         Fabric::spawn(config, |fabric| {
-            let module = match fabric.tensor_parallel() {
-                Some(tp) => FabricModule::units(tp_units(GPT, Some(tp))).with_tp_plan(tp_plan()),
-                None => FabricModule::units(tp_units(GPT, None)),
-            };
-            let adamw = AdamWConfig {
-                lr: 3e-3,
-                weight_decay: 0.1,
-                ..Default::default()
-            };
-            let mut model = fabric.setup(module, |p| adamw_groups(p, adamw, false))?;
+            let mut model =
+                fabric.setup(module(&fabric, GPT), |p| adamw_groups(p, adamw(), false))?;
             let from = model.resume(resume)?.step;
-            let (share, shares) = (fabric.data_parallel_rank(), fabric.data_parallel_size());
             let mut losses = Vec::new();
             for step in from..steps {
-                let rows = windows_at(&train, shares, share, 7, 8 / shares, step)?;
-                let (x, y) = train.batch(&rows)?;
-                let loss = match fabric.tensor_parallel().cloned() {
-                    Some(tp) => model.backward(&x, &y, move |o, y| lm_loss_tp(o, y, &tp))?,
-                    None => model.backward(&x, &y, lm_loss)?,
-                };
-                model.step()?;
-                losses.push(fabric.global_mean(&loss, x.dim(0)?)?);
+                losses.extend(rank_loop(&fabric, &mut model, &train, (step, step + 1))?);
                 if save_at == Some(step + 1) {
                     let done = step + 1;
                     model.save(Progress {

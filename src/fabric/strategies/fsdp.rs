@@ -38,7 +38,11 @@ impl<O: StatefulOptimizer> Fsdp<O> {
         let config = setup.config;
         let fsdp_config = FsdpConfig {
             reshard_after_forward: config.reshard_after_forward,
-            prefetch: config.prefetch,
+            // The prefetch gathers on a thread of its own while the unit's
+            // tensor-parallel collectives run: an MPI process makes its
+            // calls one at a time, so the two could run in different
+            // orders on different ranks and wait for each other.
+            prefetch: config.prefetch && setup.tensor_parallel.is_none(),
             mixed_precision: config.precision.policy(),
             ..FsdpConfig::default()
         };

@@ -1,0 +1,94 @@
+//! The language model of `examples/train_lm.rs` through the Fabric's one
+//! loop on any mesh (tensor parallelism among them), shared by the
+//! thread-rank tests (`tests/suite/tensor_parallel.rs`) and the MPI ones
+//! (`tests/mpi.rs`).
+
+use std::collections::HashMap;
+
+use candle_core::Tensor;
+use candle_dp::fabric::{Fabric, FabricModel, FabricModule, Memory};
+use candle_dp::optim::{AdamWConfig, StatefulOptimizer};
+use candle_dp_examples::gpt::{adamw_groups, lm_loss, lm_loss_tp, tp_plan, tp_units, GptConfig};
+use candle_dp_examples::text::{load_text, split, windows_at, Windows};
+
+/// A small GPT: 256 bytes, 2 blocks of width 32 with 4 heads.
+pub const GPT: GptConfig = GptConfig {
+    vocab: 256,
+    context: 16,
+    width: 32,
+    layers: 2,
+    heads: 4,
+    fused_ops: true,
+};
+
+/// The global batch, in windows.
+pub const BATCH: usize = 8;
+
+/// What a rank saw: every step's loss, the whole model at the end, its
+/// memory.
+pub struct Run {
+    pub losses: Vec<f32>,
+    pub weights: HashMap<String, Tensor>,
+    pub memory: Memory,
+}
+
+/// The model on `fabric`'s ranks: each rank's pieces with its tensor
+/// parallelism, with the plan that places them; whole without.
+pub fn module(fabric: &Fabric, gpt: GptConfig) -> FabricModule {
+    match fabric.tensor_parallel() {
+        Some(tp) => FabricModule::units(tp_units(gpt, Some(tp))).with_tp_plan(tp_plan()),
+        None => FabricModule::units(tp_units(gpt, None)),
+    }
+}
+
+/// The book's training windows of `gpt`'s context.
+pub fn windows(gpt: GptConfig) -> anyhow::Result<Windows> {
+    let text = load_text()?;
+    Ok(split(&text, gpt.context).0)
+}
+
+/// `steps` steps of one rank's loop from `from`: its share of each
+/// step's global batch, the vocabulary-parallel loss under tensor
+/// parallelism.
+pub fn rank_loop<O: StatefulOptimizer>(
+    fabric: &Fabric,
+    model: &mut FabricModel<O>,
+    train: &Windows,
+    (from, steps): (u64, u64),
+) -> anyhow::Result<Vec<f32>> {
+    let (share, shares) = (fabric.data_parallel_rank(), fabric.data_parallel_size());
+    let mut losses = Vec::new();
+    for step in from..steps {
+        let rows = windows_at(train, shares, share, 7, BATCH / shares, step)?;
+        let (x, y) = train.batch(&rows)?;
+        let loss = match fabric.tensor_parallel().cloned() {
+            Some(tp) => model.backward(&x, &y, move |out, y| lm_loss_tp(out, y, &tp))?,
+            None => model.backward(&x, &y, lm_loss)?,
+        };
+        model.step()?;
+        losses.push(fabric.global_mean(&loss, x.dim(0)?)?);
+    }
+    Ok(losses)
+}
+
+/// AdamW over GPT-2's groups.
+pub fn adamw() -> AdamWConfig {
+    AdamWConfig {
+        lr: 3e-3,
+        weight_decay: 0.1,
+        ..Default::default()
+    }
+}
+
+/// `steps` AdamW steps of [`GPT`] on this rank: its losses, the whole
+/// model, its memory.
+pub fn adamw_run(fabric: &Fabric, steps: u64) -> anyhow::Result<Run> {
+    let train = windows(GPT)?;
+    let mut model = fabric.setup(module(fabric, GPT), |p| adamw_groups(p, adamw(), false))?;
+    let losses = rank_loop(fabric, &mut model, &train, (0, steps))?;
+    Ok(Run {
+        losses,
+        weights: model.full_state()?,
+        memory: model.memory()?,
+    })
+}
