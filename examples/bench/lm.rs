@@ -20,7 +20,9 @@ use candle_dp::checkpoint::{self, Prefix};
 use candle_dp::fabric::{Fabric, FabricConfig, FabricModule, Strategy};
 use candle_dp::optim::{AdamWConfig, LrScheduler};
 use candle_dp::seeded_varmap;
-use candle_dp_examples::gpt::{adamw_groups, lm_loss, lm_loss_composite, units, Gpt, GptConfig};
+use candle_dp_examples::gpt::{
+    adamw_groups, lm_loss, lm_loss_composite, lm_loss_tp, tp_plan, tp_units, units, Gpt, GptConfig,
+};
 use candle_dp_examples::text::{load_text, split, windows_at};
 use serde::{Deserialize, Serialize};
 
@@ -77,6 +79,13 @@ pub struct LmSpec {
     /// FSDP), the Fabric's `zero`.
     #[serde(default)]
     pub zero: Option<u8>,
+    /// The parallelism as the degrees of a mesh (`dp_replicate=2,tp=2`),
+    /// instead of `strategy`'s name: the rows with tensor parallelism.
+    #[serde(default)]
+    pub mesh: Option<String>,
+    /// With a mesh's `tp`: sequence parallelism.
+    #[serde(default)]
+    pub sequence_parallel: bool,
 }
 
 /// What one run measured: rank 0's step times, and with
@@ -128,7 +137,16 @@ pub fn run_child(spec: &LmSpec) -> Result<LmMeasured> {
         reshard_after_forward: spec.reshard_after_forward.unwrap_or(true),
         shard_size: spec.shard_size,
         zero: spec.zero,
+        sequence_parallel: spec.sequence_parallel,
         ..FabricConfig::new(strategy, spec.world)
+    };
+    let fabric_config = match &spec.mesh {
+        Some(mesh) => FabricConfig {
+            devices: candle_dp::fabric::Devices::Count(1),
+            ..fabric_config
+        }
+        .with_mesh(mesh.parse()?)?,
+        None => fabric_config,
     };
     let answers = Fabric::launch(fabric_config, |fabric| {
         // The data's shares: one per rank, or per pipeline of ranks.
@@ -139,9 +157,12 @@ pub fn run_child(spec: &LmSpec) -> Result<LmMeasured> {
             weight_decay: 0.1,
             ..Default::default()
         };
-        let mut model = fabric.setup(FabricModule::units(units(gpt)), |p| {
-            adamw_groups(p, adamw, false)
-        })?;
+        // With a tp degree each rank builds its pieces.
+        let module = match fabric.tensor_parallel() {
+            Some(tp) => FabricModule::units(tp_units(gpt, Some(tp))).with_tp_plan(tp_plan()),
+            None => FabricModule::units(units(gpt)),
+        };
+        let mut model = fabric.setup(module, |p| adamw_groups(p, adamw, false))?;
         model.set_schedule(LrScheduler::warmup_cosine(LR, 1, total as u64)?)?;
         let mut measured = LmMeasured::default();
         // The first rank of each machine counts its link (the ranks of a
@@ -158,9 +179,10 @@ pub fn run_child(spec: &LmSpec) -> Result<LmMeasured> {
             let start = Instant::now();
             let indices = windows_at(&train, shares, share, SEED, per_rank, step as u64)?;
             let (x, y) = train.batch(&indices)?;
-            let loss = match spec.fused_ops {
-                true => model.backward(&x, &y, lm_loss)?,
-                false => model.backward(&x, &y, lm_loss_composite)?,
+            let loss = match (fabric.tensor_parallel().cloned(), spec.fused_ops) {
+                (Some(tp), _) => model.backward(&x, &y, move |o, y| lm_loss_tp(o, y, &tp))?,
+                (None, true) => model.backward(&x, &y, lm_loss)?,
+                (None, false) => model.backward(&x, &y, lm_loss_composite)?,
             };
             model.step()?;
             fabric.global_mean(&loss, x.dim(0)?)?;

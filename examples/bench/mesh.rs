@@ -28,6 +28,15 @@ const PER_MACHINE: usize = 2;
 /// ZeRO stage across the pipelines' replicas (3: FSDP).
 type Row = (&'static str, Option<usize>, Option<usize>, Option<u8>);
 
+/// The rows with tensor parallelism, as degrees (`tp` innermost: a
+/// machine's two ranks split each matrix) and with sequence parallelism
+/// or not.
+const TENSOR_PARALLEL: [(&str, bool); 3] = [
+    ("dp_replicate=2,tp=2", false),
+    ("dp_shard=2,tp=2", false),
+    ("dp_shard=2,tp=2", true),
+];
+
 /// The strategies compared.
 const STRATEGIES: [Row; 9] = [
     ("ddp", None, None, None),
@@ -67,11 +76,26 @@ pub fn run(steps: usize, rounds: usize) -> Result<String> {
             zero,
             ..LmSpec::default()
         })
+        .chain(
+            TENSOR_PARALLEL
+                .iter()
+                .map(|&(mesh, sequence_parallel)| LmSpec {
+                    strategy: "single".into(),
+                    world: MACHINES * PER_MACHINE,
+                    fused_ops: true,
+                    steps,
+                    count_link_bytes: true,
+                    mesh: Some(mesh.into()),
+                    sequence_parallel,
+                    ..LmSpec::default()
+                }),
+        )
         .collect();
     let mut measured: Vec<Vec<LmMeasured>> = vec![Vec::new(); specs.len()];
     for round in 0..rounds {
         for (spec, runs) in specs.iter().zip(&mut measured) {
-            eprintln!("mesh: {} (round {})", spec.strategy, round + 1);
+            let name = spec.mesh.as_deref().unwrap_or(&spec.strategy);
+            eprintln!("mesh: {name} (round {})", round + 1);
             runs.push(crate::child_answer(on_cluster(spec)?, &spec.strategy)?);
         }
     }
@@ -91,7 +115,10 @@ fn report(specs: &[LmSpec], measured: &[Vec<LmMeasured>], steps: usize, rounds: 
          averaging their gradients across, or with ZeRO-2 or FSDP reduce-scattering them \
          and all-gathering the updated pieces). Bytes: what each machine's \
          link sent per timed step, the median over the rounds (with two machines, what one \
-         sends the other receives). {}.\n\n\
+         sends the other receives). The tp rows split each matrix over a machine's \
+         two ranks (tensor parallelism, Megatron's layout) and run DDP or FSDP across the \
+         machines; with sequence parallelism the activations between the blocks are split \
+         along the sequence too. {}.\n\n\
          | run | ms/step | machine 1 sent, MB/step | machine 2 sent, MB/step | vs FSDP's bytes |\n\
          |---|---:|---:|---:|---:|\n",
         crate::machine(crate::plan::DeviceKind::Cpu),
@@ -119,24 +146,39 @@ fn report(specs: &[LmSpec], measured: &[Vec<LmMeasured>], steps: usize, rounds: 
             .collect();
         let (m1, m2) = (per_step(runs, 0), per_step(runs, 1));
         let ratio = fsdp.map_or_else(String::new, |f| format!("{:.2}x", m1 / f));
-        let label = match spec.stages {
-            Some(pp) if pp == spec.world => format!("pipeline, {pp} stages on ranks"),
-            Some(pp) => format!(
-                "pipeline, {} x {pp} (dp x pp){}",
-                spec.world / pp,
-                match spec.zero {
-                    Some(3) => ", FSDP across the replicas".to_string(),
-                    Some(stage) => format!(", ZeRO-{stage} across the replicas"),
-                    None => String::new(),
+        let label = match (&spec.mesh, spec.stages) {
+            (Some(mesh), _) => format!(
+                "{mesh}: tp within a machine x {} across{}",
+                if mesh.contains("dp_shard") {
+                    "FSDP"
+                } else {
+                    "DDP"
+                },
+                if spec.sequence_parallel {
+                    ", sequence parallel"
+                } else {
+                    ""
                 }
             ),
-            None => match spec.shard_size {
-                Some(shard) => format!(
-                    "{} x{}, shard groups of {shard} (one per machine)",
-                    spec.strategy.to_uppercase(),
-                    spec.world
+            (None, stages) => match stages {
+                Some(pp) if pp == spec.world => format!("pipeline, {pp} stages on ranks"),
+                Some(pp) => format!(
+                    "pipeline, {} x {pp} (dp x pp){}",
+                    spec.world / pp,
+                    match spec.zero {
+                        Some(3) => ", FSDP across the replicas".to_string(),
+                        Some(stage) => format!(", ZeRO-{stage} across the replicas"),
+                        None => String::new(),
+                    }
                 ),
-                None => format!("{} x{}", spec.strategy.to_uppercase(), spec.world),
+                None => match spec.shard_size {
+                    Some(shard) => format!(
+                        "{} x{}, shard groups of {shard} (one per machine)",
+                        spec.strategy.to_uppercase(),
+                        spec.world
+                    ),
+                    None => format!("{} x{}", spec.strategy.to_uppercase(), spec.world),
+                },
             },
         };
         s += &format!(

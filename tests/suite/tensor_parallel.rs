@@ -504,3 +504,26 @@ fn scratch(name: &str) -> std::path::PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     dir
 }
+
+/// In bf16 (f32 masters, the forward and backward in bf16) a tp run
+/// stays as near one device's bf16 run as bf16's own rounding allows: its
+/// losses' gap from one device's bf16 losses is within the gap between
+/// one device's bf16 and f32 losses (bf16's own error), every step.
+#[test]
+fn tp_in_bf16_stays_within_bf16s_own_gap_of_one_devices_bf16() -> Result<()> {
+    use candle_dp::fabric::Precision;
+    let bf16 = |mesh: &str| -> Result<FabricConfig> {
+        Ok(config(mesh, false, Some(1.0))?.precision(Precision::Bf16Mixed))
+    };
+    let steps = 12;
+    let f32_one = train(config("single", false, Some(1.0))?, GPT, steps, false)?;
+    let bf16_one = train(bf16("single")?, GPT, steps, false)?;
+    let own = worst_loss_gap(&bf16_one.losses, &f32_one.losses);
+    for mesh in ["tp=2", "dp_shard=2,tp=2"] {
+        let run = within(300, move || train(bf16(mesh)?, GPT, steps, false))?;
+        let gap = worst_loss_gap(&run.losses, &bf16_one.losses);
+        println!("bf16 {mesh}: losses {gap:.1e} from one device's bf16 (bf16 from f32: {own:.1e})");
+        assert!(gap <= own, "{mesh}: {gap:e} against bf16's own {own:e}");
+    }
+    Ok(())
+}
