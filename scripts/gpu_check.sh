@@ -308,10 +308,14 @@ run() {
             echo "== train_lm, CPU"
             timeout 300 "$bin/train_lm" --steps 30 --eval-every 30 || echo "== failed"
             # Then the mesh's strategies, 4 ranks on GPU 0: HSDP, ZeRO on
-            # a 2 x 2 mesh, and 2 pipelines of 2 stage ranks.
+            # a 2 x 2 mesh, and 2 pipelines of 2 stage ranks; tensor
+            # parallelism (tp = 2, in bf16, beside FSDP with sequence
+            # parallelism).
             for s in "fsdp|0,0" "zero --overlap|0,0" "ddp --precision bf16|0,0" \
                 "hsdp --mesh dp=2,shard=2|0,0,0,0" "zero --mesh dp=2,shard=2|0,0,0,0" \
-                "pipeline --mesh dp=2,pp=2|0,0,0,0" "fsdp --precision f16|0,0"; do
+                "pipeline --mesh dp=2,pp=2|0,0,0,0" "fsdp --precision f16|0,0" \
+                "single --mesh tp=2|0,0" "single --mesh tp=2 --precision bf16|0,0" \
+                "fsdp --mesh dp_shard=2,tp=2 --sequence-parallel|0,0,0,0"; do
                 echo "== train_lm --strategy ${s%|*}, ranks on GPUs ${s#*|}, --compare"
                 # shellcheck disable=SC2086
                 timeout 300 "$bin/train_lm" --strategy ${s%|*} --steps 30 --eval-every 30 \

@@ -31,12 +31,12 @@ use crate::stats::median;
 
 /// `train_lm`'s defaults.
 const SEED: u64 = 0;
-const BATCH: usize = 8;
+pub(crate) const BATCH: usize = 8;
 const LR: f64 = 1e-3;
 /// Steps run before the timed ones (allocations, first-touch pages).
 const WARMUP: usize = 2;
 
-fn config(fused_ops: bool) -> GptConfig {
+pub(crate) fn config(fused_ops: bool) -> GptConfig {
     GptConfig {
         vocab: 256,
         context: 128,

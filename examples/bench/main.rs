@@ -72,6 +72,7 @@ mod plan;
 mod precision;
 mod report;
 mod stats;
+mod tp_memory;
 mod zero;
 
 use std::path::PathBuf;
@@ -187,6 +188,12 @@ struct Args {
     /// carries per step (writes mesh.md).
     #[arg(long)]
     mesh: bool,
+    /// Measure what one rank holds at the peak of the language model's
+    /// step at tp = 1, 2 and 4, with and without sequence parallelism (a
+    /// build without mimalloc: the benchmark's allocator counts; writes
+    /// tp_memory.md).
+    #[arg(long)]
+    tp_memory: bool,
     /// Internal: run one language-model configuration (JSON) in this process.
     #[arg(long, hide = true, value_name = "SPEC")]
     lm_child: Option<String>,
@@ -307,6 +314,13 @@ fn run(args: Args) -> Result<()> {
         println!("{report}");
         std::fs::write(out_dir.join("mesh.md"), &report)?;
         println!("wrote {}", out_dir.join("mesh.md").display());
+        return Ok(());
+    }
+    if args.tp_memory {
+        let report = tp_memory::run()?;
+        println!("{report}");
+        std::fs::write(out_dir.join("tp_memory.md"), &report)?;
+        println!("wrote {}", out_dir.join("tp_memory.md").display());
         return Ok(());
     }
     if args.overlap {
