@@ -299,9 +299,13 @@ impl FabricConfig {
         }
         match strategy {
             Strategy::Single if devices != self.tensor_parallel_size() => {
-                return refuse(format!(
-                    "one device only, got {devices}: use dp or ddp for several"
-                ))
+                return refuse(match self.tensor_parallel_size() {
+                    1 => format!("one device only, got {devices}: use dp or ddp for several"),
+                    tp => format!(
+                        "one device per tensor-parallel piece ({tp}), got {devices}: give a \
+                         dp_replicate or dp_shard degree for more"
+                    ),
+                })
             }
             Strategy::Pipeline if devices * self.pipeline_schedule.stages_per_device() < 2 => {
                 return refuse(format!(

@@ -84,7 +84,10 @@ pub use memory::Memory;
 pub use model::{FabricModel, StepOutcome};
 pub use module::FabricModule;
 pub use saving::Resumed;
-pub use strategies::{Engine, EngineSetup, EngineStep, FoundState, LossFn, StateStore, Trainables};
+pub use strategies::{
+    clip_across, Engine, EngineSetup, EngineStep, FoundState, LossFn, StateStore, Trainables,
+    WholeState,
+};
 
 use crate::comm::{all_gather_object, GroupOptions, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
@@ -171,14 +174,23 @@ impl Fabric {
         config.check()?;
         let strategy = config.effective_strategy();
         let tp = config.tensor_parallel_size();
-        if under_mpi && !strategy.is_distributed() && tp == 1 && Backend::world_size() > 1 {
+        // In one process, or one per tensor-parallel piece of one model.
+        if under_mpi && !strategy.is_distributed() && Backend::world_size() != tp {
             return Err(Error::Strategy {
                 strategy: strategy.name().into(),
                 reason: format!(
-                    "it runs in one process, and this is one of {} processes of an MPI job: \
-                     start one process, or use ddp, ddp-overlap, zero1, zero2, fsdp, hsdp, \
-                     pipeline-ddp or pipeline-ranks",
-                    Backend::world_size()
+                    "it runs in {}, and this is one of {} processes of an MPI job: start {}, \
+                     or use ddp, ddp-overlap, zero1, zero2, fsdp, hsdp, pipeline-ddp or \
+                     pipeline-ranks",
+                    match tp {
+                        1 => "one process".to_string(),
+                        tp => format!("{tp} processes (one per tensor-parallel piece)"),
+                    },
+                    Backend::world_size(),
+                    match tp {
+                        1 => "one process".to_string(),
+                        tp => format!("{tp}"),
+                    },
                 ),
             });
         }

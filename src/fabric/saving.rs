@@ -44,8 +44,18 @@ impl std::fmt::Display for Resumed {
 const STRATEGY: &str = "fabric.strategy";
 /// The precision policy in words ([`Precision::policy_description`]).
 const PRECISION: &str = "fabric.precision";
+/// The state's layout (whole, ZeRO's or FSDP's shards, a pipeline's
+/// stages), which a strategy beside tensor parallelism does not tell.
+const LAYOUT: &str = "fabric.layout";
 
 impl<O: StatefulOptimizer> FabricModel<O> {
+    /// How this run's states lie: the engine's say, or its strategy's.
+    fn state_layout(&self) -> &'static str {
+        self.engine
+            .state_layout()
+            .unwrap_or_else(|| self.strategy.state_layout())
+    }
+
     /// Saves the whole training state at `progress` into the configured
     /// `checkpoint_dir` (atomically: a kill leaves the previous states
     /// whole), keeping the newest `keep`: each rank its shard where the
@@ -79,6 +89,9 @@ impl<O: StatefulOptimizer> FabricModel<O> {
         state
             .metadata
             .insert(PRECISION.into(), self.precision.policy_description());
+        state
+            .metadata
+            .insert(LAYOUT.into(), self.state_layout().into());
         let store = StateStore {
             checkpoints: &checkpoints,
             pg: self.pg.as_ref(),
@@ -209,13 +222,18 @@ fn check_layout<O: StatefulOptimizer>(
     let (strategy, seed) = (model.strategy, model.seed);
     if let Some(saved) = state.metadata.get(STRATEGY) {
         let saved: Strategy = saved.parse()?;
-        if saved.state_layout() != strategy.state_layout() {
+        // States written before the layout was recorded: the strategy's.
+        let layout = state
+            .metadata
+            .get(LAYOUT)
+            .map_or(saved.state_layout(), String::as_str);
+        let ours = model.state_layout();
+        if layout != ours {
             return Err(Error::Checkpoint(format!(
-                "{}: saved by strategy {saved} ({}), which strategy {strategy} ({}) cannot load: \
-                 resume with {saved}, or export it with save_full and start from its weights",
+                "{}: saved by strategy {saved} ({layout}), which strategy {strategy} ({ours}) \
+                 cannot load: resume with {saved}, or export it with save_full and start from \
+                 its weights",
                 path.display(),
-                saved.state_layout(),
-                strategy.state_layout()
             )));
         }
     }

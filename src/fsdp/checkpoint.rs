@@ -11,7 +11,10 @@ use candle_core::Tensor;
 use super::FullyShardedDataParallel;
 use crate::error::{Error, Result};
 use crate::optim::{OptimizerState, StatefulOptimizer};
-use crate::sharding::state::{mark_shard, named_layouts, reshard_states, unshard_saved};
+use crate::sharding::state::{
+    mark_shard, named_layouts, piece_state, reshard_states, unshard_saved, whole_layouts,
+    whole_state_on_first,
+};
 use crate::sharding::ShardLayout;
 
 impl FullyShardedDataParallel {
@@ -116,6 +119,82 @@ impl FullyShardedDataParallel {
         }
         opt.load_state(&state)?;
         for ((_, var), piece) in self.shards.iter().zip(mine) {
+            var.set(&piece)?;
+        }
+        for ((_, var), value) in self.buffers.iter().zip(buffers) {
+            var.set(&value)?;
+        }
+        Ok(())
+    }
+
+    /// The whole model (every rank) and the optimizer state of the whole
+    /// parameters, put together on the shard group's first rank (`None`
+    /// elsewhere): what one device would hold. Every rank calls it.
+    ///
+    /// # Errors
+    ///
+    /// A collective's; the optimizer's state.
+    pub(crate) fn whole_state<O: StatefulOptimizer>(
+        &self,
+        opt: &O,
+    ) -> Result<(HashMap<String, Tensor>, Option<OptimizerState>)> {
+        let values = self.full_state()?;
+        let whole = whole_layouts(&self.named_layouts());
+        let state = whole_state_on_first(self.pg.as_ref(), &self.shard_state(opt)?, ROWS, &whole)?;
+        Ok((values, state))
+    }
+
+    /// Puts a whole state back (`values`: every parameter and buffer
+    /// whole; `state`: the optimizer's state of the whole parameters), this
+    /// rank taking its pieces. No collective runs. All or nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Fsdp`] naming a value missing or of another shape, or a
+    /// state that does not fit; the optimizer's refusal.
+    pub(crate) fn load_whole<O: StatefulOptimizer>(
+        &mut self,
+        values: &HashMap<String, Tensor>,
+        state: &OptimizerState,
+        opt: &mut O,
+    ) -> Result<()> {
+        let fail = |what: String| Error::Fsdp(format!("a whole state: {what}"));
+        let (rank, named) = (self.pg.rank(), self.named_layouts());
+        let state = piece_state(state, ROWS, &whole_layouts(&named), &named, rank, &fail)?;
+        let value = |name: &str, dims: &[usize]| -> Result<&Tensor> {
+            let value = values
+                .get(name)
+                .ok_or_else(|| fail(format!("it lacks `{name}`")))?;
+            if value.dims() != dims {
+                return Err(fail(format!(
+                    "`{name}` has shape {:?} in it, {dims:?} in this model",
+                    value.dims()
+                )));
+            }
+            Ok(value)
+        };
+        let mut pieces = Vec::with_capacity(self.shards.len());
+        for ((name, var), layout) in self.shards.iter().zip(&self.layouts) {
+            let whole = value(name, &layout.dims)?.to_dtype(var.dtype())?;
+            pieces.push(
+                layout
+                    .shard_of(&whole, rank)?
+                    .to_device(var.device())?
+                    .copy()?,
+            );
+        }
+        let mut buffers = Vec::with_capacity(self.buffers.len());
+        for (name, var) in &self.buffers {
+            let whole = value(name, var.dims())?;
+            buffers.push(
+                whole
+                    .to_dtype(var.dtype())?
+                    .to_device(var.device())?
+                    .copy()?,
+            );
+        }
+        opt.load_state(&state)?;
+        for ((_, var), piece) in self.shards.iter().zip(pieces) {
             var.set(&piece)?;
         }
         for ((_, var), value) in self.buffers.iter().zip(buffers) {

@@ -58,7 +58,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> candle_core::Result<T
 }
 
 /// The targets as u32 on the CPU, each checked to be a class.
-fn class_indices(targets: &Tensor, classes: usize) -> candle_core::Result<Tensor> {
+pub(crate) fn class_indices(targets: &Tensor, classes: usize) -> candle_core::Result<Tensor> {
     let values: Vec<i64> = targets.to_dtype(DType::I64)?.to_vec1()?;
     if let Some((row, value)) = values
         .iter()

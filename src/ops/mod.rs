@@ -40,6 +40,7 @@ mod linear;
 mod softmax;
 
 pub use attention::{causal_attention, causal_attention_unfused};
+pub(crate) use cross_entropy::class_indices;
 pub use cross_entropy::cross_entropy;
 pub use gelu::gelu;
 pub use layer_norm::layer_norm;

@@ -40,11 +40,7 @@ impl ColumnLinear {
         let local = tp
             .share(output, &format!("the outputs of `{}`", vb.prefix()))
             .map_err(candle_core::Error::wrap)?;
-        let weight = vb.get_with_hints((local, input), "weight", init)?;
-        let bias = match bias {
-            true => Some(vb.get_with_hints(local, "bias", Init::Const(0.0))?),
-            false => None,
-        };
+        let (weight, bias) = weight_and_bias(&vb, (local, input), init, bias.then_some(local))?;
         Ok(Self {
             weight,
             bias,
@@ -107,11 +103,7 @@ impl RowLinear {
         let local = tp
             .share(input, &format!("the inputs of `{}`", vb.prefix()))
             .map_err(candle_core::Error::wrap)?;
-        let weight = vb.get_with_hints((output, local), "weight", init)?;
-        let bias = match bias {
-            true => Some(vb.get_with_hints(output, "bias", Init::Const(0.0))?),
-            false => None,
-        };
+        let (weight, bias) = weight_and_bias(&vb, (output, local), init, bias.then_some(output))?;
         Ok(Self {
             weight,
             bias,
@@ -181,22 +173,55 @@ impl Module for VocabEmbedding {
     fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let (local, width) = self.rows.dims2()?;
-        let (index, mask) = local_ids(ids, self.tp.rank() * local, local, ids.device())?;
+        // Every rank sees the same ids: an id no rank holds fails them all
+        // alike, as one device's lookup would.
+        let all = ids_of(ids)?;
+        let vocab = local * self.tp.size();
+        if let Some((i, id)) = all
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id < 0 || id as u64 >= vocab as u64)
+        {
+            candle_core::bail!(
+                "vocab-parallel embedding: token id {id} at position {i} is not one of the \
+                 {vocab} rows"
+            );
+        }
+        let (index, mask) = local_ids(&all, self.tp.rank() * local, local, ids.device())?;
         let rows = self.rows.index_select(&index, 0)?;
         let rows = rows.broadcast_mul(&mask.to_dtype(rows.dtype())?)?;
         self.tp.leave(&rows.reshape((b, t, width))?)
     }
 }
 
-/// `ids` as indices into the rows `start .. start + count` (0 for the
+/// A linear layer's `weight` of `shape` drawn with `init`, and its zero
+/// `bias` of `bias` values when it has one.
+fn weight_and_bias(
+    vb: &VarBuilder,
+    shape: (usize, usize),
+    init: Init,
+    bias: Option<usize>,
+) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+    let weight = vb.get_with_hints(shape, "weight", init)?;
+    let bias = bias
+        .map(|n| vb.get_with_hints(n, "bias", Init::Const(0.0)))
+        .transpose()?;
+    Ok((weight, bias))
+}
+
+/// The ids (or classes) of `ids`, flattened, on the host.
+pub(super) fn ids_of(ids: &Tensor) -> candle_core::Result<Vec<i64>> {
+    ids.flatten_all()?.to_dtype(DType::I64)?.to_vec1()
+}
+
+/// `all` as indices into the rows `start .. start + count` (0 for the
 /// others), and a column of 1 where an id is one of them, 0 elsewhere.
 pub(super) fn local_ids(
-    ids: &Tensor,
+    all: &[i64],
     start: usize,
     count: usize,
     device: &Device,
 ) -> candle_core::Result<(Tensor, Tensor)> {
-    let all: Vec<i64> = ids.flatten_all()?.to_dtype(DType::I64)?.to_vec1()?;
     let mine = |id: i64| id >= start as i64 && id < (start + count) as i64;
     let index: Vec<u32> = all
         .iter()

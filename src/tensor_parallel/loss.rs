@@ -5,7 +5,7 @@
 use candle_core::{DType, Tensor};
 
 use super::collectives::reduce_from;
-use super::layers::local_ids;
+use super::layers::{ids_of, local_ids};
 use super::TensorParallel;
 use crate::comm::ReduceOp;
 
@@ -32,18 +32,8 @@ pub fn vocab_parallel_cross_entropy(
             targets.dims()
         );
     }
-    let vocab = local * tp.size();
-    let values: Vec<i64> = targets.to_dtype(DType::I64)?.to_vec1()?;
-    if let Some((row, value)) = values
-        .iter()
-        .enumerate()
-        .find(|(_, &v)| v < 0 || v as u64 >= vocab as u64)
-    {
-        candle_core::bail!(
-            "vocab-parallel cross-entropy: target {value} at row {row} is not one of the {vocab} \
-             classes"
-        );
-    }
+    // Every class of the whole vocabulary, checked as the fused loss does.
+    crate::ops::class_indices(targets, local * tp.size())?;
     let group = tp.group();
     let logits = logits.to_dtype(DType::F32)?;
     // The softmax does not change with the shift: the maximum is a
@@ -53,7 +43,7 @@ pub fn vocab_parallel_cross_entropy(
         .map_err(candle_core::Error::wrap)?;
     let shifted = logits.broadcast_sub(&max)?;
     let sum = reduce_from(&shifted.exp()?.sum_keepdim(1)?, group)?;
-    let (index, mask) = local_ids(targets, tp.rank() * local, local, logits.device())?;
+    let (index, mask) = local_ids(&ids_of(targets)?, tp.rank() * local, local, logits.device())?;
     let picked = shifted.gather(&index.unsqueeze(1)?, 1)?.mul(&mask)?;
     let picked = reduce_from(&picked, group)?;
     (sum.log()? - picked)?.mean_all()

@@ -449,13 +449,19 @@ fn bits(weights: &HashMap<String, Tensor>) -> Result<Vec<(String, Vec<u32>)>> {
     Ok(all)
 }
 
-/// A tensor-parallel run's state is saved whole (its pieces joined): it
-/// resumes on its mesh to the bytes of the run that did not stop, and
-/// loads on other meshes (tp = 4, tp = 1 on 4 DDP ranks, one device) to
-/// the same values. A state saved on FSDP beside tp is refused by name.
+/// A tensor-parallel run's state is saved whole (the strategy's pieces
+/// and the tensor-parallel ones joined): beside single, DDP, FSDP, HSDP
+/// and ZeRO-2 it resumes on its mesh to the bytes of the run that did not
+/// stop, and loads on other meshes (tp = 4, FSDP beside tp, tp = 1 on 4
+/// DDP ranks, one device) to the same values.
 #[test]
 fn a_tp_state_resumes_to_the_same_bytes_and_loads_on_any_mesh() -> Result<()> {
-    for mesh in ["tp=2", "dp_replicate=2,tp=2"] {
+    for mesh in [
+        "tp=2",
+        "dp_replicate=2,tp=2",
+        "dp_shard=2,tp=2",
+        "dp_replicate=2,dp_shard=2,tp=2",
+    ] {
         let (dir, again) = (scratch(&format!("{mesh}-all")), scratch(mesh));
         let (all_losses, all_weights) =
             train_saving(config(mesh, false, None)?, &dir, 4, Some(2), false)?;
@@ -470,7 +476,13 @@ fn a_tp_state_resumes_to_the_same_bytes_and_loads_on_any_mesh() -> Result<()> {
 
         // The state after step 2 onto other meshes: the same values.
         let (_, saved) = train_saving(config(mesh, false, None)?, &again, 2, None, true)?;
-        for other in ["single", "tp=4", "dp_replicate=4", "dp_replicate=2,tp=2"] {
+        for other in [
+            "single",
+            "tp=4",
+            "dp_replicate=4",
+            "dp_shard=2,tp=2",
+            "dp_replicate=2,tp=2",
+        ] {
             let (_, loaded) = train_saving(config(other, false, None)?, &again, 2, None, true)?;
             assert_eq!(bits(&loaded)?, bits(&saved)?, "{mesh} loaded on {other}");
         }
@@ -478,10 +490,32 @@ fn a_tp_state_resumes_to_the_same_bytes_and_loads_on_any_mesh() -> Result<()> {
             std::fs::remove_dir_all(folder)?;
         }
     }
-    let dir = scratch("fsdp");
+    // ZeRO-2 beside tp too; a pipeline beside tp cannot put its whole
+    // state together yet, and says so.
+    let zero2 = FabricConfig {
+        zero: Some(2),
+        ..FabricConfig::default()
+    }
+    .with_mesh("dp_replicate=2,tp=2".parse()?)?;
+    let dir = scratch("zero2");
+    let (all_losses, all_weights) = train_saving(zero2.clone(), &dir, 4, Some(2), false)?;
+    let again = scratch("zero2-again");
+    train_saving(zero2.clone(), &again, 2, Some(2), false)?;
+    let (losses, weights) = train_saving(zero2, &again, 4, None, true)?;
+    assert_eq!(
+        losses,
+        all_losses[2..],
+        "ZeRO-2 beside tp: the resumed losses"
+    );
+    assert_eq!(
+        bits(&weights)?,
+        bits(&all_weights)?,
+        "ZeRO-2 beside tp: the resumed weights"
+    );
+    let dir_pp = scratch("pipeline");
     let e = train_saving(
-        config("dp_shard=2,tp=2", false, None)?,
-        &dir,
+        config("pp=2,tp=2", false, None)?,
+        &dir_pp,
         1,
         Some(1),
         false,
@@ -489,8 +523,13 @@ fn a_tp_state_resumes_to_the_same_bytes_and_loads_on_any_mesh() -> Result<()> {
     .err()
     .map(|e| format!("{e:#}"))
     .unwrap_or_default();
-    assert!(e.contains("saving the state of strategy fsdp"), "{e}");
-    let _ = std::fs::remove_dir_all(dir);
+    assert!(
+        e.contains("strategy pipeline-ranks cannot put its whole state together"),
+        "{e}"
+    );
+    for folder in [dir, again, dir_pp] {
+        let _ = std::fs::remove_dir_all(folder);
+    }
     Ok(())
 }
 
@@ -525,5 +564,30 @@ fn tp_in_bf16_stays_within_bf16s_own_gap_of_one_devices_bf16() -> Result<()> {
         println!("bf16 {mesh}: losses {gap:.1e} from one device's bf16 (bf16 from f32: {own:.1e})");
         assert!(gap <= own, "{mesh}: {gap:e} against bf16's own {own:e}");
     }
+    Ok(())
+}
+
+/// A token id that no rank's rows hold fails every tensor-parallel rank
+/// alike, naming it, as one device's lookup fails (not a silent zero row).
+#[test]
+fn a_token_outside_the_vocabulary_fails_every_tp_rank_naming_it() -> Result<()> {
+    let e = within(60, || {
+        Fabric::spawn(config("tp=2", false, None)?, |fabric| {
+            let mut model = fabric.setup(module(&fabric, GPT), |p| {
+                Sgd::new_named(p, SgdConfig::default())
+            })?;
+            let x = Tensor::new(&[[1u32, 2, 300, 4]], &candle_core::Device::Cpu)?;
+            let tp = fabric.tensor_parallel().cloned().expect("tp");
+            model.backward(&x, &x, move |o, y| lm_loss_tp(o, y, &tp))?;
+            Ok(())
+        })
+        .map_err(anyhow::Error::from)
+    })
+    .expect_err("refused");
+    let e = format!("{e:#}");
+    assert!(
+        e.contains("token id 300 at position 2 is not one of the 256 rows"),
+        "{e}"
+    );
     Ok(())
 }

@@ -3,6 +3,8 @@
 //! gradients all-reduced (or reduce-scattered, ZeRO-2), the optimizer
 //! whole or (ZeRO) each rank's pieces.
 
+use std::collections::HashMap;
+
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
@@ -12,14 +14,14 @@ use super::states::{self, not_this_layout};
 use super::trainables::Stepper;
 use super::{
     bytes_of, from_step, scaled, Engine, EngineSetup, EngineStep, FoundState, LossFn, Memory,
-    Shards, StateStore, Trainables,
+    Shards, StateStore, Trainables, WholeState,
 };
 use crate::comm::ProcessGroup;
 use crate::ddp::{DistributedDataParallel, ZeroStage};
 use crate::error::Result;
 use crate::fabric::Strategy;
 use crate::optim::clip::AlsoAcross;
-use crate::optim::{clip_grad_norm, Clipped, StatefulOptimizer};
+use crate::optim::{clip_grad_norm, Clipped, OptimizerState, StatefulOptimizer};
 use crate::precision::output_for_loss;
 use crate::saving::training_state::TrainingState;
 use crate::units::Units;
@@ -162,6 +164,28 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Ddp<O> {
             }
             Stepper::Whole(_) => super::clip_across(&self.trainables, grads, max_norm, tp, counted),
         }
+    }
+
+    /// ZeRO's whole state on the first rank of its shard group.
+    fn whole_state(&self) -> Result<Option<WholeState>> {
+        let values = super::values_of(&self.trainables)?;
+        Ok(match &self.trainables.stepper {
+            Stepper::Whole(opt) => Some((values, opt.state()?)),
+            Stepper::Zero(zero) => zero.whole_state_on_first()?.map(|state| (values, state)),
+        })
+    }
+
+    fn load_whole_state(
+        &mut self,
+        values: &HashMap<String, Tensor>,
+        optimizer: &OptimizerState,
+    ) -> Result<()> {
+        let fitted = super::fitting(&self.trainables, values)?;
+        match &mut self.trainables.stepper {
+            Stepper::Whole(opt) => opt.load_state(optimizer)?,
+            Stepper::Zero(zero) => zero.load_whole_state(optimizer)?,
+        }
+        super::set_all(&fitted)
     }
 
     fn memory(&self) -> Result<Memory> {

@@ -13,14 +13,14 @@ use super::shard_groups::hybrid_mesh;
 use super::states::{self, not_this_layout};
 use super::{
     from_step, scaled, Engine, EngineSetup, EngineStep, FoundState, LossFn, Memory, Shards,
-    StateStore, Trainables,
+    StateStore, Trainables, WholeState,
 };
 use crate::comm::ProcessGroup;
 use crate::error::Result;
 use crate::fabric::Strategy;
 use crate::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use crate::optim::clip::AlsoAcross;
-use crate::optim::{Clipped, StatefulOptimizer};
+use crate::optim::{Clipped, OptimizerState, StatefulOptimizer};
 use crate::saving::training_state::TrainingState;
 
 /// The engine of `fsdp` and `hsdp`.
@@ -138,6 +138,20 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Fsdp<O> {
 
     fn full_state(&self) -> Result<HashMap<String, Tensor>> {
         self.fsdp.full_state()
+    }
+
+    fn whole_state(&self) -> Result<Option<WholeState>> {
+        let (values, state) = self.fsdp.whole_state(self.trainables.optimizer())?;
+        Ok(state.map(|state| (values, state)))
+    }
+
+    fn load_whole_state(
+        &mut self,
+        values: &HashMap<String, Tensor>,
+        optimizer: &OptimizerState,
+    ) -> Result<()> {
+        self.fsdp
+            .load_whole(values, optimizer, self.trainables.optimizer_mut())
     }
 
     fn memory(&self) -> Result<Memory> {

@@ -42,6 +42,10 @@ use crate::util::vars::sorted_vars;
 
 pub use trainables::Trainables;
 
+/// A whole state: the model's values by name, and the optimizer's state
+/// of the whole parameters ([`Engine::whole_state`]).
+pub type WholeState = (HashMap<String, Tensor>, OptimizerState);
+
 /// A loss from the model's output (in f32) and the targets.
 pub type LossFn = Arc<dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
 
@@ -160,6 +164,13 @@ pub trait Engine<O: StatefulOptimizer> {
         false
     }
 
+    /// How its states lie, when not as its strategy's name says (a
+    /// strategy beside tensor parallelism saves them whole): `None` for
+    /// the strategy's own.
+    fn state_layout(&self) -> Option<&'static str> {
+        None
+    }
+
     /// Whether each rank holds its model and its optimizer's state whole
     /// (its [`Trainables`] are the whole model's), so that a state saved
     /// whole loads into it as it is: an engine that neither shards nor
@@ -192,11 +203,11 @@ pub trait Engine<O: StatefulOptimizer> {
     /// counted where `counted(name)` says (so that one every rank holds
     /// whole counts once). The default refuses: an engine whose own
     /// clip is local (its gradients whole on each rank) gives it with
-    /// [`clip_across`].
+    /// [`clip_across`](crate::fabric::clip_across).
     ///
     /// # Errors
     ///
-    /// [`Error::TensorParallel`] where the strategy cannot; the norm's,
+    /// [`Error::TensorParallel`](crate::Error::TensorParallel) where the strategy cannot; the norm's,
     /// a collective's.
     fn clip_tensor_parallel(
         &self,
@@ -230,6 +241,57 @@ pub trait Engine<O: StatefulOptimizer> {
     /// The optimizer's state cannot be copied.
     fn memory(&self) -> Result<Memory> {
         self.trainables().memory()
+    }
+
+    /// The whole model's values and the optimizer's state of the whole
+    /// parameters, as one device would hold them, on the ranks that put
+    /// them together (`None` on the others); every rank calls it. An
+    /// engine that holds its model whole gives its own on every rank;
+    /// FSDP puts its pieces together on its shard group's first rank.
+    /// What a tensor-parallel run saves (its pieces joined once more).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::TensorParallel`](crate::Error::TensorParallel) for an
+    /// engine that cannot; a collective's; the optimizer's state.
+    fn whole_state(&self) -> Result<Option<WholeState>> {
+        if !self.holds_whole() {
+            return Err(crate::error::Error::TensorParallel(format!(
+                "strategy {} cannot put its whole state together",
+                self.name()
+            )));
+        }
+        let trainables = self.trainables();
+        Ok(Some((
+            values_of(trainables)?,
+            trainables.optimizer().state()?,
+        )))
+    }
+
+    /// Puts a whole state back (as [`whole_state`](Self::whole_state)
+    /// gives it): each rank takes its part. All or nothing: when a value
+    /// does not fit, nothing has changed.
+    ///
+    /// # Errors
+    ///
+    /// A value missing or of another shape (naming it); the optimizer's
+    /// refusal; [`Error::TensorParallel`](crate::Error::TensorParallel)
+    /// for an engine that cannot.
+    fn load_whole_state(
+        &mut self,
+        values: &HashMap<String, Tensor>,
+        optimizer: &OptimizerState,
+    ) -> Result<()> {
+        if !self.holds_whole() {
+            return Err(crate::error::Error::TensorParallel(format!(
+                "strategy {} cannot load a whole state",
+                self.name()
+            )));
+        }
+        let trainables = self.trainables_mut();
+        let fitted = fitting(trainables, values)?;
+        trainables.optimizer_mut().load_state(optimizer)?;
+        set_all(&fitted)
     }
 
     /// Saves `state` with this rank's part of the model and optimizer
@@ -423,6 +485,49 @@ pub(crate) fn with_tensor_parallel<O: StatefulOptimizer + 'static>(
         )),
         _ => engine,
     }
+}
+
+/// Copies of the values of `trainables`' variables, by name.
+pub(crate) fn values_of<O: StatefulOptimizer>(
+    trainables: &Trainables<O>,
+) -> Result<HashMap<String, Tensor>> {
+    sorted_vars(trainables.varmap())
+        .into_iter()
+        .map(|(name, var)| Ok((name, var.as_tensor().copy()?)))
+        .collect()
+}
+
+/// `trainables`' variables beside their values in `values` (in their
+/// dtypes, on their devices): an error naming a value missing or of
+/// another shape, before anything changes.
+pub(crate) fn fitting<O: StatefulOptimizer>(
+    trainables: &Trainables<O>,
+    values: &HashMap<String, Tensor>,
+) -> Result<Vec<(Var, Tensor)>> {
+    let mut fitted = Vec::new();
+    for (name, var) in sorted_vars(trainables.varmap()) {
+        let value = values
+            .get(&name)
+            .ok_or_else(|| crate::error::Error::Checkpoint(format!("the state lacks `{name}`")))?;
+        if value.dims() != var.dims() {
+            return Err(crate::error::Error::Checkpoint(format!(
+                "`{name}` has shape {:?} in the state, {:?} in this model",
+                value.dims(),
+                var.dims()
+            )));
+        }
+        let value = value.to_dtype(var.dtype())?.to_device(var.device())?;
+        fitted.push((var, value));
+    }
+    Ok(fitted)
+}
+
+/// Sets each variable to its value ([`fitting`]'s: they fit).
+pub(crate) fn set_all(fitted: &[(Var, Tensor)]) -> Result<()> {
+    for (var, value) in fitted {
+        var.set(value)?;
+    }
+    Ok(())
 }
 
 /// The error of a strategy that cannot clip across tensor-parallel ranks.

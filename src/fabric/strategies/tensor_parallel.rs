@@ -6,8 +6,7 @@
 use std::collections::HashMap;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
-use candle_nn::VarMap;
+use candle_core::Tensor;
 
 use super::{Engine, EngineStep, FoundState, LossFn, StateStore, Trainables};
 use crate::error::{Error, Result};
@@ -15,8 +14,6 @@ use crate::fabric::memory::Memory;
 use crate::optim::{Clipped, StatefulOptimizer};
 use crate::saving::training_state::TrainingState;
 use crate::tensor_parallel::{TensorParallel, TpPlan};
-use crate::util::lock::lock;
-use crate::util::vars::sorted_vars;
 
 /// A strategy's engine on one tensor-parallel rank.
 pub(crate) struct TensorParallelEngine<O> {
@@ -28,13 +25,6 @@ pub(crate) struct TensorParallelEngine<O> {
 impl<O> TensorParallelEngine<O> {
     pub(crate) fn around(inner: Box<dyn Engine<O>>, tp: TensorParallel, plan: TpPlan) -> Self {
         Self { inner, tp, plan }
-    }
-
-    fn not_yet<T>(&self, what: &str) -> Result<T> {
-        Err(Error::TensorParallel(format!(
-            "{what} of a tensor-parallel run (tp = {}) is not built yet",
-            self.tp.size()
-        )))
     }
 }
 
@@ -70,8 +60,11 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for TensorParallelEngine<O> {
         self.inner.accumulates_itself()
     }
 
+    /// The tensor-parallel ranks hold different pieces of the split
+    /// gradients: an inf or NaN one of them finds (f16's loss scaling) is
+    /// told to every rank, so that all skip the step together.
     fn shards(&self) -> bool {
-        self.inner.shards()
+        true
     }
 
     fn step(&mut self, grads: &GradStore) -> Result<()> {
@@ -91,58 +84,54 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for TensorParallelEngine<O> {
     /// The strategy's whole model of this rank's pieces, each split
     /// parameter joined from every tensor-parallel rank's.
     fn full_state(&self) -> Result<HashMap<String, Tensor>> {
-        let mut names: Vec<(String, Tensor)> = self.inner.full_state()?.into_iter().collect();
-        names.sort_by(|a, b| a.0.cmp(&b.0));
-        let group = self.tp.group();
-        names
+        sorted(self.inner.full_state()?)
             .into_iter()
             .map(|(name, piece)| {
-                let placement = self.plan.placement(&name);
-                if !placement.is_sharded() {
-                    return Ok((name, piece));
-                }
-                let pieces = group.all_gather(&piece.contiguous()?)?;
-                let whole = placement.join(&pieces, &name)?;
+                let whole = self.join(&name, &piece)?;
                 Ok((name, whole))
             })
             .collect()
+    }
+
+    /// Saved whole, its pieces joined, whatever the strategy beside.
+    fn state_layout(&self) -> Option<&'static str> {
+        Some("whole")
+    }
+
+    /// A rank holds its pieces, never the whole model.
+    fn holds_whole(&self) -> bool {
+        false
     }
 
     fn memory(&self) -> Result<Memory> {
         self.inner.memory()
     }
 
-    fn holds_whole(&self) -> bool {
-        false
-    }
-
-    /// The state whole, as one device's: every rank gives its pieces,
-    /// rank 0 writes them joined, so that the state loads on any mesh (and
-    /// on one device) as it is. For a strategy that holds its model whole
-    /// on each rank (single, DDP); a sharding one's pieces of pieces are
-    /// not joined yet.
+    /// The state whole, as one device's: the strategy puts its pieces
+    /// together ([`Engine::whole_state`]), the tensor-parallel ranks join
+    /// theirs, rank 0 writes them, so that the state loads on any mesh
+    /// (and on one device) as it is.
     fn save(&self, store: &StateStore<'_>, mut state: TrainingState) -> Result<()> {
-        if !self.inner.holds_whole() {
-            return self.not_yet(&format!("saving the state of strategy {}", self.name()));
-        }
-        let trainables = self.inner.trainables();
-        let mut values = HashMap::new();
-        for (name, var) in sorted_vars(trainables.varmap()) {
-            let whole = self.join(&name, var.as_tensor())?;
-            values.insert(name, whole);
-        }
-        let mut optimizer = trainables.optimizer().state()?;
-        let pieces = std::mem::take(&mut optimizer.tensors);
-        for (key, tensor) in pieces {
-            let whole = match self.placement_of_state(&key, &tensor, trainables) {
-                Some(_) => self.join(parameter_of(&key), &tensor)?,
-                None => tensor,
-            };
-            optimizer.tensors.insert(key, whole);
-        }
-        if store.pg.rank() == 0 {
-            state.optimizer = Some(optimizer);
-            store.checkpoints.save(&super::varmap_of(values)?, &state)?;
+        // Every rank of a tensor-parallel group sits at the same place of
+        // the strategy's ranks: all of them have the state, or none.
+        if let Some((values, mut optimizer)) = self.inner.whole_state()? {
+            let mut whole = HashMap::new();
+            for (name, value) in sorted(values.clone()) {
+                let joined = self.join(&name, &value)?;
+                whole.insert(name, joined);
+            }
+            let pieces = std::mem::take(&mut optimizer.tensors);
+            for (key, tensor) in pieces {
+                let joined = match self.is_piece_of_state(&key, &tensor, &values) {
+                    true => self.join(parameter_of(&key), &tensor)?,
+                    false => tensor,
+                };
+                optimizer.tensors.insert(key, joined);
+            }
+            if store.pg.rank() == 0 {
+                state.optimizer = Some(optimizer);
+                store.checkpoints.save(&super::varmap_of(whole)?, &state)?;
+            }
         }
         Ok(store.pg.barrier()?)
     }
@@ -152,27 +141,15 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for TensorParallelEngine<O> {
     }
 
     /// Each rank cuts its pieces from a whole state (saved on any mesh, or
-    /// on one device); all or nothing.
+    /// on one device) and gives them to the strategy, which takes its
+    /// part; all or nothing.
     fn load_state(&mut self, found: FoundState) -> Result<()> {
-        if !self.inner.holds_whole() {
-            return self.not_yet(&format!("loading a state into strategy {}", self.name()));
-        }
         let (rank, tp) = (self.tp.rank(), self.tp.size());
-        let local = sorted_vars(self.inner.trainables().varmap());
-        // The whole model's shapes, read strictly from the state.
-        let whole = VarMap::new();
-        for (name, var) in &local {
-            let shape = self.plan.placement(name).whole_shape(var.shape(), tp);
-            let zeros = Var::zeros(shape, var.dtype(), var.device())?;
-            lock(whole.data()).insert(name.clone(), zeros);
-        }
-        found.saved.restore::<O>(&whole, None)?;
-        let whole = lock(whole.data()).clone();
-        let mut pieces = Vec::with_capacity(local.len());
-        for (name, var) in &local {
-            let value = whole[name].as_tensor();
+        let whole = found.saved.values()?;
+        let mut values = HashMap::with_capacity(whole.len());
+        for (name, value) in &whole {
             let piece = self.plan.placement(name).piece(value, rank, tp, name)?;
-            pieces.push((var.clone(), piece));
+            values.insert(name.clone(), piece);
         }
         let saved = found.state().optimizer.clone().ok_or_else(|| {
             Error::Checkpoint(format!(
@@ -183,26 +160,16 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for TensorParallelEngine<O> {
         let mut optimizer = saved.clone();
         optimizer.tensors.clear();
         for (key, tensor) in saved.tensors {
-            let placement = self.plan.placement(parameter_of(&key));
-            let is_piece = whole
-                .get(parameter_of(&key))
-                .is_some_and(|param| param.dims() == tensor.dims());
-            let tensor = match is_piece && placement.is_sharded() {
-                true => placement.piece(&tensor, rank, tp, &key)?,
+            let tensor = match self.is_piece_of_state(&key, &tensor, &whole) {
+                true => self
+                    .plan
+                    .placement(parameter_of(&key))
+                    .piece(&tensor, rank, tp, &key)?,
                 false => tensor,
             };
             optimizer.tensors.insert(key, tensor);
         }
-        let trainables = self.inner.trainables_mut();
-        let before = trainables.optimizer().state()?;
-        trainables.optimizer_mut().load_state(&optimizer)?;
-        for (var, piece) in &pieces {
-            if let Err(e) = var.set(&piece.to_dtype(var.dtype())?) {
-                trainables.optimizer_mut().load_state(&before)?;
-                return Err(e.into());
-            }
-        }
-        Ok(())
+        self.inner.load_whole_state(&values, &optimizer)
     }
 }
 
@@ -218,22 +185,26 @@ impl<O: StatefulOptimizer> TensorParallelEngine<O> {
         placement.join(&pieces, name)
     }
 
-    /// The placement of the optimizer's state `key` (`<parameter>.<slot>`)
-    /// when it is a split parameter's piece (a moment), `None` for a
-    /// replicated one or a slot of another shape (a step count).
-    fn placement_of_state(
+    /// Whether the optimizer's state `key` (`<parameter>.<slot>`) is a
+    /// split parameter's (a moment, shaped as the parameter's value in
+    /// `values`), not a step count.
+    fn is_piece_of_state(
         &self,
         key: &str,
         tensor: &Tensor,
-        trainables: &Trainables<O>,
-    ) -> Option<crate::tensor_parallel::Placement> {
+        values: &HashMap<String, Tensor>,
+    ) -> bool {
         let param = parameter_of(key);
-        let placement = self.plan.placement(param);
-        let shape = lock(trainables.varmap().data())
-            .get(param)
-            .map(|v| v.dims().to_vec());
-        (placement.is_sharded() && shape.as_deref() == Some(tensor.dims())).then_some(placement)
+        self.plan.placement(param).is_sharded()
+            && values.get(param).is_some_and(|v| v.dims() == tensor.dims())
     }
+}
+
+/// `values` in name order (every rank joins them in one order).
+fn sorted(values: HashMap<String, Tensor>) -> Vec<(String, Tensor)> {
+    let mut values: Vec<_> = values.into_iter().collect();
+    values.sort_by(|a, b| a.0.cmp(&b.0));
+    values
 }
 
 /// The parameter an optimizer state's key (`<parameter>.<slot>`) is of.
