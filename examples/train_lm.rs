@@ -24,12 +24,12 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use candle_dp::fabric::{Devices, Fabric, FabricArgs, FabricConfig, FabricModule};
+use candle_dp::fabric::{Devices, Fabric, FabricArgs, FabricConfig};
 use candle_dp::launch::Backend;
 use candle_dp::training_state::Progress;
 use candle_dp_examples::elastic::ElasticArgs;
 use candle_dp_examples::flags;
-use candle_dp_examples::gpt::{lm_loss_tp, tp_plan, tp_units, units};
+use candle_dp_examples::gpt::{fabric_module, loss_on};
 use candle_dp_examples::lm::{self, in_precision, GptArgs, OptimArgs, Outcome};
 use candle_dp_examples::text::{load_text, split, windows_at, Windows};
 use clap::Parser;
@@ -108,11 +108,7 @@ fn train_run(
             );
         }
         // With a tp degree, each rank builds its pieces of the model.
-        let gpt = args.model.config();
-        let module = match fabric.tensor_parallel() {
-            Some(tp) => FabricModule::units(tp_units(gpt, Some(tp))).with_tp_plan(tp_plan()),
-            None => FabricModule::units(units(gpt)),
-        };
+        let module = fabric_module(args.model.config(), fabric.tensor_parallel());
         let mut model = fabric.setup(module, |p| args.optim.adamw(p))?;
         if let Some(schedule) = args.optim.schedule(args.steps)? {
             model.set_schedule(schedule)?;
@@ -134,10 +130,7 @@ fn train_run(
             )?;
             let (x, y) = train.batch(&indices)?;
             let (x, y) = (fabric.to_device(&x)?, fabric.to_device(&y)?);
-            let loss = match fabric.tensor_parallel().cloned() {
-                Some(tp) => model.backward(&x, &y, move |out, y| lm_loss_tp(out, y, &tp))?,
-                None => model.backward(&x, &y, loss_fn)?,
-            };
+            let loss = model.backward(&x, &y, loss_on(fabric.tensor_parallel(), loss_fn))?;
             model.step()?;
             outcome.losses.push(fabric.global_mean(&loss, x.dim(0)?)?);
             outcome.tokens += (x.elem_count() * shares) as u64;

@@ -17,11 +17,11 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use candle_dp::checkpoint::{self, Prefix};
-use candle_dp::fabric::{Fabric, FabricConfig, FabricModule, Strategy};
+use candle_dp::fabric::{Fabric, FabricConfig, Strategy};
 use candle_dp::optim::{AdamWConfig, LrScheduler};
 use candle_dp::seeded_varmap;
 use candle_dp_examples::gpt::{
-    adamw_groups, lm_loss, lm_loss_composite, lm_loss_tp, tp_plan, tp_units, units, Gpt, GptConfig,
+    adamw_groups, fabric_module, lm_loss, lm_loss_composite, loss_on, Gpt, GptConfig,
 };
 use candle_dp_examples::text::{load_text, split, windows_at};
 use serde::{Deserialize, Serialize};
@@ -158,10 +158,7 @@ pub fn run_child(spec: &LmSpec) -> Result<LmMeasured> {
             ..Default::default()
         };
         // With a tp degree each rank builds its pieces.
-        let module = match fabric.tensor_parallel() {
-            Some(tp) => FabricModule::units(tp_units(gpt, Some(tp))).with_tp_plan(tp_plan()),
-            None => FabricModule::units(units(gpt)),
-        };
+        let module = fabric_module(gpt, fabric.tensor_parallel());
         let mut model = fabric.setup(module, |p| adamw_groups(p, adamw, false))?;
         model.set_schedule(LrScheduler::warmup_cosine(LR, 1, total as u64)?)?;
         let mut measured = LmMeasured::default();
@@ -179,11 +176,11 @@ pub fn run_child(spec: &LmSpec) -> Result<LmMeasured> {
             let start = Instant::now();
             let indices = windows_at(&train, shares, share, SEED, per_rank, step as u64)?;
             let (x, y) = train.batch(&indices)?;
-            let loss = match (fabric.tensor_parallel().cloned(), spec.fused_ops) {
-                (Some(tp), _) => model.backward(&x, &y, move |o, y| lm_loss_tp(o, y, &tp))?,
-                (None, true) => model.backward(&x, &y, lm_loss)?,
-                (None, false) => model.backward(&x, &y, lm_loss_composite)?,
+            let whole = match spec.fused_ops {
+                true => lm_loss,
+                false => lm_loss_composite,
             };
+            let loss = model.backward(&x, &y, loss_on(fabric.tensor_parallel(), whole))?;
             model.step()?;
             fabric.global_mean(&loss, x.dim(0)?)?;
             if step >= WARMUP {

@@ -9,9 +9,9 @@
 //! process's peak over the ranks.
 
 use anyhow::{bail, Result};
-use candle_dp::fabric::{Degrees, Fabric, FabricConfig, FabricModule};
+use candle_dp::fabric::{Degrees, Fabric, FabricConfig};
 use candle_dp::optim::AdamWConfig;
-use candle_dp_examples::gpt::{adamw_groups, lm_loss, lm_loss_tp, tp_plan, tp_units, units};
+use candle_dp_examples::gpt::{adamw_groups, fabric_module, lm_loss, loss_on};
 use candle_dp_examples::text::{load_text, split, windows_at};
 
 use crate::alloc_count;
@@ -46,10 +46,7 @@ pub fn run() -> Result<String> {
             ..Degrees::one()
         })?;
         let held = Fabric::spawn(config, |fabric| {
-            let module = match fabric.tensor_parallel() {
-                Some(tp) => FabricModule::units(tp_units(gpt, Some(tp))).with_tp_plan(tp_plan()),
-                None => FabricModule::units(units(gpt)),
-            };
+            let module = fabric_module(gpt, fabric.tensor_parallel());
             let adamw = AdamWConfig {
                 lr: 1e-3,
                 weight_decay: 0.1,
@@ -69,10 +66,7 @@ pub fn run() -> Result<String> {
                     }
                     fabric.barrier()?;
                 }
-                match fabric.tensor_parallel().cloned() {
-                    Some(tp) => model.backward(&x, &y, move |o, y| lm_loss_tp(o, y, &tp))?,
-                    None => model.backward(&x, &y, lm_loss)?,
-                };
+                model.backward(&x, &y, loss_on(fabric.tensor_parallel(), lm_loss))?;
                 if counting {
                     fabric.barrier()?;
                     if fabric.rank() == 0 {

@@ -23,6 +23,7 @@
 //! (the residual projections N(0, 0.02 / sqrt(2 layers))), biases 0, norms 1.
 
 use candle_core::{DType, Module, ModuleT, Tensor};
+use candle_dp::fabric::FabricModule;
 use candle_dp::pipeline::{layer, LayerFactory};
 use candle_dp::tensor_parallel::{
     ColumnLinear, Placement, RowLinear, TensorParallel, TpPlan, VocabEmbedding,
@@ -382,6 +383,28 @@ pub fn tp_units(config: GptConfig, tp: Option<&TensorParallel>) -> Vec<LayerFact
     }
     units.push(layer(move |vb| Head::new(config, t2.as_ref(), vb)));
     units
+}
+
+/// The model as a rank of a Fabric builds it: its pieces with tensor
+/// parallelism `tp` (placed by [`tp_plan`]), whole without.
+pub fn fabric_module(config: GptConfig, tp: Option<&TensorParallel>) -> FabricModule {
+    match tp {
+        Some(tp) => FabricModule::units(tp_units(config, Some(tp))).with_tp_plan(tp_plan()),
+        None => FabricModule::units(units(config)),
+    }
+}
+
+/// The loss of a rank's output: `whole` (such as [`lm_loss`]), or with
+/// tensor parallelism `tp` the vocabulary-parallel [`lm_loss_tp`].
+pub fn loss_on(
+    tp: Option<&TensorParallel>,
+    whole: fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+) -> impl Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static {
+    let tp = tp.cloned();
+    move |out: &Tensor, y: &Tensor| match &tp {
+        Some(tp) => lm_loss_tp(out, y, tp),
+        None => whole(out, y),
+    }
 }
 
 /// How [`tp_units`] split the parameters (PyTorch's plan for GPT-2:

@@ -173,17 +173,6 @@ pub struct SavedState {
 }
 
 impl SavedState {
-    /// The model's values as saved, by name, on the CPU.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Checkpoint`] naming the file when it cannot be read.
-    pub(crate) fn values(&self) -> Result<HashMap<String, Tensor>> {
-        let path = self.path.join(MODEL_FILE);
-        candle_core::safetensors::load(&path, &candle_core::Device::Cpu)
-            .map_err(|e| Error::Checkpoint(format!("{}: {e}", path.display())))
-    }
-
     /// Puts the state back: the optimizer's (when given and saved), then
     /// the model's variables (every one of them, strictly). All or nothing:
     /// if the variables do not fit, the optimizer gets its own state back.
@@ -225,7 +214,7 @@ pub struct StateDir {
     keep: usize,
 }
 
-const MODEL_FILE: &str = "model.safetensors";
+pub(crate) const MODEL_FILE: &str = "model.safetensors";
 const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 const STATE_FILE: &str = "state.json";
 const MANIFEST_FILE: &str = "MANIFEST.json";

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use candle_core::Tensor;
 use candle_dp::fabric::{Fabric, FabricModel, FabricModule, Memory};
 use candle_dp::optim::{AdamWConfig, StatefulOptimizer};
-use candle_dp_examples::gpt::{adamw_groups, lm_loss, lm_loss_tp, tp_plan, tp_units, GptConfig};
+use candle_dp_examples::gpt::{adamw_groups, fabric_module, lm_loss, loss_on, GptConfig};
 use candle_dp_examples::text::{load_text, split, windows_at, Windows};
 
 /// A small GPT: 256 bytes, 2 blocks of width 32 with 4 heads.
@@ -35,10 +35,7 @@ pub struct Run {
 /// The model on `fabric`'s ranks: each rank's pieces with its tensor
 /// parallelism, with the plan that places them; whole without.
 pub fn module(fabric: &Fabric, gpt: GptConfig) -> FabricModule {
-    match fabric.tensor_parallel() {
-        Some(tp) => FabricModule::units(tp_units(gpt, Some(tp))).with_tp_plan(tp_plan()),
-        None => FabricModule::units(tp_units(gpt, None)),
-    }
+    fabric_module(gpt, fabric.tensor_parallel())
 }
 
 /// The book's training windows of `gpt`'s context.
@@ -61,10 +58,7 @@ pub fn rank_loop<O: StatefulOptimizer>(
     for step in from..steps {
         let rows = windows_at(train, shares, share, 7, BATCH / shares, step)?;
         let (x, y) = train.batch(&rows)?;
-        let loss = match fabric.tensor_parallel().cloned() {
-            Some(tp) => model.backward(&x, &y, move |out, y| lm_loss_tp(out, y, &tp))?,
-            None => model.backward(&x, &y, lm_loss)?,
-        };
+        let loss = model.backward(&x, &y, loss_on(fabric.tensor_parallel(), lm_loss))?;
         model.step()?;
         losses.push(fabric.global_mean(&loss, x.dim(0)?)?);
     }

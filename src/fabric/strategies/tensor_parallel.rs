@@ -12,7 +12,7 @@ use super::{Engine, EngineStep, FoundState, LossFn, StateStore, Trainables};
 use crate::error::{Error, Result};
 use crate::fabric::memory::Memory;
 use crate::optim::{Clipped, StatefulOptimizer};
-use crate::saving::training_state::TrainingState;
+use crate::saving::training_state::{TrainingState, MODEL_FILE};
 use crate::tensor_parallel::{TensorParallel, TpPlan};
 
 /// A strategy's engine on one tensor-parallel rank.
@@ -145,7 +145,9 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for TensorParallelEngine<O> {
     /// part; all or nothing.
     fn load_state(&mut self, found: FoundState) -> Result<()> {
         let (rank, tp) = (self.tp.rank(), self.tp.size());
-        let whole = found.saved.values()?;
+        let file = found.path().join(MODEL_FILE);
+        let whole = candle_core::safetensors::load(&file, &candle_core::Device::Cpu)
+            .map_err(|e| Error::Checkpoint(format!("{}: {e}", file.display())))?;
         let mut values = HashMap::with_capacity(whole.len());
         for (name, value) in &whole {
             let piece = self.plan.placement(name).piece(value, rank, tp, name)?;
