@@ -117,6 +117,12 @@ def parse():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument(
+        "--bf16",
+        action="store_true",
+        help="the forward and backward under torch.autocast(bfloat16), f32 weights: "
+        "PyTorch's own bf16-to-f32 gap, beside candle-dp's bf16-mixed",
+    )
+    ap.add_argument(
         "--world",
         type=int,
         default=1,
@@ -184,7 +190,9 @@ def train(rank, a):
         idx = list(sampler)[at : at + per_rank]
         rows = torch.stack([data[i * T : (i + 1) * T + 1] for i in idx])
         x, y = rows[:, :-1], rows[:, 1:]
-        logits = net(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
+            logits = net(x)
+        logits = logits.float()
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         opt.zero_grad()
         loss.backward()
