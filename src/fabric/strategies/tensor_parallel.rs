@@ -114,19 +114,24 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for TensorParallelEngine<O> {
     fn save(&self, store: &StateStore<'_>, mut state: TrainingState) -> Result<()> {
         // Every rank of a tensor-parallel group sits at the same place of
         // the strategy's ranks: all of them have the state, or none.
+        // The pieces are put together on the first tensor-parallel rank
+        // only, one tensor at a time (the others hold no whole copy).
         if let Some((values, mut optimizer)) = self.inner.whole_state()? {
             let mut whole = HashMap::new();
             for (name, value) in sorted(values.clone()) {
-                let joined = self.join(&name, &value)?;
-                whole.insert(name, joined);
+                if let Some(joined) = self.join_on_first(&name, &value)? {
+                    whole.insert(name, joined);
+                }
             }
             let pieces = std::mem::take(&mut optimizer.tensors);
             for (key, tensor) in pieces {
                 let joined = match self.is_piece_of_state(&key, &tensor, &values) {
-                    true => self.join(parameter_of(&key), &tensor)?,
-                    false => tensor,
+                    true => self.join_on_first(parameter_of(&key), &tensor)?,
+                    false => Some(tensor),
                 };
-                optimizer.tensors.insert(key, joined);
+                if let Some(joined) = joined {
+                    optimizer.tensors.insert(key, joined);
+                }
             }
             if store.pg.rank() == 0 {
                 state.optimizer = Some(optimizer);
@@ -185,6 +190,21 @@ impl<O: StatefulOptimizer> TensorParallelEngine<O> {
         }
         let pieces = self.tp.group().all_gather(&piece.contiguous()?)?;
         placement.join(&pieces, name)
+    }
+
+    /// [`join`](Self::join) on the first tensor-parallel rank only
+    /// (`None` on the others, which send their pieces): a save's, so that
+    /// no other rank holds the whole model. Every rank of the group calls
+    /// it, in one order.
+    fn join_on_first(&self, name: &str, piece: &Tensor) -> Result<Option<Tensor>> {
+        let placement = self.plan.placement(name);
+        if !placement.is_sharded() {
+            return Ok(Some(piece.clone()));
+        }
+        match self.tp.group().gather(&piece.contiguous()?, 0)? {
+            Some(pieces) => Ok(Some(placement.join(&pieces, name)?)),
+            None => Ok(None),
+        }
     }
 
     /// Whether the optimizer's state `key` (`<parameter>.<slot>`) is a
