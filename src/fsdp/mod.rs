@@ -441,12 +441,8 @@ impl FullyShardedDataParallel {
         error_if_nonfinite: bool,
         also: Option<crate::optim::clip::AlsoAcross<'_>>,
     ) -> Result<crate::optim::Clipped> {
-        let counts = also.map(|a| a.counted_ids(&self.shards));
-        let counted = |var: &Var| {
-            counts
-                .as_ref()
-                .is_none_or(|c| c.contains(&var.as_tensor().id()))
-        };
+        let counts = crate::optim::clip::AlsoCounted::of(also, &self.shards);
+        let counted = |var: &Var| counts.counts(var);
         crate::optim::clip::clip_grad_norm_across_counting(
             &crate::optim::clip::groups(Some(self.pg.as_ref()), also),
             grads,

@@ -118,6 +118,24 @@ impl AlsoAcross<'_> {
     }
 }
 
+/// Which of a strategy's variables this rank counts for `also`: all of
+/// them without further ranks. Made once per clip, asked per variable.
+pub(crate) struct AlsoCounted(Option<std::collections::HashSet<candle_core::TensorId>>);
+
+impl AlsoCounted {
+    /// Those of `named` that `also` counts on this rank.
+    pub(crate) fn of(also: Option<AlsoAcross<'_>>, named: &[(String, Var)]) -> Self {
+        Self(also.map(|a| a.counted_ids(named)))
+    }
+
+    /// Whether `var` counts.
+    pub(crate) fn counts(&self, var: &Var) -> bool {
+        self.0
+            .as_ref()
+            .is_none_or(|ids| ids.contains(&var.as_tensor().id()))
+    }
+}
+
 /// The groups a norm sums over: a strategy's own, then `also`'s.
 pub(crate) fn groups<'a>(
     own: Option<&'a dyn ProcessGroup>,

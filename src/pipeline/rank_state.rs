@@ -16,7 +16,7 @@ use super::on_ranks::RankPipeline;
 use super::PipelineTimings;
 use crate::comm::all_gather_object;
 use crate::error::{Error, Result};
-use crate::optim::clip::{clip_grad_norm_across_counting, groups, AlsoAcross};
+use crate::optim::clip::{clip_grad_norm_across_counting, groups, AlsoAcross, AlsoCounted};
 use crate::optim::{Clipped, OptimizerState, ShardOf, StatefulOptimizer};
 use crate::util::lock::lock;
 
@@ -159,7 +159,7 @@ impl RankPipeline {
         also: Option<AlsoAcross<'_>>,
     ) -> Result<Clipped> {
         let params: Vec<Var> = self.own.iter().map(|(_, v)| v.clone()).collect();
-        let also_counts = also.map(|a| a.counted_ids(&self.own));
+        let also_counts = AlsoCounted::of(also, &self.own);
         // Looked up per parameter: the set is made once per call.
         let uncounted: std::collections::HashSet<_> = self
             .own
@@ -172,9 +172,7 @@ impl RankPipeline {
         let first_copy = self.replicate_rank() == 0;
         let counted = |var: &Var| {
             let id = var.as_tensor().id();
-            first_copy
-                && !uncounted.contains(&id)
-                && also_counts.as_ref().is_none_or(|c| c.contains(&id))
+            first_copy && !uncounted.contains(&id) && also_counts.counts(var)
         };
         clip_grad_norm_across_counting(
             &groups(Some(self.norm_group().as_ref()), also),

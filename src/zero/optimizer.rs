@@ -12,7 +12,7 @@ use super::ZeroStage;
 use crate::comm::{all_gather_object, ProcessGroup};
 use crate::ddp::DistributedDataParallel;
 use crate::error::{Error, Result};
-use crate::optim::clip::{groups, AlsoAcross};
+use crate::optim::clip::{groups, AlsoAcross, AlsoCounted};
 use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
 use crate::sharding::state::{
     mark_shard, named_layouts, reshard_states, whole_layouts, whole_state_on_first,
@@ -363,10 +363,10 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
                 error_if_nonfinite,
             );
         }
-        let also_counts = also.map(|a| a.counted_ids(&self.params));
+        let also_counts = AlsoCounted::of(also, &self.params);
         let counted = |var: &Var| {
             let id = var.as_tensor().id();
-            !self.uncounted.contains(&id) && also_counts.as_ref().is_none_or(|c| c.contains(&id))
+            !self.uncounted.contains(&id) && also_counts.counts(var)
         };
         crate::optim::clip::clip_grad_norm_across_counting(
             &groups(self.norm_group.as_deref(), also),
