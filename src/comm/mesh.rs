@@ -122,22 +122,8 @@ impl DeviceMesh {
     pub fn new(world: Arc<dyn ProcessGroup>, dims: &[(&str, usize)]) -> Result<Self, MeshError> {
         let names: Vec<String> = dims.iter().map(|(n, _)| n.to_string()).collect();
         let shape: Vec<usize> = dims.iter().map(|&(_, s)| s).collect();
-        let asked = describe(&names, &shape);
-        let all = all_gather_object(world.as_ref(), &asked)?;
-        if let Some(rank) = all.iter().position(|a| a != &all[0]) {
-            return Err(MeshError::Differs {
-                rank,
-                theirs: all[rank].clone(),
-                first: all[0].clone(),
-            });
-        }
-        let distinct = names
-            .iter()
-            .enumerate()
-            .all(|(i, n)| !n.is_empty() && !names[..i].contains(n));
-        if !distinct {
-            return Err(MeshError::Names { names });
-        }
+        agree(world.as_ref(), describe(&names, &shape))?;
+        check_distinct(&names)?;
         let size = world.world_size();
         if shape.contains(&0) || shape.iter().product::<usize>() != size {
             return Err(MeshError::Shape {
@@ -154,14 +140,7 @@ impl DeviceMesh {
             // coordinate 0 of `d`.
             let mut line = coordinate.clone();
             line[d] = 0;
-            let color = Color::new(rank_of(&line, &shape) as u32);
-            let group = world.split(color, coordinate[d] as i64)?;
-            groups.push(group.ok_or_else(|| CommError::Protocol {
-                rank: world.rank(),
-                op: "split",
-                peer: world.rank(),
-                detail: "a coloured split gave this rank no group".into(),
-            })?);
+            groups.push(split_line(world.as_ref(), rank_of(&line, &shape))?);
         }
         Ok(DeviceMesh {
             world,
@@ -247,6 +226,176 @@ impl DeviceMesh {
     pub fn world(&self) -> &Arc<dyn ProcessGroup> {
         &self.world
     }
+
+    /// The mesh of dimensions `names` through this rank (PyTorch's
+    /// `mesh["dp_replicate", "dp_shard"]`): the ranks that share this
+    /// rank's coordinates along the other dimensions, laid out in `names`.
+    /// Its groups along `names` are this mesh's; its
+    /// [`world`](Self::world) is the group of all its ranks. Every rank
+    /// of the mesh calls it, with the same names.
+    ///
+    /// ```
+    /// use candle_dp::comm::{DeviceMesh, ProcessGroup};
+    ///
+    /// let seen = candle_dp::launch::spawn(8, |ctx| {
+    ///     let mesh = DeviceMesh::new(ctx.process_group(), &[("dp", 2), ("pp", 2), ("tp", 2)])?;
+    ///     let data = mesh.sub_mesh(&["dp", "pp"])?;
+    ///     Ok((data.world().world_size(), data.coordinate().to_vec()))
+    /// })?;
+    /// // Rank 5 is at (1, 0, 1): among the ranks at tp = 1 it is (1, 0).
+    /// assert_eq!(seen[5], (4, vec![1, 0]));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`MeshError::UnknownDim`]; [`MeshError::Dims`] for names out of
+    /// the mesh's order, repeated or none; [`MeshError::Differs`] naming a
+    /// rank that asked for other names; a collective's error.
+    pub fn sub_mesh(&self, names: &[&str]) -> Result<DeviceMesh, MeshError> {
+        let dims = self.dims_in_order(names)?;
+        agree(self.world.as_ref(), format!("sub_mesh({names:?})"))?;
+        let world = self.span(&dims)?;
+        Ok(DeviceMesh {
+            world,
+            names: dims.iter().map(|&d| self.names[d].clone()).collect(),
+            shape: dims.iter().map(|&d| self.shape[d]).collect(),
+            coordinate: dims.iter().map(|&d| self.coordinate[d]).collect(),
+            groups: dims.iter().map(|&d| Arc::clone(&self.groups[d])).collect(),
+        })
+    }
+
+    /// This mesh with the neighbouring dimensions `names` made one,
+    /// called `as_name` (PyTorch's `mesh["dp_replicate",
+    /// "dp_shard"]._flatten("dp")`): its size their product, its group
+    /// the ranks along any of them, row-major. Every rank of the mesh
+    /// calls it, with the same names.
+    ///
+    /// ```
+    /// use candle_dp::comm::{DeviceMesh, ProcessGroup};
+    ///
+    /// let seen = candle_dp::launch::spawn(8, |ctx| {
+    ///     let dims = [("dp_replicate", 2), ("dp_shard", 2), ("pp", 2)];
+    ///     let mesh = DeviceMesh::new(ctx.process_group(), &dims)?;
+    ///     let mesh = mesh.flatten(&["dp_replicate", "dp_shard"], "dp")?;
+    ///     Ok((mesh.shape().to_vec(), mesh.local_rank("dp")?))
+    /// })?;
+    /// // Rank 6 is at (1, 1, 0): the fourth replica of its stage.
+    /// assert_eq!(seen[6], (vec![4, 2], 3));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`sub_mesh`](Self::sub_mesh), and [`MeshError::Dims`] for
+    /// dimensions that are not neighbours; [`MeshError::Names`] for an
+    /// `as_name` another dimension has.
+    pub fn flatten(&self, names: &[&str], as_name: &str) -> Result<DeviceMesh, MeshError> {
+        let dims = self.dims_in_order(names)?;
+        let (first, last) = (dims[0], dims[dims.len() - 1]);
+        if last - first + 1 != dims.len() {
+            return Err(MeshError::Dims {
+                expected: format!("flattening takes neighbouring dimensions, not {names:?}"),
+                names: self.names.clone(),
+            });
+        }
+        let mut new_names = self.names[..first].to_vec();
+        new_names.push(as_name.to_string());
+        new_names.extend_from_slice(&self.names[last + 1..]);
+        check_distinct(&new_names)?;
+        agree(
+            self.world.as_ref(),
+            format!("flatten({names:?}, {as_name:?})"),
+        )?;
+        let group = self.span(&dims)?;
+        let merged = first..last + 1;
+        let mut shape = self.shape[..first].to_vec();
+        shape.push(self.shape[merged.clone()].iter().product());
+        shape.extend_from_slice(&self.shape[last + 1..]);
+        let mut coordinate = self.coordinate[..first].to_vec();
+        coordinate.push(rank_of(
+            &self.coordinate[merged.clone()],
+            &self.shape[merged],
+        ));
+        coordinate.extend_from_slice(&self.coordinate[last + 1..]);
+        let mut groups = self.groups[..first].to_vec();
+        groups.push(group);
+        groups.extend_from_slice(&self.groups[last + 1..]);
+        Ok(DeviceMesh {
+            world: Arc::clone(&self.world),
+            names: new_names,
+            shape,
+            coordinate,
+            groups,
+        })
+    }
+
+    /// The positions of `names`, which must be the mesh's, in its order,
+    /// each once, at least one.
+    fn dims_in_order(&self, names: &[&str]) -> Result<Vec<usize>, MeshError> {
+        let dims = names
+            .iter()
+            .map(|n| self.dim(n))
+            .collect::<Result<Vec<_>, _>>()?;
+        if dims.is_empty() || dims.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(MeshError::Dims {
+                expected: format!(
+                    "a sub-mesh names dimensions in the mesh's order, each once, not {names:?}"
+                ),
+                names: self.names.clone(),
+            });
+        }
+        Ok(dims)
+    }
+
+    /// The group of the ranks that differ from this one along `dims`
+    /// only, ordered row-major over them.
+    fn span(&self, dims: &[usize]) -> Result<SubGroup, MeshError> {
+        let mut base = self.coordinate.clone();
+        for &d in dims {
+            base[d] = 0;
+        }
+        split_line(self.world.as_ref(), rank_of(&base, &self.shape))
+    }
+}
+
+/// Fails every rank alike, naming the first whose `asked` differs from
+/// rank 0's.
+fn agree(world: &dyn ProcessGroup, asked: String) -> Result<(), MeshError> {
+    let all = all_gather_object(world, &asked)?;
+    match all.iter().position(|a| a != &all[0]) {
+        Some(rank) => Err(MeshError::Differs {
+            rank,
+            theirs: all[rank].clone(),
+            first: all[0].clone(),
+        }),
+        None => Ok(()),
+    }
+}
+
+fn check_distinct(names: &[String]) -> Result<(), MeshError> {
+    let distinct = names
+        .iter()
+        .enumerate()
+        .all(|(i, n)| !n.is_empty() && !names[..i].contains(n));
+    match distinct {
+        true => Ok(()),
+        false => Err(MeshError::Names {
+            names: names.to_vec(),
+        }),
+    }
+}
+
+/// This rank's group among those of `world` that give the same `line`
+/// (the rank at the start of their line), ordered by their ranks.
+fn split_line(world: &dyn ProcessGroup, line: usize) -> Result<SubGroup, MeshError> {
+    let group = world.split(Color::new(line as u32), world.rank() as i64)?;
+    Ok(group.ok_or_else(|| CommError::Protocol {
+        rank: world.rank(),
+        op: "split",
+        peer: world.rank(),
+        detail: "a coloured split gave this rank no group".into(),
+    })?)
 }
 
 impl fmt::Debug for DeviceMesh {

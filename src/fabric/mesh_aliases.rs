@@ -6,6 +6,16 @@
 use super::config::{Devices, FabricConfig, Strategy};
 use super::degrees::Degrees;
 use crate::error::{Error, Result};
+use crate::process_env::Backend;
+
+/// The dimensions of the ranks' mesh ([`Fabric::mesh`](super::Fabric::mesh)),
+/// outermost first: the replicas, the shard groups, the pipeline's
+/// stages, the tensor-parallel pieces.
+pub const RANK_MESH: [&str; 4] = ["dp_replicate", "dp_shard", "pp", "tp"];
+
+/// The dimensions a strategy's data-parallel and pipeline groups span:
+/// all but `tp`.
+pub(crate) const DATA_DIMS: [&str; 3] = ["dp_replicate", "dp_shard", "pp"];
 
 /// The strategy names as degrees, and degrees as the strategy that trains
 /// them: the one table between the two.
@@ -81,6 +91,60 @@ impl FabricConfig {
             }
         };
         Degrees { tp, ..degrees }
+    }
+
+    /// The mesh the ranks are laid out in ([`Fabric::mesh`]): every
+    /// degree, 1s included, named as [`RANK_MESH`] (outermost first, `cp`
+    /// left out while it is reserved). It is [`degrees`](Self::degrees)
+    /// for the strategies of several ranks, but for two groupings the
+    /// degrees do not name: ZeRO given a `shard_size` (its pieces split
+    /// within shard groups, `dp_replicate x dp_shard`), and HSDP without
+    /// one under `mpirun` (shard groups of the processes per machine).
+    /// The strategies of one process (`single`, `dp`, `pipeline`) have
+    /// only their `tp` ranks.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Strategy`] when the ranks do not split into the shard
+    /// groups.
+    pub(crate) fn rank_mesh(&self) -> Result<Vec<(&'static str, usize)>> {
+        let tp = self.tensor_parallel_size();
+        let degrees = self.degrees();
+        let data = self.ranks() / tp;
+        let strategy = self.effective_strategy();
+        let shard_groups = |shard: usize| match shard > 0 && data.is_multiple_of(shard) {
+            true => Ok((data / shard, shard, 1)),
+            false => Err(Error::Strategy {
+                strategy: strategy.name().into(),
+                reason: format!(
+                    "{data} ranks do not split into shard groups of {shard}: give a shard_size \
+                     that divides the number of ranks"
+                ),
+            }),
+        };
+        let (replicate, shard, pp) = match strategy {
+            _ if !strategy.is_distributed() => (1, 1, 1),
+            Strategy::Zero1 | Strategy::Zero2 if self.shard_size.is_some() => {
+                shard_groups(self.shard_size.unwrap_or(data))?
+            }
+            Strategy::Hsdp => shard_groups(self.shard_size.unwrap_or(match Backend::from_env() {
+                Backend::Threads => data,
+                Backend::Mpi { .. } => Backend::local_processes(),
+            }))?,
+            // Each rank's pipeline runs over its own devices.
+            Strategy::PipelineDdp => (data, 1, 1),
+            _ => (degrees.dp_replicate, degrees.dp_shard, degrees.pp),
+        };
+        if replicate * shard * pp != data {
+            return Err(Error::Config(format!(
+                "mesh {degrees}: dp_replicate {replicate} x dp_shard {shard} x pp {pp} is not \
+                 the {data} ranks at one tensor-parallel place"
+            )));
+        }
+        Ok(RANK_MESH
+            .into_iter()
+            .zip([replicate, shard, pp, tp])
+            .collect())
     }
 
     /// This configuration training with `degrees` on thread ranks or

@@ -81,6 +81,7 @@ pub use config::{Accelerator, Devices, DpBackward, FabricConfig, Precision, Stra
 pub use data::{DataOptions, FabricBatches, FabricLoader, Sharding};
 pub use degrees::Degrees;
 pub use memory::Memory;
+pub use mesh_aliases::RANK_MESH;
 pub use model::{FabricModel, StepOutcome};
 pub use module::FabricModule;
 pub use saving::Resumed;
@@ -89,7 +90,7 @@ pub use strategies::{
     WholeState,
 };
 
-use crate::comm::{all_gather_object, GroupOptions, ProcessGroup, ReduceOp};
+use crate::comm::{all_gather_object, DeviceMesh, GroupOptions, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::launch::{Backend, Elastic, RankContext};
 use crate::loader::Dataset;
@@ -97,6 +98,7 @@ use crate::optim::StatefulOptimizer;
 use crate::tensor_parallel::TensorParallel;
 use crate::units::Units;
 use crate::util::lock::lock;
+use mesh_aliases::DATA_DIMS;
 use step_order::StepOrder;
 
 /// One rank's handle on a run: its place among the ranks, its devices,
@@ -105,6 +107,8 @@ pub struct Fabric {
     config: FabricConfig,
     ctx: RankContext,
     devices: Vec<Device>,
+    /// The ranks laid out in every degree ([`RANK_MESH`]).
+    mesh: DeviceMesh,
     /// With a `tp` degree above 1: this rank's tensor parallelism, and
     /// the group of the ranks holding the same pieces (the strategy's).
     tensor_parallel: Option<(TensorParallel, Arc<dyn ProcessGroup>)>,
@@ -214,19 +218,22 @@ impl Fabric {
                 true => devices[0].clone(),
                 false => devices[ctx.rank].clone(),
             };
+            // One mesh of every degree; the strategy's groups and the
+            // tensor-parallel ones are its dimensions.
+            let mesh = DeviceMesh::new(Arc::clone(&ctx.pg), &config.rank_mesh()?)?;
             let tensor_parallel = match tp {
                 1 => None,
-                tp => Some(TensorParallel::split(
-                    &ctx.pg,
-                    tp,
-                    config.sequence_parallel,
-                )?),
+                _ => Some((
+                    TensorParallel::new(Arc::clone(mesh.group("tp")?), config.sequence_parallel),
+                    Arc::clone(mesh.sub_mesh(&DATA_DIMS)?.world()),
+                )),
             };
             let (world, groups) = (Arc::clone(&ctx.pg), tensor_parallel.clone());
             let result = f(Fabric {
                 config: config.clone(),
                 ctx,
                 devices: mine,
+                mesh,
                 tensor_parallel,
             });
             // This rank's error fails its groups before their handles go
@@ -475,6 +482,7 @@ impl Fabric {
                 Some((_, data)) => Arc::clone(data),
                 None => self.ctx.pg.clone(),
             },
+            mesh: &self.mesh,
             devices: &self.devices,
             varmap,
             module,
@@ -550,6 +558,15 @@ impl Fabric {
             plan.check_names(names.iter().map(String::as_str))?;
         }
         Ok(varmap)
+    }
+
+    /// The ranks laid out in every degree, 1s included (the dimensions of
+    /// [`RANK_MESH`]: `dp_replicate`, `dp_shard`, `pp`, `tp`), over the
+    /// job's ranks: the groups every strategy takes are its dimensions.
+    /// A loop can reduce over one of them itself, as torchtitan's over
+    /// its world mesh.
+    pub fn mesh(&self) -> &DeviceMesh {
+        &self.mesh
     }
 
     /// This rank's tensor parallelism, when the mesh has a `tp` degree

@@ -431,3 +431,57 @@ fn a_pipeline_with_hsdp_replicas_resumes_to_its_bytes_and_onto_fsdp_across_the_r
     assert!(weights <= 1e-6, "{weights:e} from one device");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Which ranks a dimension of the Fabric's mesh holds, as every member
+/// sees them.
+fn along(fabric: &Fabric, dim: &str) -> anyhow::Result<Vec<usize>> {
+    let me = candle_core::Tensor::new(&[fabric.rank() as u32], &candle_core::Device::Cpu)?;
+    let mut ranks = Vec::new();
+    for t in fabric.mesh().group(dim)?.all_gather(&me)? {
+        ranks.push(t.to_vec1::<u32>()?[0] as usize);
+    }
+    Ok(ranks)
+}
+
+#[test]
+fn the_fabrics_mesh_has_every_degree_and_its_groups_are_the_strategys() {
+    use candle_dp::fabric::RANK_MESH;
+    let cases = [
+        // The 4-D mesh: 16 thread ranks.
+        ("dp_replicate=2,dp_shard=2,pp=2,tp=2", vec![2, 2, 2, 2]),
+        ("dp_shard=4", vec![1, 4, 1, 1]),
+        // ZeRO's shard groups are dp_shard, though its degrees are DDP's.
+        ("zero1 shard 2", vec![2, 2, 1, 1]),
+    ];
+    for (mesh, shape) in cases {
+        let config = match mesh {
+            "zero1 shard 2" => FabricConfig {
+                shard_size: Some(2),
+                ..FabricConfig::new(Strategy::Zero1, 4)
+            },
+            mesh => FabricConfig::default().with_mesh(degrees(mesh)).unwrap(),
+        };
+        let config = FabricConfig {
+            timeout_secs: Some(120.0),
+            ..config
+        };
+        let seen = Fabric::launch(config, |fabric| {
+            let mesh = fabric.mesh();
+            anyhow::ensure!(mesh.dim_names() == RANK_MESH);
+            let tp = fabric.tensor_parallel().map(|tp| tp.group().world_size());
+            anyhow::ensure!(tp.unwrap_or(1) == mesh.size("tp")?);
+            Ok((
+                mesh.shape().to_vec(),
+                along(&fabric, "dp_shard")?,
+                along(&fabric, "tp")?,
+            ))
+        })
+        .unwrap_or_else(|e| panic!("{mesh}: {e}"));
+        assert_eq!(seen[0].0, shape, "{mesh}");
+        if mesh.starts_with("dp_replicate=2,dp_shard=2,pp=2") {
+            // Rank 13 is at (1, 1, 0, 1): its shard group differs from it
+            // along dp_shard only, its tp group along tp only.
+            assert_eq!((&seen[13].1, &seen[13].2), (&vec![9, 13], &vec![12, 13]));
+        }
+    }
+}

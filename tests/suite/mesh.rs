@@ -9,7 +9,7 @@ use crate::overlap::{batches, bounded, deep_units, init_deep};
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
-use candle_dp::comm::DeviceMesh;
+use candle_dp::comm::{DeviceMesh, ProcessGroup};
 use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use candle_dp::launch::spawn_with;
 
@@ -68,6 +68,76 @@ fn a_mesh_that_does_not_fit_or_differs_between_ranks_is_refused_on_every_rank() 
             "{differs}"
         );
         assert!(unknown.contains("no dimension `b`"), "{unknown}");
+    }
+}
+
+/// The ranks of `group`, as every member sees them.
+fn members(group: &dyn ProcessGroup, rank: usize) -> anyhow::Result<Vec<usize>> {
+    let me = Tensor::new(&[rank as u32], &Device::Cpu)?;
+    Ok(group
+        .all_gather(&me)?
+        .iter()
+        .map(|t| t.to_vec1::<u32>().map(|v| v[0] as usize))
+        .collect::<candle_core::Result<_>>()?)
+}
+
+#[test]
+fn a_sub_mesh_and_a_flattened_dimension_hold_the_ranks_they_span() {
+    let seen = within(60, || {
+        spawn_with(8, bounded(), |ctx| {
+            let mesh = DeviceMesh::new(ctx.process_group(), &[("a", 2), ("b", 2), ("c", 2)])?;
+            let sub = mesh.sub_mesh(&["a", "c"])?;
+            let flat = mesh.flatten(&["a", "b"], "ab")?;
+            anyhow::ensure!(
+                members(mesh.group("c")?.as_ref(), ctx.rank)? == {
+                    members(sub.group("c")?.as_ref(), ctx.rank)?
+                }
+            );
+            Ok((
+                members(sub.world().as_ref(), ctx.rank)?,
+                sub.coordinate().to_vec(),
+                members(flat.group("ab")?.as_ref(), ctx.rank)?,
+                (flat.shape().to_vec(), flat.coordinate().to_vec()),
+                flat.dim_names().to_vec(),
+            ))
+        })
+        .unwrap()
+    });
+    // Rank 6 is at (1, 1, 0): with b = 1 are ranks 2, 3, 6, 7; along a
+    // and b (c = 0) ranks 0, 2, 4, 6, of which it is the fourth.
+    let (sub, sub_at, flat, (shape, at), names) = &seen[6];
+    assert_eq!((sub, sub_at), (&vec![2, 3, 6, 7], &vec![1, 0]));
+    assert_eq!(
+        (flat, shape, at),
+        (&vec![0, 2, 4, 6], &vec![4, 2], &vec![3, 0])
+    );
+    assert_eq!(names, &["ab", "c"]);
+}
+
+#[test]
+fn a_sub_mesh_of_unknown_unordered_or_differing_names_is_refused_on_every_rank() {
+    let seen = within(60, || {
+        spawn_with(4, bounded(), |ctx| {
+            let mesh = DeviceMesh::new(ctx.process_group(), &[("a", 2), ("b", 1), ("c", 2)])?;
+            let unknown = mesh.sub_mesh(&["a", "z"]).unwrap_err();
+            let unordered = mesh.sub_mesh(&["c", "a"]).unwrap_err();
+            let apart = mesh.flatten(&["a", "c"], "ac").unwrap_err();
+            let clash = mesh.flatten(&["a", "b"], "c").unwrap_err();
+            let names: &[&str] = if ctx.rank == 2 { &["a"] } else { &["c"] };
+            let differs = mesh.sub_mesh(names).unwrap_err();
+            // The mesh still serves after the refusals.
+            let fine = mesh.flatten(&["b", "c"], "bc")?;
+            anyhow::ensure!(fine.size("bc")? == 2);
+            Ok([unknown, unordered, apart, clash, differs].map(|e| e.to_string()))
+        })
+        .unwrap()
+    });
+    for [unknown, unordered, apart, clash, differs] in &seen {
+        assert!(unknown.contains("no dimension `z`"), "{unknown}");
+        assert!(unordered.contains("in the mesh's order"), "{unordered}");
+        assert!(apart.contains("neighbouring dimensions"), "{apart}");
+        assert!(clash.contains("distinct"), "{clash}");
+        assert!(differs.contains("rank 2 asked for"), "{differs}");
     }
 }
 

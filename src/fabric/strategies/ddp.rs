@@ -9,7 +9,6 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
 
-use super::shard_groups::hybrid_mesh;
 use super::states::{self, not_this_layout};
 use super::trainables::Stepper;
 use super::{
@@ -59,8 +58,8 @@ impl<O: StatefulOptimizer> Ddp<O> {
             // With a shard size, ZeRO on a mesh: the pieces split within
             // each shard group, replicated across them.
             builder = match config.shard_size {
-                Some(size) => {
-                    let mesh = hybrid_mesh(strategy, setup.pg.clone(), Some(size))?;
+                Some(_) => {
+                    let mesh = setup.mesh.sub_mesh(&["dp_replicate", "dp_shard"])?;
                     builder.zero_on_mesh(stage, &mesh)?
                 }
                 None => builder.zero(stage),

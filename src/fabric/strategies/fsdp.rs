@@ -9,7 +9,6 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
 
-use super::shard_groups::hybrid_mesh;
 use super::states::{self, not_this_layout};
 use super::{
     from_step, scaled, Engine, EngineSetup, EngineStep, FoundState, LossFn, Memory, Shards,
@@ -49,7 +48,7 @@ impl<O: StatefulOptimizer> Fsdp<O> {
         let parts = setup.module.parts().to_vec();
         let fsdp = match strategy {
             Strategy::Hsdp => {
-                let mesh = hybrid_mesh(strategy, setup.pg.clone(), config.shard_size)?;
+                let mesh = setup.mesh.sub_mesh(&["dp_replicate", "dp_shard"])?;
                 FullyShardedDataParallel::from_units_on_mesh(
                     &mesh,
                     setup.varmap,

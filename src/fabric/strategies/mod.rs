@@ -13,7 +13,6 @@ mod one_process_pipeline;
 mod pipeline_ddp;
 mod pipeline_ranks;
 mod replicas;
-mod shard_groups;
 mod single;
 mod states;
 mod tensor_parallel;
@@ -30,7 +29,7 @@ use candle_nn::VarMap;
 use super::config::{FabricConfig, Strategy};
 use super::memory::Memory;
 use super::module::FabricModule;
-use crate::comm::ProcessGroup;
+use crate::comm::{DeviceMesh, ProcessGroup};
 use crate::error::Result;
 use crate::optim::clip::AlsoAcross;
 use crate::optim::{clip_grad_norm, Clipped, OptimizerState, StatefulOptimizer};
@@ -384,6 +383,7 @@ pub(crate) enum Shards {
 pub struct EngineSetup<'a> {
     pub(crate) config: &'a FabricConfig,
     pub(crate) pg: Arc<dyn ProcessGroup>,
+    pub(crate) mesh: &'a DeviceMesh,
     pub(crate) devices: &'a [Device],
     pub(crate) varmap: &'a VarMap,
     pub(crate) module: &'a FabricModule,
@@ -407,6 +407,12 @@ impl EngineSetup<'_> {
     /// parallelism, those holding the same pieces).
     pub fn process_group(&self) -> Arc<dyn ProcessGroup> {
         self.pg.clone()
+    }
+
+    /// The ranks laid out in every degree ([`Fabric::mesh`](super::Fabric::mesh)):
+    /// a strategy takes its groups from its dimensions.
+    pub fn mesh(&self) -> &DeviceMesh {
+        self.mesh
     }
 
     /// This rank's devices.

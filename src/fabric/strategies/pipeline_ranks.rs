@@ -14,9 +14,10 @@ use super::{
     varmap_of, Engine, EngineSetup, EngineStep, FoundState, LossFn, Memory, Shards, StateStore,
     Trainables,
 };
-use crate::comm::{DeviceMesh, ProcessGroup};
+use crate::comm::ProcessGroup;
 use crate::ddp::ZeroStage;
 use crate::error::Result;
+use crate::fabric::mesh_aliases::DATA_DIMS;
 use crate::optim::clip::AlsoAcross;
 use crate::optim::{Clipped, StatefulOptimizer};
 use crate::pipeline::{RankPipeline, RankPipelineConfig};
@@ -38,10 +39,12 @@ impl<O: StatefulOptimizer> PipelineRanks<O> {
     {
         let config = setup.config;
         // Pipelines of consecutive ranks (a machine's, when the launcher
-        // numbers them so), replicated across them.
-        let stages = config.stages.max(1);
-        let world = setup.pg.world_size();
-        let mesh = DeviceMesh::new(setup.pg.clone(), &[("dp", world / stages), ("pp", stages)])?;
+        // numbers them so), their replicas (HSDP's two dimensions, for
+        // FSDP in groups of them) one dimension across them.
+        let mesh = setup
+            .mesh
+            .sub_mesh(&DATA_DIMS)?
+            .flatten(&["dp_replicate", "dp_shard"], "dp")?;
         let pipe_config = RankPipelineConfig {
             chunks: config.chunks,
             schedule: config.pipeline_schedule,
