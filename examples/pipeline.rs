@@ -25,7 +25,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_dp::checkpoint::{self, Prefix};
 use candle_dp::fabric::Resumed;
 use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
-use candle_dp::pipeline::{layer, Checkpoint, LayerFactory, Pipeline, Schedule};
+use candle_dp::pipeline::{unit, Checkpoint, Pipeline, Schedule, UnitFactory};
 use candle_dp::training_state::{Progress, StateDir, TrainingState};
 use candle_dp::{cpu_devices, seeded_varmap, LossReduction};
 use candle_dp_examples::datasets::{load_digits, shuffled_indices, LabelledImages};
@@ -105,15 +105,15 @@ struct Args {
 }
 
 /// The model as a list of layers: 64 -> 128 -> 128 -> 64 -> 10.
-fn layers() -> Vec<LayerFactory> {
+fn layers() -> Vec<UnitFactory> {
     vec![
-        layer(|vb| linear(64, 128, vb.pp("l1"))),
-        layer(|_| Ok(Activation::Relu)),
-        layer(|vb| linear(128, 128, vb.pp("l2"))),
-        layer(|_| Ok(Activation::Relu)),
-        layer(|vb| linear(128, 64, vb.pp("l3"))),
-        layer(|_| Ok(Activation::Relu)),
-        layer(|vb| linear(64, 10, vb.pp("l4"))),
+        unit(|vb| linear(64, 128, vb.pp("l1"))),
+        unit(|_| Ok(Activation::Relu)),
+        unit(|vb| linear(128, 128, vb.pp("l2"))),
+        unit(|_| Ok(Activation::Relu)),
+        unit(|vb| linear(128, 64, vb.pp("l3"))),
+        unit(|_| Ok(Activation::Relu)),
+        unit(|vb| linear(64, 10, vb.pp("l4"))),
     ]
 }
 

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use candle_dp::checkpoint::{self, Prefix};
 use candle_dp::fabric::{
-    DataOptions, Devices, Fabric, FabricArgs, FabricConfig, FabricModule, Precision,
+    DataOptions, Devices, Fabric, FabricArgs, FabricConfig, ModelRecipe, Precision,
 };
 use candle_dp::launch::Backend;
 use candle_dp::loader::TensorDataset;
@@ -109,7 +109,7 @@ fn train(
             lr: args.lr,
             ..Default::default()
         };
-        let module = FabricModule::units(units.clone());
+        let module = ModelRecipe::units(units.clone());
         let mut model = fabric.setup(module, |params| AdamW::new_named(params, adamw))?;
         let options = DataOptions {
             shuffle: true,

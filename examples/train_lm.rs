@@ -29,7 +29,7 @@ use candle_dp::launch::Backend;
 use candle_dp::training_state::Progress;
 use candle_dp_examples::elastic::ElasticArgs;
 use candle_dp_examples::flags;
-use candle_dp_examples::gpt::{fabric_module, loss_on};
+use candle_dp_examples::gpt::{loss_on, model_recipe};
 use candle_dp_examples::lm::{self, in_precision, GptArgs, OptimArgs, Outcome};
 use candle_dp_examples::text::{load_text, split, windows_at, Windows};
 use clap::Parser;
@@ -108,7 +108,7 @@ fn train_run(
             );
         }
         // With a tp degree, each rank builds its pieces of the model.
-        let module = fabric_module(args.model.config(), fabric.tensor_parallel());
+        let module = model_recipe(args.model.config(), fabric.tensor_parallel());
         let mut model = fabric.setup(module, |p| args.optim.adamw(p))?;
         if let Some(schedule) = args.optim.schedule(args.steps)? {
             model.set_schedule(schedule)?;

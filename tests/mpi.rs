@@ -460,7 +460,7 @@ fn ddp_train(ctx: &RankContext, input: &Tensors, adamw: bool) -> anyhow::Result<
 /// A pipeline of 2 stages (3 micro-batches) in each rank, SGD 0.1: the
 /// MLP of `ddp_train` as a list of layers.
 fn pipeline_ddp(ctx: &RankContext, input: &Tensors) -> anyhow::Result<Tensors> {
-    use candle_dp::pipeline::{layer, Pipeline};
+    use candle_dp::pipeline::{unit, Pipeline};
     use candle_dp::{cpu_devices, LossReduction};
     let varmap = if ctx.rank == 0 {
         varmap_from(&init_of(input))
@@ -469,9 +469,9 @@ fn pipeline_ddp(ctx: &RankContext, input: &Tensors) -> anyhow::Result<Tensors> {
     };
     let (i, h, o) = SIZES;
     let layers = vec![
-        layer(move |vb| candle_nn::linear(i, h, vb.pp("l1"))),
-        layer(|_| Ok(candle_nn::Activation::Relu)),
-        layer(move |vb| candle_nn::linear(h, o, vb.pp("l2"))),
+        unit(move |vb| candle_nn::linear(i, h, vb.pp("l1"))),
+        unit(|_| Ok(candle_nn::Activation::Relu)),
+        unit(move |vb| candle_nn::linear(h, o, vb.pp("l2"))),
     ];
     let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
         .chunks(3)
@@ -498,13 +498,13 @@ fn pipeline_ddp(ctx: &RankContext, input: &Tensors) -> anyhow::Result<Tensors> {
 /// The MLP given as units, each bucket reduced during the backward
 /// (`units`), or whole with the same buckets, reduced after it; AdamW.
 fn overlap(ctx: &RankContext, input: &Tensors, units: bool) -> anyhow::Result<Tensors> {
-    use candle_dp::pipeline::layer;
+    use candle_dp::pipeline::unit;
     let varmap = varmap_from(&init_of(input));
     let (i, h, o) = SIZES;
     let layers = vec![
-        layer(move |vb| candle_nn::linear(i, h, vb.pp("l1"))),
-        layer(|_| Ok(candle_nn::Activation::Relu)),
-        layer(move |vb| candle_nn::linear(h, o, vb.pp("l2"))),
+        unit(move |vb| candle_nn::linear(i, h, vb.pp("l1"))),
+        unit(|_| Ok(candle_nn::Activation::Relu)),
+        unit(move |vb| candle_nn::linear(h, o, vb.pp("l2"))),
     ];
     // Small buckets: one per layer, so one goes while the other computes.
     let config = DdpConfig {
@@ -627,13 +627,13 @@ fn sharded(
     mesh: Option<(usize, usize)>,
 ) -> anyhow::Result<Tensors> {
     use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
-    use candle_dp::pipeline::layer;
+    use candle_dp::pipeline::unit;
     let varmap = varmap_from(&init_of(input));
     let (i, h, o) = SIZES;
     let layers = vec![
-        layer(move |vb| candle_nn::linear(i, h, vb.pp("l1"))),
-        layer(|_| Ok(candle_nn::Activation::Relu)),
-        layer(move |vb| candle_nn::linear(h, o, vb.pp("l2"))),
+        unit(move |vb| candle_nn::linear(i, h, vb.pp("l1"))),
+        unit(|_| Ok(candle_nn::Activation::Relu)),
+        unit(move |vb| candle_nn::linear(h, o, vb.pp("l2"))),
     ];
     let (dtype, device, config) = (DType::F32, Device::Cpu, FsdpConfig::default());
     let mut fsdp = match mesh {
@@ -772,19 +772,19 @@ fn subgroups(ctx: &RankContext) -> anyhow::Result<Tensors> {
 /// micro-batch (past MPI's eager sends): each rank's own variables after
 /// two SGD steps, and the last stage's losses.
 fn rank_pipeline(ctx: &RankContext) -> anyhow::Result<Tensors> {
-    use candle_dp::pipeline::{layer, RankPipeline, RankPipelineConfig, Schedule};
+    use candle_dp::pipeline::{unit, RankPipeline, RankPipelineConfig, Schedule};
     use candle_dp::LossReduction;
     const WIDE: usize = 256;
     let layers = || {
-        let mut layers = vec![layer(|vb| candle_nn::linear(6, WIDE, vb.pp("l0")))];
+        let mut layers = vec![unit(|vb| candle_nn::linear(6, WIDE, vb.pp("l0")))];
         for l in 1..4 {
-            layers.push(layer(|_| Ok(candle_nn::Activation::Relu)));
-            layers.push(layer(move |vb| {
+            layers.push(unit(|_| Ok(candle_nn::Activation::Relu)));
+            layers.push(unit(move |vb| {
                 candle_nn::linear(WIDE, WIDE, vb.pp(format!("l{l}")))
             }));
         }
-        layers.push(layer(|_| Ok(candle_nn::Activation::Relu)));
-        layers.push(layer(|vb| candle_nn::linear(WIDE, 5, vb.pp("l4"))));
+        layers.push(unit(|_| Ok(candle_nn::Activation::Relu)));
+        layers.push(unit(|vb| candle_nn::linear(WIDE, 5, vb.pp("l4"))));
         layers
     };
     let rows = 256;
@@ -992,7 +992,7 @@ fn run_fault(fault: &str, ctx: &RankContext) -> anyhow::Result<()> {
         "stage_fails" => {
             // Three stages on three processes; the layer of stage 1 (rank 1)
             // fails in the forward of micro-batch 2.
-            use candle_dp::pipeline::{layer, RankPipeline, RankPipelineConfig};
+            use candle_dp::pipeline::{unit, RankPipeline, RankPipelineConfig};
             struct Breaks(std::sync::atomic::AtomicUsize);
             impl candle_core::Module for Breaks {
                 fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -1003,9 +1003,9 @@ fn run_fault(fault: &str, ctx: &RankContext) -> anyhow::Result<()> {
                 }
             }
             let layers = vec![
-                layer(|vb| candle_nn::linear(4, 4, vb.pp("a"))),
-                layer(|_| Ok(Breaks(Default::default()))),
-                layer(|vb| candle_nn::linear(4, 2, vb.pp("b"))),
+                unit(|vb| candle_nn::linear(4, 4, vb.pp("a"))),
+                unit(|_| Ok(Breaks(Default::default()))),
+                unit(|vb| candle_nn::linear(4, 2, vb.pp("b"))),
             ];
             let config = RankPipelineConfig {
                 chunks: Some(4),

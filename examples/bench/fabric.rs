@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_dp::comm::GroupOptions;
-use candle_dp::fabric::{Accelerator, Devices, Fabric, FabricConfig, FabricModule, Strategy};
+use candle_dp::fabric::{Accelerator, Devices, Fabric, FabricConfig, ModelRecipe, Strategy};
 use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use candle_dp::optim::{AdamW, AdamWConfig};
-use candle_dp::pipeline::{layer, LayerFactory};
+use candle_dp::pipeline::{unit, UnitFactory};
 use candle_dp::units::Units;
 use candle_dp::zero::{ZeroOptimizer, ZeroStage};
 use candle_dp::{launch, seeded_varmap, DistributedDataParallel};
@@ -61,16 +61,16 @@ pub struct FabricMeasured {
 }
 
 /// The MLP of the other measurements, 784-h, 4 x h-h, h-10, as units.
-fn units(hidden: usize) -> Vec<LayerFactory> {
-    let mut units = vec![layer(move |vb| linear(784, hidden, vb.pp("l0")))];
+fn units(hidden: usize) -> Vec<UnitFactory> {
+    let mut units = vec![unit(move |vb| linear(784, hidden, vb.pp("l0")))];
     for i in 1..=4 {
-        units.push(layer(|_| Ok(Activation::Relu)));
-        units.push(layer(move |vb| {
+        units.push(unit(|_| Ok(Activation::Relu)));
+        units.push(unit(move |vb| {
             linear(hidden, hidden, vb.pp(format!("l{i}")))
         }));
     }
-    units.push(layer(|_| Ok(Activation::Relu)));
-    units.push(layer(move |vb| linear(hidden, 10, vb.pp("l5"))));
+    units.push(unit(|_| Ok(Activation::Relu)));
+    units.push(unit(move |vb| linear(hidden, 10, vb.pp("l5"))));
     units
 }
 
@@ -96,7 +96,7 @@ pub fn run_child(spec: &FabricSpec) -> Result<FabricMeasured> {
             config.devices = Devices::Ids(vec![0; spec.world]);
         }
         Fabric::launch(config, |fabric| {
-            let module = FabricModule::units(units(spec.hidden));
+            let module = ModelRecipe::units(units(spec.hidden));
             let mut model = fabric.setup(module, |p| AdamW::new_named(p, adamw()))?;
             let (rows, labels) = share(&x, &y, fabric.rank(), fabric.world_size())?;
             let (rows, labels) = (fabric.to_device(&rows)?, fabric.to_device(&labels)?);

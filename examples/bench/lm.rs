@@ -21,7 +21,7 @@ use candle_dp::fabric::{Fabric, FabricConfig, Strategy};
 use candle_dp::optim::{AdamWConfig, LrScheduler};
 use candle_dp::seeded_varmap;
 use candle_dp_examples::gpt::{
-    adamw_groups, fabric_module, lm_loss, lm_loss_composite, loss_on, Gpt, GptConfig,
+    adamw_groups, lm_loss, lm_loss_composite, loss_on, model_recipe, Gpt, GptConfig,
 };
 use candle_dp_examples::text::{load_text, split, windows_at};
 use serde::{Deserialize, Serialize};
@@ -158,7 +158,7 @@ pub fn run_child(spec: &LmSpec) -> Result<LmMeasured> {
             ..Default::default()
         };
         // With a tp degree each rank builds its pieces.
-        let module = fabric_module(gpt, fabric.tensor_parallel());
+        let module = model_recipe(gpt, fabric.tensor_parallel());
         let mut model = fabric.setup(module, |p| adamw_groups(p, adamw, false))?;
         model.set_schedule(LrScheduler::warmup_cosine(LR, 1, total as u64)?)?;
         let mut measured = LmMeasured::default();

@@ -18,7 +18,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Module, ModuleT, Tensor};
 use candle_dp::comm::GroupOptions;
 use candle_dp::launch;
-use candle_dp::pipeline::{layer, LayerFactory};
+use candle_dp::pipeline::{unit, UnitFactory};
 use candle_dp::units::Units;
 use candle_dp::{seeded_varmap, DdpConfig, DistributedDataParallel};
 use candle_nn::{linear, loss, Linear, Optimizer, VarBuilder, SGD};
@@ -114,14 +114,14 @@ fn shapes(spec: &OverlapSpec) -> Vec<(usize, usize, String)> {
     out
 }
 
-fn units(spec: &OverlapSpec) -> Vec<LayerFactory> {
+fn units(spec: &OverlapSpec) -> Vec<UnitFactory> {
     let shapes = shapes(spec);
     let last = shapes.len() - 1;
     shapes
         .into_iter()
         .enumerate()
         .map(|(i, (a, b, name))| {
-            layer(move |vb: VarBuilder| {
+            unit(move |vb: VarBuilder| {
                 Ok(Dense {
                     linear: linear(a, b, vb.pp(&name))?,
                     relu: i < last,
@@ -201,7 +201,7 @@ pub fn run_child(spec: &OverlapSpec) -> Result<Option<OverlapMeasured>> {
                     let units = match spec.way {
                         Way::OneUnit => {
                             let all = units(spec);
-                            vec![layer(move |vb: VarBuilder| {
+                            vec![unit(move |vb: VarBuilder| {
                                 Units::build(vb, &all).map_err(candle_core::Error::wrap)
                             })]
                         }

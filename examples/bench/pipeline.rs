@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_dp::pipeline::{layer, Balance, Checkpoint, LayerFactory, Pipeline, Schedule};
+use candle_dp::pipeline::{unit, Balance, Checkpoint, Pipeline, Schedule, UnitFactory};
 use candle_dp::{cpu_devices, seeded_varmap, LossReduction};
 use candle_nn::{linear, loss, Activation, AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
 use serde::{Deserialize, Serialize};
@@ -91,21 +91,19 @@ pub struct PipeMeasured {
 }
 
 /// `depth` blocks of linear(width, width) and relu, then linear(width, 10).
-fn layers(width: usize, depth: usize) -> Vec<LayerFactory> {
+fn layers(width: usize, depth: usize) -> Vec<UnitFactory> {
     let mut layers = Vec::new();
     for i in 0..depth {
-        layers.push(layer(move |vb| {
-            linear(width, width, vb.pp(format!("l{i}")))
-        }));
-        layers.push(layer(|_| Ok(Activation::Relu)));
+        layers.push(unit(move |vb| linear(width, width, vb.pp(format!("l{i}")))));
+        layers.push(unit(|_| Ok(Activation::Relu)));
     }
-    layers.push(layer(move |vb| linear(width, 10, vb.pp("out"))));
+    layers.push(unit(move |vb| linear(width, 10, vb.pp("out"))));
     layers
 }
 
 /// The same layers on one device, applied in order.
 fn one_device(
-    list: &[LayerFactory],
+    list: &[UnitFactory],
     varmap: &VarMap,
     dtype: DType,
 ) -> Result<impl Fn(&Tensor) -> Result<Tensor>> {

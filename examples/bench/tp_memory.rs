@@ -11,7 +11,7 @@
 use anyhow::{bail, Result};
 use candle_dp::fabric::{Degrees, Fabric, FabricConfig};
 use candle_dp::optim::AdamWConfig;
-use candle_dp_examples::gpt::{adamw_groups, fabric_module, lm_loss, loss_on};
+use candle_dp_examples::gpt::{adamw_groups, lm_loss, loss_on, model_recipe};
 use candle_dp_examples::text::{load_text, split, windows_at};
 
 use crate::alloc_count;
@@ -46,7 +46,7 @@ pub fn run() -> Result<String> {
             ..Degrees::one()
         })?;
         let held = Fabric::spawn(config, |fabric| {
-            let module = fabric_module(gpt, fabric.tensor_parallel());
+            let module = model_recipe(gpt, fabric.tensor_parallel());
             let adamw = AdamWConfig {
                 lr: 1e-3,
                 weight_decay: 0.1,

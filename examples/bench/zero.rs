@@ -20,7 +20,7 @@ use candle_dp::comm::{all_gather_object, GroupOptions};
 use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use candle_dp::launch;
 use candle_dp::optim::{AdamW, AdamWConfig, StatefulOptimizer};
-use candle_dp::pipeline::{layer, LayerFactory};
+use candle_dp::pipeline::{unit, UnitFactory};
 use candle_dp::zero::{grad_bytes, ZeroOptimizer, ZeroStage};
 use candle_dp::{seeded_varmap, DistributedDataParallel};
 use candle_nn::{linear, loss, Linear, Optimizer, VarBuilder};
@@ -138,7 +138,7 @@ fn bytes_of<'a>(tensors: impl Iterator<Item = &'a Tensor>) -> usize {
 }
 
 /// The MLP as units, one layer (with its ReLU) each, for FSDP.
-fn mlp_units(hidden: usize) -> Vec<LayerFactory> {
+fn mlp_units(hidden: usize) -> Vec<UnitFactory> {
     let mut shapes = vec![(784, hidden, "in".to_string())];
     shapes.extend((0..DEPTH).map(|i| (hidden, hidden, format!("h{i}"))));
     shapes.push((hidden, 10, "out".to_string()));
@@ -147,7 +147,7 @@ fn mlp_units(hidden: usize) -> Vec<LayerFactory> {
         .into_iter()
         .enumerate()
         .map(|(i, (a, b, name))| {
-            layer(move |vb: VarBuilder| {
+            unit(move |vb: VarBuilder| {
                 let l = linear(a, b, vb.pp(&name))?;
                 Ok(Relu(l, i < last))
             })

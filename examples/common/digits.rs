@@ -6,7 +6,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::fabric::Precision;
-use candle_dp::pipeline::{layer, LayerFactory};
+use candle_dp::pipeline::{unit, UnitFactory};
 use candle_dp::precision::{MixedPrecision, MixedPrecisionModel};
 use candle_dp::units::Units;
 use candle_nn::{conv2d, linear, Conv2d, Conv2dConfig, Linear, VarMap};
@@ -35,7 +35,7 @@ impl Model {
     /// The model as units for `height` x `width` images: conv(1 -> c, 3x3)
     /// -> relu -> conv(c -> 2c, 3x3) -> relu -> maxpool 2 -> linear to 10,
     /// or linear -> relu -> linear to 10.
-    pub fn units(self, height: usize, width: usize, hidden: usize) -> Vec<LayerFactory> {
+    pub fn units(self, height: usize, width: usize, hidden: usize) -> Vec<UnitFactory> {
         let c = hidden;
         let same = Conv2dConfig {
             padding: 1,
@@ -43,22 +43,22 @@ impl Model {
         };
         match self {
             Model::Mlp => vec![
-                layer(move |vb| Ok(Dense(linear(height * width, hidden, vb.pp("l1"))?, true))),
-                layer(move |vb| Ok(Dense(linear(hidden, 10, vb.pp("l2"))?, false))),
+                unit(move |vb| Ok(Dense(linear(height * width, hidden, vb.pp("l1"))?, true))),
+                unit(move |vb| Ok(Dense(linear(hidden, 10, vb.pp("l2"))?, false))),
             ],
             Model::Conv => vec![
-                layer(move |vb| {
+                unit(move |vb| {
                     let conv = conv2d(1, c, 3, same, vb.pp("conv1"))?;
                     Ok(ConvUnit(conv, Some((height, width)), false))
                 }),
-                layer(move |vb| {
+                unit(move |vb| {
                     Ok(ConvUnit(
                         conv2d(c, 2 * c, 3, same, vb.pp("conv2"))?,
                         None,
                         true,
                     ))
                 }),
-                layer(move |vb| {
+                unit(move |vb| {
                     let fc = linear(2 * c * (height / 2) * (width / 2), 10, vb.pp("fc"))?;
                     Ok(Dense(fc, false))
                 }),
@@ -114,7 +114,7 @@ impl Module for ConvUnit {
 /// The share of `test` that `units` over `varmap`'s f32 weights, computing
 /// in `precision`, classifies right.
 pub fn accuracy(
-    units: &[LayerFactory],
+    units: &[UnitFactory],
     varmap: &VarMap,
     precision: Precision,
     test: &LabelledImages,

@@ -23,8 +23,8 @@
 //! (the residual projections N(0, 0.02 / sqrt(2 layers))), biases 0, norms 1.
 
 use candle_core::{DType, Module, ModuleT, Tensor};
-use candle_dp::fabric::FabricModule;
-use candle_dp::pipeline::{layer, LayerFactory};
+use candle_dp::fabric::ModelRecipe;
+use candle_dp::pipeline::{unit, UnitFactory};
 use candle_dp::tensor_parallel::{
     ColumnLinear, Placement, RowLinear, TensorParallel, TpPlan, VocabEmbedding,
 };
@@ -367,30 +367,30 @@ impl ModuleT for Head {
 }
 
 /// The units, for a `Pipeline` (or any driver of units).
-pub fn units(config: GptConfig) -> Vec<LayerFactory> {
+pub fn units(config: GptConfig) -> Vec<UnitFactory> {
     tp_units(config, None)
 }
 
 /// The units, each rank's pieces with tensor parallelism `tp` (whole
 /// without), placed as [`tp_plan`] says.
-pub fn tp_units(config: GptConfig, tp: Option<&TensorParallel>) -> Vec<LayerFactory> {
+pub fn tp_units(config: GptConfig, tp: Option<&TensorParallel>) -> Vec<UnitFactory> {
     let tp = tp.cloned();
     let (t0, t1, t2) = (tp.clone(), tp.clone(), tp);
-    let mut units = vec![layer(move |vb| Embeddings::new(config, t0.as_ref(), vb))];
+    let mut units = vec![unit(move |vb| Embeddings::new(config, t0.as_ref(), vb))];
     for i in 0..config.layers {
         let tp = t1.clone();
-        units.push(layer(move |vb| Block::new(config, i, tp.as_ref(), vb)));
+        units.push(unit(move |vb| Block::new(config, i, tp.as_ref(), vb)));
     }
-    units.push(layer(move |vb| Head::new(config, t2.as_ref(), vb)));
+    units.push(unit(move |vb| Head::new(config, t2.as_ref(), vb)));
     units
 }
 
 /// The model as a rank of a Fabric builds it: its pieces with tensor
 /// parallelism `tp` (placed by [`tp_plan`]), whole without.
-pub fn fabric_module(config: GptConfig, tp: Option<&TensorParallel>) -> FabricModule {
+pub fn model_recipe(config: GptConfig, tp: Option<&TensorParallel>) -> ModelRecipe {
     match tp {
-        Some(tp) => FabricModule::units(tp_units(config, Some(tp))).with_tp_plan(tp_plan()),
-        None => FabricModule::units(units(config)),
+        Some(tp) => ModelRecipe::units(tp_units(config, Some(tp))).with_tp_plan(tp_plan()),
+        None => ModelRecipe::units(units(config)),
     }
 }
 

@@ -12,7 +12,7 @@ use super::{CommHook, DdpConfig, DistributedDataParallel, JoinDivisor, ZeroStage
 use crate::comm::{DeviceMesh, ProcessGroup, ShardGroups};
 use crate::error::Result;
 use crate::precision::MixedPrecision;
-use crate::units::{LayerFactory, Units};
+use crate::units::{UnitFactory, Units};
 
 impl<M> DistributedDataParallel<M> {
     /// Starts configuring this rank's [`DistributedDataParallel`] (buckets,
@@ -195,7 +195,7 @@ impl<M> DdpBuilder<M> {
 impl DdpBuilder<Units> {
     /// Builds this rank's model from `units` with these settings: see
     /// [`DistributedDataParallel::from_units`]. Every rank must call it.
-    pub fn build_units(self, units: Vec<LayerFactory>) -> Result<DistributedDataParallel<Units>> {
+    pub fn build_units(self, units: Vec<UnitFactory>) -> Result<DistributedDataParallel<Units>> {
         DistributedDataParallel::from_units(
             self.pg,
             &self.varmap,

@@ -192,15 +192,15 @@ impl<M> DistributedDataParallel<M> {
     /// ```
     /// use candle_core::{DType, Device};
     /// use candle_dp::launch::spawn;
-    /// use candle_dp::pipeline::{layer, Pipeline};
+    /// use candle_dp::pipeline::{unit, Pipeline};
     /// use candle_dp::{cpu_devices, DdpConfig, DistributedDataParallel};
     /// use candle_nn::{linear, VarMap};
     ///
     /// spawn(2, |ctx| {
     ///     let varmap = VarMap::new();
     ///     let layers = vec![
-    ///         layer(|vb| linear(4, 8, vb.pp("a"))),
-    ///         layer(|vb| linear(8, 2, vb.pp("b"))),
+    ///         unit(|vb| linear(4, 8, vb.pp("a"))),
+    ///         unit(|vb| linear(8, 2, vb.pp("b"))),
     ///     ];
     ///     let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2)).build(layers)?;
     ///     let ddp = DistributedDataParallel::from_module(

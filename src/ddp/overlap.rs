@@ -27,7 +27,7 @@ use crate::buffers::BufferSnapshot;
 use crate::comm::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::step::Step;
-use crate::units::{LayerFactory, Units};
+use crate::units::{UnitFactory, Units};
 use crate::util::panic_message::panic_message;
 use crate::util::vars::with_accumulated;
 
@@ -67,16 +67,16 @@ impl DistributedDataParallel<Units> {
     /// ```
     /// use candle_core::{DType, Device, Tensor};
     /// use candle_dp::launch::spawn;
-    /// use candle_dp::pipeline::layer;
+    /// use candle_dp::pipeline::unit;
     /// use candle_dp::{DdpConfig, DistributedDataParallel};
     /// use candle_nn::{linear, loss, Activation, Optimizer, VarMap, SGD};
     ///
     /// spawn(2, |ctx| {
     ///     let varmap = VarMap::new();
     ///     let units = vec![
-    ///         layer(|vb| linear(4, 8, vb.pp("a"))),
-    ///         layer(|_| Ok(Activation::Relu)),
-    ///         layer(|vb| linear(8, 2, vb.pp("b"))),
+    ///         unit(|vb| linear(4, 8, vb.pp("a"))),
+    ///         unit(|_| Ok(Activation::Relu)),
+    ///         unit(|vb| linear(8, 2, vb.pp("b"))),
     ///     ];
     ///     let mut ddp = DistributedDataParallel::from_units(
     ///         ctx.process_group(), &varmap, DType::F32, &Device::Cpu, units, DdpConfig::default())?;
@@ -101,7 +101,7 @@ impl DistributedDataParallel<Units> {
         varmap: &VarMap,
         dtype: DType,
         device: &Device,
-        units: Vec<LayerFactory>,
+        units: Vec<UnitFactory>,
         config: DdpConfig,
     ) -> Result<Self> {
         if units.is_empty() {

@@ -29,7 +29,7 @@ pub enum Strategy {
     /// all-reduced after the backward.
     Ddp,
     /// DDP reducing each bucket while the backward still runs (the model
-    /// given as [`units`](super::FabricModule::units)).
+    /// given as [`units`](super::ModelRecipe::units)).
     DdpOverlap,
     /// DDP with the optimizer state sharded ([`ZeroStage::One`](crate::ZeroStage)).
     Zero1,

@@ -13,10 +13,10 @@
 //! ```
 //! use std::sync::Arc;
 //! use candle_core::{Device, Tensor};
-//! use candle_dp::fabric::{DataOptions, Fabric, FabricConfig, FabricModule, Strategy};
+//! use candle_dp::fabric::{DataOptions, Fabric, FabricConfig, ModelRecipe, Strategy};
 //! use candle_dp::loader::TensorDataset;
 //! use candle_dp::optim::{AdamW, AdamWConfig};
-//! use candle_dp::pipeline::layer;
+//! use candle_dp::pipeline::unit;
 //! use candle_nn::{linear, loss, Activation};
 //!
 //! // The strategy is one word: "single", "dp", "ddp", "ddp-overlap",
@@ -28,10 +28,10 @@
 //! let data = Arc::new(TensorDataset::new(vec![x, y])?);
 //!
 //! let losses = Fabric::launch(config, |fabric| {
-//!     let module = FabricModule::units(vec![
-//!         layer(|vb| linear(4, 8, vb.pp("l1"))),
-//!         layer(|_| Ok(Activation::Relu)),
-//!         layer(|vb| linear(8, 2, vb.pp("l2"))),
+//!     let module = ModelRecipe::units(vec![
+//!         unit(|vb| linear(4, 8, vb.pp("l1"))),
+//!         unit(|_| Ok(Activation::Relu)),
+//!         unit(|vb| linear(8, 2, vb.pp("l2"))),
 //!     ]);
 //!     let mut model = fabric.setup(module, |p| AdamW::new_named(p, AdamWConfig::default()))?;
 //!     // 8 samples per batch in all, each rank its share.
@@ -64,7 +64,7 @@ mod degrees;
 mod memory;
 mod mesh_aliases;
 mod model;
-mod module;
+mod recipe;
 mod saving;
 mod step_order;
 mod strategies;
@@ -83,7 +83,12 @@ pub use degrees::Degrees;
 pub use memory::Memory;
 pub use mesh_aliases::RANK_MESH;
 pub use model::{FabricModel, StepOutcome};
-pub use module::FabricModule;
+pub use recipe::ModelRecipe;
+/// The former name of [`ModelRecipe`].
+#[deprecated(
+    note = "one name per idea: the recipe is `ModelRecipe`, the set-up model `FabricModel`"
+)]
+pub type FabricModule = ModelRecipe;
 pub use saving::Resumed;
 pub use strategies::{
     clip_across, Engine, EngineSetup, EngineStep, FoundState, LossFn, StateStore, Trainables,
@@ -418,13 +423,13 @@ impl Fabric {
     /// call it.
     ///
     /// ```
-    /// use candle_dp::fabric::{Fabric, FabricConfig, FabricModule, Strategy};
+    /// use candle_dp::fabric::{Fabric, FabricConfig, ModelRecipe, Strategy};
     /// use candle_dp::optim::{Sgd, SgdConfig};
     /// use candle_nn::linear;
     ///
     /// // FSDP works unit by unit: a plain module is refused, naming both.
     /// let err = Fabric::launch(FabricConfig::new(Strategy::Fsdp, 2), |fabric| {
-    ///     let module = FabricModule::module(|vb| linear(4, 2, vb));
+    ///     let module = ModelRecipe::module(|vb| linear(4, 2, vb));
     ///     Ok(fabric.setup(module, |p| Sgd::new_named(p, SgdConfig { lr: 0.1, ..Default::default() }))?.steps())
     /// })
     /// .unwrap_err();
@@ -437,7 +442,7 @@ impl Fabric {
     /// [`Error::Strategy`] when the strategy needs units and `module` is
     /// a plain module; the engine's construction errors (ranks whose
     /// models differ, named); `make`'s.
-    pub fn setup<O, F>(&self, module: FabricModule, make: F) -> Result<FabricModel<O>>
+    pub fn setup<O, F>(&self, module: ModelRecipe, make: F) -> Result<FabricModel<O>>
     where
         O: StatefulOptimizer + 'static,
         F: FnOnce(Vec<(String, Var)>) -> candle_core::Result<O>,
@@ -459,7 +464,7 @@ impl Fabric {
     /// # Errors
     ///
     /// `build`'s; the initial weights cannot be drawn.
-    pub fn setup_engine<O, B>(&self, module: FabricModule, build: B) -> Result<FabricModel<O>>
+    pub fn setup_engine<O, B>(&self, module: ModelRecipe, build: B) -> Result<FabricModel<O>>
     where
         O: StatefulOptimizer + 'static,
         B: FnOnce(EngineSetup<'_>) -> Result<Box<dyn Engine<O>>>,
@@ -474,7 +479,7 @@ impl Fabric {
     fn engine_setup<'a>(
         &'a self,
         varmap: &'a candle_nn::VarMap,
-        module: &'a FabricModule,
+        module: &'a ModelRecipe,
     ) -> EngineSetup<'a> {
         EngineSetup {
             config: &self.config,
@@ -524,7 +529,7 @@ impl Fabric {
     /// strategy and every rank starts from the same weights. On several
     /// distinct devices (a pipeline over GPUs) the engine creates them on
     /// each stage's device instead, and DDP copies rank 0's to every rank.
-    fn initial_varmap(&self, module: &FabricModule) -> Result<candle_nn::VarMap> {
+    fn initial_varmap(&self, module: &ModelRecipe) -> Result<candle_nn::VarMap> {
         let first = &self.devices[0];
         if self.devices.iter().any(|d| !d.same_device(first)) {
             return Ok(candle_nn::VarMap::new());
@@ -541,7 +546,7 @@ impl Fabric {
                 return Err(Error::TensorParallel(format!(
                     "the mesh has tp = {}, and the model gives no plan: build its pieces with \
                      Fabric::tensor_parallel and give their placements with \
-                     FabricModule::with_tp_plan",
+                     ModelRecipe::with_tp_plan",
                     tp.size()
                 )))
             }

@@ -37,13 +37,13 @@ pub enum StepOutcome {
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
-/// use candle_dp::fabric::{Fabric, FabricConfig, FabricModule, Strategy};
+/// use candle_dp::fabric::{Fabric, FabricConfig, ModelRecipe, Strategy};
 /// use candle_dp::optim::{Sgd, SgdConfig};
 /// use candle_nn::{linear, loss};
 ///
 /// let config = FabricConfig::new(Strategy::Ddp, 2);
 /// Fabric::launch(config, |fabric| {
-///     let module = FabricModule::module(|vb| linear(4, 2, vb.pp("fc")));
+///     let module = ModelRecipe::module(|vb| linear(4, 2, vb.pp("fc")));
 ///     let mut model = fabric.setup(module, |params| Sgd::new_named(params, SgdConfig { lr: 0.1, ..Default::default() }))?;
 ///     let x = Tensor::ones((3, 4), candle_core::DType::F32, &Device::Cpu)?;
 ///     let y = Tensor::new(&[0u32, 1, 0], &Device::Cpu)?;
@@ -154,11 +154,11 @@ impl<O: StatefulOptimizer> FabricModel<O> {
     ///
     /// ```
     /// # use candle_core::{DType, Device, Tensor};
-    /// # use candle_dp::fabric::{Fabric, FabricConfig, FabricModule, StepOutcome, Strategy};
+    /// # use candle_dp::fabric::{Fabric, FabricConfig, ModelRecipe, StepOutcome, Strategy};
     /// # use candle_dp::optim::{Sgd, SgdConfig};
     /// # use candle_nn::{linear, loss};
     /// Fabric::launch(FabricConfig::new(Strategy::Ddp, 2), |fabric| {
-    ///     let module = FabricModule::module(|vb| linear(4, 2, vb.pp("fc")));
+    ///     let module = ModelRecipe::module(|vb| linear(4, 2, vb.pp("fc")));
     ///     let mut model = fabric.setup(module, |p| Sgd::new_named(p, SgdConfig::default()))?;
     ///     let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
     ///     let y = Tensor::new(&[0u32, 1, 0], &Device::Cpu)?;

@@ -33,15 +33,15 @@
 //! use candle_core::{DType, Device, Tensor};
 //! use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
 //! use candle_dp::launch::spawn;
-//! use candle_dp::pipeline::layer;
+//! use candle_dp::pipeline::unit;
 //! use candle_nn::{linear, loss, Activation, Optimizer, VarMap, SGD};
 //!
 //! spawn(2, |ctx| {
 //!     let varmap = VarMap::new();
 //!     let units = vec![
-//!         layer(|vb| linear(4, 8, vb.pp("a"))),
-//!         layer(|_| Ok(Activation::Relu)),
-//!         layer(|vb| linear(8, 2, vb.pp("b"))),
+//!         unit(|vb| linear(4, 8, vb.pp("a"))),
+//!         unit(|_| Ok(Activation::Relu)),
+//!         unit(|vb| linear(8, 2, vb.pp("b"))),
 //!     ];
 //!     let mut fsdp = FullyShardedDataParallel::from_units(
 //!         ctx.process_group(), &varmap, DType::F32, &Device::Cpu, units, FsdpConfig::default())?;
@@ -76,7 +76,7 @@ use crate::error::{Error, Result};
 use crate::precision::MixedPrecision;
 use crate::same_model::{broadcast_vars, verify_same_vars};
 use crate::sharding::{all_gather_pieces, ShardLayout};
-use crate::units::{LayerFactory, Units};
+use crate::units::{UnitFactory, Units};
 use crate::util::lock::lock;
 use crate::util::vars::sorted_vars;
 use agreement::{verify_same_plan, Plan};
@@ -176,7 +176,7 @@ pub struct FullyShardedDataParallel {
     /// The shard group, the replicas under HSDP, and every rank of the
     /// job (over which the model is checked and broadcast).
     groups: ShardGroups,
-    factories: Vec<LayerFactory>,
+    factories: Vec<UnitFactory>,
     /// Per unit, the parameters it uses (indices into `shards`).
     unit_params: Vec<Vec<usize>>,
     /// Per parameter, the earliest unit that uses it (`None`: no unit).
@@ -221,7 +221,7 @@ impl FullyShardedDataParallel {
         varmap: &VarMap,
         dtype: DType,
         device: &Device,
-        units: Vec<LayerFactory>,
+        units: Vec<UnitFactory>,
         config: FsdpConfig,
     ) -> Result<Self> {
         let groups = ShardGroups::flat(pg);
@@ -250,13 +250,13 @@ impl FullyShardedDataParallel {
     /// use candle_dp::comm::DeviceMesh;
     /// use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
     /// use candle_dp::launch::spawn;
-    /// use candle_dp::pipeline::layer;
+    /// use candle_dp::pipeline::unit;
     /// use candle_nn::{linear, VarMap};
     ///
     /// spawn(4, |ctx| {
     ///     let mesh = DeviceMesh::new(ctx.process_group(), &[("replicate", 2), ("shard", 2)])?;
     ///     let varmap = VarMap::new();
-    ///     let units = vec![layer(|vb| linear(4, 8, vb.pp("a")))];
+    ///     let units = vec![unit(|vb| linear(4, 8, vb.pp("a")))];
     ///     let _hsdp = FullyShardedDataParallel::from_units_on_mesh(
     ///         &mesh, &varmap, DType::F32, &Device::Cpu, units, FsdpConfig::default())?;
     ///     // Two ranks share `a.weight`'s 8 rows: 4 each, on both replicas.
@@ -275,7 +275,7 @@ impl FullyShardedDataParallel {
         varmap: &VarMap,
         dtype: DType,
         device: &Device,
-        units: Vec<LayerFactory>,
+        units: Vec<UnitFactory>,
         config: FsdpConfig,
     ) -> Result<Self> {
         let groups = ShardGroups::from_mesh(mesh)?;
@@ -287,7 +287,7 @@ impl FullyShardedDataParallel {
         varmap: &VarMap,
         dtype: DType,
         device: &Device,
-        units: Vec<LayerFactory>,
+        units: Vec<UnitFactory>,
         config: FsdpConfig,
     ) -> Result<Self> {
         let pg = Arc::clone(groups.shard());

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::{Init, VarBuilder, VarMap};
 
-use super::LayerFactory;
+use super::UnitFactory;
 use crate::error::{Error, Result};
 use crate::units::build_layer;
 use crate::util::lock::lock;
@@ -37,7 +37,7 @@ pub enum Balance {
 /// The number of layers per stage for `balance`.
 pub(crate) fn layers_per_stage(
     balance: &Balance,
-    layers: &[LayerFactory],
+    layers: &[UnitFactory],
     stages: usize,
     dtype: DType,
     device: &Device,
@@ -127,7 +127,7 @@ pub(crate) fn min_max_split(costs: &[f64], parts: usize) -> Vec<usize> {
 
 /// Bytes of the variables each layer creates first (a variable shared by
 /// several layers counts once, for the first).
-fn parameter_bytes(layers: &[LayerFactory], dtype: DType) -> Result<Vec<f64>> {
+fn parameter_bytes(layers: &[UnitFactory], dtype: DType) -> Result<Vec<f64>> {
     let counter = std::sync::Arc::new(CountingBackend::default());
     let mut seen = HashSet::new();
     layers
@@ -185,7 +185,7 @@ impl candle_nn::var_builder::SimpleBackend for CountingBackend {
 /// How long each layer takes, forward and backward, on `device` and the
 /// activations `sample` produces before it: the fastest of three runs.
 fn layer_times(
-    layers: &[LayerFactory],
+    layers: &[UnitFactory],
     sample: &Tensor,
     dtype: DType,
     device: &Device,

@@ -11,7 +11,7 @@ use candle_nn::VarMap;
 use super::balance::Balance;
 use super::recompute::Checkpoint;
 use super::schedule::Schedule;
-use crate::units::LayerFactory;
+use crate::units::UnitFactory;
 
 use crate::error::{Error, Result};
 use crate::no_grad::NoGradCheck;
@@ -116,7 +116,7 @@ impl PipelineBuilder {
     /// Splits `layers` into stages and builds each stage's layers on its
     /// worker, in order (variables created in `varmap` on the stage's
     /// device, or reused when they exist).
-    pub fn build(self, layers: Vec<LayerFactory>) -> Result<Pipeline> {
+    pub fn build(self, layers: Vec<UnitFactory>) -> Result<Pipeline> {
         let devices = self.devices.len();
         let per_device = self.schedule.stages_per_device();
         if per_device == 0 {

@@ -28,14 +28,14 @@
 //! use std::sync::Arc;
 //! use candle_core::{DType, Device, Tensor};
 //! use candle_nn::{linear, loss, Activation, Optimizer, VarMap, SGD};
-//! use candle_dp::pipeline::{layer, Pipeline, Schedule};
+//! use candle_dp::pipeline::{unit, Pipeline, Schedule};
 //! use candle_dp::{cpu_devices, LossReduction};
 //!
 //! # fn main() -> anyhow::Result<()> {
 //! let layers = vec![
-//!     layer(|vb| linear(8, 16, vb.pp("l1"))),
-//!     layer(|_| Ok(Activation::Relu)),
-//!     layer(|vb| linear(16, 4, vb.pp("l2"))),
+//!     unit(|vb| linear(8, 16, vb.pp("l1"))),
+//!     unit(|_| Ok(Activation::Relu)),
+//!     unit(|vb| linear(16, 4, vb.pp("l2"))),
 //! ];
 //! let varmap = VarMap::new();
 //! let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
@@ -91,8 +91,10 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 use crossbeam::channel;
 
-/// A pipeline's layers are units: their factories are the units'.
+#[allow(deprecated)]
 pub use crate::units::{layer, LayerFactory};
+/// A pipeline's layers are units: their factories are the units'.
+pub use crate::units::{unit, UnitFactory};
 pub use balance::Balance;
 pub use builder::PipelineBuilder;
 pub use on_ranks::{RankPipeline, RankPipelineConfig, RankStep};

@@ -26,7 +26,7 @@ use super::stage::{Doing, Links, LossFn, Stage, StageOutput, StageWork, TrainLos
 use super::stage_build::build_stage;
 use super::stage_var::StageVar;
 use super::tied::tie_across_ranks;
-use super::{Balance, Checkpoint, LayerFactory, PipelineTimings, Schedule};
+use super::{Balance, Checkpoint, PipelineTimings, Schedule, UnitFactory};
 use crate::comm::{all_gather_object, DeviceMesh, ProcessGroup, ReduceOp, ShardGroups, SubGroup};
 use crate::ddp::ZeroStage;
 use crate::error::{Error, Result};
@@ -125,15 +125,15 @@ pub struct RankStep {
 /// ```
 /// use candle_core::{DType, Device, Tensor, Var};
 /// use candle_dp::launch::spawn;
-/// use candle_dp::pipeline::{layer, RankPipeline, RankPipelineConfig};
+/// use candle_dp::pipeline::{unit, RankPipeline, RankPipelineConfig};
 /// use candle_dp::LossReduction;
 /// use candle_nn::{linear, loss, Activation, Optimizer, VarMap, SGD};
 ///
 /// spawn(2, |ctx| {
 ///     let layers = vec![
-///         layer(|vb| linear(4, 8, vb.pp("a"))),
-///         layer(|_| Ok(Activation::Relu)),
-///         layer(|vb| linear(8, 2, vb.pp("b"))),
+///         unit(|vb| linear(4, 8, vb.pp("a"))),
+///         unit(|_| Ok(Activation::Relu)),
+///         unit(|vb| linear(8, 2, vb.pp("b"))),
 ///     ];
 ///     let varmap = VarMap::new();
 ///     let pipe = RankPipeline::new(ctx.process_group(), &varmap, DType::F32, &Device::Cpu,
@@ -207,7 +207,7 @@ pub(super) struct Rebuild {
     pub(super) dtype: DType,
     /// Each stage's first layer and its layers, in the order of
     /// `indices`.
-    pub(super) stages: Vec<(usize, Vec<LayerFactory>)>,
+    pub(super) stages: Vec<(usize, Vec<UnitFactory>)>,
 }
 
 /// The ZeRO stage FSDP builds on: 2, the gradients reduce-scattered to the
@@ -253,7 +253,7 @@ impl RankPipeline {
         varmap: &VarMap,
         dtype: DType,
         device: &Device,
-        layers: Vec<LayerFactory>,
+        layers: Vec<UnitFactory>,
         config: RankPipelineConfig,
     ) -> Result<Self> {
         if config.zero.is_some() || config.fsdp {
@@ -272,7 +272,7 @@ impl RankPipeline {
         varmap: &VarMap,
         dtype: DType,
         device: &Device,
-        layers: Vec<LayerFactory>,
+        layers: Vec<UnitFactory>,
         config: RankPipelineConfig,
     ) -> Result<Self> {
         let ranks = pg.world_size();
@@ -366,7 +366,7 @@ impl RankPipeline {
         varmap: &VarMap,
         dtype: DType,
         device: &Device,
-        layers: Vec<LayerFactory>,
+        layers: Vec<UnitFactory>,
         mut config: RankPipelineConfig,
     ) -> Result<Self> {
         let (pp, dp) = dims;

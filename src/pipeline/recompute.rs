@@ -28,15 +28,15 @@ use crate::units::{fingerprint, Fingerprint};
 ///
 /// ```
 /// use candle_core::{DType, Device, Tensor};
-/// use candle_dp::pipeline::{layer, Checkpoint, Pipeline};
+/// use candle_dp::pipeline::{unit, Checkpoint, Pipeline};
 /// use candle_dp::{cpu_devices, LossReduction};
 /// use candle_nn::{linear, Activation, VarMap};
 ///
 /// let varmap = VarMap::new();
 /// let layers = vec![
-///     layer(|vb| linear(4, 16, vb.pp("a"))),
-///     layer(|_| Ok(Activation::Relu)),
-///     layer(|vb| linear(16, 2, vb.pp("b"))),
+///     unit(|vb| linear(4, 16, vb.pp("a"))),
+///     unit(|_| Ok(Activation::Relu)),
+///     unit(|vb| linear(16, 2, vb.pp("b"))),
 /// ];
 /// let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
 ///     .checkpoint(Checkpoint::ExceptLast)

@@ -19,13 +19,13 @@ use candle_nn::VarMap;
 use super::on_ranks::{RankPipeline, Rebuild};
 use super::stage::Stage;
 use super::stage_build::build_stage;
-use super::LayerFactory;
+use super::UnitFactory;
 use crate::error::{Error, Result};
 use crate::optim::{OptimizerState, ShardOf, StatefulOptimizer};
 use crate::sharding::state::{
     mark_shard, named_layouts, piece_state, whole_layouts, whole_state_on_first,
 };
-use crate::sharding::{all_gather_pieces, gather_pieces, ShardLayout};
+use crate::sharding::{gather_whole_vars, ShardLayout};
 use crate::util::lock::lock;
 
 /// The settings key of a parameter's rows in a state of pieces.
@@ -55,7 +55,7 @@ impl RankPipeline {
         &mut self,
         varmap: &VarMap,
         dtype: DType,
-        layers: &[LayerFactory],
+        layers: &[UnitFactory],
     ) -> Result<()> {
         let rank = self.piece_rank();
         let mut pieces = Vec::with_capacity(self.own.len());
@@ -166,41 +166,9 @@ impl RankPipeline {
         let Some(replicas) = self.piece_group().filter(|_| self.is_fsdp()) else {
             return Ok(Some(self.own.iter().map(|(_, v)| v.clone()).collect()));
         };
-        let mut wholes: Vec<Option<Var>> = vec![None; self.own.len()];
-        let dtypes: BTreeSet<&str> = self.own.iter().map(|(_, v)| v.dtype().as_str()).collect();
-        for dtype in dtypes {
-            let members: Vec<usize> = (0..self.own.len())
-                .filter(|&i| self.own[i].1.dtype().as_str() == dtype)
-                .collect();
-            let mine: Vec<Tensor> = members
-                .iter()
-                .map(|&i| self.own[i].1.as_detached_tensor())
-                .collect();
-            let layouts: Vec<&ShardLayout> =
-                members.iter().map(|&i| &self.zero_layouts[i]).collect();
-            let gathered = match root {
-                None => all_gather_pieces(replicas.as_ref(), &mine, &layouts)?,
-                Some(root) => match gather_pieces(replicas.as_ref(), &mine, &layouts, root)? {
-                    Some(gathered) => gathered,
-                    // Not the root: nothing to put together here.
-                    None => continue,
-                },
-            };
-            replicas.wait_for_device()?;
-            for ((&i, layout), pieces) in members.iter().zip(&layouts).zip(gathered) {
-                // Each rank's rows written in place: one copy of the whole.
-                let piece = &self.own[i].1;
-                let whole = Var::zeros(layout.dims.as_slice(), piece.dtype(), piece.device())?;
-                for (rank, piece) in pieces.iter().enumerate() {
-                    layout.write_rows(&whole, piece, rank)?;
-                }
-                wholes[i] = Some(whole);
-            }
-        }
-        if root.is_some_and(|root| root != replicas.rank()) {
-            return Ok(None);
-        }
-        Ok(Some(wholes.into_iter().flatten().collect()))
+        let pieces: Vec<&Var> = self.own.iter().map(|(_, v)| v).collect();
+        let layouts: Vec<&ShardLayout> = self.zero_layouts.iter().collect();
+        gather_whole_vars(replicas.as_ref(), &pieces, &layouts, root)
     }
 
     /// The bytes of this rank's stages' variables whole: what a step of an

@@ -125,7 +125,7 @@ impl RankPipeline {
     /// use candle_dp::comm::DeviceMesh;
     /// use candle_dp::launch::spawn;
     /// use candle_dp::optim::{AdamW, AdamWConfig};
-    /// use candle_dp::pipeline::{layer, RankPipeline, RankPipelineConfig};
+    /// use candle_dp::pipeline::{unit, RankPipeline, RankPipelineConfig};
     /// use candle_dp::zero::ZeroStage;
     /// use candle_dp::LossReduction;
     /// use candle_nn::{linear, loss, Activation, VarMap};
@@ -134,9 +134,9 @@ impl RankPipeline {
     /// spawn(4, |ctx| {
     ///     let mesh = DeviceMesh::new(ctx.process_group(), &[("dp", 2), ("pp", 2)])?;
     ///     let layers = vec![
-    ///         layer(|vb| linear(4, 8, vb.pp("a"))),
-    ///         layer(|_| Ok(Activation::Relu)),
-    ///         layer(|vb| linear(8, 2, vb.pp("b"))),
+    ///         unit(|vb| linear(4, 8, vb.pp("a"))),
+    ///         unit(|_| Ok(Activation::Relu)),
+    ///         unit(|vb| linear(8, 2, vb.pp("b"))),
     ///     ];
     ///     let config = RankPipelineConfig { zero: Some(ZeroStage::Two), ..Default::default() };
     ///     let pipe = RankPipeline::on_mesh(&mesh, ("pp", "dp"), &VarMap::new(), DType::F32,

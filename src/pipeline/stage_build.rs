@@ -101,7 +101,7 @@ pub(crate) fn build_stage(
     precision: Option<&MixedPrecision>,
     device: &Device,
     first: usize,
-    factories: &[super::LayerFactory],
+    factories: &[super::UnitFactory],
 ) -> crate::error::Result<Stage> {
     let backend = Arc::new(StageBackend {
         varmap: varmap.clone(),

@@ -2,9 +2,11 @@
 //! whole gradients reduce-scattered to each rank's pieces (ZeRO-2's
 //! buckets, FSDP's units), and every rank's pieces all-gathered (ZeRO's
 //! updated pieces written back into the whole parameters, FSDP's units
-//! gathered whole).
+//! gathered whole, a pipeline stage's FSDP variables put together).
 
-use candle_core::{DType, Device, Tensor};
+use std::collections::BTreeSet;
+
+use candle_core::{DType, Device, Tensor, Var};
 
 use super::layout::{pack_by_rank, unpack_section, ShardLayout};
 use crate::comm::ProcessGroup;
@@ -95,7 +97,7 @@ pub(crate) fn all_gather_pieces(
 }
 
 /// [`all_gather_pieces`], with only `root` receiving them (`Some`).
-pub(crate) fn gather_pieces(
+fn gather_pieces(
     pg: &dyn ProcessGroup,
     mine: &[Tensor],
     layouts: &[&ShardLayout],
@@ -134,4 +136,51 @@ fn split_pieces(all: &[Tensor], layouts: &[&ShardLayout]) -> Result<Vec<Vec<Tens
         offset += n;
     }
     Ok(out)
+}
+
+/// The whole variables of `pieces` (this rank's, each split by its
+/// layout), put together from every rank's: all-gathered (one collective
+/// per dtype, in the order the dtypes sort), or with a `root` gathered to
+/// it alone (`None` elsewhere). Each rank's real rows are written into a
+/// fresh whole variable in place: one copy of the whole. Every rank calls
+/// it with the same parameters, in the same order.
+pub(crate) fn gather_whole_vars(
+    pg: &dyn ProcessGroup,
+    pieces: &[&Var],
+    layouts: &[&ShardLayout],
+    root: Option<usize>,
+) -> Result<Option<Vec<Var>>> {
+    let mut wholes: Vec<Option<Var>> = vec![None; pieces.len()];
+    let dtypes: BTreeSet<&str> = pieces.iter().map(|v| v.dtype().as_str()).collect();
+    for dtype in dtypes {
+        let members: Vec<usize> = (0..pieces.len())
+            .filter(|&i| pieces[i].dtype().as_str() == dtype)
+            .collect();
+        let mine: Vec<Tensor> = members
+            .iter()
+            .map(|&i| pieces[i].as_detached_tensor())
+            .collect();
+        let group_layouts: Vec<&ShardLayout> = members.iter().map(|&i| layouts[i]).collect();
+        let gathered = match root {
+            None => all_gather_pieces(pg, &mine, &group_layouts)?,
+            Some(root) => match gather_pieces(pg, &mine, &group_layouts, root)? {
+                Some(gathered) => gathered,
+                // Not the root: nothing to put together here.
+                None => continue,
+            },
+        };
+        pg.wait_for_device()?;
+        for ((&i, layout), rank_pieces) in members.iter().zip(&group_layouts).zip(gathered) {
+            let piece = pieces[i];
+            let whole = Var::zeros(layout.dims.as_slice(), piece.dtype(), piece.device())?;
+            for (rank, rank_piece) in rank_pieces.iter().enumerate() {
+                layout.write_rows(&whole, rank_piece, rank)?;
+            }
+            wholes[i] = Some(whole);
+        }
+    }
+    if root.is_some_and(|root| root != pg.rank()) {
+        return Ok(None);
+    }
+    Ok(Some(wholes.into_iter().flatten().collect()))
 }

@@ -15,5 +15,5 @@ pub(crate) mod collectives;
 pub(crate) mod layout;
 pub(crate) mod state;
 
-pub(crate) use collectives::{all_gather_pieces, gather_pieces, reduce_scatter_grads};
+pub(crate) use collectives::{all_gather_pieces, gather_whole_vars, reduce_scatter_grads};
 pub(crate) use layout::ShardLayout;

@@ -1,6 +1,6 @@
 //! A model given as units: an ordered list of parts, each built by its own
 //! factory, as a [`Pipeline`](crate::pipeline::Pipeline)'s layers are (the
-//! same [`LayerFactory`] and [`layer`]).
+//! same [`UnitFactory`] and [`layer`]).
 //!
 //! Given whole, a model's backward is one call: candle computes every
 //! gradient before returning any, so nothing can start on the first ones.
@@ -22,7 +22,7 @@
 //!
 //! ```
 //! use candle_core::{DType, Device, ModuleT, Tensor};
-//! use candle_dp::pipeline::layer;
+//! use candle_dp::pipeline::unit;
 //! use candle_dp::units::Units;
 //! use candle_nn::{linear, Activation, VarBuilder, VarMap};
 //!
@@ -30,9 +30,9 @@
 //! let varmap = VarMap::new();
 //! let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
 //! let units = Units::build(vb, &[
-//!     layer(|vb| linear(4, 8, vb.pp("l1"))),
-//!     layer(|_| Ok(Activation::Relu)),
-//!     layer(|vb| linear(8, 2, vb.pp("l2"))),
+//!     unit(|vb| linear(4, 8, vb.pp("l1"))),
+//!     unit(|_| Ok(Activation::Relu)),
+//!     unit(|vb| linear(8, 2, vb.pp("l2"))),
 //! ])?;
 //! assert_eq!(units.len(), 3);
 //! assert_eq!(units.vars_of(2), ["l2.bias", "l2.weight"]);
@@ -52,7 +52,9 @@ use candle_core::{ModuleT, Tensor};
 use candle_nn::VarBuilder;
 
 pub(crate) use factory::build_layer;
+#[allow(deprecated)]
 pub use factory::{layer, LayerFactory};
+pub use factory::{unit, UnitFactory};
 pub(crate) use fingerprint::{fingerprint, Fingerprint};
 pub(crate) use trace::Trace;
 
@@ -72,7 +74,7 @@ impl Units {
     /// `VarBuilder`, whose root the units' paths start from), recording
     /// which variables each unit uses. A factory's error or panic is
     /// [`Error::LayerBuild`](crate::Error::LayerBuild) naming its index.
-    pub fn build(vb: VarBuilder, factories: &[LayerFactory]) -> Result<Units> {
+    pub fn build(vb: VarBuilder, factories: &[UnitFactory]) -> Result<Units> {
         let recording = Recording::new(&vb);
         let mut units = Vec::with_capacity(factories.len());
         let mut vars = Vec::with_capacity(factories.len());

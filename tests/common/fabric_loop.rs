@@ -6,10 +6,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use candle_dp::fabric::{DataOptions, Fabric, FabricModel, FabricModule, StepOutcome, Strategy};
+use candle_dp::fabric::{DataOptions, Fabric, FabricModel, ModelRecipe, StepOutcome, Strategy};
 use candle_dp::loader::TensorDataset;
 use candle_dp::optim::{Sgd, SgdConfig};
-use candle_dp::pipeline::layer;
+use candle_dp::pipeline::unit;
 use candle_nn::{linear, loss, Activation};
 
 pub const SAMPLES: usize = 48;
@@ -27,13 +27,13 @@ pub fn devices_for_two(strategy: Strategy) -> usize {
 }
 
 /// A small classifier as units (every strategy can build it).
-pub fn classifier() -> FabricModule {
-    FabricModule::units(vec![
-        layer(|vb| linear(6, 16, vb.pp("l1"))),
-        layer(|_| Ok(Activation::Relu)),
-        layer(|vb| linear(16, 16, vb.pp("l2"))),
-        layer(|_| Ok(Activation::Relu)),
-        layer(|vb| linear(16, 3, vb.pp("l3"))),
+pub fn classifier() -> ModelRecipe {
+    ModelRecipe::units(vec![
+        unit(|vb| linear(6, 16, vb.pp("l1"))),
+        unit(|_| Ok(Activation::Relu)),
+        unit(|vb| linear(16, 16, vb.pp("l2"))),
+        unit(|_| Ok(Activation::Relu)),
+        unit(|vb| linear(16, 3, vb.pp("l3"))),
     ])
 }
 

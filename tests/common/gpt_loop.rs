@@ -6,9 +6,9 @@
 use std::collections::HashMap;
 
 use candle_core::Tensor;
-use candle_dp::fabric::{Fabric, FabricModel, FabricModule, Memory};
+use candle_dp::fabric::{Fabric, FabricModel, Memory, ModelRecipe};
 use candle_dp::optim::{AdamWConfig, StatefulOptimizer};
-use candle_dp_examples::gpt::{adamw_groups, fabric_module, lm_loss, loss_on, GptConfig};
+use candle_dp_examples::gpt::{adamw_groups, lm_loss, loss_on, model_recipe, GptConfig};
 use candle_dp_examples::text::{load_text, split, windows_at, Windows};
 
 /// A small GPT: 256 bytes, 2 blocks of width 32 with 4 heads.
@@ -34,8 +34,8 @@ pub struct Run {
 
 /// The model on `fabric`'s ranks: each rank's pieces with its tensor
 /// parallelism, with the plan that places them; whole without.
-pub fn module(fabric: &Fabric, gpt: GptConfig) -> FabricModule {
-    fabric_module(gpt, fabric.tensor_parallel())
+pub fn module(fabric: &Fabric, gpt: GptConfig) -> ModelRecipe {
+    model_recipe(gpt, fabric.tensor_parallel())
 }
 
 /// The book's training windows of `gpt`'s context.

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use candle_dp::fabric::{DataOptions, Fabric, FabricConfig, FabricModule, Precision, Strategy};
+use candle_dp::fabric::{DataOptions, Fabric, FabricConfig, ModelRecipe, Precision, Strategy};
 use candle_dp::loader::TensorDataset;
 use candle_dp::optim::{Sgd, SgdConfig};
 use candle_nn::{linear, loss};
@@ -338,7 +338,7 @@ fn accumulation_and_clipping_match_one_device_under_every_strategy() {
 
 /// Launches `config` and returns its error, checking that the loop never
 /// started when `before_running` (the refusal came before any rank ran).
-fn refusal(config: FabricConfig, module: FabricModule, before_running: bool) -> String {
+fn refusal(config: FabricConfig, module: ModelRecipe, before_running: bool) -> String {
     let started = std::sync::atomic::AtomicBool::new(false);
     let result = launch(config, |fabric| {
         started.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -358,8 +358,8 @@ fn refusal(config: FabricConfig, module: FabricModule, before_running: bool) -> 
     error
 }
 
-fn plain_module() -> FabricModule {
-    FabricModule::module(|vb| linear(6, 3, vb.pp("fc")))
+fn plain_module() -> ModelRecipe {
+    ModelRecipe::module(|vb| linear(6, 3, vb.pp("fc")))
 }
 
 #[test]
@@ -1113,4 +1113,13 @@ fn no_backward_sync_by_hand_matches_one_device() {
             diff_report(&trained, &single.0)
         );
     }
+}
+
+#[test]
+#[allow(deprecated)]
+fn the_former_name_fabric_module_is_the_model_recipe() {
+    use candle_dp::fabric::{FabricModule, ModelRecipe};
+    let former: FabricModule = FabricModule::module(|vb| candle_nn::linear(4, 2, vb.pp("fc")));
+    let recipe: ModelRecipe = former;
+    assert!(!recipe.is_units());
 }

@@ -16,7 +16,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::comm::{ProcessGroup, ThreadGroup};
 use candle_dp::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use candle_dp::launch::spawn_with;
-use candle_dp::pipeline::{layer, LayerFactory};
+use candle_dp::pipeline::{unit, UnitFactory};
 use candle_dp::{DdpConfig, DistributedDataParallel, Error};
 use candle_nn::{linear, loss, Linear, Optimizer, VarBuilder, VarMap};
 use common::*;
@@ -67,7 +67,7 @@ fn fsdp_run(
     world: usize,
     init: &Weights,
     data: &[(Tensor, Tensor)],
-    units: fn() -> Vec<LayerFactory>,
+    units: fn() -> Vec<UnitFactory>,
     loss_fn: fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
     reshard: bool,
 ) -> Vec<(Weights, candle_dp::fsdp::FsdpMemory)> {
@@ -198,11 +198,11 @@ impl Module for Scaled {
     }
 }
 
-fn odd_units() -> Vec<LayerFactory> {
+fn odd_units() -> Vec<UnitFactory> {
     vec![
-        layer(|vb| linear(6, 7, vb.pp("a"))),
-        layer(|_| Ok(candle_nn::Activation::Relu)),
-        layer(|vb| {
+        unit(|vb| linear(6, 7, vb.pp("a"))),
+        unit(|_| Ok(candle_nn::Activation::Relu)),
+        unit(|vb| {
             Ok(Scaled {
                 linear: linear(7, 3, vb.pp("b"))?,
                 scale: vb.get_with_hints((), "scale", candle_nn::init::Init::Const(1.5))?,
@@ -258,7 +258,7 @@ fn uneven_rows_a_zero_dim_parameter_and_more_ranks_than_rows_train_as_under_ddp(
     });
 }
 
-fn gpt_units() -> Vec<LayerFactory> {
+fn gpt_units() -> Vec<UnitFactory> {
     example_gpt::units(TINY)
 }
 
@@ -297,13 +297,13 @@ fn the_language_model_with_its_tied_head_trains_to_the_bytes_of_ddp() {
 fn a_random_unit_recomputed_for_the_backward_fails_the_step_named() {
     // Bounded: a hang fails the test instead of stalling CI.
     within(60, || {
-        fn noisy_units(dropout_at: usize) -> Vec<LayerFactory> {
+        fn noisy_units(dropout_at: usize) -> Vec<UnitFactory> {
             let mut units = vec![
-                layer(|vb| linear(6, 8, vb.pp("a"))),
-                layer(|vb| linear(8, 8, vb.pp("b"))),
-                layer(|vb| linear(8, 5, vb.pp("c"))),
+                unit(|vb| linear(6, 8, vb.pp("a"))),
+                unit(|vb| linear(8, 8, vb.pp("b"))),
+                unit(|vb| linear(8, 5, vb.pp("c"))),
             ];
-            units.insert(dropout_at, layer(|_| Ok(candle_nn::Dropout::new(0.5))));
+            units.insert(dropout_at, unit(|_| Ok(candle_nn::Dropout::new(0.5))));
             units
         }
         let run = |pg: Arc<dyn ProcessGroup>, dropout_at: usize, reshard: bool, prefetch: bool| {
@@ -427,7 +427,7 @@ fn no_units_or_buffers_with_mixed_precision_are_refused_naming_why() {
                 &VarMap::new(),
                 DType::F32,
                 &Device::Cpu,
-                vec![layer(|vb| {
+                vec![unit(|vb| {
                     candle_nn::batch_norm(4, candle_nn::BatchNormConfig::default(), vb.pp("bn"))
                 })],
                 FsdpConfig {
@@ -496,7 +496,7 @@ pub(crate) type Save = (HashMap<String, Tensor>, candle_dp::optim::OptimizerStat
 
 /// FSDP over `world` ranks with the crate's AdamW (see [`sharded_adamw`]).
 fn fsdp_adamw(
-    units: fn() -> Vec<LayerFactory>,
+    units: fn() -> Vec<UnitFactory>,
     world: usize,
     init: &Weights,
     data: &[(Tensor, Tensor)],
@@ -519,7 +519,7 @@ pub(crate) enum Ranks {
 /// `saves` first if given, saves before step `save_after`; every rank's
 /// save and whole weights.
 pub(crate) fn sharded_adamw(
-    units: fn() -> Vec<LayerFactory>,
+    units: fn() -> Vec<UnitFactory>,
     ranks: Ranks,
     init: &Weights,
     data: &[(Tensor, Tensor)],
@@ -840,7 +840,7 @@ fn no_sync_accumulates_and_the_next_step_reduce_scatters_the_sum_as_ddp_does() {
 /// A test model as one module and as units.
 type Model = (
     fn(VarBuilder) -> candle_core::Result<Box<dyn Module>>,
-    fn() -> Vec<LayerFactory>,
+    fn() -> Vec<UnitFactory>,
 );
 
 /// DDP and FSDP under the same mixed-precision `policy`, from `init`, each
@@ -975,22 +975,22 @@ fn ranks_that_split_the_variables_into_other_units_are_refused_naming_the_rank()
                 self.1.forward(&self.0.forward(x)?.relu()?)
             }
         }
-        let split = || -> Vec<LayerFactory> {
+        let split = || -> Vec<UnitFactory> {
             vec![
-                layer(|vb| linear(6, 8, vb.pp("a"))),
-                layer(|_| Ok(candle_nn::Activation::Relu)),
-                layer(|vb| linear(8, 2, vb.pp("b"))),
+                unit(|vb| linear(6, 8, vb.pp("a"))),
+                unit(|_| Ok(candle_nn::Activation::Relu)),
+                unit(|vb| linear(8, 2, vb.pp("b"))),
             ]
         };
-        type Factories = fn() -> Vec<LayerFactory>;
+        type Factories = fn() -> Vec<UnitFactory>;
         let cases: Vec<(&str, Factories)> = vec![
             ("one unit", || {
-                vec![layer(|vb| both(vb).map(|(a, b)| Both(a, b)))]
+                vec![unit(|vb| both(vb).map(|(a, b)| Both(a, b)))]
             }),
             ("no activation unit", || {
                 vec![
-                    layer(|vb| linear(6, 8, vb.pp("a"))),
-                    layer(|vb| linear(8, 2, vb.pp("b"))),
+                    unit(|vb| linear(6, 8, vb.pp("a"))),
+                    unit(|vb| linear(8, 2, vb.pp("b"))),
                 ]
             }),
         ];
@@ -1011,7 +1011,7 @@ fn ranks_that_split_the_variables_into_other_units_are_refused_naming_the_rank()
 /// and returns the `ModelMismatch` every rank got (the rank it names and
 /// its words); a rank that built, or failed otherwise, fails the test.
 fn mismatch_on_every_rank(
-    model_of: impl Fn(usize) -> (Vec<LayerFactory>, FsdpConfig) + Send + Sync + 'static,
+    model_of: impl Fn(usize) -> (Vec<UnitFactory>, FsdpConfig) + Send + Sync + 'static,
 ) -> Vec<(usize, String)> {
     let outcomes = spawn_with(2, bounded(), move |ctx| {
         let (units, config) = model_of(ctx.rank);

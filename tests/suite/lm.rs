@@ -67,7 +67,7 @@ fn config_of(args: &Args) -> GptConfig {
 /// of PyTorch's loss at every step.
 #[test]
 fn the_language_model_reproduces_pytorchs_first_steps() {
-    use candle_dp::fabric::{Fabric, FabricConfig, FabricModule, Strategy};
+    use candle_dp::fabric::{Fabric, FabricConfig, ModelRecipe, Strategy};
     use candle_dp::optim::LrScheduler;
     let reference = reference();
     let args = &reference.args;
@@ -85,7 +85,7 @@ fn the_language_model_reproduces_pytorchs_first_steps() {
             weight_decay: args.weight_decay,
             ..Default::default()
         };
-        let mut model = fabric.setup(FabricModule::units(units(config)), |p| {
+        let mut model = fabric.setup(ModelRecipe::units(units(config)), |p| {
             adamw_groups(p, adamw, args.decay_all)
         })?;
         model.set_schedule(LrScheduler::warmup_cosine(

@@ -15,7 +15,7 @@ use candle_dp::comm::{
     Failure, GroupOptions, Membership, ProcessGroup, ReduceOp, Result as CommResult,
 };
 use candle_dp::launch::{spawn_with, RankContext};
-use candle_dp::pipeline::{layer, LayerFactory};
+use candle_dp::pipeline::{unit, UnitFactory};
 use candle_dp::precision::MixedPrecision;
 use candle_dp::units::Units;
 use candle_dp::zero::{ZeroOptimizer, ZeroStage};
@@ -34,16 +34,16 @@ pub(crate) fn bounded() -> GroupOptions {
 const DEPTH: usize = 5;
 const WIDTH: usize = 12;
 
-pub(crate) fn deep_units() -> Vec<LayerFactory> {
+pub(crate) fn deep_units() -> Vec<UnitFactory> {
     let mut units = Vec::new();
     for l in 0..DEPTH {
         let (i, o) = (
             if l == 0 { 6 } else { WIDTH },
             if l + 1 == DEPTH { 5 } else { WIDTH },
         );
-        units.push(layer(move |vb| linear(i, o, vb.pp(format!("l{l}")))));
+        units.push(unit(move |vb| linear(i, o, vb.pp(format!("l{l}")))));
         if l + 1 < DEPTH {
-            units.push(layer(|_| Ok(candle_nn::Activation::Relu)));
+            units.push(unit(|_| Ok(candle_nn::Activation::Relu)));
         }
     }
     units
@@ -88,7 +88,7 @@ fn small_buckets() -> DdpConfig {
 }
 
 /// The bucket order a model given as `units` gets.
-pub(crate) fn order_of(units: &[LayerFactory]) -> Vec<String> {
+pub(crate) fn order_of(units: &[UnitFactory]) -> Vec<String> {
     let varmap = VarMap::new();
     Units::build(
         VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
@@ -799,7 +799,7 @@ fn a_unit_using_a_parameter_it_did_not_ask_for_is_refused() {
             }
         }
         let units = vec![
-            layer(move |vb| {
+            unit(move |vb| {
                 let w = outside.get(
                     (5, WIDTH),
                     "l1.weight",
@@ -809,8 +809,8 @@ fn a_unit_using_a_parameter_it_did_not_ask_for_is_refused() {
                 )?;
                 Ok(Peek(linear(6, WIDTH, vb.pp("l0"))?, w))
             }),
-            layer(|_| Ok(candle_nn::Activation::Relu)),
-            layer(|vb| linear(WIDTH, 5, vb.pp("l1"))),
+            unit(|_| Ok(candle_nn::Activation::Relu)),
+            unit(|vb| linear(WIDTH, 5, vb.pp("l1"))),
         ];
         let err = spawn_with(1, bounded(), move |ctx| {
             let mut ddp = DistributedDataParallel::from_units(
@@ -918,11 +918,11 @@ impl Module for LinearNorm {
     }
 }
 
-pub(crate) fn normed_units() -> Vec<LayerFactory> {
+pub(crate) fn normed_units() -> Vec<UnitFactory> {
     vec![
-        layer(LinearNorm::new),
-        layer(|_| Ok(candle_nn::Activation::Relu)),
-        layer(|vb| linear(12, 5, vb.pp("l1"))),
+        unit(LinearNorm::new),
+        unit(|_| Ok(candle_nn::Activation::Relu)),
+        unit(|vb| linear(12, 5, vb.pp("l1"))),
     ]
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::launch::spawn_with;
-use candle_dp::pipeline::{layer, Balance, LayerFactory, Pipeline, Schedule};
+use candle_dp::pipeline::{unit, Balance, Pipeline, Schedule, UnitFactory};
 use candle_dp::{
     cpu_devices, seeded_varmap, DdpConfig, DistributedDataParallel, Error, LossReduction,
 };
@@ -30,14 +30,14 @@ fn within<T: Send + 'static>(seconds: u64, f: impl FnOnce() -> T + Send + 'stati
 
 /// Six layers: 6 -> 10 -> relu -> 10 -> sigmoid -> 10 -> 3 (with a
 /// parameter-free layer in between, so every balance is exercised).
-fn layers() -> Vec<LayerFactory> {
+fn layers() -> Vec<UnitFactory> {
     vec![
-        layer(|vb| linear(6, 10, vb.pp("l1"))),
-        layer(|_| Ok(Activation::Relu)),
-        layer(|vb| linear(10, 10, vb.pp("l2"))),
-        layer(|_| Ok(Activation::Sigmoid)),
-        layer(|vb| linear(10, 10, vb.pp("l3"))),
-        layer(|vb| linear(10, 3, vb.pp("l4"))),
+        unit(|vb| linear(6, 10, vb.pp("l1"))),
+        unit(|_| Ok(Activation::Relu)),
+        unit(|vb| linear(10, 10, vb.pp("l2"))),
+        unit(|_| Ok(Activation::Sigmoid)),
+        unit(|vb| linear(10, 10, vb.pp("l3"))),
+        unit(|vb| linear(10, 3, vb.pp("l4"))),
     ]
 }
 
@@ -405,7 +405,7 @@ fn a_layer_factory_that_panics_or_fails_is_named_under_every_balance() {
     for balance in balances {
         for panics in [true, false] {
             let mut broken = layers();
-            broken[4] = layer(move |_| -> candle_core::Result<Activation> {
+            broken[4] = unit(move |_| -> candle_core::Result<Activation> {
                 if panics {
                     panic!("bad layer config");
                 }
@@ -432,7 +432,7 @@ fn a_layer_factory_that_panics_or_fails_is_named_under_every_balance() {
     }
     // Balance::Time also runs each layer: one that panics there is named.
     let mut broken = layers();
-    broken[2] = layer(|_| {
+    broken[2] = unit(|_| {
         Ok(candle_nn::func(|_| -> candle_core::Result<Tensor> {
             panic!("forward blew up")
         }))
@@ -470,8 +470,8 @@ fn each_stage_builds_only_its_own_layers_variables() {
 #[test]
 fn a_variable_shared_by_two_stages_gets_the_sum_of_its_gradients() {
     // x -> W -> relu -> W -> sum: the same `w` in stage 0 and stage 1.
-    let tied = || layer(|vb| Ok(linear_no_bias(vb.get((4, 4), "w")?)));
-    let layers = vec![tied(), layer(|_| Ok(Activation::Relu)), tied()];
+    let tied = || unit(|vb| Ok(linear_no_bias(vb.get((4, 4), "w")?)));
+    let layers = vec![tied(), unit(|_| Ok(Activation::Relu)), tied()];
     let varmap = VarMap::new();
     let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
         .balance(Balance::Explicit(vec![2, 1]))
@@ -550,9 +550,9 @@ fn a_failing_panicking_or_stuck_stage_is_named_with_its_micro_batch_and_phase() 
                 .chunks(3)
                 .timeout(Duration::from_millis(1500))
                 .build(vec![
-                    layer(|_| Ok(Activation::Relu)),
-                    layer(move |_| Ok(Faulty { mode })),
-                    layer(|vb| linear(4, 2, vb.pp("b"))),
+                    unit(|_| Ok(Activation::Relu)),
+                    unit(move |_| Ok(Faulty { mode })),
+                    unit(|vb| linear(4, 2, vb.pp("b"))),
                 ])
                 .unwrap();
             let marked = marked(&x);
@@ -639,7 +639,7 @@ fn a_pipeline_keeps_working_after_a_failed_step() {
 /// 8 features, or (`spatial`) over 2 channels of 4 positions each. One norm
 /// only: a norm after another sees inputs normalised per micro-batch,
 /// which no pipeline can make equal to the whole batch's.
-pub(crate) fn bn_layers(momentum: f64, spatial: bool) -> Vec<LayerFactory> {
+pub(crate) fn bn_layers(momentum: f64, spatial: bool) -> Vec<UnitFactory> {
     bn_layers_with(
         candle_nn::BatchNormConfig {
             momentum,
@@ -650,7 +650,7 @@ pub(crate) fn bn_layers(momentum: f64, spatial: bool) -> Vec<LayerFactory> {
 }
 
 /// [`bn_layers`] with the norm's whole configuration.
-fn bn_layers_with(config: candle_nn::BatchNormConfig, spatial: bool) -> Vec<LayerFactory> {
+fn bn_layers_with(config: candle_nn::BatchNormConfig, spatial: bool) -> Vec<UnitFactory> {
     let config = move || config;
     let (channels, shape) = if spatial {
         (2, vec![2, 4])
@@ -658,10 +658,10 @@ fn bn_layers_with(config: candle_nn::BatchNormConfig, spatial: bool) -> Vec<Laye
         (8, vec![8])
     };
     vec![
-        layer(|vb| linear(6, 8, vb.pp("l1"))),
-        layer(|_| Ok(Activation::Relu)),
-        layer(|vb| linear(8, 8, vb.pp("l2"))),
-        layer(move |_| {
+        unit(|vb| linear(6, 8, vb.pp("l1"))),
+        unit(|_| Ok(Activation::Relu)),
+        unit(|vb| linear(8, 8, vb.pp("l2"))),
+        unit(move |_| {
             let shape = shape.clone();
             Ok(candle_nn::func(move |x| {
                 let mut dims = vec![x.dim(0)?];
@@ -669,15 +669,15 @@ fn bn_layers_with(config: candle_nn::BatchNormConfig, spatial: bool) -> Vec<Laye
                 x.reshape(dims)
             }))
         }),
-        layer(move |vb| candle_nn::batch_norm(channels, config(), vb.pp("bn"))),
-        layer(|_| Ok(candle_nn::func(|x| x.flatten_from(1)))),
-        layer(|vb| linear(8, 3, vb.pp("l3"))),
+        unit(move |vb| candle_nn::batch_norm(channels, config(), vb.pp("bn"))),
+        unit(|_| Ok(candle_nn::func(|x| x.flatten_from(1)))),
+        unit(|vb| linear(8, 3, vb.pp("l3"))),
     ]
 }
 
 /// The layers built on one device, applied in order.
 fn on_one_device(
-    layers: &[LayerFactory],
+    layers: &[UnitFactory],
     varmap: &VarMap,
 ) -> impl Fn(&Tensor, bool) -> candle_core::Result<Tensor> {
     let vb = VarBuilder::from_varmap(varmap, DType::F32, &Device::Cpu);
@@ -876,7 +876,7 @@ fn batch_norm_buffers_are_untouched_by_a_failed_step() {
         let mut layers = bn_layers(0.1, true);
         // The last stage fails on the second micro-batch, when the first
         // stage (GPipe) has run the forwards of both.
-        layers.push(layer(|_| {
+        layers.push(unit(|_| {
             Ok(FailsOnCall {
                 calls: Default::default(),
                 n: 2,
@@ -1017,9 +1017,9 @@ fn a_layer_with_a_batch_norm_inside_keeps_per_micro_batch_statistics() {
     // what the norm sees, so its statistics cannot be deferred; they must
     // be exactly the per-micro-batch updates, not something made up.
     // Widths 4 and 5 (no two-row input can tell; the check's own probe can).
-    type Block = fn() -> LayerFactory;
+    type Block = fn() -> UnitFactory;
     let linear_then_norm: Block = || {
-        layer(|vb| {
+        unit(|vb| {
             let lin = linear(4, 4, vb.pp("lin"))?;
             let bn = candle_nn::batch_norm(4, 1e-5, vb.pp("bn"))?;
             Ok(candle_nn::func_t(move |x, train| {
@@ -1028,7 +1028,7 @@ fn a_layer_with_a_batch_norm_inside_keeps_per_micro_batch_statistics() {
         })
     };
     let relu_then_norm: Block = || {
-        layer(|vb| {
+        unit(|vb| {
             let bn = candle_nn::batch_norm(5, 1e-5, vb.pp("bn"))?;
             Ok(candle_nn::func_t(move |x, train| {
                 candle_nn::ModuleT::forward_t(&bn, &x.relu()?, train)
@@ -1039,9 +1039,9 @@ fn a_layer_with_a_batch_norm_inside_keeps_per_micro_batch_statistics() {
         within(60, move || {
             let layers = || {
                 vec![
-                    layer(move |vb| linear(6, width, vb.pp("in"))),
+                    unit(move |vb| linear(6, width, vb.pp("in"))),
                     block(),
-                    layer(move |vb| linear(width, 3, vb.pp("out"))),
+                    unit(move |vb| linear(width, 3, vb.pp("out"))),
                 ]
             };
             let start = seeded_varmap(3, DType::F32, &Device::Cpu, |vb| {
@@ -1135,7 +1135,7 @@ fn batch_norm_buffers_are_not_reported_as_untrained() {
         // A parameter that really gets no gradient is still named.
         let varmap = bn_init(0.1, false);
         let mut layers = bn_layers(0.1, false);
-        layers.push(layer(|vb| {
+        layers.push(unit(|vb| {
             let unused = vb.get(3, "unused")?;
             Ok(candle_nn::func(move |x| {
                 let _ = &unused;
@@ -1162,7 +1162,7 @@ fn a_drop_in_forward_that_fails_after_the_stages_leaves_the_buffers_untouched() 
         let mut layers = bn_layers(0.1, false);
         // Each micro-batch's output becomes a scalar: the stages succeed,
         // but the outputs of several micro-batches cannot be concatenated.
-        layers.push(layer(|_| Ok(candle_nn::func(|x| x.sum_all()))));
+        layers.push(unit(|_| Ok(candle_nn::func(|x| x.sum_all()))));
         let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
             .chunks(2)
             .build(layers)
@@ -1182,7 +1182,7 @@ fn a_drop_in_forward_that_fails_after_the_stages_leaves_the_buffers_untouched() 
 
 #[test]
 fn a_batch_norm_buffer_on_two_stages_is_refused() {
-    let norm = || layer(|vb| candle_nn::batch_norm(6, 1e-5, vb.pp("bn")));
+    let norm = || unit(|vb| candle_nn::batch_norm(6, 1e-5, vb.pp("bn")));
     let err = Pipeline::builder(&VarMap::new(), DType::F32, &cpu_devices(2))
         .build(vec![norm(), norm()])
         .unwrap_err();
@@ -1201,8 +1201,8 @@ fn a_batch_norm_buffer_on_two_stages_is_refused() {
 fn a_weight_tied_across_a_cpu_and_a_gpu_stage_gets_the_sum_of_its_gradients() {
     within(120, || {
         let gpu = Device::new_cuda_with_stream(0).unwrap();
-        let tied = || layer(|vb| Ok(linear_no_bias(vb.get((4, 4), "w")?)));
-        let layers = vec![tied(), layer(|_| Ok(Activation::Relu)), tied()];
+        let tied = || unit(|vb| Ok(linear_no_bias(vb.get((4, 4), "w")?)));
+        let layers = vec![tied(), unit(|_| Ok(Activation::Relu)), tied()];
         let varmap = VarMap::new();
         let pipe = Pipeline::builder(&varmap, DType::F32, &[Device::Cpu, gpu])
             .balance(Balance::Explicit(vec![2, 1]))
@@ -1300,8 +1300,8 @@ fn a_buffer_outside_a_batch_norm_pair_is_committed_too() {
     within(60, || {
         let varmap = VarMap::new();
         let layers = vec![
-            layer(|vb| linear(6, 3, vb.pp("l1"))),
-            layer(|vb| {
+            unit(|vb| linear(6, 3, vb.pp("l1"))),
+            unit(|vb| {
                 let stat =
                     vb.get_with_hints(3, "track.running_mean", candle_nn::Init::Const(0.))?;
                 Ok(MeanTracker {
@@ -1372,7 +1372,7 @@ fn bits(t: &Tensor) -> Vec<u32> {
 #[allow(clippy::too_many_arguments)]
 fn two_steps(
     start: &VarMap,
-    layers: fn() -> Vec<LayerFactory>,
+    layers: fn() -> Vec<UnitFactory>,
     stages: usize,
     chunks: usize,
     schedule: Schedule,
@@ -1421,19 +1421,19 @@ fn checkpointing_gives_the_losses_gradients_and_batch_norm_statistics_of_never_b
         // A deferred BatchNorm (its own layer), and one inside a block,
         // whose updates stay per micro-batch: a recomputation must count
         // neither twice.
-        let deferred: fn() -> Vec<LayerFactory> = || bn_layers(0.3, false);
-        let inside: fn() -> Vec<LayerFactory> = || {
+        let deferred: fn() -> Vec<UnitFactory> = || bn_layers(0.3, false);
+        let inside: fn() -> Vec<UnitFactory> = || {
             vec![
-                layer(|vb| linear(6, 4, vb.pp("in"))),
-                layer(|vb| {
+                unit(|vb| linear(6, 4, vb.pp("in"))),
+                unit(|vb| {
                     let lin = linear(4, 4, vb.pp("lin"))?;
                     let bn = candle_nn::batch_norm(4, 1e-5, vb.pp("bn"))?;
                     Ok(candle_nn::func_t(move |x, train| {
                         candle_nn::ModuleT::forward_t(&bn, &lin.forward(x)?, train)
                     }))
                 }),
-                layer(|_| Ok(Activation::Relu)),
-                layer(|vb| linear(4, 3, vb.pp("out"))),
+                unit(|_| Ok(Activation::Relu)),
+                unit(|vb| linear(4, 3, vb.pp("out"))),
             ]
         };
         let (x, y) = data(10);
@@ -1490,7 +1490,7 @@ fn tied_start() -> VarMap {
 fn a_tied_weight_and_the_drop_in_path_are_unchanged_by_checkpointing() {
     within(120, || {
         use candle_dp::pipeline::Checkpoint;
-        let tied = || layer(|vb| Ok(linear_no_bias(vb.get((4, 4), "w")?)));
+        let tied = || unit(|vb| Ok(linear_no_bias(vb.get((4, 4), "w")?)));
         let x = Tensor::randn(0f32, 1., (5, 4), &Device::Cpu).unwrap();
         let y = Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap();
         let start = tied_start();
@@ -1500,7 +1500,7 @@ fn a_tied_weight_and_the_drop_in_path_are_unchanged_by_checkpointing() {
                 .balance(Balance::Explicit(vec![2, 1]))
                 .chunks(3)
                 .checkpoint(checkpoint)
-                .build(vec![tied(), layer(|_| Ok(Activation::Relu)), tied()])
+                .build(vec![tied(), unit(|_| Ok(Activation::Relu)), tied()])
                 .unwrap();
             let w = varmap.data().lock().unwrap()["w"].clone();
             let step = pipe
@@ -1528,9 +1528,9 @@ fn a_dropout_layer_fails_a_checkpointed_step_named_and_changes_nothing() {
     use candle_dp::pipeline::Checkpoint;
     let layers = || {
         vec![
-            layer(|vb| linear(6, 10, vb.pp("l1"))),
-            layer(|_| Ok(candle_nn::Dropout::new(0.5))),
-            layer(|vb| linear(10, 3, vb.pp("l2"))),
+            unit(|vb| linear(6, 10, vb.pp("l1"))),
+            unit(|_| Ok(candle_nn::Dropout::new(0.5))),
+            unit(|vb| linear(10, 3, vb.pp("l2"))),
         ]
     };
     let (x, y) = data(8);
@@ -1585,9 +1585,9 @@ fn every_recomputed_micro_batch_is_checked_not_only_the_first() {
     // Micro-batch 1's does not, in either mode that recomputes it.
     let layers = || {
         vec![
-            layer(|_| Ok(candle_nn::Dropout::new(0.5))),
-            layer(|vb| linear(6, 10, vb.pp("l1"))),
-            layer(|vb| linear(10, 3, vb.pp("l2"))),
+            unit(|_| Ok(candle_nn::Dropout::new(0.5))),
+            unit(|vb| linear(6, 10, vb.pp("l1"))),
+            unit(|vb| linear(10, 3, vb.pp("l2"))),
         ]
     };
     let (x, y) = data(6);
@@ -1644,9 +1644,9 @@ fn a_random_layer_whose_output_a_later_layer_hides_is_caught() {
     // the projection's weight gradient depends on it.
     let layers = || {
         vec![
-            layer(|vb| linear(6, 10, vb.pp("l1"))),
-            layer(|_| Ok(candle_nn::Dropout::new(0.5))),
-            layer(|vb| linear(10, 3, vb.pp("l2"))),
+            unit(|vb| linear(6, 10, vb.pp("l1"))),
+            unit(|_| Ok(candle_nn::Dropout::new(0.5))),
+            unit(|vb| linear(10, 3, vb.pp("l2"))),
         ]
     };
     let (x, y) = data(8);
@@ -1785,7 +1785,7 @@ fn interleaved_stages_give_the_bits_of_one_f_one_b_over_as_many_devices_and_matc
 fn interleaved_stages_keep_batch_norm_statistics_and_checkpointing_exact() {
     use candle_dp::pipeline::Checkpoint;
     within(300, || {
-        let deferred: fn() -> Vec<LayerFactory> = || bn_layers(0.3, false);
+        let deferred: fn() -> Vec<UnitFactory> = || bn_layers(0.3, false);
         let (x, y) = data(10);
         let start = seeded_varmap(9, DType::F32, &Device::Cpu, |vb| {
             deferred()
@@ -1837,8 +1837,8 @@ fn interleaved_stages_keep_batch_norm_statistics_and_checkpointing_exact() {
 fn a_weight_tied_across_two_stages_of_one_device_gets_the_sum_of_its_gradients() {
     within(60, || {
         // Stages 0 and 2 (both on device 0 of 2) use the same `w`.
-        let tied = || layer(|vb| Ok(linear_no_bias(vb.get((4, 4), "w")?)));
-        let relu = || layer(|_| Ok(Activation::Relu));
+        let tied = || unit(|vb| Ok(linear_no_bias(vb.get((4, 4), "w")?)));
+        let relu = || unit(|_| Ok(Activation::Relu));
         let x = Tensor::randn(0f32, 1., (5, 4), &Device::Cpu).unwrap();
         let y = Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap();
         let start = tied_start();
@@ -1892,10 +1892,10 @@ fn a_failing_panicking_or_stuck_interleaved_stage_is_named_with_its_device() {
                 .chunks(3)
                 .timeout(Duration::from_millis(1500))
                 .build(vec![
-                    layer(|_| Ok(Activation::Relu)),
-                    layer(|_| Ok(Activation::Relu)),
-                    layer(move |_| Ok(Faulty { mode })),
-                    layer(|vb| linear(4, 2, vb.pp("b"))),
+                    unit(|_| Ok(Activation::Relu)),
+                    unit(|_| Ok(Activation::Relu)),
+                    unit(move |_| Ok(Faulty { mode })),
+                    unit(|vb| linear(4, 2, vb.pp("b"))),
                 ])
                 .unwrap();
             let marked = marked(&x);
@@ -1952,4 +1952,17 @@ fn an_interleaving_without_a_layer_for_every_stage_or_with_no_stage_is_refused()
         );
         assert!(build(3).is_ok());
     });
+}
+
+#[test]
+#[allow(deprecated)]
+fn the_former_names_layer_and_layer_factory_still_build_a_unit() -> anyhow::Result<()> {
+    use candle_dp::units::Units;
+    let former: candle_dp::pipeline::LayerFactory =
+        candle_dp::pipeline::layer(|vb| candle_nn::linear(2, 3, vb.pp("fc")));
+    let varmap = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let units = Units::build(vb, &[former])?;
+    assert_eq!(units.vars_of(0), ["fc.bias", "fc.weight"]);
+    Ok(())
 }

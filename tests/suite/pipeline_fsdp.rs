@@ -289,20 +289,20 @@ type Save = (HashMap<String, Tensor>, candle_dp::optim::OptimizerState);
 /// A model whose variables do not split evenly over 2 replicas (5 rows:
 /// pieces of 3 and 2 rows, the second padded), with a BatchNorm on the
 /// first stage (`norm`) or an identity in its place.
-fn odd_layers(norm: bool) -> Vec<candle_dp::pipeline::LayerFactory> {
-    use candle_dp::pipeline::layer;
+fn odd_layers(norm: bool) -> Vec<candle_dp::pipeline::UnitFactory> {
+    use candle_dp::pipeline::unit;
     let bn = candle_nn::BatchNormConfig {
         momentum: 0.3,
         ..Default::default()
     };
     vec![
-        layer(|vb| candle_nn::linear(6, 5, vb.pp("l1"))),
+        unit(|vb| candle_nn::linear(6, 5, vb.pp("l1"))),
         match norm {
-            true => layer(move |vb| candle_nn::batch_norm(5, bn, vb.pp("bn"))),
-            false => layer(|_| Ok(candle_nn::Activation::Relu)),
+            true => unit(move |vb| candle_nn::batch_norm(5, bn, vb.pp("bn"))),
+            false => unit(|_| Ok(candle_nn::Activation::Relu)),
         },
-        layer(|_| Ok(candle_nn::Activation::Relu)),
-        layer(|vb| candle_nn::linear(5, 5, vb.pp("l2"))),
+        unit(|_| Ok(candle_nn::Activation::Relu)),
+        unit(|vb| candle_nn::linear(5, 5, vb.pp("l2"))),
     ]
 }
 

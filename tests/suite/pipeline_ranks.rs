@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::fabric::FabricConfig;
 use candle_dp::launch::spawn_with;
 use candle_dp::pipeline::{
-    layer, Balance, Checkpoint, LayerFactory, Pipeline, RankPipeline, RankPipelineConfig, Schedule,
+    unit, Balance, Checkpoint, Pipeline, RankPipeline, RankPipelineConfig, Schedule, UnitFactory,
 };
 use candle_dp::{cpu_devices, Error, LossReduction};
 use candle_nn::{loss, VarMap};
@@ -145,7 +145,7 @@ fn stages_on_ranks_give_the_in_process_pipelines_loss_and_gradients_bit_for_bit(
 /// group, split by `balance`.
 fn on_thread_rank(
     pg: candle_dp::comm::ThreadRank,
-    units: Vec<LayerFactory>,
+    units: Vec<UnitFactory>,
     balance: Balance,
 ) -> RankPipeline {
     let pg: std::sync::Arc<dyn candle_dp::comm::ProcessGroup> = std::sync::Arc::new(pg);
@@ -178,11 +178,11 @@ fn a_stage_failing_on_one_rank_ends_every_ranks_step_naming_it() {
     let errors = within(120, || {
         on_own_threads(3, bounded(), |pg| {
             let rank = candle_dp::comm::ProcessGroup::rank(&pg);
-            let mut units: Vec<LayerFactory> = deep_units();
+            let mut units: Vec<UnitFactory> = deep_units();
             // Layer 4 is on stage 1 (rank 1) with a uniform split of 10.
             units.insert(
                 4,
-                layer(|_| {
+                unit(|_| {
                     Ok(FailsAt {
                         calls: AtomicUsize::new(0),
                         fail_at: 2,
@@ -261,7 +261,7 @@ fn a_stage_failing_late_fails_the_step_of_a_rank_that_finished_first() {
             // l1 relu l2 | the failing identity | reshape bn flatten l3
             units.insert(
                 3,
-                layer(move |_| {
+                unit(move |_| {
                     let calls = std::sync::Arc::clone(&calls);
                     Ok(candle_nn::func(move |x| {
                         x.contiguous()?.apply_op1(FailsInBackward {
@@ -379,12 +379,12 @@ impl Module for TiedHead {
 }
 
 /// 6 -> 8 -> 8 -> 6, the last layer the first one's weight transposed.
-pub(crate) fn tied_layers() -> Vec<LayerFactory> {
+pub(crate) fn tied_layers() -> Vec<UnitFactory> {
     vec![
-        layer(|vb| Ok(candle_nn::Linear::new(vb.get((8, 6), "tie.weight")?, None))),
-        layer(|_| Ok(candle_nn::Activation::Relu)),
-        layer(|vb| candle_nn::linear(8, 8, vb.pp("mid"))),
-        layer(|vb| Ok(TiedHead(vb.get((8, 6), "tie.weight")?))),
+        unit(|vb| Ok(candle_nn::Linear::new(vb.get((8, 6), "tie.weight")?, None))),
+        unit(|_| Ok(candle_nn::Activation::Relu)),
+        unit(|vb| candle_nn::linear(8, 8, vb.pp("mid"))),
+        unit(|vb| Ok(TiedHead(vb.get((8, 6), "tie.weight")?))),
     ]
 }
 
@@ -396,7 +396,7 @@ pub(crate) fn tied_layers() -> Vec<LayerFactory> {
 pub(crate) fn on_two_by_two(
     pg: std::sync::Arc<dyn candle_dp::comm::ProcessGroup>,
     varmap: &VarMap,
-    layers: Vec<LayerFactory>,
+    layers: Vec<UnitFactory>,
     config: RankPipelineConfig,
 ) -> candle_dp::Result<(candle_dp::comm::DeviceMesh, RankPipeline)> {
     let mesh = candle_dp::comm::DeviceMesh::new(pg, &[("dp", 2), ("pp", 2)])?;
@@ -632,7 +632,7 @@ pub(crate) fn lm_through_the_fabric(
 ) -> LmRun {
     use crate::example_gpt::{adamw_groups, lm_loss, units};
     use crate::overlap::{tokens, TINY};
-    use candle_dp::fabric::{Fabric, FabricModule};
+    use candle_dp::fabric::{Fabric, ModelRecipe};
     use candle_dp::optim::AdamWConfig;
     use candle_dp::training_state::Progress;
     let batches = tokens(steps, 4, 97);
@@ -643,7 +643,7 @@ pub(crate) fn lm_through_the_fabric(
         ..config
     };
     let mut ranks = Fabric::launch(config, |fabric| {
-        let mut model = fabric.setup(FabricModule::units(units(TINY)), |p| {
+        let mut model = fabric.setup(ModelRecipe::units(units(TINY)), |p| {
             adamw_groups(p, AdamWConfig::default(), false)
         })?;
         let from = model.resume(fabric.config().checkpoint_dir.is_some())?.step;

@@ -465,13 +465,13 @@ fn f16_with_a_grad_scaler_and_clipping_trains_ddp_like_one_device() {
 /// `STEPS` steps of a two-stage pipeline of the same MLP in `chunks`
 /// micro-batches under `policy`.
 fn pipeline(chunks: usize, policy: MixedPrecision) -> HashMap<String, Tensor> {
-    use candle_dp::pipeline::{layer, Pipeline};
+    use candle_dp::pipeline::{unit, Pipeline};
     let varmap = copy_of(&init());
     let (i, h, o) = SIZES;
     let layers = vec![
-        layer(move |vb| linear(i, h, vb.pp("l1"))),
-        layer(|_| Ok(candle_nn::Activation::Relu)),
-        layer(move |vb| linear(h, o, vb.pp("l2"))),
+        unit(move |vb| linear(i, h, vb.pp("l1"))),
+        unit(|_| Ok(candle_nn::Activation::Relu)),
+        unit(move |vb| linear(h, o, vb.pp("l2"))),
     ];
     let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
         .chunks(chunks)

@@ -13,7 +13,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_dp::launch::spawn;
 use candle_dp::optim::{clip_grad_norm, GradScaler, GradScalerConfig, Sgd, SgdConfig};
-use candle_dp::pipeline::{layer, Pipeline};
+use candle_dp::pipeline::{unit, Pipeline};
 use candle_dp::zero::{ZeroOptimizer, ZeroStage};
 use candle_dp::{cpu_devices, seeded_varmap, DataParallel, DistributedDataParallel, LossReduction};
 use candle_nn::{linear, loss, Optimizer, VarBuilder};
@@ -129,9 +129,9 @@ fn pipeline() -> Outcome {
     let varmap = varmap_from(&init());
     let (i, h, o) = SIZES;
     let layers = vec![
-        layer(move |vb| linear(i, h, vb.pp("l1"))),
-        layer(|_| Ok(candle_nn::Activation::Relu)),
-        layer(move |vb| linear(h, o, vb.pp("l2"))),
+        unit(move |vb| linear(i, h, vb.pp("l1"))),
+        unit(|_| Ok(candle_nn::Activation::Relu)),
+        unit(move |vb| linear(h, o, vb.pp("l2"))),
     ];
     let pipe = Pipeline::builder(&varmap, DType::F32, &cpu_devices(2))
         .chunks(4)

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use anyhow::Result;
 use candle_core::Tensor;
-use candle_dp::fabric::{Degrees, Fabric, FabricConfig, FabricModule};
+use candle_dp::fabric::{Degrees, Fabric, FabricConfig, ModelRecipe};
 use candle_dp::optim::{Sgd, SgdConfig};
 use candle_dp::tensor_parallel::{Placement, TpPlan};
 
@@ -156,7 +156,7 @@ fn refusal(config: FabricConfig, gpt: GptConfig, plan: TpPlan) -> String {
     let e = within(60, move || {
         Fabric::spawn(config, |fabric| {
             let tp = fabric.tensor_parallel();
-            let module = FabricModule::units(tp_units(gpt, tp)).with_tp_plan(plan.clone());
+            let module = ModelRecipe::units(tp_units(gpt, tp)).with_tp_plan(plan.clone());
             fabric.setup(module, |p| Sgd::new_named(p, SgdConfig::default()))?;
             Ok(())
         })
@@ -199,7 +199,7 @@ fn what_cannot_be_split_is_refused_naming_the_dimension_and_the_layer() -> Resul
     // A model without a plan on a mesh with tp.
     let e = within(60, move || {
         Fabric::spawn(tp2()?, |fabric| {
-            let module = FabricModule::units(tp_units(GPT, fabric.tensor_parallel()));
+            let module = ModelRecipe::units(tp_units(GPT, fabric.tensor_parallel()));
             fabric.setup(module, |p| Sgd::new_named(p, SgdConfig::default()))?;
             Ok(())
         })
@@ -207,7 +207,7 @@ fn what_cannot_be_split_is_refused_naming_the_dimension_and_the_layer() -> Resul
     })
     .expect_err("refused");
     assert!(
-        format!("{e:#}").contains("FabricModule::with_tp_plan"),
+        format!("{e:#}").contains("ModelRecipe::with_tp_plan"),
         "{e:#}"
     );
 
@@ -329,7 +329,7 @@ fn a_tp_rank_failing_mid_step_fails_every_rank_and_changes_no_weight() -> Result
     let result = within(120, move || {
         Fabric::spawn(config("tp=2", false, Some(1.0))?, |fabric| {
             let tp = fabric.tensor_parallel().cloned().expect("tp");
-            let module = FabricModule::units(tp_units(GPT, Some(&tp))).with_tp_plan(tp_plan());
+            let module = ModelRecipe::units(tp_units(GPT, Some(&tp))).with_tp_plan(tp_plan());
             let mut model = fabric.setup(module, |p| Sgd::new_named(p, SgdConfig::default()))?;
             let (x, y) = train.batch(&windows_at(&train, 1, 0, 7, BATCH, 0)?)?;
             let before = copies(model.varmap())?;

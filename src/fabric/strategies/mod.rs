@@ -28,7 +28,7 @@ use candle_nn::VarMap;
 
 use super::config::{FabricConfig, Strategy};
 use super::memory::Memory;
-use super::module::FabricModule;
+use super::recipe::ModelRecipe;
 use crate::comm::{DeviceMesh, ProcessGroup};
 use crate::error::Result;
 use crate::optim::clip::AlsoAcross;
@@ -72,7 +72,7 @@ pub struct EngineStep {
 ///
 /// ```
 /// use candle_core::{DType, Device, ModuleT, Tensor};
-/// use candle_dp::fabric::{Engine, EngineSetup, EngineStep, Fabric, FabricConfig, FabricModule, LossFn, Strategy, Trainables};
+/// use candle_dp::fabric::{Engine, EngineSetup, EngineStep, Fabric, FabricConfig, ModelRecipe, LossFn, Strategy, Trainables};
 /// use candle_dp::optim::{Sgd, SgdConfig};
 /// use candle_dp::units::Units;
 /// use candle_nn::{linear, loss, VarBuilder};
@@ -94,7 +94,7 @@ pub struct EngineStep {
 /// }
 ///
 /// Fabric::launch(FabricConfig::new(Strategy::Single, 1), |fabric| {
-///     let module = FabricModule::module(|vb| linear(4, 2, vb.pp("fc")));
+///     let module = ModelRecipe::module(|vb| linear(4, 2, vb.pp("fc")));
 ///     let mut model = fabric.setup_engine(module, |setup: EngineSetup<'_>| {
 ///         let varmap = setup.varmap().clone();
 ///         let model = setup.module().build(VarBuilder::from_varmap(&varmap, DType::F32, setup.device()))?;
@@ -386,7 +386,7 @@ pub struct EngineSetup<'a> {
     pub(crate) mesh: &'a DeviceMesh,
     pub(crate) devices: &'a [Device],
     pub(crate) varmap: &'a VarMap,
-    pub(crate) module: &'a FabricModule,
+    pub(crate) module: &'a ModelRecipe,
     pub(crate) tensor_parallel: Option<TensorParallel>,
 }
 
@@ -437,7 +437,7 @@ impl EngineSetup<'_> {
     }
 
     /// The model's recipe.
-    pub fn module(&self) -> &FabricModule {
+    pub fn module(&self) -> &ModelRecipe {
         self.module
     }
 }

@@ -9,7 +9,7 @@ use candle_nn::VarBuilder;
 use super::config::Strategy;
 use crate::error::{Error, Result};
 use crate::tensor_parallel::TpPlan;
-use crate::units::{layer, LayerFactory, Units};
+use crate::units::{unit, UnitFactory, Units};
 
 /// A model's recipe: how to build it from a `VarBuilder`, as one module or
 /// as [`Units`] (each unit its own factory). Every strategy builds it as
@@ -21,26 +21,26 @@ use crate::units::{layer, LayerFactory, Units};
 /// refuse a plain module naming themselves.
 ///
 /// ```
-/// use candle_dp::fabric::FabricModule;
-/// use candle_dp::pipeline::layer;
+/// use candle_dp::fabric::ModelRecipe;
+/// use candle_dp::pipeline::unit;
 /// use candle_nn::{linear, Activation};
 ///
-/// let plain = FabricModule::module(|vb| linear(4, 2, vb.pp("fc")));
-/// let units = FabricModule::units(vec![
-///     layer(|vb| linear(4, 8, vb.pp("l1"))),
-///     layer(|_| Ok(Activation::Relu)),
-///     layer(|vb| linear(8, 2, vb.pp("l2"))),
+/// let plain = ModelRecipe::module(|vb| linear(4, 2, vb.pp("fc")));
+/// let units = ModelRecipe::units(vec![
+///     unit(|vb| linear(4, 8, vb.pp("l1"))),
+///     unit(|_| Ok(Activation::Relu)),
+///     unit(|vb| linear(8, 2, vb.pp("l2"))),
 /// ]);
 /// assert!(!plain.is_units() && units.is_units());
 /// ```
 #[derive(Clone)]
-pub struct FabricModule {
-    parts: Vec<LayerFactory>,
+pub struct ModelRecipe {
+    parts: Vec<UnitFactory>,
     units: bool,
     plan: Option<TpPlan>,
 }
 
-impl FabricModule {
+impl ModelRecipe {
     /// A plain module from its factory.
     pub fn module<L, F>(factory: F) -> Self
     where
@@ -48,7 +48,7 @@ impl FabricModule {
         F: Fn(VarBuilder) -> candle_core::Result<L> + Send + Sync + 'static,
     {
         Self {
-            parts: vec![layer(factory)],
+            parts: vec![unit(factory)],
             units: false,
             plan: None,
         }
@@ -56,7 +56,7 @@ impl FabricModule {
 
     /// A model as units, in order (see [`crate::units`]); it serves every
     /// strategy.
-    pub fn units(parts: Vec<LayerFactory>) -> Self {
+    pub fn units(parts: Vec<UnitFactory>) -> Self {
         Self {
             parts,
             units: true,
@@ -86,7 +86,7 @@ impl FabricModule {
     }
 
     /// The factories (one for a plain module).
-    pub fn parts(&self) -> &[LayerFactory] {
+    pub fn parts(&self) -> &[UnitFactory] {
         &self.parts
     }
 
@@ -107,8 +107,8 @@ impl FabricModule {
             return Err(Error::Strategy {
                 strategy: strategy.name().into(),
                 reason: format!(
-                    "it works on the model unit by unit, and a plain module (FabricModule::module) \
-                     has no units: give the model as FabricModule::units, or use {}",
+                    "it works on the model unit by unit, and a plain module (ModelRecipe::module) \
+                     has no units: give the model as ModelRecipe::units, or use {}",
                     strategy.for_a_plain_module()
                 ),
             });
@@ -132,9 +132,9 @@ impl FabricModule {
     }
 }
 
-impl fmt::Debug for FabricModule {
+impl fmt::Debug for ModelRecipe {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FabricModule")
+        f.debug_struct("ModelRecipe")
             .field("parts", &self.parts.len())
             .field("units", &self.units)
             .field("tp_plan", &self.plan)
