@@ -118,6 +118,7 @@ mod cuda_setup;
 mod cuda_stream;
 mod data_parallel;
 mod ddp;
+pub mod deterministic;
 mod device_copy;
 mod error;
 pub mod fabric;

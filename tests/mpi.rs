@@ -68,6 +68,11 @@ fn worker() -> anyhow::Result<()> {
     if let Some(mesh) = scenario.strip_prefix("fabric_tp@") {
         return fabric_worker(tp_config(mesh), &out, tp_results);
     }
+    if let Some(strategy) = scenario.strip_prefix("fabric_deterministic@") {
+        let chunks = Some(common::fabric_loop::CHUNKS);
+        let config = common::fabric_loop::deterministic_config(strategy.parse()?, 2, chunks);
+        return fabric_worker(config, &out, deterministic_results);
+    }
     if let Some(run) = scenario.strip_prefix("fabric-") {
         let (strategy, precision) = run.split_once('@').context("fabric-STRATEGY@PRECISION")?;
         let config = fabric_config(strategy.parse()?, precision.parse()?);
@@ -136,6 +141,16 @@ fn tp_results(fabric: candle_dp::fabric::Fabric) -> anyhow::Result<Tensors> {
         "losses".into(),
         Tensor::from_vec(run.losses, n, &Device::Cpu)?,
     );
+    Ok(weights)
+}
+
+/// [`common::fabric_loop::train_chunked`]'s whole model and losses,
+/// deterministic.
+fn deterministic_results(fabric: candle_dp::fabric::Fabric) -> anyhow::Result<Tensors> {
+    let data = common::fabric_loop::dataset();
+    let (mut weights, losses) = common::fabric_loop::train_chunked(fabric, data, true)?;
+    let n = losses.len();
+    weights.insert("losses".into(), Tensor::from_vec(losses, n, &Device::Cpu)?);
     Ok(weights)
 }
 
@@ -1539,6 +1554,29 @@ fn tensor_parallel_on_2_and_3_dimensional_meshes_of_processes_saves_the_bytes_of
         assert_eq!(threads.len(), np);
         for (rank, threads) in threads.iter().enumerate() {
             assert_bitwise_equal(&job.rank(rank), threads, &format!("{mesh}, rank {rank}"));
+        }
+    }
+}
+
+/// Deterministic training under mpirun: DDP on 2 and 4 processes and
+/// ZeRO-2 on 4 end at the bits of one device's thread rank, every rank's
+/// losses and weights.
+#[test]
+fn deterministic_training_on_2_and_4_processes_saves_one_devices_bits() {
+    use candle_dp::fabric::{Fabric, Strategy};
+    let chunks = Some(common::fabric_loop::CHUNKS);
+    let config = common::fabric_loop::deterministic_config(Strategy::Single, 1, chunks);
+    let one = Fabric::launch(config, deterministic_results)
+        .unwrap()
+        .remove(0);
+    for (strategy, np) in [("ddp", 2), ("ddp", 4), ("zero2", 4)] {
+        let job = mpirun_ok(np, &format!("fabric_deterministic@{strategy}"), None);
+        for rank in 0..np {
+            assert_bitwise_equal(
+                &job.rank(rank),
+                &one,
+                &format!("{strategy} x{np}, rank {rank}"),
+            );
         }
     }
 }

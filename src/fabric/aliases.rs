@@ -254,6 +254,51 @@ impl FabricConfig {
     /// Checks the settings that belong to some strategies only (the ZeRO
     /// stage, the pipeline's stages, the shard groups, the overlap),
     /// naming the strategy and what it cannot serve.
+    /// The deterministic setting ([`deterministic`](Self::deterministic))
+    /// fits the strategy and the ranks: strategies whose every rank can
+    /// hand over each chunk's gradients whole (`single`, `ddp`,
+    /// `ddp-overlap`, `zero1`, `zero2`), without tensor parallelism, on a
+    /// number of ranks that divides the chunks.
+    pub(crate) fn check_deterministic(&self) -> Result<()> {
+        let Some(chunks) = self.deterministic else {
+            return Ok(());
+        };
+        let strategy = self.effective_strategy();
+        if chunks == 0 {
+            return self.refuse("deterministic needs at least 1 chunk a batch".into());
+        }
+        if !matches!(
+            strategy,
+            Strategy::Single
+                | Strategy::Ddp
+                | Strategy::DdpOverlap
+                | Strategy::Zero1
+                | Strategy::Zero2
+        ) {
+            return self.refuse(
+                "deterministic training is built for single, ddp, ddp-overlap, zero1 and zero2 \
+                 (their ranks hand over each chunk's whole gradients); fsdp, hsdp, dp and the \
+                 pipelines reduce inside their steps"
+                    .into(),
+            );
+        }
+        if self.tensor_parallel_size() > 1 {
+            return self.refuse(
+                "deterministic training with tp above 1: the tensor-parallel split changes the \
+                 sums inside each layer, so no other tp gives the same bits"
+                    .into(),
+            );
+        }
+        let ranks = self.ranks();
+        if !chunks.is_multiple_of(ranks) {
+            return self.refuse(format!(
+                "deterministic {chunks} chunks a batch do not split over {ranks} ranks: give a \
+                 number of chunks that every world size you train on divides"
+            ));
+        }
+        Ok(())
+    }
+
     pub(crate) fn check_strategy_settings(&self) -> Result<()> {
         let strategy = self.effective_strategy();
         let refuse = |reason: String| self.refuse(reason);

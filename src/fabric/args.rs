@@ -52,6 +52,11 @@ pub struct FabricArgs {
     /// along the sequence over the tensor-parallel ranks.
     #[arg(long)]
     pub sequence_parallel: bool,
+    /// World-size-invariant training: each global batch cut into this many
+    /// chunks, so that any number of ranks dividing it trains to the same
+    /// bits.
+    #[arg(long, value_name = "CHUNKS")]
+    pub deterministic: Option<usize>,
     /// cpu or cuda [default: cpu].
     #[arg(long)]
     pub accelerator: Option<Accelerator>,
@@ -182,6 +187,9 @@ impl FabricArgs {
         }
         if self.sequence_parallel {
             config.sequence_parallel = true;
+        }
+        if self.deterministic.is_some() {
+            config.deterministic = self.deterministic;
         }
         if let Some(degrees) = self.mesh {
             // The flag's mesh replaces the file's, and what the file's set.

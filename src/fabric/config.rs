@@ -288,6 +288,13 @@ pub struct FabricConfig {
     /// parallelism); default off.
     #[serde(default)]
     pub sequence_parallel: bool,
+    /// World-size-invariant training ([`crate::deterministic`]): each
+    /// global batch cut into this many chunks, their gradients and losses
+    /// summed so that the result is the same bits on any number of ranks
+    /// that divides it (JSON `"deterministic": 8`, the flag
+    /// `--deterministic 8`); default none, the fast path.
+    #[serde(default)]
+    pub deterministic: Option<usize>,
 }
 
 impl Default for FabricConfig {
@@ -317,6 +324,7 @@ impl Default for FabricConfig {
             seed: 0,
             mesh: None,
             sequence_parallel: false,
+            deterministic: None,
         }
     }
 }
@@ -406,6 +414,7 @@ impl FabricConfig {
         if self.chunks == Some(0) {
             return refuse("chunks must be at least 1".into());
         }
+        self.check_deterministic()?;
         if self.accumulation_steps == 0 {
             return refuse("accumulation_steps must be at least 1".into());
         }

@@ -93,7 +93,7 @@ impl FabricConfig {
         Degrees { tp, ..degrees }
     }
 
-    /// The mesh the ranks are laid out in ([`Fabric::mesh`]): every
+    /// The mesh `world` ranks are laid out in ([`Fabric::mesh`]): every
     /// degree, 1s included, named as [`RANK_MESH`] (outermost first, `cp`
     /// left out while it is reserved). It is [`degrees`](Self::degrees)
     /// for the strategies of several ranks, but for two groupings the
@@ -107,7 +107,16 @@ impl FabricConfig {
     ///
     /// [`Error::Strategy`] when the ranks do not split into the shard
     /// groups.
-    pub(crate) fn rank_mesh(&self) -> Result<Vec<(&'static str, usize)>> {
+    pub(crate) fn rank_mesh(&self, world: usize) -> Result<Vec<(&'static str, usize)>> {
+        if world != self.ranks() && self.effective_strategy().is_distributed() {
+            // Under mpirun the launcher decides the ranks: the mesh is
+            // this configuration's on as many.
+            let launched = FabricConfig {
+                devices: Devices::Count(world * self.devices_per_rank()),
+                ..self.clone()
+            };
+            return launched.rank_mesh(world);
+        }
         let tp = self.tensor_parallel_size();
         let degrees = self.degrees();
         let data = self.ranks() / tp;

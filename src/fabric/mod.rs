@@ -96,7 +96,9 @@ pub use strategies::{
 };
 
 use crate::comm::{all_gather_object, DeviceMesh, GroupOptions, ProcessGroup, ReduceOp};
+use crate::deterministic::ChunkedStep;
 use crate::error::{Error, Result};
+use crate::is_batch_norm_buffer;
 use crate::launch::{Backend, Elastic, RankContext};
 use crate::loader::Dataset;
 use crate::optim::StatefulOptimizer;
@@ -225,7 +227,7 @@ impl Fabric {
             };
             // One mesh of every degree; the strategy's groups and the
             // tensor-parallel ones are its dimensions.
-            let mesh = DeviceMesh::new(Arc::clone(&ctx.pg), &config.rank_mesh()?)?;
+            let mesh = DeviceMesh::new(Arc::clone(&ctx.pg), &config.rank_mesh(ctx.world_size)?)?;
             let tensor_parallel = match tp {
                 1 => None,
                 _ => Some((
@@ -483,10 +485,7 @@ impl Fabric {
     ) -> EngineSetup<'a> {
         EngineSetup {
             config: &self.config,
-            pg: match &self.tensor_parallel {
-                Some((_, data)) => Arc::clone(data),
-                None => self.ctx.pg.clone(),
-            },
+            pg: self.data_group(),
             mesh: &self.mesh,
             devices: &self.devices,
             varmap,
@@ -501,6 +500,20 @@ impl Fabric {
         engine: Box<dyn Engine<O>>,
     ) -> Result<FabricModel<O>> {
         let params = engine.trainables().vars().to_vec();
+        if self.config.deterministic.is_some() {
+            // Each chunk would update batch statistics in turn: one device
+            // and several ranks would end with different ones.
+            let data = lock(engine.trainables().varmap().data());
+            let mut names: Vec<&String> = data.keys().collect();
+            names.sort();
+            if let Some(name) = names.into_iter().find(|n| is_batch_norm_buffer(n)) {
+                return Err(Error::Config(format!(
+                    "deterministic training: the model keeps batch statistics (`{name}`), which \
+                     each chunk would update in turn; use a normalisation without running \
+                     statistics (LayerNorm, GroupNorm), or train without deterministic"
+                )));
+            }
+        }
         let order = StepOrder::new(self.config.precision.scales_loss(), self.config.init_scale)?;
         Ok(FabricModel {
             strategy: self.strategy(),
@@ -522,7 +535,20 @@ impl Fabric {
             keep: self.config.keep,
             seed: self.config.seed,
             precision: self.config.precision,
+            deterministic: self
+                .config
+                .deterministic
+                .map(|chunks| ChunkedStep::new(chunks, self.data_group())),
         })
+    }
+
+    /// The ranks the strategy runs over (with tensor parallelism, those
+    /// holding the same pieces).
+    fn data_group(&self) -> Arc<dyn ProcessGroup> {
+        match &self.tensor_parallel {
+            Some((_, data)) => Arc::clone(data),
+            None => self.ctx.pg.clone(),
+        }
     }
 
     /// The model's initial values, drawn from the run's seed so that every
@@ -592,6 +618,29 @@ impl Fabric {
         batch_size: usize,
         options: DataOptions,
     ) -> Result<FabricLoader> {
+        if let Some(chunks) = self.config.deterministic {
+            let split = matches!(
+                options.sharding,
+                Sharding::BatchWise {
+                    split_batches: true,
+                    ..
+                }
+            );
+            if !split {
+                return Err(Error::Config(format!(
+                    "deterministic training cuts each global batch into {chunks} chunks of \
+                     consecutive rows, each rank taking its consecutive share: give \
+                     Sharding::BatchWise {{ split_batches: true, .. }} (the sharding is {:?})",
+                    options.sharding
+                )));
+            }
+            if batch_size == 0 || !batch_size.is_multiple_of(chunks) {
+                return Err(Error::Config(format!(
+                    "deterministic training: the global batch of {batch_size} rows does not cut \
+                     into {chunks} chunks; give a batch size {chunks} divides"
+                )));
+            }
+        }
         if let Sharding::BatchWise {
             even_batches: false,
             ..

@@ -13,10 +13,11 @@ use candle_nn::VarMap;
 use super::config::{Precision, Strategy};
 use super::memory::Memory;
 use super::step_order::StepOrder;
-use super::strategies::{Engine, LossFn};
+use super::strategies::{Engine, EngineStep, LossFn};
 use crate::comm::ProcessGroup;
+use crate::deterministic::ChunkedStep;
 use crate::error::{Error, Result};
-use crate::optim::{Clipped, LrScheduler, StatefulOptimizer};
+use crate::optim::{clip_grad_norm, Clipped, LrScheduler, StatefulOptimizer};
 use crate::util::vars::with_accumulated;
 
 /// What [`FabricModel::step`] did.
@@ -87,6 +88,8 @@ pub struct FabricModel<O: StatefulOptimizer> {
     pub(crate) seed: u64,
     /// The run's precision, saved with its states.
     pub(crate) precision: Precision,
+    /// Under deterministic training, how a step's chunks are summed.
+    pub(crate) deterministic: Option<ChunkedStep>,
 }
 
 impl<O: StatefulOptimizer> FabricModel<O> {
@@ -118,8 +121,11 @@ impl<O: StatefulOptimizer> FabricModel<O> {
         let sync = !self.holding_sync && self.micro + 1 >= self.accumulation_steps;
         let factor = self.order.loss_factor() / self.accumulation_steps as f64;
         let loss_fn: LossFn = Arc::new(loss_fn);
-        let ran = self.engine.forward_backward(x, y, factor, sync, &loss_fn)?;
-        if self.engine.accumulates_itself() {
+        let ran = match self.deterministic.clone() {
+            Some(chunked) => self.chunked_backward(&chunked, x, y, factor, &loss_fn)?,
+            None => self.engine.forward_backward(x, y, factor, sync, &loss_fn)?,
+        };
+        if self.engine.accumulates_itself() && self.deterministic.is_none() {
             self.grads = ran.grads;
         } else if let Some(grads) = ran.grads {
             // Summed before anything is replaced: a failed sum keeps the
@@ -138,6 +144,46 @@ impl<O: StatefulOptimizer> FabricModel<O> {
         }
         self.micro += 1;
         Ok(ran.loss)
+    }
+
+    /// [`backward`](Self::backward) under deterministic training: this
+    /// rank's share cut into its chunks, each chunk's gradients computed
+    /// alone, and every rank's chunks summed exactly
+    /// ([`crate::deterministic`]). The loss is the global batch's.
+    fn chunked_backward(
+        &mut self,
+        chunked: &ChunkedStep,
+        x: &Tensor,
+        y: &Tensor,
+        factor: f64,
+        loss_fn: &LossFn,
+    ) -> Result<EngineStep> {
+        let (mine, rows) = chunked.cut(x.dim(0)?)?;
+        if y.dim(0)? != x.dim(0)? {
+            return Err(Error::Fabric(format!(
+                "deterministic training cuts the batch by rows: x has {} and y {}",
+                x.dim(0)?,
+                y.dim(0)?
+            )));
+        }
+        // Each chunk's loss is its rows' mean: the global batch's mean is
+        // theirs over the chunks.
+        let factor = factor / chunked.chunks() as f64;
+        let mut grads = Vec::with_capacity(mine);
+        let mut losses = Vec::with_capacity(mine);
+        for j in 0..mine {
+            let (xj, yj) = (x.narrow(0, j * rows, rows)?, y.narrow(0, j * rows, rows)?);
+            let ran = self
+                .engine
+                .local_forward_backward(&xj, &yj, factor, loss_fn)?;
+            grads.push(ran.grads.unwrap_or_default());
+            losses.push(ran.loss);
+        }
+        let (grads, loss) = chunked.reduce(&self.params, &grads, &losses)?;
+        Ok(EngineStep {
+            loss,
+            grads: Some(grads),
+        })
     }
 
     /// Whether the next [`backward`](Self::backward) only accumulates
@@ -196,7 +242,12 @@ impl<O: StatefulOptimizer> FabricModel<O> {
                 "clip_gradients before backward: there are no gradients to clip".into(),
             ));
         };
-        let clipped = self.engine.clip(grads, max_norm)?;
+        let clipped = match self.deterministic {
+            // The gradients are whole and the same on every rank: their
+            // norm is one device's, whatever the strategy shards.
+            Some(_) => clip_grad_norm(grads, &self.params, max_norm, 2.0, false)?,
+            None => self.engine.clip(grads, max_norm)?,
+        };
         self.clipped = true;
         Ok(Some(clipped))
     }

@@ -263,6 +263,9 @@ impl<O: candle_nn::Optimizer> ZeroOptimizer<O> {
             let grad = match self.stage {
                 ZeroStage::One if grad.dims() == var.dims() => layout.shard_of(grad, rank)?,
                 ZeroStage::Two if grad.dims() == layout.shard_dims().as_slice() => grad.clone(),
+                // Whole gradients at stage 2 (deterministic training sums
+                // them whole on every rank): this rank's piece of each.
+                ZeroStage::Two if grad.dims() == var.dims() => layout.shard_of(grad, rank)?,
                 stage => {
                     let want = match stage {
                         ZeroStage::One => format!("the parameter's {:?}", var.dims()),

@@ -167,3 +167,62 @@ pub fn train_resumable(
     }
     Ok((model.full_state()?, losses))
 }
+
+/// Deterministic training's chunks (1, 2, 3, 4, 6 and 8 ranks divide
+/// them), global batch (two rows a chunk) and passes (one step each).
+pub const CHUNKS: usize = 24;
+pub const CHUNKED_BATCH: usize = 48;
+pub const CHUNKED_EPOCHS: u64 = 30;
+
+/// Each rank's consecutive share of every global batch, shuffled.
+pub fn split_batches() -> DataOptions {
+    DataOptions {
+        shuffle: true,
+        sharding: candle_dp::fabric::Sharding::BatchWise {
+            split_batches: true,
+            even_batches: true,
+        },
+        ..DataOptions::default()
+    }
+}
+
+/// `strategy` on `ranks`, clipped to 0.5, deterministic with `chunks`.
+pub fn deterministic_config(
+    strategy: Strategy,
+    ranks: usize,
+    chunks: Option<usize>,
+) -> candle_dp::fabric::FabricConfig {
+    candle_dp::fabric::FabricConfig {
+        deterministic: chunks,
+        gradient_clip: Some(0.5),
+        timeout_secs: Some(120.0),
+        ..candle_dp::fabric::FabricConfig::new(strategy, ranks)
+    }
+}
+
+/// The classifier trained for [`CHUNKED_EPOCHS`] steps of
+/// [`CHUNKED_BATCH`] samples, each rank on its consecutive share, with
+/// the setting or without: the whole model and the global losses (the
+/// deterministic backward's own; without, the ranks' mean).
+pub fn train_chunked(
+    fabric: Fabric,
+    data: Arc<TensorDataset>,
+    deterministic: bool,
+) -> anyhow::Result<Trained> {
+    let mut model = setup(&fabric)?;
+    let mut loader = fabric.setup_dataloader(data, CHUNKED_BATCH, split_batches())?;
+    let mut losses = Vec::new();
+    for epoch in 0..CHUNKED_EPOCHS {
+        loader.set_epoch(epoch);
+        for rows in loader.iter()? {
+            let rows = rows?;
+            let loss = model.backward(&rows[0], &rows[1], loss::cross_entropy)?;
+            model.step()?;
+            losses.push(match deterministic {
+                true => loss.to_scalar::<f32>()?,
+                false => fabric.all_reduce_mean(&loss)?,
+            });
+        }
+    }
+    Ok((model.full_state()?, losses))
+}

@@ -21,6 +21,7 @@ mod datasets;
 mod ddp;
 mod ddp_reference;
 mod degrees;
+mod deterministic;
 mod dp_reference;
 mod elastic;
 mod equivalence;

@@ -120,6 +120,23 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Ddp<O> {
         })
     }
 
+    fn local_forward_backward(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        factor: f64,
+        loss_fn: &LossFn,
+    ) -> Result<EngineStep> {
+        // The model's own backward, without DDP's reduction: the gradients
+        // are keyed by the master parameters, as DDP's.
+        let loss = loss_fn(&output_for_loss(&self.ddp.forward_t(x, true)?)?, y)?;
+        let grads = loss.affine(factor, 0.0)?.backward()?;
+        Ok(EngineStep {
+            loss: loss.detach(),
+            grads: Some(grads),
+        })
+    }
+
     fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
         self.ddp.forward_t(x, false)
     }

@@ -30,7 +30,7 @@ use super::config::{FabricConfig, Strategy};
 use super::memory::Memory;
 use super::recipe::ModelRecipe;
 use crate::comm::{DeviceMesh, ProcessGroup};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::optim::clip::AlsoAcross;
 use crate::optim::{clip_grad_norm, Clipped, OptimizerState, StatefulOptimizer};
 use crate::saving::sharded::{Checkpoints, FsdpSave};
@@ -136,6 +136,32 @@ pub trait Engine<O: StatefulOptimizer> {
         sync: bool,
         loss_fn: &LossFn,
     ) -> Result<EngineStep>;
+
+    /// One chunk's forward and backward, as
+    /// [`forward_backward`](Self::forward_backward), with its gradients
+    /// returned as this rank computed them, reduced with no other rank's:
+    /// deterministic training ([`crate::deterministic`]) sums the chunks
+    /// itself. The default refuses, naming the strategy (one that reduces
+    /// inside its step).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Strategy`] by default; the model's, the loss's.
+    fn local_forward_backward(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        factor: f64,
+        loss_fn: &LossFn,
+    ) -> Result<EngineStep> {
+        let _ = (x, y, factor, loss_fn);
+        Err(Error::Strategy {
+            strategy: self.name().into(),
+            reason: "it reduces the gradients inside its step, so deterministic training cannot \
+                     take one chunk's from it"
+                .into(),
+        })
+    }
 
     /// The model's output for `x` in evaluation mode (every rank calls it).
     ///

@@ -88,6 +88,16 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Single<O> {
         run().inspect_err(|e| before.restore_after(e))
     }
 
+    fn local_forward_backward(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        factor: f64,
+        loss_fn: &LossFn,
+    ) -> Result<EngineStep> {
+        self.forward_backward(x, y, factor, true, loss_fn)
+    }
+
     fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
         self.model.forward_t(x, false)
     }

@@ -1,0 +1,161 @@
+//! Deterministic training: the same bits on any number of thread ranks
+//! (issue 74), not the same without the setting, and the refusals.
+
+use candle_dp::fabric::{DataOptions, Fabric, FabricConfig, Strategy};
+use candle_nn::loss;
+
+use crate::common::fabric_loop::{
+    classifier, dataset, deterministic_config, setup, split_batches, train_chunked, Trained,
+    CHUNKED_BATCH as BATCH, CHUNKED_EPOCHS as EPOCHS, CHUNKS,
+};
+use crate::common::{identical, max_rel_diff, within};
+
+/// 30 steps on `ranks` thread ranks; every rank's losses must be the
+/// global batch's.
+fn trained(strategy: Strategy, ranks: usize, deterministic: Option<usize>) -> Trained {
+    let config = deterministic_config(strategy, ranks, deterministic);
+    let data = dataset();
+    let mut runs = Fabric::launch(config, move |fabric| {
+        train_chunked(fabric, data.clone(), deterministic.is_some())
+    })
+    .unwrap_or_else(|e| panic!("{strategy} on {ranks}: {e}"));
+    let first = runs.remove(0);
+    for (rank, run) in runs.iter().enumerate() {
+        assert_eq!(run.1, first.1, "rank {}'s losses", rank + 1);
+    }
+    first
+}
+
+#[test]
+fn deterministic_training_gives_one_devices_bits_on_1_to_8_ranks_of_every_ddp_strategy() {
+    let one = within(600, || trained(Strategy::Single, 1, Some(CHUNKS)));
+    assert_eq!(one.1.len(), EPOCHS as usize);
+    for strategy in [
+        Strategy::Ddp,
+        Strategy::DdpOverlap,
+        Strategy::Zero1,
+        Strategy::Zero2,
+    ] {
+        for ranks in [1, 2, 3, 4, 6, 8] {
+            let run = within(600, move || trained(strategy, ranks, Some(CHUNKS)));
+            assert_eq!(run.1, one.1, "{strategy} on {ranks}: losses");
+            assert!(identical(&run.0, &one.0), "{strategy} on {ranks}: weights");
+        }
+    }
+}
+
+#[test]
+fn without_the_setting_ranks_differ_from_one_device_in_the_last_bits() {
+    // The test above could not fail if every world size summed alike
+    // anyway: without the setting, some do not (within rounding).
+    let one = trained(Strategy::Single, 1, None);
+    let mut differ = 0;
+    for ranks in [2, 3, 4] {
+        let run = trained(Strategy::Ddp, ranks, None);
+        assert!(max_rel_diff(&run.0, &one.0) < 1e-4, "ddp on {ranks}");
+        differ += usize::from(!identical(&run.0, &one.0));
+    }
+    assert!(
+        differ > 0,
+        "every world size gave one device's bits without the setting"
+    );
+}
+
+fn refused(config: FabricConfig) -> String {
+    Fabric::launch(config, |fabric| {
+        let model = fabric.setup(classifier(), |p| {
+            candle_dp::optim::Sgd::new_named(p, Default::default())
+        })?;
+        let data = dataset();
+        let mut loader = fabric.setup_dataloader(data, BATCH, DataOptions::default())?;
+        let _ = (&model, loader.iter()?);
+        loader.set_epoch(0);
+        Ok(())
+    })
+    .unwrap_err()
+    .to_string()
+}
+
+#[test]
+fn chunks_ranks_strategies_and_shardings_that_do_not_fit_are_refused_naming_them() {
+    let with = |strategy, ranks, chunks| FabricConfig {
+        deterministic: Some(chunks),
+        ..FabricConfig::new(strategy, ranks)
+    };
+    let cases = [
+        (
+            with(Strategy::Ddp, 4, 6),
+            "6 chunks a batch do not split over 4 ranks",
+        ),
+        (with(Strategy::Ddp, 2, 0), "at least 1 chunk"),
+        (
+            with(Strategy::Fsdp, 2, 4),
+            "built for single, ddp, ddp-overlap, zero1 and zero2",
+        ),
+        (with(Strategy::Hsdp, 2, 4), "strategy hsdp"),
+        (with(Strategy::Dp, 2, 4), "strategy dp"),
+        // The loader of DistributedSampler's interleaved rows.
+        (with(Strategy::Ddp, 2, 4), "split_batches: true"),
+    ];
+    for (config, why) in cases {
+        let error = refused(config);
+        assert!(error.contains(why), "{why}: {error}");
+    }
+    let tp = FabricConfig {
+        deterministic: Some(4),
+        ..FabricConfig::default()
+            .with_mesh("dp_replicate=2,tp=2".parse().unwrap())
+            .unwrap()
+    };
+    assert!(tp.check().unwrap_err().to_string().contains("tp above 1"));
+}
+
+#[test]
+fn a_batch_the_chunks_do_not_cut_is_refused_naming_rows_and_chunks() {
+    let config = FabricConfig {
+        deterministic: Some(8),
+        ..FabricConfig::new(Strategy::Ddp, 2)
+    };
+    let errors = Fabric::launch(config, |fabric| {
+        let data = dataset();
+        let loader = fabric.setup_dataloader(data, 12, split_batches());
+        let loader_error = loader.unwrap_err().to_string();
+        let mut model = setup(&fabric)?;
+        // A batch of 6 rows on each rank: 6 does not cut into 4 chunks.
+        let x = candle_core::Tensor::zeros((6, 6), candle_core::DType::F32, fabric.device())?;
+        let y = candle_core::Tensor::zeros(6, candle_core::DType::U32, fabric.device())?;
+        let step_error = model.backward(&x, &y, loss::cross_entropy).unwrap_err();
+        Ok((loader_error, step_error.to_string()))
+    })
+    .unwrap();
+    let (loader, step) = &errors[1];
+    assert!(
+        loader.contains("global batch of 12 rows does not cut into 8 chunks"),
+        "{loader}"
+    );
+    assert!(
+        step.contains("rank 1's batch of 6 rows does not cut into its 4 of the 8"),
+        "{step}"
+    );
+}
+
+#[test]
+fn a_model_with_batch_statistics_is_refused_naming_the_buffer() {
+    use candle_dp::fabric::ModelRecipe;
+    let config = FabricConfig {
+        deterministic: Some(2),
+        ..FabricConfig::new(Strategy::Ddp, 2)
+    };
+    let error = Fabric::launch(config, |fabric| {
+        let recipe = ModelRecipe::module(|vb| {
+            candle_nn::batch_norm(6, candle_nn::BatchNormConfig::default(), vb.pp("bn"))
+        });
+        fabric.setup(recipe, |p| {
+            candle_dp::optim::Sgd::new_named(p, Default::default())
+        })?;
+        Ok(())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("`bn.running_mean`"), "{error}");
+}
