@@ -12,7 +12,7 @@
 //!   with `split_batches`), each chunk's loss and gradient computed alone,
 //!   the same computation on whichever rank it falls;
 //! - the chunks' gradients and losses are summed exactly
-//!   ([`exact_sum`]): rounded onto one grid whose integers add without
+//!   (`exact_sum.rs`): rounded onto one grid whose integers add without
 //!   error in any order, so 1, 2, 4 or 8 ranks reach the same sum;
 //! - the reported loss is the global batch's, the mean of the chunks'.
 //!
