@@ -116,9 +116,8 @@ fn train(
             prefetch: 2,
             ..DataOptions::default()
         };
-        let mut loader =
-            fabric.setup_dataloader(dataset.clone(), (args.batch / world).max(1), options)?;
-        if !distributed {
+        let mut loader = fabric.setup_global_dataloader(dataset.clone(), args.batch, options)?;
+        if !distributed && fabric.config().deterministic.is_none() {
             // One process over the whole batch shuffles with the example's
             // own order; ranks take theirs from a DistributedSampler.
             let (n, seed) = (train.len(), fabric.config().seed);

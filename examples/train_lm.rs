@@ -31,7 +31,7 @@ use candle_dp_examples::elastic::ElasticArgs;
 use candle_dp_examples::flags;
 use candle_dp_examples::gpt::{loss_on, model_recipe};
 use candle_dp_examples::lm::{self, in_precision, GptArgs, OptimArgs, Outcome};
-use candle_dp_examples::text::{load_text, split, windows_at, Windows};
+use candle_dp_examples::text::{load_text, share_at, split, Windows};
 use clap::Parser;
 
 /// Train a GPT-style language model on a public-domain book.
@@ -120,14 +120,9 @@ fn train_run(
         let (mut outcome, start, mut evaluating) =
             (Outcome::default(), Instant::now(), Duration::ZERO);
         for step in from..args.steps {
-            let indices = windows_at(
-                train,
-                shares,
-                share,
-                fabric.config().seed,
-                args.batch / shares,
-                step,
-            )?;
+            let consecutive = fabric.config().deterministic.is_some();
+            let (seed, shared) = (fabric.config().seed, (shares, share));
+            let indices = share_at(train, shared, seed, args.batch, step, consecutive)?;
             let (x, y) = train.batch(&indices)?;
             let (x, y) = (fabric.to_device(&x)?, fabric.to_device(&y)?);
             let loss = model.backward(&x, &y, loss_on(fabric.tensor_parallel(), loss_fn))?;

@@ -111,3 +111,23 @@ pub fn windows_at(
     let at = (step % per_epoch) as usize * per_rank;
     Ok(sampler.indices()[at..at + per_rank].to_vec())
 }
+
+/// [`windows_at`] of a global batch of `global` windows cut `shares`
+/// ways: dealt out as `DistributedSampler` deals them, or, `consecutive`
+/// (deterministic training, whose chunks are consecutive rows), share
+/// `share`'s consecutive part of the step's global batch.
+pub fn share_at(
+    train: &Windows,
+    (shares, share): (usize, usize),
+    seed: u64,
+    global: usize,
+    step: u64,
+    consecutive: bool,
+) -> Result<Vec<usize>> {
+    let per = global / shares.max(1);
+    if !consecutive {
+        return windows_at(train, shares, share, seed, per, step);
+    }
+    let all = windows_at(train, 1, 0, seed, per * shares, step)?;
+    Ok(all[share * per..(share + 1) * per].to_vec())
+}

@@ -71,17 +71,19 @@ pub(crate) fn exact_sums(
     let largest = all_reduce_host(pg, largest, ReduceOp::Max)?;
     let (largest, present) = largest.split_at(largest.len() - quantities.len());
     let headroom = headroom_bits(total);
+    // Each element's grid step (its inverse), once.
+    let steps: Vec<f64> = largest.iter().map(|&l| step_inverse(l, headroom)).collect();
     let mut grid = vec![0.0f64; largest.len()];
     let mut offset = 0;
     for (terms, &size) in values.iter().zip(&sizes) {
         let span = offset..offset + size;
         for term in terms {
-            for ((g, &v), &l) in grid[span.clone()]
+            for ((g, &v), &step) in grid[span.clone()]
                 .iter_mut()
                 .zip(term)
-                .zip(&largest[span.clone()])
+                .zip(&steps[span.clone()])
             {
-                *g += (v * step_inverse(l, headroom)).round();
+                *g += (v * step).round();
             }
         }
         offset += size;
@@ -98,8 +100,8 @@ pub(crate) fn exact_sums(
         }
         let sum: Vec<f64> = summed[span.clone()]
             .iter()
-            .zip(&largest[span])
-            .map(|(&s, &l)| match step_inverse(l, headroom) {
+            .zip(&steps[span])
+            .map(|(&s, &step)| match step {
                 // Every term of the element was 0.
                 0.0 => 0.0,
                 step => s / step,
@@ -155,6 +157,76 @@ fn all_reduce_host(pg: &dyn ProcessGroup, values: Vec<f64>, op: ReduceOp) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// 12 terms of 5 elements: the first two cancel at 1e30, the rest
+    /// spread over 6 orders (plain addition then depends on the order),
+    /// the same on every call.
+    fn terms() -> Vec<Vec<f32>> {
+        (0..12)
+            .map(|t| {
+                (0..5)
+                    .map(|e| match t {
+                        0 => 1e30 * (e + 1) as f32,
+                        1 => -1e30 * (e + 1) as f32,
+                        t => {
+                            let sign = if (t * 7 + e * 3) % 5 < 2 { -1.0 } else { 1.0 };
+                            let scale = 10f32.powi((t * 11 + e * 5) % 7 - 3);
+                            sign * scale * (1.0 + (t * 13 + e) as f32 / 17.0)
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The sum of `terms` shared over `ranks` thread ranks, each adding
+    /// its consecutive share in reverse order.
+    fn summed_on(ranks: usize) -> Vec<u32> {
+        let all = terms();
+        let out = crate::launch::spawn(ranks, move |ctx| {
+            let per = all.len() / ranks;
+            let mine: Vec<Tensor> = all[ctx.rank * per..(ctx.rank + 1) * per]
+                .iter()
+                .rev()
+                .map(|v| Tensor::new(v.as_slice(), &Device::Cpu))
+                .collect::<candle_core::Result<_>>()?;
+            let dims = [5];
+            let quantity = Terms {
+                mine: mine.iter().map(Some).collect(),
+                dims: &dims,
+                dtype: DType::F32,
+                device: &Device::Cpu,
+            };
+            let sum = exact_sums(ctx.process_group().as_ref(), &[quantity], all.len())?;
+            let sum = sum[0].as_ref().map(|t| t.to_vec1::<f32>()).transpose()?;
+            Ok(sum.unwrap_or_default())
+        })
+        .expect("the ranks");
+        out[0].iter().map(|v| v.to_bits()).collect()
+    }
+
+    #[test]
+    fn the_sum_is_the_same_bits_on_any_split_and_order_where_plain_addition_is_not() {
+        let one = summed_on(1);
+        for ranks in [2, 3, 4, 6, 12] {
+            assert_eq!(summed_on(ranks), one, "{ranks} ranks");
+        }
+        // Plain f64 addition of the same terms, forwards and backwards,
+        // differs: the test above could fail.
+        let all = terms();
+        let plain = |order: &mut dyn Iterator<Item = &Vec<f32>>| {
+            let mut sum = [0f64; 5];
+            for term in order {
+                for (s, &v) in sum.iter_mut().zip(term) {
+                    *s += f64::from(v);
+                }
+            }
+            sum.iter()
+                .map(|&s| (s as f32).to_bits())
+                .collect::<Vec<_>>()
+        };
+        assert_ne!(plain(&mut all.iter()), plain(&mut all.iter().rev()));
+    }
 
     #[test]
     fn headroom_leaves_the_sum_of_every_term_below_two_to_the_53() {

@@ -46,6 +46,17 @@ impl Sharding {
             even_batches: true,
         }
     }
+
+    /// Each global batch cut into one consecutive part per rank, even
+    /// (Accelerate's `split_batches=True`): what deterministic training
+    /// ([`FabricConfig::deterministic`](super::FabricConfig::deterministic))
+    /// takes, the batch size being the global batch's.
+    pub fn split_batches() -> Self {
+        Sharding::BatchWise {
+            split_batches: true,
+            even_batches: true,
+        }
+    }
 }
 
 /// The loader's settings, as a PyTorch `DataLoader` takes them.

@@ -606,6 +606,38 @@ impl Fabric {
         self.tensor_parallel.as_ref().map(|(tp, _)| tp)
     }
 
+    /// [`setup_dataloader`](Self::setup_dataloader) given the global
+    /// batch, the step's (Lightning's and Accelerate's batch size is a
+    /// process's): each data share takes `global_batch /
+    /// data_parallel_size()` samples (at least 1) with `options`' sharding;
+    /// under deterministic training (a [`FabricConfig::deterministic`])
+    /// each rank its consecutive part of every global batch
+    /// ([`Sharding::split_batches`]), which the chunks need.
+    ///
+    /// # Errors
+    ///
+    /// As [`setup_dataloader`](Self::setup_dataloader).
+    pub fn setup_global_dataloader(
+        &self,
+        dataset: Arc<dyn Dataset>,
+        global_batch: usize,
+        options: DataOptions,
+    ) -> Result<FabricLoader> {
+        match self.config.deterministic {
+            Some(_) => {
+                let options = DataOptions {
+                    sharding: Sharding::split_batches(),
+                    ..options
+                };
+                self.setup_dataloader(dataset, global_batch, options)
+            }
+            None => {
+                let share = (global_batch / self.data_parallel_size()).max(1);
+                self.setup_dataloader(dataset, share, options)
+            }
+        }
+    }
+
     /// This rank's loader over `dataset`, `batch_size` samples per batch
     /// on each rank (as a PyTorch `DataLoader` in each process), sharded
     /// as `options.sharding` says (Fabric's `setup_dataloaders`,

@@ -226,3 +226,37 @@ pub fn train_chunked(
     }
     Ok((model.full_state()?, losses))
 }
+
+/// [`train_chunked`] deterministic, resuming from the newest state in the
+/// configuration's checkpoint folder if there is one, and at step
+/// `stop_at` (counted from 1) saving its state and stopping: the losses
+/// of the steps it ran, and the whole model.
+pub fn train_chunked_resumable(
+    fabric: Fabric,
+    data: Arc<TensorDataset>,
+    stop_at: Option<u64>,
+) -> anyhow::Result<Trained> {
+    use candle_dp::training_state::Progress;
+    let mut model = setup(&fabric)?;
+    let from = model.load()?.map(|r| r.progress).unwrap_or_default();
+    let mut loader = fabric.setup_dataloader(data, CHUNKED_BATCH, split_batches())?;
+    let (mut losses, mut step) = (Vec::new(), from.step);
+    for epoch in from.epoch..CHUNKED_EPOCHS {
+        loader.set_epoch(epoch);
+        let skip = if epoch == from.epoch { from.batch } else { 0 };
+        loader.skip_batches(skip as usize);
+        for (batch_index, rows) in (skip..).zip(loader.iter()?) {
+            let rows = rows?;
+            let loss = model.backward(&rows[0], &rows[1], loss::cross_entropy)?;
+            model.step()?;
+            losses.push(loss.to_scalar::<f32>()?);
+            step += 1;
+            if stop_at == Some(step) {
+                let batch = batch_index + 1;
+                model.save(Progress { epoch, batch, step })?;
+                return Ok((model.full_state()?, losses));
+            }
+        }
+    }
+    Ok((model.full_state()?, losses))
+}

@@ -5,8 +5,8 @@ use candle_dp::fabric::{DataOptions, Fabric, FabricConfig, Strategy};
 use candle_nn::loss;
 
 use crate::common::fabric_loop::{
-    classifier, dataset, deterministic_config, setup, split_batches, train_chunked, Trained,
-    CHUNKED_BATCH as BATCH, CHUNKED_EPOCHS as EPOCHS, CHUNKS,
+    classifier, dataset, deterministic_config, setup, split_batches, train_chunked,
+    train_chunked_resumable, Trained, CHUNKED_BATCH as BATCH, CHUNKED_EPOCHS as EPOCHS, CHUNKS,
 };
 use crate::common::{identical, max_rel_diff, within};
 
@@ -158,4 +158,50 @@ fn a_model_with_batch_statistics_is_refused_naming_the_buffer() {
     .unwrap_err()
     .to_string();
     assert!(error.contains("`bn.running_mean`"), "{error}");
+}
+
+/// `strategy` on `ranks`, deterministic, its states in `dir`: from the
+/// newest state there, stopping after step `stop_at` if given.
+fn resumed(
+    strategy: Strategy,
+    ranks: usize,
+    dir: &std::path::Path,
+    stop_at: Option<u64>,
+) -> Trained {
+    let config = FabricConfig {
+        checkpoint_dir: Some(dir.to_path_buf()),
+        ..deterministic_config(strategy, ranks, Some(CHUNKS))
+    };
+    let data = dataset();
+    Fabric::launch(config, move |fabric| {
+        train_chunked_resumable(fabric, data.clone(), stop_at)
+    })
+    .unwrap_or_else(|e| panic!("{strategy} on {ranks}: {e}"))
+    .remove(0)
+}
+
+#[test]
+fn a_state_saved_on_4_ranks_resumes_on_4_2_or_1_to_the_uninterrupted_runs_bits() {
+    let one = within(600, || trained(Strategy::Single, 1, Some(CHUNKS)));
+    let cases = [
+        (Strategy::Ddp, Strategy::Ddp, 2),
+        (Strategy::Ddp, Strategy::Single, 1),
+        (Strategy::Ddp, Strategy::Ddp, 4),
+        (Strategy::Zero2, Strategy::Zero2, 2),
+        (Strategy::Zero1, Strategy::Zero1, 1),
+    ];
+    for (saved_by, resumed_by, ranks) in cases {
+        let what = format!("{saved_by} x4 resumed by {resumed_by} x{ranks}");
+        let dir = std::env::temp_dir().join(format!(
+            "candle-dp-deterministic-{}-{saved_by}-{resumed_by}-{ranks}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let first = resumed(saved_by, 4, &dir, Some(11));
+        let rest = resumed(resumed_by, ranks, &dir, None);
+        assert_eq!(first.1, one.1[..11], "{what}: the first losses");
+        assert_eq!(rest.1, one.1[11..], "{what}: the resumed losses");
+        assert!(identical(&rest.0, &one.0), "{what}: the weights");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
