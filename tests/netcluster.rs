@@ -329,9 +329,21 @@ fn last_resume_step(said: &str) -> Option<u64> {
 /// and the like), its states in `states`, its weights saved as
 /// `dir/name.safetensors`.
 fn fsdp_on_threads(dir: &Path, states: &Path, name: &str, steps: u64, extra: &[&str]) {
+    lm_on_threads(dir, states, name, steps, "fsdp", extra)
+}
+
+/// [`fsdp_on_threads`] with `strategy`.
+fn lm_on_threads(
+    dir: &Path,
+    states: &Path,
+    name: &str,
+    steps: u64,
+    strategy: &str,
+    extra: &[&str],
+) {
     let mut command = Command::new(example("train_lm"));
     command
-        .args(lm_args(dir, name, steps, "fsdp"))
+        .args(lm_args(dir, name, steps, strategy))
         .args(extra)
         .arg("--checkpoint-dir")
         .arg(states);
@@ -382,8 +394,13 @@ fn cut_machine_2_at_a_state(states: &Path) -> Vec<String> {
 /// once the state of step [`CUT_AT`] is saved; `extra`: more flags for
 /// train_lm.
 fn supervised_lm_losing_machine_2(dir: &Path, via: Via, extra: &[&str]) -> (Output, Duration) {
+    supervised_lm_of(dir, via, "fsdp", extra)
+}
+
+/// [`supervised_lm_losing_machine_2`] with `strategy`.
+fn supervised_lm_of(dir: &Path, via: Via, strategy: &str, extra: &[&str]) -> (Output, Duration) {
     let exe = example("train_lm");
-    let mut args = lm_args(dir, "elastic", ELASTIC_STEPS, "fsdp");
+    let mut args = lm_args(dir, "elastic", ELASTIC_STEPS, strategy);
     let hosts = format!("{}:1,{}:1", via.host(1), via.host(2));
     args.extend(["--hosts", &hosts, "--checkpoint-every", STATE_EVERY].map(Into::into));
     // Slurm frees the lost node's job only once it marks the node down
@@ -446,6 +463,54 @@ fn a_job_that_loses_a_machine_restarts_on_the_other_and_finishes_as_an_uninterru
         return;
     }
     elastic_run_losing_machine_2(Via::Mpirun);
+}
+
+/// Deterministic training (issue 74): DDP on the two machines loses
+/// machine 2, resumes on machine 1 alone, and ends at the very bits of the
+/// run that lost nothing, on 2 thread ranks and on one.
+#[test]
+fn a_deterministic_job_that_loses_a_machine_ends_at_the_uninterrupted_runs_bits() {
+    if let Some(why) = unavailable() {
+        println!("skipped: {why}");
+        return;
+    }
+    let dir = fresh_dir("candle_dp_elastic_deterministic");
+    let chunks = ["--deterministic", "2"];
+    let extra = [&["--max-restarts", "3"][..], &chunks].concat();
+    let (output, took) = supervised_lm_of(&dir, Via::Mpirun, "ddp", &extra);
+    let said = text(&output);
+    assert!(output.status.success(), "{said}");
+    let resumed_at = last_resume_step(&said).unwrap_or_else(|| panic!("no resume in:\n{said}"));
+    let finished = format!(
+        "| {}:1 | 1 | {} |",
+        Via::Mpirun.host(1),
+        Via::Mpirun.host(2)
+    );
+    assert!(
+        said.lines()
+            .any(|l| l.contains(&finished) && l.ends_with("| exit status: 0 |")),
+        "the job did not finish on machine 1 alone:\n{said}"
+    );
+    let states = dir.join("threads");
+    for (name, replicas) in [("straight", "2"), ("one", "1")] {
+        let _ = std::fs::remove_dir_all(&states);
+        let flags = [&["--replicas", replicas][..], &chunks].concat();
+        lm_on_threads(&dir, &states, name, ELASTIC_STEPS, "ddp", &flags);
+    }
+    let load = |name: &str| {
+        let path = dir.join(format!("{name}.safetensors"));
+        candle_core::safetensors::load(path, &candle_core::Device::Cpu).unwrap()
+    };
+    for reference in ["straight", "one"] {
+        assert!(
+            common::identical(&load("elastic"), &load(reference)),
+            "the elastic run differs from the uninterrupted run ({reference})"
+        );
+    }
+    println!(
+        "deterministic: lost machine 2 of 2, resumed at step {resumed_at} on machine 1, finished \
+         in {took:?}, at the bits of the uninterrupted runs on 2 thread ranks and on 1"
+    );
 }
 
 /// The same under Slurm: a Slurm cluster of the two machines, the
