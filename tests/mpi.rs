@@ -1558,7 +1558,8 @@ fn tensor_parallel_on_2_and_3_dimensional_meshes_of_processes_saves_the_bytes_of
     }
 }
 
-/// Deterministic training under mpirun: DDP on 2 and 4 processes and
+/// Deterministic training under mpirun: DDP on 2 and 4 processes, FSDP on 2,
+/// HSDP on 4 (shard groups of the processes per machine) and
 /// ZeRO-2 on 4 end at the bits of one device's thread rank, every rank's
 /// losses and weights.
 #[test]
@@ -1569,7 +1570,13 @@ fn deterministic_training_on_2_and_4_processes_saves_one_devices_bits() {
     let one = Fabric::launch(config, deterministic_results)
         .unwrap()
         .remove(0);
-    for (strategy, np) in [("ddp", 2), ("ddp", 4), ("zero2", 4)] {
+    for (strategy, np) in [
+        ("ddp", 2),
+        ("ddp", 4),
+        ("zero2", 4),
+        ("fsdp", 2),
+        ("hsdp", 4),
+    ] {
         let job = mpirun_ok(np, &format!("fabric_deterministic@{strategy}"), None);
         for rank in 0..np {
             assert_bitwise_equal(

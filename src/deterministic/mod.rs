@@ -19,8 +19,8 @@
 //! What it excludes, refused before a step runs: batch statistics
 //! (BatchNorm's running means, which each chunk would update in turn),
 //! tensor parallelism (the split changes the sums inside each layer), and
-//! the strategies that reduce inside their own steps (FSDP, HSDP, `dp`,
-//! the pipelines). A model that draws random numbers (dropout) breaks the
+//! the strategies that reduce inside their own steps (`dp`, the
+//! pipelines); `single`, the DDP family, ZeRO, FSDP and HSDP keep it. A model that draws random numbers (dropout) breaks the
 //! promise unless it keys them by the sample. What it costs is measured in
 //! `docs/determinism.md`.
 //!
@@ -115,11 +115,16 @@ impl ChunkedStep {
             .ok_or_else(|| Error::Fabric("deterministic training: a step of no chunks".into()))?;
         let mut quantities: Vec<Terms<'_>> = params
             .iter()
-            .map(|p| Terms {
-                mine: grads.iter().map(|g| g.get(p)).collect(),
-                dims: p.dims(),
-                dtype: p.dtype(),
-                device: p.device(),
+            .map(|p| {
+                let mine: Vec<Option<&Tensor>> = grads.iter().map(|g| g.get(p)).collect();
+                // A sharding engine hands a piece's gradient whole.
+                let dims = mine.iter().flatten().next().map_or(p.dims(), |g| g.dims());
+                Terms {
+                    mine,
+                    dims,
+                    dtype: p.dtype(),
+                    device: p.device(),
+                }
             })
             .collect();
         quantities.push(Terms {

@@ -257,7 +257,8 @@ impl FabricConfig {
     /// The deterministic setting ([`deterministic`](Self::deterministic))
     /// fits the strategy and the ranks: strategies whose every rank can
     /// hand over each chunk's gradients whole (`single`, `ddp`,
-    /// `ddp-overlap`, `zero1`, `zero2`), without tensor parallelism, on a
+    /// `ddp-overlap`, `zero1`, `zero2`, `fsdp`, `hsdp`), without tensor
+    /// parallelism, on a
     /// number of ranks that divides the chunks.
     pub(crate) fn check_deterministic(&self) -> Result<()> {
         let Some(chunks) = self.deterministic else {
@@ -274,10 +275,12 @@ impl FabricConfig {
                 | Strategy::DdpOverlap
                 | Strategy::Zero1
                 | Strategy::Zero2
+                | Strategy::Fsdp
+                | Strategy::Hsdp
         ) {
             return self.refuse(
-                "deterministic training is built for single, ddp, ddp-overlap, zero1 and zero2 \
-                 (their ranks hand over each chunk's whole gradients); fsdp, hsdp, dp and the \
+                "deterministic training is built for single, ddp, ddp-overlap, zero1, zero2, fsdp \
+                 and hsdp (their ranks hand over each chunk's whole gradients); dp and the \
                  pipelines reduce inside their steps"
                     .into(),
             );

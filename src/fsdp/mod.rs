@@ -67,6 +67,7 @@ mod step;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 
@@ -468,6 +469,34 @@ impl FullyShardedDataParallel {
         let result = catch_unwind(AssertUnwindSafe(|| f(self)));
         self.syncing = before;
         result.unwrap_or_else(|payload| resume_unwind(payload))
+    }
+
+    /// What [`no_sync`](Self::no_sync) steps accumulated, taken: this
+    /// rank's whole gradient of each parameter (in the order of
+    /// [`shards`](Self::shards)), `None` where it got none; empty when
+    /// nothing was accumulated. Deterministic training takes each chunk's
+    /// so.
+    pub(crate) fn take_accumulated(&mut self) -> Vec<Option<Tensor>> {
+        self.accumulated.take().unwrap_or_default()
+    }
+
+    /// `grads` keyed by the pieces ([`shards`](Self::shards)), each this
+    /// rank's piece of a whole gradient where it is whole (deterministic
+    /// training hands them whole), as it is where it is a piece.
+    pub(crate) fn pieces_of_whole(&self, grads: &GradStore) -> Result<GradStore> {
+        let rank = self.shard_rank();
+        let mut store = GradStore::default();
+        for ((_, piece), layout) in self.shards.iter().zip(&self.layouts) {
+            if let Some(grad) = grads.get(piece) {
+                let grad =
+                    match grad.dims() == layout.dims.as_slice() && grad.dims() != piece.dims() {
+                        true => layout.shard_of(grad, rank)?,
+                        false => grad.clone(),
+                    };
+                store.insert(piece.as_tensor(), grad);
+            }
+        }
+        Ok(store)
     }
 
     /// The group the parameters are sharded over (under HSDP, this

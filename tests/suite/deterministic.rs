@@ -13,7 +13,12 @@ use crate::common::{identical, max_rel_diff, within};
 /// 30 steps on `ranks` thread ranks; every rank's losses must be the
 /// global batch's.
 fn trained(strategy: Strategy, ranks: usize, deterministic: Option<usize>) -> Trained {
-    let config = deterministic_config(strategy, ranks, deterministic);
+    trained_with(deterministic_config(strategy, ranks, deterministic))
+}
+
+/// [`trained`] of `config`.
+fn trained_with(config: FabricConfig) -> Trained {
+    let (strategy, ranks, deterministic) = (config.strategy, config.ranks(), config.deterministic);
     let data = dataset();
     let mut runs = Fabric::launch(config, move |fabric| {
         train_chunked(fabric, data.clone(), deterministic.is_some())
@@ -27,7 +32,7 @@ fn trained(strategy: Strategy, ranks: usize, deterministic: Option<usize>) -> Tr
 }
 
 #[test]
-fn deterministic_training_gives_one_devices_bits_on_1_to_8_ranks_of_every_ddp_strategy() {
+fn deterministic_training_gives_one_devices_bits_on_1_to_8_ranks_of_ddp_zero_fsdp_and_hsdp() {
     let one = within(600, || trained(Strategy::Single, 1, Some(CHUNKS)));
     assert_eq!(one.1.len(), EPOCHS as usize);
     for strategy in [
@@ -35,12 +40,24 @@ fn deterministic_training_gives_one_devices_bits_on_1_to_8_ranks_of_every_ddp_st
         Strategy::DdpOverlap,
         Strategy::Zero1,
         Strategy::Zero2,
+        Strategy::Fsdp,
+        Strategy::Hsdp,
     ] {
         for ranks in [1, 2, 3, 4, 6, 8] {
             let run = within(600, move || trained(strategy, ranks, Some(CHUNKS)));
             assert_eq!(run.1, one.1, "{strategy} on {ranks}: losses");
             assert!(identical(&run.0, &one.0), "{strategy} on {ranks}: weights");
         }
+    }
+    // HSDP of shard groups of 2, replicated 2, 3 and 4 times.
+    for ranks in [4, 6, 8] {
+        let config = FabricConfig {
+            shard_size: Some(2),
+            ..deterministic_config(Strategy::Hsdp, ranks, Some(CHUNKS))
+        };
+        let run = within(600, move || trained_with(config));
+        assert_eq!(run.1, one.1, "hsdp 2 x {}: losses", ranks / 2);
+        assert!(identical(&run.0, &one.0), "hsdp 2 x {}: weights", ranks / 2);
     }
 }
 
@@ -89,11 +106,13 @@ fn chunks_ranks_strategies_and_shardings_that_do_not_fit_are_refused_naming_them
         ),
         (with(Strategy::Ddp, 2, 0), "at least 1 chunk"),
         (
-            with(Strategy::Fsdp, 2, 4),
-            "built for single, ddp, ddp-overlap, zero1 and zero2",
+            with(Strategy::Dp, 2, 4),
+            "built for single, ddp, ddp-overlap, zero1, zero2, fsdp and hsdp",
         ),
-        (with(Strategy::Hsdp, 2, 4), "strategy hsdp"),
-        (with(Strategy::Dp, 2, 4), "strategy dp"),
+        (
+            with(Strategy::PipelineRanks, 4, 4),
+            "strategy pipeline-ranks",
+        ),
         // The loader of DistributedSampler's interleaved rows.
         (with(Strategy::Ddp, 2, 4), "split_batches: true"),
     ];
@@ -189,6 +208,8 @@ fn a_state_saved_on_4_ranks_resumes_on_4_2_or_1_to_the_uninterrupted_runs_bits()
         (Strategy::Ddp, Strategy::Ddp, 4),
         (Strategy::Zero2, Strategy::Zero2, 2),
         (Strategy::Zero1, Strategy::Zero1, 1),
+        (Strategy::Fsdp, Strategy::Fsdp, 2),
+        (Strategy::Hsdp, Strategy::Fsdp, 1),
     ];
     for (saved_by, resumed_by, ranks) in cases {
         let what = format!("{saved_by} x4 resumed by {resumed_by} x{ranks}");

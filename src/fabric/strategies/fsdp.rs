@@ -4,6 +4,7 @@
 //! groups, replicated across them.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -21,6 +22,7 @@ use crate::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use crate::optim::clip::AlsoAcross;
 use crate::optim::{Clipped, OptimizerState, StatefulOptimizer};
 use crate::saving::training_state::TrainingState;
+use crate::util::lock::lock;
 
 /// The engine of `fsdp` and `hsdp`.
 pub(super) struct Fsdp<O> {
@@ -97,6 +99,47 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Fsdp<O> {
             false => self.fsdp.no_sync(run),
         }?;
         from_step(step, factor, sync)
+    }
+
+    fn local_forward_backward(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        factor: f64,
+        loss_fn: &LossFn,
+    ) -> Result<EngineStep> {
+        // The loss as the loss function gave it (one device's bits), and
+        // its scaled copy for the backward.
+        let seen = Arc::new(Mutex::new(None));
+        let (keep, loss_fn) = (Arc::clone(&seen), loss_fn.clone());
+        let scaled = move |out: &Tensor, y: &Tensor| {
+            let loss = loss_fn(&crate::precision::output_for_loss(out)?, y)?;
+            *lock(&keep) = Some(loss.detach());
+            loss.affine(factor, 0.0)
+        };
+        // Without the reduce-scatter FSDP holds this chunk's whole
+        // gradients: they are keyed by the pieces, whole.
+        self.fsdp
+            .no_sync(|fsdp| fsdp.forward_backward(x, y, scaled))?;
+        let whole = self.fsdp.take_accumulated();
+        let loss = lock(&seen).take().ok_or_else(|| {
+            crate::error::Error::Fabric("FSDP's step did not call the loss function".into())
+        })?;
+        let mut grads = GradStore::default();
+        for ((_, piece), grad) in self.fsdp.shards().iter().zip(whole) {
+            if let Some(grad) = grad {
+                grads.insert(piece.as_tensor(), grad);
+            }
+        }
+        Ok(EngineStep {
+            loss,
+            grads: Some(grads),
+        })
+    }
+
+    fn step(&mut self, grads: &GradStore) -> Result<()> {
+        let pieces = self.fsdp.pieces_of_whole(grads)?;
+        self.trainables.step(&pieces)
     }
 
     fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
