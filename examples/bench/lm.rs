@@ -44,6 +44,7 @@ pub(crate) fn config(fused_ops: bool) -> GptConfig {
         layers: 4,
         heads: 4,
         fused_ops,
+        dropout: 0.0,
     }
 }
 

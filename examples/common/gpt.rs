@@ -31,7 +31,7 @@ use candle_dp::tensor_parallel::{
 use candle_nn::{Init, Linear, VarBuilder};
 
 /// The model's size.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GptConfig {
     /// Tokens (256: bytes).
     pub vocab: usize,
@@ -46,6 +46,12 @@ pub struct GptConfig {
     /// [`lm_loss_composite`] not.)
     #[serde(default)]
     pub fused_ops: bool,
+    /// Dropout on each block's attention and MLP outputs, in training
+    /// (GPT-2's residual dropout), keyed by the sample
+    /// (`candle_dp::ops::dropout`), so that deterministic training keeps
+    /// its bits with it on; 0 for none.
+    #[serde(default)]
+    pub dropout: f64,
 }
 
 impl GptConfig {
@@ -268,6 +274,9 @@ pub struct Block {
     /// This rank's heads.
     heads: usize,
     fused_ops: bool,
+    /// The block's number and its dropout (its masks' layer keys).
+    index: usize,
+    dropout: f64,
 }
 
 impl Block {
@@ -296,7 +305,15 @@ impl Block {
             mlp_proj: Proj::new((4 * w, w), residual, row, fused, vb.pp("mlp.c_proj"))?,
             heads,
             fused_ops: fused,
+            index: i,
+            dropout: config.dropout,
         })
+    }
+
+    /// `x` through the block's dropout number `k` (in training).
+    fn dropout(&self, x: Tensor, k: usize, train: bool) -> candle_core::Result<Tensor> {
+        let layer = (2 * self.index + k) as u64;
+        candle_dp::ops::dropout::keyed_dropout(&x, self.dropout, layer, train)
     }
 
     fn attention(&self, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -310,14 +327,14 @@ impl Block {
 }
 
 impl ModuleT for Block {
-    fn forward_t(&self, x: &Tensor, _train: bool) -> candle_core::Result<Tensor> {
-        let x = (x + self.attention(&self.ln_1.forward(x)?)?)?;
+    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        let x = (x + self.dropout(self.attention(&self.ln_1.forward(x)?)?, 0, train)?)?;
         let fc = self.c_fc.forward(&self.ln_2.forward(&x)?)?;
         let hidden = match self.fused_ops {
             true => candle_dp::ops::gelu(&fc)?,
             false => fc.gelu()?,
         };
-        &x + self.mlp_proj.forward(&hidden)?
+        &x + self.dropout(self.mlp_proj.forward(&hidden)?, 1, train)?
     }
 }
 
@@ -448,13 +465,14 @@ impl Gpt {
 }
 
 impl Module for Gpt {
-    /// Token ids (batch x time) to logits (batch x time x vocab).
+    /// Token ids (batch x time) to logits (batch x time x vocab), without
+    /// dropout (evaluation; the units of [`units`] train with it).
     fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let mut x = self.embeddings.forward_t(ids, true)?;
+        let mut x = self.embeddings.forward_t(ids, false)?;
         for block in &self.blocks {
-            x = block.forward_t(&x, true)?;
+            x = block.forward_t(&x, false)?;
         }
-        self.head.forward_t(&x, true)
+        self.head.forward_t(&x, false)
     }
 }
 

@@ -37,6 +37,10 @@ pub struct GptArgs {
     /// (`candle_dp::ops`), for comparison.
     #[arg(long)]
     pub no_fused_ops: bool,
+    /// Dropout on each block's residual branches in training, keyed by the
+    /// sample (kept by `--deterministic`) [default: 0, none].
+    #[arg(long, default_value_t = 0.0, value_parser = flags::fraction)]
+    pub dropout: f64,
 }
 
 impl GptArgs {
@@ -49,6 +53,7 @@ impl GptArgs {
             layers: self.layers,
             heads: self.heads,
             fused_ops: !self.no_fused_ops,
+            dropout: self.dropout,
         }
     }
 

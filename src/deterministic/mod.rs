@@ -66,6 +66,11 @@ impl ChunkedStep {
         self.chunks
     }
 
+    /// The index of this rank's first chunk in the global batch.
+    pub(crate) fn first_chunk(&self) -> usize {
+        self.pg.rank() * (self.chunks / self.pg.world_size())
+    }
+
     /// This rank's chunks of a share of `rows` rows: how many, and the
     /// rows of each.
     ///

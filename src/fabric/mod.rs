@@ -539,6 +539,7 @@ impl Fabric {
                 .config
                 .deterministic
                 .map(|chunks| ChunkedStep::new(chunks, self.data_group())),
+            data_rank: self.data_parallel_rank(),
         })
     }
 

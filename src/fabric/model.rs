@@ -17,6 +17,7 @@ use super::strategies::{Engine, EngineStep, LossFn};
 use crate::comm::ProcessGroup;
 use crate::deterministic::ChunkedStep;
 use crate::error::{Error, Result};
+use crate::ops::dropout::{with_sample_keys, SampleKeys};
 use crate::optim::{clip_grad_norm, Clipped, LrScheduler, StatefulOptimizer};
 use crate::util::vars::with_accumulated;
 
@@ -90,6 +91,9 @@ pub struct FabricModel<O: StatefulOptimizer> {
     pub(crate) precision: Precision,
     /// Under deterministic training, how a step's chunks are summed.
     pub(crate) deterministic: Option<ChunkedStep>,
+    /// Which share of the data this rank trains on (the keys of its
+    /// dropout masks).
+    pub(crate) data_rank: usize,
 }
 
 impl<O: StatefulOptimizer> FabricModel<O> {
@@ -123,7 +127,15 @@ impl<O: StatefulOptimizer> FabricModel<O> {
         let loss_fn: LossFn = Arc::new(loss_fn);
         let ran = match self.deterministic.clone() {
             Some(chunked) => self.chunked_backward(&chunked, x, y, factor, &loss_fn)?,
-            None => self.engine.forward_backward(x, y, factor, sync, &loss_fn)?,
+            None => {
+                // Keyed dropout: this share's samples follow the shares
+                // before it.
+                let keys = self.sample_keys((self.data_rank * x.dim(0)?) as u64);
+                let engine = &mut self.engine;
+                with_sample_keys(keys, || {
+                    engine.forward_backward(x, y, factor, sync, &loss_fn)
+                })?
+            }
         };
         if self.engine.accumulates_itself() && self.deterministic.is_none() {
             self.grads = ran.grads;
@@ -173,9 +185,13 @@ impl<O: StatefulOptimizer> FabricModel<O> {
         let mut losses = Vec::with_capacity(mine);
         for j in 0..mine {
             let (xj, yj) = (x.narrow(0, j * rows, rows)?, y.narrow(0, j * rows, rows)?);
-            let ran = self
-                .engine
-                .local_forward_backward(&xj, &yj, factor, loss_fn)?;
+            // Keyed dropout: the chunk's samples by their place in the
+            // global batch, wherever it runs.
+            let keys = self.sample_keys(((chunked.first_chunk() + j) * rows) as u64);
+            let engine = &mut self.engine;
+            let ran = with_sample_keys(keys, || {
+                engine.local_forward_backward(&xj, &yj, factor, loss_fn)
+            })?;
             grads.push(ran.grads.unwrap_or_default());
             losses.push(ran.loss);
         }
@@ -184,6 +200,17 @@ impl<O: StatefulOptimizer> FabricModel<O> {
             loss,
             grads: Some(grads),
         })
+    }
+
+    /// The keys of this forward's dropout masks
+    /// ([`keyed_dropout`](crate::ops::dropout::keyed_dropout)): the seed,
+    /// the step and its micro-batch, the batch's `first` sample.
+    fn sample_keys(&self, first: u64) -> SampleKeys {
+        SampleKeys {
+            seed: self.seed,
+            step: self.steps * self.accumulation_steps + self.micro,
+            first,
+        }
     }
 
     /// Whether the next [`backward`](Self::backward) only accumulates

@@ -33,6 +33,7 @@
 
 mod attention;
 mod cross_entropy;
+pub mod dropout;
 mod gelu;
 mod kernel;
 mod layer_norm;

@@ -9,7 +9,7 @@ use candle_core::Tensor;
 use candle_dp::fabric::{Fabric, FabricModel, Memory, ModelRecipe};
 use candle_dp::optim::{AdamWConfig, StatefulOptimizer};
 use candle_dp_examples::gpt::{adamw_groups, lm_loss, loss_on, model_recipe, GptConfig};
-use candle_dp_examples::text::{load_text, split, windows_at, Windows};
+use candle_dp_examples::text::{load_text, share_at, split, Windows};
 
 /// A small GPT: 256 bytes, 2 blocks of width 32 with 4 heads.
 pub const GPT: GptConfig = GptConfig {
@@ -19,6 +19,7 @@ pub const GPT: GptConfig = GptConfig {
     layers: 2,
     heads: 4,
     fused_ops: true,
+    dropout: 0.0,
 };
 
 /// The global batch, in windows.
@@ -53,14 +54,20 @@ pub fn rank_loop<O: StatefulOptimizer>(
     train: &Windows,
     (from, steps): (u64, u64),
 ) -> anyhow::Result<Vec<f32>> {
-    let (share, shares) = (fabric.data_parallel_rank(), fabric.data_parallel_size());
+    let shared = (fabric.data_parallel_size(), fabric.data_parallel_rank());
+    // Deterministic training takes consecutive shares, and its loss is
+    // already the global batch's.
+    let deterministic = fabric.config().deterministic.is_some();
     let mut losses = Vec::new();
     for step in from..steps {
-        let rows = windows_at(train, shares, share, 7, BATCH / shares, step)?;
+        let rows = share_at(train, shared, 7, BATCH, step, deterministic)?;
         let (x, y) = train.batch(&rows)?;
         let loss = model.backward(&x, &y, loss_on(fabric.tensor_parallel(), lm_loss))?;
         model.step()?;
-        losses.push(fabric.global_mean(&loss, x.dim(0)?)?);
+        losses.push(match deterministic {
+            true => loss.to_scalar::<f32>()?,
+            false => fabric.global_mean(&loss, x.dim(0)?)?,
+        });
     }
     Ok(losses)
 }
@@ -77,8 +84,13 @@ pub fn adamw() -> AdamWConfig {
 /// `steps` AdamW steps of [`GPT`] on this rank: its losses, the whole
 /// model, its memory.
 pub fn adamw_run(fabric: &Fabric, steps: u64) -> anyhow::Result<Run> {
-    let train = windows(GPT)?;
-    let mut model = fabric.setup(module(fabric, GPT), |p| adamw_groups(p, adamw(), false))?;
+    adamw_run_of(fabric, GPT, steps)
+}
+
+/// [`adamw_run`] of `gpt`.
+pub fn adamw_run_of(fabric: &Fabric, gpt: GptConfig, steps: u64) -> anyhow::Result<Run> {
+    let train = windows(gpt)?;
+    let mut model = fabric.setup(module(fabric, gpt), |p| adamw_groups(p, adamw(), false))?;
     let losses = rank_loop(fabric, &mut model, &train, (0, steps))?;
     Ok(Run {
         losses,

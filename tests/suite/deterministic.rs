@@ -226,3 +226,70 @@ fn a_state_saved_on_4_ranks_resumes_on_4_2_or_1_to_the_uninterrupted_runs_bits()
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// The language model with dropout on, deterministic over 8 chunks: its
+/// losses and whole weights on `ranks` thread ranks of `strategy`.
+fn lm_run(
+    strategy: Strategy,
+    ranks: usize,
+) -> (
+    Vec<f32>,
+    std::collections::HashMap<String, candle_core::Tensor>,
+) {
+    use crate::common::gpt_loop::{adamw_run_of, GPT};
+    let gpt = crate::example_gpt::GptConfig {
+        dropout: 0.1,
+        ..GPT
+    };
+    let config = FabricConfig {
+        gradient_clip: Some(1.0),
+        ..deterministic_config(strategy, ranks, Some(8))
+    };
+    let mut runs = Fabric::launch(config, move |fabric| {
+        let run = adamw_run_of(&fabric, gpt, 12)?;
+        Ok((run.losses, run.weights))
+    })
+    .unwrap_or_else(|e| panic!("{strategy} on {ranks}: {e}"));
+    let first = runs.remove(0);
+    for (rank, run) in runs.iter().enumerate() {
+        assert_eq!(
+            run.0,
+            first.0,
+            "{strategy} on {ranks}: rank {}'s losses",
+            rank + 1
+        );
+    }
+    first
+}
+
+#[test]
+fn the_language_model_with_dropout_keeps_one_devices_bits_on_1_2_4_and_8_ranks() {
+    let one = within(600, || lm_run(Strategy::Single, 1));
+    for (strategy, ranks) in [(Strategy::Ddp, 2), (Strategy::Ddp, 4), (Strategy::Zero2, 8)] {
+        let run = within(600, move || lm_run(strategy, ranks));
+        assert_eq!(run.0, one.0, "{strategy} on {ranks}: losses");
+        assert!(identical(&run.1, &one.1), "{strategy} on {ranks}: weights");
+    }
+    // FSDP's backward, unit by unit, adds the tied `wte`'s two gradients
+    // in its own order: its bits are its own on one rank, and the same on
+    // any number.
+    let fsdp = within(600, || lm_run(Strategy::Fsdp, 1));
+    for ranks in [2, 4] {
+        let run = within(600, move || lm_run(Strategy::Fsdp, ranks));
+        assert_eq!(run.0, fsdp.0, "fsdp on {ranks}: losses");
+        assert!(identical(&run.1, &fsdp.1), "fsdp on {ranks}: weights");
+    }
+    // Dropout is on: without it the losses differ.
+    let without = within(600, || {
+        let config = FabricConfig {
+            gradient_clip: Some(1.0),
+            ..deterministic_config(Strategy::Single, 1, Some(8))
+        };
+        Fabric::launch(config, |fabric| {
+            Ok(crate::common::gpt_loop::adamw_run(&fabric, 12)?.losses)
+        })
+        .unwrap()
+        .remove(0)
+    });
+    assert_ne!(without, one.0, "dropout changed nothing");
+}

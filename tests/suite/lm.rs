@@ -58,6 +58,7 @@ fn config_of(args: &Args) -> GptConfig {
         layers: args.layers,
         heads: args.heads,
         fused_ops: true,
+        dropout: 0.0,
     }
 }
 
@@ -126,6 +127,7 @@ const TINY: GptConfig = GptConfig {
     layers: 2,
     heads: 2,
     fused_ops: true,
+    dropout: 0.0,
 };
 const BATCH: usize = 4;
 

@@ -293,6 +293,7 @@ pub(crate) const TINY: GptConfig = GptConfig {
     layers: 2,
     heads: 2,
     fused_ops: true,
+    dropout: 0.0,
 };
 
 /// Windows of token ids `(i * 37 + step * 11) % modulus`: with 251, every
