@@ -68,6 +68,13 @@ fn worker() -> anyhow::Result<()> {
     if let Some(mesh) = scenario.strip_prefix("fabric_tp@") {
         return fabric_worker(tp_config(mesh), &out, tp_results);
     }
+    if let Some(strategy) = scenario.strip_prefix("fabric_deterministic_lm@") {
+        return fabric_worker(
+            deterministic_lm_config(strategy.parse()?),
+            &out,
+            deterministic_lm,
+        );
+    }
     if let Some(strategy) = scenario.strip_prefix("fabric_deterministic@") {
         let chunks = Some(common::fabric_loop::CHUNKS);
         let config = common::fabric_loop::deterministic_config(strategy.parse()?, 2, chunks);
@@ -151,6 +158,33 @@ fn deterministic_results(fabric: candle_dp::fabric::Fabric) -> anyhow::Result<Te
     let (mut weights, losses) = common::fabric_loop::train_chunked(fabric, data, true)?;
     let n = losses.len();
     weights.insert("losses".into(), Tensor::from_vec(losses, n, &Device::Cpu)?);
+    Ok(weights)
+}
+
+/// The language model, deterministic over 8 chunks, clipped.
+fn deterministic_lm_config(
+    strategy: candle_dp::fabric::Strategy,
+) -> candle_dp::fabric::FabricConfig {
+    candle_dp::fabric::FabricConfig {
+        gradient_clip: Some(1.0),
+        ..common::fabric_loop::deterministic_config(strategy, 2, Some(8))
+    }
+}
+
+/// 12 AdamW steps of the language model with dropout 0.1: its whole
+/// model and losses.
+fn deterministic_lm(fabric: candle_dp::fabric::Fabric) -> anyhow::Result<Tensors> {
+    let gpt = candle_dp_examples::gpt::GptConfig {
+        dropout: 0.1,
+        ..common::gpt_loop::GPT
+    };
+    let run = common::gpt_loop::adamw_run_of(&fabric, gpt, 12)?;
+    let mut weights = run.weights;
+    let n = run.losses.len();
+    weights.insert(
+        "losses".into(),
+        Tensor::from_vec(run.losses, n, &Device::Cpu)?,
+    );
     Ok(weights)
 }
 
@@ -1578,6 +1612,28 @@ fn deterministic_training_on_2_and_4_processes_saves_one_devices_bits() {
         ("hsdp", 4),
     ] {
         let job = mpirun_ok(np, &format!("fabric_deterministic@{strategy}"), None);
+        for rank in 0..np {
+            assert_bitwise_equal(
+                &job.rank(rank),
+                &one,
+                &format!("{strategy} x{np}, rank {rank}"),
+            );
+        }
+    }
+}
+
+/// The language model with dropout, deterministic: DDP on 2 and ZeRO-2 on
+/// 4 processes end at one device's bits.
+#[test]
+fn the_deterministic_language_model_with_dropout_on_2_and_4_processes_saves_one_devices_bits() {
+    use candle_dp::fabric::{Fabric, Strategy};
+    let config = candle_dp::fabric::FabricConfig {
+        devices: candle_dp::fabric::Devices::Count(1),
+        ..deterministic_lm_config(Strategy::Single)
+    };
+    let one = Fabric::launch(config, deterministic_lm).unwrap().remove(0);
+    for (strategy, np) in [("ddp", 2), ("zero2", 4)] {
+        let job = mpirun_ok(np, &format!("fabric_deterministic_lm@{strategy}"), None);
         for rank in 0..np {
             assert_bitwise_equal(
                 &job.rank(rank),
