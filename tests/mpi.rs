@@ -171,14 +171,14 @@ fn deterministic_lm_config(
     }
 }
 
-/// 12 AdamW steps of the language model with dropout 0.1: its whole
+/// 30 AdamW steps of the language model with dropout 0.1: its whole
 /// model and losses.
 fn deterministic_lm(fabric: candle_dp::fabric::Fabric) -> anyhow::Result<Tensors> {
     let gpt = candle_dp_examples::gpt::GptConfig {
         dropout: 0.1,
         ..common::gpt_loop::GPT
     };
-    let run = common::gpt_loop::adamw_run_of(&fabric, gpt, 12)?;
+    let run = common::gpt_loop::adamw_run_of(&fabric, gpt, 30)?;
     let mut weights = run.weights;
     let n = run.losses.len();
     weights.insert(

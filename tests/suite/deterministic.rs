@@ -246,7 +246,7 @@ fn lm_run(
         ..deterministic_config(strategy, ranks, Some(8))
     };
     let mut runs = Fabric::launch(config, move |fabric| {
-        let run = adamw_run_of(&fabric, gpt, 12)?;
+        let run = adamw_run_of(&fabric, gpt, 30)?;
         Ok((run.losses, run.weights))
     })
     .unwrap_or_else(|e| panic!("{strategy} on {ranks}: {e}"));
@@ -286,7 +286,7 @@ fn the_language_model_with_dropout_keeps_one_devices_bits_on_1_2_4_and_8_ranks()
             ..deterministic_config(Strategy::Single, 1, Some(8))
         };
         Fabric::launch(config, |fabric| {
-            Ok(crate::common::gpt_loop::adamw_run(&fabric, 12)?.losses)
+            Ok(crate::common::gpt_loop::adamw_run(&fabric, 30)?.losses)
         })
         .unwrap()
         .remove(0)
