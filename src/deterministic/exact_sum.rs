@@ -16,7 +16,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::comm::{ProcessGroup, ReduceOp};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// One quantity summed over the chunks: this rank's terms (`None` for a
 /// chunk that gave none, as a parameter no chunk's loss reached), and
@@ -40,17 +40,29 @@ pub(crate) struct Terms<'a> {
 ///
 /// # Errors
 ///
-/// A collective's; a term that cannot be read.
+/// [`Error::Fabric`] naming the rank that `failed` (every rank gets it:
+/// one that failed before calls it with no terms) or a term of another
+/// size than its quantity's; a collective's; a term that cannot be read.
 pub(crate) fn exact_sums(
     pg: &dyn ProcessGroup,
     quantities: &[Terms<'_>],
     total: usize,
+    failed: bool,
 ) -> Result<Vec<Option<Tensor>>> {
     let values: Vec<Vec<Vec<f64>>> = quantities
         .iter()
         .map(|q| q.mine.iter().flatten().map(|t| host_f64(t)).collect())
         .collect::<Result<_>>()?;
     let sizes: Vec<usize> = quantities.iter().map(|q| q.dims.iter().product()).collect();
+    for ((q, terms), &size) in quantities.iter().zip(&values).zip(&sizes) {
+        if let Some(term) = terms.iter().find(|t| t.len() != size) {
+            return Err(Error::Fabric(format!(
+                "deterministic training: a chunk's term of {} values where {:?} takes {size}",
+                term.len(),
+                q.dims
+            )));
+        }
+    }
     // The largest magnitude of each element, and after them whether the
     // quantity has a term anywhere (1) or nowhere (0).
     let mut largest: Vec<f64> = Vec::with_capacity(sizes.iter().sum::<usize>() + quantities.len());
@@ -68,7 +80,17 @@ pub(crate) fn exact_sums(
             .iter()
             .map(|terms| f64::from(u8::from(!terms.is_empty()))),
     );
-    let largest = all_reduce_host(pg, largest, ReduceOp::Max)?;
+    // Last, whether this rank failed before the sum (its rank + 1): every
+    // rank then fails alike instead of waiting in the second all-reduce.
+    largest.push(if failed { (pg.rank() + 1) as f64 } else { 0.0 });
+    let mut largest = all_reduce_host(pg, largest, ReduceOp::Max)?;
+    let failure = largest.pop().unwrap_or(0.0);
+    if failure > 0.0 {
+        return Err(Error::Fabric(format!(
+            "deterministic training: rank {} failed its chunks, so no rank sums this step",
+            failure as usize - 1
+        )));
+    }
     let (largest, present) = largest.split_at(largest.len() - quantities.len());
     let headroom = headroom_bits(total);
     // Each element's grid step (its inverse), once.
@@ -102,7 +124,9 @@ pub(crate) fn exact_sums(
             .iter()
             .zip(&steps[span])
             .map(|(&s, &step)| match step {
-                // Every term of the element was 0.
+                // Every term of the element was 0, or NaN (which the
+                // maximum passes over): the grid's sum keeps the NaN.
+                0.0 if s.is_nan() => f64::NAN,
                 0.0 => 0.0,
                 step => s / step,
             })
@@ -135,7 +159,9 @@ fn step_inverse(largest: f64, headroom: i32) -> f64 {
         return if largest == 0.0 { 0.0 } else { 1.0 };
     }
     let exponent = ((largest.to_bits() >> 52) & 0x7ff) as i32 - 1023;
-    2f64.powi(headroom - exponent)
+    // f64's tiniest values would ask for more than its largest power:
+    // a coarser grid there, still the same on every rank.
+    2f64.powi((headroom - exponent).min(1000))
 }
 
 /// A tensor's values as `f64`, read on the host (exact from any float
@@ -197,7 +223,7 @@ mod tests {
                 dtype: DType::F32,
                 device: &Device::Cpu,
             };
-            let sum = exact_sums(ctx.process_group().as_ref(), &[quantity], all.len())?;
+            let sum = exact_sums(ctx.process_group().as_ref(), &[quantity], all.len(), false)?;
             let sum = sum[0].as_ref().map(|t| t.to_vec1::<f32>()).transpose()?;
             Ok(sum.unwrap_or_default())
         })
@@ -226,6 +252,59 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         assert_ne!(plain(&mut all.iter()), plain(&mut all.iter().rev()));
+    }
+
+    #[test]
+    fn a_nan_or_inf_term_is_carried_into_the_sum_on_every_split() {
+        // Element 0: NaN in one chunk, zeros elsewhere; element 1: NaN
+        // everywhere; element 2: +inf; element 3: finite.
+        let out = crate::launch::spawn(2, |ctx| {
+            let term = match ctx.rank {
+                0 => [f32::NAN, f32::NAN, f32::INFINITY, 1.5],
+                _ => [0.0, f32::NAN, 2.0, 2.5],
+            };
+            let t = Tensor::new(&term, &Device::Cpu)?;
+            let dims = [4];
+            let quantity = Terms {
+                mine: vec![Some(&t)],
+                dims: &dims,
+                dtype: DType::F32,
+                device: &Device::Cpu,
+            };
+            let sum = exact_sums(ctx.process_group().as_ref(), &[quantity], 2, false)?;
+            Ok(sum[0].as_ref().map(|t| t.to_vec1::<f32>()).transpose()?)
+        })
+        .expect("the ranks");
+        let sum = out[0].clone().expect("a sum");
+        assert!(sum[0].is_nan() && sum[1].is_nan(), "{sum:?}");
+        assert_eq!(sum[2], f32::INFINITY);
+        assert_eq!(sum[3], 4.0);
+    }
+
+    #[test]
+    fn a_rank_that_failed_fails_every_rank_naming_it() {
+        let out = crate::launch::spawn(3, |ctx| {
+            let dims = [2];
+            let t = Tensor::new(&[1f32, 2.0], &Device::Cpu)?;
+            let mine = match ctx.rank {
+                1 => vec![],
+                _ => vec![Some(&t)],
+            };
+            let quantity = Terms {
+                mine,
+                dims: &dims,
+                dtype: DType::F32,
+                device: &Device::Cpu,
+            };
+            let failed = ctx.rank == 1;
+            let sum = exact_sums(ctx.process_group().as_ref(), &[quantity], 3, failed);
+            Ok(sum.map(|_| ()).map_err(|e| e.to_string()))
+        })
+        .expect("the ranks");
+        for error in out {
+            let error = error.expect_err("every rank fails");
+            assert!(error.contains("rank 1 failed its chunks"), "{error}");
+        }
     }
 
     #[test]

@@ -41,7 +41,7 @@ pub(crate) mod exact_sum;
 use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 
 use crate::comm::ProcessGroup;
 use crate::error::{Error, Result};
@@ -101,44 +101,44 @@ impl ChunkedStep {
     }
 
     /// The exact sums over every rank's chunks of each parameter's
-    /// gradient (`grads`: this rank's chunks' stores, keyed by `params`)
+    /// gradient (`grads`: this rank's chunks' stores, keyed by `params`,
+    /// each gradient of the shape `dims` gives, the same on every rank)
     /// and of the chunks' `losses`: the summed gradients, and the mean
-    /// loss of the global batch. Every rank calls it.
+    /// loss of the global batch. Every rank calls it; one whose chunks
+    /// `failed` (its grads and losses empty) makes every rank fail.
     ///
     /// # Errors
     ///
-    /// A collective's.
+    /// A collective's; [`Error::Fabric`] naming a rank that failed.
     pub(crate) fn reduce(
         &self,
         params: &[Var],
+        dims: &[Vec<usize>],
         grads: &[GradStore],
         losses: &[Tensor],
+        failed: bool,
     ) -> Result<(GradStore, Tensor)> {
         let loss_dims: Vec<usize> = Vec::new();
-        let loss_like = losses
-            .first()
-            .ok_or_else(|| Error::Fabric("deterministic training: a step of no chunks".into()))?;
+        let (loss_dtype, loss_device) = losses.first().map_or((DType::F32, Device::Cpu), |l| {
+            (l.dtype(), l.device().clone())
+        });
         let mut quantities: Vec<Terms<'_>> = params
             .iter()
-            .map(|p| {
-                let mine: Vec<Option<&Tensor>> = grads.iter().map(|g| g.get(p)).collect();
-                // A sharding engine hands a piece's gradient whole.
-                let dims = mine.iter().flatten().next().map_or(p.dims(), |g| g.dims());
-                Terms {
-                    mine,
-                    dims,
-                    dtype: p.dtype(),
-                    device: p.device(),
-                }
+            .zip(dims)
+            .map(|(p, dims)| Terms {
+                mine: grads.iter().map(|g| g.get(p)).collect(),
+                dims,
+                dtype: p.dtype(),
+                device: p.device(),
             })
             .collect();
         quantities.push(Terms {
             mine: losses.iter().map(Some).collect(),
             dims: &loss_dims,
-            dtype: loss_like.dtype(),
-            device: loss_like.device(),
+            dtype: loss_dtype,
+            device: &loss_device,
         });
-        let mut sums = exact_sums(self.pg.as_ref(), &quantities, self.chunks)?;
+        let mut sums = exact_sums(self.pg.as_ref(), &quantities, self.chunks, failed)?;
         let loss = sums
             .pop()
             .flatten()
@@ -146,12 +146,6 @@ impl ChunkedStep {
         let mut store = GradStore::default();
         for (p, sum) in params.iter().zip(sums) {
             if let Some(sum) = sum {
-                // The gradient in the dtype the chunks gave it.
-                let like = grads.iter().find_map(|g| g.get(p));
-                let sum = match like {
-                    Some(like) => sum.to_dtype(like.dtype())?,
-                    None => sum,
-                };
                 store.insert(p.as_tensor(), sum);
             }
         }

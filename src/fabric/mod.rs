@@ -632,6 +632,17 @@ impl Fabric {
                 };
                 self.setup_dataloader(dataset, global_batch, options)
             }
+            // Split batches take the global batch and cut it themselves.
+            None if matches!(
+                options.sharding,
+                Sharding::BatchWise {
+                    split_batches: true,
+                    ..
+                }
+            ) =>
+            {
+                self.setup_dataloader(dataset, global_batch, options)
+            }
             None => {
                 let share = (global_batch / self.data_parallel_size()).max(1);
                 self.setup_dataloader(dataset, share, options)

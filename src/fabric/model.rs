@@ -170,6 +170,35 @@ impl<O: StatefulOptimizer> FabricModel<O> {
         factor: f64,
         loss_fn: &LossFn,
     ) -> Result<EngineStep> {
+        // A rank that fails here says so through the sum's first
+        // collective: the others then fail too instead of waiting.
+        let ran = self.run_chunks(chunked, x, y, factor, loss_fn);
+        let dims = self.engine.local_grad_dims();
+        let (grads, losses) = match &ran {
+            Ok((grads, losses)) => (grads.as_slice(), losses.as_slice()),
+            Err(_) => (&[][..], &[][..]),
+        };
+        let reduced = chunked.reduce(&self.params, &dims, grads, losses, ran.is_err());
+        let (grads, loss) = match ran {
+            Err(e) => return Err(e),
+            Ok(_) => reduced?,
+        };
+        Ok(EngineStep {
+            loss,
+            grads: Some(grads),
+        })
+    }
+
+    /// This rank's chunks of its share `(x, y)`, each one's forward and
+    /// backward alone: their gradients and losses.
+    fn run_chunks(
+        &mut self,
+        chunked: &ChunkedStep,
+        x: &Tensor,
+        y: &Tensor,
+        factor: f64,
+        loss_fn: &LossFn,
+    ) -> Result<(Vec<GradStore>, Vec<Tensor>)> {
         let (mine, rows) = chunked.cut(x.dim(0)?)?;
         if y.dim(0)? != x.dim(0)? {
             return Err(Error::Fabric(format!(
@@ -192,23 +221,28 @@ impl<O: StatefulOptimizer> FabricModel<O> {
             let ran = with_sample_keys(keys, || {
                 engine.local_forward_backward(&xj, &yj, factor, loss_fn)
             })?;
+            if ran.loss.elem_count() != 1 {
+                return Err(Error::Fabric(format!(
+                    "deterministic training sums the chunks' losses: the loss must be a scalar \
+                     (a mean over the rows), got shape {:?}",
+                    ran.loss.dims()
+                )));
+            }
             grads.push(ran.grads.unwrap_or_default());
             losses.push(ran.loss);
         }
-        let (grads, loss) = chunked.reduce(&self.params, &grads, &losses)?;
-        Ok(EngineStep {
-            loss,
-            grads: Some(grads),
-        })
+        Ok((grads, losses))
     }
 
     /// The keys of this forward's dropout masks
     /// ([`keyed_dropout`](crate::ops::dropout::keyed_dropout)): the seed,
     /// the step and its micro-batch, the batch's `first` sample.
     fn sample_keys(&self, first: u64) -> SampleKeys {
+        // The micro-batch in the low bits: `no_backward_sync` may hold
+        // more of them than the accumulation steps.
         SampleKeys {
             seed: self.seed,
-            step: self.steps * self.accumulation_steps + self.micro,
+            step: (self.steps << 24) + self.micro,
             first,
         }
     }

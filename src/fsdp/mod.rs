@@ -480,6 +480,12 @@ impl FullyShardedDataParallel {
         self.accumulated.take().unwrap_or_default()
     }
 
+    /// The whole shape of each parameter, in the order of
+    /// [`shards`](Self::shards).
+    pub(crate) fn whole_dims(&self) -> Vec<Vec<usize>> {
+        self.layouts.iter().map(|l| l.dims.clone()).collect()
+    }
+
     /// `grads` keyed by the pieces ([`shards`](Self::shards)), each this
     /// rank's piece of a whole gradient where it is whole (deterministic
     /// training hands them whole), as it is where it is a piece.

@@ -48,7 +48,9 @@ pub fn sample_keys() -> Option<SampleKeys> {
     CURRENT.with(Cell::get)
 }
 
-/// Dropout of `x` (rows: the samples) with probability `p`, the kept
+/// Dropout of `x` (its first dimension the samples: the keys name rows
+/// of the batch, so a `(batch x time, width)` input would key each
+/// position as a sample) with probability `p`, the kept
 /// values scaled by `1 / (1 - p)` as candle's and PyTorch's: in training
 /// only, its mask keyed by the sample ([`SampleKeys`]) and by `layer`
 /// (distinct for each dropout of the model, the same each time it runs).
@@ -80,8 +82,10 @@ pub fn keyed_dropout(x: &Tensor, p: f64, layer: u64, train: bool) -> candle_core
     }
     let Some(keys) = sample_keys() else {
         candle_core::bail!(
-            "keyed dropout (layer {layer}) outside a Fabric step: give the batch's sample keys \
-             with with_sample_keys"
+            "keyed dropout (layer {layer}) found no sample keys on this thread: the Fabric sets \
+             them around the forward it runs on the rank's thread (single, the DDP family, \
+             FSDP, HSDP; not dp's replicas or a pipeline's stages); elsewhere give them with \
+             with_sample_keys"
         );
     };
     let rows = x.dim(0)?;

@@ -293,3 +293,56 @@ fn the_language_model_with_dropout_keeps_one_devices_bits_on_1_2_4_and_8_ranks()
     });
     assert_ne!(without, one.0, "dropout changed nothing");
 }
+
+#[test]
+fn a_rank_whose_chunks_fail_fails_every_ranks_step_within_the_timeout() {
+    let config = FabricConfig {
+        timeout_secs: Some(30.0),
+        ..deterministic_config(Strategy::Ddp, 2, Some(4))
+    };
+    let errors = within(120, move || {
+        Fabric::launch(config, |fabric| {
+            let mut model = setup(&fabric)?;
+            let before = model.full_state()?;
+            // Rank 1's share of 5 rows does not cut into its 2 chunks.
+            let rows = if fabric.rank() == 1 { 5 } else { 4 };
+            let x =
+                candle_core::Tensor::zeros((rows, 6), candle_core::DType::F32, fabric.device())?;
+            let y = candle_core::Tensor::zeros(rows, candle_core::DType::U32, fabric.device())?;
+            let error = model.backward(&x, &y, loss::cross_entropy).unwrap_err();
+            anyhow::ensure!(model.step().is_err(), "a step after the failed backward");
+            anyhow::ensure!(
+                identical(&model.full_state()?, &before),
+                "the weights moved"
+            );
+            Ok(error.to_string())
+        })
+        .unwrap()
+    });
+    assert!(
+        errors[1].contains("rank 1's batch of 5 rows"),
+        "{}",
+        errors[1]
+    );
+    assert!(
+        errors[0].contains("rank 1 failed its chunks"),
+        "{}",
+        errors[0]
+    );
+}
+
+#[test]
+fn the_global_loader_gives_each_rank_its_share_of_the_global_batch() {
+    let config = FabricConfig::new(Strategy::Ddp, 2);
+    let rows = Fabric::launch(config, |fabric| {
+        let mut seen = Vec::new();
+        for options in [DataOptions::default(), split_batches()] {
+            let loader = fabric.setup_global_dataloader(dataset(), 12, options)?;
+            let first = loader.iter()?.next().expect("a batch")?;
+            seen.push(first[0].dim(0)?);
+        }
+        Ok(seen)
+    })
+    .unwrap();
+    assert_eq!(rows[0], [6, 6]);
+}

@@ -137,6 +137,10 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Fsdp<O> {
         })
     }
 
+    fn local_grad_dims(&self) -> Vec<Vec<usize>> {
+        self.fsdp.whole_dims()
+    }
+
     fn step(&mut self, grads: &GradStore) -> Result<()> {
         let pieces = self.fsdp.pieces_of_whole(grads)?;
         self.trainables.step(&pieces)

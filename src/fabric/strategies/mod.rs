@@ -163,6 +163,18 @@ pub trait Engine<O: StatefulOptimizer> {
         })
     }
 
+    /// The shape of each of [`trainables`](Self::trainables)' variables'
+    /// gradients as [`local_forward_backward`](Self::local_forward_backward)
+    /// hands them (a sharding engine's whole, its variables pieces), the
+    /// same on every rank.
+    fn local_grad_dims(&self) -> Vec<Vec<usize>> {
+        self.trainables()
+            .vars()
+            .iter()
+            .map(|v| v.dims().to_vec())
+            .collect()
+    }
+
     /// The model's output for `x` in evaluation mode (every rank calls it).
     ///
     /// # Errors
