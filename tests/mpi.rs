@@ -1604,20 +1604,24 @@ fn deterministic_training_on_2_and_4_processes_saves_one_devices_bits() {
     let one = Fabric::launch(config, deterministic_results)
         .unwrap()
         .remove(0);
-    for (strategy, np) in [
+    let cases = [
         ("ddp", 2),
         ("ddp", 4),
         ("zero2", 4),
         ("fsdp", 2),
         ("hsdp", 4),
-    ] {
-        let job = mpirun_ok(np, &format!("fabric_deterministic@{strategy}"), None);
+    ];
+    every_rank_has_the_bits_of(&one, "fabric_deterministic", &cases);
+}
+
+/// Every rank of `mpirun -np N` of scenario `PREFIX@STRATEGY`, for each
+/// `(STRATEGY, N)` of `cases`, saves the bits of `one`.
+fn every_rank_has_the_bits_of(one: &Tensors, prefix: &str, cases: &[(&str, usize)]) {
+    for &(strategy, np) in cases {
+        let job = mpirun_ok(np, &format!("{prefix}@{strategy}"), None);
         for rank in 0..np {
-            assert_bitwise_equal(
-                &job.rank(rank),
-                &one,
-                &format!("{strategy} x{np}, rank {rank}"),
-            );
+            let what = format!("{strategy} x{np}, rank {rank}");
+            assert_bitwise_equal(&job.rank(rank), one, &what);
         }
     }
 }
@@ -1632,16 +1636,7 @@ fn the_deterministic_language_model_with_dropout_on_2_and_4_processes_saves_one_
         ..deterministic_lm_config(Strategy::Single)
     };
     let one = Fabric::launch(config, deterministic_lm).unwrap().remove(0);
-    for (strategy, np) in [("ddp", 2), ("zero2", 4)] {
-        let job = mpirun_ok(np, &format!("fabric_deterministic_lm@{strategy}"), None);
-        for rank in 0..np {
-            assert_bitwise_equal(
-                &job.rank(rank),
-                &one,
-                &format!("{strategy} x{np}, rank {rank}"),
-            );
-        }
-    }
+    every_rank_has_the_bits_of(&one, "fabric_deterministic_lm", &[("ddp", 2), ("zero2", 4)]);
 }
 
 /// FSDP on 1 to 4 processes trains to DDP's bytes (AdamW), and to the

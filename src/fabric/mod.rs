@@ -95,10 +95,10 @@ pub use strategies::{
     WholeState,
 };
 
+use crate::buffers::is_batch_norm_buffer;
 use crate::comm::{all_gather_object, DeviceMesh, GroupOptions, ProcessGroup, ReduceOp};
 use crate::deterministic::ChunkedStep;
 use crate::error::{Error, Result};
-use crate::buffers::is_batch_norm_buffer;
 use crate::launch::{Backend, Elastic, RankContext};
 use crate::loader::Dataset;
 use crate::optim::StatefulOptimizer;
