@@ -270,9 +270,10 @@ fn the_language_model_with_dropout_keeps_one_devices_bits_on_1_2_4_and_8_ranks()
         assert_eq!(run.0, one.0, "{strategy} on {ranks}: losses");
         assert!(identical(&run.1, &one.1), "{strategy} on {ranks}: weights");
     }
-    // FSDP's backward, unit by unit, adds the tied `wte`'s two gradients
-    // in its own order: its bits are its own on one rank, and the same on
-    // any number.
+    // FSDP's backward, unit by unit, sums a repeated token's embedding
+    // rows before adding them to the tied head's gradient (one device adds
+    // them one by one; see the overlap's tests): its bits are its own on
+    // one rank, and the same on any number.
     let fsdp = within(600, || lm_run(Strategy::Fsdp, 1));
     for ranks in [2, 4] {
         let run = within(600, move || lm_run(Strategy::Fsdp, ranks));
