@@ -215,6 +215,47 @@ impl<M: 'static> DataParallel<M> {
         })
     }
 
+    /// One forward and backward of `input` whole on the first replica,
+    /// nothing reduced: `loss_fn` gives the loss to differentiate and the
+    /// one to report; returns the reported loss and the gradient of every
+    /// master variable, on the output device. Deterministic training
+    /// runs its chunks so, one after another.
+    ///
+    /// # Errors
+    ///
+    /// The model's, the loss's (which must be a scalar); a copy's.
+    pub(crate) fn forward_backward_whole<I, F>(
+        &self,
+        input: I,
+        loss_fn: F,
+    ) -> Result<(Tensor, Vec<Option<Tensor>>)>
+    where
+        I: Scatter + Send + 'static,
+        F: Fn(&M, I) -> candle_core::Result<(Tensor, Tensor)> + Send + Sync + 'static,
+    {
+        let _step = lock(&self.step);
+        let rows = batch_rows(&input, self.dim).unwrap_or(1);
+        let master = self.master_vars.clone();
+        let mut parts =
+            self.scatter_apply(input, &Split::Sizes(vec![rows]), move |model, x, _| {
+                let (loss, reported) = loss_fn(model, x)?;
+                if loss.elem_count() != 1 {
+                    candle_core::bail!("the loss must be a scalar, got shape {:?}", loss.dims());
+                }
+                Ok((reported.detach(), grads_of(&loss.backward()?, &master)))
+            })?;
+        self.replicas.commit_buffers()?;
+        let (loss, grads) = parts
+            .pop()
+            .ok_or_else(|| Error::Fabric("the first replica gave no result".into()))?;
+        let on_output = |t: &Tensor| crate::device_copy::to_device(t, &self.output_device);
+        let grads = grads
+            .iter()
+            .map(|g| g.as_ref().map(on_output).transpose())
+            .collect::<candle_core::Result<_>>()?;
+        Ok((on_output(&loss)?, grads))
+    }
+
     fn take_saved(&self, output: &Tensor) -> Result<SavedForward> {
         let mut last = lock(&self.last_forward);
         match last.take() {

@@ -19,8 +19,8 @@
 //! What it excludes, refused before a step runs: batch statistics
 //! (BatchNorm's running means, which each chunk would update in turn),
 //! tensor parallelism (the split changes the sums inside each layer), and
-//! the strategies that reduce inside their own steps (`dp`, the
-//! pipelines); `single`, the DDP family, ZeRO, FSDP and HSDP keep it. A model that draws random numbers (dropout) breaks the
+//! the pipelines, which reduce inside their schedules; `single`, `dp`,
+//! the DDP family, ZeRO, FSDP and HSDP keep it. A model that draws random numbers (dropout) breaks the
 //! promise unless it keys them by the sample. What it costs is measured in
 //! `docs/determinism.md`.
 //!

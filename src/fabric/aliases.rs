@@ -256,7 +256,7 @@ impl FabricConfig {
     /// naming the strategy and what it cannot serve.
     /// The deterministic setting ([`deterministic`](Self::deterministic))
     /// fits the strategy and the ranks: strategies whose every rank can
-    /// hand over each chunk's gradients whole (`single`, `ddp`,
+    /// hand over each chunk's gradients whole (`single`, `dp`, `ddp`,
     /// `ddp-overlap`, `zero1`, `zero2`, `fsdp`, `hsdp`), without tensor
     /// parallelism, on a
     /// number of ranks that divides the chunks.
@@ -271,6 +271,7 @@ impl FabricConfig {
         if !matches!(
             strategy,
             Strategy::Single
+                | Strategy::Dp
                 | Strategy::Ddp
                 | Strategy::DdpOverlap
                 | Strategy::Zero1
@@ -279,9 +280,9 @@ impl FabricConfig {
                 | Strategy::Hsdp
         ) {
             return self.refuse(
-                "deterministic training is built for single, ddp, ddp-overlap, zero1, zero2, fsdp \
-                 and hsdp (their ranks hand over each chunk's whole gradients); dp and the \
-                 pipelines reduce inside their steps"
+                "deterministic training is built for single, dp, ddp, ddp-overlap, zero1, zero2, \
+                 fsdp and hsdp (their ranks hand over each chunk's whole gradients); the \
+                 pipelines reduce inside their schedules"
                     .into(),
             );
         }

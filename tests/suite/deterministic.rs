@@ -32,7 +32,7 @@ fn trained_with(config: FabricConfig) -> Trained {
 }
 
 #[test]
-fn deterministic_training_gives_one_devices_bits_on_1_to_8_ranks_of_ddp_zero_fsdp_and_hsdp() {
+fn deterministic_training_gives_one_devices_bits_on_1_to_8_ranks_of_dp_ddp_zero_fsdp_and_hsdp() {
     let one = within(600, || trained(Strategy::Single, 1, Some(CHUNKS)));
     assert_eq!(one.1.len(), EPOCHS as usize);
     for strategy in [
@@ -48,6 +48,12 @@ fn deterministic_training_gives_one_devices_bits_on_1_to_8_ranks_of_ddp_zero_fsd
             assert_eq!(run.1, one.1, "{strategy} on {ranks}: losses");
             assert!(identical(&run.0, &one.0), "{strategy} on {ranks}: weights");
         }
+    }
+    // dp: the replicas of one process, each chunk on the first.
+    for replicas in [2, 3] {
+        let run = within(600, move || trained(Strategy::Dp, replicas, Some(CHUNKS)));
+        assert_eq!(run.1, one.1, "dp on {replicas}: losses");
+        assert!(identical(&run.0, &one.0), "dp on {replicas}: weights");
     }
     // HSDP of shard groups of 2, replicated 2, 3 and 4 times.
     for ranks in [4, 6, 8] {
@@ -106,13 +112,10 @@ fn chunks_ranks_strategies_and_shardings_that_do_not_fit_are_refused_naming_them
         ),
         (with(Strategy::Ddp, 2, 0), "at least 1 chunk"),
         (
-            with(Strategy::Dp, 2, 4),
-            "built for single, ddp, ddp-overlap, zero1, zero2, fsdp and hsdp",
-        ),
-        (
             with(Strategy::PipelineRanks, 4, 4),
-            "strategy pipeline-ranks",
+            "built for single, dp, ddp, ddp-overlap, zero1, zero2, fsdp and hsdp",
         ),
+        (with(Strategy::PipelineDdp, 4, 4), "strategy pipeline-ddp"),
         // The loader of DistributedSampler's interleaved rows.
         (with(Strategy::Ddp, 2, 4), "split_batches: true"),
     ];

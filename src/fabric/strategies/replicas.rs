@@ -2,6 +2,7 @@
 //! ([`DataParallel`]), the loss per replica, or (`dp_backward` gathered)
 //! of the gathered output.
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, ModuleT, Tensor, Var};
 
 use super::{backward_of, from_step, scaled, Engine, EngineSetup, EngineStep, LossFn, Trainables};
@@ -9,7 +10,7 @@ use crate::data_parallel::DataParallel;
 use crate::error::Result;
 use crate::fabric::config::DpBackward;
 use crate::optim::StatefulOptimizer;
-use crate::precision::cast_input;
+use crate::precision::{cast_input, output_for_loss};
 use crate::step::LossReduction;
 use crate::units::Units;
 
@@ -74,6 +75,40 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Replicas<O> {
             },
         )?;
         from_step(step, factor, true)
+    }
+
+    fn local_forward_backward(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        factor: f64,
+        loss_fn: &LossFn,
+    ) -> Result<EngineStep> {
+        // The chunk whole on the first replica: one device's computation
+        // (the chunks run one after another, the other replicas idle).
+        let dtype = self.dp.compute_dtype();
+        let loss_fn = loss_fn.clone();
+        let (loss, grads) = self.dp.forward_backward_whole(
+            (x.clone(), y.clone()),
+            move |m: &Units, (x, y): (Tensor, Tensor)| {
+                let x = match dtype {
+                    Some(dtype) => cast_input(&x, dtype)?,
+                    None => x,
+                };
+                let loss = loss_fn(&output_for_loss(&m.forward_t(&x, true)?)?, &y)?;
+                Ok((loss.affine(factor, 0.0)?, loss))
+            },
+        )?;
+        let mut store = GradStore::default();
+        for ((_, var), grad) in self.dp.vars().iter().zip(grads) {
+            if let Some(grad) = grad {
+                store.insert(var.as_tensor(), grad);
+            }
+        }
+        Ok(EngineStep {
+            loss,
+            grads: Some(store),
+        })
     }
 
     fn forward(&mut self, x: &Tensor) -> Result<Tensor> {
