@@ -23,6 +23,18 @@ pub(crate) fn grads_of(store: &GradStore, vars: &[(String, Var)]) -> Vec<Option<
         .collect()
 }
 
+/// [`grads_of`]'s inverse: a store of `grads` (one optional gradient per
+/// variable of `vars`, in order) keyed by those variables.
+pub(crate) fn store_of(vars: &[(String, Var)], grads: Vec<Option<Tensor>>) -> GradStore {
+    let mut store = GradStore::default();
+    for ((_, var), grad) in vars.iter().zip(grads) {
+        if let Some(grad) = grad {
+            store.insert(var.as_tensor(), grad);
+        }
+    }
+    store
+}
+
 /// A parameter's gradient of this backward plus what `no_sync`
 /// accumulated for it (in that order of the sum, on every path).
 pub(crate) fn with_accumulated(

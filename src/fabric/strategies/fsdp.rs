@@ -23,6 +23,7 @@ use crate::optim::clip::AlsoAcross;
 use crate::optim::{Clipped, OptimizerState, StatefulOptimizer};
 use crate::saving::training_state::TrainingState;
 use crate::util::lock::lock;
+use crate::util::vars::store_of;
 
 /// The engine of `fsdp` and `hsdp`.
 pub(super) struct Fsdp<O> {
@@ -125,15 +126,9 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Fsdp<O> {
         let loss = lock(&seen).take().ok_or_else(|| {
             crate::error::Error::Fabric("FSDP's step did not call the loss function".into())
         })?;
-        let mut grads = GradStore::default();
-        for ((_, piece), grad) in self.fsdp.shards().iter().zip(whole) {
-            if let Some(grad) = grad {
-                grads.insert(piece.as_tensor(), grad);
-            }
-        }
         Ok(EngineStep {
             loss,
-            grads: Some(grads),
+            grads: Some(store_of(self.fsdp.shards(), whole)),
         })
     }
 

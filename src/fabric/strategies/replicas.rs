@@ -2,7 +2,6 @@
 //! ([`DataParallel`]), the loss per replica, or (`dp_backward` gathered)
 //! of the gathered output.
 
-use candle_core::backprop::GradStore;
 use candle_core::{DType, ModuleT, Tensor, Var};
 
 use super::{backward_of, from_step, scaled, Engine, EngineSetup, EngineStep, LossFn, Trainables};
@@ -13,6 +12,7 @@ use crate::optim::StatefulOptimizer;
 use crate::precision::{cast_input, output_for_loss};
 use crate::step::LossReduction;
 use crate::units::Units;
+use crate::util::vars::store_of;
 
 /// `dp`'s engine.
 pub(super) struct Replicas<O> {
@@ -99,15 +99,9 @@ impl<O: StatefulOptimizer + 'static> Engine<O> for Replicas<O> {
                 Ok((loss.affine(factor, 0.0)?, loss))
             },
         )?;
-        let mut store = GradStore::default();
-        for ((_, var), grad) in self.dp.vars().iter().zip(grads) {
-            if let Some(grad) = grad {
-                store.insert(var.as_tensor(), grad);
-            }
-        }
         Ok(EngineStep {
             loss,
-            grads: Some(store),
+            grads: Some(store_of(self.dp.vars(), grads)),
         })
     }
 
