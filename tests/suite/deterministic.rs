@@ -101,8 +101,10 @@ fn refused(config: FabricConfig) -> String {
 
 #[test]
 fn chunks_ranks_strategies_and_shardings_that_do_not_fit_are_refused_naming_them() {
+    // Bounded: a rank that waits past 60 s fails the run.
     let with = |strategy, ranks, chunks| FabricConfig {
         deterministic: Some(chunks),
+        timeout_secs: Some(60.0),
         ..FabricConfig::new(strategy, ranks)
     };
     let cases = [
@@ -136,6 +138,7 @@ fn chunks_ranks_strategies_and_shardings_that_do_not_fit_are_refused_naming_them
 fn a_batch_the_chunks_do_not_cut_is_refused_naming_rows_and_chunks() {
     let config = FabricConfig {
         deterministic: Some(8),
+        timeout_secs: Some(60.0),
         ..FabricConfig::new(Strategy::Ddp, 2)
     };
     let errors = Fabric::launch(config, |fabric| {
@@ -166,6 +169,7 @@ fn a_model_with_batch_statistics_is_refused_naming_the_buffer() {
     use candle_dp::fabric::ModelRecipe;
     let config = FabricConfig {
         deterministic: Some(2),
+        timeout_secs: Some(60.0),
         ..FabricConfig::new(Strategy::Ddp, 2)
     };
     let error = Fabric::launch(config, |fabric| {
@@ -337,7 +341,10 @@ fn a_rank_whose_chunks_fail_fails_every_ranks_step_within_the_timeout() {
 
 #[test]
 fn the_global_loader_gives_each_rank_its_share_of_the_global_batch() {
-    let config = FabricConfig::new(Strategy::Ddp, 2);
+    let config = FabricConfig {
+        timeout_secs: Some(60.0),
+        ..FabricConfig::new(Strategy::Ddp, 2)
+    };
     let rows = Fabric::launch(config, |fabric| {
         let mut seen = Vec::new();
         for options in [DataOptions::default(), split_batches()] {
