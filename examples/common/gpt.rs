@@ -236,11 +236,12 @@ impl Embeddings {
 
 impl ModuleT for Embeddings {
     fn forward_t(&self, ids: &Tensor, _train: bool) -> candle_core::Result<Tensor> {
-        let (b, t) = ids.dims2()?;
+        let (_, t) = ids.dims2()?;
         let tokens = match &self.wte {
             Tokens::Whole(wte) => {
-                let tokens = wte.index_select(&ids.flatten_all()?, 0)?;
-                tokens.reshape((b, t, wte.dim(1)?))?
+                // Its backward sums a repeated token's rows before the tied
+                // head's gradient: the same bytes whole or unit by unit.
+                candle_dp::ops::embedding(wte, ids)?
             }
             Tokens::Split(wte) => wte.forward(ids)?,
         };

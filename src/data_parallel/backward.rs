@@ -11,7 +11,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 
 use super::reduce::{balanced_partition, sum_gradients};
-use super::scatter_gather::{scatter, Scatter, ScatterPlan, Split};
+use super::scatter_gather::{batch_rows, scatter, Scatter, ScatterPlan, Split};
 use super::timings::slowest;
 use super::{DataParallel, SavedForward};
 use crate::error::{Error, Result};
@@ -333,15 +333,4 @@ impl<M: 'static> DataParallel<M> {
         }
         Ok(store)
     }
-}
-
-/// Rows along `dim` of the first tensor leaf, if any.
-fn batch_rows<I: Scatter>(input: &I, dim: usize) -> Option<usize> {
-    let mut rows = None;
-    input.for_each_tensor(&mut |t| {
-        if rows.is_none() {
-            rows = t.dim(dim).ok();
-        }
-    });
-    rows
 }

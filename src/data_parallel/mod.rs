@@ -13,6 +13,7 @@
 mod backward;
 mod builder;
 mod gpu_turns;
+mod part_keys;
 pub mod reduce;
 mod replicas;
 pub(crate) mod scatter_gather;
@@ -27,8 +28,10 @@ use candle_nn::{Module, ModuleT};
 
 use crate::error::Result;
 use crate::no_grad::NoGradCheck;
+use crate::ops::dropout::with_sample_keys;
 use crate::util::lock::lock;
 use crate::worker_pool::Cancel;
+use part_keys::part_keys;
 use replicas::Replicas;
 use scatter_gather::{gather, scatter, Gather, Scatter, ScatterPlan, Split};
 use timings::StepRecorder;
@@ -244,8 +247,15 @@ impl<M: 'static> DataParallel<M> {
     {
         let start = Instant::now();
         let inputs = self.scatter(input, split)?;
+        let keys = part_keys(&inputs, self.dim);
         let scattered = start.elapsed();
-        let runs = self.replicas.replicate_apply(inputs, f)?;
+        let parts = inputs.into_iter().zip(keys).collect();
+        let runs =
+            self.replicas
+                .replicate_apply(parts, move |model, (x, keys), cancel| match keys {
+                    Some(keys) => with_sample_keys(keys, || f(model, x, cancel)),
+                    None => f(model, x, cancel),
+                })?;
         self.timings.begin(scattered, &runs, start.elapsed());
         Ok(runs.into_iter().map(|run| run.output).collect())
     }

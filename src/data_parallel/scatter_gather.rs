@@ -63,6 +63,17 @@ pub fn chunk_sizes(len: usize, chunks: usize) -> Vec<usize> {
     sizes
 }
 
+/// Rows along `dim` of the first tensor leaf, if any.
+pub(crate) fn batch_rows<I: Scatter>(input: &I, dim: usize) -> Option<usize> {
+    let mut rows = None;
+    input.for_each_tensor(&mut |t| {
+        if rows.is_none() {
+            rows = t.dim(dim).ok();
+        }
+    });
+    rows
+}
+
 /// A value that can be split across replicas.
 ///
 /// Tensors are split along the scatter dim; containers (tuples, `Vec`,

@@ -83,9 +83,8 @@ pub fn keyed_dropout(x: &Tensor, p: f64, layer: u64, train: bool) -> candle_core
     let Some(keys) = sample_keys() else {
         candle_core::bail!(
             "keyed dropout (layer {layer}) found no sample keys on this thread: the Fabric sets \
-             them around the forward it runs on the rank's thread (single, the DDP family, \
-             FSDP, HSDP; not dp's replicas or a pipeline's stages); elsewhere give them with \
-             with_sample_keys"
+             them around the forward it runs (single, dp's replicas, the DDP family, FSDP, \
+             HSDP; not a pipeline's stages); elsewhere give them with with_sample_keys"
         );
     };
     let rows = x.dim(0)?;

@@ -25,6 +25,9 @@
 //!   dimensions as one matrix product, the bias's gradient one column sum
 //!   (candle-nn's `Linear` on a 3-D input makes one weight gradient per
 //!   batch entry and sums them).
+//! - [`embedding`]: a table's rows at integer ids, whose backward sums a
+//!   repeated token's rows before they meet the table's other gradients
+//!   (a tied head's), as PyTorch does: the same bytes whole or unit by unit.
 //!
 //! On CPU, each kernel splits large inputs into blocks of rows run on the
 //! current rayon pool (where candle's matmul runs), and the sums over rows (weight
@@ -34,6 +37,7 @@
 mod attention;
 mod cross_entropy;
 pub mod dropout;
+mod embedding;
 mod gelu;
 mod kernel;
 mod layer_norm;
@@ -43,6 +47,7 @@ mod softmax;
 pub use attention::{causal_attention, causal_attention_unfused};
 pub(crate) use cross_entropy::class_indices;
 pub use cross_entropy::cross_entropy;
+pub use embedding::embedding;
 pub use gelu::gelu;
 pub use layer_norm::layer_norm;
 pub use linear::{bias_add, linear};

@@ -188,7 +188,7 @@ impl Module for VocabEmbedding {
             );
         }
         let (index, mask) = local_ids(&all, self.tp.rank() * local, local, ids.device())?;
-        let rows = self.rows.index_select(&index, 0)?;
+        let rows = crate::ops::embedding(&self.rows, &index)?;
         let rows = rows.broadcast_mul(&mask.to_dtype(rows.dtype())?)?;
         self.tp.leave(&rows.reshape((b, t, width))?)
     }

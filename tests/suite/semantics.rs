@@ -132,3 +132,33 @@ fn models_that_are_not_send_work_because_each_replica_lives_on_its_worker() {
     assert_eq!(out.dims(), &[5, 2]);
     assert_eq!(dp.vars().len(), 4);
 }
+
+/// Keyed dropout on the replicas draws, for each row, the mask one device
+/// draws for it: each replica's part carries the caller's sample keys
+/// moved on by the rows before it. Without keys it fails, naming them.
+#[test]
+fn keyed_dropout_on_the_replicas_draws_one_devices_masks_row_by_row() {
+    use candle_dp::ops::dropout::{keyed_dropout, with_sample_keys, SampleKeys};
+    let x = Tensor::ones((9, 5), DType::F32, &Device::Cpu).unwrap();
+    let keys = SampleKeys {
+        seed: 3,
+        step: 2,
+        first: 4,
+    };
+    let one = with_sample_keys(keys, || keyed_dropout(&x, 0.5, 1, true)).unwrap();
+    let one = one.to_vec2::<f32>().unwrap();
+    assert!(one.iter().flatten().any(|&v| v == 0.0));
+    for replicas in [2, 3, 4] {
+        let dp = dp(replicas);
+        let split = with_sample_keys(keys, || {
+            dp.apply(x.clone(), |_, x: Tensor| keyed_dropout(&x, 0.5, 1, true))
+                .map_err(|e| e.to_string())
+        })
+        .unwrap();
+        assert_eq!(split.to_vec2::<f32>().unwrap(), one, "{replicas} replicas");
+    }
+    let err = dp(2)
+        .apply(x, |_, x: Tensor| keyed_dropout(&x, 0.5, 1, true))
+        .unwrap_err();
+    assert!(err.to_string().contains("no sample keys"), "{err}");
+}
