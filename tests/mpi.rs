@@ -1626,8 +1626,8 @@ fn every_rank_has_the_bits_of(one: &Tensors, prefix: &str, cases: &[(&str, usize
     }
 }
 
-/// The language model with dropout, deterministic: DDP on 2 and ZeRO-2 on
-/// 4 processes end at one device's bits.
+/// The language model with dropout, deterministic: DDP and FSDP on 2,
+/// ZeRO-2 and HSDP on 4 processes end at one device's bits.
 #[test]
 fn the_deterministic_language_model_with_dropout_on_2_and_4_processes_saves_one_devices_bits() {
     use candle_dp::fabric::{Fabric, Strategy};
@@ -1636,7 +1636,8 @@ fn the_deterministic_language_model_with_dropout_on_2_and_4_processes_saves_one_
         ..deterministic_lm_config(Strategy::Single)
     };
     let one = Fabric::launch(config, deterministic_lm).unwrap().remove(0);
-    every_rank_has_the_bits_of(&one, "fabric_deterministic_lm", &[("ddp", 2), ("zero2", 4)]);
+    let cases = [("ddp", 2), ("fsdp", 2), ("zero2", 4), ("hsdp", 4)];
+    every_rank_has_the_bits_of(&one, "fabric_deterministic_lm", &cases);
 }
 
 /// FSDP on 1 to 4 processes trains to DDP's bytes (AdamW), and to the

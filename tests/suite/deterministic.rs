@@ -272,20 +272,19 @@ fn lm_run(
 #[test]
 fn the_language_model_with_dropout_keeps_one_devices_bits_on_1_2_4_and_8_ranks() {
     let one = within(600, || lm_run(Strategy::Single, 1));
-    for (strategy, ranks) in [
-        (Strategy::Dp, 2),
-        (Strategy::Ddp, 2),
-        (Strategy::Ddp, 4),
-        (Strategy::Zero1, 4),
-        (Strategy::Zero2, 8),
-        (Strategy::Fsdp, 1),
-        (Strategy::Fsdp, 2),
-        (Strategy::Fsdp, 4),
-        (Strategy::Hsdp, 4),
+    for strategy in [
+        Strategy::Dp,
+        Strategy::Ddp,
+        Strategy::Zero1,
+        Strategy::Zero2,
+        Strategy::Fsdp,
+        Strategy::Hsdp,
     ] {
-        let run = within(600, move || lm_run(strategy, ranks));
-        assert_eq!(run.0, one.0, "{strategy} on {ranks}: losses");
-        assert!(identical(&run.1, &one.1), "{strategy} on {ranks}: weights");
+        for ranks in [1, 2, 4, 8] {
+            let run = within(600, move || lm_run(strategy, ranks));
+            assert_eq!(run.0, one.0, "{strategy} on {ranks}: losses");
+            assert!(identical(&run.1, &one.1), "{strategy} on {ranks}: weights");
+        }
     }
     // Dropout is on: without it the losses differ.
     let without = within(600, || {
