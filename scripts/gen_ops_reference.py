@@ -21,6 +21,10 @@ the op would give without float32's rounding).
   23: near +-scale, alternating, {2, 1, -1} x scale, one row near 0).
 - linear: `linear` of a 2 x 5 x 7 input with a 4 x 7 weight and a bias,
   and the gradients of all three.
+- linear_relu: `relu(linear(x, w, b))` and the gradients of all three,
+  on odd shapes: one row of 13 onto 11, 2 x 5 x 7 onto 9, 37 x 70 onto 33
+  (widths not a multiple of the vector width), and 6 x 19 onto 5 at
+  inputs of 1e3.
 - causal_attention: `scaled_dot_product_attention(q, k, v,
   is_causal=True)` with q, k and v the thirds of a packed 2 x 11 x 24
   input in 2 heads of 4 (GPT-2's `c_attn` output), the heads put side by
@@ -148,6 +152,23 @@ def linear_case(dtype):
     return case(torch.nn.functional.linear, ["x", "w", "b"], [x, w, b], dy)
 
 
+def linear_relu_case(rows, inner, out, scale, seed):
+    """`relu(linear(x, w, b))` of `rows` (a list: the leading dimensions)
+    x `inner` inputs onto `out` features, the inputs times `scale`."""
+
+    def make(dtype):
+        gen = torch.Generator().manual_seed(seed)
+        (x, w, b, dy) = randn(gen, dtype, (*rows, inner), (out, inner), (out,), (*rows, out))
+        x = x * scale
+
+        def op(x, w, b):
+            return torch.relu(torch.nn.functional.linear(x, w, b))
+
+        return case(op, ["x", "w", "b"], [x, w, b], dy)
+
+    return make
+
+
 def causal_attention_case(dtype):
     gen = torch.Generator().manual_seed(535)
     (batch, t, width, heads) = (2, 11, 8, 2)
@@ -181,6 +202,12 @@ def main():
         "cross_entropy": both(cross_entropy_case),
         "cross_entropy_large": [both(cross_entropy_large_case(s)) for s in (30.0, 1e3, 1e4)],
         "linear": both(linear_case),
+        "linear_relu": [
+            both(linear_relu_case(rows, inner, out, scale, 540 + i))
+            for i, (rows, inner, out, scale) in enumerate(
+                [([1], 13, 11, 1.0), ([2, 5], 7, 9, 1.0), ([37], 70, 33, 1.0), ([6], 19, 5, 1e3)]
+            )
+        ],
         "causal_attention": both(causal_attention_case),
     }
     path = write_fixture("ops_reference.json", out)

@@ -63,6 +63,9 @@ pub(super) trait Float:
     ) -> candle_core::Result<&'a [Self]>;
     /// `values` as a candle storage.
     fn storage(values: Vec<Self>) -> CpuStorage;
+    /// The values `storage` owns, if it holds this type; an error naming
+    /// `op` and the dtype it holds otherwise.
+    fn into_values(storage: CpuStorage, op: &str) -> candle_core::Result<Vec<Self>>;
     fn of(v: f64) -> Self;
     fn to_f64(self) -> f64;
     /// `(tanh x, 1 - tanh^2 x)`.
@@ -94,6 +97,12 @@ macro_rules! float_common {
         }
         fn storage(values: Vec<Self>) -> CpuStorage {
             CpuStorage::$variant(values)
+        }
+        fn into_values(storage: CpuStorage, op: &str) -> candle_core::Result<Vec<Self>> {
+            match storage {
+                CpuStorage::$variant(values) => Ok(values),
+                other => candle_core::bail!("{op}: {:?} beside {}", other.dtype(), stringify!($t)),
+            }
         }
         fn of(v: f64) -> Self {
             v as $t

@@ -82,7 +82,7 @@ pub fn bias_add(x: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
 struct BiasAdd;
 
 /// The backward's bias part: the gradient's column sums.
-struct ColumnSum;
+pub(super) struct ColumnSum;
 
 fn add_rows<T: Float>(x: &[T], bias: &[T]) -> Vec<T> {
     let width = bias.len().max(1);

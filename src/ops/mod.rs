@@ -25,6 +25,10 @@
 //!   dimensions as one matrix product, the bias's gradient one column sum
 //!   (candle-nn's `Linear` on a 3-D input makes one weight gradient per
 //!   batch entry and sums them).
+//! - [`fused_linear`]: a linear layer and its activation (ReLU or none)
+//!   as one op: the bias and activation in one pass over the product's
+//!   output; backward, the weight's gradient made in its own layout (not
+//!   transposed into it) and no gradient for an input that is data.
 //! - [`embedding`]: a table's rows at integer ids, whose backward sums a
 //!   repeated token's rows before they meet the table's other gradients
 //!   (a tied head's), as PyTorch does: the same bytes whole or unit by unit.
@@ -38,6 +42,7 @@ mod attention;
 mod cross_entropy;
 pub mod dropout;
 mod embedding;
+mod fused_linear;
 mod gelu;
 mod kernel;
 mod layer_norm;
@@ -48,6 +53,7 @@ pub use attention::{causal_attention, causal_attention_unfused};
 pub(crate) use cross_entropy::class_indices;
 pub use cross_entropy::cross_entropy;
 pub use embedding::embedding;
+pub use fused_linear::{fused_linear, Activation};
 pub use gelu::gelu;
 pub use layer_norm::layer_norm;
 pub use linear::{bias_add, linear};

@@ -29,6 +29,7 @@ mod errors;
 mod example_flags;
 mod fabric;
 mod fsdp;
+mod fused_linear;
 mod grad_scaler;
 mod hardening;
 mod launch;

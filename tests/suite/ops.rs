@@ -18,7 +18,7 @@ use candle_dp::ops;
 
 /// An op's value and the gradients of its inputs, as PyTorch gave them.
 #[derive(serde::Deserialize, Clone, Default)]
-struct Outputs {
+pub(crate) struct Outputs {
     y: Vec<f64>,
     dx: Vec<f64>,
     #[serde(default)]
@@ -28,7 +28,7 @@ struct Outputs {
 }
 
 impl Outputs {
-    fn run(&self) -> Run {
+    pub(crate) fn run(&self) -> Run {
         let grads = [&self.dx, &self.dw, &self.db]
             .into_iter()
             .filter(|g| !g.is_empty())
@@ -41,35 +41,35 @@ impl Outputs {
 /// One fixture case: the inputs, PyTorch's outputs in the case's dtype,
 /// and `exact`, PyTorch's outputs in f64 from the same input values.
 #[derive(serde::Deserialize, Default)]
-struct Case {
-    x: Vec<f64>,
+pub(crate) struct Case {
+    pub(crate) x: Vec<f64>,
     /// `x`'s.
-    shape: Vec<usize>,
+    pub(crate) shape: Vec<usize>,
     #[serde(default)]
-    w: Vec<f64>,
+    pub(crate) w: Vec<f64>,
     #[serde(default)]
-    b: Vec<f64>,
-    dy: Vec<f64>,
+    pub(crate) b: Vec<f64>,
+    pub(crate) dy: Vec<f64>,
     #[serde(default)]
-    scale: f64,
+    pub(crate) scale: f64,
     #[serde(default)]
-    targets: Vec<u32>,
+    pub(crate) targets: Vec<u32>,
     /// Attention's heads.
     #[serde(default)]
-    heads: usize,
+    pub(crate) heads: usize,
     #[serde(flatten)]
-    torch: Outputs,
-    exact: Outputs,
+    pub(crate) torch: Outputs,
+    pub(crate) exact: Outputs,
 }
 
 #[derive(serde::Deserialize)]
-struct Both {
-    f32: Case,
-    f64: Case,
+pub(crate) struct Both {
+    pub(crate) f32: Case,
+    pub(crate) f64: Case,
 }
 
 #[derive(serde::Deserialize)]
-struct Reference {
+pub(crate) struct Reference {
     torch: String,
     gelu: Both,
     layer_norm: Both,
@@ -79,9 +79,11 @@ struct Reference {
     cross_entropy_large: Vec<Both>,
     linear: Both,
     causal_attention: Both,
+    /// `relu(linear(...))` on odd shapes and large inputs.
+    pub(crate) linear_relu: Vec<Both>,
 }
 
-fn reference() -> Reference {
+pub(crate) fn reference() -> Reference {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/ops_reference.json");
     let reference: Reference = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
     assert!(reference.torch.starts_with("2.15"), "{}", reference.torch);
@@ -107,7 +109,7 @@ fn rel(got: &[f64], want: &[f64], floor: f64) -> f64 {
 }
 
 /// An op's value and its inputs' gradients.
-type Run = (Vec<f64>, Vec<Vec<f64>>);
+pub(crate) type Run = (Vec<f64>, Vec<Vec<f64>>);
 
 /// `f(x)`'s value and the gradient of `sum(f(x) * dy)` at `x`.
 fn value_and_grad(
@@ -122,7 +124,7 @@ fn value_and_grad(
 
 /// The largest relative difference (floor 1) over the value and every
 /// gradient of two runs.
-fn farthest(a: &Run, b: &Run) -> f64 {
+pub(crate) fn farthest(a: &Run, b: &Run) -> f64 {
     assert_eq!(a.1.len(), b.1.len());
     a.1.iter()
         .zip(&b.1)
@@ -135,7 +137,13 @@ fn farthest(a: &Run, b: &Run) -> f64 {
 /// linear layer's matrix products are candle's gemm in f32 either way,
 /// 5e-5 from the exact values over 1024 rows), and no farther from
 /// `other` than `other` is from `exact`, plus `tolerance`.
-fn assert_equal_up_to_rounding(what: &str, got: &Run, other: &Run, exact: &Run, tolerance: f64) {
+pub(crate) fn assert_equal_up_to_rounding(
+    what: &str,
+    got: &Run,
+    other: &Run,
+    exact: &Run,
+    tolerance: f64,
+) {
     let (to_exact, to_other, other_to_exact) = (
         farthest(got, exact),
         farthest(got, other),
@@ -446,11 +454,11 @@ fn fused_gelu_takes_a_strided_input() {
 }
 
 /// An op of several inputs, each given as its values and shape.
-type Op<'a> = dyn Fn(&[Tensor]) -> candle_core::Result<Tensor> + 'a;
+pub(crate) type Op<'a> = dyn Fn(&[Tensor]) -> candle_core::Result<Tensor> + 'a;
 
 /// `f(inputs)`'s value and the gradient of `sum(f(inputs) * dy)` for each
 /// input, computed in `dtype`.
-fn values_and_grads(
+pub(crate) fn values_and_grads(
     f: &Op<'_>,
     inputs: &[(&[f64], &[usize])],
     dy: &[f64],
@@ -497,7 +505,7 @@ fn values_and_grads_on(
 }
 
 /// Seeded values in about -scale..scale.
-fn noise(n: usize, seed: u64, scale: f64) -> Vec<f64> {
+pub(crate) fn noise(n: usize, seed: u64, scale: f64) -> Vec<f64> {
     let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     (0..n)
         .map(|_| {
