@@ -26,6 +26,7 @@ use candle_dp_examples::gpt::{
 use candle_dp_examples::text::{load_text, split, windows_at};
 use serde::{Deserialize, Serialize};
 
+use crate::mfu::{lm_flops_per_token, Peak};
 use crate::plan::cores;
 use crate::stats::median;
 
@@ -382,6 +383,7 @@ pub fn run(
 
 fn report(runs: &[Run], step_ms: &[Vec<f64>], steps: usize, rounds: usize) -> String {
     let gpt = config(true);
+    let peak = Peak::of_this_cpu();
     let tokens = (BATCH * gpt.context) as f64;
     let per_s: Vec<f64> = step_ms.iter().map(|t| tokens / median(t) * 1e3).collect();
     let torch_of = |world: usize| {
@@ -396,7 +398,7 @@ fn report(runs: &[Run], step_ms: &[Vec<f64>], steps: usize, rounds: usize) -> St
          untimed ones, interleaved; tokens/s from the median step. `vs PyTorch`: against \
          PyTorch's one process for one device, against PyTorch's DDP of as many processes \
          for the parallel runs. {}.\n\n\
-         | run | ms/step | tokens/s | vs PyTorch |\n|---|---:|---:|---:|\n",
+         | run | ms/step | tokens/s | vs PyTorch | GFLOP/s | MFU |\n|---|---:|---:|---:|---:|---:|\n",
         gpt.layers,
         gpt.width,
         gpt.context,
@@ -407,12 +409,13 @@ fn report(runs: &[Run], step_ms: &[Vec<f64>], steps: usize, rounds: usize) -> St
             .torch_twin()
             .and_then(torch_of)
             .map_or_else(|| "".to_string(), |t| format!("{:.2}x", per_s[i] / t));
+        let (gflops, mfu) = peak.cells(Some(per_s[i] * lm_flops_per_token(&gpt)));
         s += &format!(
-            "| {} | {:.1} | {:.0} | {ratio} |\n",
+            "| {} | {:.1} | {:.0} | {ratio} | {gflops} | {mfu} |\n",
             run.label(),
             median(&step_ms[i]),
             per_s[i]
         );
     }
-    s
+    s + "\n" + &peak.describe() + ".\n"
 }

@@ -65,6 +65,7 @@ use candle_dp_examples::flags;
 mod inputs;
 mod lm;
 mod mesh;
+mod mfu;
 mod net;
 mod overlap;
 mod pipeline;
@@ -85,7 +86,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use child::{run_child, Measured};
 use plan::{cores, specs, DeviceKind, Kind, Spec};
-use report::{chart, csv, ddp_comparison, markdown, summarize, targets};
+use report::{chart, csv, ddp_comparison, markdown, mfu_section, summarize, targets};
 
 /// Training benchmark of candle-dp: one device, DataParallel, DDP on thread
 /// ranks and (feature `mpi`) on MPI processes, side by side in one run.
@@ -383,6 +384,7 @@ fn run(args: Args) -> Result<()> {
     let mut table = markdown(&rows);
     table += &targets(&rows, torch.as_deref());
     table += &ddp_comparison(&rows, torch.as_deref());
+    table += &mfu_section(&rows, torch.as_deref());
     println!("{table}");
     std::fs::write(out_dir.join("bench.md"), &table)?;
     std::fs::write(out_dir.join("bench.csv"), csv(&rows))?;

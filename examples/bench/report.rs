@@ -8,6 +8,7 @@ use std::path::Path;
 use anyhow::Result;
 
 use crate::child::Measured;
+use crate::mfu::{net_flops_per_sample, Peak};
 use crate::plan::{cores, DeviceKind, Kind, Model, Spec};
 use crate::stats::median;
 
@@ -203,6 +204,40 @@ fn targets_table(rows: &[Row], torch: Option<&str>) -> String {
         s += "\n";
     }
     s
+}
+
+/// Every row's (and PyTorch's MLP rows') GFLOP/s and its share of this
+/// CPU's f32 peak ([`crate::mfu`]); the conv net's are not counted.
+pub fn mfu_section(rows: &[Row], torch: Option<&str>) -> String {
+    let peak = Peak::of_this_cpu();
+    let mut s = String::from(
+        "\n## How far from the CPU's peak\n\n\
+         | config | model | global batch | samples/s | GFLOP/s | MFU |\n|---|---|---|---|---|---|\n",
+    );
+    let mut line = |label: &str, model: Model, batch: &str, rate: f64| {
+        let (gflops, mfu) = peak.cells(net_flops_per_sample(model).map(|f| f * rate));
+        s += &format!("| {label} | {model} | {batch} | {rate:.0} | {gflops} | {mfu} |\n");
+    };
+    for r in rows {
+        line(
+            &r.spec.label(),
+            r.spec.model,
+            &r.spec.batch.to_string(),
+            r.samples_per_s,
+        );
+    }
+    // PyTorch's rows: the MLP (`bench_torch.py` trains only it).
+    for l in torch.into_iter().flat_map(str::lines).skip(1) {
+        let f: Vec<&str> = l.split(',').collect();
+        if let (Some(config), Some(batch), Some(rate)) = (
+            f.first(),
+            f.get(2),
+            f.get(5).and_then(|v| v.parse::<f64>().ok()),
+        ) {
+            line(&format!("PyTorch {config}"), Model::Mlp, batch, rate);
+        }
+    }
+    s + "\n" + &peak.describe() + ".\n"
 }
 
 /// PyTorch's samples/s for `config` at `batch`, from `bench_torch.py`'s CSV.
