@@ -100,6 +100,10 @@ pub struct FabricArgs {
     /// FSDP: keep each unit gathered from its forward to its backward.
     #[arg(long)]
     pub no_reshard_after_forward: bool,
+    /// FSDP: recompute each resharded unit for its backward instead of
+    /// keeping its activations (less memory, a forward more).
+    #[arg(long)]
+    pub recompute_activations: bool,
     /// Clips the total 2-norm of the gradients to X (a finite number; 0:
     /// no clipping) before every step.
     #[arg(long = "clip-grad-norm", alias = "gradient-clip", value_name = "X", value_parser = clip_norm)]
@@ -184,6 +188,9 @@ impl FabricArgs {
         }
         if self.no_reshard_after_forward {
             config.reshard_after_forward = false;
+        }
+        if self.recompute_activations {
+            config.recompute_activations = true;
         }
         if self.sequence_parallel {
             config.sequence_parallel = true;

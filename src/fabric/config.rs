@@ -241,6 +241,11 @@ pub struct FabricConfig {
     /// FSDP: free each unit's gathered parameters after its forward
     /// (default true, FSDP2's default).
     pub reshard_after_forward: bool,
+    /// FSDP: with `reshard_after_forward`, drop a resharded unit's
+    /// activations too and recompute it for its backward (default false:
+    /// the activations are kept, FSDP2's default; see
+    /// [`FsdpConfig::recompute_activations`](crate::fsdp::FsdpConfig::recompute_activations)).
+    pub recompute_activations: bool,
     /// FSDP: gather the next unit while this one computes (default true).
     pub prefetch: bool,
     /// HSDP, and ZeRO (`zero1`, `zero2`) on a mesh: how many ranks share
@@ -313,6 +318,7 @@ impl Default for FabricConfig {
             overlap: false,
             dp_backward: DpBackward::Parallel,
             reshard_after_forward: true,
+            recompute_activations: false,
             prefetch: true,
             shard_size: None,
             gradient_clip: None,

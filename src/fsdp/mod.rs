@@ -62,6 +62,7 @@
 mod agreement;
 mod checkpoint;
 mod gathered;
+mod release;
 mod step;
 
 use std::collections::HashMap;
@@ -115,14 +116,21 @@ fn plan_of(
 /// Settings of a [`FullyShardedDataParallel`].
 #[derive(Clone)]
 pub struct FsdpConfig {
-    /// Drop a unit's gathered parameters and activations after its forward
-    /// and gather and recompute it for its backward (default `true`,
-    /// FSDP2's default), except the last unit and, with `prefetch`, the
-    /// one before, whose backwards come first (their parameters would be
-    /// gathered again at once); `false`
-    /// keeps every unit's until the backward: no second gather, no
-    /// recomputation, a whole model's parameters held at the peak.
+    /// Free a unit's gathered parameters after its forward and gather
+    /// them again for its backward (default `true`, FSDP2's default),
+    /// except the last unit and, with `prefetch`, the one before, whose
+    /// backwards come first (their parameters would be gathered again at
+    /// once); `false` keeps every unit's until the backward: no second
+    /// gather, a whole model's parameters held at the peak.
     pub reshard_after_forward: bool,
+    /// With `reshard_after_forward`: drop a resharded unit's activations
+    /// too and recompute its forward for its backward (activation
+    /// checkpointing per unit: the least memory, a forward more). Default
+    /// `false`: the activations are kept and only the parameters' storage
+    /// is freed and refilled, as FSDP2 does (on the CPU without a
+    /// mixed-precision policy; elsewhere the unit is recomputed, as with
+    /// `true`).
+    pub recompute_activations: bool,
     /// Gather the next unit's parameters on another thread while the
     /// current unit computes, in the forward and in the backward (default
     /// `true`, as FSDP2 does): at most two units' whole parameters at
@@ -150,6 +158,7 @@ impl Default for FsdpConfig {
     fn default() -> Self {
         Self {
             reshard_after_forward: true,
+            recompute_activations: false,
             prefetch: true,
             is_buffer: Arc::new(is_batch_norm_buffer),
             broadcast_buffers: true,
@@ -162,6 +171,7 @@ impl std::fmt::Debug for FsdpConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FsdpConfig")
             .field("reshard_after_forward", &self.reshard_after_forward)
+            .field("recompute_activations", &self.recompute_activations)
             .field("prefetch", &self.prefetch)
             .field("broadcast_buffers", &self.broadcast_buffers)
             .field("mixed_precision", &self.mixed_precision)

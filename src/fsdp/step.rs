@@ -9,6 +9,7 @@ use candle_core::{DType, Tensor, Var};
 use candle_nn::VarBuilder;
 
 use super::gathered::Gathered;
+use super::release;
 use super::FullyShardedDataParallel;
 use crate::buffers::BufferSnapshot;
 use crate::comm::ReduceOp;
@@ -313,12 +314,21 @@ impl FullyShardedDataParallel {
             false => Vec::new(),
         };
         let mut held = Held::default();
-        // Per unit: its run (kept for the backward), or its input and
-        // output fingerprint (resharded: recomputed in the backward).
+        // Per unit: its run (kept for the backward; `released`: its
+        // parameters' storage freed until then), or its input and output
+        // fingerprint (resharded: recomputed in the backward).
         let mut kept: Vec<Option<UnitRun>> = Vec::with_capacity(n);
+        let mut released = vec![false; n];
         let mut saved: Vec<Option<(Tensor, Fingerprint)>> = Vec::with_capacity(n);
         self.forward_units(x, true, &mut held, |k, input, run, held| {
+            let vars = || run.vars.iter().map(|(_, v)| v);
             if self.kept_after_forward(k) {
+                kept.push(Some(run));
+                saved.push(None);
+            } else if self.releases() && !release::shares_storage(&run.output, vars()) {
+                release::release(vars())?;
+                released[k] = true;
+                held.drop_run(&run);
                 kept.push(Some(run));
                 saved.push(None);
             } else {
@@ -351,17 +361,23 @@ impl FullyShardedDataParallel {
         let mut without = Vec::new();
         let mut grad: Option<Tensor> = None;
         let mut prefetched = None;
+        let gathers_again = |k: usize, kept: &[Option<UnitRun>]| kept[k].is_none() || released[k];
         for k in (0..n).rev() {
-            let recomputed = kept[k].is_none();
-            let vars = match recomputed {
+            let vars = match gathers_again(k, &kept) {
                 true => Some(self.take_or_gather(k, prefetched.take(), &mut held)?),
                 false => None,
             };
-            // The unit before, if it is recomputed, is gathered meanwhile.
-            let next = (k > 0 && kept[k - 1].is_none()).then(|| k - 1);
+            // The unit before, if it is gathered again, is gathered meanwhile.
+            let next = (k > 0 && gathers_again(k - 1, &kept)).then(|| k - 1);
             let (ran, gathered) = self.with_prefetch(next, || -> Result<()> {
                 let run = match (kept[k].take(), vars) {
-                    (Some(run), _) => run,
+                    // Released: its graph's parameters filled again.
+                    (Some(run), Some(vars)) => {
+                        let values = vars.iter().map(|(_, v)| v);
+                        release::refill(run.vars.iter().map(|(_, v)| v), values)?;
+                        run
+                    }
+                    (Some(run), None) => run,
                     (None, Some(vars)) => self.recompute(k, vars, saved[k].take(), &before)?,
                     (None, None) => return Err(Error::Fsdp(format!("unit {k} has no run"))),
                 };
@@ -450,6 +466,18 @@ impl FullyShardedDataParallel {
     fn kept_after_forward(&self, k: usize) -> bool {
         let n = self.factories.len();
         !self.config.reshard_after_forward || k + 1 >= n || (self.config.prefetch && k + 2 >= n)
+    }
+
+    /// Whether a resharded unit keeps its graph and frees only its
+    /// parameters' storage until its backward (FSDP2's way), rather than
+    /// being recomputed: without `recompute_activations`, on the CPU (the
+    /// storage is emptied and refilled by a CPU kernel), and without a
+    /// mixed-precision policy (whose casts the graph would hold, so that
+    /// freeing the parameters would free less than the recomputation).
+    fn releases(&self) -> bool {
+        !self.config.recompute_activations
+            && self.device.is_cpu()
+            && self.config.mixed_precision.is_none()
     }
 
     /// With mixed precision, a floating-point input in the compute dtype.

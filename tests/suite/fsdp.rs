@@ -63,19 +63,33 @@ fn ddp_run(
 }
 
 /// FSDP over `units`: every rank's whole weights (gathered) and memory.
+/// What a unit keeps from its forward to its backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reshard {
+    /// Its graph, its parameters' storage freed and refilled (the default).
+    Release,
+    /// Only its input: it is recomputed (`recompute_activations`).
+    Recompute,
+    /// Everything (`reshard_after_forward: false`).
+    Keep,
+}
+
+const RESHARDS: [Reshard; 3] = [Reshard::Release, Reshard::Recompute, Reshard::Keep];
+
 fn fsdp_run(
     world: usize,
     init: &Weights,
     data: &[(Tensor, Tensor)],
     units: fn() -> Vec<UnitFactory>,
     loss_fn: fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
-    reshard: bool,
+    reshard: Reshard,
 ) -> Vec<(Weights, candle_dp::fsdp::FsdpMemory)> {
     let (init, data) = (init.clone(), data.to_vec());
     spawn_with(world, bounded(), move |ctx| {
         let varmap = varmap_from(&init);
         let config = FsdpConfig {
-            reshard_after_forward: reshard,
+            reshard_after_forward: reshard != Reshard::Keep,
+            recompute_activations: reshard == Reshard::Recompute,
             ..Default::default()
         };
         let mut fsdp = FullyShardedDataParallel::from_units(
@@ -108,13 +122,13 @@ fn deep_whole(vb: VarBuilder) -> candle_core::Result<Box<dyn Module>> {
 }
 
 #[test]
-fn fsdp_trains_to_the_bytes_of_ddp_on_1_to_4_ranks_resharded_or_not() {
+fn fsdp_trains_to_the_bytes_of_ddp_on_1_to_4_ranks_released_recomputed_or_kept() {
     within(240, || {
         let init = init_deep();
         let data = batches(3, 12, 8);
         for world in 1..=4 {
             let ddp = ddp_run(world, &init, &data, deep_whole, loss::cross_entropy);
-            for reshard in [true, false] {
+            for reshard in RESHARDS {
                 let fsdp = fsdp_run(
                     world,
                     &init,
@@ -126,7 +140,7 @@ fn fsdp_trains_to_the_bytes_of_ddp_on_1_to_4_ranks_resharded_or_not() {
                 for (rank, (weights, _)) in fsdp.iter().enumerate() {
                     assert!(
                         identical(weights, &ddp[rank]),
-                        "world {world}, reshard {reshard}, rank {rank}: {}",
+                        "world {world}, reshard {reshard:?}, rank {rank}: {}",
                         diff_report(weights, &ddp[rank])
                     );
                 }
@@ -152,7 +166,7 @@ fn each_rank_holds_its_share_and_the_peak_adds_at_most_two_units() {
             .max()
             .unwrap();
         for world in [2, 4] {
-            for reshard in [true, false] {
+            for reshard in RESHARDS {
                 let runs = fsdp_run(
                     world,
                     &init,
@@ -170,7 +184,7 @@ fn each_rank_holds_its_share_and_the_peak_adds_at_most_two_units() {
                     "world {world}: {} bytes held, {share} a share",
                     memory.shard_bytes
                 );
-                if reshard {
+                if reshard != Reshard::Keep {
                     assert!(
                         memory.peak_gathered_bytes <= 2 * largest_unit,
                         "world {world}: peak {} > two units {}",
@@ -246,7 +260,14 @@ fn uneven_rows_a_zero_dim_parameter_and_more_ranks_than_rows_train_as_under_ddp(
         let data = batches(3, 12, 10);
         for world in [3, 4] {
             let ddp = ddp_run(world, &init, &data, odd_whole, class_0_loss);
-            let fsdp = fsdp_run(world, &init, &data, odd_units, class_0_loss, true);
+            let fsdp = fsdp_run(
+                world,
+                &init,
+                &data,
+                odd_units,
+                class_0_loss,
+                Reshard::Release,
+            );
             assert!(
                 identical(&fsdp[world - 1].0, &ddp[world - 1]),
                 "world {world}: {}",
@@ -276,21 +297,32 @@ fn the_language_model_with_its_tied_head_trains_to_the_bytes_of_ddp() {
         let data = tokens(2, 6, 251);
         for world in [2, 3] {
             let ddp = ddp_run(world, &init, &data, gpt_whole, example_gpt::lm_loss);
-            let fsdp = fsdp_run(world, &init, &data, gpt_units, example_gpt::lm_loss, true);
-            assert!(
-                identical(&fsdp[0].0, &ddp[0]),
-                "world {world}: {}",
-                diff_report(&fsdp[0].0, &ddp[0])
-            );
+            for reshard in [Reshard::Release, Reshard::Recompute] {
+                let fsdp = fsdp_run(
+                    world,
+                    &init,
+                    &data,
+                    gpt_units,
+                    example_gpt::lm_loss,
+                    reshard,
+                );
+                assert!(
+                    identical(&fsdp[0].0, &ddp[0]),
+                    "world {world}, {reshard:?}: {}",
+                    diff_report(&fsdp[0].0, &ddp[0])
+                );
+            }
         }
     });
 }
 
 /// A unit that draws random numbers gives another output when recomputed:
-/// resharded, the step fails naming the unit on every rank (the group is
-/// failed: the others' collectives of the step cannot all come), and the
-/// pieces are as before; kept (no reshard), it trains. So does it as the
-/// unit before the last, which is kept even with resharding when the
+/// resharded with `recompute_activations`, the step fails naming the unit
+/// on every rank (the group is failed: the others' collectives of the
+/// step cannot all come), and the pieces are as before; kept (no
+/// reshard), or resharded with its activations kept (the default: only
+/// its parameters' storage freed and refilled), it trains. So does it as
+/// the unit before the last, which is kept even with resharding when the
 /// walk prefetches (never recomputed); without prefetch that unit is
 /// resharded and recomputed as the others.
 #[test]
@@ -306,7 +338,7 @@ fn a_random_unit_recomputed_for_the_backward_fails_the_step_named() {
             units.insert(dropout_at, unit(|_| Ok(candle_nn::Dropout::new(0.5))));
             units
         }
-        let run = |pg: Arc<dyn ProcessGroup>, dropout_at: usize, reshard: bool, prefetch: bool| {
+        let run = |pg: Arc<dyn ProcessGroup>, dropout_at, reshard, prefetch, recompute| {
             let varmap = VarMap::new();
             let mut fsdp = FullyShardedDataParallel::from_units(
                 pg.clone(),
@@ -316,6 +348,7 @@ fn a_random_unit_recomputed_for_the_backward_fails_the_step_named() {
                 noisy_units(dropout_at),
                 FsdpConfig {
                     reshard_after_forward: reshard,
+                    recompute_activations: recompute,
                     prefetch,
                     ..Default::default()
                 },
@@ -334,24 +367,30 @@ fn a_random_unit_recomputed_for_the_backward_fails_the_step_named() {
                 identical(&before, &snapshot(&varmap)),
             )
         };
-        // (where the Dropout is of 4 units, resharded, prefetched, recomputed)
-        for (dropout_at, reshard, prefetch, recomputed) in [
-            (1, true, true, true),
-            (1, false, true, false),
-            (2, true, true, false),
-            (2, true, false, true),
+        // (where the Dropout is of 4 units, resharded, prefetched,
+        // recompute_activations, recomputed)
+        for (dropout_at, reshard, prefetch, recompute, recomputed) in [
+            (1, true, true, true, true),
+            (1, true, true, false, false),
+            (1, false, true, true, false),
+            (2, true, true, true, false),
+            (2, true, false, true, true),
+            (2, true, false, false, false),
         ] {
             let ranks = ThreadGroup::with_options(2, bounded());
             let outcomes: Vec<_> = std::thread::scope(|s| {
                 let handles: Vec<_> = ranks
                     .into_iter()
-                    .map(|pg| s.spawn(move || run(Arc::new(pg), dropout_at, reshard, prefetch)))
+                    .map(|pg| {
+                        s.spawn(move || run(Arc::new(pg), dropout_at, reshard, prefetch, recompute))
+                    })
                     .collect();
                 handles.into_iter().map(|h| h.join().unwrap()).collect()
             });
             for (rank, (result, unchanged)) in outcomes.into_iter().enumerate() {
                 let case = format!(
-                    "rank {rank}, the Dropout unit {dropout_at}, reshard {reshard}, prefetch {prefetch}"
+                    "rank {rank}, the Dropout unit {dropout_at}, reshard {reshard:?}, prefetch \
+                     {prefetch}, recompute {recompute}"
                 );
                 if recomputed {
                     let message = result.expect_err("a recomputed Dropout must fail");
@@ -467,7 +506,7 @@ fn batch_norm_buffers_are_broadcast_updated_once_per_step_and_match_ddp() {
                 bits(&ddp[0]["bn0.running_mean"]) != bits(&init["bn0.running_mean"]),
                 "the statistics moved"
             );
-            for reshard in [true, false] {
+            for reshard in RESHARDS {
                 let fsdp = fsdp_run(
                     world,
                     &init,
@@ -482,7 +521,7 @@ fn batch_norm_buffers_are_broadcast_updated_once_per_step_and_match_ddp() {
                     assert_eq!(weights.len(), ddp[rank].len());
                     assert!(
                         identical(weights, &ddp[rank]),
-                        "world {world}, reshard {reshard}, rank {rank}: {}",
+                        "world {world}, reshard {reshard:?}, rank {rank}: {}",
                         diff_report(weights, &ddp[rank])
                     );
                 }
@@ -742,7 +781,14 @@ fn the_full_state_exports_to_safetensors_and_loads_as_the_whole_model() {
     within(60, || {
         let init = init_deep();
         let data = batches(1, 8, 15);
-        let runs = fsdp_run(2, &init, &data, deep_units, loss::cross_entropy, true);
+        let runs = fsdp_run(
+            2,
+            &init,
+            &data,
+            deep_units,
+            loss::cross_entropy,
+            Reshard::Release,
+        );
         let path = std::env::temp_dir().join(format!(
             "candle_dp_test_{}_fsdp_export.safetensors",
             std::process::id()

@@ -40,6 +40,7 @@ impl<O: StatefulOptimizer> Fsdp<O> {
         let config = setup.config;
         let fsdp_config = FsdpConfig {
             reshard_after_forward: config.reshard_after_forward,
+            recompute_activations: config.recompute_activations,
             // The prefetch gathers on a thread of its own while the unit's
             // tensor-parallel collectives run: an MPI process makes its
             // calls one at a time, so the two could run in different
