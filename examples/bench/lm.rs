@@ -73,6 +73,10 @@ pub struct LmSpec {
     /// default, resharding after the forward.
     #[serde(default)]
     pub reshard_after_forward: Option<bool>,
+    /// `fsdp`: recompute each resharded unit for its backward (the former
+    /// default) instead of keeping its activations.
+    #[serde(default)]
+    pub recompute_activations: bool,
     /// `hsdp`, `zero1`, `zero2`: ranks per shard group (the Fabric's
     /// `shard_size`; none: HSDP's default, plain ZeRO).
     #[serde(default)]
@@ -137,6 +141,7 @@ pub fn run_child(spec: &LmSpec) -> Result<LmMeasured> {
         stages: spec.stages.unwrap_or(2),
         chunks: spec.stages.map(|_| 4),
         reshard_after_forward: spec.reshard_after_forward.unwrap_or(true),
+        recompute_activations: spec.recompute_activations,
         shard_size: spec.shard_size,
         zero: spec.zero,
         sequence_parallel: spec.sequence_parallel,
@@ -235,8 +240,9 @@ impl Run {
                 "candle-dp, {} x{} thread ranks{}",
                 spec.strategy,
                 spec.world,
-                match spec.reshard_after_forward {
-                    Some(false) => " (no reshard after forward)",
+                match (spec.reshard_after_forward, spec.recompute_activations) {
+                    (Some(false), _) => " (no reshard after forward)",
+                    (_, true) => " (resharded units recomputed)",
                     _ => "",
                 }
             ),
@@ -327,10 +333,16 @@ fn runs(quick: bool, steps: usize, torch: bool) -> Vec<Run> {
         // FSDP without its recomputation: the gathered parameters kept
         // from each unit's forward to its backward (FSDP2's
         // `reshard_after_forward=False`).
-        if let Some(Run::CandleDp(fsdp)) = runs.last() {
+        // And with its resharded units recomputed for the backward
+        // (activation checkpointing per unit, the former default).
+        if let Some(Run::CandleDp(fsdp)) = runs.last().cloned() {
             runs.push(Run::CandleDp(LmSpec {
                 reshard_after_forward: Some(false),
                 ..fsdp.clone()
+            }));
+            runs.push(Run::CandleDp(LmSpec {
+                recompute_activations: true,
+                ..fsdp
             }));
         }
     }

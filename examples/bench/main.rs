@@ -110,6 +110,10 @@ struct Args {
     /// Where the replicas run.
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     device: DeviceKind,
+    /// Also time the MLP through candle-nn's `Linear` and `relu` (model
+    /// `mlp-candle-ops`), beside the fused layers, in the same rounds.
+    #[arg(long)]
+    candle_ops: bool,
     /// The CSV of `scripts/bench_torch.py --csv`, for the ratios to PyTorch.
     #[arg(long, value_name = "CSV")]
     torch_csv: Option<PathBuf>,
@@ -353,7 +357,7 @@ fn run(args: Args) -> Result<()> {
     }
     let steps = args.steps.unwrap_or(if quick { 10 } else { 20 });
     let rounds = args.rounds.unwrap_or(if quick { 1 } else { 2 });
-    let specs = specs(quick, steps, args.device);
+    let specs = specs(quick, steps, args.device, args.candle_ops);
     let bar = ProgressBar::new((specs.len() * rounds) as u64);
     bar.set_style(
         ProgressStyle::with_template("[{bar:30}] {pos}/{len} {msg}")?.progress_chars("=> "),

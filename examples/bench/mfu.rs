@@ -8,7 +8,8 @@
 //! the widest vector instructions found at run time: two FMA pipes of
 //! that width (AVX-512: 16 f32 lanes, AVX2 with FMA: 8; a fused
 //! multiply-add counts as two FLOPs), as on the AMD Zen and Intel server
-//! cores since Skylake. AMX (bf16 and int8 tiles) is named where present
+//! cores since Skylake; AMD's Zen 4 (family 25) runs AVX-512 on 256-bit
+//! pipes, so it counts 8 lanes there. AMX (bf16 and int8 tiles) is named where present
 //! but adds nothing to an f32 peak. The clock is the highest the kernel
 //! reports (`cpuinfo_max_freq`, else `/proc/cpuinfo`'s MHz): a boost
 //! clock the cores may not hold, so the peak is an upper bound.
@@ -83,7 +84,7 @@ impl Peak {
 /// input needs none). `None` for the conv net (not counted here).
 pub fn net_flops_per_sample(model: Model) -> Option<f64> {
     let width = match model {
-        Model::Mlp => 1024,
+        Model::Mlp | Model::MlpCandleOps => 1024,
         Model::MlpWide => 4096,
         Model::Conv => return None,
     };
@@ -111,6 +112,13 @@ fn vector_width() -> (String, usize, bool) {
             ""
         };
         if is_x86_feature_detected!("avx512f") {
+            // AMD's Zen 4 (family 25) runs a 512-bit operation as two
+            // halves on 256-bit pipes: AVX2's peak, not twice it.
+            if cpu_field("vendor_id").as_deref() == Some("AuthenticAMD")
+                && cpu_field("cpu family").as_deref() == Some("25")
+            {
+                return (format!("AVX-512 on Zen 4's 256-bit pipes{amx}"), 8, true);
+            }
             return (format!("AVX-512{amx}"), 16, true);
         }
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
@@ -139,6 +147,16 @@ fn cpu_flag(flag: &str) -> bool {
         info.lines()
             .filter(|l| l.starts_with("flags"))
             .any(|l| l.split_whitespace().any(|f| f == flag))
+    })
+}
+
+/// The first value of `/proc/cpuinfo`'s field `name`.
+#[cfg(target_arch = "x86_64")]
+fn cpu_field(name: &str) -> Option<String> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    info.lines().find_map(|l| {
+        let (key, value) = l.split_once(':')?;
+        (key.trim() == name).then(|| value.trim().to_string())
     })
 }
 

@@ -69,6 +69,9 @@ impl fmt::Display for Kind {
 pub enum Model {
     /// MLP 784-1024-1024-10.
     Mlp,
+    /// The same MLP through candle-nn's `Linear` and `relu` instead of the
+    /// fused layers (`--candle-ops`: the fused ops' side-by-side).
+    MlpCandleOps,
     /// MLP 784-4096-4096-10: compute-bound on a GPU at a large batch.
     MlpWide,
     /// A small conv net on 1x28x28.
@@ -79,6 +82,7 @@ impl Model {
     pub fn as_str(self) -> &'static str {
         match self {
             Model::Mlp => "mlp",
+            Model::MlpCandleOps => "mlp-candle-ops",
             Model::MlpWide => "mlp-wide",
             Model::Conv => "conv",
         }
@@ -146,7 +150,7 @@ pub fn cores() -> usize {
 }
 
 /// Every configuration of a run, in table order.
-pub fn specs(quick: bool, steps: usize, device: DeviceKind) -> Vec<Spec> {
+pub fn specs(quick: bool, steps: usize, device: DeviceKind, candle_ops: bool) -> Vec<Spec> {
     // On a GPU the reference MLP is launch-bound (tens of microseconds of
     // math per step): the wide MLP and the conv net at a large batch are the
     // compute-bound configurations where the engine's overhead shows.
@@ -168,6 +172,16 @@ pub fn specs(quick: bool, steps: usize, device: DeviceKind) -> Vec<Spec> {
         (DeviceKind::Cpu, false) => &[1, 2, 4],
         (DeviceKind::Cuda, false) => &[1, 2],
     };
+    // The MLP through candle's ops beside it, at the same batches.
+    let with_candle_ops: Vec<(Model, &[usize])> = plan
+        .iter()
+        .flat_map(|&(model, batches)| {
+            let twin =
+                (candle_ops && model == Model::Mlp).then_some((Model::MlpCandleOps, batches));
+            std::iter::once((model, batches)).chain(twin)
+        })
+        .collect();
+    let plan = &with_candle_ops[..];
     let warmup = if quick { 3 } else { 5 };
     let mut out = Vec::new();
     for &(model, batches) in plan {

@@ -457,7 +457,7 @@ struct Bar {
 /// PyTorch's runs of `bench_torch.py`'s CSV for `model` at `batch`.
 fn torch_bars(torch: &str, model: Model, batch: usize) -> Vec<Bar> {
     let name = match model {
-        Model::Mlp => "MLP 784-1024-1024-10",
+        Model::Mlp | Model::MlpCandleOps => "MLP 784-1024-1024-10",
         Model::MlpWide => "MLP 784-4096-4096-10",
         Model::Conv => "conv",
     };
