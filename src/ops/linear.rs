@@ -4,6 +4,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 
+use super::fused_linear::{fused_linear, Activation};
 use super::kernel::{column_sums, each_item, per_float, Float, BLOCK_ROWS};
 
 /// `x W^T + b` over the last dimension of `x` (PyTorch's `nn.Linear`
@@ -13,8 +14,9 @@ use super::kernel::{column_sums, each_item, per_float, Float, BLOCK_ROWS};
 /// candle-nn's `Linear` on a 3-D input broadcasts the weight over the
 /// batch: its backward makes one weight gradient per batch entry and sums
 /// them, and sums the bias's gradient over two dimensions with candle's
-/// strided reduction. Here the weight's gradient is one product and the
-/// bias's one pass ([`bias_add`]).
+/// strided reduction. Here it is [`fused_linear`] without an activation:
+/// the weight's gradient one product in the weight's own layout, the
+/// bias's one pass.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -33,25 +35,18 @@ use super::kernel::{column_sums, each_item, per_float, Float, BLOCK_ROWS};
 /// dimension, or a bias that is not as long as the weight's rows.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Tensor> {
     let (out_features, in_features) = weight.dims2()?;
-    let mut dims = x.dims().to_vec();
-    let Some(last) = dims.last_mut() else {
-        candle_core::bail!("linear: a scalar input");
-    };
-    if *last != in_features {
-        candle_core::bail!(
+    match x.dims().last() {
+        None => candle_core::bail!("linear: a scalar input"),
+        Some(&last) if last != in_features => candle_core::bail!(
             "linear: an input of width {last} (shape {:?}) for a weight of {out_features} x \
              {in_features}",
             x.dims()
-        );
+        ),
+        Some(_) => {}
     }
-    *last = out_features;
-    let rows = x.elem_count() / in_features.max(1);
-    let y = x.reshape((rows, in_features))?.matmul(&weight.t()?)?;
-    let y = match bias {
-        Some(bias) => bias_add(&y, bias)?,
-        None => y,
-    };
-    y.reshape(dims)
+    // One product and the bias in its output's pass, the weight's
+    // gradient in its own layout ([`fused_linear`]).
+    fused_linear(x, weight, bias, Activation::Identity)
 }
 
 /// `x + b`, `b` added to every row of `x`'s last dimension; its backward
