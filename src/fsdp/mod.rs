@@ -8,15 +8,18 @@
 //! - **forward**: before a unit's forward its parameters are all-gathered
 //!   and the unit is built over them; after it, with
 //!   [`FsdpConfig::reshard_after_forward`] (FSDP2's default), the gathered
-//!   parameters and the unit's activations are dropped, keeping only its
-//!   input (except for the last unit and, with prefetch, the one before:
-//!   their backwards come first);
-//!   without it they stay until the backward (ZeRO-2's memory);
-//! - **backward**, last unit first: a resharded unit is gathered again and
-//!   its forward recomputed from its saved input (candle's graph holds the
-//!   parameters it used, so the graph cannot outlive them), checked
-//!   against the first forward (a unit that gives another output, such as
-//!   Dropout, fails the step, named); after the unit's backward the
+//!   parameters' storage is freed in place while the unit's graph (its
+//!   activations) stays, as FSDP2 frees its parameters' storage (except
+//!   for the last unit and, with prefetch, the one before: their
+//!   backwards come first); with [`FsdpConfig::recompute_activations`]
+//!   (and off the CPU or under a mixed-precision policy) the activations
+//!   go too, keeping only the unit's input; without resharding they all
+//!   stay until the backward (ZeRO-2's memory);
+//! - **backward**, last unit first: a resharded unit is gathered again,
+//!   into its freed storage, or, recomputed, its forward run again from
+//!   its saved input and checked against the first forward (a unit that
+//!   gives another output, such as Dropout, fails the step, named);
+//!   after the unit's backward the
 //!   gradients that are final (a weight tied across units: after its
 //!   earliest unit) are reduce-scattered, so each rank receives the
 //!   average of its own pieces.

@@ -55,8 +55,12 @@ impl Held {
         self.peak = self.peak.max(self.now);
     }
 
+    fn sub(&mut self, bytes: usize) {
+        self.now = self.now.saturating_sub(bytes);
+    }
+
     fn drop_run(&mut self, run: &UnitRun) {
-        self.now = self.now.saturating_sub(vars_bytes(&run.vars));
+        self.sub(vars_bytes(&run.vars));
     }
 }
 
@@ -302,7 +306,9 @@ impl FullyShardedDataParallel {
     {
         let n = self.factories.len();
         let last = n - 1;
-        let recomputes = (0..n).any(|k| !self.kept_after_forward(k));
+        // Released units are not recomputed (and a unit that cannot be
+        // released is kept), so only recomputation needs the copies.
+        let recomputes = !self.releases() && (0..n).any(|k| !self.kept_after_forward(k));
         self.sync_buffers()?;
         // The buffers as the forward finds them, for the recomputations.
         let before = match recomputes && !self.buffers.is_empty() {
@@ -322,10 +328,14 @@ impl FullyShardedDataParallel {
         let mut saved: Vec<Option<(Tensor, Fingerprint)>> = Vec::with_capacity(n);
         self.forward_units(x, true, &mut held, |k, input, run, held| {
             let vars = || run.vars.iter().map(|(_, v)| v);
-            if self.kept_after_forward(k) {
+            // A unit whose output is a view of a parameter (the next unit
+            // reads it before the backward) is kept, not released.
+            let keep = self.kept_after_forward(k)
+                || (self.releases() && release::shares_storage(&run.output, vars()));
+            if keep {
                 kept.push(Some(run));
                 saved.push(None);
-            } else if self.releases() && !release::shares_storage(&run.output, vars()) {
+            } else if self.releases() {
                 release::release(vars())?;
                 released[k] = true;
                 held.drop_run(&run);
@@ -363,21 +373,27 @@ impl FullyShardedDataParallel {
         let mut prefetched = None;
         let gathers_again = |k: usize, kept: &[Option<UnitRun>]| kept[k].is_none() || released[k];
         for k in (0..n).rev() {
-            let vars = match gathers_again(k, &kept) {
+            let mut vars = match gathers_again(k, &kept) {
                 true => Some(self.take_or_gather(k, prefetched.take(), &mut held)?),
                 false => None,
             };
+            if released[k] {
+                // Its graph's parameters filled again before the next
+                // gather starts, so that no more than two units' whole
+                // parameters are alive at once: the copy, then the
+                // gathered values let go.
+                if let (Some(run), Some(values)) = (&kept[k], vars.take()) {
+                    held.add(vars_bytes(&values));
+                    let vars = run.vars.iter().map(|(_, v)| v);
+                    release::refill(vars, values.iter().map(|(_, v)| v))?;
+                    held.sub(vars_bytes(&values));
+                }
+            }
             // The unit before, if it is gathered again, is gathered meanwhile.
             let next = (k > 0 && gathers_again(k - 1, &kept)).then(|| k - 1);
-            let (ran, gathered) = self.with_prefetch(next, || -> Result<()> {
+            let (ran, gathered) = self.with_prefetch(next, || -> Result<UnitRun> {
                 let run = match (kept[k].take(), vars) {
-                    // Released: its graph's parameters filled again.
-                    (Some(run), Some(vars)) => {
-                        let values = vars.iter().map(|(_, v)| v);
-                        release::refill(run.vars.iter().map(|(_, v)| v), values)?;
-                        run
-                    }
-                    (Some(run), None) => run,
+                    (Some(run), _) => run,
                     (None, Some(vars)) => self.recompute(k, vars, saved[k].take(), &before)?,
                     (None, None) => return Err(Error::Fsdp(format!("unit {k} has no run"))),
                 };
@@ -407,14 +423,15 @@ impl FullyShardedDataParallel {
                         }
                     }
                 }
-                held.drop_run(&run);
-                Ok(())
+                Ok(run)
             });
             prefetched = gathered;
+            // The next unit arrived while this one was alive: counted
+            // before this one goes.
             if let Some(Ok(vars)) = &prefetched {
                 held.add(vars_bytes(vars));
             }
-            ran?;
+            held.drop_run(&ran?);
             let finals: Vec<usize> = (0..self.shards.len())
                 .filter(|&p| self.first_use[p] == Some(k))
                 .collect();

@@ -36,9 +36,9 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 /// # Errors
 ///
 /// A table that is not 2-D, ids that are not integers, or an id outside
-/// the table.
+/// the table (named with its position).
 pub fn embedding(table: &Tensor, ids: &Tensor) -> candle_core::Result<Tensor> {
-    let (_, width) = table.dims2()?;
+    let (vocab, width) = table.dims2()?;
     if !matches!(ids.dtype(), DType::U8 | DType::U32 | DType::I64) {
         candle_core::bail!(
             "embedding: ids of dtype {:?}; they must be integers (u8, u32 or i64)",
@@ -48,6 +48,24 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> candle_core::Result<Tensor> {
     let mut dims = ids.dims().to_vec();
     dims.push(width);
     let flat = ids.flatten_all()?.contiguous()?;
+    // Checked here, on every device: candle's lookup reads an id of its
+    // type's largest value (u8's 255 among them) as "no row" and gives
+    // zeros and no gradient, and CUDA's kernel asserts on the others.
+    let values: Vec<i64> = flat.to_dtype(DType::I64)?.to_vec1()?;
+    if let Some((i, id)) = values
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id < 0 || id as u64 >= vocab as u64)
+    {
+        candle_core::bail!(
+            "embedding: id {id} at position {i} is not one of the table's {vocab} rows"
+        );
+    }
+    // u8 ids as u32: candle's lookup skips u8's 255 even inside the table.
+    let flat = match flat.dtype() {
+        DType::U8 => flat.to_dtype(DType::U32)?,
+        _ => flat,
+    };
     let rows = if table.device().is_cpu() {
         table.apply_op2(&flat, Embedding)?
     } else {
@@ -158,12 +176,42 @@ mod tests {
         );
     }
 
+    /// candle's lookup reads u8's 255 as "no row": here it is row 255.
+    #[test]
+    fn a_u8_id_of_255_is_the_tables_last_row_with_its_gradient() {
+        let dev = Device::Cpu;
+        let table = Var::from_tensor(
+            &Tensor::arange(0f32, 256.0, &dev)
+                .unwrap()
+                .reshape((256, 1))
+                .unwrap(),
+        )
+        .unwrap();
+        let ids = Tensor::new(&[255u8, 3], &dev).unwrap();
+        let rows = embedding(table.as_tensor(), &ids).unwrap();
+        assert_eq!(
+            rows.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            vec![255.0, 3.0]
+        );
+        let grads = rows.sum_all().unwrap().backward().unwrap();
+        let grad = grads
+            .get(&table)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert_eq!((grad[255], grad[3], grad[0]), (1.0, 1.0, 0.0));
+    }
+
     #[test]
     fn ids_outside_the_table_or_not_integers_are_refused() {
         let dev = Device::Cpu;
         let table = Tensor::zeros((4, 3), DType::F32, &dev).unwrap();
         let err = embedding(&table, &Tensor::new(&[1u32, 4], &dev).unwrap()).unwrap_err();
-        assert!(err.to_string().contains('4'), "{err}");
+        assert!(err.to_string().contains("id 4 at position 1"), "{err}");
+        let err = embedding(&table, &Tensor::new(&[255u8], &dev).unwrap()).unwrap_err();
+        assert!(err.to_string().contains("id 255"), "{err}");
         let err = embedding(&table, &Tensor::new(&[1.0f32], &dev).unwrap()).unwrap_err();
         assert!(err.to_string().contains("integers"), "{err}");
     }

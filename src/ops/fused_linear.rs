@@ -82,58 +82,148 @@ pub fn fused_linear(
     if dtypes.iter().flatten().any(|&d| d != x.dtype()) {
         candle_core::bail!("fused linear: dtypes differ (input, weight, bias): {dtypes:?}");
     }
-    let rows = x.elem_count() / in_features.max(1);
+    // The leading dimensions' product: rows even where the width is 0.
+    let rows: usize = dims[..dims.len() - 1].iter().product();
     let x = x.reshape((rows, in_features))?;
     let fused = x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64);
-    let y = if fused {
-        let zeros;
-        let bias = match bias {
-            Some(bias) => bias,
-            None => {
-                zeros = Tensor::zeros(out_features, x.dtype(), x.device())?;
-                &zeros
+    let y = match (fused, bias) {
+        (true, Some(bias)) => x.contiguous()?.apply_op3(
+            &weight.contiguous()?,
+            &bias.contiguous()?,
+            FusedLinear(act),
+        )?,
+        (true, None) => x
+            .contiguous()?
+            .apply_op2(&weight.contiguous()?, FusedLinear(act))?,
+        (false, _) => {
+            let y = x.matmul(&weight.t()?)?;
+            let y = match bias {
+                Some(bias) => y.broadcast_add(bias)?,
+                None => y,
+            };
+            match act {
+                Activation::Identity => y,
+                Activation::Relu => y.relu()?,
             }
-        };
-        x.contiguous()?
-            .apply_op3(&weight.contiguous()?, &bias.contiguous()?, FusedLinear(act))?
-    } else {
-        let y = x.matmul(&weight.t()?)?;
-        let y = match bias {
-            Some(bias) => y.broadcast_add(bias)?,
-            None => y,
-        };
-        match act {
-            Activation::Identity => y,
-            Activation::Relu => y.relu()?,
         }
     };
     y.reshape(dims)
 }
 
+/// The op, with a bias (three arguments) or without (two).
 struct FusedLinear(Activation);
 
 /// The activation's backward: the output's gradient where the output is
 /// above 0, else 0 (the identity's is the gradient itself).
 struct ReluGrad;
 
-/// Adds `bias` to every row of `z` (rows x `bias.len()`) and applies
-/// `act`, in place.
-fn bias_and_act<T: Float>(z: &mut [T], bias: &[T], act: Activation) {
-    let width = bias.len().max(1);
+/// Adds `bias` (if any) to every row of `z` (rows x `width`) and applies
+/// `act`, in place; nothing to do for neither.
+fn bias_and_act<T: Float>(z: &mut [T], width: usize, bias: Option<&[T]>, act: Activation) {
+    if bias.is_none() && act == Activation::Identity {
+        return;
+    }
+    let width = width.max(1);
     let len = z.len();
     let items: Vec<_> = z.chunks_mut(BLOCK_ROWS * width).collect();
     each_item(items, len, |block| {
         for row in block.chunks_mut(width) {
-            for (v, &b) in row.iter_mut().zip(bias) {
-                let s = *v + b;
+            if let Some(bias) = bias {
+                row.iter_mut().zip(bias).for_each(|(v, &b)| *v = *v + b);
+            }
+            if act == Activation::Relu {
                 // `<`, not `max`: a NaN stays NaN, as in PyTorch.
-                *v = match act {
-                    Activation::Relu if s < T::of(0.0) => T::of(0.0),
-                    _ => s,
-                };
+                for v in row.iter_mut() {
+                    if *v < T::of(0.0) {
+                        *v = T::of(0.0);
+                    }
+                }
             }
         }
     });
+}
+
+impl FusedLinear {
+    /// `act(x W^T + b)`: candle's own product (gemm, on its pool) for
+    /// `x W^T`, into a buffer this op then owns and finishes in place.
+    fn forward(
+        &self,
+        (x, x_layout): (&CpuStorage, &Layout),
+        (w, w_layout): (&CpuStorage, &Layout),
+        bias: Option<(&CpuStorage, &Layout)>,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = "fused linear";
+        let (rows, inner) = x_layout.shape().dims2()?;
+        let (out, _) = w_layout.shape().dims2()?;
+        let z = x.matmul(
+            w,
+            (1, rows, out, inner),
+            x_layout,
+            &w_layout.transpose(0, 1)?,
+        )?;
+        let y = per_float!(x.dtype(), op, T => {
+            let mut z = T::into_values(z, op)?;
+            let bias = bias.map(|(b, l)| T::slice(b, l, op)).transpose()?;
+            bias_and_act(&mut z, out, bias, self.0);
+            T::storage(z)
+        });
+        Ok((y, Shape::from((rows, out))))
+    }
+
+    /// The gradients of x, the weight and the bias (each only where a
+    /// variable is behind it: data, such as a first layer's input, needs
+    /// none), the weight's made in its own layout (out x in).
+    fn backward(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<[Option<Tensor>; 3]> {
+        let grad = grad_res.contiguous()?;
+        let grad = match self.0 {
+            Activation::Identity => grad,
+            Activation::Relu => grad.apply_op2_no_bwd(res, &ReluGrad)?,
+        };
+        let (x_needs, w_needs) = (x.track_op(), weight.track_op());
+        // The products below are gradients, not part of any graph.
+        let (x, weight) = (x.detach(), weight.detach());
+        let grad_x = x_needs.then(|| grad.matmul(&weight)).transpose()?;
+        let grad_w = w_needs.then(|| grad.t()?.matmul(&x)).transpose()?;
+        let grad_b = bias
+            .filter(|b| b.track_op())
+            .map(|_| grad.apply_op1_no_bwd(&ColumnSum))
+            .transpose()?;
+        Ok([grad_x, grad_w, grad_b])
+    }
+}
+
+impl CustomOp2 for FusedLinear {
+    fn name(&self) -> &'static str {
+        "candle-dp-fused-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        w: &CpuStorage,
+        w_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.forward((x, x_layout), (w, w_layout), None)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let [grad_x, grad_w, _] = self.backward(x, weight, None, res, grad_res)?;
+        Ok((grad_x, grad_w))
+    }
 }
 
 impl CustomOp3 for FusedLinear {
@@ -150,23 +240,7 @@ impl CustomOp3 for FusedLinear {
         b: &CpuStorage,
         b_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let op = "fused linear";
-        let (rows, inner) = x_layout.shape().dims2()?;
-        let (out, _) = w_layout.shape().dims2()?;
-        // candle's own product (gemm, on its pool) for x W^T, into a
-        // buffer this op then owns and finishes in place.
-        let z = x.matmul(
-            w,
-            (1, rows, out, inner),
-            x_layout,
-            &w_layout.transpose(0, 1)?,
-        )?;
-        let y = per_float!(x.dtype(), op, T => {
-            let mut z = T::into_values(z, op)?;
-            bias_and_act(&mut z, T::slice(b, b_layout, op)?, self.0);
-            T::storage(z)
-        });
-        Ok((y, Shape::from((rows, out))))
+        self.forward((x, x_layout), (w, w_layout), Some((b, b_layout)))
     }
 
     fn bwd(
@@ -177,24 +251,8 @@ impl CustomOp3 for FusedLinear {
         res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let grad = grad_res.contiguous()?;
-        let grad = match self.0 {
-            Activation::Identity => grad,
-            Activation::Relu => grad.apply_op2_no_bwd(res, &ReluGrad)?,
-        };
-        // Data (no variable behind it, as a first layer's input) needs no
-        // gradient.
-        let x_needs_grad = x.track_op();
-        // The products below are gradients, not part of any graph.
-        let (x, weight) = (x.detach(), weight.detach());
-        let grad_x = x_needs_grad.then(|| grad.matmul(&weight)).transpose()?;
-        // out x in, the weight's own layout: no transposed copy after.
-        let grad_w = grad.t()?.matmul(&x)?;
-        let grad_b = bias
-            .track_op()
-            .then(|| grad.apply_op1_no_bwd(&ColumnSum))
-            .transpose()?;
-        Ok((grad_x, Some(grad_w), grad_b))
+        let [grad_x, grad_w, grad_b] = self.backward(x, weight, Some(bias), res, grad_res)?;
+        Ok((grad_x, grad_w, grad_b))
     }
 }
 

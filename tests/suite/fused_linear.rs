@@ -162,3 +162,29 @@ fn fused_linear_refuses_bad_input_naming_it() {
     let e = message(&Tensor::zeros(4, DType::F32, cpu).unwrap(), None);
     assert!(e.contains("rank") || e.contains("dims"), "{e}");
 }
+
+/// An input of no columns gives the bias on every row (PyTorch's `linear`
+/// does), and a weight that is no variable (frozen) gets no gradient
+/// while the input that is one gets its own.
+#[test]
+fn fused_linear_of_no_columns_is_the_bias_and_a_frozen_weight_gets_no_gradient() {
+    let cpu = &Device::Cpu;
+    let x = Tensor::zeros((5, 0), DType::F32, cpu).unwrap();
+    let w = Tensor::zeros((3, 0), DType::F32, cpu).unwrap();
+    let b = Tensor::new(&[1f32, -2.0, 3.0], cpu).unwrap();
+    let y = ops::fused_linear(&x, &w, Some(&b), Activation::Relu).unwrap();
+    assert_eq!(y.to_vec2::<f32>().unwrap(), vec![vec![1.0, 0.0, 3.0]; 5]);
+
+    let x = Var::from_tensor(&Tensor::new(&[[1f32, 2.0], [3.0, -4.0]], cpu).unwrap()).unwrap();
+    let frozen = Tensor::new(&[[0.5f32, 0.25]], cpu).unwrap();
+    let y = ops::fused_linear(&x, &frozen, None, Activation::Identity).unwrap();
+    let grads = y.sum_all().unwrap().backward().unwrap();
+    assert!(
+        grads.get(&frozen).is_none(),
+        "the frozen weight got a gradient"
+    );
+    assert_eq!(
+        grads.get(&x).unwrap().to_vec2::<f32>().unwrap(),
+        vec![vec![0.5, 0.25]; 2]
+    );
+}
