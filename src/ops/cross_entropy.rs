@@ -5,6 +5,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
+use super::indices::indices_below;
 use super::kernel::{add_blocks, each_item, elements, per_float, Float, BLOCK_ROWS};
 
 /// The mean over rows of `-log softmax(logits)[target]`: `logits` is rows
@@ -59,12 +60,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> candle_core::Result<T
 
 /// The targets as u32 on the CPU, each checked to be a class.
 pub(crate) fn class_indices(targets: &Tensor, classes: usize) -> candle_core::Result<Tensor> {
-    let values: Vec<i64> = targets.to_dtype(DType::I64)?.to_vec1()?;
-    if let Some((row, value)) = values
-        .iter()
-        .enumerate()
-        .find(|(_, &v)| v < 0 || v as u64 >= classes as u64)
-    {
+    if let Err((row, value)) = indices_below(targets, classes)? {
         candle_core::bail!(
             "cross-entropy: target {value} at row {row} is not one of the {classes} classes"
         );

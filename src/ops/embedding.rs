@@ -16,6 +16,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
+use super::indices::indices_below;
+
 /// The rows of `table` (`vocab x width`) at `ids` (any shape, integer
 /// dtype): a tensor of `ids`' shape with `width` appended.
 ///
@@ -51,12 +53,7 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> candle_core::Result<Tensor> {
     // Checked here, on every device: candle's lookup reads an id of its
     // type's largest value (u8's 255 among them) as "no row" and gives
     // zeros and no gradient, and CUDA's kernel asserts on the others.
-    let values: Vec<i64> = flat.to_dtype(DType::I64)?.to_vec1()?;
-    if let Some((i, id)) = values
-        .iter()
-        .enumerate()
-        .find(|(_, &id)| id < 0 || id as u64 >= vocab as u64)
-    {
+    if let Err((i, id)) = indices_below(&flat, vocab)? {
         candle_core::bail!(
             "embedding: id {id} at position {i} is not one of the table's {vocab} rows"
         );

@@ -15,8 +15,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
+use super::column_sum::ColumnSum;
 use super::kernel::{each_item, map2, per_float, Float, BLOCK_ROWS};
-use super::linear::ColumnSum;
 
 /// The activation fused into [`fused_linear`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,10 +2,11 @@
 //! product, and a bias add whose backward is one column sum.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
+use super::column_sum::ColumnSum;
 use super::fused_linear::{fused_linear, Activation};
-use super::kernel::{column_sums, each_item, per_float, Float, BLOCK_ROWS};
+use super::kernel::{each_item, per_float, Float, BLOCK_ROWS};
 
 /// `x W^T + b` over the last dimension of `x` (PyTorch's `nn.Linear`
 /// layout: `weight` is out x in), every leading dimension folded into the
@@ -76,9 +77,6 @@ pub fn bias_add(x: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
 
 struct BiasAdd;
 
-/// The backward's bias part: the gradient's column sums.
-pub(super) struct ColumnSum;
-
 fn add_rows<T: Float>(x: &[T], bias: &[T]) -> Vec<T> {
     let width = bias.len().max(1);
     let mut out = vec![T::of(0.0); x.len()];
@@ -126,24 +124,5 @@ impl CustomOp2 for BiasAdd {
         let grad = grad_res.contiguous()?;
         let grad_bias = grad.apply_op1_no_bwd(&ColumnSum)?.reshape(bias.shape())?;
         Ok((Some(grad), Some(grad_bias)))
-    }
-}
-
-impl CustomOp1 for ColumnSum {
-    fn name(&self) -> &'static str {
-        "candle-dp-column-sum"
-    }
-
-    fn cpu_fwd(
-        &self,
-        storage: &CpuStorage,
-        layout: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let width = layout.dims().last().copied().unwrap_or(1);
-        let op = "bias add backward";
-        let out = per_float!(storage.dtype(), op, T => {
-            T::storage(column_sums(T::slice(storage, layout, op)?, width))
-        });
-        Ok((out, Shape::from(width)))
     }
 }

@@ -39,11 +39,13 @@
 //! the same bytes on any number of threads.
 
 mod attention;
+mod column_sum;
 mod cross_entropy;
 pub mod dropout;
 mod embedding;
 mod fused_linear;
 mod gelu;
+mod indices;
 mod kernel;
 mod layer_norm;
 mod linear;
