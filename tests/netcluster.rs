@@ -635,6 +635,18 @@ fn a_job_left_with_fewer_ranks_than_its_minimum_ends_naming_the_lost_machine() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The processes netcluster's teardown found still running (its lines
+/// after "still running at teardown"), but Slurm's step daemons
+/// (`slurmstepd`), which are Slurm's, not the job's.
+fn leftovers_but_slurmstepd(said: &str) -> Vec<&str> {
+    said.lines()
+        .skip_while(|l| !l.contains("still running at teardown"))
+        .skip(1)
+        .take_while(|l| l.trim_start().starts_with("machine "))
+        .filter(|l| !l.contains("slurmstepd"))
+        .collect()
+}
+
 /// Slurm on several nodes: a Slurm cluster of two simulated machines
 /// (`--slurm`), `srun --nodes=2 --mpi=pmix train_lm` (one task a node,
 /// over TCP between them) saves the bytes of two thread ranks, under DDP
@@ -692,7 +704,14 @@ fn srun_on_two_simulated_nodes_trains_to_the_bytes_of_thread_ranks() {
         let said = text(&output);
         assert!(output.status.success(), "{strategy}: {said}");
         assert!(said.contains("x2 (MPI processes)"), "{strategy}: {said}");
-        assert!(!said.contains("still running at teardown"), "{said}");
+        // Slurm's own step daemon may outlive the wait on a loaded 2-core
+        // machine (past 30 s once, in a run that had saved the right
+        // bytes); nothing of the job may.
+        let left = leftovers_but_slurmstepd(&said);
+        assert!(
+            left.is_empty(),
+            "{strategy}: a process outlived the job: {left:?}\n{said}"
+        );
         let read = |name: &str| std::fs::read(dir.join(format!("{name}.safetensors"))).unwrap();
         assert!(
             read("srun") == read("threads"),

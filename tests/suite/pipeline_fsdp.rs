@@ -244,7 +244,7 @@ fn the_language_model_with_fsdp_across_pipelines_trains_to_zero_twos_bytes_and_r
         let saving = |name: &str| {
             let dir = checkpoint_dir(name);
             move |config: FabricConfig| FabricConfig {
-                checkpoint_dir: Some(dir.clone()),
+                checkpoint_dir: Some(dir.path()),
                 ..config
             }
         };

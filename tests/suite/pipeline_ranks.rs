@@ -706,12 +706,35 @@ pub(crate) fn assert_close_to_one_device(label: &str, run: &LmRun, single: &LmRu
     );
 }
 
-/// A fresh folder for a test's checkpoints.
-pub(crate) fn checkpoint_dir(name: &str) -> std::path::PathBuf {
+/// A fresh folder for a test's checkpoints, removed when dropped (a test
+/// that fails leaves it removed too, as the drop runs on unwinding).
+pub(crate) struct CheckpointDir(std::path::PathBuf);
+
+impl CheckpointDir {
+    pub(crate) fn path(&self) -> std::path::PathBuf {
+        self.0.clone()
+    }
+}
+
+impl std::ops::Deref for CheckpointDir {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for CheckpointDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A fresh [`CheckpointDir`] named for the test and this process.
+pub(crate) fn checkpoint_dir(name: &str) -> CheckpointDir {
     let dir =
         std::env::temp_dir().join(format!("candle-dp-rank-pipe-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    dir
+    CheckpointDir(dir)
 }
 
 #[test]
@@ -735,7 +758,7 @@ fn the_language_model_through_the_fabric_on_ranks_trains_to_one_devices_weights_
         close("2 x 2", &straight);
         let dir = checkpoint_dir("lm");
         let saving = |config: FabricConfig| FabricConfig {
-            checkpoint_dir: Some(dir.clone()),
+            checkpoint_dir: Some(dir.path()),
             ..config
         };
         lm_through_the_fabric(saving(ranks(2, 2)), steps, Some(2));
@@ -749,7 +772,7 @@ fn the_language_model_through_the_fabric_on_ranks_trains_to_one_devices_weights_
         );
         let dir2 = checkpoint_dir("lm-split");
         let saving2 = |config: FabricConfig| FabricConfig {
-            checkpoint_dir: Some(dir2.clone()),
+            checkpoint_dir: Some(dir2.path()),
             ..config
         };
         lm_through_the_fabric(saving2(ranks(2, 2)), steps, Some(2));

@@ -313,7 +313,7 @@ fn the_language_model_with_zero_across_pipelines_trains_to_one_devices_weights_a
         close("ZeRO-2 on 2 x 2", &two);
         let dir = checkpoint_dir("zero-lm");
         let saving = |config: FabricConfig| FabricConfig {
-            checkpoint_dir: Some(dir.clone()),
+            checkpoint_dir: Some(dir.path()),
             ..config
         };
         lm_through_the_fabric(saving(ranks(2, 2, Some(2))), steps, Some(2));
@@ -327,7 +327,7 @@ fn the_language_model_with_zero_across_pipelines_trains_to_one_devices_weights_a
         );
         let dir2 = checkpoint_dir("zero-lm-split");
         let saving2 = |config: FabricConfig| FabricConfig {
-            checkpoint_dir: Some(dir2.clone()),
+            checkpoint_dir: Some(dir2.path()),
             ..config
         };
         lm_through_the_fabric(saving2(ranks(2, 2, Some(2))), steps, Some(2));
@@ -338,7 +338,7 @@ fn the_language_model_with_zero_across_pipelines_trains_to_one_devices_weights_a
         // And a plain pipeline's state resumes under ZeRO-1.
         let dir3 = checkpoint_dir("zero-lm-plain");
         let saving3 = |config: FabricConfig| FabricConfig {
-            checkpoint_dir: Some(dir3.clone()),
+            checkpoint_dir: Some(dir3.path()),
             ..config
         };
         lm_through_the_fabric(saving3(ranks(1, 4, None)), steps, Some(2));
