@@ -4,7 +4,8 @@
 //!
 //! ```text
 //! cargo run --release --example bench -- --out bench-out [--quick] [--steps 20] [--rounds 2]
-//!     [--device cpu|cuda] [--torch-csv scripts-output.csv]    (--help for details)
+//!     [--device cpu|cuda] [--torch-csv scripts-output.csv | --torch-python venv/bin/python]
+//!     (--help for details)
 //! cargo run --release --example bench -- --pipeline --out bench-out   (model parallelism)
 //! cargo run --release --features mpi --example bench -- --all-reduce --out bench-out
 //! cargo run --release --features mpi --example bench -- --zero --out bench-out
@@ -23,6 +24,9 @@
 //! `--torch-csv` reads the CSV written by `scripts/bench_torch.py --csv` (run
 //! just before or after, on the same machine) and adds the ratios to
 //! PyTorch.
+//! `--torch-python` instead runs `bench_torch.py` itself, once a round
+//! before candle-dp's configurations, and takes its medians over the
+//! rounds (written to `torch.csv`).
 //!
 //! `--device cuda` (a build with `--features cuda`) puts every replica or
 //! rank on GPU 0: DataParallel's replicas share its stream (candle-dp
@@ -73,6 +77,7 @@ mod plan;
 mod precision;
 mod report;
 mod stats;
+mod torch_rounds;
 mod tp_memory;
 mod zero;
 
@@ -182,9 +187,12 @@ struct Args {
     /// in the same rounds, with the ratios (writes lm.md).
     #[arg(long)]
     lm: bool,
-    /// With --lm: a Python with PyTorch, to run `scripts/train_lm_torch.py`
-    /// on one process and as DDP over two beside candle-dp.
-    #[arg(long, value_name = "PYTHON", requires = "lm")]
+    /// A Python with PyTorch: with --lm, to run `scripts/train_lm_torch.py`
+    /// on one process and as DDP over two beside candle-dp; otherwise to
+    /// run `scripts/bench_torch.py` once a round, in the same rounds as
+    /// candle-dp's configurations (its medians then stand for PyTorch, as
+    /// --torch-csv's would).
+    #[arg(long, value_name = "PYTHON", conflicts_with = "torch_csv")]
     torch_python: Option<PathBuf>,
     /// Measure the language model on two simulated machines of two ranks
     /// each (`scripts/netcluster.sh`, as root; a build with `--features
@@ -363,7 +371,12 @@ fn run(args: Args) -> Result<()> {
         ProgressStyle::with_template("[{bar:30}] {pos}/{len} {msg}")?.progress_chars("=> "),
     );
     let mut measured: Vec<Measured> = vec![Measured::default(); specs.len()];
-    for _ in 0..rounds {
+    let mut torch_rounds = Vec::new();
+    for round in 0..rounds {
+        if let Some(python) = &args.torch_python {
+            bar.set_message("PyTorch (scripts/bench_torch.py)");
+            torch_rounds.push(torch_rounds::run_round(python, quick, out_dir, round)?);
+        }
         for (spec, m) in specs.iter().zip(measured.iter_mut()) {
             bar.set_message(format!(
                 "{} {} batch {}",
@@ -378,13 +391,17 @@ fn run(args: Args) -> Result<()> {
     bar.finish_and_clear();
 
     let rows = summarize(&specs, &measured);
-    let torch = args
-        .torch_csv
-        .as_ref()
-        .map(|path| {
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
-        })
-        .transpose()?;
+    let torch = match (&args.torch_csv, torch_rounds.is_empty()) {
+        (Some(path), _) => Some(
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?,
+        ),
+        (None, false) => {
+            let csv = torch_rounds::median_csv(&torch_rounds);
+            std::fs::write(out_dir.join("torch.csv"), &csv)?;
+            Some(csv)
+        }
+        (None, true) => None,
+    };
     let mut table = markdown(&rows);
     table += &targets(&rows, torch.as_deref());
     table += &ddp_comparison(&rows, torch.as_deref());
