@@ -293,15 +293,7 @@ fn run_torch(
         cmd.args(["--threads", &cores().to_string()]);
     }
     let label = Run::Torch { world }.label();
-    let output = cmd
-        .output()
-        .with_context(|| format!("{label}: starting {}", python.display()))?;
-    if !output.status.success() {
-        anyhow::bail!(
-            "{label} failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
+    crate::run_ok(&mut cmd, &label)?;
     let twin: TwinJson = serde_json::from_str(&std::fs::read_to_string(&json)?)
         .with_context(|| format!("{label}: {}", json.display()))?;
     Ok(twin

@@ -490,12 +490,21 @@ fn on_simulated_machines(machines: usize, per_machine: usize) -> Result<Command>
     Ok(cluster)
 }
 
-/// Runs a child process and reads the JSON on the last line it printed.
-fn child_answer<T: serde::de::DeserializeOwned>(mut cmd: Command, label: &str) -> Result<T> {
-    let out = cmd.output()?;
+/// Runs `cmd` to its end: its output, or an error naming `label` (with
+/// its stderr) where it could not start or failed.
+fn run_ok(cmd: &mut Command, label: &str) -> Result<std::process::Output> {
+    let out = cmd
+        .output()
+        .with_context(|| format!("{label}: starting {:?}", cmd.get_program()))?;
     if !out.status.success() {
         bail!("{label} failed: {}", String::from_utf8_lossy(&out.stderr));
     }
+    Ok(out)
+}
+
+/// Runs a child process and reads the JSON on the last line it printed.
+fn child_answer<T: serde::de::DeserializeOwned>(mut cmd: Command, label: &str) -> Result<T> {
+    let out = run_ok(&mut cmd, label)?;
     // The answer is the last line that parses: libraries may print too
     // (NCCL its version, with NCCL_DEBUG=VERSION).
     let stdout = String::from_utf8(out.stdout)?;

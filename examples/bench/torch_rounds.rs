@@ -19,15 +19,7 @@ pub fn run_round(python: &Path, quick: bool, out: &Path, round: usize) -> Result
     if quick {
         cmd.arg("--quick");
     }
-    let output = cmd
-        .output()
-        .with_context(|| format!("starting {} {script}", python.display()))?;
-    if !output.status.success() {
-        anyhow::bail!(
-            "bench_torch.py (round {round}) failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
+    crate::run_ok(&mut cmd, &format!("bench_torch.py (round {round})"))?;
     std::fs::read_to_string(&csv).with_context(|| format!("reading {}", csv.display()))
 }
 
