@@ -17,6 +17,32 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor
 
 use super::column_sum::ColumnSum;
 use super::kernel::{each_item, map2, per_float, Float, BLOCK_ROWS};
+use super::transpose::transposed;
+
+/// Whether the forward's product reads a transposed copy of the weight
+/// (`out` x `inner` elements of `elem` bytes) for an input of `rows` rows.
+///
+/// Only where gemm's packing of the weight as it lies would be slowest:
+/// rows a multiple of 4 KiB long, so that the 64 rows gemm packs at once
+/// fall into one cache set, and at least those 64 rows. There the copy
+/// repays itself from 2 input rows on (f32 1024 x 1024: 1.4-2.4x on the
+/// product at 2-256 rows, even at 1024 rows; `transpose`'s note).
+/// Elsewhere the copy cost more than it saved (0.6-0.95x on the language
+/// model's and the MLP's other layers). Products of at most 256 outputs
+/// (one row among them) take gemm's dot-product kernels, which read the
+/// weight as it lies and sum in another order: there the copy would buy
+/// nothing and change the bytes.
+fn transposes_weight(rows: usize, out: usize, inner: usize, elem: usize) -> bool {
+    const CACHE_WAY_BYTES: usize = 4096;
+    const GEMM_PANEL_ROWS: usize = 64;
+    const GEMM_SMALL_OUTPUTS: usize = 16 * 16;
+    let row_bytes = inner * elem;
+    rows >= 2
+        && rows * out > GEMM_SMALL_OUTPUTS
+        && out >= GEMM_PANEL_ROWS
+        && row_bytes > 0
+        && row_bytes.is_multiple_of(CACHE_WAY_BYTES)
+}
 
 /// The activation fused into [`fused_linear`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,12 +181,17 @@ impl FusedLinear {
         let op = "fused linear";
         let (rows, inner) = x_layout.shape().dims2()?;
         let (out, _) = w_layout.shape().dims2()?;
-        let z = x.matmul(
-            w,
-            (1, rows, out, inner),
-            x_layout,
-            &w_layout.transpose(0, 1)?,
-        )?;
+        let bmnk = (1, rows, out, inner);
+        let z = if transposes_weight(rows, out, inner, x.dtype().size_in_bytes()) {
+            // The weight as gemm reads it fastest (see `transpose`): the
+            // same products in the same order, so the same bytes.
+            let wt = per_float!(w.dtype(), op, T => {
+                T::storage(transposed(T::slice(w, w_layout, op)?, out, inner))
+            });
+            x.matmul(&wt, bmnk, x_layout, &Layout::contiguous((inner, out)))?
+        } else {
+            x.matmul(w, bmnk, x_layout, &w_layout.transpose(0, 1)?)?
+        };
         let y = per_float!(x.dtype(), op, T => {
             let mut z = T::into_values(z, op)?;
             let bias = bias.map(|(b, l)| T::slice(b, l, op)).transpose()?;

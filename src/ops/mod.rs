@@ -50,6 +50,7 @@ mod kernel;
 mod layer_norm;
 mod linear;
 mod softmax;
+mod transpose;
 
 pub use attention::{causal_attention, causal_attention_unfused};
 pub(crate) use cross_entropy::class_indices;

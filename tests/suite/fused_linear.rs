@@ -85,6 +85,55 @@ fn fused_linear_equals_candles_composite_ops_in_f32() {
     }
 }
 
+/// A weight whose rows are 4 KiB long (1024 f32, 512 f64) with at least
+/// 64 rows is transposed before the forward's product: the same bytes as
+/// candle's product of the weight as it lies, on 2 to 130 rows (on either
+/// side of gemm's small-product kernels, at 256 outputs), and the
+/// gradients of the composite ops up to rounding.
+#[test]
+fn a_weight_of_4_kib_rows_is_transposed_for_the_same_bytes_as_candles_product() {
+    let cpu = &Device::Cpu;
+    for (dtype, inner) in [(DType::F32, 1024), (DType::F64, 512)] {
+        for (rows, out) in [(2, 64), (4, 64), (5, 64), (2, 200), (7, 96), (130, 64)] {
+            let tensor = |n: usize, seed: u64, dims: (usize, usize)| {
+                Tensor::new(noise(n, seed, 1.0), cpu)?
+                    .reshape(dims)?
+                    .to_dtype(dtype)
+            };
+            let x = tensor(rows * inner, 7, (rows, inner)).unwrap();
+            let w = tensor(out * inner, 8, (out, inner)).unwrap();
+            let fused = ops::fused_linear(&x, &w, None, Activation::Identity).unwrap();
+            let candle = x.matmul(&w.t().unwrap()).unwrap();
+            let bits = |t: &Tensor| {
+                t.to_dtype(DType::F64)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f64>()
+                    .unwrap()
+            };
+            assert_eq!(
+                bits(&fused),
+                bits(&candle),
+                "{dtype:?} {rows} x {inner} onto {out}"
+            );
+        }
+    }
+    let (rows, inner, out) = (5, 1024, 70);
+    let case = Case {
+        x: noise(rows * inner, 1, 2.0),
+        shape: vec![rows, inner],
+        w: noise(out * inner, 2, 0.3),
+        b: noise(out, 3, 0.5),
+        dy: noise(rows * out, 4, 1.0),
+        ..Case::default()
+    };
+    let exact = on(&fused(Activation::Relu), &case, DType::F64);
+    let got = on(&fused(Activation::Relu), &case, DType::F32);
+    let other = on(&composite(Activation::Relu), &case, DType::F32);
+    assert_equal_up_to_rounding("4 KiB rows", &got, &other, &exact, 1e-6);
+}
+
 /// An input that is data (no variable behind it, a first layer's) gets
 /// no gradient, the weight and bias theirs; without a bias, the weight's
 /// gradient is the same.
