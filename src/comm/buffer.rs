@@ -661,6 +661,17 @@ pub(crate) fn fill_combined<'a, T: Element>(
     }
 }
 
+/// [`fill_combined`] of `Avg` and [`finish`] in one pass: `(a + b) /
+/// world_size`, the same operations on each element as the two passes.
+pub(crate) fn fill_combined_finished<'a, T: Element>(
+    out: &'a mut [MaybeUninit<T>],
+    a: &[T],
+    b: &[T],
+    world_size: usize,
+) -> Option<&'a mut [T]> {
+    fill_zip(out, a, b, |a, b| T::reduce_sum(a, b).divide(world_size))
+}
+
 /// The last step of a reduction: divides by the world size for `Avg`.
 pub(crate) fn finish<T: Element>(op: ReduceOp, values: &mut [T], world_size: usize) {
     if op == ReduceOp::Avg {
