@@ -24,6 +24,7 @@
 
 use candle_core::{DType, Module, ModuleT, Tensor};
 use candle_dp::fabric::ModelRecipe;
+use candle_dp::ops::Activation;
 use candle_dp::pipeline::{unit, UnitFactory};
 use candle_dp::tensor_parallel::{
     ColumnLinear, Placement, RowLinear, TensorParallel, TpPlan, VocabEmbedding,
@@ -330,10 +331,15 @@ impl Block {
 impl ModuleT for Block {
     fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
         let x = (x + self.dropout(self.attention(&self.ln_1.forward(x)?)?, 0, train)?)?;
-        let fc = self.c_fc.forward(&self.ln_2.forward(&x)?)?;
-        let hidden = match self.fused_ops {
-            true => candle_dp::ops::gelu(&fc)?,
-            false => fc.gelu()?,
+        let ln = self.ln_2.forward(&x)?;
+        let hidden = match (&self.c_fc, self.fused_ops) {
+            // The GELU inside the layer's op: no tensor of its own to
+            // accumulate a gradient into, the same bytes.
+            (Proj::Whole(fc, _), true) => {
+                candle_dp::ops::fused_linear(&ln, fc.weight(), fc.bias(), Activation::Gelu)?
+            }
+            (fc, true) => candle_dp::ops::gelu(&fc.forward(&ln)?)?,
+            (fc, false) => fc.forward(&ln)?.gelu()?,
         };
         &x + self.dropout(self.mlp_proj.forward(&hidden)?, 1, train)?
     }

@@ -13,11 +13,15 @@
 //! whose input is the data: a third of that layer's backward).
 
 use candle_core::backend::BackendStorage;
+use std::sync::Mutex;
+
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
 use super::column_sum::ColumnSum;
+use super::gelu::{forward as gelu_forward, GeluGrad};
 use super::kernel::{each_item, map2, per_float, Float, BLOCK_ROWS};
 use super::transpose::transposed;
+use crate::util::lock::lock;
 
 /// Whether the forward's product reads a transposed copy of the weight
 /// (`out` x `inner` elements of `elem` bytes) for an input of `rows` rows.
@@ -52,6 +56,11 @@ pub enum Activation {
     /// `max(x W^T + b, 0)`; its gradient is 0 where the output is 0, as
     /// PyTorch's (`threshold_backward`).
     Relu,
+    /// GELU with the tanh approximation of `x W^T + b`, the values and
+    /// gradients of [`gelu`](super::gelu) (PyTorch's
+    /// `gelu(approximate="tanh")`) without a tensor of its own in the graph:
+    /// the pre-activation is kept by the op for its backward.
+    Gelu,
 }
 
 /// `act(x W^T + b)` over the last dimension of `x` (PyTorch's `nn.Linear`
@@ -116,11 +125,11 @@ pub fn fused_linear(
         (true, Some(bias)) => x.contiguous()?.apply_op3(
             &weight.contiguous()?,
             &bias.contiguous()?,
-            FusedLinear(act),
+            FusedLinear::new(act),
         )?,
         (true, None) => x
             .contiguous()?
-            .apply_op2(&weight.contiguous()?, FusedLinear(act))?,
+            .apply_op2(&weight.contiguous()?, FusedLinear::new(act))?,
         (false, _) => {
             let y = x.matmul(&weight.t()?)?;
             let y = match bias {
@@ -130,6 +139,7 @@ pub fn fused_linear(
             match act {
                 Activation::Identity => y,
                 Activation::Relu => y.relu()?,
+                Activation::Gelu => y.gelu()?,
             }
         }
     };
@@ -137,16 +147,32 @@ pub fn fused_linear(
 }
 
 /// The op, with a bias (three arguments) or without (two).
-struct FusedLinear(Activation);
+struct FusedLinear {
+    act: Activation,
+    /// GELU's input, `x W^T + b`, from the forward for the backward (the
+    /// output does not determine it). Kept as long as the graph keeps the
+    /// op, as the separate GELU's graph node kept it.
+    pre_activation: Mutex<Option<Tensor>>,
+}
+
+impl FusedLinear {
+    fn new(act: Activation) -> Self {
+        FusedLinear {
+            act,
+            pre_activation: Mutex::new(None),
+        }
+    }
+}
 
 /// The activation's backward: the output's gradient where the output is
 /// above 0, else 0 (the identity's is the gradient itself).
 struct ReluGrad;
 
 /// Adds `bias` (if any) to every row of `z` (rows x `width`) and applies
-/// `act`, in place; nothing to do for neither.
+/// ReLU if `act` says, in place; nothing to do for neither (the GELU is
+/// not applied here: its input is kept, see [`FusedLinear::forward`]).
 fn bias_and_act<T: Float>(z: &mut [T], width: usize, bias: Option<&[T]>, act: Activation) {
-    if bias.is_none() && act == Activation::Identity {
+    if bias.is_none() && act != Activation::Relu {
         return;
     }
     let width = width.max(1);
@@ -195,8 +221,16 @@ impl FusedLinear {
         let y = per_float!(x.dtype(), op, T => {
             let mut z = T::into_values(z, op)?;
             let bias = bias.map(|(b, l)| T::slice(b, l, op)).transpose()?;
-            bias_and_act(&mut z, out, bias, self.0);
-            T::storage(z)
+            bias_and_act(&mut z, out, bias, self.act);
+            match self.act {
+                Activation::Gelu => {
+                    let y = gelu_forward(&z);
+                    let z = Tensor::from_vec(z, (rows, out), &candle_core::Device::Cpu)?;
+                    *lock(&self.pre_activation) = Some(z);
+                    T::storage(y)
+                }
+                Activation::Identity | Activation::Relu => T::storage(z),
+            }
         });
         Ok((y, Shape::from((rows, out))))
     }
@@ -213,9 +247,15 @@ impl FusedLinear {
         grad_res: &Tensor,
     ) -> candle_core::Result<[Option<Tensor>; 3]> {
         let grad = grad_res.contiguous()?;
-        let grad = match self.0 {
+        let grad = match self.act {
             Activation::Identity => grad,
             Activation::Relu => grad.apply_op2_no_bwd(res, &ReluGrad)?,
+            Activation::Gelu => {
+                let Some(z) = lock(&self.pre_activation).clone() else {
+                    candle_core::bail!("fused linear backward: the GELU's input was not kept");
+                };
+                z.apply_op2_no_bwd(&grad, &GeluGrad)?
+            }
         };
         let (x_needs, w_needs) = (x.track_op(), weight.track_op());
         // The products below are gradients, not part of any graph.

@@ -50,11 +50,11 @@ pub fn gelu(x: &Tensor) -> candle_core::Result<Tensor> {
 struct Gelu;
 
 /// The backward: `(x, dy) -> dx`.
-struct GeluGrad;
+pub(super) struct GeluGrad;
 
 /// candle's forward formula: `0.5 v (1 + tanh(sqrt(2/pi) v
 /// (1 + 0.044715 v v)))`, in its order of operations.
-fn forward<T: Float>(x: &[T]) -> Vec<T> {
+pub(super) fn forward<T: Float>(x: &[T]) -> Vec<T> {
     let (half, one, beta, kappa) = (T::of(0.5), T::of(1.0), T::of(BETA), T::of(KAPPA));
     map1(x, move |v| {
         let inner = beta * v * (one + kappa * v * v);

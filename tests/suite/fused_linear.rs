@@ -20,6 +20,7 @@ fn composite(act: Activation) -> impl Fn(&[Tensor]) -> candle_core::Result<Tenso
         match act {
             Activation::Identity => Ok(y),
             Activation::Relu => y.relu(),
+            Activation::Gelu => y.gelu(),
         }
     }
 }
@@ -132,6 +133,56 @@ fn a_weight_of_4_kib_rows_is_transposed_for_the_same_bytes_as_candles_product() 
     let got = on(&fused(Activation::Relu), &case, DType::F32);
     let other = on(&composite(Activation::Relu), &case, DType::F32);
     assert_equal_up_to_rounding("4 KiB rows", &got, &other, &exact, 1e-6);
+}
+
+/// GELU fused into the layer: the values and every gradient of
+/// `ops::linear` then `ops::gelu`, bit for bit, in f32 and f64, on one
+/// row, a 3-D input and a weight of 4 KiB rows; without a bias too; and a
+/// second backward through the same graph gives the first one's.
+#[test]
+fn fused_linear_gelu_is_linear_then_gelu_bit_for_bit() {
+    let fused_gelu = |t: &[Tensor]| ops::fused_linear(&t[0], &t[1], Some(&t[2]), Activation::Gelu);
+    let separate = |t: &[Tensor]| ops::gelu(&ops::linear(&t[0], &t[1], Some(&t[2]))?);
+    let fused_no_bias = |t: &[Tensor]| ops::fused_linear(&t[0], &t[1], None, Activation::Gelu);
+    let separate_no_bias = |t: &[Tensor]| ops::gelu(&ops::linear(&t[0], &t[1], None)?);
+    for (shape, out) in [(vec![1, 13], 11), (vec![2, 5, 7], 9), (vec![6, 1024], 70)] {
+        let inner = shape[shape.len() - 1];
+        let rows: usize = shape.iter().product::<usize>() / inner;
+        let case = Case {
+            x: noise(rows * inner, 11, 3.0),
+            shape: shape.clone(),
+            w: noise(out * inner, 12, 0.5),
+            b: noise(out, 13, 0.5),
+            dy: noise(rows * out, 14, 1.0),
+            ..Case::default()
+        };
+        for dtype in [DType::F32, DType::F64] {
+            let what = format!("{dtype:?} {shape:?} onto {out}");
+            assert_eq!(
+                on(&fused_gelu, &case, dtype),
+                on(&separate, &case, dtype),
+                "{what}"
+            );
+            let inputs = [(&case.x[..], &shape[..]), (&case.w[..], &[out, inner][..])];
+            let no_bias = |f: &Op<'_>| values_and_grads(f, &inputs, &case.dy, dtype);
+            assert_eq!(
+                no_bias(&fused_no_bias),
+                no_bias(&separate_no_bias),
+                "{what}, no bias"
+            );
+        }
+    }
+    let cpu = &Device::Cpu;
+    let x = Var::new(&[[0.5f32, -1.0, 2.0], [3.0, 0.25, -0.5]], cpu).unwrap();
+    let w = Var::new(&[[1f32, -2.0, 0.5], [0.3, 0.2, 0.1]], cpu).unwrap();
+    let y = ops::fused_linear(&x, &w, None, Activation::Gelu).unwrap();
+    let loss = y.sqr().unwrap().sum_all().unwrap();
+    let (first, second) = (loss.backward().unwrap(), loss.backward().unwrap());
+    for v in [&x, &w] {
+        let grad =
+            |g: &candle_core::backprop::GradStore| g.get(v).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(grad(&first), grad(&second));
+    }
 }
 
 /// An input that is data (no variable behind it, a first layer's) gets
