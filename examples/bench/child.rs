@@ -71,17 +71,7 @@ pub fn run_child(spec: &Spec) -> Result<Measured> {
     }
 }
 
-/// One device, as candle-dp runs one rank (`launch::spawn_with(1, …)`:
-/// candle's elementwise pool emptied, whose spinning thread took 12% of
-/// the 2-core step's samples from gemm), on a pool of `spec.threads`.
 fn run_single(spec: &Spec, first: Device, x: &Tensor, y: &Tensor) -> Result<Measured> {
-    let mut one = launch::spawn_with(1, GroupOptions::default(), |_| {
-        single_rank(spec, &first, x, y)
-    })?;
-    Ok(one.swap_remove(0))
-}
-
-fn single_rank(spec: &Spec, first: &Device, x: &Tensor, y: &Tensor) -> Result<Measured> {
     let mut m = Measured::default();
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(spec.threads)
@@ -90,7 +80,7 @@ fn single_rank(spec: &Spec, first: &Device, x: &Tensor, y: &Tensor) -> Result<Me
         let varmap = VarMap::new();
         let net = Net::new(
             spec.model,
-            VarBuilder::from_varmap(&varmap, DType::F32, first),
+            VarBuilder::from_varmap(&varmap, DType::F32, &first),
         )?;
         let mut sgd = SGD::new(varmap.all_vars(), 0.01)?;
         let devices = [first.clone()];

@@ -430,19 +430,24 @@ fn run_in_child(spec: &Spec) -> Result<Measured> {
         Command::new(std::env::current_exe()?)
     };
     cmd.arg("--child").arg(serde_json::to_string(spec)?);
-    // One device: gemm splits each matmul into RAYON_NUM_THREADS parts and
-    // candle's elementwise pool has CANDLE_NUM_THREADS - 1 threads, so both
-    // say how many cores the run gets. DataParallel and DDP on threads size
-    // them themselves (src/cpu_threads.rs); MPI processes are told their
-    // share here (one core each on this machine's two).
+    // gemm splits each matmul into RAYON_NUM_THREADS parts, and candle's
+    // elementwise pool has CANDLE_NUM_THREADS - 1 spinning threads. One
+    // device runs as candle-dp runs one rank (src/cpu_threads.rs): its
+    // cores for gemm, the pool empty (its spinning worker took 12% of the
+    // 2-core MLP step's samples from gemm). DataParallel and DDP on threads
+    // size both themselves; MPI processes are told their share here (one
+    // core each on this machine's two).
     let threads = match spec.kind {
-        Kind::Single => Some(spec.threads),
-        Kind::DdpMpi => Some((cores() / spec.replicas).max(1)),
+        Kind::Single => Some((spec.threads, 1)),
+        Kind::DdpMpi => Some((
+            (cores() / spec.replicas).max(1),
+            (cores() / spec.replicas).max(1),
+        )),
         _ => None,
     };
-    if let Some(threads) = threads {
-        cmd.env("RAYON_NUM_THREADS", threads.to_string());
-        cmd.env("CANDLE_NUM_THREADS", threads.to_string());
+    if let Some((rayon, candle)) = threads {
+        cmd.env("RAYON_NUM_THREADS", rayon.to_string());
+        cmd.env("CANDLE_NUM_THREADS", candle.to_string());
     }
     child_answer(cmd, &spec.label())
 }

@@ -335,7 +335,7 @@ impl ModuleT for Block {
         let hidden = match (&self.c_fc, self.fused_ops) {
             // The GELU inside the layer's op: no tensor of its own to
             // accumulate a gradient into, the same bytes.
-            (Proj::Whole(fc, _), true) => {
+            (Proj::Whole(fc, true), true) => {
                 candle_dp::ops::fused_linear(&ln, fc.weight(), fc.bias(), Activation::Gelu)?
             }
             (fc, true) => candle_dp::ops::gelu(&fc.forward(&ln)?)?,

@@ -71,11 +71,10 @@ struct LayerNormGrad {
     eps: f64,
 }
 
-/// A row's mean and standard deviation `sqrt(var + eps)`, in f64 whatever
-/// the element type (a near-constant f32 row, `7 + 1e-3 noise`, loses a
-/// quarter of its deviations' digits to an f32 mean), the variance from
-/// the deviations (two passes, as candle's composite).
-/// A row's mean and `1 / sqrt(var + eps)` (the biased variance), in f64;
+/// A row's mean and `1 / sqrt(var + eps)` (the biased variance), in f64
+/// whatever the element type (a near-constant f32 row, `7 + 1e-3 noise`,
+/// loses a quarter of its deviations' digits to an f32 mean), the
+/// variance from the deviations (two passes, as candle's composite);
 /// inlined into the callers' AVX2 clones.
 #[inline(always)]
 fn moments<T: Float>(row: &[T], eps: f64) -> (f64, f64) {
