@@ -7,8 +7,9 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dp::comm::GroupOptions;
 use candle_dp::launch;
+use candle_dp::optim::{Sgd, SgdConfig};
 use candle_dp::{DataParallel, DdpConfig, DistributedDataParallel, LossReduction};
-use candle_nn::{loss, Optimizer, VarBuilder, VarMap, SGD};
+use candle_nn::{loss, Optimizer, VarBuilder, VarMap};
 use serde::{Deserialize, Serialize};
 
 use crate::net::Net;
@@ -82,7 +83,7 @@ fn run_single(spec: &Spec, first: Device, x: &Tensor, y: &Tensor) -> Result<Meas
             spec.model,
             VarBuilder::from_varmap(&varmap, DType::F32, &first),
         )?;
-        let mut sgd = SGD::new(varmap.all_vars(), 0.01)?;
+        let mut sgd = sgd(&varmap)?;
         let devices = [first.clone()];
         for step in 0..spec.warmup + spec.steps {
             let t0 = Instant::now();
@@ -158,7 +159,7 @@ fn ddp_rank(
         |vb| Net::new(model, vb),
         DdpConfig::default(),
     )?;
-    let mut sgd = SGD::new(varmap.all_vars(), 0.01)?;
+    let mut sgd = sgd(&varmap)?;
     let grad_bytes: usize = varmap
         .all_vars()
         .iter()
@@ -202,7 +203,7 @@ fn run_dp(spec: &Spec, x: &Tensor, y: &Tensor) -> Result<Measured> {
     let devices = vec![spec.device(0)?; spec.replicas];
     let (x, y) = (x.to_device(&devices[0])?, y.to_device(&devices[0])?);
     let dp = DataParallel::new(&varmap, DType::F32, &devices, move |vb| Net::new(model, vb))?;
-    let mut sgd = SGD::new(varmap.all_vars(), 0.01)?;
+    let mut sgd = sgd(&varmap)?;
     for step in 0..spec.warmup + spec.steps {
         let t0 = Instant::now();
         let grads = match spec.kind {
@@ -245,6 +246,17 @@ fn run_dp(spec: &Spec, x: &Tensor, y: &Tensor) -> Result<Measured> {
         }
     }
     Ok(m)
+}
+
+/// The optimizer of every configuration: candle-dp's SGD (PyTorch's
+/// `torch.optim.SGD`, as the PyTorch script's), lr 0.01, which updates a
+/// parameter in place on the CPU.
+fn sgd(varmap: &VarMap) -> Result<Sgd> {
+    let config = SgdConfig {
+        lr: 0.01,
+        ..SgdConfig::default()
+    };
+    Ok(Sgd::from_varmap(varmap, config)?)
 }
 
 /// The median time of copying `bytes` bytes once (ms).

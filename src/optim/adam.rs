@@ -8,11 +8,9 @@ use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use candle_nn::{Optimizer, VarMap};
 
-use super::element::{
-    device_state, host_values, step_each, typed, update_each, write_back, Buffer, Element,
-    PerParameter,
-};
+use super::element::{device_state, step_each, typed, update_each, Buffer, Element, PerParameter};
 use super::groups::{param_groups, GroupSettings, Groups};
+use super::in_place::update_in_place;
 use super::state::{
     by_position, check_finite, check_non_negative, check_unique, flag, invalid, named_vars,
     scalar_value, setting, sort_entries,
@@ -334,71 +332,78 @@ impl PerParameter for AdamCore {
     }
 
     fn update<T: Element>(&mut self, i: usize, grad: &Tensor) -> candle_core::Result<()> {
-        let c = self.groups.of(i);
+        let (c, decoupled) = (self.groups.of(i), self.decoupled);
         let (name, var) = &self.params[i];
-        let mut p: Vec<T> = host_values(var.as_tensor())?;
-        let mut g: Vec<T> = host_values(grad)?;
-        let n = p.len();
+        let n = var.elem_count();
         let state = self.slots[i].get_or_insert_with(|| Moments {
             step: 0.0,
             exp_avg: T::into_buffer(vec![T::of(0.0); n]),
             exp_avg_sq: T::into_buffer(vec![T::of(0.0); n]),
             max_exp_avg_sq: c.amsgrad.then(|| T::into_buffer(vec![T::of(0.0); n])),
         });
-        if c.maximize {
-            g.iter_mut().for_each(|x| *x = -*x);
-        }
-        state.step += 1.0;
-        if c.weight_decay != 0.0 {
-            if self.decoupled {
-                let keep = T::of(1.0 - c.lr * c.weight_decay);
-                p.iter_mut().for_each(|p| *p *= keep);
-            } else {
-                let wd = T::of(c.weight_decay);
-                update_each(&mut g, &p, |g, p| p.fma(wd, g));
-            }
-        }
         let Moments {
             step,
             exp_avg,
             exp_avg_sq,
             max_exp_avg_sq,
         } = state;
+        // The state is looked up before the parameter is touched: a step
+        // that fails here leaves it (and the step count) as it was.
         let m = typed::<T>(exp_avg, name, "exp_avg")?;
         let v = typed::<T>(exp_avg_sq, name, "exp_avg_sq")?;
-        // exp_avg.lerp_(g, 1 - beta1): ATen's vectorised lerp, two forms.
-        let w = T::of(1.0 - c.beta1);
-        match w < T::of(0.5) && -w < T::of(0.5) {
-            true => update_each(m, &g, |m, g| w.fma(g - m, m)),
-            false => update_each(m, &g, |m, g| (w - T::of(1.0)).fma(g - m, g)),
-        }
-        // exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2): ATen's
-        // addcmul kernel, `v + (value * g) * g`, is compiled into a fused
-        // multiply-add (measured: a plain add differs from PyTorch by an
-        // ulp here and there).
-        let (beta2, rest) = (T::of(c.beta2), T::of(1.0 - c.beta2));
-        update_each(v, &g, |v, g| (rest * g).fma(g, v * beta2));
-        let step_size = c.lr / (1.0 - c.beta1.powf(*step));
-        let bc2_sqrt = T::of((1.0 - c.beta2.powf(*step)).powf(0.5));
-        let (eps, minus_step) = (T::of(c.eps), T::of(-step_size));
-        let second: &[T] = match max_exp_avg_sq {
-            Some(max) => {
-                let max = typed::<T>(max, name, "max_exp_avg_sq")?;
-                for (max, &v) in max.iter_mut().zip(v.iter()) {
-                    // torch.maximum: NaN wins.
-                    if v.is_nan() || v > *max {
-                        *max = v;
-                    }
-                }
-                max
-            }
-            None => v,
+        let max = match max_exp_avg_sq {
+            Some(max) => Some(typed::<T>(max, name, "max_exp_avg_sq")?),
+            None => None,
         };
-        // p.addcdiv_(m, sqrt(v) / sqrt(bc2) + eps, value=-step_size)
-        for ((p, &m), &v) in p.iter_mut().zip(m.iter()).zip(second) {
-            *p += minus_step * m / (v.sqrt() / bc2_sqrt + eps);
-        }
-        write_back(var, p)
+        update_in_place(var, grad, |p: &mut [T], g: &[T]| {
+            *step += 1.0;
+            let mut changed: Option<Vec<T>> = None;
+            if c.maximize {
+                changed = Some(g.iter().map(|&x| -x).collect());
+            }
+            if c.weight_decay != 0.0 {
+                if decoupled {
+                    let keep = T::of(1.0 - c.lr * c.weight_decay);
+                    p.iter_mut().for_each(|p| *p *= keep);
+                } else {
+                    let wd = T::of(c.weight_decay);
+                    let g = changed.get_or_insert_with(|| g.to_vec());
+                    update_each(g, p, |g, p| p.fma(wd, g));
+                }
+            }
+            let g: &[T] = changed.as_deref().unwrap_or(g);
+            // exp_avg.lerp_(g, 1 - beta1): ATen's vectorised lerp, two forms.
+            let w = T::of(1.0 - c.beta1);
+            match w < T::of(0.5) && -w < T::of(0.5) {
+                true => update_each(m, g, |m, g| w.fma(g - m, m)),
+                false => update_each(m, g, |m, g| (w - T::of(1.0)).fma(g - m, g)),
+            }
+            // exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2): ATen's
+            // addcmul kernel, `v + (value * g) * g`, is compiled into a fused
+            // multiply-add (measured: a plain add differs from PyTorch by an
+            // ulp here and there).
+            let (beta2, rest) = (T::of(c.beta2), T::of(1.0 - c.beta2));
+            update_each(v, g, |v, g| (rest * g).fma(g, v * beta2));
+            let step_size = c.lr / (1.0 - c.beta1.powf(*step));
+            let bc2_sqrt = T::of((1.0 - c.beta2.powf(*step)).powf(0.5));
+            let (eps, minus_step) = (T::of(c.eps), T::of(-step_size));
+            let second: &[T] = match max {
+                Some(max) => {
+                    for (max, &v) in max.iter_mut().zip(v.iter()) {
+                        // torch.maximum: NaN wins.
+                        if v.is_nan() || v > *max {
+                            *max = v;
+                        }
+                    }
+                    max
+                }
+                None => v,
+            };
+            // p.addcdiv_(m, sqrt(v) / sqrt(bc2) + eps, value=-step_size)
+            for ((p, &m), &v) in p.iter_mut().zip(m.iter()).zip(second) {
+                *p += minus_step * m / (v.sqrt() / bc2_sqrt + eps);
+            }
+        })
     }
 
     fn update_on_device(&mut self, i: usize, grad: &Tensor) -> candle_core::Result<()> {

@@ -6,7 +6,7 @@
 //! state kept there too, so a step moves nothing to or from the host.
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_core::{CpuStorage, DType, Device, Shape, Tensor, Var};
 
 /// A float type whose arithmetic the update kernels spell out.
 pub(crate) trait Element:
@@ -29,6 +29,8 @@ pub(crate) trait Element:
     /// The state buffer that holds this type, if `buffer` does.
     fn buffer_mut(buffer: &mut Buffer) -> Option<&mut Vec<Self>>;
     fn into_buffer(values: Vec<Self>) -> Buffer;
+    /// The values of a CPU storage that holds this type.
+    fn storage_mut(storage: &mut CpuStorage) -> Option<&mut Vec<Self>>;
 }
 
 /// `x = f(x, y)` for every `x` of `xs` and its `y` of `ys`: the
@@ -66,6 +68,12 @@ impl Element for f32 {
     fn into_buffer(values: Vec<Self>) -> Buffer {
         Buffer::F32(values)
     }
+    fn storage_mut(storage: &mut CpuStorage) -> Option<&mut Vec<Self>> {
+        match storage {
+            CpuStorage::F32(v) => Some(v),
+            _ => None,
+        }
+    }
 }
 
 impl Element for f64 {
@@ -90,6 +98,12 @@ impl Element for f64 {
     }
     fn into_buffer(values: Vec<Self>) -> Buffer {
         Buffer::F64(values)
+    }
+    fn storage_mut(storage: &mut CpuStorage) -> Option<&mut Vec<Self>> {
+        match storage {
+            CpuStorage::F64(v) => Some(v),
+            _ => None,
+        }
     }
 }
 

@@ -119,6 +119,7 @@ mod device_path;
 mod element;
 mod grad_scaler;
 mod groups;
+mod in_place;
 mod lr_schedule;
 mod schedule_groups;
 mod schedule_kinds;

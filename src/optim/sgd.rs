@@ -7,11 +7,9 @@ use candle_core::backprop::GradStore;
 use candle_core::Var;
 use candle_nn::{Optimizer, VarMap};
 
-use super::element::{
-    device_state, host_values, step_each, typed, update_each, write_back, Buffer, Element,
-    PerParameter,
-};
+use super::element::{device_state, step_each, typed, update_each, Buffer, Element, PerParameter};
 use super::groups::{param_groups, GroupSettings, Groups};
+use super::in_place::update_in_place;
 use super::state::{
     by_position, check_finite, check_non_negative, check_unique, flag, named_vars, setting,
     sort_entries,
@@ -203,36 +201,53 @@ impl PerParameter for Sgd {
     ) -> candle_core::Result<()> {
         let c = self.groups.of(i);
         let (name, var) = &self.params[i];
-        let mut p: Vec<T> = host_values(var.as_tensor())?;
-        let mut g: Vec<T> = host_values(grad)?;
-        if c.maximize {
-            g.iter_mut().for_each(|x| *x = -*x);
-        }
-        if c.weight_decay != 0.0 {
-            let wd = T::of(c.weight_decay);
-            update_each(&mut g, &p, |g, p| p.fma(wd, g));
-        }
-        if c.momentum != 0.0 {
-            let mu = T::of(c.momentum);
-            let keep = T::of(1.0 - c.dampening);
-            let buf = match &mut self.momentum_buffers[i] {
-                slot @ None => slot.insert(T::into_buffer(g.clone())),
-                Some(buffer) => {
-                    let b = typed::<T>(buffer, name, "momentum_buffer")?;
-                    update_each(b, &g, |b, g| g.fma(keep, b * mu));
-                    buffer
+        // The state is looked up before the parameter is touched: a step
+        // that fails here leaves it as it was.
+        let buffer = match &mut self.momentum_buffers[i] {
+            Some(buffer) if c.momentum != 0.0 => Some(typed::<T>(buffer, name, "momentum_buffer")?),
+            _ => None,
+        };
+        let mut started: Option<Vec<T>> = None;
+        update_in_place(var, grad, |p: &mut [T], g: &[T]| {
+            let mut changed: Vec<T>;
+            let mut g = g;
+            if c.maximize || c.weight_decay != 0.0 {
+                changed = g.to_vec();
+                if c.maximize {
+                    changed.iter_mut().for_each(|x| *x = -*x);
                 }
-            };
-            let b = typed::<T>(buf, name, "momentum_buffer")?;
-            if c.nesterov {
-                update_each(&mut g, b, |g, b| b.fma(mu, g));
-            } else {
-                g.clone_from(b);
+                if c.weight_decay != 0.0 {
+                    let wd = T::of(c.weight_decay);
+                    update_each(&mut changed, p, |g, p| p.fma(wd, g));
+                }
+                g = &changed;
             }
+            let mut nesterov: Vec<T>;
+            if c.momentum != 0.0 {
+                let mu = T::of(c.momentum);
+                let keep = T::of(1.0 - c.dampening);
+                let b: &[T] = match buffer {
+                    None => started.insert(g.to_vec()),
+                    Some(b) => {
+                        update_each(b, g, |b, g| g.fma(keep, b * mu));
+                        b
+                    }
+                };
+                if c.nesterov {
+                    nesterov = g.to_vec();
+                    update_each(&mut nesterov, b, |g, b| b.fma(mu, g));
+                    g = &nesterov;
+                } else {
+                    g = b;
+                }
+            }
+            let minus_lr = T::of(-c.lr);
+            update_each(p, g, |p, g| g.fma(minus_lr, p));
+        })?;
+        if let Some(values) = started {
+            self.momentum_buffers[i] = Some(T::into_buffer(values));
         }
-        let minus_lr = T::of(-c.lr);
-        update_each(&mut p, &g, |p, g| g.fma(minus_lr, p));
-        write_back(var, p)
+        Ok(())
     }
 
     fn update_on_device(
