@@ -8,15 +8,13 @@
 //! read them in place ([`Input`]).
 
 use std::any::Any;
-use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
 use candle_core::{DType, Device, Storage, StorageRef, Tensor, WithDType};
 use half::{bf16, f16};
 
-use super::shared_output::{fill_zip, SharedOutput};
-use super::ReduceOp;
+use super::shared_output::SharedOutput;
 
 /// The flattened elements of a tensor, one variant per supported dtype.
 #[derive(Debug, Clone, PartialEq)]
@@ -50,6 +48,7 @@ macro_rules! match_buffer {
         }
     };
 }
+pub(crate) use match_buffer;
 
 impl<T: Element> From<Vec<T>> for Buffer {
     fn from(values: Vec<T>) -> Buffer {
@@ -468,6 +467,13 @@ pub(crate) trait Element: WithDType {
     fn reduce_min(acc: Self, x: Self) -> Self;
     /// `self / world_size`, the last step of `Avg`.
     fn divide(self, world_size: usize) -> Self;
+    /// `1 / world_size` where multiplying by it gives `divide`'s bits: in
+    /// a float type, for a power of two exact in it with its reciprocal
+    /// (both operations then round the same exact quotient); `None`
+    /// otherwise.
+    fn exact_reciprocal(world_size: usize) -> Option<Self>;
+    /// `self * factor`.
+    fn times(self, factor: Self) -> Self;
 }
 
 macro_rules! buffer_variant {
@@ -531,6 +537,15 @@ macro_rules! float_element {
                 // up to f16's 2048.
                 self / <$t as WithDType>::from_f64(world_size as f64)
             }
+            fn exact_reciprocal(world_size: usize) -> Option<Self> {
+                let (w, r) = (world_size as f64, 1.0 / world_size as f64);
+                let exact = |x: f64| <$t as WithDType>::from_f64(x).to_f64() == x;
+                (world_size.is_power_of_two() && exact(w) && exact(r))
+                    .then(|| <$t as WithDType>::from_f64(r))
+            }
+            fn times(self, factor: Self) -> Self {
+                self * factor
+            }
         }
     };
 }
@@ -553,6 +568,12 @@ macro_rules! int_element {
                 // the true quotient; it fits back since |q| <= |self|.
                 (i128::from(self) / world_size as i128) as $t
             }
+            fn exact_reciprocal(_: usize) -> Option<Self> {
+                None
+            }
+            fn times(self, factor: Self) -> Self {
+                self.wrapping_mul(factor)
+            }
         }
     };
 }
@@ -566,143 +587,6 @@ int_element!(u32, U32);
 int_element!(i16, I16);
 int_element!(i32, I32);
 int_element!(i64, I64);
-
-/// `acc[i] = acc[i] ⊕ x[i]`, with `acc` holding the partial result of the
-/// ranks before. One loop per op so that each one vectorizes.
-pub(crate) fn combine_into<T: Element>(op: ReduceOp, acc: &mut [T], x: &[T]) {
-    debug_assert_eq!(acc.len(), x.len());
-    let pairs = acc.iter_mut().zip(x);
-    match op {
-        ReduceOp::Sum | ReduceOp::Avg => pairs.for_each(|(a, &b)| *a = T::reduce_sum(*a, b)),
-        ReduceOp::Max => pairs.for_each(|(a, &b)| *a = T::reduce_max(*a, b)),
-        ReduceOp::Min => pairs.for_each(|(a, &b)| *a = T::reduce_min(*a, b)),
-    }
-}
-
-/// `x[i] = earlier[i] ⊕ x[i]`: [`combine_into`] with the result written
-/// over the later operand, so a ring can reduce in its input buffer while
-/// keeping the thread group's operand order.
-#[cfg(feature = "mpi")]
-pub(crate) fn combine_over<T: Element>(op: ReduceOp, earlier: &[T], x: &mut [T]) {
-    debug_assert_eq!(earlier.len(), x.len());
-    let pairs = x.iter_mut().zip(earlier);
-    match op {
-        ReduceOp::Sum | ReduceOp::Avg => pairs.for_each(|(x, &a)| *x = T::reduce_sum(a, *x)),
-        ReduceOp::Max => pairs.for_each(|(x, &a)| *x = T::reduce_max(a, *x)),
-        ReduceOp::Min => pairs.for_each(|(x, &a)| *x = T::reduce_min(a, *x)),
-    }
-}
-
-/// [`combine_into`] then [`finish`] in one pass: the last combination of
-/// a ring's chunk. The same operations on each element as the two passes,
-/// so the same bits, without reading and writing the chunk a second time.
-#[cfg(feature = "mpi")]
-pub(crate) fn combine_into_finished<T: Element>(
-    op: ReduceOp,
-    acc: &mut [T],
-    x: &[T],
-    world_size: usize,
-) {
-    debug_assert_eq!(acc.len(), x.len());
-    match op {
-        ReduceOp::Avg => acc
-            .iter_mut()
-            .zip(x)
-            .for_each(|(a, &b)| *a = T::reduce_sum(*a, b).divide(world_size)),
-        _ => combine_into(op, acc, x),
-    }
-}
-
-/// [`combine_over`] then [`finish`] in one pass, as
-/// [`combine_into_finished`].
-#[cfg(feature = "mpi")]
-pub(crate) fn combine_over_finished<T: Element>(
-    op: ReduceOp,
-    earlier: &[T],
-    x: &mut [T],
-    world_size: usize,
-) {
-    debug_assert_eq!(earlier.len(), x.len());
-    match op {
-        ReduceOp::Avg => x
-            .iter_mut()
-            .zip(earlier)
-            .for_each(|(x, &a)| *x = T::reduce_sum(a, *x).divide(world_size)),
-        _ => combine_over(op, earlier, x),
-    }
-}
-
-/// Appends `a[i] ⊕ b[i]` to `out`, with `a` holding the values of the
-/// earlier rank in the reduction order. One loop per op, as
-/// [`combine_into`].
-pub(crate) fn extend_combined<T: Element>(op: ReduceOp, out: &mut Vec<T>, a: &[T], b: &[T]) {
-    debug_assert_eq!(a.len(), b.len());
-    let pairs = a.iter().zip(b);
-    match op {
-        ReduceOp::Sum | ReduceOp::Avg => out.extend(pairs.map(|(&a, &b)| T::reduce_sum(a, b))),
-        ReduceOp::Max => out.extend(pairs.map(|(&a, &b)| T::reduce_max(a, b))),
-        ReduceOp::Min => out.extend(pairs.map(|(&a, &b)| T::reduce_min(a, b))),
-    }
-}
-
-/// Writes `a[i] ⊕ b[i]` into `out` (of their length) and returns it
-/// initialized, as [`extend_combined`] appends them; `None` if the lengths
-/// differ.
-pub(crate) fn fill_combined<'a, T: Element>(
-    op: ReduceOp,
-    out: &'a mut [MaybeUninit<T>],
-    a: &[T],
-    b: &[T],
-) -> Option<&'a mut [T]> {
-    match op {
-        ReduceOp::Sum | ReduceOp::Avg => fill_zip(out, a, b, T::reduce_sum),
-        ReduceOp::Max => fill_zip(out, a, b, T::reduce_max),
-        ReduceOp::Min => fill_zip(out, a, b, T::reduce_min),
-    }
-}
-
-/// [`fill_combined`] of `Avg` and [`finish`] in one pass: `(a + b) /
-/// world_size`, the same operations on each element as the two passes.
-pub(crate) fn fill_combined_finished<'a, T: Element>(
-    out: &'a mut [MaybeUninit<T>],
-    a: &[T],
-    b: &[T],
-    world_size: usize,
-) -> Option<&'a mut [T]> {
-    fill_zip(out, a, b, |a, b| T::reduce_sum(a, b).divide(world_size))
-}
-
-/// The last step of a reduction: divides by the world size for `Avg`.
-pub(crate) fn finish<T: Element>(op: ReduceOp, values: &mut [T], world_size: usize) {
-    if op == ReduceOp::Avg {
-        values.iter_mut().for_each(|v| *v = v.divide(world_size));
-    }
-}
-
-/// Reduces the ranks' buffers in rank order:
-/// `((x_0 ⊕ x_1) ⊕ x_2) ⊕ … ⊕ x_{n-1}`, then [`finish`].
-///
-/// `None` when the buffers differ in type or length (the caller has checked
-/// that they do not) or there are none.
-pub(crate) fn reduce_in_rank_order(parts: &[&Buffer], op: ReduceOp) -> Option<Buffer> {
-    let (first, rest) = parts.split_first()?;
-    match_buffer!(first, v => reduce_typed(v, rest, op, parts.len()))
-}
-
-fn reduce_typed<T: Element>(
-    first: &[T],
-    rest: &[&Buffer],
-    op: ReduceOp,
-    world_size: usize,
-) -> Option<Buffer> {
-    let mut acc = first.to_vec();
-    for part in rest {
-        let x = T::slice_of(part).filter(|x| x.len() == acc.len())?;
-        combine_into(op, &mut acc, x);
-    }
-    finish(op, &mut acc, world_size);
-    Some(T::into_buffer(acc))
-}
 
 /// The elements of chunk `chunk` when `len` elements are split into
 /// `chunks` contiguous chunks whose sizes differ by at most one (the first
@@ -745,19 +629,5 @@ mod tests {
         assert_eq!(<u8 as Element>::reduce_sum(200, 100), 44);
         assert_eq!(<i64 as Element>::divide(-7, 2), -3);
         assert_eq!(<u8 as Element>::divide(255, 1000), 0);
-    }
-
-    #[test]
-    fn rank_order_reduction_rejects_mismatched_buffers() {
-        let a = Buffer::F32(vec![1.0]);
-        let b = Buffer::F64(vec![1.0]);
-        let c = Buffer::F32(vec![1.0, 2.0]);
-        assert_eq!(reduce_in_rank_order(&[&a, &b], ReduceOp::Sum), None);
-        assert_eq!(reduce_in_rank_order(&[&a, &c], ReduceOp::Sum), None);
-        assert_eq!(reduce_in_rank_order(&[], ReduceOp::Sum), None);
-        assert_eq!(
-            reduce_in_rank_order(&[&a, &a, &a], ReduceOp::Avg),
-            Some(Buffer::F32(vec![1.0]))
-        );
     }
 }

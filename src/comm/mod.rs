@@ -24,6 +24,7 @@
 //!   [`ProcessGroup::set_timeout`] bounds every wait.
 
 mod buffer;
+mod combine;
 #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
 mod device_call;
 mod membership;

@@ -38,9 +38,9 @@ use std::sync::Arc;
 
 use candle_core::DType;
 
-use super::buffer::{
-    chunk_range, combine_into, extend_combined, fill_combined, fill_combined_finished, finish,
-    match_dtype, read_inputs, Buffer, Element, Input,
+use super::buffer::{chunk_range, match_dtype, read_inputs, Buffer, Element, Input};
+use super::combine::{
+    combine_into, extend_combined, fill_combined, fill_combined_finished, finish,
 };
 use super::shared_output::{fill_copy, Complete, Filled};
 use super::{CommError, ReduceOp, Result};
@@ -294,7 +294,7 @@ fn reduce_range<T: Element>(
             let block = start..(start + BLOCK).min(len);
             blocks.clear();
             blocks.extend(xs.iter().map(|x| &x[block.clone()]));
-            fits &= vectorized(&mut emit, &blocks);
+            fits &= emit(&blocks);
         }
     })
     .map_err(|i| {
@@ -314,14 +314,6 @@ fn reduce_range<T: Element>(
             "a reduced block does not fit its result".into(),
         ))
     }
-}
-
-/// `emit(blocks)`, in a function compiled for AVX2 as well and picked at
-/// run time, into which `emit`'s loops are inlined: 8 lanes where the CPU
-/// has them instead of SSE2's 4, the same operations on each element.
-#[multiversion::multiversion(targets("x86_64+avx2"))]
-fn vectorized<T, F: FnMut(&[&[T]]) -> bool>(emit: &mut F, blocks: &[&[T]]) -> bool {
-    emit(blocks)
 }
 
 /// An `emit` for [`reduce_chunk`] that appends each block, reduced, to `out`.

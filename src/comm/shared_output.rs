@@ -101,6 +101,7 @@ impl<T: WithDType> SharedOutput<T> {
 
 /// Writes `f(a[i], b[i])` into `out` and returns it as initialized
 /// elements; `None` (nothing promised) unless all three have one length.
+#[inline]
 pub(crate) fn fill_zip<'a, T: Copy>(
     out: &'a mut [MaybeUninit<T>],
     a: &[T],

@@ -63,9 +63,9 @@ use super::message_bytes::{
 };
 use super::wire::{self, Notice, Wire};
 use super::Shared;
-use crate::comm::buffer::{
-    chunk_range, combine_into, combine_into_finished, combine_over, combine_over_finished,
-    match_dtype, part_lens, read_parts, reduce_in_rank_order, Buffer, Input,
+use crate::comm::buffer::{chunk_range, match_dtype, part_lens, read_parts, Buffer, Input};
+use crate::comm::combine::{
+    combine_into, combine_into_finished, combine_over, combine_over_finished, reduce_in_rank_order,
 };
 use crate::comm::protocol::{self, Signature};
 use crate::comm::{CommError, Failure, FailureCause, ReduceOp};

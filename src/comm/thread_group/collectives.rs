@@ -7,7 +7,8 @@ use candle_core::Tensor;
 
 use super::call::Call;
 use super::group::ThreadRank;
-use crate::comm::buffer::{reduce_in_rank_order, Buffer, Input};
+use crate::comm::buffer::{Buffer, Input};
+use crate::comm::combine::reduce_in_rank_order;
 use crate::comm::op::Op;
 use crate::comm::protocol::{self, Header, OpSig, Piece, Signature, TensorMeta};
 use crate::comm::ring::{self, Link};
