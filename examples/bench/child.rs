@@ -225,7 +225,10 @@ fn run_dp(spec: &Spec, x: &Tensor, y: &Tensor) -> Result<Measured> {
                 let loss = loss::cross_entropy(&out, &y)?;
                 let t = Instant::now();
                 let grads = loss.backward()?;
-                m.phase("backward-serial", t.elapsed());
+                // As every phase, the timed steps only.
+                if step >= spec.warmup {
+                    m.phase("backward-serial", t.elapsed());
+                }
                 grads
             }
             other => bail!("{other} is not a DataParallel configuration"),

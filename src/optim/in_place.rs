@@ -5,18 +5,19 @@
 //! SGD step's time).
 //!
 //! Writing into a variable's storage is what candle's `Var::set` does too;
-//! here it goes through an in-place custom op, which holds the storage's
-//! write lock while the update runs.
+//! here it goes through an in-place custom op, which holds the parameter's
+//! write lock and the gradient's read lock while the update runs.
 
 use std::cell::RefCell;
+use std::marker::PhantomData;
 
-use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor, Var};
+use candle_core::{CpuStorage, InplaceOp2, Layout, Storage, Tensor, Var};
 
 use super::element::{host_values, write_back, Element};
 
 /// Runs `update(p, g)` on `var`'s values `p`, in place, and `grad`'s values
 /// `g` (converted to `T` first if they are not). Where the values cannot be
-/// reached in place (a variable not on the CPU or laid out with gaps, a
+/// reached in place (a variable not on the CPU, one without elements, a
 /// gradient that shares its storage), on copies, then written back: the
 /// same result. `update` cannot fail, so a step that fails does so before
 /// it, and the parameter is untouched.
@@ -31,22 +32,16 @@ pub(crate) fn update_in_place<T: Element>(
     } else {
         grad.contiguous()?
     };
-    if var.device().is_cpu() && var.is_contiguous() && !same_storage(var.as_tensor(), &grad) {
-        // The gradient's read lock is held while the op takes the
-        // variable's write lock: two different storages (checked above).
-        let (storage, layout) = grad.storage_and_layout();
-        if let (Storage::Cpu(storage), Some((start, end))) =
-            (&*storage, layout.contiguous_offsets())
-        {
-            let values = T::cpu_storage_as_slice(storage)?;
-            let op = Update {
-                grad: values.get(start..end).ok_or_else(|| {
-                    candle_core::Error::Msg("a gradient's layout beyond its storage".into())
-                })?,
-                update: RefCell::new(Some(update)),
-            };
-            return var.as_tensor().inplace_op1(&op);
-        }
+    // candle refuses an in-place write into a shape such as (3, 0), whose
+    // zero strides look like repeated elements; nothing to update anyway.
+    let in_place = var.device().is_cpu() && var.elem_count() > 0 && var.is_contiguous();
+    if in_place && !same_storage(var.as_tensor(), &grad) {
+        let op = Update {
+            update: RefCell::new(Some(update)),
+            element: PhantomData,
+        };
+        // candle takes the two storages' locks in its fixed order.
+        return var.as_tensor().inplace_op2(&grad, &op);
     }
     let mut p: Vec<T> = host_values(var.as_tensor())?;
     let g: Vec<T> = host_values(&grad)?;
@@ -64,40 +59,55 @@ fn same_storage(a: &Tensor, b: &Tensor) -> bool {
     key(a) == key(b)
 }
 
-/// The in-place op: the gradient's values, and the update to run once.
-struct Update<'a, T, F> {
-    grad: &'a [T],
+/// The in-place op: the update, run once on the parameter's values and
+/// the gradient's.
+struct Update<T, F> {
     update: RefCell<Option<F>>,
+    element: PhantomData<T>,
 }
 
-impl<T: Element, F: FnOnce(&mut [T], &[T])> InplaceOp1 for Update<'_, T, F> {
+impl<T: Element, F: FnOnce(&mut [T], &[T])> InplaceOp2 for Update<T, F> {
     fn name(&self) -> &'static str {
         "candle-dp-optimizer-update"
     }
 
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!("{}: a parameter laid out with gaps", self.name())
-        };
-        let Some(values) = T::storage_mut(storage).and_then(|v| v.get_mut(start..end)) else {
+    fn cpu_fwd(
+        &self,
+        param: &mut CpuStorage,
+        param_layout: &Layout,
+        grad: &CpuStorage,
+        grad_layout: &Layout,
+    ) -> candle_core::Result<()> {
+        let (Some(p), Some(g)) = (
+            param_layout.contiguous_offsets(),
+            grad_layout.contiguous_offsets(),
+        ) else {
             candle_core::bail!(
-                "{}: a parameter whose storage is not {:?}",
+                "{}: a parameter or gradient laid out with gaps",
+                self.name()
+            )
+        };
+        let grad = T::cpu_storage_as_slice(grad)?.get(g.0..g.1);
+        let param = T::storage_mut(param).and_then(|v| v.get_mut(p.0..p.1));
+        let (Some(param), Some(grad)) = (param, grad) else {
+            candle_core::bail!(
+                "{}: a parameter or gradient not of {:?}",
                 self.name(),
                 T::DTYPE
             )
         };
-        if values.len() != self.grad.len() {
+        if param.len() != grad.len() {
             candle_core::bail!(
                 "{}: a parameter of {} elements, its gradient {}",
                 self.name(),
-                values.len(),
-                self.grad.len()
+                param.len(),
+                grad.len()
             )
         }
         let Some(update) = self.update.borrow_mut().take() else {
             candle_core::bail!("{}: run twice", self.name())
         };
-        update(values, self.grad);
+        update(param, grad);
         Ok(())
     }
 }
@@ -167,5 +177,14 @@ mod tests {
             .recv_timeout(Duration::from_secs(30))
             .expect("no deadlock");
         assert_eq!(got.unwrap(), [0f32, 0.]);
+    }
+
+    #[test]
+    fn a_parameter_without_elements_steps_as_any_other() {
+        for shape in [vec![0], vec![3, 0], vec![2, 0, 5]] {
+            let var = Var::zeros(shape.as_slice(), DType::F32, &Device::Cpu).unwrap();
+            let grad = Tensor::zeros(shape.as_slice(), DType::F32, &Device::Cpu).unwrap();
+            assert_eq!(step(&var, &grad).unwrap(), Vec::<f32>::new(), "{shape:?}");
+        }
     }
 }
