@@ -11,8 +11,10 @@
 //! cores since Skylake; AMD's Zen 4 (family 25) runs AVX-512 on 256-bit
 //! pipes, so it counts 8 lanes there. AMX (bf16 and int8 tiles) is named where present
 //! but adds nothing to an f32 peak. The clock is the highest the kernel
-//! reports (`cpuinfo_max_freq`, else `/proc/cpuinfo`'s MHz): a boost
-//! clock the cores may not hold, so the peak is an upper bound.
+//! reports (`cpuinfo_max_freq`, else `/proc/cpuinfo`'s MHz). Where the
+//! kernel knows the boost clock the peak is an upper bound; in a VM that
+//! shows only the nominal clock (2.6 GHz on the Zen 4 VM of 2026-12-02)
+//! the cores may run faster, and an MFU near 100% is the sign of it.
 
 use candle_dp_examples::gpt::GptConfig;
 
