@@ -24,6 +24,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_dp::comm::{ProcessGroup, ReduceOp, ThreadGroup};
 use serde::{Deserialize, Serialize};
 
+use crate::memory_floor::Evictor;
 use crate::stats::median;
 
 /// The shapes of the MLP's parameters, as DDP's buckets hold them.
@@ -57,32 +58,6 @@ pub struct ChildSpec {
     backend: Backend,
     iters: usize,
     cold_mib: usize,
-}
-
-/// Memory a rank writes before each call to push the collective's data
-/// out of the caches (nothing when empty).
-#[derive(Debug)]
-struct Evictor {
-    junk: Vec<u8>,
-    pass: u8,
-}
-
-impl Evictor {
-    fn new(mib: usize) -> Self {
-        Self {
-            junk: vec![0; mib << 20],
-            pass: 0,
-        }
-    }
-
-    /// Writes one byte of every cache line of the buffer.
-    fn evict(&mut self) {
-        self.pass = self.pass.wrapping_add(1);
-        for byte in self.junk.iter_mut().step_by(64) {
-            *byte = self.pass;
-        }
-        std::hint::black_box(&mut self.junk);
-    }
 }
 
 fn ms(since: Instant) -> f64 {

@@ -12,8 +12,9 @@ use candle_dp::{DataParallel, DdpConfig, DistributedDataParallel, LossReduction}
 use candle_nn::{loss, Optimizer, VarBuilder, VarMap};
 use serde::{Deserialize, Serialize};
 
+use crate::memory_floor;
 use crate::net::Net;
-use crate::plan::{Kind, Spec};
+use crate::plan::{DeviceKind, Kind, Spec};
 use crate::stats::{median, ms};
 
 /// What a child reports: per-step wall times and per-phase times (ms).
@@ -25,6 +26,11 @@ pub struct Measured {
     pub grad_bytes: Option<usize>,
     /// DDP: one memcpy of `grad_bytes` (ms, median), for scale.
     pub memcpy_ms: Option<f64>,
+    /// DDP on thread ranks: the reduction's bytes moved from memory by as
+    /// many threads, with the caches cleared first (ms, one per round;
+    /// [`memory_floor::reduction_ms`]).
+    #[serde(default)]
+    pub floor_ms: Vec<f64>,
 }
 
 impl Measured {
@@ -39,6 +45,7 @@ impl Measured {
         if let Some(t) = got.memcpy_ms {
             self.memcpy_ms = Some(self.memcpy_ms.map_or(t, |old| old.min(t)));
         }
+        self.floor_ms.extend(got.floor_ms);
         for (k, v) in got.phases {
             self.phases.entry(k).or_default().extend(v);
         }
@@ -118,7 +125,15 @@ fn run_ddp(spec: &Spec, x: &Tensor, y: &Tensor) -> Result<Measured> {
             ddp_rank(spec, ctx, device, x, y)
         })?,
     };
-    Ok(results.swap_remove(0))
+    let mut m = results.swap_remove(0);
+    // Once every rank is done, so that nothing else runs beside it.
+    if spec.kind == Kind::Ddp && spec.device == DeviceKind::Cpu {
+        let floor = m
+            .grad_bytes
+            .and_then(|bytes| memory_floor::reduction_ms(bytes, spec.replicas));
+        m.floor_ms.extend(floor);
+    }
+    Ok(m)
 }
 
 /// DDP on thread ranks reducing with NCCL, a GPU (stream) per rank.

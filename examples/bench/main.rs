@@ -68,6 +68,7 @@ mod fabric;
 use candle_dp_examples::flags;
 mod inputs;
 mod lm;
+mod memory_floor;
 mod mesh;
 mod mfu;
 mod net;

@@ -21,6 +21,9 @@ pub struct Row {
     pub phases: BTreeMap<String, f64>,
     pub grad_bytes: Option<usize>,
     pub memcpy_ms: Option<f64>,
+    /// The reduction's bytes from memory (ms, median over the rounds),
+    /// [`Measured::floor_ms`].
+    pub floor_ms: Option<f64>,
     /// The engine's overhead, [`overhead_per_step`].
     pub overhead_pct: f64,
 }
@@ -66,6 +69,7 @@ pub fn summarize(specs: &[Spec], measured: &[Measured]) -> Vec<Row> {
                     .collect(),
                 grad_bytes: m.grad_bytes,
                 memcpy_ms: m.memcpy_ms,
+                floor_ms: (!m.floor_ms.is_empty()).then(|| median(&m.floor_ms)),
                 overhead_pct: 0.0,
             };
             row.overhead_pct = overhead_per_step(m).unwrap_or_else(|| overhead_of_medians(&row));
@@ -134,6 +138,15 @@ fn mlp_256_targets(rows: &[Row], torch: Option<&str>) -> String {
         overhead_of_medians(dp),
         overhead_of_medians(ddp)
     );
+    if let (Some(floor), Some(reduce)) = (ddp.floor_ms, ddp.phases.get("reduce")) {
+        s += &format!(
+            "- DDP's reduce phase against its bytes from memory (2 threads at once, caches \
+             cleared first): {reduce:.2} ms against {floor:.2} ms ({:.2}x); that floor alone is \
+             {:.1}% of the DDP step\n",
+            reduce / floor,
+            100.0 * floor / ddp.median_ms
+        );
+    }
     if let Some(torch) = torch {
         for config in [TORCH_DDP, TORCH_1PROC] {
             if let Some(rate) = torch_rate(torch, config, 256) {
