@@ -26,11 +26,11 @@ pub struct Measured {
     pub grad_bytes: Option<usize>,
     /// DDP: one memcpy of `grad_bytes` (ms, median), for scale.
     pub memcpy_ms: Option<f64>,
-    /// DDP on thread ranks: the reduction's bytes moved from memory by as
-    /// many threads, with the caches cleared first (ms, one per round;
-    /// [`memory_floor::reduction_ms`]).
+    /// DDP on thread ranks: the reduction's bytes moved by as many threads
+    /// with none of them in a cache (ms, every pass of every round;
+    /// [`memory_floor::reduction_passes_ms`]).
     #[serde(default)]
-    pub floor_ms: Vec<f64>,
+    pub cold_reduction_ms: Vec<f64>,
 }
 
 impl Measured {
@@ -45,7 +45,7 @@ impl Measured {
         if let Some(t) = got.memcpy_ms {
             self.memcpy_ms = Some(self.memcpy_ms.map_or(t, |old| old.min(t)));
         }
-        self.floor_ms.extend(got.floor_ms);
+        self.cold_reduction_ms.extend(got.cold_reduction_ms);
         for (k, v) in got.phases {
             self.phases.entry(k).or_default().extend(v);
         }
@@ -128,10 +128,10 @@ fn run_ddp(spec: &Spec, x: &Tensor, y: &Tensor) -> Result<Measured> {
     let mut m = results.swap_remove(0);
     // Once every rank is done, so that nothing else runs beside it.
     if spec.kind == Kind::Ddp && spec.device == DeviceKind::Cpu {
-        let floor = m
+        let cold = m
             .grad_bytes
-            .and_then(|bytes| memory_floor::reduction_ms(bytes, spec.replicas));
-        m.floor_ms.extend(floor);
+            .and_then(|bytes| memory_floor::reduction_passes_ms(bytes, spec.replicas));
+        m.cold_reduction_ms.extend(cold.into_iter().flatten());
     }
     Ok(m)
 }

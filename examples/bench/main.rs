@@ -64,6 +64,7 @@ mod all_reduce;
 mod alloc_count;
 mod child;
 mod fabric;
+mod fma_peak;
 // The command-line value parsers the examples share.
 use candle_dp_examples::flags;
 mod inputs;

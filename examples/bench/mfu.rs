@@ -14,10 +14,13 @@
 //! reports (`cpuinfo_max_freq`, else `/proc/cpuinfo`'s MHz). Where the
 //! kernel knows the boost clock the peak is an upper bound; in a VM that
 //! shows only the nominal clock (2.6 GHz on the Zen 4 VM of 2026-12-02)
-//! the cores may run faster, and an MFU near 100% is the sign of it.
+//! the cores may run faster. So beside it the bench measures what an FMA
+//! loop reaches on every core at once ([`fma_peak`](crate::fma_peak)),
+//! where that loop's 8 lanes are the width the peak counts.
 
 use candle_dp_examples::gpt::GptConfig;
 
+use crate::fma_peak;
 use crate::plan::{cores, Model};
 
 /// The CPU's f32 peak as this module counts it.
@@ -28,6 +31,10 @@ pub struct Peak {
     /// The widest vector instructions found ("AVX2+FMA", ...).
     pub isa: String,
     pub flops_per_cycle: f64,
+    /// What an FMA loop reached on every core at once (GFLOP/s), where
+    /// the peak counts 8 lanes (AVX2, Zen 4's AVX-512): the clock the
+    /// cores ran at rather than the one reported.
+    pub measured_gflops: Option<f64>,
 }
 
 impl Peak {
@@ -36,11 +43,15 @@ impl Peak {
         let (isa, lanes, fma) = vector_width();
         // Two pipes of `lanes` f32; a fused multiply-add is two FLOPs.
         let flops_per_cycle = 2.0 * lanes as f64 * if fma { 2.0 } else { 1.0 };
+        let measured_gflops = (lanes == 8 && fma)
+            .then(|| fma_peak::measured_gflops(cores()))
+            .flatten();
         Peak {
             cores: cores(),
             ghz: clock_ghz().unwrap_or(0.0),
             isa,
             flops_per_cycle,
+            measured_gflops,
         }
     }
 
@@ -51,11 +62,19 @@ impl Peak {
 
     /// The line a report prints under its table.
     pub fn describe(&self) -> String {
+        let measured = match self.measured_gflops {
+            Some(m) if self.gflops() > 0.0 => format!(
+                ". An FMA loop on every core at once reached {m:.1} GFLOP/s, {:.2}x that peak: \
+                 against it each MFU is that much lower",
+                m / self.gflops()
+            ),
+            _ => String::new(),
+        };
         format!(
             "MFU: the model's FLOPs per step (the MLP's matrix products, forward and backward; \
              the language model's 6 x parameters x tokens plus attention's 12 x layers x width x \
              context per token) per second, over this CPU's f32 peak: {} cores x {:.2} GHz x \
-             {:.0} FLOP/cycle ({}) = {:.1} GFLOP/s",
+             {:.0} FLOP/cycle ({}) = {:.1} GFLOP/s{measured}",
             self.cores,
             self.ghz,
             self.flops_per_cycle,

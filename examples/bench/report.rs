@@ -21,9 +21,9 @@ pub struct Row {
     pub phases: BTreeMap<String, f64>,
     pub grad_bytes: Option<usize>,
     pub memcpy_ms: Option<f64>,
-    /// The reduction's bytes from memory (ms, median over the rounds),
-    /// [`Measured::floor_ms`].
-    pub floor_ms: Option<f64>,
+    /// The reduction's bytes with cold caches (ms, median over the passes
+    /// of every round), [`Measured::cold_reduction_ms`].
+    pub cold_reduction_ms: Option<f64>,
     /// The engine's overhead, [`overhead_per_step`].
     pub overhead_pct: f64,
 }
@@ -69,7 +69,8 @@ pub fn summarize(specs: &[Spec], measured: &[Measured]) -> Vec<Row> {
                     .collect(),
                 grad_bytes: m.grad_bytes,
                 memcpy_ms: m.memcpy_ms,
-                floor_ms: (!m.floor_ms.is_empty()).then(|| median(&m.floor_ms)),
+                cold_reduction_ms: (!m.cold_reduction_ms.is_empty())
+                    .then(|| median(&m.cold_reduction_ms)),
                 overhead_pct: 0.0,
             };
             row.overhead_pct = overhead_per_step(m).unwrap_or_else(|| overhead_of_medians(&row));
@@ -138,14 +139,16 @@ fn mlp_256_targets(rows: &[Row], torch: Option<&str>) -> String {
         overhead_of_medians(dp),
         overhead_of_medians(ddp)
     );
-    if let (Some(floor), Some(reduce)) = (ddp.floor_ms, ddp.phases.get("reduce")) {
-        s += &format!(
-            "- DDP's reduce phase against its bytes from memory (2 threads at once, caches \
-             cleared first): {reduce:.2} ms against {floor:.2} ms ({:.2}x); that floor alone is \
-             {:.1}% of the DDP step\n",
-            reduce / floor,
-            100.0 * floor / ddp.median_ms
-        );
+    if let (Some(cold), Some(reduce)) = (ddp.cold_reduction_ms, ddp.phases.get("reduce")) {
+        if cold > 0.0 {
+            s += &format!(
+                "- DDP's reduce phase (the wait for the other rank included) against the time \
+                 its bytes take with cold caches, 2 threads at once: {reduce:.2} ms against \
+                 {cold:.2} ms ({:.2}x); that time is {:.1}% of the DDP step\n",
+                reduce / cold,
+                100.0 * cold / ddp.median_ms
+            );
+        }
     }
     if let Some(torch) = torch {
         for config in [TORCH_DDP, TORCH_1PROC] {
